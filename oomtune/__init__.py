@@ -1,0 +1,37 @@
+"""oomtune: out-of-memory auto-tuning for PyTorch training.
+
+Public face (imports are lazy so that ``import oomtune`` in a training script stays cheap and never
+initialises CUDA):
+
+- :func:`load_best` / :func:`apply_best`: read a tuned best.yaml; set its allocator settings in the
+  environment before CUDA initialises.
+- :func:`report`: from a user's training script run by ``target=cmd``, report throughput.
+- :class:`AllocatorSettings`, :class:`CachingAllocatorSim`: the allocator model (virtual GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_best": "oomtune.best",
+    "apply_best": "oomtune.best",
+    "BestConfig": "oomtune.best",
+    "report": "oomtune.reporting",
+    "capture_hook": "oomtune.reporting",
+    "AllocatorSettings": "oomtune.alloc.settings",
+    "CachingAllocatorSim": "oomtune.alloc.sim",
+}
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'oomtune' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,50 @@
+"""oomtune's exceptions: one root, one subclass per meaning (after optuna/exceptions.py).
+
+Every :class:`OomtuneError` is a problem with the user's input or environment; the CLI prints it
+as one line (``oomtune: error: <message>``) and exits with code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OomtuneError",
+    "ConfigError",
+    "AllocatorConfigError",
+    "SnapshotError",
+    "StudyNotFoundError",
+    "BestFileError",
+    "DeviceError",
+]
+
+
+class OomtuneError(Exception):
+    """Root of oomtune's user-facing errors (exit code 2 on the command line)."""
+
+
+class ConfigError(OomtuneError, ValueError):
+    """A bad configuration value: an override, a size string, a search space, a model name."""
+
+
+class AllocatorConfigError(ConfigError):
+    """A malformed or torch-incompatible allocator settings string (PYTORCH_CUDA_ALLOC_CONF).
+
+    The message names the key, the value and the allowed range, following torch's own checks in
+    c10/cuda/CUDAAllocatorConfig.cpp and c10/core/AllocatorConfig.cpp.
+    """
+
+
+class SnapshotError(OomtuneError):
+    """A memory snapshot file that is truncated, not a snapshot, or holds objects other than plain
+    containers, strings and numbers (refused without executing anything)."""
+
+
+class StudyNotFoundError(OomtuneError):
+    """An Optuna study name that does not exist in the given storage."""
+
+
+class BestFileError(OomtuneError):
+    """A best.yaml (or plan.yaml) that is missing, corrupt or of an unknown schema version."""
+
+
+class DeviceError(OomtuneError):
+    """A device that does not exist, or a memory budget above what the device has."""

@@ -1,0 +1,162 @@
+"""The trial protocol's records: what the parent asks a trial process to do (:class:`TrialSpec`) and
+what the trial process reports back (:class:`TrialResult`), as JSON written to a file the parent names.
+
+Results travel as structured data, never by parsing logs. Sizes are bytes, times seconds. A reading
+that was not taken is ``None`` (JSON null), never 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomtune.outcome import Outcome
+
+__all__ = ["TrialSpec", "TrialResult", "DeviceInfo", "MEMORY_SOURCE_DEVICE", "MEMORY_SOURCE_SIMULATED"]
+
+#: ``TrialResult.memory_source`` for figures read from the real CUDA device.
+MEMORY_SOURCE_DEVICE = "device"
+#: ``TrialResult.memory_source`` for figures from the virtual GPU (:class:`CachingAllocatorSim`).
+MEMORY_SOURCE_SIMULATED = "simulated"
+
+
+@dataclass
+class TrialSpec:
+    """One trial: a workload at a batch size under one allocator configuration.
+
+    Attributes:
+        workload: the workload's config as a plain mapping (e.g. the composed ``model`` group:
+            ``{"name": "resnet", "depth": 18, "image_size": 64, ...}``) plus ``target`` settings.
+        batch_size: samples per step (>= 1).
+        alloc_conf: the allocator settings string exactly as exported to PYTORCH_CUDA_ALLOC_CONF
+            (``""`` for torch's defaults).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        budget_bytes: device memory the run must fit in. On CUDA it is applied with
+            ``torch.cuda.set_per_process_memory_fraction``, corrected for non-allocator memory
+            (field case C9); on CPU it is the virtual GPU's capacity.
+        warmup_steps / measure_steps: steps run before timing / steps timed (with device sync).
+        timeout_s: wall limit for the whole trial process (the runner kills its process group).
+        seed: torch's manual seed for the workload.
+    """
+
+    workload: dict[str, Any]
+    batch_size: int
+    alloc_conf: str = ""
+    device: str = "cpu"
+    budget_bytes: int | None = None
+    warmup_steps: int = 1
+    measure_steps: int = 3
+    timeout_s: float = 300.0
+    seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrialSpec":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class DeviceInfo:
+    """The physical device a trial ran on (field case C10: record it, since CUDA_VISIBLE_DEVICES
+    remaps indices). ``uuid``/``pci_bus_id`` come from NVML; None on CPU or without NVML."""
+
+    kind: str                      # "cuda" | "cpu"
+    name: str | None = None        # e.g. "NVIDIA H200"
+    index: int | None = None       # torch's (visible) index
+    uuid: str | None = None        # "GPU-..." from NVML
+    pci_bus_id: str | None = None  # "00000000:19:00.0" from NVML
+    total_memory_bytes: int | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+
+
+@dataclass
+class TrialResult:
+    """What a trial process measured. Written once as JSON to the file the parent named.
+
+    Attributes:
+        outcome: how the trial ended (see :class:`oomtune.outcome.Outcome`).
+        memory_source: ``"device"`` (real CUDA readings) or ``"simulated"`` (virtual GPU); every
+            printed memory figure carries this.
+        throughput: samples per second over the measured steps (always measured for real, also on
+            CPU).
+        step_time_s: mean wall time of a measured step, seconds.
+        peak_allocated_bytes / peak_reserved_bytes / peak_active_bytes: ``allocated_bytes.all.peak``,
+            ``reserved_bytes.all.peak``, ``active_bytes.all.peak`` of ``memory_stats()``.
+        fragmentation: ``1 - peak_active / peak_reserved`` (GMLake's definition), in [0, 1].
+        num_alloc_retries / num_ooms: from ``memory_stats()``.
+        device_peak_bytes: device-level peak used memory of this process sampled through NVML
+            (None without NVML or on CPU).
+        non_allocator_bytes: memory outside the caching allocator (CUDA context, cuBLAS workspaces)
+            measured before the budget was applied (field case C9).
+        data_wait_fraction: time waiting for the next batch over step time, in [0, 1].
+        gpu_utilization: mean NVML utilisation in percent during measured steps (None without NVML).
+        settings_effective: the allocator settings torch reports as in effect (verification).
+        oom_requested_bytes: for memory outcomes, the size the failed request asked for.
+        message: the one-line error message (None when ok).
+        traceback_tail: the last lines of the traceback for ``error`` outcomes.
+        wall_s: wall time of the whole trial process; startup_s: process start to first step.
+    """
+
+    outcome: str
+    memory_source: str = MEMORY_SOURCE_SIMULATED
+    batch_size: int | None = None
+    alloc_conf: str = ""
+    throughput: float | None = None
+    step_time_s: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_active_bytes: int | None = None
+    fragmentation: float | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    device_peak_bytes: int | None = None
+    non_allocator_bytes: int | None = None
+    data_wait_fraction: float | None = None
+    gpu_utilization: float | None = None
+    settings_effective: dict[str, Any] | None = None
+    oom_requested_bytes: int | None = None
+    message: str | None = None
+    traceback_tail: str | None = None
+    wall_s: float | None = None
+    startup_s: float | None = None
+    steps: int | None = None
+    device: DeviceInfo | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def outcome_enum(self) -> Outcome:
+        return Outcome(self.outcome)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrialResult":
+        data = dict(data)
+        dev = data.pop("device", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = {k: v for k, v in data.items() if k not in known}
+        data = {k: v for k, v in data.items() if k in known}
+        result = cls(**data)
+        if dev is not None:
+            result.device = DeviceInfo(**dev)
+        result.extra.update(extra)
+        return result
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrialResult":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def write(self, path: str | Path) -> None:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
