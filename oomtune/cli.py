@@ -1,0 +1,73 @@
+"""The ``oomtune`` command line: one sub-command per module in :mod:`oomtune.commands`.
+
+Each command module exposes ``register(subparsers) -> argparse.ArgumentParser`` and
+``run(args) -> int``. User-input problems (:class:`oomtune.exceptions.OomtuneError`, bad Hydra
+overrides) print one line, ``oomtune: error: ...``, and exit with code 2. Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from oomtune import __version__
+
+__all__ = ["main", "COMMANDS"]
+
+#: Sub-command name -> module under oomtune.commands.
+COMMANDS = {
+    "search": "search",
+    "plan": "plan",
+    "check": "check",
+    "simulate": "simulate",
+    "show": "show",
+    "env": "env",
+}
+
+
+def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oomtune",
+        description="Tune batch size and PyTorch CUDA caching-allocator settings under a memory budget.",
+    )
+    parser.add_argument("--version", action="version", version=f"oomtune {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        if only is not None and name != only:
+            # Keep --help listing every command without importing all of them.
+            sub.add_parser(name, help=_HELP.get(name))
+            continue
+        mod = importlib.import_module(f"oomtune.commands.{module}")
+        mod.register(sub)
+    return parser
+
+
+_HELP = {
+    "search": "run the tuning study (Hydra overrides, e.g. model=resnet budget=16GiB)",
+    "plan": "predict the feasibility map with the virtual GPU, without running trials",
+    "check": "CI regression check of a best.yaml (run or predict)",
+    "simulate": "replay a torch.cuda.memory._snapshot() pickle under allocator settings",
+    "show": "print the trial table of a run directory or a best.yaml",
+    "env": "print the export line of a best.yaml",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``oomtune`` console script; returns the process exit code."""
+    from oomtune.exceptions import OomtuneError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)  # argparse itself exits 2 on bad flags
+    try:
+        return int(args.func(args) or 0)
+    except OomtuneError as exc:
+        print(f"oomtune: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("oomtune: interrupted", file=sys.stderr)
+        return 130
