@@ -26,7 +26,7 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"                      # per-trial wall limit, process group killed
     CRASH = "crash"                          # killed by a signal (other than host OOM)
     ERROR = "error"                          # anything else (setup fault, bug): traceback tail kept
-    PRUNED = "pruned"                        # predicted infeasible by the virtual GPU; never launched
+    PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU or a smaller OOM says so; never launched
 
     @property
     def is_memory(self) -> bool:
@@ -43,4 +43,4 @@ class Outcome(str, enum.Enum):
 _DEVICE_MEMORY = frozenset(
     {Outcome.OOM, Outcome.OOM_FRAGMENTATION, Outcome.FRACTION_CAP, Outcome.OOM_OUTSIDE_ALLOCATOR}
 )
-_INFEASIBLE = _DEVICE_MEMORY | {Outcome.LIMIT, Outcome.PRUNED, Outcome.HOST_OOM}
+_INFEASIBLE = _DEVICE_MEMORY | {Outcome.LIMIT, Outcome.PREDICTED_INFEASIBLE, Outcome.HOST_OOM, Outcome.TIMEOUT}

@@ -40,6 +40,9 @@ class TrialSpec:
         warmup_steps / measure_steps: steps run before timing / steps timed (with device sync).
         timeout_s: wall limit for the whole trial process (the runner kills its process group).
         seed: torch's manual seed for the workload.
+        smaller_batch_succeeded: a smaller batch already ran in the same setup; passed to the
+            classifier (a batch-dependent failure after a success is a limit, not a setup fault;
+            field case C1).
     """
 
     workload: dict[str, Any]
@@ -51,6 +54,7 @@ class TrialSpec:
     measure_steps: int = 3
     timeout_s: float = 300.0
     seed: int = 0
+    smaller_batch_succeeded: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -99,6 +103,7 @@ class TrialResult:
         settings_effective: the allocator settings torch reports as in effect (verification).
         oom_requested_bytes: for memory outcomes, the size the failed request asked for.
         message: the one-line error message (None when ok).
+        advice: what to try next, from the classifier (None when ok).
         traceback_tail: the last lines of the traceback for ``error`` outcomes.
         wall_s: wall time of the whole trial process; startup_s: process start to first step.
     """
@@ -122,6 +127,7 @@ class TrialResult:
     settings_effective: dict[str, Any] | None = None
     oom_requested_bytes: int | None = None
     message: str | None = None
+    advice: str | None = None
     traceback_tail: str | None = None
     wall_s: float | None = None
     startup_s: float | None = None

@@ -1,0 +1,198 @@
+"""best.yaml: the tuned configuration that training scripts and CI checks read.
+
+Schema (version 1)::
+
+    schema_version: 1
+    created: ISO-8601 time
+    workload: {model: {...}, target: {...}}
+    device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
+    versions: {oomtune, torch, cuda, driver, optuna}
+    best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes}
+    baseline: {batch_size, alloc_conf, metrics} | null
+    gain: {throughput_ratio} | null
+    study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
+
+Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomtune.exceptions import BestFileError, OomtuneError
+
+__all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
+           "CudaAlreadyInitializedError"]
+
+SCHEMA_VERSION = 1
+ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+class CudaAlreadyInitializedError(OomtuneError):
+    """:func:`apply_best` was called after CUDA initialised: the allocator has read its settings."""
+
+
+@dataclass
+class Choice:
+    """One measured configuration: a batch size under allocator settings, and what it measured.
+
+    ``metrics`` holds throughput (samples/s), step_time_s, peak_allocated_bytes, peak_reserved_bytes,
+    fragmentation, device_peak_bytes and memory_source ("device" | "simulated")."""
+
+    batch_size: int
+    alloc_conf: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    confirmed: bool = False
+    predicted_peak_reserved_bytes: int | None = None
+    trial_number: int | None = None
+
+
+@dataclass
+class BestConfig:
+    """A parsed best.yaml (see the module docstring for the schema)."""
+
+    schema_version: int
+    workload: dict[str, Any]
+    device: dict[str, Any]
+    best: Choice
+    versions: dict[str, Any] = field(default_factory=dict)
+    baseline: Choice | None = None
+    gain: dict[str, Any] | None = None
+    study: dict[str, Any] = field(default_factory=dict)
+    created: str | None = None
+
+    @property
+    def alloc_conf(self) -> str:
+        return self.best.alloc_conf
+
+    @property
+    def batch_size(self) -> int:
+        return self.best.batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def export_line(self) -> str:
+        """The shell line that applies the allocator settings (both variable names, field notes §1)."""
+        import shlex
+
+        value = shlex.quote(self.best.alloc_conf)
+        return "export " + " ".join(f"{key}={value}" for key in ENV_KEYS)
+
+
+def write_best(config: BestConfig, path: str | Path) -> Path:
+    """Write best.yaml atomically (temp file + rename). Returns the path."""
+    import yaml
+
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def _choice(data: Any, where: str) -> Choice:
+    if not isinstance(data, dict):
+        raise BestFileError(f"{where} must be a mapping")
+    try:
+        choice = Choice(**data)
+    except TypeError as exc:
+        raise BestFileError(f"{where}: {exc}") from None
+    if not isinstance(choice.batch_size, int) or isinstance(choice.batch_size, bool) or choice.batch_size < 1:
+        raise BestFileError(f"{where}.batch_size must be a positive integer, got {choice.batch_size!r}")
+    if not isinstance(choice.alloc_conf, str):
+        raise BestFileError(f"{where}.alloc_conf must be a string, got {choice.alloc_conf!r}")
+    return choice
+
+
+def load_best(path: str | Path) -> BestConfig:
+    """Read and validate a best.yaml written by ``oomtune search``.
+
+    Also accepts a run directory (reads ``<dir>/best.yaml``).
+
+    Raises:
+        BestFileError: the file is missing, not YAML, not a mapping, of another schema version,
+            missing a required section, or its ``alloc_conf`` is not a valid allocator string.
+    """
+    import yaml
+
+    from oomtune.alloc.settings import AllocatorSettings
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "best.yaml"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise BestFileError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise BestFileError(f"{path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise BestFileError(f"{path} is not a best.yaml: expected a mapping at the top level")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BestFileError(f"{path}: unsupported schema_version {version!r} (this oomtune reads {SCHEMA_VERSION})")
+    for key in ("workload", "device", "best"):
+        if key not in data:
+            raise BestFileError(f"{path}: missing required section '{key}'")
+    for key in ("workload", "device"):
+        if not isinstance(data[key], dict):
+            raise BestFileError(f"{path}: section '{key}' must be a mapping")
+    known = {f.name for f in dataclasses.fields(BestConfig)}
+    data = {k: v for k, v in data.items() if k in known}
+    data["best"] = _choice(data["best"], f"{path}: best")
+    if data.get("baseline") is not None:
+        data["baseline"] = _choice(data["baseline"], f"{path}: baseline")
+    config = BestConfig(**data)
+    try:
+        AllocatorSettings.parse(config.best.alloc_conf)
+    except OomtuneError as exc:
+        raise BestFileError(f"{path}: best.alloc_conf is invalid: {exc}") from None
+    return config
+
+
+def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> BestConfig:
+    """Set PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF from a best.yaml, before CUDA initialises.
+
+    Call it at the top of a training script, before any CUDA use. The caching allocator reads its
+    settings when CUDA initialises (``backend`` already when torch loads), so a later change would be
+    silently ignored; this function refuses instead.
+
+    Returns:
+        The loaded :class:`BestConfig` (use ``.batch_size``).
+
+    Raises:
+        CudaAlreadyInitializedError: ``torch.cuda.is_initialized()`` is already true, or torch was
+            imported with a different ``backend`` than best.yaml asks for.
+        BestFileError: as :func:`load_best`.
+    """
+    config = load_best(path)
+    env = os.environ if environ is None else environ
+    torch = sys.modules.get("torch")
+    if torch is not None and environ is None:
+        if torch.cuda.is_initialized():
+            raise CudaAlreadyInitializedError(
+                "apply_best() must run before CUDA initialises: the caching allocator has already "
+                "read its settings (call it at the top of the script, before any .cuda()/.to('cuda'))"
+            )
+        wanted = "cudaMallocAsync" if "backend:cudaMallocAsync" in config.best.alloc_conf else "native"
+        current = env.get("PYTORCH_CUDA_ALLOC_CONF", "") or env.get("PYTORCH_ALLOC_CONF", "")
+        have = "cudaMallocAsync" if "backend:cudaMallocAsync" in current else "native"
+        if wanted != have:
+            raise CudaAlreadyInitializedError(
+                f"best.yaml sets backend:{wanted}, but torch was imported with backend:{have}; torch "
+                "reads the backend at import, so call apply_best() before `import torch`"
+            )
+    for key in ENV_KEYS:
+        env[key] = config.best.alloc_conf
+    return config

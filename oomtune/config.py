@@ -1,0 +1,139 @@
+"""Composing oomtune's Hydra config: conf/ lookup, overrides, the run directory, study naming.
+
+The ``oomtune`` sub-commands use Hydra's compose API (not ``@hydra.main``) so that bad overrides
+become one clear line with exit code 2 and several sub-commands share one config tree. The run
+directory follows ``hydra.run.dir`` (default ``runs/${study_name}``), and the composed config is saved
+under ``<run dir>/.hydra/`` as Hydra itself does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from oomtune.exceptions import ConfigError
+
+__all__ = ["conf_dir", "compose", "run_dir_of", "default_study_name", "to_container"]
+
+
+def conf_dir() -> Path:
+    """The directory holding config.yaml: ``oomtune/conf`` in an installed wheel (force-included at
+    build time), else the repository's top-level ``conf/`` (editable installs and checkouts).
+
+    Raises:
+        ConfigError: neither exists (a broken installation).
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise ConfigError(f"oomtune's conf/ directory was not found next to {here}; reinstall oomtune")
+
+
+def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
+    """Compose the config with Hydra overrides (``model=resnet``, ``budget=16GiB``, ``hydra.run.dir=...``).
+
+    Returns:
+        An OmegaConf ``DictConfig`` including the ``hydra`` node; ``study_name`` is filled in when null.
+
+    Raises:
+        ConfigError: an unknown config group option (``model=nope``), a malformed override, or a key
+            that does not exist — one line naming it.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_one_line(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    with open_dict(cfg):
+        if cfg.get("study_name") in (None, "", "auto"):
+            cfg.study_name = default_study_name(cfg)
+    try:
+        OmegaConf.resolve(cfg.hydra.run)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from None
+    return cfg
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    # Hydra's "Could not find 'model/nope'" is followed by the available options: keep them short.
+    options = [ln.strip() for ln in text[1:] if ln.strip().startswith("\t") or ln.startswith("\t")]
+    if "Could not find" in first or "Could not override" in first or "Key '" in first:
+        rest = " ".join(ln.strip() for ln in text[1:] if ln.strip()).split("Config search path")[0]
+        rest = re.sub(r"(Available options in '\w+':) (.*)", lambda m: m.group(1) + " " + ", ".join(m.group(2).split()), rest)
+        return f"bad override: {first} {rest}".strip()
+    return f"bad config: {first}" + (f" ({'; '.join(options)})" if options else "")
+
+
+def to_container(cfg: Any) -> Any:
+    """A plain, resolved Python container of a config node (dicts/lists/scalars)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def default_study_name(cfg: Any) -> str:
+    """``<model name>-<8 hex>``: a digest of the workload, target, budget, device and search space, so
+    rerunning the same command resumes the same study and a changed one starts a new study."""
+    key = {
+        "model": to_container(cfg.model),
+        "target": to_container(cfg.target),
+        "budget": str(cfg.budget),
+        "device": str(cfg.device),
+        "batch_size": to_container(cfg.search.batch_size),
+        "space": to_container(cfg.search.space),
+    }
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{cfg.model.name}-{digest}"
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """The run directory (``hydra.run.dir``), created if needed.
+
+    Raises:
+        ConfigError: it cannot be created or written (one line naming the path).
+    """
+    path = Path(str(cfg.hydra.run.dir)).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".oomtune-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"run directory {str(path)!r} is not writable: {exc.strerror or exc}") from None
+    return path
+
+
+def save_config(cfg: Any, run_dir: Path, overrides: Sequence[str]) -> None:
+    """Write ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` into the run dir, as Hydra does."""
+    from omegaconf import OmegaConf
+
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(exist_ok=True)
+    plain = {k: v for k, v in to_container(cfg).items() if k != "hydra"}
+    (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(plain)))
+    (hydra_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+
+
+def env_overrides() -> list[str]:
+    """Extra overrides from ``OOMTUNE_OVERRIDES`` (space-separated), for CI jobs."""
+    return os.environ.get("OOMTUNE_OVERRIDES", "").split()

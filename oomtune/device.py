@@ -1,0 +1,94 @@
+"""Resolving the ``device`` and ``budget`` settings in the parent process, without initialising CUDA.
+
+The parent never creates a CUDA context (it would occupy device memory the trials need): the device's
+identity and capacity come from NVML, and only without NVML from torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from oomtune.exceptions import ConfigError, DeviceError
+from oomtune.units import format_bytes, parse_size
+
+__all__ = ["TargetDevice", "resolve_device", "resolve_budget"]
+
+
+@dataclass(frozen=True)
+class TargetDevice:
+    """The device trials run on. ``simulated`` is True on CPU, where memory comes from the virtual GPU
+    whose capacity is ``total_memory_bytes`` (``virtual_device_memory``)."""
+
+    spec: str                     # "cpu" | "cuda:N" (as passed to trials)
+    kind: str                     # "cpu" | "cuda"
+    index: int | None
+    name: str
+    total_memory_bytes: int
+    simulated: bool
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    driver_version: str | None = None
+
+    @property
+    def memory_source(self) -> str:
+        return "simulated" if self.simulated else "device"
+
+
+def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> TargetDevice:
+    """Resolve ``auto | cpu | cuda | cuda:N``.
+
+    Raises:
+        DeviceError: CUDA asked for but unavailable, or an index that does not exist.
+        ConfigError: an unrecognised device string.
+    """
+    spec = str(spec).strip().lower()
+    m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", spec)
+    if not m or (m.group(1) != "cuda" and m.group(2) is not None):
+        raise ConfigError(f"invalid device {spec!r}: expected auto, cpu, cuda or cuda:N")
+    import torch
+
+    kind = m.group(1)
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        total = parse_size(virtual_device_memory)
+        if total <= 0:
+            raise ConfigError("virtual_device_memory must be > 0")
+        return TargetDevice("cpu", "cpu", None, "virtual GPU (CPU)", total, True)
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {spec!r}: CUDA is not available on this machine (use device=cpu for the virtual GPU)")
+    index = int(m.group(2) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(f"device cuda:{index} does not exist: this machine has {count} CUDA device(s)")
+    from oomtune.gpu import nvml
+
+    ident = nvml.device_identity(nvml.physical_index_for(index))
+    if ident is not None and ident.total_memory_bytes:
+        return TargetDevice(f"cuda:{index}", "cuda", index, ident.name or "CUDA device",
+                            ident.total_memory_bytes, False, ident.uuid, ident.pci_bus_id, ident.driver_version)
+    props = torch.cuda.get_device_properties(index)  # fallback: initialises CUDA in the parent
+    return TargetDevice(f"cuda:{index}", "cuda", index, props.name, int(props.total_memory), False)
+
+
+def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
+    """The memory budget in bytes: a size (``16GiB``) or a fraction of the device (``0.9``).
+
+    Raises:
+        ConfigError: not a size or fraction.
+        DeviceError: above the device's total memory.
+    """
+    text = str(budget).strip()
+    if re.fullmatch(r"0*\.\d+|1(\.0*)?", text):
+        budget_bytes = int(float(text) * device.total_memory_bytes)
+    else:
+        budget_bytes = parse_size(text)
+    if budget_bytes <= 0:
+        raise ConfigError(f"budget {text!r} must be > 0")
+    if budget_bytes > device.total_memory_bytes:
+        raise DeviceError(
+            f"budget {text} ({format_bytes(budget_bytes)}) is above {device.name}'s "
+            f"{format_bytes(device.total_memory_bytes)}"
+        )
+    return budget_bytes

@@ -1,0 +1,92 @@
+"""Human output: the per-trial progress line and the trial table (rich). Numbers stay numbers in the
+records; formatting happens only here. Every memory figure names its source: device or simulated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oomtune.search import records as R
+from oomtune.units import format_bytes
+
+__all__ = ["trial_rows", "trial_table", "progress_line"]
+
+
+def _source_tag(res: Any) -> str:
+    return "sim" if res.memory_source == "simulated" else "dev"
+
+
+def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
+    """One plain dict per trial with a stored result (bytes and floats, no formatting)."""
+    rows = []
+    for t in trials:
+        res = R.result_of(t)
+        if res is None:
+            continue
+        predicted = t.user_attrs.get(R.ATTR_PREDICTED)
+        error = None
+        if predicted and res.peak_reserved_bytes:
+            error = (predicted - res.peak_reserved_bytes) / res.peak_reserved_bytes
+        rows.append({
+            "number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),
+            "batch_size": t.params.get("batch_size", res.batch_size),
+            "alloc_conf": t.user_attrs.get(R.ATTR_CONF, res.alloc_conf), "outcome": res.outcome,
+            "throughput": res.throughput, "step_time_s": res.step_time_s,
+            "peak_allocated_bytes": res.peak_allocated_bytes, "peak_reserved_bytes": res.peak_reserved_bytes,
+            "device_peak_bytes": res.device_peak_bytes, "fragmentation": res.fragmentation,
+            "memory_source": res.memory_source, "predicted_peak_reserved_bytes": predicted,
+            "prediction_error": error, "feasible": R.is_feasible_ok(t),
+            "reused_from": t.user_attrs.get(R.ATTR_REUSED), "message": res.message,
+            "data_wait_fraction": res.data_wait_fraction,
+        })
+    return rows
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if spec else str(v)
+
+
+def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_number: int | None = None) -> Any:
+    """A rich Table of :func:`trial_rows`. Memory columns carry (sim)/(dev) per row."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for name, justify in (("#", "right"), ("role", "left"), ("batch", "right"), ("alloc_conf", "left"),
+                          ("outcome", "left"), ("samples/s", "right"), ("peak alloc", "right"),
+                          ("peak reserved", "right"), ("frag", "right"), ("pred. err", "right")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        src = "(sim)" if r["memory_source"] == "simulated" else "(dev)"
+        outcome = r["outcome"] + ("" if r["feasible"] or r["outcome"] != "ok" else " >limit")
+        if r["reused_from"] is not None:
+            outcome += f" =#{r['reused_from']}"
+        style = "bold green" if r["number"] == best_number else None
+        table.add_row(
+            str(r["number"]), r["role"], str(r["batch_size"]), r["alloc_conf"] or "(default)", outcome,
+            _fmt(r["throughput"], ".1f"),
+            f"{format_bytes(r['peak_allocated_bytes'])} {src}" if r["peak_allocated_bytes"] is not None else "-",
+            f"{format_bytes(r['peak_reserved_bytes'])} {src}" if r["peak_reserved_bytes"] is not None else "-",
+            _fmt(r["fragmentation"], ".1%"), _fmt(r["prediction_error"], "+.1%"), style=style,
+        )
+    return table
+
+
+def progress_line(trial: Any, role: str, index: int | None, total: int | None, best: float | None) -> str:
+    """``[ 3/12] search  bs=128  expandable_segments:True  ok  812.3 samples/s  peak reserved 1.21 GiB
+    (simulated)  best 812.3``."""
+    res = R.result_of(trial)
+    where = f"[{index:>2}/{total}]" if index is not None and total else f"[#{trial.number}]"
+    if res is None:
+        return f"{where} {role:<8} trial {trial.number} {trial.state.name.lower()}"
+    conf = trial.user_attrs.get(R.ATTR_CONF) or "(default)"
+    parts = [f"{where} {role:<8} bs={res.batch_size:<5} {conf:<40} {res.outcome}"]
+    if res.throughput is not None:
+        parts.append(f"{res.throughput:.1f} samples/s")
+    if res.peak_reserved_bytes is not None:
+        parts.append(f"peak reserved {format_bytes(res.peak_reserved_bytes)} ({res.memory_source})")
+    if res.outcome != "ok" and res.message:
+        parts.append(res.message.splitlines()[0][:100])
+    if best is not None:
+        parts.append(f"best {best:.1f}")
+    return "  ".join(parts)

@@ -1,0 +1,99 @@
+"""The search's outputs: best.yaml, trials.json and the final table (report stage of the pipeline)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+from oomtune import __version__
+from oomtune import config as C
+from oomtune.best import BestConfig, Choice, write_best
+from oomtune.search import records as R
+from oomtune.trial.record import TrialResult
+
+__all__ = ["write_outputs", "versions"]
+
+
+def versions(device: Any) -> dict[str, Any]:
+    """oomtune, torch, CUDA (torch's build), driver (NVML) and Optuna versions."""
+    import optuna
+    import torch
+
+    return {"oomtune": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "driver": getattr(device, "driver_version", None), "optuna": optuna.__version__}
+
+
+def _metrics(res: TrialResult) -> dict[str, Any]:
+    return {
+        "throughput": res.throughput, "step_time_s": res.step_time_s,
+        "peak_allocated_bytes": res.peak_allocated_bytes, "peak_reserved_bytes": res.peak_reserved_bytes,
+        "peak_active_bytes": res.peak_active_bytes, "fragmentation": res.fragmentation,
+        "device_peak_bytes": res.device_peak_bytes, "num_alloc_retries": res.num_alloc_retries,
+        "data_wait_fraction": res.data_wait_fraction, "memory_source": res.memory_source,
+        "steps": res.steps,
+    }
+
+
+def _choice(trial: Any, res: TrialResult, confirmed: bool) -> Choice:
+    settings = {k: v for k, v in trial.params.items() if k != "batch_size" and v is not None}
+    return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=trial.user_attrs.get(R.ATTR_CONF, ""),
+                  settings=settings, metrics=_metrics(res), confirmed=confirmed,
+                  predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
+                  trial_number=trial.number)
+
+
+def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
+                  url: str, console: Any, *, predictor: Any = None, space: Any = None) -> Path:
+    """Write trials.json and best.yaml into the run dir and print the final table.
+
+    Raises:
+        oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
+    """
+    from oomtune.report import trial_rows, trial_table
+    from oomtune.search.driver import SetupFault
+
+    rows = trial_rows(study.get_trials(deepcopy=False))
+    (run_dir / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
+    best_no = summary.best.number if summary.best is not None else None
+    console.print(trial_table(rows, title=f"study {study.study_name}", best_number=best_no))
+    if summary.best is None:
+        raise SetupFault(
+            "no configuration ran within the budget: every trial ran out of memory or failed "
+            f"(see {run_dir / 'trials.json'}); lower search.batch_size.low or raise budget"
+        )
+    best = _choice(summary.best, summary.best_result, summary.confirmed)
+    baseline = gain = None
+    if summary.baseline is not None:
+        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False)
+        if baseline.metrics["throughput"] and best.metrics["throughput"]:
+            gain = {"throughput_ratio": best.metrics["throughput"] / baseline.metrics["throughput"],
+                    "batch_size_ratio": best.batch_size / baseline.batch_size}
+    if predictor is not None:
+        best.predicted_peak_reserved_bytes = predictor.predict(space.candidate(
+            best.batch_size, {k: v for k, v in summary.best.params.items() if k != "batch_size"}))
+    config = BestConfig(
+        schema_version=1,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        workload={"model": C.to_container(cfg.model), "target": C.to_container(cfg.target)},
+        device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
+                "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
+                "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id},
+        versions=versions(device), best=best, baseline=baseline, gain=gain,
+        study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
+               "outcomes": summary.outcomes, "launches": summary.launches,
+               "launches_saved": summary.launches_saved},
+    )
+    path = write_best(config, run_dir / "best.yaml")
+    src = best.metrics["memory_source"]
+    tail = f", {gain['throughput_ratio']:.2f}x the default allocator's best" if gain else ""
+    console.print(
+        f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: "
+        f"{best.metrics['throughput']:.1f} samples/s, peak reserved "
+        f"{(best.metrics['peak_reserved_bytes'] or 0) / 2**30:.2f} GiB ({src})"
+        f"{' (confirmed)' if best.confirmed else ''}{tail}", highlight=False, markup=False)
+    console.print(f"launches: {summary.launches} trial processes, {summary.launches_saved} saved by "
+                  f"prediction/reuse", highlight=False, markup=False)
+    console.print(f"wrote {path}", highlight=False, markup=False)
+    return path

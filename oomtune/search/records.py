@@ -1,0 +1,72 @@
+"""What a finished trial means for the search: limits, constraint values, and the attributes each
+Optuna trial stores (so ``oomtune show`` and a resumed search read results without re-running)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from oomtune.outcome import Outcome
+from oomtune.trial.record import TrialResult
+
+__all__ = ["MemoryLimit", "used_bytes", "violation", "result_of", "ATTR_RESULT", "ATTR_ROLE"]
+
+ATTR_RESULT = "result"        # TrialResult.to_dict()
+ATTR_ROLE = "role"            # "baseline" | "search" | "confirm"
+ATTR_OUTCOME = "outcome"      # Outcome value, for quick filtering
+ATTR_CONF = "alloc_conf"      # the exact PYTORCH_CUDA_ALLOC_CONF string
+ATTR_PREDICTED = "predicted_peak_reserved_bytes"
+ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
+ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The peak a feasible trial may reach: ``budget_bytes * (1 - headroom)``."""
+
+    budget_bytes: int
+    headroom: float
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.budget_bytes * (1.0 - self.headroom))
+
+
+def used_bytes(result: TrialResult) -> int | None:
+    """Device-level memory a trial used at its peak, in bytes.
+
+    On a real device: the NVML peak of the trial's processes when sampled, else peak reserved plus the
+    measured non-allocator memory (CUDA context; field case C9). On the virtual GPU: peak reserved.
+    """
+    if result.device_peak_bytes is not None:
+        return result.device_peak_bytes
+    if result.peak_reserved_bytes is None:
+        return None
+    return result.peak_reserved_bytes + (result.non_allocator_bytes or 0)
+
+
+def violation(result: TrialResult, limit: MemoryLimit) -> float:
+    """Optuna constraint value (feasible when <= 0): ``(used - limit) / limit`` for a trial that ran,
+    ``1.0`` for an infeasible outcome (OOM, limit, timeout, predicted infeasible) without a reading."""
+    outcome = Outcome(result.outcome)
+    if outcome is Outcome.OK:
+        used = used_bytes(result)
+        return 0.0 if used is None else (used - limit.limit_bytes) / limit.limit_bytes
+    return 1.0
+
+
+def result_of(trial: Any) -> TrialResult | None:
+    """The TrialResult stored on an Optuna (frozen) trial, or None."""
+    data = trial.user_attrs.get(ATTR_RESULT)
+    return None if data is None else TrialResult.from_dict(data)
+
+
+def is_feasible_ok(trial: Any) -> bool:
+    """A COMPLETE trial that ran ok within the memory limit."""
+    import optuna
+
+    if trial.state != optuna.trial.TrialState.COMPLETE:
+        return False
+    if trial.user_attrs.get(ATTR_OUTCOME) != Outcome.OK.value:
+        return False
+    return all(v <= 0 for v in trial.constraints.values())

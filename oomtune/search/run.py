@@ -1,0 +1,164 @@
+"""``oomtune search``: from composed config to best.yaml. The CLI module only parses arguments and
+calls :func:`search`; tests call :func:`search` with overrides, as with Hydra's compose API."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from oomtune import config as C
+from oomtune.device import resolve_budget, resolve_device
+from oomtune.exceptions import ConfigError
+from oomtune.search import records as R
+from oomtune.search.driver import Search, SearchOptions, SetupFault
+from oomtune.search.space import SearchSpace
+from oomtune.search.storage import make_sampler, open_study, storage_url
+
+__all__ = ["search", "RUN_FILE"]
+
+RUN_FILE = "run.json"  # {storage, study_name}: lets `oomtune show RUN_DIR` find the study
+
+
+def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
+    s, t = cfg.search, cfg.trial
+    headroom = float(s.headroom)
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"search.headroom must be in [0, 1), got {headroom}")
+    n_trials = int(s.n_trials)
+    if n_trials < 0:
+        raise ConfigError(f"search.n_trials must be >= 0, got {n_trials}")
+    return SearchOptions(
+        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=headroom,
+        n_trials=n_trials, timeout_s=None if s.timeout is None else float(s.timeout),
+        baseline=bool(s.baseline), confirm=bool(s.confirm), warmup_steps=int(t.warmup_steps),
+        measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
+        trial_timeout_s=float(t.timeout),
+    )
+
+
+def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
+    stored = study.user_attrs.get("workload")
+    if stored is None:
+        study.set_user_attr("workload", workload)
+        study.set_user_attr("budget_bytes", budget_bytes)
+    elif stored != json.loads(json.dumps(workload)) or study.user_attrs.get("budget_bytes") != budget_bytes:
+        raise ConfigError(
+            f"study {study.study_name!r} was created for another workload or budget; "
+            "pick a new study_name= (or drop study_name= to get one derived from the config)"
+        )
+
+
+def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
+    """Run the whole search; returns the path of the written best.yaml.
+
+    Raises:
+        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts.
+        SetupFault: the workload fails at the smallest batch with the default allocator.
+        KeyboardInterrupt: Ctrl-C/SIGTERM; finished trials stay in storage, running ones are killed.
+    """
+    from rich.console import Console
+
+    from oomtune.trial.runner import TrialRunner
+
+    console = console or Console(stderr=True)
+    cfg = C.compose(list(overrides) + C.env_overrides())
+    workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
+    from oomtune.workloads import validate_workload_config
+
+    validate_workload_config(workload)
+    device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
+    budget_bytes = resolve_budget(cfg.budget, device)
+    space = SearchSpace.from_config(cfg.search)
+    options = _options(cfg, workload, device, budget_bytes)
+    sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
+    run_dir = C.run_dir_of(cfg)
+    C.save_config(cfg, run_dir, overrides)
+    url = storage_url(cfg.storage, run_dir)
+    study = open_study(url, str(cfg.study_name), sampler)
+    _check_resume(study, workload, budget_bytes)
+    (run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
+
+    predictor = None
+    if str(cfg.search.prune) == "predicted" and workload["target"]["name"] == "builtin":
+        from oomtune.plan.predictor import Predictor
+
+        predictor = Predictor.for_search(workload, device, budget_bytes, console=console)
+    elif str(cfg.search.prune) not in ("off", "predicted"):
+        raise ConfigError(f"search.prune must be 'predicted' or 'off', got {cfg.search.prune!r}")
+
+    _say(console, f"oomtune search: study {study.study_name!r} in {url}")
+    _say(console, f"device {device.name} ({device.memory_source} memory), budget "
+                  f"{budget_bytes / 2**30:.2f} GiB, headroom {options.headroom:.0%}, "
+                  f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
+    progress = _Progress(console, options.n_trials)
+    runner = TrialRunner(launcher=str(cfg.trial.launcher))
+    confirm_runner = TrialRunner(launcher="spawn")
+    drive = Search(study, space, options, runner=runner, confirm_runner=confirm_runner,
+                   workdir=run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
+                   prune_margin=float(cfg.search.prune_margin), on_trial=progress)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        baseline = drive.run_baseline()
+        drive.run_search()
+        best, best_result, confirmed = drive.confirm()
+    except KeyboardInterrupt:
+        runner.kill_all()
+        confirm_runner.kill_all()
+        _say(console, f"interrupted: finished trials are saved in {url}; run the same command to resume")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        runner.close()
+        confirm_runner.close()
+    summary = drive.summary(best, best_result, confirmed, baseline)
+    from oomtune.search.outputs import write_outputs
+
+    return write_outputs(cfg, run_dir, study, summary, device, budget_bytes, url, console,
+                         predictor=predictor, space=space)
+
+
+def _calibrated(predictor: Any, study: Any) -> Any:
+    """predictor.predict, recalibrated before each call from the study's device trials (measured /
+    predicted peak reserved); on the virtual GPU there are none and the factor stays 1."""
+
+    def predict(cand: Any) -> int | None:
+        pairs = []
+        for t in study.get_trials(deepcopy=False):
+            res = R.result_of(t)
+            if res is not None and res.memory_source == "device" and res.peak_reserved_bytes:
+                raw = predictor.predict_detail(res.batch_size, res.alloc_conf).peak_reserved_bytes
+                pairs.append((raw, int(res.peak_reserved_bytes)))
+        predictor.calibrate(pairs)
+        return predictor.predict(cand)
+
+    return predict
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(console: Any, text: str) -> None:
+    console.print(text, highlight=False, markup=False)
+
+
+class _Progress:
+    """Prints one line per finished trial: trial n of N, outcome, best so far."""
+
+    def __init__(self, console: Any, n_trials: int):
+        self.console, self.n_trials, self.count, self.best = console, n_trials, 0, None
+
+    def __call__(self, trial: Any, role: str) -> None:
+        from oomtune.report import progress_line
+
+        if R.is_feasible_ok(trial) and role != "confirm":
+            self.best = max(self.best or 0.0, trial.value or 0.0)
+        index = None
+        if role == "search":
+            self.count += 1
+            index = self.count
+        _say(self.console, progress_line(trial, role, index, self.n_trials if index else None, self.best))

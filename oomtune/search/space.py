@@ -1,0 +1,116 @@
+"""The search space: batch size and candidate values for each allocator key, as Optuna parameters.
+
+Parameter names are the allocator keys exactly as torch spells them (``max_split_size_mb``,
+``expandable_segments``, ...) plus ``batch_size``. The torch default of every key is always a
+candidate, so the default allocator (the baseline) is a point of the space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from oomtune.alloc.settings import AllocatorSettings
+from oomtune.exceptions import AllocatorConfigError, ConfigError
+
+__all__ = ["Candidate", "SearchSpace", "DEFAULTS"]
+
+#: torch's default per key, in the form the space uses (None: key not set).
+DEFAULTS: dict[str, Any] = {
+    "backend": "native",
+    "expandable_segments": False,
+    "max_split_size_mb": None,
+    "roundup_power2_divisions": None,
+    "garbage_collection_threshold": None,
+    "max_non_split_rounding_mb": None,
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A point of the space: ``batch_size`` (samples/step) and the allocator settings."""
+
+    batch_size: int
+    params: tuple[tuple[str, Any], ...]  # allocator key -> value, sorted, None = unset
+
+    @property
+    def settings(self) -> AllocatorSettings:
+        return AllocatorSettings.from_mapping({k: v for k, v in self.params if v is not None})
+
+    @property
+    def alloc_conf(self) -> str:
+        """The exact PYTORCH_CUDA_ALLOC_CONF string ("" for torch's defaults)."""
+        return self.settings.render()
+
+    def optuna_params(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, **dict(self.params)}
+
+
+class SearchSpace:
+    """Batch size in [low, high] (log-uniform integer) x a categorical choice per allocator key.
+
+    Raises:
+        ConfigError: bad batch range or an empty choice list.
+        AllocatorConfigError: a candidate value torch would reject (checked before any trial runs).
+    """
+
+    def __init__(self, batch_low: int, batch_high: int, choices: Mapping[str, Sequence[Any]]):
+        if not (isinstance(batch_low, int) and isinstance(batch_high, int)) or not 1 <= batch_low <= batch_high:
+            raise ConfigError(
+                f"search.batch_size must satisfy 1 <= low <= high, got low={batch_low!r} high={batch_high!r}"
+            )
+        self.batch_low, self.batch_high = batch_low, batch_high
+        self.choices: dict[str, list[Any]] = {}
+        for key, values in choices.items():
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            if not values:
+                raise ConfigError(f"search.space.{key} is empty: give at least one value")
+            default = DEFAULTS.get(key)
+            if default not in values and key in DEFAULTS:
+                values.insert(0, default)
+            for value in values:
+                if value is None:
+                    continue
+                try:
+                    AllocatorSettings.from_mapping({key: value})
+                except AllocatorConfigError as exc:
+                    raise AllocatorConfigError(f"search.space.{key}: {exc}") from None
+            self.choices[key] = values
+
+    @classmethod
+    def from_config(cls, search_cfg: Any) -> "SearchSpace":
+        from oomtune.config import to_container
+
+        bs = to_container(search_cfg.batch_size)
+        return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {})
+
+    def suggest(self, trial: Any) -> Candidate:
+        """Ask an Optuna trial for a candidate (``trial.suggest_int``/``suggest_categorical``)."""
+        batch = trial.suggest_int("batch_size", self.batch_low, self.batch_high, log=True)
+        params = {key: trial.suggest_categorical(key, values) for key, values in self.choices.items()}
+        return self.candidate(batch, params)
+
+    def candidate(self, batch_size: int, params: Mapping[str, Any] | None = None) -> Candidate:
+        """The candidate at ``batch_size`` with the given keys (others at torch's default).
+
+        Raises:
+            AllocatorConfigError: the combination is invalid for torch.
+        """
+        merged = {key: DEFAULTS.get(key) for key in self.choices}
+        merged.update(params or {})
+        cand = Candidate(int(batch_size), tuple(sorted(merged.items())))
+        cand.alloc_conf  # validates the combination
+        return cand
+
+    def default(self, batch_size: int) -> Candidate:
+        """torch's default allocator at ``batch_size`` (the baseline)."""
+        return self.candidate(batch_size, {})
+
+    def all_settings(self) -> list[dict[str, Any]]:
+        """Every allocator combination of the space (the grid the planner predicts over)."""
+        import itertools
+
+        keys = list(self.choices)
+        combos = itertools.product(*(self.choices[k] for k in keys))
+        return [dict(zip(keys, values)) for values in combos]

@@ -1,0 +1,367 @@
+"""Launching trial processes: validate, start, time out, clean up, read back the record.
+
+:func:`run_trial` / :meth:`TrialRunner.run` never raise for a trial failure: every way a trial can
+end (ok, out-of-memory, timeout, signal, traceback, missing record) comes back as a
+:class:`TrialResult`. They raise only for bad input, before anything is launched:
+:class:`oomtune.exceptions.AllocatorConfigError` for an allocator string torch would reject (a
+malformed one can abort ``import torch`` with an INTERNAL ASSERT, pytorch#186453, so it must never
+reach a child) and :class:`oomtune.exceptions.ConfigError` for an impossible spec.
+
+Each trial runs in a new session (its own process group), so a timeout kills the trial *and*
+anything it started (DataLoader workers): SIGTERM to the group, then SIGKILL after a grace period.
+A terminal Ctrl-C reaches only the parent; :meth:`TrialRunner.kill_all` (installed as a SIGINT /
+SIGTERM handler by :meth:`TrialRunner.handle_signals`) kills the live trials' groups.
+
+Launchers: ``spawn`` (a fresh interpreter, ``python -m oomtune.trial.child``), ``fork`` (forked from
+:mod:`oomtune.trial.forkserver`, which has torch already imported) and ``auto`` (fork on Linux,
+else spawn). Trials the fork server cannot run correctly (``backend`` other than native, which torch
+reads at import) are spawned, as is everything when the server is unavailable; the launcher used is
+recorded in ``extra["launcher"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from oomtune.alloc.settings import AllocatorSettings
+from oomtune.classify import classify_failure
+from oomtune.exceptions import ConfigError
+from oomtune.outcome import Outcome
+from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
+
+__all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "LAUNCHERS", "ALLOC_ENV_VARS"]
+
+LAUNCHERS = ("auto", "fork", "spawn")
+ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_STDERR_TAIL_CHARS = 4000
+
+
+def validate_spec(spec: TrialSpec) -> AllocatorSettings:
+    """Check a spec before launching; returns the parsed allocator settings.
+
+    Raises:
+        AllocatorConfigError: ``spec.alloc_conf`` is malformed or rejected by torch's rules.
+        ConfigError: batch size < 1, measure steps < 1, warm-up steps < 0, timeout <= 0, a negative
+            budget or an unknown device string.
+    """
+    settings = AllocatorSettings.parse(spec.alloc_conf)
+    checks = (
+        (spec.batch_size >= 1, f"batch size must be >= 1, got {spec.batch_size}"),
+        (spec.measure_steps >= 1, f"measure_steps must be >= 1, got {spec.measure_steps}"),
+        (spec.warmup_steps >= 0, f"warmup_steps must be >= 0, got {spec.warmup_steps}"),
+        (spec.timeout_s > 0, f"trial timeout must be > 0 s, got {spec.timeout_s}"),
+        (spec.budget_bytes is None or spec.budget_bytes > 0,
+         f"memory budget must be > 0 bytes, got {spec.budget_bytes}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    _cuda_index(spec.device)
+    return settings
+
+
+def _cuda_index(device: str) -> int | None:
+    """``"cpu"`` -> None, ``"cuda"`` -> 0, ``"cuda:N"`` -> N; raises ConfigError otherwise."""
+    if device == "cpu":
+        return None
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
+    return int(index or 0)
+
+
+def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The trial process's environment: ours, plus ``env``, plus the allocator string under both
+    variable names (unset when empty) and, for ``cuda:N``, CUDA_VISIBLE_DEVICES naming only that
+    device (the N-th entry of our own CUDA_VISIBLE_DEVICES when set, else N; field case C10)."""
+    out = dict(os.environ)
+    out.update(env or {})
+    for name in ALLOC_ENV_VARS:
+        out.pop(name, None)
+        if spec.alloc_conf:
+            out[name] = spec.alloc_conf
+    index = _cuda_index(spec.device)
+    if index is not None:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if "CUDA_VISIBLE_DEVICES" in os.environ and index >= len(visible):
+            raise ConfigError(f"{spec.device} is not among CUDA_VISIBLE_DEVICES={visible}")
+        out["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    return out
+
+
+class _Spawned:
+    """A spawned trial process (same interface as :class:`ForkedTrial`)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.pid = proc.pid
+        self._proc = proc
+
+    def wait(self, timeout: float | None) -> int | None:
+        try:
+            return self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class TrialRunner:
+    """Runs trials as processes and keeps track of the live ones.
+
+    Args:
+        launcher: ``"auto"`` (fork server on Linux, else spawn), ``"fork"`` or ``"spawn"``.
+        python: the interpreter for spawned children and the fork server.
+        grace_s: seconds between SIGTERM and SIGKILL when a trial is killed.
+
+    Thread-safe: several threads may call :meth:`run` at once.
+
+    Raises:
+        ConfigError: an unknown launcher.
+    """
+
+    def __init__(self, *, launcher: str = "auto", python: str = sys.executable, grace_s: float = 3.0) -> None:
+        if launcher not in LAUNCHERS:
+            raise ConfigError(f"unknown launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+        self.launcher = launcher
+        self.python = python
+        self.grace_s = grace_s
+        self._live: dict[int, Any] = {}
+        self._killed: set[int] = set()   # pids killed by kill_all (interrupted, not failed)
+        self._lock = threading.Lock()
+        self._server: ForkServerClient | None = None
+        self._server_failed: str | None = None
+
+    # -- launching ---------------------------------------------------------------------------
+    def _wants_fork(self, settings: AllocatorSettings) -> str | None:
+        """None if this trial may be forked, else why it is spawned."""
+        if self.launcher == "spawn":
+            return "spawn requested"
+        if not hasattr(os, "fork") or (self.launcher == "auto" and not sys.platform.startswith("linux")):
+            return "fork unavailable on this platform"
+        backend = settings.as_mapping().get("backend")
+        if backend not in (None, "native"):
+            return f"backend:{backend} is read at import; the fork server runs backend native"
+        return self._server_failed
+
+    def _fork_server(self) -> ForkServerClient:
+        with self._lock:
+            if self._server is None or not self._server.alive:
+                self._server = ForkServerClient(self.python)
+                try:
+                    self._server.start()
+                except ForkServerError as exc:
+                    self._server, self._server_failed = None, str(exc)
+                    raise
+            return self._server
+
+    def start_fork_server(self) -> bool:
+        """Start the fork server now (else on the first forked trial); False if it cannot run."""
+        if self._wants_fork(AllocatorSettings.parse("")) is not None:
+            return False
+        try:
+            self._fork_server()
+        except ForkServerError:
+            return False
+        return True
+
+    def _launch(self, spec: TrialSpec, settings: AllocatorSettings, paths: dict[str, Path],
+                env: dict[str, str]) -> tuple[Any, str, str | None]:
+        argv = [str(paths["spec"]), str(paths["result"])]
+        why = self._wants_fork(settings)
+        if why is None:
+            try:
+                server = self._fork_server()
+                if server.info.get("cuda_initialized"):
+                    raise ForkServerError("the fork server's torch has initialised CUDA")
+                handle = server.launch(argv=argv, cwd=str(paths["dir"]), stdout=str(paths["stdout"]),
+                                       stderr=str(paths["stderr"]), env=env)
+                return handle, "fork", None
+            except ForkServerError as exc:
+                self._server_failed = why = str(exc)
+        with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
+            proc = subprocess.Popen(
+                [self.python, "-m", "oomtune.trial.child", *argv], cwd=paths["dir"], env=env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+            )
+        return _Spawned(proc), "spawn", why
+
+    def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None) -> TrialResult:
+        """Run one trial in its own process and return its record (see the module docstring).
+
+        Args:
+            spec: the trial.
+            workdir: a directory for spec.json, result.json, stdout.txt, stderr.txt (created; the
+                trial's working directory).
+            env: extra environment variables for the trial, added to ours.
+
+        Raises:
+            AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
+        """
+        settings = validate_spec(spec)
+        env_child = child_environment(spec, env)
+        workdir = Path(workdir).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        paths = {"dir": workdir, "spec": workdir / "spec.json", "result": workdir / "result.json",
+                 "stdout": workdir / "stdout.txt", "stderr": workdir / "stderr.txt"}
+        paths["result"].unlink(missing_ok=True)
+        paths["spec"].write_text(spec.to_json())
+        launched_at = time.time()
+        handle, launcher, fallback = self._launch(spec, settings, paths, env_child)
+        with self._lock:
+            self._live[handle.pid] = handle
+        try:
+            returncode, timed_out = self._wait(handle, spec.timeout_s - (time.time() - launched_at))
+        finally:
+            _kill_group(handle.pid, signal.SIGKILL)  # stragglers (e.g. DataLoader workers)
+            with self._lock:
+                self._live.pop(handle.pid, None)
+        result = _read_result(spec, paths, returncode, timed_out)
+        if handle.pid in self._killed:
+            self._killed.discard(handle.pid)
+            result.outcome, result.message = Outcome.ERROR.value, "interrupted: trial killed by the runner (kill_all)"
+            result.advice = "the run was interrupted; this trial says nothing about the configuration"
+        result.extra.update(launcher=launcher, pid=handle.pid, returncode=returncode)
+        if fallback and launcher == "spawn" and self.launcher != "spawn":
+            result.extra["launcher_fallback"] = fallback
+        first = result.extra.get("first_step_at")
+        if first is not None:
+            result.extra["launch_to_first_step_s"] = first - launched_at
+        if result.wall_s is None:
+            result.wall_s = time.time() - launched_at
+        return result
+
+    def _wait(self, handle: Any, timeout_s: float) -> tuple[int | None, bool]:
+        """Wait for the trial; on timeout SIGTERM its group, then SIGKILL after ``grace_s``."""
+        returncode = handle.wait(max(0.0, timeout_s))
+        if returncode is not None:
+            return returncode, False
+        _kill_group(handle.pid, signal.SIGTERM)
+        returncode = handle.wait(self.grace_s)
+        if returncode is None:
+            _kill_group(handle.pid, signal.SIGKILL)
+            returncode = handle.wait(30.0)
+        return returncode, True
+
+    # -- stopping ----------------------------------------------------------------------------
+    def kill_all(self, sig: int = signal.SIGKILL) -> int:
+        """Kill the process groups of all live trials (safe in a signal handler). Returns how many."""
+        live = list(self._live)  # no lock: may run in a signal handler while run() holds it
+        for pid in live:
+            self._killed.add(pid)
+            _kill_group(pid, sig)
+        return len(live)
+
+    def close(self) -> None:
+        """Kill live trials and stop the fork server."""
+        self.kill_all()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def __enter__(self) -> "TrialRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def handle_signals(self) -> Iterator[None]:
+        """Within the block, SIGINT/SIGTERM first kill the live trials, then act as before (Ctrl-C
+        still raises KeyboardInterrupt). Main thread only."""
+        previous = {}
+
+        def handler(signum: int, frame: Any) -> None:
+            self.kill_all()
+            old = previous[signum]
+            if callable(old):
+                old(signum, frame)
+            elif old == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; to the process alone if it has no group yet."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pgid, sig)
+    except PermissionError:
+        pass
+
+
+def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool) -> TrialResult:
+    """The child's record, or a classified failure built from the exit status and stderr."""
+    if not timed_out:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return TrialResult.read(paths["result"])
+    try:
+        stderr = paths["stderr"].read_text(errors="replace")[-_STDERR_TAIL_CHARS:]
+    except OSError:
+        stderr = ""
+    cls = classify_failure(
+        returncode=returncode if returncode is not None else -signal.SIGKILL, stderr=stderr,
+        timed_out=timed_out, batch_size=spec.batch_size,
+        smaller_batch_succeeded=spec.smaller_batch_succeeded,
+    )
+    outcome = Outcome(cls.outcome)
+    if timed_out and outcome is not Outcome.TIMEOUT:
+        outcome = Outcome.TIMEOUT
+    result = TrialResult(
+        outcome=outcome.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+        memory_source=MEMORY_SOURCE_DEVICE if spec.device.startswith("cuda") else MEMORY_SOURCE_SIMULATED,
+        message=cls.message if not timed_out else f"trial exceeded its {spec.timeout_s:g} s limit; process group killed",
+        advice=cls.advice,
+    )
+    if cls.oom is not None:
+        result.oom_requested_bytes = getattr(cls.oom, "requested_bytes", None)
+    if outcome in (Outcome.ERROR, Outcome.CRASH) and stderr.strip():
+        result.traceback_tail = "\n".join(stderr.strip().splitlines()[-20:])
+    return result
+
+
+_DEFAULT_RUNNER = TrialRunner(launcher="spawn")
+
+
+def run_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None) -> TrialResult:
+    """Run one trial in a freshly spawned process (see :meth:`TrialRunner.run`); live trials of this
+    function are killed by ``run_trial.kill_all()``.
+
+    Raises:
+        AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
+    """
+    return _DEFAULT_RUNNER.run(spec, workdir=workdir, env=env)
+
+
+run_trial.kill_all = _DEFAULT_RUNNER.kill_all  # type: ignore[attr-defined]
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of process group ``pgid`` exists (Linux /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

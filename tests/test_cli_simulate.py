@@ -1,0 +1,142 @@
+"""``oomtune simulate`` end to end (subprocess for exit codes and stderr; in-process for output).
+
+Expected numbers are hand-computed from the rules of c10/cuda/CUDACachingAllocator.cpp under
+default settings: a 100 B request rounds to 512 B in the small pool and reserves a 2 MiB segment;
+a 5 MiB request reserves a 20 MiB large segment, splitting off a 15 MiB free remainder (> 1 MiB);
+a second 5 MiB request is served from that remainder (best fit) without a new segment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomtune.cli import main
+
+MiB = 1 << 20
+REAL = Path("/work/shared/traces/cnn-small-default.pickle")
+ROOT = Path(__file__).resolve().parents[1]
+S0, L1 = 0x7F0000000000, 0x7F0001000000
+
+
+def ev(action, addr, size):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 0, "frames": []}
+
+
+def synthetic_snapshot() -> dict:
+    trace = [
+        ev("segment_alloc", S0, 2 * MiB), ev("alloc", S0, 100),
+        ev("segment_alloc", L1, 20 * MiB), ev("alloc", L1, 5 * MiB),
+        ev("free_requested", S0, 100), ev("free_completed", S0, 100),
+        ev("alloc", L1 + 5 * MiB, 5 * MiB),
+        ev("free_requested", L1, 5 * MiB), ev("free_completed", L1, 5 * MiB),
+        ev("free_requested", L1 + 5 * MiB, 5 * MiB), ev("free_completed", L1 + 5 * MiB, 5 * MiB),
+    ]
+    segments = [
+        {"device": 0, "address": S0, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+         "blocks": [{"address": S0, "size": 2 * MiB, "requested_size": 0, "state": "inactive"}]},
+        {"device": 0, "address": L1, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+         "blocks": [{"address": L1, "size": 20 * MiB, "requested_size": 0, "state": "inactive"}]},
+    ]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+@pytest.fixture
+def synthetic(tmp_path) -> Path:
+    path = tmp_path / "synthetic.pickle"
+    path.write_bytes(pickle.dumps(synthetic_snapshot()))
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "oomtune", "simulate", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_json_hand_computed(synthetic, capsys):
+    assert main(["simulate", str(synthetic), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_allocated_bytes"] == 10 * MiB      # 5 MiB + 5 MiB (the 512 B block freed first)
+    assert out["peak_reserved_bytes"] == 22 * MiB       # 2 MiB small + 20 MiB large segment
+    assert out["recorded_peak_reserved_bytes"] == 22 * MiB
+    assert out["recorded_segment_allocs"] == [2 * MiB, 20 * MiB]
+    assert out["simulated_segment_allocs"] == [2 * MiB, 20 * MiB]
+    assert out["first_divergence"] is None
+    assert out["oom"] is False and out["num_alloc_retries"] == 0
+    assert out["fragmentation"] == pytest.approx(1 - 10 / 22)
+    assert out["settings"] == ""
+    assert out["events_replayed"] == 6
+
+
+def test_budget_too_small_is_oom(synthetic, capsys):
+    # 16 MiB cannot hold the 2 MiB small segment (still in use) plus a 20 MiB segment.
+    assert main(["simulate", str(synthetic), "--budget", "16MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["oom"] is True
+    assert out["oom_at"]["event_index"] == 3 and out["oom_at"]["requested_bytes"] == 5 * MiB
+
+
+def test_text_output_labels(synthetic, capsys):
+    assert main(["simulate", str(synthetic)]) == 0
+    out = capsys.readouterr().out
+    assert "Peak reserved (simulated): 22.00 MiB" in out
+    assert "(recorded on device): 22.00 MiB" in out
+    assert "First divergence: none" in out
+    assert "OOM (simulated): no" in out
+
+
+def test_several_confs_print_a_table(synthetic, capsys):
+    assert main(["simulate", str(synthetic), "--conf", "", "--conf", "expandable_segments:True"]) == 0
+    out = capsys.readouterr().out
+    assert "(torch defaults)" in out and "expandable_segments:True" in out
+    assert "peak reserved" in out  # the table's column header
+
+
+def test_several_confs_json_is_a_list(synthetic, capsys):
+    assert main(["simulate", str(synthetic), "--json", "--conf", "", "--conf", "max_split_size_mb:20"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, list) and len(out) == 2
+
+
+@pytest.mark.parametrize("content", [b"", b"not a pickle at all"])
+def test_bad_files_exit_2_one_line(tmp_path, content):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    proc = run_cli(str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: ")
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="real trace not present")
+def test_truncated_real_trace_exit_2(tmp_path):
+    data = REAL.read_bytes()
+    path = tmp_path / "half.pickle"
+    path.write_bytes(data[: len(data) // 2])
+    proc = run_cli(str(path))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def test_hostile_pickle_exit_2_and_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
+    proc = run_cli(str(path))
+    assert proc.returncode == 2
+    assert "refusing to load" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not marker.exists()
+
+
+def test_missing_file_bad_conf_bad_budget_exit_2(tmp_path, synthetic):
+    for args in ([str(tmp_path / "missing.pickle")],
+                 [str(synthetic), "--conf", "max_split_size_mb:5"],
+                 [str(synthetic), "--budget", "lots"]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, args
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: "), proc.stderr

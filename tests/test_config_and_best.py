@@ -1,0 +1,144 @@
+"""Config composition, budget/device resolution, best.yaml loading and applying."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oomtune.best import BestConfig, Choice, apply_best, load_best, write_best
+from oomtune.config import compose, conf_dir, run_dir_of
+from oomtune.device import TargetDevice, resolve_budget, resolve_device
+from oomtune.exceptions import BestFileError, ConfigError, DeviceError
+from oomtune.search.space import SearchSpace
+from oomtune.units import GiB, MiB, parse_size
+
+GPU16 = TargetDevice("cuda:0", "cuda", 0, "Fake 16 GiB", 16 * GiB, False)
+
+
+def test_conf_dir_found_and_composes_defaults():
+    assert (conf_dir() / "config.yaml").is_file()
+    cfg = compose([])
+    assert cfg.model.name == "resnet" and cfg.target.name == "builtin"
+    assert str(cfg.hydra.run.dir) == f"runs/{cfg.study_name}"
+
+
+def test_study_name_is_stable_and_config_dependent():
+    a, b = compose(["budget=1GiB"]).study_name, compose(["budget=1GiB"]).study_name
+    c = compose(["budget=2GiB"]).study_name
+    assert a == b and a != c and a.startswith("resnet-")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model=nope", "Available options in 'model': mlp, resnet, transformer"),
+    ("nosuchkey=1", "Could not override 'nosuchkey'"),
+    ("budget", "Error parsing override"),
+])
+def test_bad_overrides_are_one_line_config_errors(override, needle):
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_dir_override_and_unwritable(tmp_path):
+    cfg = compose([f"hydra.run.dir={tmp_path}/r"])
+    assert run_dir_of(cfg) == tmp_path / "r"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="not writable"):
+        run_dir_of(compose([f"hydra.run.dir={blocker}/sub"]))
+
+
+def test_budget_sizes_and_fractions():
+    assert resolve_budget("8GiB", GPU16) == 8 * GiB
+    assert resolve_budget("0.5", GPU16) == 8 * GiB
+    assert resolve_budget(0.25, GPU16) == 4 * GiB
+    assert parse_size("1.5GB") == 1_500_000_000
+    with pytest.raises(DeviceError, match="above"):
+        resolve_budget("17GiB", GPU16)
+    with pytest.raises(ConfigError):
+        resolve_budget("lots", GPU16)
+
+
+def test_device_resolution_on_cpu():
+    dev = resolve_device("cpu", virtual_device_memory="24GiB")
+    assert dev.simulated and dev.total_memory_bytes == 24 * GiB and dev.memory_source == "simulated"
+    with pytest.raises(ConfigError):
+        resolve_device("tpu")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA path")
+def test_cuda_requested_without_cuda_is_a_device_error():
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        resolve_device("cuda:0")
+
+
+def test_space_always_contains_the_default_and_rejects_bad_values():
+    space = SearchSpace(8, 64, {"expandable_segments": [True], "max_split_size_mb": [64]})
+    assert space.choices == {"expandable_segments": [False, True], "max_split_size_mb": [None, 64]}
+    assert space.default(32).alloc_conf == ""
+    assert space.candidate(32, {"max_split_size_mb": 64}).alloc_conf == "max_split_size_mb:64"
+    with pytest.raises(ConfigError, match="max_split_size_mb"):
+        SearchSpace(8, 64, {"max_split_size_mb": [10]})  # torch: must be >= 20
+    with pytest.raises(ConfigError):
+        SearchSpace(64, 8, {})
+
+
+def _best(tmp_path: Path, conf: str = "expandable_segments:True") -> Path:
+    cfg = BestConfig(schema_version=1, workload={"model": {"name": "mlp"}}, device={"kind": "cpu"},
+                     best=Choice(batch_size=32, alloc_conf=conf, metrics={"throughput": 1.0}))
+    return write_best(cfg, tmp_path / "best.yaml")
+
+
+def test_best_round_trip_and_env_line(tmp_path):
+    path = _best(tmp_path)
+    best = load_best(path)
+    assert best.batch_size == 32 and best.alloc_conf == "expandable_segments:True"
+    assert best.export_line() == ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                  "PYTORCH_ALLOC_CONF=expandable_segments:True")
+    assert load_best(tmp_path).batch_size == 32  # a run directory works too
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("best: [1, 2", "not valid YAML"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("schema_version: 99\n", "unsupported schema_version"),
+    ("schema_version: 1\nworkload: {}\ndevice: {}\n", "missing required section 'best'"),
+    ("schema_version: 1\nworkload: {}\ndevice: {}\nbest: {batch_size: 0, alloc_conf: ''}\n", "positive integer"),
+    ("schema_version: 1\nworkload: {}\ndevice: {}\nbest: {batch_size: 8, alloc_conf: 'expandable_segments:true'}\n",
+     "alloc_conf is invalid"),
+])
+def test_corrupt_best_yaml_is_one_clear_error(tmp_path, text, needle):
+    path = tmp_path / "best.yaml"
+    path.write_text(text)
+    with pytest.raises(BestFileError, match=needle):
+        load_best(path)
+
+
+def test_apply_best_sets_both_variables(tmp_path):
+    env: dict[str, str] = {}
+    apply_best(_best(tmp_path), environ=env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                   "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_apply_best_in_a_fresh_process_before_cuda(tmp_path):
+    path = _best(tmp_path)
+    code = ("import oomtune, os; b = oomtune.apply_best(%r); import torch; "
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'], b.batch_size)" % str(path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["expandable_segments:True", "32"]
+
+
+def test_apply_best_refuses_a_backend_change_after_import(tmp_path, monkeypatch):
+    import oomtune.best as B
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    path = _best(tmp_path, "backend:cudaMallocAsync")
+    with pytest.raises(B.CudaAlreadyInitializedError, match="before `import torch`"):
+        apply_best(path)

@@ -1,0 +1,146 @@
+"""The search driver (baseline, Optuna loop, confirmation) against a fake trial runner whose memory
+model is hand-computable: peak reserved = batch x 12 MiB under the default allocator, batch x 10 MiB
+with expandable_segments; out of memory above the budget."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from oomtune.outcome import Outcome
+from oomtune.search import records as R
+from oomtune.search.driver import Search, SearchOptions, SetupFault
+from oomtune.search.space import SearchSpace
+from oomtune.trial.record import TrialResult
+from oomtune.units import MiB
+
+BUDGET = 1000 * MiB
+
+
+class FakeRunner:
+    def __init__(self, *, fail_confirm_batches=(), error_at=None):
+        self.calls: list[tuple[int, str, int]] = []
+        self.fail_confirm_batches = set(fail_confirm_batches)
+        self.error_at = error_at
+
+    def run(self, spec, *, workdir):
+        self.calls.append((spec.batch_size, spec.alloc_conf, spec.measure_steps))
+        b = spec.batch_size
+        if self.error_at is not None and b == self.error_at:
+            return TrialResult(outcome="error", batch_size=b, alloc_conf=spec.alloc_conf, message="boom")
+        per = 10 * MiB if "expandable_segments:True" in spec.alloc_conf else 12 * MiB
+        peak = b * per
+        if peak > spec.budget_bytes or (spec.measure_steps > 3 and b in self.fail_confirm_batches):
+            return TrialResult(outcome="oom", batch_size=b, alloc_conf=spec.alloc_conf, message="CUDA out of memory")
+        return TrialResult(outcome="ok", batch_size=b, alloc_conf=spec.alloc_conf, throughput=float(b),
+                           peak_reserved_bytes=peak, peak_allocated_bytes=peak, memory_source="simulated")
+
+    def kill_all(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def make(tmp_path, *, low=8, high=256, n_trials=0, headroom=0.05, runner=None, confirm_runner=None,
+         space=None, sampler=None):
+    study = optuna.create_study(direction="maximize", sampler=sampler or optuna.samplers.RandomSampler(seed=0))
+    space = SearchSpace(low, high, space if space is not None else {"expandable_segments": [False, True]})
+    opts = SearchOptions(workload={"name": "fake"}, device="cpu", budget_bytes=BUDGET, headroom=headroom,
+                         n_trials=n_trials, confirm_steps=10)
+    runner = runner or FakeRunner()
+    return Search(study, space, opts, runner=runner, confirm_runner=confirm_runner or runner,
+                  workdir=tmp_path), study, runner
+
+
+def test_baseline_finds_largest_default_batch_by_doubling_then_bisection(tmp_path):
+    # limit = 1000 MiB * 0.95 = 950 MiB. Default: 12 MiB/sample -> feasible up to 79 (948 MiB);
+    # 80..83 run but exceed the limit; >= 84 is out of memory (1008 MiB > 1000 MiB).
+    # Probes: 8, 16, 32, 64 ok; 128 oom; 96 oom; 80 over limit; 72 ok; 76 ok; (80-76=4 <= 7.6) stop.
+    search, study, runner = make(tmp_path)
+    baseline = search.run_baseline()
+    assert [c[0] for c in runner.calls] == [8, 16, 32, 64, 128, 96, 80, 72, 76]
+    assert all(c[1] == "" for c in runner.calls)  # the default allocator
+    assert baseline.params["batch_size"] == 76
+
+
+def test_infeasible_outcomes_are_complete_trials_with_violated_constraint(tmp_path):
+    search, study, _ = make(tmp_path)
+    search.run_baseline()
+    by_batch = {t.params["batch_size"]: t for t in study.trials}
+    oom = by_batch[128]
+    assert oom.state == optuna.trial.TrialState.COMPLETE
+    assert oom.user_attrs[R.ATTR_OUTCOME] == "oom"
+    assert oom.constraints["memory"] > 0
+    over = by_batch[80]  # ran, 960 MiB > 950 MiB limit: (960-950)/950
+    assert over.user_attrs[R.ATTR_OUTCOME] == "ok"
+    assert over.constraints["memory"] == pytest.approx((960 - 950) / 950, rel=1e-3)
+    assert by_batch[64].constraints["memory"] <= 0
+
+
+def test_answer_is_a_batch_that_ran_c6(tmp_path):
+    # Field case C6: 2, 4 and 8 pass and the search ends: the answer is 8, never an untested 16.
+    search, study, runner = make(tmp_path, low=2, high=8)
+    search.run_baseline()
+    search.run_search()
+    best, result, confirmed = search.confirm()
+    assert best.params["batch_size"] == 8
+    assert confirmed and result.outcome == "ok"
+    assert {c[0] for c in runner.calls} == {2, 4, 8}
+
+
+def test_confirmation_failure_falls_back_to_next_best_c7(tmp_path):
+    # The top candidate (76, default) fails its clean-process confirmation (C7): the next best (72) wins.
+    runner = FakeRunner(fail_confirm_batches={76})
+    search, study, _ = make(tmp_path, runner=runner)
+    search.run_baseline()
+    best, result, confirmed = search.confirm()
+    assert best.params["batch_size"] == 72 and confirmed
+    confirms = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"]
+    assert [t.user_attrs[R.ATTR_CONFIRMS] for t in confirms] == [by.number for by in study.trials
+                                                                   if by.params["batch_size"] in (76, 72)
+                                                                   and by.user_attrs[R.ATTR_ROLE] == "baseline"][::-1]
+    assert all(c[2] == 10 for c in runner.calls[-2:])  # confirmation runs use confirm_steps
+
+
+def test_error_at_smallest_batch_is_a_setup_fault(tmp_path):
+    search, study, _ = make(tmp_path, runner=FakeRunner(error_at=8))
+    with pytest.raises(SetupFault, match="batch 8"):
+        search.run_baseline()
+    assert study.trials[0].state == optuna.trial.TrialState.FAIL
+
+
+def test_search_skips_batches_above_a_known_oom_under_same_settings(tmp_path):
+    search, study, runner = make(tmp_path, n_trials=12, high=512)
+    search.run_baseline()
+    search.run_search()
+    launched = len(runner.calls)
+    skipped = [t for t in study.trials if t.user_attrs.get(R.ATTR_OUTCOME) == Outcome.PREDICTED_INFEASIBLE.value]
+    for t in skipped:  # each skipped one is above an OOM batch with the same settings
+        same = [u for u in study.trials if u.user_attrs.get(R.ATTR_OUTCOME) == "oom"
+                and u.params["expandable_segments"] == t.params["expandable_segments"]
+                and u.params["batch_size"] <= t.params["batch_size"]]
+        assert same
+        assert t.state == optuna.trial.TrialState.COMPLETE and t.constraints["memory"] > 0
+    assert launched + len(skipped) + sum(R.ATTR_REUSED in t.user_attrs for t in study.trials) == len(study.trials)
+
+
+def test_expandable_segments_wins_when_it_fits_a_larger_batch(tmp_path):
+    # With expandable_segments the model needs 10 MiB/sample: feasible up to 95 (950 MiB), vs 79.
+    # A grid over the two settings at batch 95 must find it.
+    search, study, runner = make(tmp_path, low=79, high=95, n_trials=4,
+                                 sampler=optuna.samplers.GridSampler({"batch_size": [79, 95],
+                                                                      "expandable_segments": [False, True]}))
+    search.run_search()
+    best, result, confirmed = search.confirm()
+    assert best.params == {"batch_size": 95, "expandable_segments": True}
+    assert result.peak_reserved_bytes == 950 * MiB
+
+
+def test_prediction_prunes_without_launching(tmp_path):
+    search, study, runner = make(tmp_path, n_trials=0)
+    search.predict = lambda cand: cand.batch_size * 12 * MiB  # exact for the default allocator
+    baseline = search.run_baseline()
+    # Predicted max for the default: largest b with 12 MiB * b <= 950 MiB -> 79; the baseline starts there.
+    assert runner.calls[0][0] == 79
+    assert baseline.params["batch_size"] >= 79

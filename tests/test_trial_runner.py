@@ -1,0 +1,184 @@
+"""The trial runner (oomtune.trial.runner) and the fork server, with real child processes.
+
+Misbehaving children use the documented test hook ``OOMTUNE_TEST_HOOK`` (oomtune.trial.child):
+``sleep:S``, ``signal:N``, ``raise:ValueError``, ``echo_env``. Workloads are a tiny MLP on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from oomtune.exceptions import AllocatorConfigError, ConfigError
+from oomtune.trial.record import TrialSpec
+from oomtune.trial.runner import TrialRunner, child_environment, group_alive, run_trial
+from oomtune.units import MiB
+
+MLP = {"name": "mlp", "in_features": 64, "hidden": 32, "layers": 1, "num_classes": 10}
+HOOK = "OOMTUNE_TEST_HOOK"
+
+
+def _spec(**kw) -> TrialSpec:
+    base = dict(workload=MLP, batch_size=4, device="cpu", budget_bytes=64 * MiB,
+                warmup_steps=1, measure_steps=2, timeout_s=120)
+    base.update(kw)
+    return TrialSpec(**base)
+
+
+@pytest.fixture(scope="module")
+def fork_runner():
+    runner = TrialRunner(launcher="fork")
+    assert runner.start_fork_server(), runner._server_failed
+    yield runner
+    runner.close()
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ validation before launching
+@pytest.mark.parametrize("conf", ["max_split_size_mb:", "max_split_size_mb:128,", "roundup_power2_divisions:[256:1",
+                                  "expandable_segments:true", "no_such_key:1"])
+def test_invalid_alloc_string_is_rejected_before_launching(tmp_path, conf):
+    with pytest.raises(AllocatorConfigError):
+        run_trial(_spec(alloc_conf=conf), workdir=tmp_path)
+    assert not (tmp_path / "spec.json").exists()   # nothing was written, nothing launched
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(measure_steps=0), dict(timeout_s=0),
+                                 dict(device="gpu:1"), dict(budget_bytes=-1)])
+def test_impossible_spec_is_a_config_error(tmp_path, bad):
+    with pytest.raises(ConfigError):
+        run_trial(_spec(**bad), workdir=tmp_path)
+
+
+def test_unknown_launcher_is_a_config_error():
+    with pytest.raises(ConfigError, match="launcher"):
+        TrialRunner(launcher="thread")
+
+
+def test_child_environment_sets_both_alloc_variables_and_pins_the_device(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    env = child_environment(_spec(alloc_conf="expandable_segments:True", device="cuda:1"))
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"      # torch's cuda:1 under "4,5,6" is physical 5 (C10)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    env = child_environment(_spec(alloc_conf=""))
+    assert "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    with pytest.raises(ConfigError):
+        child_environment(_spec(device="cuda:3"))
+
+
+# ------------------------------------------------------------------ real children (spawn)
+def test_spawned_cpu_trial_ok_with_settings_in_its_environment(tmp_path):
+    conf = "max_split_size_mb:128"
+    r = run_trial(_spec(alloc_conf=conf), workdir=tmp_path, env={HOOK: "echo_env"})
+    assert r.outcome == "ok", (r.message, r.traceback_tail)
+    assert r.extra["launcher"] == "spawn"
+    assert r.memory_source == "simulated"
+    assert r.throughput > 0
+    assert r.peak_reserved_bytes >= r.peak_allocated_bytes > 0
+    assert r.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == conf
+    assert r.extra["env"]["PYTORCH_ALLOC_CONF"] == conf
+    assert r.extra["torch_alloc_conf"] == conf          # what torch's own parser read
+    assert r.settings_effective == {"max_split_size_mb": 128}
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    t0 = time.monotonic()
+    r = run_trial(_spec(timeout_s=2.0), workdir=tmp_path, env={HOOK: "sleep:60"})
+    assert r.outcome == "timeout"
+    assert time.monotonic() - t0 < 30                # not the 60 s the child wanted
+    pgid = r.extra["pid"]
+    assert not group_alive(pgid)
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    assert not _pid_running(grandchild)
+
+
+def test_sigkill_without_traceback_is_host_oom(tmp_path):
+    r = run_trial(_spec(), workdir=tmp_path, env={HOOK: f"signal:{int(signal.SIGKILL)}"})
+    assert r.outcome == "host_oom", r.message
+    assert r.extra["returncode"] == -signal.SIGKILL
+
+
+def test_value_error_is_error_with_traceback_tail(tmp_path):
+    r = run_trial(_spec(), workdir=tmp_path, env={HOOK: "raise:ValueError"})
+    assert r.outcome == "error"
+    assert "ValueError" in r.message
+    assert "raised by the test hook" in r.traceback_tail
+    assert r.extra["returncode"] == 0                 # a record was written: the child exited 0
+
+
+def test_tiny_budget_gives_a_memory_outcome_from_the_child(tmp_path):
+    r = run_trial(_spec(budget_bytes=1 * MiB), workdir=tmp_path)
+    assert r.outcome in ("oom", "oom_fragmentation", "fraction_cap"), r.message
+    assert r.memory_source == "simulated"
+
+
+# ------------------------------------------------------------------ fork server
+def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner):
+    spec = _spec(alloc_conf="expandable_segments:True", seed=3)
+    forked = fork_runner.run(spec, workdir=tmp_path / "fork", env={HOOK: "echo_env"})
+    spawned = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "spawn", env={HOOK: "echo_env"})
+    assert forked.extra["launcher"] == "fork" and spawned.extra["launcher"] == "spawn"
+    assert forked.outcome == spawned.outcome == "ok"
+    assert forked.peak_reserved_bytes == spawned.peak_reserved_bytes
+    assert forked.peak_allocated_bytes == spawned.peak_allocated_bytes
+    # the forked child set the variables itself, after the server imported torch without them
+    assert forked.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert forked.extra["torch_alloc_conf"] == "expandable_segments:True"
+
+
+def test_fork_server_is_fork_safe(fork_runner):
+    info = fork_runner._server.info
+    assert info["python_threads"] == 1
+    assert info["cuda_initialized"] is False
+
+
+def test_forked_timeout_and_sigkill(tmp_path, fork_runner):
+    r = fork_runner.run(_spec(timeout_s=2.0), workdir=tmp_path / "t", env={HOOK: "sleep:60"})
+    assert r.outcome == "timeout" and r.extra["launcher"] == "fork"
+    assert not group_alive(r.extra["pid"])
+    assert not _pid_running(int((tmp_path / "t" / "grandchild.pid").read_text()))
+    r = fork_runner.run(_spec(), workdir=tmp_path / "k", env={HOOK: f"signal:{int(signal.SIGKILL)}"})
+    assert r.outcome == "host_oom" and r.extra["returncode"] == -signal.SIGKILL
+
+
+def test_async_backend_falls_back_to_spawn(tmp_path, fork_runner, monkeypatch):
+    # backend is read at import: the fork server (native) cannot serve it. Stop before launching
+    # anything real: only the launcher choice is checked.
+    from oomtune.alloc.settings import AllocatorSettings
+
+    why = fork_runner._wants_fork(AllocatorSettings.parse("backend:cudaMallocAsync"))
+    assert why is not None and "backend" in why
+    assert fork_runner._wants_fork(AllocatorSettings.parse("expandable_segments:True")) is None
+
+
+# ------------------------------------------------------------------ Ctrl-C
+def test_ctrl_c_handler_kills_running_trials(tmp_path):
+    runner = TrialRunner(launcher="spawn")
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        runner.run(_spec(timeout_s=120), workdir=tmp_path, env={HOOK: "sleep:120"})))
+    with runner.handle_signals():
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "grandchild.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "grandchild.pid").exists()
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)   # what a Ctrl-C would run
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert results[0].outcome == "error" and "interrupted" in results[0].message
+    assert not group_alive(results[0].extra["pid"])
+    assert not _pid_running(int((tmp_path / "grandchild.pid").read_text()))
