@@ -246,6 +246,9 @@ def test_capture_stream_builds_allocation_stream():
 
     stream = capture_stream(step, existing=[lin.weight, x], device="meta")
     assert len(stream) == 2 + 8   # two registered allocations, then 4 allocs and 4 frees
+    assert stream.n_allocs == 6
+    assert stream.peak_live_bytes() == 4194304 + 32768 + 4 + 4 + 4194304
+    assert sorted(stream.live_keys) == [1, 2]   # W and x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,20 +334,31 @@ def _real_sim(total_bytes):
     return sim_mod.CachingAllocatorSim(total_memory_bytes=total_bytes)
 
 
-def test_virtual_gpu_with_real_simulator():
+def test_virtual_gpu_with_real_simulator_fits():
     lin, opt, x = _linear_setup()
-    big = _real_sim(1 << 30)
-    with VirtualGPU(big) as vgpu:
+    sim = _real_sim(1 << 30)
+    with VirtualGPU(sim) as vgpu:
         vgpu.register([lin.weight, x])
         _linear_step(lin, opt, x)
-    stats = big.memory_stats()
-    # W (4 MiB, a large-pool request) + x (32 KiB) stay allocated; the allocator rounds the small
-    # one to a multiple of 512 B (32768 already is).
-    assert stats["allocated_bytes.all.current"] == 4194304 + 32768
+    # W (4 MiB) and x (32 KiB, a multiple of 512 B so not rounded) stay allocated.
+    assert sim.memory_stats()["allocated_bytes.all.current"] == 4194304 + 32768
+    assert vgpu.n_mallocs == 6 and vgpu.n_frees == 4
 
-    lin, opt, x = _linear_setup()
-    small = _real_sim(6 << 20)   # 6 MiB: W's 4 MiB segment + a 2 MiB small segment; grad can't fit
-    with pytest.raises(torch.OutOfMemoryError):
-        with VirtualGPU(small) as vgpu:
+
+def test_virtual_gpu_with_real_simulator_oom_inside_step():
+    # W of nn.Linear(1024, 4096) is 16 MiB: >= 10 MiB, so its segment is exactly 16 MiB (sizes
+    # rounded to 2 MiB: CUDACachingAllocator get_allocation_size); x, y (128 KiB), loss and the
+    # seed share one 2 MiB small-pool segment. The 16 MiB gradient needs a new 16 MiB segment:
+    # 16 + 2 + 16 = 34 MiB > 26 MiB, so it fails inside backward, after W, x, y, loss, seed.
+    lin = nn.Linear(1024, 4096, bias=False, device="meta")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(8, 1024, device="meta")
+    sim = _real_sim(26 << 20)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        with VirtualGPU(sim) as vgpu:
             vgpu.register([lin.weight, x])
+            assert vgpu.n_mallocs == 2
             _linear_step(lin, opt, x)
+    assert vgpu.n_mallocs == 5
+    assert "Tried to allocate 16.00 MiB" in str(err.value)
+    assert sim.memory_stats()["num_ooms"] == 1

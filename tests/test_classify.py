@@ -110,7 +110,7 @@ def test_c4_consistent_variant_and_current_format_are_fraction_cap():
     assert classify_text(legacy).outcome is Outcome.FRACTION_CAP
     c = classify_text(current)
     assert c.outcome is Outcome.FRACTION_CAP
-    assert c.oom.allowed_bytes == 5121748484  # 4.77 * 2**30 = 5121748484.48
+    assert c.oom.allowed_bytes == 5121748500  # 4.77 * 2**30 = 4294967296 + 826781204.48
     assert c.oom.process_in_use_bytes == gib(5.05)
     assert c.oom.reserved_bytes == gib(4.51) + mib(230.00)
 
@@ -446,3 +446,23 @@ def test_classification_is_a_frozen_record():
     assert isinstance(c, Classification)
     with pytest.raises(AttributeError):
         c.outcome = Outcome.OK  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text", ["ValueError: print_max must be positive", "KeyError: 'hint_max'"])
+def test_limit_codes_are_matched_case_sensitively(text):
+    assert classify_text(text, batch_size=8, smaller_batch_succeeded=True).outcome is Outcome.ERROR
+
+
+def test_errno_12_is_host_memory():
+    assert classify_text("OSError: [Errno 12] Cannot allocate memory").outcome is Outcome.HOST_OOM
+
+
+def test_virtual_gpu_message_round_trip():
+    from oomtune.alloc.oom_message import SimulatedOutOfMemoryError, build_oom_message
+
+    msg = build_oom_message(alloc_size_bytes=2 * 2**30, device_index=0, total_bytes=8 * 2**30, free_bytes=2**30,
+                            allocated_bytes=3 * 2**30, reserved_bytes=6 * 2**30, allowed_bytes=7 * 2**30)
+    c = classify_exception(SimulatedOutOfMemoryError(msg))
+    # 6 - 3 = 3 GiB cached >= 2 GiB request: fragmentation even under the 7 GiB cap
+    assert c.outcome is Outcome.OOM_FRAGMENTATION and "(simulated)" in c.message
+    assert (c.oom.requested_bytes, c.oom.reserved_bytes, c.oom.allowed_bytes) == (2 * 2**30, 6 * 2**30, 7 * 2**30)

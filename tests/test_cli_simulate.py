@@ -140,3 +140,19 @@ def test_missing_file_bad_conf_bad_budget_exit_2(tmp_path, synthetic):
         proc = run_cli(*args)
         assert proc.returncode == 2, args
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: "), proc.stderr
+
+
+def test_unexplained_release_notice(tmp_path, capsys):
+    trace = [ev("segment_alloc", L1, 20 * MiB), ev("alloc", L1, 5 * MiB),
+             ev("free_requested", L1, 5 * MiB), ev("free_completed", L1, 5 * MiB),
+             ev("segment_free", L1, 20 * MiB), ev("alloc", S0, 100)]
+    snap = {"segments": [{"device": 0, "address": S0, "total_size": 2 * MiB, "stream": 0,
+                          "segment_type": "small",
+                          "blocks": [{"size": 512, "state": "active_allocated"},
+                                     {"size": 2 * MiB - 512, "state": "inactive"}]}],
+            "device_traces": [trace]}
+    path = tmp_path / "ec.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Notice: 1 recorded release(s) have no cause in the request stream" in out

@@ -48,7 +48,7 @@ def _locate(args: argparse.Namespace) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from oomtune.report import trial_rows, trial_table
+    from oomtune.display import trial_rows, trial_table
     from oomtune.search.storage import load_study
 
     url, name = _locate(args)

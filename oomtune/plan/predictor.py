@@ -16,33 +16,49 @@ from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
 
-__all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "capture_training_stream", "sim_geometry"]
+__all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "build_python_target", "capture_training_stream",
+           "load_entry", "sim_geometry"]
 
 #: Training steps captured per prediction (optimizer-state creation + one steady-state step).
 PREDICT_STEPS = 2
-_UNBOUNDED_BYTES = 1 << 50  # capacity for "how much would it reserve" replays (1 PiB)
+_SEGMENT_SLACK_BYTES = 20 << 20  # the most a request's segment exceeds it (kLargeBuffer rounding)
+
+
+def unbounded_capacity_bytes(stream: Any) -> int:
+    """A virtual-GPU capacity at which no request of ``stream`` can fail, so a replay there equals a
+    replay without any limit: every request gets at most one new segment of at most twice its size
+    (``roundup_power2_divisions``) plus 20 MiB (the large-pool rounding), plus 1 GiB to spare.
+
+    Not simply 1 PiB: an expandable segment reserves address space for 1.125x the capacity and the
+    simulator keeps one byte per page of it (``ExpandableSegment``), so 1 PiB costs ~0.5 s and 0.5 GB
+    per replay.
+    """
+    sizes = [s for a, s in zip(stream.actions, stream.sizes) if a == 0]
+    return 2 * sum(sizes) + len(sizes) * _SEGMENT_SLACK_BYTES + (1 << 30)
 
 
 def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps: int = PREDICT_STEPS
                             ) -> tuple[Any, str | None]:
-    """The request stream of ``steps`` training steps of a built-in workload, captured on meta.
+    """The request stream of ``steps`` training steps of a workload, captured on meta.
 
-    Falls back to CPU when an op has no meta kernel (slower; the reason is returned).
+    ``model_cfg`` is the ``model`` group, optionally with ``target``: a built-in workload
+    (:func:`oomtune.workloads.build_workload`), or with ``target: {name: python, entry:
+    "pkg.mod:fn"}`` the user's factory (:func:`build_python_target`). Only storages on the capture
+    device are recorded (on meta, Adam's CPU ``step`` counters stay off the virtual GPU, as they
+    stay on the host in a CUDA run). Falls back to CPU when an op has no meta kernel (slower; the
+    reason is returned).
 
     Returns:
         (AllocationStream, fallback_reason or None)
 
     Raises:
-        ConfigError: an invalid workload config.
+        ConfigError: an invalid workload config or python target entry.
     """
     from oomtune.capture.recorder import capture_stream
-    from oomtune.workloads import build_workload
 
-    cfg = {k: v for k, v in model_cfg.items() if k != "target"}
-    cfg["data"] = {"source": "synthetic"}
     reason = None
     for device in ("meta", "cpu"):
-        wl = build_workload(cfg, batch_size, device)
+        wl = _build(model_cfg, batch_size, device)
 
         def run() -> None:
             batches = wl.batches()
@@ -50,13 +66,88 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
                 wl.step(next(batches))
 
         try:
-            stream = capture_stream(run, existing=wl.tensors_before_step())
-            if wl.fallback_reason:
-                reason = wl.fallback_reason if reason is None else f"{reason}; {wl.fallback_reason}"
-            return stream, reason
-        except NotImplementedError as exc:
+            stream = capture_stream(run, existing=wl.tensors_before_step(), device=device)
+        except (NotImplementedError, RuntimeError) as exc:
+            if device == "cpu":
+                raise
             reason = f"meta kernel missing ({str(exc).splitlines()[0][:160]}): captured on cpu"
+            continue
+        if wl.fallback_reason:
+            reason = wl.fallback_reason if reason is None else f"{reason}; {wl.fallback_reason}"
+        return stream, reason
     raise AssertionError("unreachable")
+
+
+def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
+    """A built-in workload, or the python target's, on ``device`` with synthetic data."""
+    target = model_cfg.get("target") or {}
+    if isinstance(target, dict) and target.get("name") == "python":
+        return build_python_target(str(target.get("entry")), batch_size, device)
+    from oomtune.workloads import build_workload
+
+    cfg = {k: v for k, v in model_cfg.items() if k != "target"}
+    cfg["data"] = {"source": "synthetic"}
+    return build_workload(cfg, batch_size, device)
+
+
+def load_entry(entry: str) -> Any:
+    """The function named by ``"pkg.module:function"`` (the current directory is importable).
+
+    Raises:
+        ConfigError: malformed, not importable, or not a callable.
+    """
+    import importlib
+    import os
+    import sys
+
+    from oomtune.exceptions import ConfigError
+
+    module, sep, attr = str(entry).partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"target.entry={entry!r}: expected 'package.module:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"target.entry={entry!r} cannot be loaded: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"target.entry={entry!r} is not a function")
+    return fn
+
+
+def build_python_target(entry: str, batch_size: int, device: str) -> Any:
+    """The workload of a python target: ``fn(batch_size) -> (model, optimizer, batches)``, called
+    under ``with torch.device(device)`` so that tensors it creates without an explicit device land
+    on ``device`` (meta for capture). ``batches`` yields ``(inputs, targets)``; the step is the
+    built-in one (forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad``). The first
+    batch counts as alive before the step (like the built-ins' static batch).
+
+    Returns:
+        an :class:`oomtune.workloads.Workload`.
+
+    Raises:
+        ConfigError: the entry cannot be loaded or does not return a 3-tuple.
+    """
+    import itertools
+
+    import torch
+
+    from oomtune.exceptions import ConfigError
+    from oomtune.workloads import Workload
+    from oomtune.workloads.models import ModelSpec
+
+    fn = load_entry(entry)
+    with torch.device(device):
+        made = fn(batch_size)
+        if not (isinstance(made, tuple) and len(made) == 3):
+            raise ConfigError(f"target.entry={entry!r} must return (model, optimizer, batches)")
+        model, optimizer, batches = made
+        batches = iter(batches)
+        first = next(batches)
+    spec = ModelSpec(model, "python", lambda n, d: first)
+    return Workload(spec, optimizer, torch.device(device), batch_size, "fp32",
+                    itertools.chain([first], batches), first, None)
 
 
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
@@ -102,6 +193,7 @@ class Predictor:
         self.calibration = 1.0
         self.capture_seconds = 0.0
         self.replay_seconds = 0.0
+        self.replays = 0
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *, console: Any = None
@@ -119,8 +211,16 @@ class Predictor:
         return self._streams[batch_size]
 
     def predict_detail(self, batch_size: int, settings: AllocatorSettings | str) -> Prediction:
-        """Replay the batch's stream under ``settings``: once without a limit (the peak), once under
-        the trial's capacity and fraction (does it fit?)."""
+        """Replay the batch's stream under ``settings`` on the trial's virtual GPU (``self.geometry``).
+
+        When it fits, the figures are that replay's: exactly what a virtual-GPU trial of the same
+        steps measures (with a memory fraction set, ``garbage_collection_threshold`` acts relative to
+        the allowed memory, so a replay without the limit would differ). When it runs out of memory,
+        the peaks come from a second replay without a limit (how much it would need).
+
+        Raises:
+            AllocatorConfigError: malformed settings. ConfigError: a bad workload config.
+        """
         from oomtune.alloc.stream import replay_stream
 
         if isinstance(settings, str):
@@ -129,14 +229,18 @@ class Predictor:
         if key not in self._cache:
             stream = self.stream(batch_size)
             t0 = time.perf_counter()
-            free = replay_stream(stream, settings, total_memory_bytes=_UNBOUNDED_BYTES)
             bounded = replay_stream(stream, settings, **self.geometry)
+            peaks = bounded
+            if bounded.oom:
+                capacity = max(unbounded_capacity_bytes(stream), int(self.geometry["total_memory_bytes"]))
+                peaks = replay_stream(stream, settings, total_memory_bytes=capacity)
             self.replay_seconds += time.perf_counter() - t0
+            self.replays += 1
             self._cache[key] = Prediction(
-                batch_size=batch_size, alloc_conf=key[1], peak_reserved_bytes=free.peak_reserved_bytes,
-                peak_allocated_bytes=free.peak_allocated_bytes, fragmentation=free.fragmentation,
+                batch_size=batch_size, alloc_conf=key[1], peak_reserved_bytes=peaks.peak_reserved_bytes,
+                peak_allocated_bytes=peaks.peak_allocated_bytes, fragmentation=peaks.fragmentation,
                 fits=not bounded.oom, num_alloc_retries=bounded.num_alloc_retries,
-                calibrated_peak_reserved_bytes=free.peak_reserved_bytes,
+                calibrated_peak_reserved_bytes=peaks.peak_reserved_bytes,
             )
         pred = self._cache[key]
         if self.calibration != 1.0:

@@ -51,7 +51,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     Raises:
         oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
     """
-    from oomtune.report import trial_rows, trial_table
+    from oomtune.display import trial_rows, trial_table
     from oomtune.search.driver import SetupFault
 
     rows = trial_rows(study.get_trials(deepcopy=False))

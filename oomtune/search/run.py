@@ -153,7 +153,7 @@ class _Progress:
         self.console, self.n_trials, self.count, self.best = console, n_trials, 0, None
 
     def __call__(self, trial: Any, role: str) -> None:
-        from oomtune.report import progress_line
+        from oomtune.display import progress_line
 
         if R.is_feasible_ok(trial) and role != "confirm":
             self.best = max(self.best or 0.0, trial.value or 0.0)

@@ -213,11 +213,16 @@ class TrialRunner:
         paths["result"].unlink(missing_ok=True)
         paths["spec"].write_text(spec.to_json())
         launched_at = time.time()
-        handle, launcher, fallback = self._launch(spec, settings, paths, env_child)
+        try:
+            handle, launcher, fallback = self._launch(spec, settings, paths, env_child)
+        except OSError as exc:  # e.g. no such interpreter, too many processes
+            return TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size,
+                               alloc_conf=spec.alloc_conf, message=f"could not start the trial process: {exc}",
+                               advice="check the Python interpreter and process limits")
         with self._lock:
             self._live[handle.pid] = handle
         try:
-            returncode, timed_out = self._wait(handle, spec.timeout_s - (time.time() - launched_at))
+            returncode, timed_out = self._wait(handle, spec.timeout_s)  # from the process's start
         finally:
             _kill_group(handle.pid, signal.SIGKILL)  # stragglers (e.g. DataLoader workers)
             with self._lock:
@@ -308,9 +313,11 @@ def _kill_group(pgid: int, sig: int) -> None:
 
 def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool) -> TrialResult:
     """The child's record, or a classified failure built from the exit status and stderr."""
-    if not timed_out:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            return TrialResult.read(paths["result"])
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        result = TrialResult.read(paths["result"])
+        if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
+            result.extra["hung_after_record"] = True
+        return result
     try:
         stderr = paths["stderr"].read_text(errors="replace")[-_STDERR_TAIL_CHARS:]
     except OSError:

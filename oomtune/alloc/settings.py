@@ -1,0 +1,460 @@
+"""PYTORCH_CUDA_ALLOC_CONF strings: parse, validate, render (the caching allocator's settings).
+
+Reproduces ``ConfigTokenizer`` (c10/core/AllocatorConfig.h), ``AcceleratorAllocatorConfig::parseArgs``
+(c10/core/AllocatorConfig.cpp) and ``CUDAAllocatorConfig::parseArgs`` (c10/cuda/CUDAAllocatorConfig.cpp),
+checked against torch 2.14.1 (libc10.so strings and ``torch._C._accelerator_setAllocatorSettings``).
+oomtune is stricter than torch where torch mis-parses silently or crashes: torch's ``checkToken``
+result is ignored (``max_split_size_mb,512`` is accepted), ``stoull`` takes a prefix (``20.5`` -> 20,
+``-1`` wraps to SIZE_MAX), ``[]`` and ``[a:b,]`` are accepted, and a missing value or unclosed ``[``
+is an INTERNAL ASSERT that aborts ``import torch`` (pytorch #186453). Every such string is refused here.
+Whitespace is dropped anywhere, as ``ConfigTokenizer`` does (``std::isspace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from importlib import metadata
+from typing import Any, Mapping
+
+from oomtune.exceptions import AllocatorConfigError
+from oomtune.units import MiB
+
+__all__ = ["AllocatorSettings", "supported_keys", "validate_alloc_conf", "effective_settings"]
+
+_INTERVALS = 16                      # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
+_MAX_MB = (2**64 - 1) // MiB         # SIZE_MAX / kMB: torch clamps *_mb values to this
+_MIN_LARGE_ALLOC_MB = 10             # kMinLargeAlloc / kMB: large_segment_size_mb must be > this
+_MAX_REGISTER_THREADS = 128          # pinned_max_register_threads() (torch 2.14.1 message)
+_WS = " \t\n\v\f\r"                  # std::isspace in the C locale
+_INT_RE = re.compile(r"\d+")
+_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_MODELLED = ("backend", "expandable_segments", "garbage_collection_threshold", "large_segment_size_mb",
+             "max_non_split_rounding_mb", "max_split_size_mb", "pinned_num_register_threads",
+             "pinned_use_background_threads", "pinned_use_cuda_host_register",
+             "release_lock_on_cudamalloc", "roundup_power2_divisions")
+_ALIASES = {"release_lock_on_hipmalloc": "release_lock_on_cudamalloc",   # torch accepts both spellings
+            "pinned_use_hip_host_register": "pinned_use_cuda_host_register"}
+# Key -> first torch (major, minor) that accepts it. The 2.14 set is verified against torch 2.14.1
+# (tests/test_alloc_settings.py probes it); the earlier boundaries are [unverified] best estimates.
+_SINCE = {"max_split_size_mb": (1, 10), "garbage_collection_threshold": (1, 12),
+          "roundup_power2_divisions": (1, 12), "backend": (2, 0), "expandable_segments": (2, 1),
+          "release_lock_on_cudamalloc": (2, 2), "release_lock_on_hipmalloc": (2, 2),
+          "pinned_use_cuda_host_register": (2, 2), "pinned_use_hip_host_register": (2, 2),
+          "pinned_num_register_threads": (2, 2), "max_non_split_rounding_mb": (2, 6),
+          "pinned_use_background_threads": (2, 6), "graph_capture_record_stream_reuse": (2, 9),
+          "per_process_memory_fraction": (2, 10), "pinned_reserve_segment_size_mb": (2, 10),
+          "large_segment_size_mb": (2, 11), "throw_on_cudamalloc_oom": (2, 12),
+          "pinned_free_catch_all": (2, 12), "pinned_max_round_threshold_mb": (2, 12),
+          "pinned_max_cached_size_mb": (2, 12)}
+_REMOVED = {"roundup_bypass_threshold_mb": ((1, 13), (2, 1))}   # [unverified] range; gone in 2.14.1
+# '>' in the list form fills from last_index + 1 since the ConfigTokenizer rewrite (2.9); before, it
+# filled from last_index and overwrote the last explicit entry [boundary version unverified].
+_GT_FIX = (2, 9)
+# torch's cudaMallocAsync backend never reads these (native caching allocator only); the host
+# (pinned) allocator keys still apply. Torch itself warns only about the first three.
+_NATIVE_ONLY = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
+                "max_non_split_rounding_mb", "large_segment_size_mb", "expandable_segments",
+                "release_lock_on_cudamalloc")
+
+
+def _bad(key: str, value: Any, why: str) -> AllocatorConfigError:
+    """One line naming the key, the value and what is allowed."""
+    return AllocatorConfigError(f"{key}:{value} {why}")
+
+
+def _installed_torch() -> str | None:
+    try:
+        return metadata.version("torch")  # no ``import torch``: cheap, and never touches CUDA
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _version_tuple(torch_version: str | None) -> tuple[int, int] | None:
+    """``"2.14.1+cu130"`` -> (2, 14); None -> the installed torch's, or None without torch."""
+    torch_version = torch_version if torch_version is not None else _installed_torch()
+    if torch_version is None:
+        return None
+    m = re.match(r"\s*(\d+)\.(\d+)", torch_version)
+    if not m:
+        raise AllocatorConfigError(f"torch version {torch_version!r} is not of the form 'MAJOR.MINOR[...]'")
+    return int(m.group(1)), int(m.group(2))
+
+
+def supported_keys(torch_version: str | None = None) -> frozenset[str]:
+    """Keys that torch ``torch_version`` (default: the installed one) accepts in its alloc conf.
+
+    Any other key makes torch raise ``ValueError: Unrecognized key 'K' in Accelerator allocator
+    config.`` (2.9+; ``RuntimeError: Unrecognized CachingAllocator option: K`` before). Includes keys
+    that oomtune does not model (e.g. ``per_process_memory_fraction``). Without torch installed, the
+    newest known set. Source: ``AcceleratorAllocatorConfig::getKeys`` + ``CUDAAllocatorConfig::getKeys``.
+
+    Raises:
+        AllocatorConfigError: ``torch_version`` is not a version string.
+    """
+    v = _version_tuple(torch_version) or (99, 0)
+    keys = {k for k, since in _SINCE.items() if v >= since}
+    keys |= {k for k, (lo, hi) in _REMOVED.items() if lo <= v < hi}
+    return frozenset(keys)
+
+
+def _tokenize(text: str) -> list[str]:
+    """ConfigTokenizer: ',' ':' '[' ']' are tokens of their own; whitespace is dropped anywhere."""
+    tokens, buf = [], ""
+    for ch in text:
+        if ch in ",:[]":
+            if buf:
+                tokens.append(buf)
+            tokens.append(ch)
+            buf = ""
+        elif ch not in _WS:
+            buf += ch
+    return tokens + [buf] if buf else tokens
+
+
+def _split_pairs(text: str) -> list[tuple[str, str | list[tuple[str, str]]]]:
+    """Tokens -> [(key, value)], value a token or a list of (a, b) pairs; strict grammar."""
+    toks, i, pairs = _tokenize(text), 0, []
+    bad = lambda why: AllocatorConfigError(f"malformed allocator settings {text!r}: {why}")  # noqa: E731
+    while i < len(toks):
+        key = toks[i]
+        if key in ",:[]":
+            raise bad(f"expected a key but found {key!r} (empty key or stray bracket)")
+        if i + 1 >= len(toks) or toks[i + 1] != ":":
+            raise bad(f"key {key!r} must be followed by ':' and a value")
+        i += 2
+        if i >= len(toks) or toks[i] in ",:]":
+            raise bad(f"missing value after '{key}:'")
+        if toks[i] == "[":
+            items, i = _split_list(toks, i + 1, key, bad)
+            pairs.append((key, items))
+        else:
+            pairs.append((key, toks[i]))
+            i += 1
+        if i < len(toks):
+            if toks[i] != ",":
+                raise bad(f"expected ',' after the value of {key!r} but found {toks[i]!r}")
+            if i + 1 == len(toks):
+                raise bad("trailing ','")
+            i += 1
+    return pairs
+
+
+def _split_list(toks: list[str], i: int, key: str, bad: Any) -> tuple[list[tuple[str, str]], int]:
+    """Parse ``a:b,c:d]`` starting after '['; returns the pairs and the index after ']'."""
+    items: list[tuple[str, str]] = []
+    while True:
+        if i >= len(toks):
+            raise bad(f"unclosed '[' in the value of {key!r}")
+        if toks[i] == "]" and not items:
+            raise bad(f"empty list '[]' for {key!r}")
+        a = toks[i]
+        if a in ",:[]" or i + 2 >= len(toks) or toks[i + 1] != ":" or toks[i + 2] in ",:[]":
+            raise bad(f"list items of {key!r} must be 'INTERVAL:VALUE' (near {''.join(toks[i:i + 3])!r})")
+        items.append((a, toks[i + 2]))
+        i += 3
+        if i < len(toks) and toks[i] == "]":
+            return items, i + 1
+        if i >= len(toks) or toks[i] != ",":
+            raise bad(f"unclosed '[' in the value of {key!r}")
+        i += 1
+        if i < len(toks) and toks[i] == "]":
+            raise bad(f"trailing ',' inside the list of {key!r}")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _uint(key: str, token: Any) -> int:
+    """A decimal whole number (torch's stoull, without its prefix parsing and wrap-around)."""
+    if not isinstance(token, str) or not _INT_RE.fullmatch(token):
+        raise _bad(key, token, "is not a whole number (decimal digits only, e.g. 512)")
+    n = int(token)
+    if n > 2**64 - 1:
+        raise _bad(key, token, f"is out of range (must be <= {2**64 - 1}; torch: stoull)")
+    return n
+
+
+def _bool(key: str, token: Any) -> bool:
+    if token not in ("True", "False"):  # ConfigTokenizer::toBool: case-sensitive
+        raise _bad(key, token, "is not a boolean: expected 'True' or 'False' (case-sensitive, as torch)")
+    return token == "True"
+
+
+def _mb_bytes(key: str, token: Any) -> int:
+    return min(_uint(key, token), _MAX_MB) * MiB  # torch: val_env = min(val_env, SIZE_MAX / kMB)
+
+
+def _divisions(token: Any, gt_fix: bool) -> tuple[int, ...]:
+    """``parseRoundUpPower2Divisions``: one power of 2 for all 16 intervals, or the list form."""
+    key = "roundup_power2_divisions"
+    if isinstance(token, str):
+        n = _uint(key, token)
+        if not _is_pow2(n):  # the single form rejects 0 (torch: isPowerOf2_64(value))
+            raise _bad(key, token, "invalid: the divisions has to be a power of 2 (1, 2, 4, ...)")
+        return (n,) * _INTERVALS
+    div, last, first = [0] * _INTERVALS, 0, True
+    for a, b in token:
+        n = _uint(key, b)
+        if n != 0 and not _is_pow2(n):
+            raise _bad(key, f"[{a}:{b}]", "invalid: the divisions has to be a power of 2 or 0 (off)")
+        if a == ">":
+            start = last + 1 if gt_fix else last
+            div[start:] = [n] * (_INTERVALS - start)
+            continue
+        boundary = _uint(key, a)
+        if not _is_pow2(boundary):
+            raise _bad(key, f"[{a}:{b}]", "invalid: the intervals (MiB) have to be a power of 2 or '>'")
+        idx = min(boundary.bit_length() - 1, _INTERVALS - 1)
+        if first:
+            div[:idx] = [n] * idx
+            first = False
+        div[idx], last = n, idx
+    return tuple(div)
+
+
+def _divisions_mapping(div: tuple[int, ...]) -> int | dict[str, int]:
+    """The 16 divisions as torch's user form: one int, or {"MiB": n, ..., ">": n}.
+
+    The list names the first interval of the last run as well as '>' so that the string means
+    the same under both '>' semantics (fill from last_index before 2.9, from last_index + 1 since).
+    """
+    if len(set(div)) == 1:
+        return div[0]
+    a = next(j for j in range(_INTERVALS) if div[j] != div[0]) - 1      # end of the first run
+    b = next(j for j in range(_INTERVALS - 1, -1, -1) if div[j] != div[-1]) + 1  # start of the last
+    out = {str(1 << a): div[0]}
+    out.update({str(1 << j): div[j] for j in range(a + 1, b + 1)})
+    out[">"] = div[-1]
+    return out
+
+
+def _token(value: Any) -> str:
+    """A Python value as a torch token: True/False, ints, shortest-repr floats, [a:b,...] lists."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, Mapping):
+        return "[" + ",".join(f"{k}:{_token(v)}" for k, v in value.items()) + "]"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorSettings:
+    """The caching allocator's settings, sizes in bytes (a validated PYTORCH_CUDA_ALLOC_CONF).
+
+    Defaults are torch's (``AcceleratorAllocatorConfig`` / ``CUDAAllocatorConfig``). The constructor
+    applies torch's value checks; it raises :class:`AllocatorConfigError` naming the torch key.
+    ``roundup_power2_divisions[k]`` is the division count for sizes with
+    ``clamp(floor(log2 n) - 20, 0, 15) == k`` (``roundup_power2_divisions(size)``); 0 = off.
+    """
+
+    backend: str = "native"
+    max_split_size_bytes: int | None = None          # None = unlimited (torch: SIZE_MAX)
+    max_non_split_rounding_bytes: int = 20 * MiB
+    garbage_collection_threshold: float = 0.0        # 0 = off
+    roundup_power2_divisions: tuple[int, ...] = (0,) * _INTERVALS
+    expandable_segments: bool = False
+    large_segment_size_bytes: int = 20 * MiB
+    release_lock_on_cudamalloc: bool = False
+    pinned_use_cuda_host_register: bool = False
+    pinned_num_register_threads: int = 1
+    pinned_use_background_threads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("native", "cudaMallocAsync"):
+            raise _bad("backend", self.backend, "unknown: options are native and cudaMallocAsync")
+        for name in ("expandable_segments", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                     "pinned_use_background_threads"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, repr(getattr(self, name)), "is not a boolean (True or False)")
+        large = self._mib("large_segment_size_mb", self.large_segment_size_bytes)
+        if large <= _MIN_LARGE_ALLOC_MB:
+            raise _bad("large_segment_size_mb", large, f"too small: must be > {_MIN_LARGE_ALLOC_MB} (MiB)")
+        for key, nbytes in (("max_split_size_mb", self.max_split_size_bytes),
+                            ("max_non_split_rounding_mb", self.max_non_split_rounding_bytes)):
+            if nbytes is not None and self._mib(key, nbytes) < large:  # torch: >= large segment size
+                raise _bad(key, nbytes // MiB, f"too small: must be >= {large} (MiB, the large segment size)")
+        gc = self.garbage_collection_threshold
+        if isinstance(gc, bool) or not isinstance(gc, (int, float)) or not (gc == 0 or 0 < gc < 1):
+            raise _bad("garbage_collection_threshold", gc, "invalid: set it in (0.0, 1.0) exclusive (0 = off)")
+        object.__setattr__(self, "garbage_collection_threshold", float(gc))
+        div = tuple(self.roundup_power2_divisions)
+        if len(div) != _INTERVALS or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                         or d >= 2**64 or (d and not _is_pow2(d)) for d in div):
+            raise _bad("roundup_power2_divisions", div, "invalid: need 16 entries, each 0 or a power of 2")
+        object.__setattr__(self, "roundup_power2_divisions", div)
+        n = self.pinned_num_register_threads
+        if isinstance(n, bool) or not isinstance(n, int) or not _is_pow2(n) or n > _MAX_REGISTER_THREADS:
+            raise _bad("pinned_num_register_threads", n, f"invalid: must be a power of 2 <= {_MAX_REGISTER_THREADS}")
+
+    @staticmethod
+    def _mib(key: str, nbytes: Any) -> int:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % MiB:
+            raise AllocatorConfigError(f"{key}: {nbytes!r} bytes is not a positive whole number of MiB")
+        if nbytes // MiB > _MAX_MB:
+            raise _bad(key, nbytes // MiB, f"too large: must be <= {_MAX_MB} (MiB)")
+        return nbytes // MiB
+
+    @classmethod
+    def parse(cls, text: str, *, torch_version: str | None = None) -> AllocatorSettings:
+        """Parse a PYTORCH_CUDA_ALLOC_CONF string (``"key:value,key:[a:b,>:c]"``); "" = defaults.
+
+        Args:
+            text: the settings string. Keys are case-sensitive; whitespace anywhere is ignored.
+            torch_version: when given (e.g. ``"2.11.0"``), also refuse keys that torch version does
+                not know (see :func:`supported_keys`) and use its meaning of ``>`` in list form.
+
+        Raises:
+            AllocatorConfigError: malformed syntax, unknown or duplicate key, a key torch accepts but
+                oomtune does not model, or a value outside torch's range (one line naming all three).
+        """
+        if not isinstance(text, str):
+            raise AllocatorConfigError(f"allocator settings must be a string, got {type(text).__name__}")
+        version = _version_tuple(torch_version) if torch_version is not None else None
+        allowed = supported_keys(torch_version) if torch_version is not None else None
+        values: dict[str, Any] = {}
+        for key, value in _split_pairs(text):
+            name = _ALIASES.get(key, key)
+            if key in _REMOVED or (key not in _SINCE and key not in _ALIASES):
+                raise AllocatorConfigError(f"Unrecognized key {key!r} (torch raises 'Unrecognized key'); "
+                                           f"oomtune models: {', '.join(_MODELLED)}")
+            if allowed is not None and key not in allowed:
+                raise AllocatorConfigError(f"key {key!r} is not known to torch {torch_version} (Unrecognized key)")
+            if name not in _MODELLED:
+                raise AllocatorConfigError(f"key {key!r} is accepted by torch but not modelled by oomtune; remove it")
+            if name in values:
+                raise AllocatorConfigError(f"duplicate key {name!r} in {text!r}")
+            if isinstance(value, list) and name != "roundup_power2_divisions":
+                raise AllocatorConfigError(f"{key} takes a single value, not a '[...]' list")
+            values[name] = (key, value)
+        return cls._from_tokens(values, gt_fix=version is None or version >= _GT_FIX)
+
+    @classmethod
+    def _from_tokens(cls, values: dict[str, Any], *, gt_fix: bool) -> AllocatorSettings:
+        kw: dict[str, Any] = {}
+        for name, (key, tok) in values.items():  # key: as the user spelled it (hip aliases)
+            if name == "backend":
+                kw["backend"] = tok
+            elif name == "garbage_collection_threshold":
+                if not _FLOAT_RE.fullmatch(tok) or not 0 < float(tok) < 1:
+                    raise _bad(name, tok, "invalid: set it in (0.0, 1.0) exclusive")
+                kw[name] = float(tok)
+            elif name == "roundup_power2_divisions":
+                kw[name] = _divisions(tok, gt_fix)
+            elif name == "pinned_num_register_threads":
+                kw[name] = _uint(name, tok)
+            elif name.endswith("_mb"):
+                kw[name[:-3] + "_bytes"] = _mb_bytes(name, tok)
+            else:
+                kw[name] = _bool(key, tok)
+        large = kw.get("large_segment_size_bytes", 20 * MiB)
+        kw.setdefault("max_non_split_rounding_bytes", large)  # its default follows the large segment size
+        return cls(**kw)
+
+    def _full_mapping(self) -> dict[str, Any]:
+        return {"backend": self.backend, "expandable_segments": self.expandable_segments,
+                "garbage_collection_threshold": self.garbage_collection_threshold,
+                "large_segment_size_mb": self.large_segment_size_bytes // MiB,
+                "max_non_split_rounding_mb": self.max_non_split_rounding_bytes // MiB,
+                "max_split_size_mb": None if self.max_split_size_bytes is None
+                else self.max_split_size_bytes // MiB,
+                "pinned_num_register_threads": self.pinned_num_register_threads,
+                "pinned_use_background_threads": self.pinned_use_background_threads,
+                "pinned_use_cuda_host_register": self.pinned_use_cuda_host_register,
+                "release_lock_on_cudamalloc": self.release_lock_on_cudamalloc,
+                "roundup_power2_divisions": _divisions_mapping(self.roundup_power2_divisions)}
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The non-default settings as ``{torch key: value in torch's units}``, keys sorted.
+
+        Sizes are ints in MiB (``max_split_size_mb``), booleans are bool, divisions an int or a
+        ``{"MiB boundary" | ">": n}`` dict. ``{}`` for the defaults. ``max_non_split_rounding_mb``
+        is always listed when ``large_segment_size_mb`` is, since torch's default for it follows the
+        large segment size. Inverse: :meth:`from_mapping`.
+        """
+        full, default = self._full_mapping(), _DEFAULTS._full_mapping()
+        keep_rounding = full["large_segment_size_mb"] != default["large_segment_size_mb"]
+        return {k: v for k, v in full.items()
+                if v != default[k] or (keep_rounding and k == "max_non_split_rounding_mb")}
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], *,
+                     torch_version: str | None = None) -> AllocatorSettings:
+        """Build settings from ``{torch key: value}`` (Optuna params, best.yaml); missing keys = defaults.
+
+        Values may be Python values or torch tokens (``True``/``"True"``, ``512``/``"512"``; divisions
+        an int or a dict with int or str keys). "Off" values are accepted as the default:
+        ``max_split_size_mb: None``, ``garbage_collection_threshold: 0``, ``roundup_power2_divisions: 0``.
+
+        Raises:
+            AllocatorConfigError: as :meth:`parse`, or ``mapping`` is not a mapping.
+        """
+        if not isinstance(mapping, Mapping):
+            raise AllocatorConfigError(f"allocator settings mapping expected, got {type(mapping).__name__}")
+        off = {"max_split_size_mb": (None,), "garbage_collection_threshold": (0, 0.0),
+               "roundup_power2_divisions": (0,)}
+        parts = []
+        for key, value in mapping.items():
+            if not isinstance(value, (Mapping, bool)) and value in off.get(str(key), ()):
+                continue
+            parts.append(f"{key}:{_token(value)}")
+        return cls.parse(",".join(parts), torch_version=torch_version)
+
+    def render(self) -> str:
+        """The canonical PYTORCH_CUDA_ALLOC_CONF string: non-default keys, sorted; "" for defaults.
+
+        ``AllocatorSettings.parse(s.render()) == s``; e.g. ``"expandable_segments:True,max_split_size_mb:512"``.
+        """
+        return ",".join(f"{k}:{_token(v)}" for k, v in self.as_mapping().items())
+
+    def inert_keys(self) -> list[str]:
+        """Keys set (non-default) that ``backend:cudaMallocAsync`` ignores; [] for the native backend."""
+        if self.backend != "cudaMallocAsync":
+            return []
+        return [k for k in self.as_mapping() if k in _NATIVE_ONLY]
+
+
+_DEFAULTS = AllocatorSettings()
+
+
+def validate_alloc_conf(text: str) -> AllocatorSettings:
+    """Full check of a PYTORCH_CUDA_ALLOC_CONF string against the installed torch.
+
+    :meth:`AllocatorSettings.parse` with ``torch_version`` = the installed torch, plus a
+    ``UserWarning`` naming the keys that ``backend:cudaMallocAsync`` makes inert (torch warns
+    "backend:cudaMallocAsync ignores max_split_size_mb,roundup_power2_divisions, and ...").
+
+    Raises:
+        AllocatorConfigError: as :meth:`AllocatorSettings.parse`.
+    """
+    settings = AllocatorSettings.parse(text, torch_version=_installed_torch())
+    inert = settings.inert_keys()
+    if inert:
+        warnings.warn(f"backend:cudaMallocAsync ignores {', '.join(inert)} (they have no effect)",
+                      UserWarning, stacklevel=2)
+    return settings
+
+
+def effective_settings() -> dict[str, Any] | None:
+    """What the running torch's CUDA allocator took, or None when CUDA is unavailable.
+
+    **Initialises CUDA** in this process (creates a context on the current device), so call it
+    only after the settings were set and in a process meant to use the GPU. Returns
+    ``torch.cuda.memory._snapshot()["allocator_settings"]`` (torch's keys: ``PYTORCH_CUDA_ALLOC_CONF``
+    (the string parsed), ``max_split_size`` in bytes, ``roundup_power2_divisions`` as
+    {"1": d0, "2": d1, ..., "32768": d15}, ...) plus ``"backend"`` from
+    ``torch.cuda.get_allocator_backend()``. Source: torch/csrc/cuda/Module.cpp ``_cuda_memorySnapshot``.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    result: dict[str, Any] = {"backend": torch.cuda.get_allocator_backend()}
+    try:
+        result.update(torch.cuda.memory._snapshot().get("allocator_settings") or {})
+    except RuntimeError:  # cudaMallocAsync: snapshot metadata unsupported on some versions
+        pass
+    return result

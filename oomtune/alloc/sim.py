@@ -1,0 +1,428 @@
+"""The virtual GPU: a simulator of PyTorch's native CUDA caching allocator.
+
+:class:`CachingAllocatorSim` reproduces ``DeviceCachingAllocator`` (c10/cuda/CUDACachingAllocator.cpp,
+torch 2.14) for one device: size rounding (``round_size`` with roundup_power2_divisions), small
+(<= 1 MiB) and large pools, segment sizes (``get_allocation_size``), best fit by (stream, size,
+address) with the oversize rules, splitting (``should_split``), merging on free, the malloc retry
+chain (get_free_block -> garbage_collect_cached_blocks -> alloc_block ->
+release_available_cached_blocks + alloc_block -> release_cached_blocks + alloc_block -> OOM), the
+per-process memory fraction, garbage_collection_threshold, expandable segments and empty_cache.
+Not modelled: cross-stream uses (``recordStream``/events: blocks are free as soon as freed), CUDA
+graph private pools, IPC, and free-memory callbacks.
+
+The simulated device has ``total_memory_bytes``; ``non_allocator_bytes`` (CUDA context, other
+libraries) are taken before the allocator gets any, so ``cudaMalloc`` succeeds while
+``size <= total - non_allocator - reserved``.
+
+Where the reference notes and the source differ, the source wins: ``set_per_process_memory_fraction``
+arms the limit (and garbage collection) even at 1.0 (``set_fraction = true``); torch >= 2.9 sizes
+1-10 MiB segments with ``large_segment_size`` (was kLargeBuffer); expandable large-pool pages stay
+kLargeBuffer (20 MiB), and the fraction check for expandable memory uses the segment size
+(``alloc_size``) although whole pages are mapped, so reserved memory can pass the limit by less than a
+page, as in torch. Deviations: garbage collection and release_available_cached_blocks skip
+expandable blocks (newer torch / pytorch#123548); the opt-in ``per_process_memory_fraction`` +
+``throw_on_cudamalloc_oom`` keys of recent torch are not modelled.
+
+Speed: free blocks live in sorted lists of packed integer keys (bisect), blocks in dicts by address,
+stats in flat int lists updated inline; a replay runs at roughly 0.4-0.5 M events/s on one core of
+a 2020s Xeon (see experiments/bench_replay.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Any
+
+from oomtune.alloc import _stats
+from oomtune.alloc._blocks import (ADDR_MASK, FIELD_MASK, SIZE_MAX, SIZE_SHIFT, STREAM_SHIFT, Block,
+                                   Pool, get_allocation_size, round_size)
+from oomtune.alloc._config import read_settings
+from oomtune.alloc._expandable import ExpandableMixin
+from oomtune.alloc._release import ReleaseMixin
+from oomtune.alloc._snapshot import build_snapshot
+from oomtune.alloc.oom_message import SimulatedOutOfMemoryError, build_oom_message
+from oomtune.exceptions import ConfigError
+
+__all__ = ["CachingAllocatorSim", "SimulatedOutOfMemoryError", "ADDRESS_BASE"]
+
+ADDRESS_BASE = 0x7F0000000000      # first simulated segment address
+_ALIGN = 2 << 20                   # segments start on 2 MiB boundaries
+inc, dec = _stats.inc, _stats.dec
+# Stat offsets in a type's list (see _stats): the hot paths below use them as literals:
+# 0 allocation, 3 segment, 9 inactive_split, 12 allocated_bytes, 15 reserved_bytes,
+# 21 inactive_split_bytes, 24 requested_bytes; +1 peak, +2 freed.
+assert (_stats.ALLOCATION, _stats.INACTIVE_SPLIT, _stats.ALLOCATED_BYTES, _stats.INACTIVE_SPLIT_BYTES,
+        _stats.REQUESTED_BYTES) == (0, 9, 12, 21, 24)
+
+
+class CachingAllocatorSim(ReleaseMixin, ExpandableMixin):
+    """A simulated CUDA device with PyTorch's native caching allocator (``DeviceCachingAllocator``).
+
+    Args:
+        settings: ``AllocatorSettings``, a PYTORCH_CUDA_ALLOC_CONF string, or None (torch defaults).
+        total_memory_bytes: the device capacity in bytes (``cudaMemGetInfo`` total).
+        non_allocator_bytes: device memory outside the allocator (CUDA context etc.), in bytes.
+        memory_fraction: a value < 1 calls :meth:`set_per_process_memory_fraction`; 1.0 (default)
+            means the process never set a fraction (no limit, and no garbage collection).
+        device_index: the GPU index shown in messages and snapshots.
+        record_segment_events: keep ``segment_events``: dicts ``{"action": "segment_alloc" |
+            "segment_free" | "segment_map" | "segment_unmap", "addr", "size", "stream", "index"}``
+            in order; ``index`` is the 0-based number of the malloc/free call that caused the event
+            (for :meth:`empty_cache`, the number of malloc/free calls made before it).
+
+    Raises:
+        ConfigError: a non-positive capacity, negative or too large non-allocator memory, a bad
+            fraction. AllocatorConfigError: a malformed settings string or a non-native backend.
+    """
+
+    def __init__(self, settings: Any = None, *, total_memory_bytes: int, non_allocator_bytes: int = 0,
+                 memory_fraction: float = 1.0, device_index: int = 0,
+                 record_segment_events: bool = False) -> None:
+        if isinstance(total_memory_bytes, bool) or not isinstance(total_memory_bytes, int) \
+                or total_memory_bytes <= 0:
+            raise ConfigError(f"total_memory_bytes must be a positive int, got {total_memory_bytes!r}")
+        if not isinstance(non_allocator_bytes, int) or not 0 <= non_allocator_bytes <= total_memory_bytes:
+            raise ConfigError(f"non_allocator_bytes must be an int in [0, total_memory_bytes], "
+                              f"got {non_allocator_bytes!r}")
+        cfg = read_settings(settings)
+        self.settings = settings
+        self._max_split, self._max_non_split = cfg["max_split"], cfg["non_split"]
+        self._gc_threshold, self._divs = cfg["gc"], cfg["divs"]
+        self._expandable, self._large_seg = cfg["expandable"], cfg["large_segment"]
+        self._total, self._non_alloc, self.device_index = total_memory_bytes, non_allocator_bytes, device_index
+        self._small, self._large = Pool(True), Pool(False)
+        self._free: dict[int, Block] = {}       # addr -> free mapped block (in a pool's key list)
+        self._active: dict[int, Block] = {}     # addr -> allocated block
+        self._unmapped: dict[int, Block] = {}   # addr -> unmapped expandable range
+        self._es_list: list = []
+        self._total_alloc = 0                   # total_allocated_memory == reserved_bytes.all.current
+        self._allowed: int | None = None        # allowed_memory_maximum when a fraction was set
+        self._gc_on = False
+        self._st = _stats.new_stats()          # [all, small_pool, large_pool] stat lists
+        self._hot = (self._st[0], (self._st[2], self._st[1]))   # (all, pool lists by `small`)
+        self._over_allocs, self._over_segs = [0, 0, 0], [0, 0, 0]
+        self.num_alloc_retries = self.num_ooms = self.num_sync_all_streams = 0
+        self.num_device_alloc = self.num_device_free = 0
+        self._calls = 0
+        self._record = bool(record_segment_events)
+        self.segment_events: list[dict[str, int | str]] = []
+        self._next_addr = ADDRESS_BASE
+        if memory_fraction != 1.0:
+            self.set_per_process_memory_fraction(memory_fraction)
+
+    # -- public API ------------------------------------------------------------------------------
+    def malloc(self, size_bytes: int, stream: int = 0) -> int:
+        """Allocate ``size_bytes`` on ``stream``; returns the block address (``DeviceCachingAllocator::malloc``).
+
+        Raises:
+            SimulatedOutOfMemoryError: the whole retry chain failed (``num_ooms`` is incremented).
+            ConfigError: a negative size.
+        """
+        index = self._calls
+        self._calls = index + 1
+        if size_bytes < 512:
+            if size_bytes < 0:
+                raise ConfigError(f"cannot allocate a negative size ({size_bytes} bytes)")
+            size = 512
+        elif self._divs is None:
+            size = (size_bytes + 511) & -512
+        else:
+            size = round_size(size_bytes, self._divs)
+        small = size <= 1048576
+        pool = self._small if small else self._large
+        if self._gc_on:
+            pool.gc_calls += 1
+        keys = pool.keys
+        block = None
+        i = bisect_left(keys, (stream << STREAM_SHIFT) | (size << SIZE_SHIFT))
+        if i < len(keys) and keys[i] >> STREAM_SHIFT == stream:          # get_free_block
+            k = keys[i]
+            if self._expandable:
+                i, k = self._pick_expandable(keys, i, stream)
+            bsize, ms = (k >> SIZE_SHIFT) & FIELD_MASK, self._max_split
+            if (bsize < ms) if size < ms else (bsize < size + self._max_non_split):
+                del keys[i]
+                block = self._free.pop(k & ADDR_MASK)
+        if block is None:
+            block = self._alloc_slow(size, stream, pool, small, size_bytes, index)
+        remaining = block.size - size                                      # should_split
+        if small or self._expandable:
+            split = remaining >= 512
+        else:
+            split = size < self._max_split and remaining > 1048576
+        if split or block.prev is not None or block.next is not None:
+            self._split(block, size, remaining, split, pool)
+        block.allocated = True                                             # alloc_found_block
+        block.requested = size_bytes
+        addr = block.addr
+        self._active[addr] = block
+        size = block.size
+        pa, pt = self._hot
+        for lst in (pa, pt[small]):   # allocation (0), allocated_bytes (12), requested_bytes (24)
+            c = lst[0] + 1
+            lst[0] = c
+            if c > lst[1]:
+                lst[1] = c
+            c = lst[12] + size
+            lst[12] = c
+            if c > lst[13]:
+                lst[13] = c
+            c = lst[24] + size_bytes
+            lst[24] = c
+            if c > lst[25]:
+                lst[25] = c
+        if size >= self._max_split:
+            inc(self._over_allocs, 0, 1)
+        return addr
+
+    def free(self, addr: int) -> None:
+        """Free the block at ``addr`` (``DeviceCachingAllocator::free`` + ``free_block``).
+
+        Raises:
+            ConfigError: ``addr`` is not an allocated block of this simulator.
+        """
+        self._calls += 1
+        block = self._active.pop(addr, None)
+        if block is None:
+            raise ConfigError(f"free of an address that is not allocated on the virtual GPU: {addr!r}")
+        block.allocated = False
+        size, req, small = block.size, block.requested, block.small
+        pa, pt = self._hot
+        for lst in (pa, pt[small]):   # allocation, allocated_bytes, requested_bytes: current/freed
+            lst[0] -= 1
+            lst[2] += 1
+            lst[12] -= size
+            lst[14] += size
+            lst[24] -= req
+            lst[26] += req
+        if size >= self._max_split:
+            dec(self._over_allocs, 0, 1)
+        prev, nxt = block.prev, block.next
+        if prev is None and nxt is None:          # a whole segment: nothing to merge or count
+            pool = self._small if small else self._large
+            insort(pool.keys, (block.stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | addr)
+            self._free[addr] = block
+            block.gc_base = pool.gc_calls
+        else:
+            self._free_split(block, prev, nxt)
+
+    def _free_split(self, block: Block, prev: Block | None, nxt: Block | None) -> None:
+        """The rest of ``free_block`` for a block that shares its segment: merge with free
+        neighbours (``try_merge_blocks``), cache it, and update the inactive_split stats."""
+        if block.es is not None:
+            self._free_expandable(block, prev, nxt)
+            return
+        pool = self._small if block.small else self._large
+        keys, free = pool.keys, self._free
+        net_n = net_b = 0
+        if prev is not None and not prev.allocated:
+            del keys[bisect_left(keys, (prev.stream << STREAM_SHIFT) | (prev.size << SIZE_SHIFT) | prev.addr)]
+            del free[prev.addr]
+            block.addr = prev.addr
+            block.prev = pp = prev.prev
+            if pp is not None:
+                pp.next = block
+            block.size += prev.size
+            net_n -= 1
+            net_b -= prev.size
+        if nxt is not None and not nxt.allocated:
+            del keys[bisect_left(keys, (nxt.stream << STREAM_SHIFT) | (nxt.size << SIZE_SHIFT) | nxt.addr)]
+            del free[nxt.addr]
+            block.next = nn = nxt.next
+            if nn is not None:
+                nn.prev = block
+            block.size += nxt.size
+            net_n -= 1
+            net_b -= nxt.size
+        size = block.size
+        insort(keys, (block.stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | block.addr)
+        free[block.addr] = block
+        block.gc_base = pool.gc_calls
+        if block.prev is not None or block.next is not None:
+            net_n += 1
+            net_b += size
+        pa, pt = self._hot
+        for lst in (pa, pt[block.small]):   # inactive_split (9), inactive_split_bytes (21)
+            if net_n > 0:
+                c = lst[9] + net_n
+                lst[9] = c
+                if c > lst[10]:
+                    lst[10] = c
+            elif net_n < 0:
+                lst[9] += net_n
+                lst[11] -= net_n
+            if net_b > 0:
+                c = lst[21] + net_b
+                lst[21] = c
+                if c > lst[22]:
+                    lst[22] = c
+            elif net_b < 0:
+                lst[21] += net_b
+                lst[23] -= net_b
+
+    def empty_cache(self) -> None:
+        """Release every cached whole segment and unmap free expandable pages (``emptyCache``)."""
+        self._release_cached(self._calls)
+
+    def set_per_process_memory_fraction(self, fraction: float) -> None:
+        """Limit reserved memory to ``int(fraction * total_memory_bytes)`` (``setMemoryFraction``).
+
+        As in torch, calling this (even with 1.0) turns on the limit check and lets
+        garbage_collection_threshold act. Raises ConfigError unless 0 <= fraction <= 1.
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"invalid memory fraction {fraction!r}: allowed range is 0~1")
+        self._allowed = int(fraction * self._total)
+        self._gc_on = self._gc_threshold > 0.0
+
+    def memory_stats(self) -> dict[str, int]:
+        """The flat ``torch.cuda.memory_stats()`` dict (e.g. ``"allocated_bytes.all.peak"``)."""
+        ms = self._max_split
+        counters = {"num_alloc_retries": self.num_alloc_retries, "num_ooms": self.num_ooms,
+                    "num_sync_all_streams": self.num_sync_all_streams,
+                    "num_device_alloc": self.num_device_alloc, "num_device_free": self.num_device_free,
+                    "max_split_size": -1 if ms == SIZE_MAX else ms}
+        return _stats.flatten_stats(self._st, self._over_allocs, self._over_segs, counters)
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        """Segments and blocks in ``torch.cuda.memory_snapshot()`` form, sorted by address."""
+        return build_snapshot(list(self._free.values()) + list(self._active.values()), self.device_index)
+
+    def reset_peak_memory_stats(self) -> None:
+        """Set every peak to its current value (``resetPeakStats``)."""
+        _stats.reset_peaks(self._st)
+        self._over_allocs[1], self._over_segs[1] = self._over_allocs[0], self._over_segs[0]
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in allocated blocks now (``allocated_bytes.all.current``)."""
+        return self._st[0][12]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held from the device now (``reserved_bytes.all.current``)."""
+        return self._total_alloc
+
+    @property
+    def device_free_bytes(self) -> int:
+        """Free device memory as ``cudaMemGetInfo`` would report it."""
+        return self._device_free()
+
+    @property
+    def total_memory_bytes(self) -> int:
+        """The simulated device capacity in bytes."""
+        return self._total
+
+    @property
+    def allowed_bytes(self) -> int | None:
+        """``allowed_memory_maximum`` in bytes, or None when no fraction was set."""
+        return self._allowed
+
+    # -- internals -------------------------------------------------------------------------------
+    def _device_free(self) -> int:
+        return self._total - self._non_alloc - self._total_alloc
+
+    def _reserve_address(self, size: int, align: int = _ALIGN) -> int:
+        addr = -(-self._next_addr // align) * align
+        self._next_addr = -(-(addr + size) // _ALIGN) * _ALIGN
+        if self._next_addr >= 1 << SIZE_SHIFT:
+            raise ConfigError("the virtual GPU ran out of simulated address space")
+        return addr
+
+    def _insert_free(self, block: Block) -> None:
+        """``insert_into_blocks``: add a free mapped block to its pool, stamping its gc age base."""
+        pool = self._small if block.small else self._large
+        insort(pool.keys, block.key())
+        self._free[block.addr] = block
+        block.gc_base = pool.gc_calls
+
+    def _alloc_slow(self, size: int, stream: int, pool: Pool, small: bool, orig: int, index: int) -> Block:
+        """The part of ``malloc`` after a failed get_free_block: gc, alloc_block and its retries."""
+        alloc_size = get_allocation_size(size, self._large_seg)
+        if self._gc_on:
+            self._garbage_collect(index)
+        args = (size, alloc_size, stream, pool, small)
+        block = (self._alloc_block(*args, False, index)
+                 or (self._release_available(size, stream, pool, index) and self._alloc_block(*args, False, index))
+                 or (self._release_cached(index) and self._alloc_block(*args, True, index)))
+        if not block:
+            raise self._oom(alloc_size, orig)
+        return block
+
+    def _alloc_block(self, size: int, alloc_size: int, stream: int, pool: Pool, small: bool,
+                     retry: bool, index: int) -> Block | None:
+        """``alloc_block``: a new segment of ``alloc_size`` bytes (or mapped expandable pages)."""
+        if retry:
+            self.num_alloc_retries += 1
+        if self._allowed is not None and self._total_alloc + alloc_size > self._allowed:
+            return None
+        if self._expandable:
+            return self._try_allocate_expandable(stream, pool, size, index)
+        if alloc_size > self._device_free():
+            return None
+        block = Block(self._reserve_address(alloc_size), alloc_size, stream, small)
+        self._total_alloc += alloc_size
+        pa, pt = self._hot
+        for lst in (pa, pt[small]):
+            inc(lst, 3, 1)               # segment
+            inc(lst, 15, alloc_size)     # reserved_bytes
+        if alloc_size >= self._max_split:
+            inc(self._over_segs, 0, 1)
+        self.num_device_alloc += 1
+        if self._record:
+            self.segment_events.append({"action": "segment_alloc", "addr": block.addr,
+                                        "size": alloc_size, "stream": stream, "index": index})
+        return block
+
+    def _split(self, block: Block, size: int, remaining: int, split: bool, pool: Pool) -> None:
+        """The splitting part of ``alloc_found_block``: cut ``remaining`` bytes off into a new free
+        block when ``split``, and keep inactive_split(_bytes) right for blocks of split segments."""
+        pa, pt = self._hot
+        lists = (pa, pt[block.small])
+        was_split = block.prev is not None or block.next is not None
+        if split:
+            rest = Block(block.addr + size, remaining, block.stream, block.small)
+            rest.requested, rest.es = block.requested, block.es
+            nxt = block.next
+            rest.prev, rest.next = block, nxt
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            block.size = size
+            insort(pool.keys, (rest.stream << STREAM_SHIFT) | (remaining << SIZE_SHIFT) | rest.addr)
+            self._free[rest.addr] = rest
+            rest.gc_base = pool.gc_calls
+            if block.es is None:
+                for lst in lists:
+                    if was_split:              # an inactive split block shrinks by size
+                        lst[21] -= size
+                        lst[23] += size
+                    else:                      # a new inactive split block of remaining bytes
+                        c = lst[21] + remaining
+                        lst[21] = c
+                        if c > lst[22]:
+                            lst[22] = c
+                        c = lst[9] + 1
+                        lst[9] = c
+                        if c > lst[10]:
+                            lst[10] = c
+        elif block.es is None:                 # an inactive split block becomes active
+            size = block.size
+            for lst in lists:
+                lst[21] -= size
+                lst[23] += size
+                lst[9] -= 1
+                lst[11] += 1
+
+    def _oom(self, alloc_size: int, orig: int) -> SimulatedOutOfMemoryError:
+        """Count the OOM and build the exception with the native message (after the retries)."""
+        self.num_ooms += 1
+        free, allocated, reserved = self._device_free(), self.allocated_bytes, self._total_alloc
+        msg = build_oom_message(alloc_size_bytes=alloc_size, device_index=self.device_index,
+                                total_bytes=self._total, free_bytes=free, allocated_bytes=allocated,
+                                reserved_bytes=reserved, allowed_bytes=self._allowed,
+                                process_bytes=self._non_alloc + reserved)
+        return SimulatedOutOfMemoryError(
+            msg, requested_bytes=alloc_size, request_size_bytes=orig, allocated_bytes=allocated,
+            reserved_bytes=reserved, free_bytes=free, total_bytes=self._total,
+            allowed_bytes=self._allowed, device_index=self.device_index)

@@ -1,0 +1,275 @@
+"""Record the stream of storage allocations and releases a training step makes, without a GPU.
+
+Every tensor's memory lives in one ``torch.UntypedStorage``. On a CUDA device each new storage of
+``nbytes > 0`` is exactly one request to the caching allocator (``NativeCachingAllocator::allocate``
+in c10/cuda/CUDACachingAllocator.cpp calls ``malloc(size)`` only ``if (size != 0)``), and the
+storage's death is one ``free``. So recording, in program order, which storages ops create and when
+they die gives the request stream the caching allocator would see; running the step on the ``meta``
+device (no data, no arithmetic) or on the CPU gives that stream without a GPU.
+
+Mechanism (after ``torch.distributed._tools.mem_tracker.MemTracker``): a ``TorchDispatchMode`` sees
+every aten op's outputs, forward, backward (the autograd engine carries the mode to its threads) and
+optimizer alike; an output whose untyped storage was not seen before is a new allocation, and a
+``weakref`` callback on that storage object reports its release. torch keeps one Python object per
+live storage (PyObject preservation), so views (``view``, ``t``, indexing), in-place ops and
+``out=`` ops that reuse their storage add nothing.
+
+Known differences from a real CUDA run (the recorded stream omits or differs in):
+
+* Workspaces allocated inside kernels below the Python dispatch key: cuBLAS workspaces (one per
+  handle/stream, ``CUBLAS_WORKSPACE_CONFIG``), cuDNN convolution workspaces (sized by the chosen
+  algorithm; often hundreds of MiB, freed right after the call), cuFFT plans, NCCL buffers.
+* Kernel choice: ``meta``/CPU follow the generic kernels; on CUDA, cuDNN batch norm returns an extra
+  reserve buffer, fused/flash attention saves different tensors, and the default optimizer
+  implementation is ``foreach`` (CPU and meta default to the per-tensor loop).
+* Autocast: the CUDA autocast weight cache keeps the low-precision copies of the parameters alive
+  for the whole forward; bf16/fp16 casts on CPU autocast follow CPU's op lists.
+* ``torch.UntypedStorage.resize_`` called directly (not through an aten op) is not seen; a storage
+  that grows under an aten op is recorded as a new request followed by the release of the old one.
+* Storages kept alive by a reference cycle are released when the cyclic garbage collector runs, not
+  when the last direct reference goes (the same happens on the GPU).
+* Tensors created with the mode inactive (other threads, e.g. a DataLoader pin-memory thread, or
+  ``no_dispatch``) are not recorded; releases are recorded from any thread (under a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream"]
+
+
+class AllocationSink(Protocol):
+    """Receives the recorded requests. ``key`` identifies one storage for its lifetime (int >= 1)."""
+
+    def on_alloc(self, key: int, size_bytes: int) -> None:
+        """A new storage of ``size_bytes`` (> 0) bytes; may raise (e.g. a simulated OOM)."""
+
+    def on_free(self, key: int) -> None:
+        """The storage recorded under ``key`` was released."""
+
+
+class StreamSink:
+    """A sink that keeps the events as ``(action, key, size_bytes, stream)`` tuples.
+
+    ``action`` is ``"alloc"`` or ``"free"``; a free carries the size of its allocation. Also keeps
+    the live and peak live requested bytes (the sum of live storage sizes, before any rounding by
+    the allocator).
+    """
+
+    def __init__(self, stream: int = 0) -> None:
+        self.stream = stream
+        self.events: list[tuple[str, int, int, int]] = []
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+
+    def on_alloc(self, key: int, size_bytes: int) -> None:
+        self.events.append(("alloc", key, size_bytes, self.stream))
+        self._sizes[key] = size_bytes
+        self.live_bytes += size_bytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def on_free(self, key: int) -> None:
+        size = self._sizes.pop(key)
+        self.live_bytes -= size
+        self.events.append(("free", key, size, self.stream))
+
+    @property
+    def alloc_sizes(self) -> list[int]:
+        """The requested sizes in bytes, in allocation order."""
+        return [size for action, _, size, _ in self.events if action == "alloc"]
+
+    def to_stream(self) -> Any:
+        """The events as an ``oomtune.alloc.stream.AllocationStream``."""
+        from oomtune.alloc.stream import AllocationStream
+
+        return AllocationStream(list(self.events))
+
+
+class _Entry:
+    __slots__ = ("key", "size_bytes", "ref", "freed")
+
+    def __init__(self, key: int, size_bytes: int) -> None:
+        self.key, self.size_bytes = key, size_bytes
+        self.ref: weakref.ref | None = None
+        self.freed = False
+
+
+class StorageRecorder(TorchDispatchMode):
+    """A dispatch mode that reports each new storage and each release to ``sink``, in program order.
+
+    Use as a context manager around the code to record (forward, ``loss.backward()``,
+    ``optimizer.step()``, ...). Storages that exist before (parameters, buffers, optimizer state,
+    inputs) should be passed to :meth:`register_existing` first, so that their views are not taken
+    for new allocations and their releases are reported.
+
+    Args:
+        sink: an :class:`AllocationSink` (``on_alloc(key, size_bytes)``, ``on_free(key)``).
+        device: record only storages on this device type (``"meta"``, ``"cpu"``, ``"cuda"``);
+            ``None`` records every device. Capturing on meta with ``device="meta"`` skips CPU
+            tensors such as Adam's ``step`` counters, which on a GPU run also stay on the host.
+
+    Zero-byte storages are tracked but not reported (the CUDA allocator makes no request for them).
+    Releases after the mode exits are not reported. Exceptions raised by ``sink.on_alloc`` (a
+    simulated OOM) propagate out of the op that allocated; that storage is not counted as live.
+    Thread safety: sink calls are serialised by a lock; a release that arrives while a sink call is
+    running on the same thread (cyclic GC inside the sink) is deferred until that call returns.
+    """
+
+    def __init__(self, sink: AllocationSink, *, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self.sink = sink
+        self.device_type = None if device is None else torch.device(device).type
+        self._live: dict[int, _Entry] = {}   # id(storage object) -> entry
+        self._next_key = 1
+        self._lock = threading.RLock()
+        self._busy = False
+        self._pending: list[_Entry] = []
+        self.recording = False
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.n_allocs = 0
+        self.n_frees = 0
+
+    # -- context ---------------------------------------------------------------------------------
+    def __enter__(self) -> StorageRecorder:
+        self.recording = True
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            with self._lock:
+                self.recording = False
+
+    # -- registration ----------------------------------------------------------------------------
+    def register_existing(self, tensors: Iterable[Any]) -> int:
+        """Report the storages of ``tensors`` (nested containers allowed) as allocations now.
+
+        Each storage is reported once, however many tensors view it. Works with or without the mode
+        active. Returns the number of newly registered storages (zero-byte ones included).
+
+        Raises:
+            whatever ``sink.on_alloc`` raises (e.g. a simulated OOM: the parameters alone do not fit).
+        """
+        leaves, _ = tree_flatten(list(tensors) if not isinstance(tensors, torch.Tensor) else tensors)
+        was = self.recording
+        self.recording = True
+        try:
+            return sum(self._track(t) for t in leaves if isinstance(t, torch.Tensor))
+        finally:
+            self.recording = was
+
+    # -- dispatch ----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if self.recording:
+            leaves, _ = tree_flatten(out)
+            for t in leaves:
+                if isinstance(t, torch.Tensor):
+                    self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> int:
+        """Register ``t``'s storage if new (or grown); return 1 if a new storage was registered."""
+        if self.device_type is not None and t.device.type != self.device_type:
+            return 0
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or storage-less tensors
+            return 0
+        size = st.nbytes()
+        with self._lock:
+            old = self._live.get(id(st))
+            if old is not None and old.ref is not None and old.ref() is st:
+                if old.size_bytes == size:
+                    return 0
+                # The storage grew in place (resize under an aten op): CUDA allocates a new block,
+                # copies, then frees the old one (StorageImpl reallocation); report it that way.
+                self._report_alloc(id(st), st, size)
+                self._report_free(old)
+                return 0
+            self._report_alloc(id(st), st, size)
+            return 1
+
+    def _report_alloc(self, sid: int, st: torch.UntypedStorage, size: int) -> None:
+        key = self._next_key
+        self._next_key += 1
+        if size > 0:
+            self._call(self.sink.on_alloc, key, size)  # raises before the entry exists
+            self.n_allocs += 1
+            self.live_bytes += size
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        entry = _Entry(key, size)
+        entry.ref = weakref.ref(st, _make_callback(weakref.ref(self), sid, entry))
+        self._live[sid] = entry
+
+    def _report_free(self, entry: _Entry) -> None:
+        if entry.freed:
+            return
+        entry.freed = True
+        if entry.size_bytes > 0:
+            self.n_frees += 1
+            self.live_bytes -= entry.size_bytes
+            self._call(self.sink.on_free, entry.key)
+
+    def _released(self, sid: int, entry: _Entry) -> None:
+        with self._lock:
+            if self._live.get(sid) is entry:
+                del self._live[sid]
+            if not self.recording or entry.size_bytes == 0 or entry.freed:
+                return
+            if self._busy:
+                self._pending.append(entry)  # re-entered from inside a sink call (cyclic GC)
+                return
+            self._report_free(entry)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        self._busy = True
+        try:
+            fn(*args)
+        finally:
+            self._busy = False
+        while self._pending and self.recording:
+            self._report_free(self._pending.pop(0))
+
+
+def _make_callback(rec_ref: weakref.ref, sid: int, entry: _Entry) -> Callable[[Any], None]:
+    def _on_release(_ref: Any) -> None:
+        rec = rec_ref()
+        if rec is not None:
+            rec._released(sid, entry)
+
+    return _on_release
+
+
+def capture_stream(
+    step_fn: Callable[[], None],
+    *,
+    existing: Iterable[torch.Tensor] = (),
+    device: str | torch.device | None = None,
+    stream: int = 0,
+) -> Any:
+    """Run ``step_fn()`` once under a :class:`StorageRecorder` and return its request stream.
+
+    ``existing`` tensors (parameters, buffers, optimizer state, inputs) are registered first as
+    allocations, so the stream starts with them. Returns an ``oomtune.alloc.stream.AllocationStream``
+    of ``(action, key, size_bytes, stream)`` events. ``device`` filters as in
+    :class:`StorageRecorder`.
+    """
+    sink = StreamSink(stream)
+    rec = StorageRecorder(sink, device=device)
+    rec.register_existing(existing)
+    with rec:
+        step_fn()
+    return sink.to_stream()

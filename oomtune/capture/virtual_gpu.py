@@ -1,0 +1,132 @@
+"""The virtual GPU: a training step run on ``meta`` (or CPU) tensors, its allocations fed live to a
+caching-allocator simulator, so that a simulated out-of-memory error is raised inside the step.
+
+Each storage the step creates becomes ``sim.malloc(size_bytes, stream)`` at the moment the op that
+creates it returns, and its release becomes ``sim.free(addr)``: the same request stream the CUDA
+caching allocator would receive (``NativeCachingAllocator::allocate`` / ``local_raw_delete`` in
+c10/cuda/CUDACachingAllocator.cpp), within the limits listed in :mod:`oomtune.capture.recorder`
+(no cuBLAS/cuDNN workspaces, generic kernels, no autocast weight cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from oomtune.capture.recorder import StorageRecorder
+
+__all__ = ["VirtualGPU"]
+
+
+class _SimSink:
+    """Forwards recorded requests to a simulator, keeping ``key -> address``."""
+
+    def __init__(self, sim: Any, stream: int) -> None:
+        self.sim = sim
+        self.stream = stream
+        self.addr: dict[int, int] = {}
+        self.n_mallocs = 0
+        self.n_frees = 0
+
+    def on_alloc(self, key: int, size_bytes: int) -> None:
+        addr = self.sim.malloc(size_bytes, stream=self.stream)  # may raise the simulated OOM
+        self.addr[key] = addr
+        self.n_mallocs += 1
+
+    def on_free(self, key: int) -> None:
+        addr = self.addr.pop(key, None)
+        if addr is None:  # never reached the simulator (its malloc raised) or already freed
+            return
+        self.sim.free(addr)
+        self.n_frees += 1
+
+
+class VirtualGPU:
+    """Context manager that runs the enclosed PyTorch code against a ``CachingAllocatorSim``.
+
+    Usage::
+
+        sim = CachingAllocatorSim(settings, total_memory_bytes=16 * GiB)
+        with VirtualGPU(sim, device="meta") as vgpu:
+            vgpu.register(workload.tensors_before_step())   # parameters, buffers, optimizer state
+            workload.step(batch)                           # may raise torch.OutOfMemoryError
+
+    Args:
+        sim: an object with ``malloc(size_bytes, stream=0) -> int`` (raising
+            ``SimulatedOutOfMemoryError``, a ``torch.OutOfMemoryError``) and ``free(addr)``:
+            ``oomtune.alloc.sim.CachingAllocatorSim``.
+        device: the device type whose storages stand for GPU memory (``"meta"`` or ``"cpu"``);
+            tensors on other devices (e.g. Adam's CPU ``step`` counters during a meta run) are not
+            sent. Default ``None``: the device of the first tensor given to :meth:`register`, or
+            every device if nothing was registered before the first op.
+        stream: the CUDA stream number given to ``sim.malloc``.
+
+    Raises:
+        torch.OutOfMemoryError: (the simulator's subclass) from :meth:`register` or from inside the
+            enclosed code, at the exact request that does not fit; the context exits normally.
+        RuntimeError: the context is entered a second time (one recording per instance).
+
+    :meth:`register` may be called before entering or inside the context. Storages recorded before
+    an OOM and released during the unwinding are freed in the simulator;
+    releases after the context exits are ignored, so ``sim`` keeps the state at exit. Releases from
+    other threads (a DataLoader pin-memory thread dropping its last reference) are serialised by the
+    recorder's lock; tensors created on other threads are not recorded (dispatch modes are
+    thread-local), which matches CPU-side work that never touches the GPU allocator.
+    """
+
+    def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0) -> None:
+        self.sim = sim
+        self._sink = _SimSink(sim, stream)
+        self.recorder = StorageRecorder(self._sink, device=device)
+        self._entered = False
+        self._exited = False
+
+    @property
+    def n_mallocs(self) -> int:
+        """Requests that reached the simulator and succeeded."""
+        return self._sink.n_mallocs
+
+    @property
+    def n_frees(self) -> int:
+        """Releases forwarded to the simulator."""
+        return self._sink.n_frees
+
+    @property
+    def live_bytes(self) -> int:
+        """Requested bytes live now (before the allocator's rounding)."""
+        return self.recorder.live_bytes
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """Peak of requested live bytes since creation (before the allocator's rounding)."""
+        return self.recorder.peak_live_bytes
+
+    def register(self, tensors: Iterable[Any]) -> int:
+        """Allocate the storages of tensors that already exist (each storage once).
+
+        Returns the number of storages registered. Raises the simulated ``torch.OutOfMemoryError``
+        if they do not fit (e.g. the parameters alone exceed the budget).
+        """
+        tensors = list(tensors)
+        if self.recorder.device_type is None:
+            first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+            if first is not None:
+                self.recorder.device_type = first.device.type
+        n = self.recorder.register_existing(tensors)
+        if not self._exited:
+            # Registered before entering: forward their releases to the simulator from now on.
+            self.recorder.recording = True
+        return n
+
+    def __enter__(self) -> VirtualGPU:
+        if self._entered:
+            raise RuntimeError("a VirtualGPU records once; create a new one for another run")
+        self._entered = True
+        self.recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._exited = True
+        self.recorder.__exit__(*exc)

@@ -1,0 +1,309 @@
+"""``oomtune check``: a CI regression check of a best.yaml against the current code.
+
+Two modes:
+
+* ``predict`` (no GPU, deterministic): re-trace the workload recorded in best.yaml with the CURRENT
+  code (the built-in workload code of this oomtune, or the user's ``target: python`` factory) on the
+  meta device, replay it under the recorded allocator settings on the recorded virtual GPU geometry
+  (:func:`oomtune.plan.predictor.sim_geometry`), and compare the predicted peak reserved with
+  ``best.predicted_peak_reserved_bytes`` recorded at tuning time. Fails when it grew by more than
+  ``tolerance`` (default 0.5%) or no longer fits the budget.
+* ``run``: run the recorded configuration as a trial (``TrialRunner(launcher="spawn")``, the recorded
+  workload, budget and batch size, more measured steps than a search trial) on a CUDA device or on
+  the virtual GPU on CPU. Fails on running out of memory (any failed trial), peak reserved grown by
+  more than ``max_memory_growth`` over ``best.metrics.peak_reserved_bytes``, or throughput fallen by
+  more than ``max_slowdown``. Device memory is only compared with device memory and simulated with
+  simulated (anything else is refused as bad input).
+
+Default mode (:func:`default_mode`): ``run`` when CUDA is available and best.yaml was measured on a
+CUDA device (the real thing can be re-measured); ``predict`` otherwise: without CUDA a device
+measurement cannot be reproduced, and for a virtual-GPU best.yaml the prediction is the same
+simulation without the noise of CPU timings on shared CI machines.
+
+Limits are inclusive: growth exactly equal to the limit passes. They are compared exactly, as
+rationals of the decimal limit the user gave (``new - old <= limit * old``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from oomtune.exceptions import BestFileError, ConfigError
+from oomtune.units import format_bytes
+
+__all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "default_mode", "relative_change", "within_limit", "within_drop",
+           "evaluate_run",
+           "check_predict", "check_run", "write_junit"]
+
+CHECK_MODES = ("run", "predict")
+
+
+@dataclass
+class CheckCase:
+    """One named check (a JUnit testcase). ``passed`` None means skipped (``message`` says why)."""
+
+    name: str
+    passed: bool | None
+    message: str
+    time_s: float = 0.0
+
+
+@dataclass
+class CheckReport:
+    """The outcome of ``oomtune check``: the cases, the one-line summary and the figures."""
+
+    mode: str
+    cases: list[CheckCase]
+    summary: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """True when no case failed (skipped cases do not fail)."""
+        return all(c.passed is not False for c in self.cases)
+
+    @property
+    def exit_code(self) -> int:
+        """0 pass, 1 regression."""
+        return 0 if self.passed else 1
+
+
+def default_mode(best: Any, cuda_available: bool) -> str:
+    """``run`` if CUDA is available and best.yaml was measured on a CUDA device, else ``predict``."""
+    return "run" if cuda_available and best.device.get("kind") == "cuda" else "predict"
+
+
+def relative_change(new: int | float, old: int | float) -> float:
+    """``(new - old) / old``: +0.05 is 5% more. ``old`` must be > 0."""
+    return (new - old) / old
+
+
+def within_limit(new: int | float, old: int | float, limit: float) -> bool:
+    """True when ``new - old <= limit * old``, exactly (``limit`` taken as the decimal it prints as:
+    0.005 is 1/200). ``old`` must be > 0."""
+    return Fraction(new) - Fraction(old) <= Fraction(repr(float(limit))) * Fraction(old)
+
+
+def within_drop(new: int | float, old: int | float, limit: float) -> bool:
+    """True when ``old - new <= limit * old`` exactly (a slowdown of at most ``limit``)."""
+    return Fraction(old) - Fraction(new) <= Fraction(repr(float(limit))) * Fraction(old)
+
+
+def _check_limit(name: str, value: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+        raise ConfigError(f"{name}={value!r}: expected a fraction >= 0 such as 0.05 ({what})")
+    return float(value)
+
+
+def _geometry(best: Any) -> dict[str, Any]:
+    """The virtual GPU of the recorded trial: the recorded budget on the recorded device."""
+    dev = best.device
+    budget, total = dev.get("budget_bytes"), dev.get("total_memory_bytes")
+    if not isinstance(budget, int) or budget <= 0:
+        raise BestFileError(f"best.yaml device.budget_bytes must be a positive integer, got {budget!r}")
+    if dev.get("memory_source") == "simulated" or dev.get("kind") == "cpu":
+        return {"total_memory_bytes": budget, "memory_fraction": 1.0}
+    if not isinstance(total, int) or total < budget:
+        raise BestFileError(f"best.yaml device.total_memory_bytes={total!r} must be an integer >= budget_bytes")
+    return {"total_memory_bytes": total, "memory_fraction": min(1.0, budget / total)}
+
+
+def _workload(best: Any) -> dict[str, Any]:
+    model = best.workload.get("model")
+    if not isinstance(model, dict) or "name" not in model:
+        raise BestFileError("best.yaml workload.model must be a mapping with a 'name'")
+    target = best.workload.get("target") or {"name": "builtin"}
+    if not isinstance(target, dict):
+        raise BestFileError("best.yaml workload.target must be a mapping")
+    return {**model, "target": target}
+
+
+def check_predict(best: Any, *, tolerance: float = 0.005) -> CheckReport:
+    """Predict the recorded configuration with the current code and compare (see module docstring).
+
+    Returns:
+        a report with the cases ``fits budget (predicted)`` and ``prediction``.
+
+    Raises:
+        BestFileError: no ``best.predicted_peak_reserved_bytes`` recorded, or a malformed workload or
+            device section. ConfigError: the workload cannot be built by the current code, or a bad
+            tolerance. ``target: cmd`` workloads cannot be traced (ConfigError).
+    """
+    from oomtune.plan.predictor import Predictor
+
+    tolerance = _check_limit("--tolerance", tolerance, "relative growth of the predicted peak reserved")
+    recorded = best.best.predicted_peak_reserved_bytes
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded <= 0:
+        raise BestFileError("best.yaml has no best.predicted_peak_reserved_bytes (the search ran without "
+                            "prediction, e.g. search.prune=off or a cmd target): use --mode run")
+    workload = _workload(best)
+    if workload["target"].get("name") not in ("builtin", "python"):
+        raise ConfigError(f"--mode predict cannot trace target {workload['target'].get('name')!r}: use --mode run")
+    t0 = time.perf_counter()
+    predictor = Predictor(workload, _geometry(best))
+    pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
+    elapsed = time.perf_counter() - t0
+    change = relative_change(pred.peak_reserved_bytes, recorded)
+    ok = within_limit(pred.peak_reserved_bytes, recorded, tolerance)
+    figures = {"predicted_peak_reserved_bytes": pred.peak_reserved_bytes, "recorded_bytes": recorded,
+               "change": change, "tolerance": tolerance, "fits": pred.fits,
+               "fallback": sorted(predictor.fallback_reasons)}
+    budget = best.device.get("budget_bytes")
+    compare = (f"predicted peak reserved {format_bytes(pred.peak_reserved_bytes)} (simulated) vs recorded "
+               f"{format_bytes(recorded)} ({change:+.2%}, tolerance {tolerance:.2%})")
+    cases = [
+        CheckCase("fits budget (predicted)", pred.fits,
+                  f"batch {best.best.batch_size} fits the {format_bytes(budget)} budget (simulated)" if pred.fits
+                  else f"batch {best.best.batch_size} no longer fits the {format_bytes(budget)} budget: "
+                       f"needs {format_bytes(pred.peak_reserved_bytes)} reserved (simulated)", elapsed),
+        CheckCase("prediction", ok, compare, 0.0),
+    ]
+    verdict = "PASS" if all(c.passed for c in cases) else "FAIL"
+    tail = "" if pred.fits else f"; does not fit the {format_bytes(budget)} budget"
+    return CheckReport("predict", cases, f"oomtune check: {verdict} {compare}{tail}", figures)
+
+
+def _run_device(best: Any, device: str | None) -> str:
+    """The trial device: ``device`` if given, else the recorded kind (``cuda`` or ``cpu``).
+
+    Raises:
+        ConfigError: the run would measure another memory source than best.yaml recorded.
+        DeviceError: CUDA asked for but unavailable, or the budget above the device.
+    """
+    from oomtune.device import resolve_budget, resolve_device
+
+    recorded_kind = best.device.get("kind", "cpu")
+    spec = device or ("cuda" if recorded_kind == "cuda" else "cpu")
+    target = resolve_device(spec)
+    recorded_src = best.best.metrics.get("memory_source") or best.device.get("memory_source")
+    if recorded_src is not None and recorded_src != target.memory_source:
+        raise ConfigError(
+            f"best.yaml holds {recorded_src} memory figures but a run on {target.spec} measures "
+            f"{target.memory_source} memory: they are not comparable (use --mode predict, or --device "
+            f"{'cuda' if recorded_src == 'device' else 'cpu'})")
+    if not target.simulated:
+        resolve_budget(int(best.device["budget_bytes"]), target)
+    return target.spec
+
+
+def _memory_case(res: Any, recorded: Any, limit: float) -> CheckCase:
+    if res.peak_reserved_bytes is None:
+        return CheckCase("memory growth", None, "no peak reserved reading")
+    if not isinstance(recorded, (int, float)) or recorded <= 0:
+        return CheckCase("memory growth", None, "best.yaml records no peak reserved")
+    change = relative_change(res.peak_reserved_bytes, recorded)
+    return CheckCase("memory growth", within_limit(res.peak_reserved_bytes, recorded, limit),
+                     f"peak reserved {format_bytes(res.peak_reserved_bytes)} ({res.memory_source}) vs "
+                     f"recorded {format_bytes(recorded)} ({change:+.2%}, limit +{limit:.2%})")
+
+
+def _speed_case(res: Any, recorded: Any, limit: float) -> CheckCase:
+    if res.throughput is None:
+        return CheckCase("slowdown", None, "no throughput reading")
+    if not isinstance(recorded, (int, float)) or recorded <= 0:
+        return CheckCase("slowdown", None, "best.yaml records no throughput")
+    change = relative_change(res.throughput, recorded)
+    ok = within_drop(res.throughput, recorded, limit)
+    return CheckCase("slowdown", ok, f"throughput {res.throughput:.1f} vs recorded {recorded:.1f} samples/s "
+                     f"({change:+.2%}, limit -{limit:.2%})")
+
+
+def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown: float) -> CheckReport:
+    """Judge a finished check trial (a :class:`TrialResult`) against best.yaml's recorded metrics."""
+    elapsed = res.wall_s or 0.0
+    if res.outcome != "ok":
+        what = "out of memory" if _is_memory(res.outcome) else f"trial failed ({res.outcome})"
+        msg = f"{what} at batch {best.best.batch_size}: {res.message or 'no message'}"
+        cases = [CheckCase("oom", False, msg, elapsed),
+                 CheckCase("memory growth", None, "the trial did not complete"),
+                 CheckCase("slowdown", None, "the trial did not complete")]
+        return CheckReport("run", cases, f"oomtune check: FAIL {msg}", {"outcome": res.outcome})
+    metrics = best.best.metrics
+    cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.steps} steps within the "
+                       f"{format_bytes(best.device.get('budget_bytes'))} budget", elapsed),
+             _memory_case(res, metrics.get("peak_reserved_bytes"), max_memory_growth),
+             _speed_case(res, metrics.get("throughput"), max_slowdown)]
+    verdict = "PASS" if all(c.passed is not False for c in cases) else "FAIL"
+    parts = "; ".join(c.message for c in cases[1:])
+    figures = {"outcome": res.outcome, "peak_reserved_bytes": res.peak_reserved_bytes,
+               "throughput": res.throughput, "memory_source": res.memory_source}
+    return CheckReport("run", cases, f"oomtune check: {verdict} {parts}", figures)
+
+
+def _is_memory(outcome: str) -> bool:
+    from oomtune.outcome import Outcome
+
+    try:
+        return Outcome(outcome).is_memory
+    except ValueError:
+        return False
+
+
+def check_run(best: Any, *, max_memory_growth: float = 0.05, max_slowdown: float = 0.10,
+              device: str | None = None, steps: int = 10, timeout_s: float = 600.0,
+              workdir: Path | None = None, runner: Any = None) -> CheckReport:
+    """Run the recorded configuration as a trial and compare with best.yaml's metrics.
+
+    Args:
+        device: ``cpu``, ``cuda`` or ``cuda:N``; default the recorded kind.
+        steps: measured steps (after 1 warm-up step).
+        workdir: the trial's directory (default a temporary one).
+        runner: a ``TrialRunner`` (default ``TrialRunner(launcher="spawn")``: a clean process).
+
+    Raises:
+        ConfigError: bad limits or steps, incomparable memory sources. DeviceError: no such device or
+            the budget above it. BestFileError: malformed best.yaml sections.
+    """
+    from oomtune.trial.record import TrialSpec
+    from oomtune.trial.runner import TrialRunner
+
+    max_memory_growth = _check_limit("--max-memory-growth", max_memory_growth, "relative growth of peak reserved")
+    max_slowdown = _check_limit("--max-slowdown", max_slowdown, "relative loss of throughput")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps={steps!r}: expected an integer >= 1")
+    _geometry(best)  # validates budget_bytes
+    spec = TrialSpec(workload=_workload(best), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+                     device=_run_device(best, device), budget_bytes=int(best.device["budget_bytes"]),
+                     warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s))
+    runner = runner or TrialRunner(launcher="spawn")
+    with tempfile.TemporaryDirectory(prefix="oomtune-check-") as tmp:
+        res = runner.run(spec, workdir=Path(workdir) if workdir is not None else Path(tmp))
+    return evaluate_run(best, res, max_memory_growth=max_memory_growth, max_slowdown=max_slowdown)
+
+
+def write_junit(report: CheckReport, path: str | Path) -> Path:
+    """Write a JUnit XML report: one ``testsuite`` named ``oomtune check (<mode>)``, one ``testcase``
+    per :class:`CheckCase` with a ``failure`` (failed) or ``skipped`` (no reading) element.
+
+    Raises:
+        ConfigError: the file cannot be written.
+    """
+    import xml.etree.ElementTree as ET
+
+    failures = sum(c.passed is False for c in report.cases)
+    skipped = sum(c.passed is None for c in report.cases)
+    suite = ET.Element("testsuite", name=f"oomtune check ({report.mode})", tests=str(len(report.cases)),
+                       failures=str(failures), errors="0", skipped=str(skipped),
+                       time=f"{sum(c.time_s for c in report.cases):.3f}")
+    for case in report.cases:
+        el = ET.SubElement(suite, "testcase", classname=f"oomtune.check.{report.mode}", name=case.name,
+                           time=f"{case.time_s:.3f}")
+        if case.passed is False:
+            ET.SubElement(el, "failure", message=case.message, type="regression").text = case.message
+        elif case.passed is None:
+            ET.SubElement(el, "skipped", message=case.message)
+        else:
+            ET.SubElement(el, "system-out").text = case.message
+    ET.SubElement(suite, "system-out").text = report.summary
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write JUnit report {str(path)!r}: {exc.strerror or exc}") from None
+    return path

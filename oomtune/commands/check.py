@@ -1,0 +1,63 @@
+"""``oomtune check best.yaml``: the CI regression check (see :mod:`oomtune.check`).
+
+Exit status: 0 pass, 1 regression, 2 bad input (missing/corrupt best.yaml, no recorded prediction in
+predict mode, bad flags). A one-line summary is always printed; ``--junit PATH`` also writes a JUnit
+XML report with one testcase per check.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["register", "run"]
+
+
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "check",
+        help="CI regression check of a best.yaml (run or predict)",
+        description="Check that the configuration in best.yaml still fits and performs. --mode predict "
+        "(no GPU, deterministic): re-trace the recorded workload with the current code on the virtual "
+        "GPU and compare the predicted peak reserved with the one recorded at tuning time. --mode run: "
+        "run the recorded configuration as a trial (CUDA, or the virtual GPU on CPU) and compare peak "
+        "reserved and throughput with the recorded metrics. Default: run when CUDA is available and "
+        "best.yaml was measured on a CUDA device, else predict. Exit 0 pass, 1 regression, 2 bad input.",
+    )
+    p.add_argument("best", help="best.yaml or a run directory holding one")
+    p.add_argument("--mode", choices=("run", "predict"), default=None, help="default: see above")
+    p.add_argument("--max-memory-growth", type=float, default=0.05, metavar="FRACTION",
+                   help="run mode: allowed growth of peak reserved over the recorded one (default 0.05)")
+    p.add_argument("--max-slowdown", type=float, default=0.10, metavar="FRACTION",
+                   help="run mode: allowed loss of throughput (default 0.10)")
+    p.add_argument("--tolerance", type=float, default=0.005, metavar="FRACTION",
+                   help="predict mode: allowed growth of the predicted peak reserved (default 0.005)")
+    p.add_argument("--device", default=None, help="run mode: cpu | cuda | cuda:N (default: the recorded kind)")
+    p.add_argument("--steps", type=int, default=10, help="run mode: measured steps (default 10)")
+    p.add_argument("--timeout", type=float, default=600.0, help="run mode: trial wall limit, seconds")
+    p.add_argument("--junit", type=Path, default=None, metavar="PATH", help="write a JUnit XML report")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from oomtune.best import load_best
+    from oomtune.check import check_predict, check_run, default_mode, write_junit
+
+    best = load_best(args.best)
+    mode = args.mode
+    if mode is None:
+        import torch
+
+        mode = default_mode(best, torch.cuda.is_available())
+    if mode == "predict":
+        report = check_predict(best, tolerance=args.tolerance)
+    else:
+        report = check_run(best, max_memory_growth=args.max_memory_growth, max_slowdown=args.max_slowdown,
+                           device=args.device, steps=args.steps, timeout_s=args.timeout)
+    for note in report.figures.get("fallback") or ():
+        print(f"note: {note}")
+    print(report.summary)
+    if args.junit is not None:
+        write_junit(report, args.junit)
+    return report.exit_code

@@ -1,0 +1,126 @@
+"""``oomtune plan [overrides]``: the feasibility map predicted on the virtual GPU, without trials.
+
+Same Hydra overrides as ``oomtune search`` (``model=resnet model.depth=50 budget=16GiB``). The grid is
+``search.batch_size.low..high`` (powers of two plus both ends) or ``+plan.batch_sizes=[8,16,...]``.
+Writes plan.yaml into the run directory (``hydra.run.dir``) or ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run", "plan"]
+
+
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="predict the feasibility map with the virtual GPU, without running trials",
+        description="Capture the workload's allocation stream on the meta device once per batch size "
+        "and replay it under every allocator configuration of the search space: the largest batch that "
+        "fits the budget per configuration (exact, by bisection), and the predicted peak reserved and "
+        "fragmentation at each batch. All figures are simulated. Arguments are Hydra overrides as for "
+        "`oomtune search`; +plan.batch_sizes=[8,16] sets the batch grid.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides")
+    p.add_argument("--out", type=Path, default=None, help="plan.yaml path (default: <run dir>/plan.yaml)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # logs and CI: do not squeeze the map into 80 columns
+        console = Console(width=max(console.width, 220))
+    plan(args.overrides, out=args.out, console=console)
+    return 0
+
+
+def _explicit_batches(cfg: Any) -> list[int] | None:
+    from oomtune.config import to_container
+    from oomtune.exceptions import ConfigError
+
+    node = cfg.get("plan")
+    if node is None:
+        return None
+    plan_cfg = to_container(node)
+    if not isinstance(plan_cfg, dict):
+        raise ConfigError("plan must be a mapping, e.g. +plan.batch_sizes=[8,16]")
+    value = plan_cfg.get("batch_sizes")
+    if value is not None and not isinstance(value, list):
+        raise ConfigError(f"plan.batch_sizes={value!r}: expected a list such as [8,16,32]")
+    return value
+
+
+def _validate_workload(workload: dict[str, Any]) -> None:
+    """Built-in: :func:`validate_workload_config`; python target: the entry must load.
+
+    Raises:
+        ConfigError: unknown model, bad model key, unloadable entry, unsupported target.
+    """
+    from oomtune.exceptions import ConfigError
+
+    target = workload.get("target") or {}
+    name = target.get("name", "builtin")
+    if name == "builtin":
+        from oomtune.workloads import validate_workload_config
+
+        validate_workload_config(workload)
+    elif name == "python":
+        from oomtune.plan.predictor import load_entry
+
+        load_entry(str(target.get("entry")))
+    else:
+        raise ConfigError(f"oomtune plan needs target=builtin or target=python, not target={name}: "
+                          "a training command cannot be traced without running it")
+
+
+def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) -> Any:
+    """Compose the config, predict the map, print it and write plan.yaml.
+
+    Returns:
+        the :class:`oomtune.plan.feasibility.FeasibilityMap`.
+
+    Raises:
+        ConfigError: bad override, unknown model, bad batch grid. AllocatorConfigError: a malformed
+        allocator value in search.space. DeviceError: a budget above the device.
+    """
+    from rich.console import Console
+
+    from oomtune import config as C
+    from oomtune.device import resolve_budget, resolve_device
+    from oomtune.plan.feasibility import build_plan, grid_batches, plan_table, write_plan
+    from oomtune.plan.predictor import Predictor, sim_geometry
+    from oomtune.search.space import SearchSpace
+    from oomtune.units import format_bytes
+
+    console = console or Console()
+    cfg = C.compose(list(overrides) + C.env_overrides())
+    workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
+    _validate_workload(workload)
+    device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
+    budget_bytes = resolve_budget(cfg.budget, device)
+    space = SearchSpace.from_config(cfg.search)
+    grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg))
+    settings = space.all_settings()
+    path = out if out is not None else C.run_dir_of(cfg) / "plan.yaml"
+    predictor = Predictor(workload, sim_geometry(device, budget_bytes))
+    dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
+           "budget_bytes": budget_bytes, "memory_source": device.memory_source}
+    console.print(f"oomtune plan: {workload['name']} on the virtual GPU ({device.name}, budget "
+                  f"{format_bytes(budget_bytes)}), {len(settings)} allocator configurations x batch "
+                  f"{grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)", highlight=False, markup=False)
+    fmap = build_plan(predictor, settings, grid, workload=workload, device=dev)
+    console.print(plan_table(fmap))
+    for reason in fmap.fallback:
+        console.print(f"note: {reason}", highlight=False, markup=False)
+    console.print(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on "
+                  f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}), replay "
+                  f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s",
+                  highlight=False, markup=False)
+    console.print(f"wrote {write_plan(fmap, path)}", highlight=False, markup=False)
+    return fmap

@@ -1,0 +1,303 @@
+"""The tiny API a user's own training script calls when ``target=cmd`` runs it.
+
+Two functions, both no-ops when oomtune did not launch the script (``OOMTUNE_RESULT_FILE`` unset),
+so the script runs the same with or without oomtune::
+
+    import oomtune
+    hook = oomtune.capture_hook(model=model, optimizer=optimizer)   # CPU: virtual GPU; else no-op
+    ...warm-up steps...
+    t0 = time.perf_counter(); ...N measured steps...
+    oomtune.report(samples=N * batch_size, seconds=time.perf_counter() - t0)
+
+The results channel is a JSON-lines file named by ``OOMTUNE_RESULT_FILE``; every call appends one
+line (``{"event": "report" | "memory" | "oom", ...}``) and the parent
+(:func:`oomtune.targets.cmd.run_cmd_trial`) reads them after the script exits.
+
+Importing this module costs nothing: it never imports torch. :func:`report` reads memory only from a
+torch that the script already imported (``sys.modules``); :func:`capture_hook` imports torch (it is
+called from torch scripts).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["report", "capture_hook", "launched", "CaptureHook", "RESULT_FILE_ENV", "BUDGET_ENV",
+           "BATCH_SIZE_ENV", "DEVICE_ENV"]
+
+#: The JSON-lines results file the parent reads (set only when oomtune launched the script).
+RESULT_FILE_ENV = "OOMTUNE_RESULT_FILE"
+#: The trial's device-memory budget in bytes (unset when the trial has none).
+BUDGET_ENV = "OOMTUNE_BUDGET_BYTES"
+#: The trial's batch size (also substituted for ``{batch_size}`` in the command).
+BATCH_SIZE_ENV = "OOMTUNE_BATCH_SIZE"
+#: ``"cpu"`` or ``"cuda"`` (the one device made visible to the script).
+DEVICE_ENV = "OOMTUNE_DEVICE"
+
+#: Virtual-GPU capacity when no budget is given: large enough never to run out.
+_UNBOUNDED_SIM_BYTES = 1 << 50
+_ACTIVE: list["CaptureHook"] = []   # the running hook (at most one per process)
+
+
+def launched() -> bool:
+    """True when oomtune launched this process as a ``target=cmd`` trial (``OOMTUNE_RESULT_FILE`` set)."""
+    return bool(os.environ.get(RESULT_FILE_ENV))
+
+
+def _append(record: dict[str, Any]) -> None:
+    """Append one JSON line to the results file (one ``write`` call, flushed and closed at once, so a
+    line is whole even if the process is killed right after)."""
+    path = os.environ.get(RESULT_FILE_ENV)
+    if not path:
+        return
+    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+
+
+def _number(name: str, value: Any, *, positive: bool) -> float:
+    from oomtune.exceptions import ConfigError
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"oomtune.report({name}={value!r}): expected a finite number {bound}")
+    return float(value)
+
+
+def report(samples: int, seconds: float, *, steps: int | None = None,
+           data_wait_seconds: float | None = None, **extra: Any) -> None:
+    """Report the throughput of measured training steps to oomtune (``target=cmd``).
+
+    Call it once after the measured steps (or once per measured interval: the parent sums samples and
+    seconds over all calls). Leave warm-up steps out. ``throughput = samples / seconds``.
+
+    Args:
+        samples: training samples processed in the interval (images, sequences), >= 0.
+        seconds: wall time of the interval in seconds, > 0 (synchronise the device before reading
+            the clock on CUDA).
+        steps: optimizer steps in the interval (for the mean step time), optional.
+        data_wait_seconds: part of ``seconds`` spent waiting for the next batch (``next(loader)``),
+            optional; gives the data-wait fraction used by the input-bound diagnosis.
+        **extra: any JSON-serialisable values, kept in the trial record's ``extra["reported"]``.
+
+    Returns None. Does nothing (no error, no torch import) when oomtune did not launch the script.
+    Memory peaks are added from the running :func:`capture_hook` (``"simulated"``) or, when the
+    script initialised CUDA, from ``torch.cuda.memory_stats()`` (``"device"``).
+
+    Raises:
+        ConfigError: (only under oomtune) a negative, non-finite or non-numeric figure, or
+            ``seconds == 0``.
+    """
+    if not launched():
+        return None
+    record: dict[str, Any] = {
+        "event": "report", "time": time.time(),
+        "samples": _number("samples", samples, positive=False),
+        "seconds": _number("seconds", seconds, positive=True),
+        "steps": None if steps is None else int(_number("steps", steps, positive=False)),
+        "data_wait_seconds": (None if data_wait_seconds is None
+                              else _number("data_wait_seconds", data_wait_seconds, positive=False)),
+        "extra": extra,
+    }
+    memory = _memory_now()
+    if memory is not None:
+        record["memory"] = memory
+    _append(record)
+    return None
+
+
+def _memory_now() -> dict[str, Any] | None:
+    """``{"source": "simulated" | "device", "stats": {memory_stats keys}}`` or None when unknown."""
+    if _ACTIVE and _ACTIVE[-1].sim is not None:
+        return {"source": "simulated", "stats": _ACTIVE[-1].sim.memory_stats()}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_initialized():
+            return {"source": "device", "stats": dict(torch.cuda.memory_stats())}
+    except Exception:  # a broken CUDA state must not break the report
+        return None
+    return None
+
+
+class _RecordingSim:
+    """Forwards to the simulator; writes an ``oom`` line before a simulated OOM propagates.
+
+    Only the process that started the hook feeds the simulator: a forked child (a DataLoader
+    worker inherits the dispatch mode) allocates host memory, not device memory, so its requests
+    get placeholder addresses and never raise.
+    """
+
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim
+        self.pid = os.getpid()
+        self._foreign = 0
+
+    def malloc(self, size_bytes: int, stream: int = 0) -> int:
+        import torch
+
+        if os.getpid() != self.pid:
+            self._foreign += 1
+            return -self._foreign
+        try:
+            return self.sim.malloc(size_bytes, stream=stream)
+        except torch.OutOfMemoryError as exc:
+            _append({"event": "oom", "time": time.time(), "message": str(exc),
+                     "requested_bytes": getattr(exc, "requested_bytes", None),
+                     "memory": {"source": "simulated", "stats": self.sim.memory_stats()}})
+            raise
+
+    def free(self, addr: int) -> None:
+        if addr >= 0 and os.getpid() == self.pid:
+            self.sim.free(addr)
+
+
+class CaptureHook:
+    """The virtual GPU for a user's script on a machine without CUDA (see :func:`capture_hook`).
+
+    Attributes:
+        sim: the ``CachingAllocatorSim`` (None when inactive).
+        active: True while storages are being sent to the simulator.
+        reason: why the hook is inactive (None when active).
+
+    Usable as a context manager (stops at exit) or left running until the process exits.
+    """
+
+    def __init__(self, tensors: list[Any], reason: str | None) -> None:
+        self.sim: Any = None
+        self.reason = reason
+        self._vgpu: Any = None
+        if reason is None:
+            self._start(tensors)
+
+    @property
+    def active(self) -> bool:
+        return self._vgpu is not None
+
+    def _start(self, tensors: list[Any]) -> None:
+        from oomtune.alloc.settings import AllocatorSettings
+        from oomtune.alloc.sim import CachingAllocatorSim
+        from oomtune.capture.virtual_gpu import VirtualGPU
+
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+        budget = os.environ.get(BUDGET_ENV)
+        capacity = int(budget) if budget else _UNBOUNDED_SIM_BYTES
+        self.sim = CachingAllocatorSim(AllocatorSettings.parse(conf), total_memory_bytes=capacity)
+        self._pid = os.getpid()
+        self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu")
+        _ACTIVE.append(self)
+        self._vgpu.__enter__()
+        self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
+
+    def stop(self) -> None:
+        """Stop recording and write the final memory peaks as a ``memory`` line (idempotent)."""
+        if self._vgpu is None or os.getpid() != self._pid:   # a forked child never reports
+            return
+        vgpu, self._vgpu = self._vgpu, None
+        vgpu.__exit__(None, None, None)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        _append({"event": "memory", "time": time.time(),
+                 "memory": {"source": "simulated", "stats": self.sim.memory_stats()}})
+
+    def __enter__(self) -> "CaptureHook":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _tensors(model: Any, optimizer: Any, tensors: tuple[Any, ...]) -> list[Any]:
+    out: list[Any] = []
+    if model is not None:
+        out += list(model.parameters()) + list(model.buffers())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out += [v for v in state.values() if hasattr(v, "untyped_storage")]
+    for t in tensors:
+        out += list(t) if isinstance(t, (list, tuple)) else [t]
+    return out
+
+
+def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> CaptureHook:
+    """Run the rest of a CPU training script on the virtual GPU, so it runs out of memory where the
+    budgeted GPU would.
+
+    Active only when oomtune launched the script (``OOMTUNE_RESULT_FILE``) and CUDA is unavailable:
+    a ``CachingAllocatorSim`` of capacity ``OOMTUNE_BUDGET_BYTES`` (unbounded without a budget) under
+    the settings in ``PYTORCH_CUDA_ALLOC_CONF`` receives every CPU storage the script creates on this
+    thread from now on (``VirtualGPU``, :mod:`oomtune.capture.virtual_gpu`), after the storages of
+    ``model`` (parameters, buffers), ``optimizer`` (existing state) and ``tensors``. A simulated OOM
+    (``torch.OutOfMemoryError``, message starting ``[virtual GPU, simulated]``) is raised inside the
+    op that does not fit, after an ``oom`` line is written. :func:`report` then carries the
+    simulator's ``memory_stats()`` peaks (memory source ``"simulated"``).
+
+    Limits: all CPU tensors of the main thread count as device memory (loader decode and collation
+    on the main thread are over-counted; DataLoader workers are separate processes and not counted);
+    no cuBLAS/cuDNN workspaces (see :mod:`oomtune.capture.recorder`).
+
+    Use as ``hook = capture_hook(model, opt)`` (runs until exit) or ``with capture_hook(model, opt):``.
+
+    On CUDA (under oomtune) nothing is simulated; with a budget, the caching allocator is capped at
+    it with ``torch.cuda.set_per_process_memory_fraction`` (corrected for the memory outside the
+    allocator, field case C9), which initialises CUDA.
+
+    Returns:
+        A :class:`CaptureHook` (inactive, with ``reason`` set, when not launched or on CUDA).
+
+    Raises:
+        AllocatorConfigError: a malformed ``PYTORCH_CUDA_ALLOC_CONF``.
+        torch.OutOfMemoryError: the given tensors alone exceed the budget (simulated).
+        RuntimeError: a hook is already active in this process.
+        DeviceError: (CUDA) the budget is smaller than the memory outside the allocator.
+    """
+    if not launched():
+        return CaptureHook([], "not launched by oomtune")
+    import torch
+
+    if torch.cuda.is_available():
+        fraction = _apply_cuda_budget(torch)
+        note = "" if fraction is None else f" (budget applied as memory fraction {fraction:.4f})"
+        return CaptureHook([], f"CUDA is available: the real device is measured{note}")
+    if _ACTIVE:
+        raise RuntimeError("oomtune.capture_hook() is already active in this process")
+    return CaptureHook(_tensors(model, optimizer, tensors), None)
+
+
+def _apply_cuda_budget(torch: Any) -> float | None:
+    """Cap the caching allocator at ``OOMTUNE_BUDGET_BYTES`` minus the memory outside it, as the
+    built-in trial does (``torch.cuda.set_per_process_memory_fraction``, field case C9; see
+    :mod:`oomtune.trial.budget`). Initialises CUDA. Returns the fraction, None without a budget.
+
+    Raises:
+        DeviceError: the budget does not even hold the memory outside the allocator.
+    """
+    budget = os.environ.get(BUDGET_ENV)
+    if not budget:
+        return None
+    from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(dev)
+    outside = non_allocator_bytes(total, free, torch.cuda.memory_reserved(dev))
+    fraction = memory_fraction_for_budget(int(budget), torch.cuda.get_device_properties(dev).total_memory,
+                                          outside)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    return fraction
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for hook in list(_ACTIVE):
+        try:
+            hook.stop()
+        except Exception:  # never turn a clean exit into a failure
+            pass

@@ -1,0 +1,345 @@
+"""``target=cmd``: any training command as a trial, its results read from a JSON-lines channel.
+
+The parent runs the command (``{batch_size}`` substituted) in a new session with these variables in
+its environment:
+
+- ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF``: the trial's allocator string (both names,
+  unset when empty; torch reads the first set and which one first differs between versions);
+- ``OOMTUNE_BATCH_SIZE``, ``OOMTUNE_DEVICE`` (``cpu`` or ``cuda``: for ``cuda:N`` only device N is
+  made visible, field case C10), ``OOMTUNE_BUDGET_BYTES`` (unset without a budget),
+  ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``;
+- ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
+  :func:`oomtune.capture_hook` (:mod:`oomtune.reporting`).
+
+How the record is built (:func:`result_from_channel`):
+
+1. Past ``timeout_s`` the process group gets SIGTERM, then SIGKILL: ``timeout``.
+2. An ``oom`` line (the virtual GPU ran out, written before the exception propagated): the
+   simulated OOM message is classified (memory outcome), even if the script caught it and exited 0.
+3. A non-zero exit: the shared classifier on the exit status and stderr
+   (:func:`oomtune.classify.classify_failure`): a CUDA OOM traceback is a memory outcome, SIGKILL
+   without a traceback ``host_oom``, other signals ``crash``, else ``error``.
+4. Exit 0 with ``report`` lines: ``ok``; throughput = sum(samples) / sum(seconds) over the lines.
+5. Exit 0 without any ``report`` line: ``error`` ("the command never called oomtune.report()"). A
+   run with no throughput cannot be ranked, and telling it to Optuna as ok would let an unmeasured
+   batch win; the advice says how to report.
+
+Memory: the last reported ``memory_stats()`` peaks (``simulated`` from the capture hook, ``device``
+when the script's CUDA was initialised); on a GPU also the NVML peak of the command's process tree
+(``device_peak_bytes``) and mean utilisation. Without either, memory figures are None and
+``extra["memory_unknown"]`` is True.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from oomtune.classify import classify_failure, classify_text
+from oomtune.exceptions import ConfigError
+from oomtune.outcome import Outcome
+from oomtune.reporting import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
+from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
+
+__all__ = ["run_cmd_trial", "build_command", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
+           "NO_REPORT_MESSAGE"]
+
+NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
+_NO_REPORT_ADVICE = ("call oomtune.report(samples=..., seconds=...) after the measured steps "
+                     "(import oomtune; see examples/train_cmd.py)")
+_SHELL_TOKENS = frozenset({"|", "||", "&", "&&", ";", ";;", "<", ">", ">>", "<<", "(", ")", ">&", "<&"})
+_STDERR_TAIL_CHARS = 4000
+_GRACE_S = 3.0
+
+
+def build_command(target: dict[str, Any], batch_size: int) -> tuple[list[str], bool]:
+    """The argv for ``target["command"]`` with ``{batch_size}`` replaced, and whether it needs a shell.
+
+    Only the literal ``{batch_size}`` is replaced (other braces, e.g. JSON, are left alone). A
+    command with shell syntax (pipes, ``&&``, ``;``, redirections, ``$VAR``, backquotes) runs as
+    ``/bin/sh -c COMMAND``; otherwise it is ``shlex.split`` and run directly. A list command is used
+    as argv as is.
+
+    Raises:
+        ConfigError: a missing, empty or unparsable command.
+    """
+    command = target.get("command")
+    if isinstance(command, (list, tuple)) and command and all(isinstance(c, str) for c in command):
+        return [c.replace("{batch_size}", str(batch_size)) for c in command], False
+    if not isinstance(command, str) or not command.strip() or command.strip() == "???":
+        raise ConfigError(f"target.command={command!r}: give the training command, e.g. "
+                          "target.command='python train.py --batch-size {batch_size}'")
+    text = command.replace("{batch_size}", str(batch_size))
+    try:
+        lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+        lex.whitespace_split = True
+        tokens = list(lex)
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"target.command={command!r}: {exc}") from None
+    if any(t in _SHELL_TOKENS for t in tokens) or "$" in text or "`" in text:
+        return ["/bin/sh", "-c", text], True
+    return argv, False
+
+
+def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The command's environment: ours + ``env`` + the allocator string and device pin of the
+    builtin trials (:func:`oomtune.trial.runner.child_environment`) + the ``OOMTUNE_*`` variables
+    listed in the module docstring.
+
+    Raises:
+        ConfigError: ``cuda:N`` not among our CUDA_VISIBLE_DEVICES, or an unknown device.
+    """
+    from oomtune.trial.runner import child_environment
+
+    out = child_environment(spec, env)
+    out.pop(BUDGET_ENV, None)
+    out.update({
+        RESULT_FILE_ENV: str(result_file),
+        BATCH_SIZE_ENV: str(spec.batch_size),
+        DEVICE_ENV: "cuda" if spec.device.startswith("cuda") else "cpu",
+        "OOMTUNE_WARMUP_STEPS": str(spec.warmup_steps),
+        "OOMTUNE_MEASURE_STEPS": str(spec.measure_steps),
+        "OOMTUNE_SEED": str(spec.seed),
+    })
+    if spec.budget_bytes is not None:
+        out[BUDGET_ENV] = str(int(spec.budget_bytes))
+    return out
+
+
+def resolve_cwd(target: dict[str, Any]) -> str | None:
+    """``target["cwd"]`` as an absolute path; None (inherit ours) when unset.
+
+    Raises:
+        ConfigError: the directory does not exist.
+    """
+    cwd = target.get("cwd")
+    if cwd in (None, ""):
+        return None
+    path = Path(str(cwd)).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"target.cwd={cwd!r}: directory not found")
+    return str(path.resolve())
+
+
+def _sampler(spec: TrialSpec, pid: int) -> Any:
+    """An NVML sampler of the command's process tree on a CUDA trial; None on CPU or without NVML."""
+    if not spec.device.startswith("cuda"):
+        return None
+    from oomtune.gpu import nvml
+
+    if not nvml.nvml_available():
+        return None
+    index = int(spec.device.partition(":")[2] or 0)
+    try:
+        physical = nvml.physical_index_for(index)
+    except Exception:  # DeviceError: a UUID entry NVML cannot see; memory stays unknown
+        return None
+    return nvml.MemorySampler(physical, pid=pid)
+
+
+def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
+                  grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:
+    """Run one ``target=cmd`` trial and return its record; never raises for a trial failure.
+
+    Args:
+        spec: the trial; ``spec.workload["target"]`` is ``{"name": "cmd", "command": ..., "cwd": ...}``.
+        workdir: created; holds ``results.jsonl`` (the channel), ``stdout.txt``, ``stderr.txt`` and
+            ``result.json`` (the record). The command runs in ``target.cwd`` (default: our cwd, so
+            relative paths in the command mean what they mean on the user's command line).
+        env: extra environment variables for the command.
+        grace_s: seconds between SIGTERM and SIGKILL of the process group on timeout.
+        on_start: called with the pid (= process group id) right after the start, e.g. so that a
+            runner's ``kill_all`` can reach the group on Ctrl-C.
+
+    Returns:
+        The :class:`TrialResult` (see the module docstring for how the outcome is decided);
+        ``extra`` holds ``pid`` (= the process group id), ``returncode``, ``command`` and
+        ``reports`` (number of report lines).
+
+    Raises:
+        ConfigError, AllocatorConfigError: a bad command, cwd, device or spec (nothing launched).
+    """
+    from oomtune.trial.runner import validate_spec
+
+    validate_spec(spec)
+    target = dict(spec.workload.get("target") or {})
+    argv, shell = build_command(target, spec.batch_size)
+    cwd = resolve_cwd(target)
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    channel = workdir / "results.jsonl"
+    channel.unlink(missing_ok=True)
+    child_env = cmd_environment(spec, channel, env)
+    started = time.time()
+    with open(workdir / "stdout.txt", "wb") as out, open(workdir / "stderr.txt", "wb") as err:
+        try:
+            proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=err, start_new_session=True)
+        except OSError as exc:  # e.g. the program does not exist
+            raise ConfigError(f"target.command: cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+    sampler = _sampler(spec, proc.pid)
+    try:
+        if on_start is not None:
+            on_start(proc.pid)
+        with sampler if sampler is not None else contextlib.nullcontext():
+            returncode, timed_out = _wait(proc, spec.timeout_s, grace_s)
+    finally:
+        _kill_group(proc.pid, signal.SIGKILL)   # stragglers: DataLoader workers, shell children
+        if proc.poll() is None:
+            proc.wait()
+        _wait_group_gone(proc.pid)
+    stderr = (workdir / "stderr.txt").read_text(errors="replace")[-_STDERR_TAIL_CHARS:]
+    result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
+                                 timed_out=timed_out)
+    if sampler is not None:
+        res = sampler.result
+        result.device_peak_bytes, result.gpu_utilization = res.peak_used_bytes, res.mean_utilization_percent
+        if res.peak_used_bytes is not None:
+            result.extra.pop("memory_unknown", None)
+    result.wall_s = time.time() - started
+    result.extra.update(pid=proc.pid, returncode=returncode, command=argv if not shell else argv[-1],
+                        launcher="cmd")
+    result.write(workdir / "result.json")
+    return result
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
+    """Wait; past ``timeout_s`` SIGTERM the group, then SIGKILL after ``grace_s``. (returncode, timed_out)."""
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s), True
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGKILL)
+        return proc.wait(), True
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> bool:
+    """Wait until no live (non-zombie) process of group ``pgid`` is left (SIGKILL is delivered
+    asynchronously); re-sends SIGKILL while waiting. True when the group is gone."""
+    from oomtune.trial.runner import group_alive
+
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        _kill_group(pgid, signal.SIGKILL)
+        time.sleep(0.02)
+    return True
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def read_channel(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a results channel, in order; a torn or malformed line is skipped (a
+    process killed mid-write). Missing file: []."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    events = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            obj = json.loads(line)
+            if isinstance(obj, dict):
+                events.append(obj)
+    return events
+
+
+def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, returncode: int | None,
+                        stderr: str, timed_out: bool) -> TrialResult:
+    """Build the trial record from the channel's events, the exit status and stderr (rules 1-5 of
+    the module docstring). Never raises."""
+    cuda = spec.device.startswith("cuda")
+    result = TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                         memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED)
+    reports = [e for e in events if e.get("event") == "report"]
+    ooms = [e for e in events if e.get("event") == "oom"]
+    result.extra["reports"] = len(reports)
+    _fill_throughput(result, reports)
+    memories = [e["memory"] for e in events if isinstance(e.get("memory"), dict)]
+    if memories:
+        _fill_memory(result, memories[-1])
+    else:
+        result.extra["memory_unknown"] = True
+    kw = dict(batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded)
+    if timed_out or (returncode != 0 and not ooms):
+        cls = classify_failure(returncode=returncode, stderr=stderr, timed_out=timed_out, **kw)
+        if timed_out:
+            cls_message = f"trial exceeded its {spec.timeout_s:g} s limit; process group killed"
+        else:
+            cls_message = cls.message
+        _set(result, cls.outcome, cls_message, cls.advice, cls.traceback_tail)
+        if cls.oom is not None:
+            result.oom_requested_bytes = cls.oom.requested_bytes
+    elif ooms:
+        cls = classify_text(f"OutOfMemoryError: {ooms[0].get('message', '')}", **kw)
+        _set(result, cls.outcome, cls.message, cls.advice, None)
+        result.oom_requested_bytes = ooms[0].get("requested_bytes") or (cls.oom and cls.oom.requested_bytes)
+        if returncode == 0:
+            result.extra["oom_caught_by_script"] = True
+    elif not reports:
+        _set(result, Outcome.ERROR, NO_REPORT_MESSAGE, _NO_REPORT_ADVICE, _tail(stderr))
+    else:
+        _set(result, Outcome.OK, None, None, None)
+    if result.outcome_enum is not Outcome.OK:
+        result.throughput = result.step_time_s = None   # a failed trial has no values (Optuna's rule)
+    return result
+
+
+def _set(result: TrialResult, outcome: Outcome | str, message: str | None, advice: str | None,
+         tail: str | None) -> None:
+    result.outcome = Outcome(outcome).value
+    result.message, result.advice = message, advice
+    if result.outcome_enum in (Outcome.ERROR, Outcome.CRASH):
+        result.traceback_tail = tail
+
+
+def _tail(stderr: str, lines: int = 20) -> str | None:
+    kept = stderr.strip().splitlines()[-lines:]
+    return "\n".join(kept) if kept else None
+
+
+def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None:
+    """throughput = sum(samples) / sum(seconds); step time and data-wait fraction when reported."""
+    samples = sum(float(r.get("samples") or 0) for r in reports)
+    seconds = sum(float(r.get("seconds") or 0) for r in reports)
+    if not reports or seconds <= 0:
+        return
+    result.throughput = samples / seconds
+    steps = [r.get("steps") for r in reports]
+    if all(isinstance(s, int) and s > 0 for s in steps):
+        result.steps = sum(steps)
+        result.step_time_s = seconds / result.steps
+    waits = [r.get("data_wait_seconds") for r in reports]
+    if all(isinstance(w, (int, float)) for w in waits):
+        result.data_wait_fraction = min(1.0, max(0.0, sum(waits) / seconds))
+    result.extra["reported"] = [r.get("extra") or {} for r in reports]
+
+
+def _fill_memory(result: TrialResult, memory: dict[str, Any]) -> None:
+    """Peaks and counters from a ``memory_stats()`` mapping (torch's keys); absent keys stay None."""
+    stats = memory.get("stats") or {}
+    if memory.get("source") in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
+        result.memory_source = memory["source"]
+    result.peak_allocated_bytes = stats.get("allocated_bytes.all.peak")
+    result.peak_reserved_bytes = stats.get("reserved_bytes.all.peak")
+    result.peak_active_bytes = stats.get("active_bytes.all.peak")
+    result.num_alloc_retries = stats.get("num_alloc_retries")
+    result.num_ooms = stats.get("num_ooms")
+    if result.peak_reserved_bytes and result.peak_active_bytes is not None:
+        result.fragmentation = 1.0 - result.peak_active_bytes / result.peak_reserved_bytes

@@ -1,0 +1,376 @@
+"""The trial process: one training trial, measured, written as one structured record.
+
+Run as ``python -m oomtune.trial.child SPEC.json RESULT.json`` (a fresh interpreter, the ``spawn``
+launcher) or in-process through :func:`run_child` (a process forked from the fork server,
+:mod:`oomtune.trial.forkserver`). Either way the process is used for one trial only.
+
+Order of events (each step must precede the next):
+
+1. The parent has put the allocator string into BOTH ``PYTORCH_CUDA_ALLOC_CONF`` and
+   ``PYTORCH_ALLOC_CONF`` (torch reads only the first one set, and which one first differs between
+   versions; pytorch#183387) and, for ``cuda:N``, ``CUDA_VISIBLE_DEVICES`` naming one device (field
+   case C10). The child re-checks both against the spec before anything touches CUDA.
+2. Torch's parsed allocator config is read back (``torch._C._accelerator_getAllocatorSettings``,
+   which on torch 2.14 parses the environment at its first call, not at ``import torch``) and must
+   equal the spec's string; on CUDA the settings in effect are also read from the allocator itself
+   (:func:`oomtune.alloc.settings.effective_settings`). A mismatch is an ``error`` record
+   ``allocator settings did not take effect: expected ..., torch reports ...``.
+3. CUDA: init + cuBLAS warm-up, non-allocator memory measured, the budget applied as a memory
+   fraction corrected for it (field case C9, :mod:`oomtune.trial.budget`).
+   CPU: a virtual GPU (:class:`CachingAllocatorSim` of capacity ``budget_bytes``) sees every storage
+   of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``.
+4. Warm-up steps, then measured steps (each followed by a device sync).
+
+Every exception is classified (:func:`oomtune.classify.classify_exception`) and written as the
+record; the process exits 0 after writing a record, also for OOM.
+
+Test hook (tests only): ``OOMTUNE_TEST_HOOK`` makes the child misbehave on purpose right before the
+first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandchild, then sleeps S
+seconds), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
+allocator/device environment into ``extra["env"]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from oomtune.alloc.settings import AllocatorSettings
+from oomtune.classify import classify_exception
+from oomtune.outcome import Outcome
+from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
+from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, DeviceInfo, TrialResult, TrialSpec
+
+__all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
+
+#: The environment variables carrying the allocator string; both get the identical value.
+ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: Test-only hook (see the module docstring). Never set in production.
+TEST_HOOK_ENV = "OOMTUNE_TEST_HOOK"
+_TRACEBACK_LINES = 20
+
+
+class SettingsMismatchError(RuntimeError):
+    """The allocator environment or the settings torch reports differ from the spec (setup fault)."""
+
+
+def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialResult:
+    """Run one trial in this process and return its record; never raises for trial failures.
+
+    Args:
+        spec: the trial to run.
+        process_start: ``time.time()`` when this process started; default: read from /proc
+            (10 ms resolution; for a forked process, the fork), else the time of this call.
+
+    Returns:
+        The :class:`TrialResult`; ``outcome`` is ``ok`` or the classified failure.
+    """
+    start = process_start if process_start is not None else _process_start_time()
+    cuda = spec.device.startswith("cuda")
+    result = TrialResult(
+        outcome=Outcome.ERROR.value,
+        memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED,
+        batch_size=spec.batch_size,
+        alloc_conf=spec.alloc_conf,
+    )
+    result.extra["pid"] = os.getpid()
+    stats: list[Callable[[], dict[str, Any]]] = []  # filled once the memory source exists
+    try:
+        _check_alloc_env(spec)
+        _check_torch_parsed(spec, result)
+        runner = _run_cuda if cuda else _run_cpu
+        runner(spec, result, stats, lambda: _run_test_hook(result))
+        result.outcome = Outcome.OK.value
+    except SettingsMismatchError as exc:
+        result.outcome, result.message = Outcome.ERROR.value, str(exc)
+        result.advice = "check how the trial process was launched; the settings must be set before CUDA starts"
+    except Exception as exc:  # every trial failure becomes the record
+        _record_failure(result, exc, spec)
+    finally:
+        if stats:
+            with contextlib.suppress(Exception):
+                _fill_memory(result, stats[0]())
+        first = result.extra.get("first_step_at")
+        result.startup_s = None if first is None else max(0.0, first - start)
+        result.wall_s = time.time() - start
+    return result
+
+
+def _check_alloc_env(spec: TrialSpec) -> None:
+    """The allocator variables and the device pin must be what the spec asks (step 1)."""
+    for name in ALLOC_ENV_VARS:
+        seen = os.environ.get(name, "")
+        if seen != spec.alloc_conf:
+            raise SettingsMismatchError(
+                f"allocator settings did not take effect: expected {name}={spec.alloc_conf!r}, "
+                f"the trial process has {seen!r}"
+            )
+    if spec.device.startswith("cuda"):
+        _pin_cuda_device(spec.device)
+
+
+def _pin_cuda_device(device: str) -> None:
+    """Make ``device`` the only visible device (C10). The runner already sets CUDA_VISIBLE_DEVICES to
+    one entry; a direct invocation with none or several is narrowed here, before CUDA init."""
+    if torch.cuda.is_initialized():
+        raise SettingsMismatchError("CUDA was initialised before the trial pinned its device")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    elif len(visible) > 1:
+        if index >= len(visible):
+            raise SettingsMismatchError(f"{device} is not among CUDA_VISIBLE_DEVICES={visible}")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[index].strip()
+
+
+def _check_torch_parsed(spec: TrialSpec, result: TrialResult) -> None:
+    """Step 2 (all devices): the string torch's allocator config parsed equals the spec's."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is None:  # older torch: only the CUDA check (effective_settings) applies
+        return
+    seen = getter()
+    result.extra["torch_alloc_conf"] = seen
+    if seen != spec.alloc_conf:
+        raise SettingsMismatchError(
+            f"allocator settings did not take effect: expected {spec.alloc_conf!r}, torch reports {seen!r}"
+        )
+    result.settings_effective = AllocatorSettings.parse(spec.alloc_conf).as_mapping()
+
+
+#: Virtual-GPU capacity for a CPU trial without a budget: large enough never to run out.
+_UNBOUNDED_SIM_BYTES = 1 << 50
+
+
+def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
+    """Train on the CPU for real; device memory comes from the virtual GPU (step 3, CPU)."""
+    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.capture.virtual_gpu import VirtualGPU
+    from oomtune.workloads import build_workload
+
+    result.device = cpu_device_info()
+    capacity = spec.budget_bytes if spec.budget_bytes is not None else _UNBOUNDED_SIM_BYTES
+    sim = CachingAllocatorSim(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=capacity)
+    stats.append(sim.memory_stats)
+    torch.manual_seed(spec.seed)
+    workload = build_workload(spec.workload, spec.batch_size, torch.device("cpu"))
+    with VirtualGPU(sim, device="cpu") as vgpu:
+        vgpu.register(workload.tensors_before_step())
+        hook()
+        _timed_steps(spec, workload, result)
+
+
+def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
+    """Train on the pinned CUDA device under the budget (steps 2-4, CUDA)."""
+    from oomtune.alloc.settings import effective_settings
+    from oomtune.gpu import nvml
+    from oomtune.workloads import build_workload
+
+    result.device, physical = _cuda_device_info(nvml)
+    dev = torch.device("cuda", 0)  # the only visible device (CUDA_VISIBLE_DEVICES, C10)
+    torch.cuda.set_device(dev)
+    a = torch.ones((64, 64), device=dev)
+    (a @ a).sum().item()  # creates the cuBLAS handle and workspace before measuring (C9)
+    del a
+    torch.cuda.synchronize(dev)
+    _verify_effective(spec, result, effective_settings())
+    free, total_info = torch.cuda.mem_get_info(dev)
+    result.non_allocator_bytes = non_allocator_bytes(total_info, free, torch.cuda.memory_reserved(dev))
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if result.device is not None:
+        result.device.total_memory_bytes = total
+    if spec.budget_bytes is not None:
+        fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.non_allocator_bytes)
+        torch.cuda.set_per_process_memory_fraction(fraction, dev)
+        result.extra["memory_fraction"] = fraction
+    torch.cuda.reset_peak_memory_stats(dev)
+    stats.append(lambda: torch.cuda.memory_stats(dev))
+    torch.manual_seed(spec.seed)
+    workload = build_workload(spec.workload, spec.batch_size, dev)
+    sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
+    try:
+        with sampler:
+            hook()
+            _timed_steps(spec, workload, result)
+    finally:
+        reading = getattr(sampler, "result", None)
+        if reading is not None:
+            result.device_peak_bytes = reading.peak_used_bytes
+            result.gpu_utilization = reading.mean_utilization_percent
+            result.extra["device_peak_source"] = reading.peak_source
+
+
+def _cuda_device_info(nvml: Any) -> tuple[DeviceInfo, int | None]:
+    """The physical device behind visible index 0 (C10) and its NVML index (None if unknown)."""
+    from oomtune.exceptions import DeviceError
+
+    try:
+        physical = nvml.physical_index_for(0)
+    except DeviceError:  # e.g. a GPU-UUID entry without NVML: torch still runs, identity unknown
+        physical = None
+    info = nvml.device_identity(physical, torch_index=0) if physical is not None else None
+    if info is None:
+        info = DeviceInfo(kind="cuda", index=0)
+    info.cuda_version = info.cuda_version or torch.version.cuda
+    return info, physical
+
+
+def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | None) -> None:
+    """Compare the spec's settings with what the CUDA allocator reports (``effective_settings()``:
+    the snapshot's ``allocator_settings``, torch's keys and units) and raise on any difference."""
+    result.settings_effective = effective
+    if effective is None:
+        return
+    want = AllocatorSettings.parse(spec.alloc_conf)
+    expected: dict[str, Any] = {
+        "PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf,
+        "backend": want.backend,
+        "expandable_segments": want.expandable_segments,
+        "garbage_collection_threshold": want.garbage_collection_threshold,
+        "release_lock_on_cudamalloc": want.release_lock_on_cudamalloc,
+        "pinned_use_cuda_host_register": want.pinned_use_cuda_host_register,
+        "pinned_num_register_threads": want.pinned_num_register_threads,
+        "max_split_size": want.max_split_size_bytes if want.max_split_size_bytes is not None else 2**64 - 1,
+    }
+    seen = {k: effective[k] for k in expected if k in effective}
+    if isinstance(seen.get("max_split_size"), int):
+        # torch/csrc/cuda/Module.cpp writes int64_t(max_split_size): the default SIZE_MAX shows as -1.
+        seen["max_split_size"] %= 2**64
+    wrong = {k: v for k, v in expected.items() if k in seen and seen[k] != v}
+    divisions = effective.get("roundup_power2_divisions")
+    if isinstance(divisions, dict) and len(divisions) == len(want.roundup_power2_divisions):
+        got = tuple(int(v) for _, v in sorted(divisions.items(), key=lambda kv: int(kv[0])))
+        if got != want.roundup_power2_divisions:
+            wrong["roundup_power2_divisions"], seen["roundup_power2_divisions"] = want.roundup_power2_divisions, got
+    if wrong:
+        raise SettingsMismatchError(
+            f"allocator settings did not take effect: expected {wrong}, "
+            f"torch reports { {k: seen[k] for k in wrong} }"
+        )
+
+
+def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult) -> None:
+    """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
+    time, throughput (samples/s) and data-wait fraction of the measured steps."""
+    result.extra["first_step_at"] = time.time()
+    if spec.warmup_steps:
+        workload.run_steps(spec.warmup_steps, sync=True)
+    timings = workload.run_steps(spec.measure_steps, sync=True)
+    result.steps = spec.warmup_steps + spec.measure_steps
+    result.step_time_s = timings.mean_step_s
+    result.throughput = timings.samples_per_s
+    result.data_wait_fraction = timings.data_wait_fraction
+
+
+def _fill_memory(result: TrialResult, stats: dict[str, Any]) -> None:
+    """Copy peaks and counters from a ``memory_stats()`` mapping (torch's key names); absent keys
+    stay None. fragmentation = 1 - peak_active / peak_reserved (None when nothing was reserved)."""
+    result.peak_allocated_bytes = stats.get("allocated_bytes.all.peak")
+    result.peak_reserved_bytes = stats.get("reserved_bytes.all.peak")
+    result.peak_active_bytes = stats.get("active_bytes.all.peak")
+    result.num_alloc_retries = stats.get("num_alloc_retries")
+    result.num_ooms = stats.get("num_ooms")
+    if result.peak_reserved_bytes and result.peak_active_bytes is not None:
+        result.fragmentation = 1.0 - result.peak_active_bytes / result.peak_reserved_bytes
+
+
+def _record_failure(result: TrialResult, exc: BaseException, spec: TrialSpec) -> None:
+    """Classify ``exc`` and write outcome, message, advice, OOM numbers and traceback tail."""
+    cls = classify_exception(
+        exc, batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded
+    )
+    outcome = cls.outcome if isinstance(cls.outcome, Outcome) else Outcome(cls.outcome)
+    result.outcome, result.message, result.advice = outcome.value, cls.message, cls.advice
+    if cls.oom is not None:
+        result.oom_requested_bytes = getattr(cls.oom, "requested_bytes", None)
+        result.extra["oom"] = _plain(cls.oom)
+    if outcome is Outcome.ERROR or not outcome.is_memory:
+        lines = "".join(traceback.format_exception(exc)).splitlines()
+        result.traceback_tail = cls.traceback_tail or "\n".join(lines[-_TRACEBACK_LINES:])
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON-ready copy of a dataclass-like record (OomInfo)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return getattr(obj, "value", str(obj))
+
+
+def _run_test_hook(result: TrialResult) -> None:
+    """Misbehave as ``OOMTUNE_TEST_HOOK`` asks (tests only; no-op when unset)."""
+    hook = os.environ.get(TEST_HOOK_ENV)
+    if not hook:
+        return
+    name, _, arg = hook.partition(":")
+    if name == "sleep":  # a grandchild in our process group, then hang: the runner must kill both
+        child = subprocess.Popen(["sleep", str(float(arg) + 60)])
+        Path("grandchild.pid").write_text(str(child.pid))
+        time.sleep(float(arg))
+    elif name == "signal":
+        os.kill(os.getpid(), int(arg))
+        time.sleep(5)
+    elif name == "raise":
+        raise {"ValueError": ValueError, "RuntimeError": RuntimeError}[arg]("raised by the test hook")
+    elif name == "echo_env":
+        keys = (*ALLOC_ENV_VARS, "CUDA_VISIBLE_DEVICES")
+        result.extra["env"] = {k: os.environ.get(k) for k in keys}
+    else:
+        raise ValueError(f"unknown {TEST_HOOK_ENV} {hook!r}")
+
+
+def _process_start_time() -> float:
+    """``time.time()`` at which this process started (Linux /proc, 10 ms); else now."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 (starttime) counted after "pid (comm)"
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def cpu_device_info() -> DeviceInfo:
+    """The host CPU as a :class:`DeviceInfo` (no memory figures: they are simulated)."""
+    return DeviceInfo(kind="cpu", name=platform.processor() or platform.machine() or None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m oomtune.trial.child SPEC.json RESULT.json``: run, write the record, exit 0.
+
+    Returns 2 when the spec cannot be read (an error record is still written when possible).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m oomtune.trial.child SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    try:
+        spec = TrialSpec.from_json(Path(args[0]).read_text())
+    except (OSError, ValueError, TypeError) as exc:
+        TrialResult(outcome=Outcome.ERROR.value, message=f"unreadable trial spec: {exc}").write(args[1])
+        return 2
+    run_child(spec).write(args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(main())

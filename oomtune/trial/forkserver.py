@@ -1,0 +1,366 @@
+"""A fork server for trial processes: pay ``import torch`` once, fork one process per trial.
+
+A fresh ``python -m oomtune.trial.child`` re-imports torch, torchvision and oomtune for every trial
+(about 2-3 s on a small CPU). The server is a long-lived process that imported all of that but never
+ran a torch operation and never touched CUDA; for each trial it forks, and the forked process sets
+the trial's environment (``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``,
+``CUDA_VISIBLE_DEVICES``, anything else the runner passes) before any CUDA call, runs
+:func:`oomtune.trial.child.main`, and leaves with ``os._exit``.
+
+Why this is correct, and where it is not (the runner falls back to a fresh spawn):
+
+* Allocator settings. torch reads ``backend`` when libc10_cuda loads (``import torch``); every other
+  key is parsed when the allocator config is first used (``AcceleratorAllocatorConfig::instance()``,
+  reached at the first CUDA allocation or ``torch._C._accelerator_getAllocatorSettings()``). Checked
+  on torch 2.14.1: after ``import torch``, changing ``os.environ`` and then calling the getter
+  returns the new string. The server starts with both variables unset (backend native) and never
+  calls the getter, so a forked trial may set any key except ``backend``: trials with
+  ``backend:cudaMallocAsync`` are spawned. The child verifies what took effect either way.
+* CUDA. A process that initialised CUDA cannot use it after fork (torch marks it "bad fork"), and
+  ``torch.cuda.is_available()``/``device_count()`` initialise the driver unless
+  PYTORCH_NVML_BASED_CUDA_CHECK=1. The server never calls them; it reports
+  ``torch.cuda.is_initialized()`` with every launch and the runner spawns if it ever turns True.
+  CUDA_VISIBLE_DEVICES is honoured because the driver is first initialised in the forked child.
+* Threads. fork copies only the calling thread, so a lock held by another thread stays locked
+  forever in the child. The server runs no torch operation, hence neither torch's intra-op pool nor
+  OpenMP's exists when it forks (each trial creates its own, with torch's default thread count, as a
+  spawned child would); the server uses no Python threads (checked: ``threading.active_count() ==
+  1`` is reported). numpy's OpenBLAS starts its worker threads at import; OpenBLAS registers a
+  ``pthread_atfork`` handler that shuts its pool down around fork, so this is safe. The native
+  thread count after the imports is the baseline (``native_threads`` in the hello message); a
+  launch is refused (the runner then spawns) if it ever grows, or Python threads appear.
+* Where ``os.fork`` does not exist (Windows) or is unsafe (macOS system frameworks) the runner
+  spawns.
+
+Protocol (one JSON object per line): the runner writes ``{"id", "argv": [spec, result], "cwd",
+"stdout", "stderr", "env"}`` to the server's stdin; the server answers ``{"id", "pid",
+"cuda_initialized"}`` (or ``{"id", "error"}``) and, once the trial process has been reaped,
+``{"id", "returncode"}`` (negative signal number as in :mod:`subprocess`). Each trial calls
+``setsid()`` so the runner can kill its whole process group. On EOF the server kills the process
+groups of its live trials and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any
+
+__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES"]
+
+#: Imported by the server before it announces itself ready (import only: nothing is executed).
+PRELOAD_MODULES = (
+    "torch",
+    "torchvision.models",
+    "oomtune.trial.child",
+    "oomtune.alloc.sim",
+    "oomtune.capture.virtual_gpu",
+    "oomtune.workloads",
+    "oomtune.classify",
+)
+
+
+_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_BASELINE_THREADS: list[int] = []  # native thread count once the server is ready (set in serve())
+
+
+def _native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def _send(out: Any, message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _run_forked(request: dict[str, Any], close_fds: list[int]) -> None:
+    """In the forked process: own session, own files and environment, run the child, ``_exit``."""
+    code = 70
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        for fd in close_fds:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])  # putenv: visible to torch's getenv before CUDA starts
+        from oomtune.trial import child
+
+        code = child.main(list(request["argv"]))
+    except BaseException:  # noqa: BLE001 - report anything, then leave without running atexit
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def serve() -> int:
+    """Run the server loop on stdin/stdout until stdin closes. Returns the exit status (0)."""
+    import importlib
+
+    proto_in = sys.stdin.buffer
+    proto_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints from imports or trials must not corrupt the protocol
+    for name in PRELOAD_MODULES:
+        importlib.import_module(name)
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when trials die
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    live: dict[int, Any] = {}  # pid -> request id
+    _BASELINE_THREADS.append(_native_threads() or 0)  # after imports: main + OpenBLAS workers
+    _send(proto_out, {
+        "ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
+        "native_threads": _native_threads(), "cuda_initialized": torch.cuda.is_initialized(),
+    })
+    in_fd = proto_in.fileno()
+    buf = b""
+    while True:
+        ready, _, _ = select.select([in_fd, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        _reap(live, proto_out)
+        if in_fd not in ready:
+            continue
+        chunk = os.read(in_fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            _launch(json.loads(line), live, proto_out, [in_fd, wake_r, wake_w, proto_out.fileno()])
+    for pid in list(live):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return 0
+
+
+def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: list[int]) -> None:
+    import torch
+
+    threads = _native_threads()
+    if threading.active_count() != 1 or torch.cuda.is_initialized() or (
+            threads is not None and _BASELINE_THREADS and threads > _BASELINE_THREADS[0]):
+        _send(out, {"id": request["id"], "error": "server is no longer fork-safe (a thread pool started "
+                    "or CUDA was initialised)"})
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _send(out, {"id": request["id"], "error": f"fork failed: {exc}"})
+        return
+    if pid == 0:
+        _run_forked(request, close_fds)
+    live[pid] = request["id"]
+    _send(out, {"id": request["id"], "pid": pid, "cuda_initialized": torch.cuda.is_initialized()})
+
+
+def _reap(live: dict[int, Any], out: Any) -> None:
+    while live:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in live:
+            _send(out, {"id": live.pop(pid), "returncode": _returncode(status)})
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start, died, or refused a launch (the runner then spawns)."""
+
+
+class ForkedTrial:
+    """A trial process forked by the server. ``pid`` is also its process-group id (it calls
+    ``setsid``; until it has, ``killpg`` fails and :meth:`ForkServerClient.kill` falls back to
+    ``kill``)."""
+
+    def __init__(self, pid: int, done: "queue.Queue[int | None]") -> None:
+        self.pid = pid
+        self._done = done
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None) -> int | None:
+        """Wait up to ``timeout`` seconds for the exit status; None while still running. After the
+        server died the status is unknown and -SIGKILL is not assumed: returns 1 once gone."""
+        if self.returncode is None:
+            try:
+                self.returncode = self._done.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        return self.returncode
+
+
+class ForkServerClient:
+    """The runner's side of the fork server: starts it, sends launches, collects exit statuses.
+
+    Thread-safe: several threads may launch and wait at once (one reader thread dispatches the
+    server's answers). The server process runs in its own session, so a Ctrl-C in the terminal
+    does not reach it; :meth:`close` (or the parent's exit, which closes its stdin) stops it.
+    """
+
+    def __init__(self, python: str = sys.executable, *, log_path: str | None = None) -> None:
+        self.python = python
+        self.log_path = log_path
+        self.info: dict[str, Any] = {}
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[int, queue.Queue] = {}
+        self._next_id = 0
+        self._ready: queue.Queue = queue.Queue()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Start the server and wait until it has imported everything (its hello message).
+
+        Raises:
+            ForkServerError: it did not come up within ``timeout_s`` seconds.
+        """
+        env = {k: v for k, v in os.environ.items() if k not in _ALLOC_VARS}  # backend: native
+        try:
+            with open(self.log_path or os.devnull, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [self.python, "-m", "oomtune.trial.forkserver"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+                )
+        except OSError as exc:
+            raise ForkServerError(f"cannot start the fork server: {exc}") from None
+        threading.Thread(target=self._read, name="oomtune-forkserver-reader", daemon=True).start()
+        try:
+            self.info = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            self.close()
+            raise ForkServerError(f"fork server did not start within {timeout_s:.0f} s") from None
+        if not self.info.get("ready"):
+            self.close()
+            raise ForkServerError("fork server exited during start-up")
+        return self.info
+
+    def launch(self, *, argv: list[str], cwd: str, stdout: str, stderr: str,
+               env: dict[str, str], timeout_s: float = 30.0) -> ForkedTrial:
+        """Ask the server to fork one trial process.
+
+        Raises:
+            ForkServerError: the server is gone, refused (not fork-safe) or did not answer.
+        """
+        if not self.alive:
+            raise ForkServerError("fork server is not running")
+        answer: queue.Queue = queue.Queue()
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            self._pending[rid] = answer
+            request = {"id": rid, "argv": argv, "cwd": cwd, "stdout": stdout, "stderr": stderr, "env": env}
+            try:
+                self._proc.stdin.write((json.dumps(request) + "\n").encode())
+                self._proc.stdin.flush()
+            except OSError as exc:
+                raise ForkServerError(f"fork server is gone: {exc}") from None
+        try:
+            first = answer.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ForkServerError("fork server did not answer a launch") from None
+        if first is None or "pid" not in first:
+            self._pending.pop(rid, None)
+            raise ForkServerError((first or {}).get("error", "fork server died"))
+        if first.get("cuda_initialized"):
+            self.info["cuda_initialized"] = True
+        done: queue.Queue = queue.Queue()
+        threading.Thread(target=self._relay, args=(answer, done, first["pid"]), daemon=True).start()
+        return ForkedTrial(first["pid"], done)
+
+    def _relay(self, answer: queue.Queue, done: queue.Queue, pid: int) -> None:
+        message = answer.get()
+        if message is None:  # server died: the status is unknown; wait until the process is gone
+            while _pid_running(pid):
+                threading.Event().wait(0.1)
+            done.put(1)
+        else:
+            done.put(message["returncode"])
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                self._ready.put(message)
+                continue
+            with self._lock:
+                target = self._pending.get(message["id"])
+                if "returncode" in message or "error" in message:
+                    self._pending.pop(message["id"], None)
+            if target is not None:
+                target.put(message)
+        self._ready.put({})
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for target in pending:
+            target.put(None)
+
+    def close(self) -> None:
+        """Stop the server (closing its stdin; it kills its live trials' groups) and wait for it."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+
+def _pid_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (zombies are dead, only unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

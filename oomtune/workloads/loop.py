@@ -1,0 +1,211 @@
+"""A built-in workload: model + optimizer + data + one training step, and its timed loop."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from oomtune.exceptions import ConfigError
+from oomtune.workloads.data import make_batches
+from oomtune.workloads.models import ModelSpec, build_model, cfg_float
+
+__all__ = ["Workload", "StepTimings", "build_workload", "build_capture_workload",
+           "validate_workload_config"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepTimings:
+    """Wall times of measured steps, in seconds.
+
+    ``step_s[i]`` is the whole step i (waiting for its batch included); ``data_wait_s[i]`` the part
+    spent blocked in ``next(batches)``.
+    """
+
+    step_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    samples_per_step: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.step_s)
+
+    @property
+    def mean_step_s(self) -> float | None:
+        return self.total_s / len(self.step_s) if self.step_s else None
+
+    @property
+    def data_wait_fraction(self) -> float | None:
+        """Time blocked on data / step time (0..1); near 1 means input-bound. None without steps."""
+        return sum(self.data_wait_s) / self.total_s if self.step_s and self.total_s > 0 else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.samples_per_step * len(self.step_s) / self.total_s if self.total_s > 0 else None
+
+
+class Workload:
+    """One training setup. ``step(batch)`` runs forward, loss, backward, ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``; ``batches()`` is the endless batch iterator on ``device``.
+
+    Attributes: ``model``, ``optimizer``, ``device``, ``batch_size``, ``samples_per_step`` (=
+    batch_size: images or sequences), ``precision`` (effective: ``fp32``/``bf16``/``fp16``),
+    ``fallback_reason`` (None, or why the workload runs other than asked: precision not available
+    on this device, or meta ops missing so capture ran on CPU).
+    """
+
+    def __init__(self, spec: ModelSpec, optimizer: torch.optim.Optimizer, device: torch.device,
+                 batch_size: int, precision: str, batches: Iterator[Any],
+                 static_batch: Any, fallback_reason: str | None) -> None:
+        self.spec, self.model, self.optimizer = spec, spec.module, optimizer
+        self.device, self.batch_size, self.samples_per_step = device, batch_size, batch_size
+        self.precision, self.fallback_reason = precision, fallback_reason
+        self._batches, self._static_batch = batches, static_batch
+        self._scaler = (torch.amp.GradScaler("cuda")
+                        if precision == "fp16" and device.type == "cuda" else None)
+
+    def batches(self) -> Iterator[Any]:
+        """The endless iterator of ``(inputs, targets)`` batches on ``self.device`` (shared state)."""
+        return self._batches
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def step(self, batch: Any) -> None:
+        """One training step on ``batch``; returns nothing (no host sync)."""
+        x, y = batch
+        with self._autocast():
+            out = self.model(x)
+            loss = nn.functional.cross_entropy(out.flatten(0, -2).float(), y.flatten())
+        del out
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward()
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def tensors_before_step(self) -> list[torch.Tensor]:
+        """Tensors alive between steps: parameters, buffers, optimizer state, the static synthetic
+        batch (for ``VirtualGPU.register`` / ``capture_stream(existing=...)``)."""
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        for state in self.optimizer.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        if self._static_batch is not None:
+            out += list(self._static_batch)
+        return out
+
+    def run_steps(self, n: int, *, sync: bool = True) -> StepTimings:
+        """Run ``n`` steps, timing each (wall clock) and the time blocked waiting for its batch.
+
+        ``sync``: on CUDA, synchronise after each step so its time includes the GPU work.
+        """
+        timings = StepTimings(samples_per_step=self.samples_per_step)
+        do_sync = sync and self.device.type == "cuda"
+        for _ in range(n):
+            t0 = time.perf_counter()
+            batch = next(self._batches)
+            t1 = time.perf_counter()
+            self.step(batch)
+            del batch
+            if do_sync:
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
+            timings.step_s.append(t2 - t0)
+            timings.data_wait_s.append(t1 - t0)
+        return timings
+
+
+def _optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimizer:
+    name = cfg.get("optimizer", "sgd")
+    lr = cfg_float(cfg, "lr", 0.1 if name == "sgd" else 1e-3)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    raise ConfigError(f"model.optimizer={name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _precision(cfg: Mapping[str, Any], device: torch.device) -> tuple[str, str | None]:
+    asked = cfg.get("precision", "fp32")
+    if asked not in PRECISIONS:
+        raise ConfigError(f"model.precision={asked!r}: choose one of fp32, bf16, fp16")
+    if asked == "fp32" or torch.amp.is_autocast_available(device.type):
+        return asked, None
+    # The meta device has no autocast: activations are recorded at fp32 (an over-estimate).
+    return "fp32", f"precision {asked} unavailable on {device.type} (no autocast): ran fp32"
+
+
+def build_workload(cfg: Mapping[str, Any], batch_size: int,
+                   device: torch.device | str) -> Workload:
+    """Build the workload described by the Hydra ``model`` group ``cfg`` (a plain mapping).
+
+    ``cfg["name"]`` is ``resnet``, ``transformer`` or ``mlp`` (see :mod:`oomtune.workloads.models`
+    for their keys); common keys ``optimizer`` (sgd with momentum 0.9 | adam | adamw), ``lr``,
+    ``precision`` (fp32 | bf16 | fp16, autocast; GradScaler for fp16 on CUDA) and ``data`` (see
+    :mod:`oomtune.workloads.data`). ``device="meta"`` builds everything on meta for capture.
+
+    Raises:
+        ConfigError: unknown model, optimizer, precision or data source; bad sizes; batch_size < 1.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
+    device = torch.device(device)
+    spec = build_model(cfg, device)
+    optimizer = _optimizer(cfg, spec.module)
+    precision, reason = _precision(cfg, device)
+    batches, static = make_batches(spec, cfg.get("data"), batch_size, device)
+    return Workload(spec, optimizer, device, batch_size, precision, batches, static, reason)
+
+
+def build_capture_workload(cfg: Mapping[str, Any], batch_size: int) -> Workload:
+    """Build on meta and run one probe step there (creating the optimizer state, so the next step
+    is the steady state); if an op lacks a meta kernel, rebuild on CPU and say so in
+    ``fallback_reason``. Data is forced to synthetic (no loader, no decode delay).
+
+    Raises:
+        ConfigError: as :func:`build_workload`.
+    """
+    cfg = dict(cfg)
+    cfg["data"] = {"source": "synthetic"}
+    wl = build_workload(cfg, batch_size, "meta")
+    try:
+        wl.step(next(wl.batches()))
+        return wl
+    except (NotImplementedError, RuntimeError) as e:
+        reason = f"meta kernel missing ({str(e).splitlines()[0][:200]}): captured on cpu"
+    wl = build_workload(cfg, batch_size, "cpu")
+    wl.step(next(wl.batches()))
+    wl.fallback_reason = reason if wl.fallback_reason is None else f"{wl.fallback_reason}; {reason}"
+    return wl
+
+
+def validate_workload_config(cfg: Mapping[str, Any]) -> None:
+    """Check a ``model`` group without running anything: name and sizes (the model is built on
+    meta, which costs no memory), optimizer, precision and data settings (source, path existence,
+    loader options). Keys this module does not use (e.g. ``target``) are ignored.
+
+    Raises:
+        ConfigError: the first problem found, in one line.
+    """
+    from oomtune.workloads.data import check_data_config
+
+    spec = build_model(cfg, torch.device("meta"))
+    _optimizer(cfg, spec.module)
+    _precision(cfg, torch.device("cpu"))
+    check_data_config(spec, cfg.get("data"))

@@ -1,0 +1,153 @@
+"""The built-in models, built from code with random weights (nothing is ever downloaded).
+
+Each builder takes the Hydra ``model`` group as a plain mapping and returns the module plus a
+function making one synthetic batch ``(inputs, targets)`` on a given device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from oomtune.exceptions import ConfigError
+
+__all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float"]
+
+MODEL_NAMES = ("mlp", "resnet", "transformer")
+RESNET_DEPTHS = (18, 34, 50, 101, 152)
+
+BatchFn = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelSpec:
+    """A built model: ``module``, ``make_batch(batch_size, device)`` and the input description.
+
+    ``kind`` is ``"image"`` (inputs N x 3 x H x W float, targets N int64 class ids), ``"tokens"``
+    (inputs and targets N x seq_len int64 token ids) or ``"vector"`` (N x in_features float, N int64).
+    """
+
+    def __init__(self, module: nn.Module, kind: str, make_batch: BatchFn, **info: Any) -> None:
+        self.module, self.kind, self.make_batch, self.info = module, kind, make_batch, info
+
+
+def cfg_int(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1) -> int:
+    """``cfg[key]`` as an int >= ``minimum``. Raises ConfigError naming the key otherwise."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"model.{key}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def cfg_float(cfg: Mapping[str, Any], key: str, default: float, *, lo: float = 0.0,
+              hi: float = float("inf")) -> float:
+    """``cfg[key]`` as a float in ``[lo, hi]``. Raises ConfigError naming the key otherwise."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"model.{key}={value!r}: expected a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
+    import torchvision
+
+    depth = cfg.get("depth", 50)
+    if depth not in RESNET_DEPTHS:
+        raise ConfigError(f"model.depth={depth!r}: choose one of 18, 34, 50, 101, 152")
+    size = cfg_int(cfg, "image_size", 224, minimum=8)
+    classes = cfg_int(cfg, "num_classes", 1000)
+    channels_last = bool(cfg.get("channels_last", False))
+    module = getattr(torchvision.models, f"resnet{depth}")(weights=None, num_classes=classes)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if channels_last:
+        module = module.to(memory_format=torch.channels_last)
+
+    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, 3, size, size, device=device).contiguous(memory_format=fmt)
+        return x, torch.randint(0, classes, (n,), device=device)
+
+    return ModelSpec(module, "image", make_batch, image_size=size, num_classes=classes,
+                     memory_format=fmt)
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only language model: token + learned position embeddings, ``layers`` pre-norm
+    ``nn.TransformerEncoderLayer`` blocks under a causal mask, a final LayerNorm and an untied
+    vocabulary head. Input ``(N, T)`` int64 token ids, output ``(N, T, vocab_size)`` logits.
+    """
+
+    def __init__(self, *, vocab_size: int, d_model: int, heads: int, layers: int, seq_len: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        h = self.tok(idx) + self.pos(pos)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device, dtype=h.dtype)
+        h = self.blocks(h, mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def _transformer(cfg: Mapping[str, Any]) -> ModelSpec:
+    d_model = cfg_int(cfg, "d_model", 512)
+    heads = cfg_int(cfg, "heads", 8)
+    if d_model % heads:
+        raise ConfigError(f"model.d_model={d_model} is not divisible by model.heads={heads}")
+    seq_len = cfg_int(cfg, "seq_len", 512)
+    vocab = cfg_int(cfg, "vocab_size", 50304, minimum=2)
+    module = DecoderLM(vocab_size=vocab, d_model=d_model, heads=heads, seq_len=seq_len,
+                       layers=cfg_int(cfg, "layers", 6),
+                       dropout=cfg_float(cfg, "dropout", 0.1, hi=1.0))
+
+    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, vocab, (n, seq_len), device=device),
+                torch.randint(0, vocab, (n, seq_len), device=device))
+
+    return ModelSpec(module, "tokens", make_batch, seq_len=seq_len, vocab_size=vocab)
+
+
+def _mlp(cfg: Mapping[str, Any]) -> ModelSpec:
+    in_features = cfg_int(cfg, "in_features", 1024)
+    hidden = cfg_int(cfg, "hidden", 4096)
+    classes = cfg_int(cfg, "num_classes", 1000)
+    mods: list[nn.Module] = []
+    width = in_features
+    for _ in range(cfg_int(cfg, "layers", 2, minimum=0)):
+        mods += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    mods.append(nn.Linear(width, classes))
+
+    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(n, in_features, device=device),
+                torch.randint(0, classes, (n,), device=device))
+
+    return ModelSpec(nn.Sequential(*mods), "vector", make_batch, in_features=in_features,
+                     num_classes=classes)
+
+
+_BUILDERS = {"mlp": _mlp, "resnet": _resnet, "transformer": _transformer}
+
+
+def build_model(cfg: Mapping[str, Any], device: torch.device) -> ModelSpec:
+    """Build the model named by ``cfg["name"]`` directly on ``device`` (meta allowed).
+
+    Raises:
+        ConfigError: unknown model name or a bad model parameter.
+    """
+    name = cfg.get("name")
+    if name not in _BUILDERS:
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
+    with torch.device(device):
+        spec = _BUILDERS[name](cfg)
+    return spec

@@ -1,0 +1,216 @@
+"""``oomtune check``: predict and run modes, exact tolerance boundaries, a workload change caught by
+--mode predict, JUnit XML, and bad input (exit 2). Recorded figures are hand-made."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+import yaml
+
+from oomtune.best import load_best
+from oomtune.check import evaluate_run, within_drop, within_limit
+from oomtune.cli import main
+from oomtune.trial.record import TrialResult
+from oomtune.units import GiB, MiB
+
+# The tiny MLP: every tensor is below 1 MiB, and all live tensors together well below 2 MiB, so the
+# caching allocator holds exactly one small-pool segment of kSmallBuffer = 2 MiB (hand calculation).
+MLP = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10, "optimizer": "sgd",
+       "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
+TWO_MIB = 2 * MiB
+
+
+def write_best(path, *, model=None, target=None, batch=8, alloc_conf="", predicted=TWO_MIB, metrics=None,
+               kind="cpu", budget=1 * GiB, source="simulated"):
+    data = {
+        "schema_version": 1,
+        "workload": {"model": model or MLP, "target": target or {"name": "builtin"}},
+        "device": {"kind": kind, "name": "virtual GPU (CPU)", "total_memory_bytes": 80 * GiB,
+                   "budget_bytes": budget, "memory_source": source},
+        "best": {"batch_size": batch, "alloc_conf": alloc_conf, "settings": {},
+                 "metrics": metrics or {"throughput": 100.0, "peak_reserved_bytes": TWO_MIB,
+                                        "memory_source": source},
+                 "predicted_peak_reserved_bytes": predicted},
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# -- exact limit arithmetic ------------------------------------------------------------------------
+def test_within_limit_is_inclusive_and_exact():
+    assert within_limit(1_005_000_000, 1_000_000_000, 0.005)        # exactly +0.5%
+    assert not within_limit(1_005_000_001, 1_000_000_000, 0.005)    # one byte more
+    assert within_limit(900, 1000, 0.0)                             # shrinking always passes
+
+
+def test_within_drop_is_inclusive_and_exact():
+    assert within_drop(90.0, 100.0, 0.10)      # exactly -10%
+    assert not within_drop(89.99, 100.0, 0.10)
+    assert within_drop(150.0, 100.0, 0.0)      # faster always passes
+
+
+# -- predict mode -----------------------------------------------------------------------------------
+def test_predict_passes_when_the_recorded_prediction_matches(tmp_path, capsys):
+    code = main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict"])
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0, out
+    assert out == ("oomtune check: PASS predicted peak reserved 2.00 MiB (simulated) vs recorded "
+                   "2.00 MiB (+0.00%, tolerance 0.50%)")
+
+
+@pytest.mark.parametrize("recorded, tolerance, code", [
+    (2_000_000, "0.048576", 0),   # (2,097,152 - 2,000,000) / 2,000,000 = 0.048576 exactly: passes
+    (2_000_000, "0.048575", 1),   # just below the growth: fails
+    (2_086_719, None, 0),         # +0.4999...% under the default 0.5%
+    (2_086_718, None, 1),         # +0.50001%
+])
+def test_predict_tolerance_boundaries(recorded, tolerance, code, tmp_path, capsys):
+    path = write_best(tmp_path / "best.yaml", predicted=recorded)
+    args = ["check", str(path), "--mode", "predict"] + (["--tolerance", tolerance] if tolerance else [])
+    assert main(args) == code, capsys.readouterr()
+    assert ("PASS" if code == 0 else "FAIL") in capsys.readouterr().out
+
+
+def test_predict_fails_when_the_batch_no_longer_fits_the_budget(tmp_path, capsys):
+    # 1 MiB budget < the one 2 MiB segment the MLP needs
+    path = write_best(tmp_path / "best.yaml", budget=1 * MiB, predicted=TWO_MIB)
+    assert main(["check", str(path), "--mode", "predict"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+_FACTORY = """
+import itertools
+import torch
+from torch import nn
+
+def make_workload(batch_size):
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    {extra}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,))
+    return model, opt, itertools.repeat((x, y))
+"""
+
+
+def _write_factory(tmp_path, monkeypatch, *, extra_buffer: bool):
+    extra = 'model.register_buffer("extra", torch.zeros(16 * 2**20))  # 64 MiB of fp32' if extra_buffer else ""
+    (tmp_path / "oomtune_test_factory.py").write_text(textwrap.dedent(_FACTORY).replace("{extra}", extra))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "oomtune_test_factory", raising=False)
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("extra_buffer, code", [(False, 0), (True, 1)])
+def test_a_workload_change_that_adds_a_64_mib_buffer_fails_predict(extra_buffer, code, tmp_path, monkeypatch,
+                                                                    capsys):
+    """best.yaml was tuned on the factory without the buffer: all of its tensors are small, so the
+    recorded prediction is one 2 MiB small-pool segment. The changed code adds a 64 MiB buffer: a
+    large-pool request rounded to a multiple of 2 MiB (kRoundLarge) = one more 64 MiB segment, so
+    the current prediction is 66 MiB (+3200%); the unchanged code still predicts 2 MiB."""
+    _write_factory(tmp_path, monkeypatch, extra_buffer=extra_buffer)
+    target = {"name": "python", "entry": "oomtune_test_factory:make_workload"}
+    path = write_best(tmp_path / "best.yaml", model={"name": "custom"}, target=target, predicted=TWO_MIB)
+    assert main(["check", str(path), "--mode", "predict"]) == code
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    expected = "66.00 MiB" if extra_buffer else "2.00 MiB"
+    assert f"predicted peak reserved {expected} (simulated) vs recorded 2.00 MiB" in last
+
+
+# -- run mode ---------------------------------------------------------------------------------------
+def _result(**kw):
+    base = {"outcome": "ok", "memory_source": "simulated", "batch_size": 8, "throughput": 100.0,
+            "peak_reserved_bytes": 1_000_000_000, "steps": 11}
+    return TrialResult(**{**base, **kw})
+
+
+@pytest.mark.parametrize("peak, throughput, passed", [
+    (1_050_000_000, 90.0, True),       # +5% memory, -10% throughput: both exactly at the limits
+    (1_050_000_001, 90.0, False),      # one byte over
+    (1_050_000_000, 89.99, False),     # a little slower than allowed
+])
+def test_run_mode_limits_are_inclusive(peak, throughput, passed, tmp_path):
+    best = load_best(write_best(tmp_path / "best.yaml", metrics={
+        "throughput": 100.0, "peak_reserved_bytes": 1_000_000_000, "memory_source": "simulated"}))
+    report = evaluate_run(best, _result(peak_reserved_bytes=peak, throughput=throughput),
+                          max_memory_growth=0.05, max_slowdown=0.10)
+    assert report.passed is passed
+    assert report.summary.startswith("oomtune check: " + ("PASS" if passed else "FAIL"))
+
+
+def test_run_mode_out_of_memory_fails(tmp_path):
+    best = load_best(write_best(tmp_path / "best.yaml"))
+    report = evaluate_run(best, _result(outcome="oom", message="CUDA out of memory."),
+                          max_memory_growth=0.05, max_slowdown=0.10)
+    assert not report.passed and report.cases[0].name == "oom" and report.cases[0].passed is False
+    assert "out of memory at batch 8" in report.summary
+
+
+def test_run_mode_on_the_virtual_gpu(tmp_path, capsys):
+    """A spawned virtual-GPU trial of the tiny MLP reserves one 2 MiB segment (hand calculation): equal
+    to the recorded 2 MiB passes; a recorded 1 MiB is +100%, beyond the 5% limit."""
+    slow = {"throughput": 1e-3, "peak_reserved_bytes": TWO_MIB, "memory_source": "simulated"}
+    assert main(["check", str(write_best(tmp_path / "a.yaml", metrics=slow)), "--mode", "run", "--steps", "2"]) == 0
+    assert "peak reserved 2.00 MiB (simulated) vs recorded 2.00 MiB (+0.00%" in capsys.readouterr().out
+
+
+def test_run_mode_refuses_to_compare_device_figures_with_the_virtual_gpu(tmp_path, capsys):
+    path = write_best(tmp_path / "best.yaml", source="device", kind="cuda")
+    assert main(["check", str(path), "--mode", "run", "--device", "cpu"]) == 2
+    assert "not comparable" in capsys.readouterr().err
+
+
+# -- JUnit ------------------------------------------------------------------------------------------
+def test_junit_report_has_a_failure_element_on_regression(tmp_path, capsys):
+    path = write_best(tmp_path / "best.yaml", predicted=1 * MiB)  # current 2 MiB: +100%
+    junit = tmp_path / "reports" / "check.xml"
+    assert main(["check", str(path), "--mode", "predict", "--junit", str(junit)]) == 1
+    suite = ET.parse(junit).getroot()
+    assert suite.tag == "testsuite" and suite.get("tests") == "2" and suite.get("failures") == "1"
+    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    assert set(cases) == {"fits budget (predicted)", "prediction"}
+    failure = cases["prediction"].find("failure")
+    assert failure is not None and "+100.00%" in failure.get("message")
+    assert cases["fits budget (predicted)"].find("failure") is None
+
+
+def test_junit_report_without_failures_on_pass(tmp_path):
+    junit = tmp_path / "check.xml"
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", "--junit", str(junit)]) == 0
+    suite = ET.parse(junit).getroot()
+    assert suite.get("failures") == "0" and not list(suite.iter("failure"))
+
+
+# -- bad input --------------------------------------------------------------------------------------
+def test_missing_best_yaml_exits_2(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_corrupt_best_yaml_exits_2(tmp_path, capsys):
+    path = tmp_path / "best.yaml"
+    path.write_text("schema_version: 1\nbest: [unclosed\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not valid YAML" in err and len(err.splitlines()) == 1
+
+
+def test_unknown_mode_exits_2(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "guess"])
+    assert exc.value.code == 2
+
+
+def test_predict_without_a_recorded_prediction_exits_2(tmp_path, capsys):
+    path = write_best(tmp_path / "best.yaml", predicted=None)
+    assert main(["check", str(path), "--mode", "predict"]) == 2
+    err = capsys.readouterr().err
+    assert "no best.predicted_peak_reserved_bytes" in err and "--mode run" in err
+
+
+@pytest.mark.parametrize("flag", [["--tolerance", "-0.1"], ["--max-memory-growth", "-1", "--mode", "run"]])
+def test_negative_limits_exit_2(flag, tmp_path, capsys):
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", *flag]) == 2

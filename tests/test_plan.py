@@ -1,0 +1,183 @@
+"""``oomtune plan``: the batch grid, the exact bisection, agreement with live virtual-GPU trials,
+plan.yaml, and bad input (exit 2)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from oomtune.cli import main
+from oomtune.commands.plan import plan
+from oomtune.plan.feasibility import grid_batches, largest_fitting
+from oomtune.trial.child import run_child
+from oomtune.trial.record import TrialSpec
+from oomtune.units import MiB
+
+# A tiny MLP: every tensor < 1 MiB (small pool) at the batch sizes used here.
+MLP = ["model=mlp", "model.in_features=64", "model.hidden=128", "model.layers=1", "model.num_classes=10",
+       "model.optimizer=sgd"]
+RESNET = ["model=resnet", "model.depth=18", "model.image_size=32", "model.num_classes=10"]
+
+
+class _Quiet:
+    """A console that swallows output (plan() prints the table)."""
+
+    def print(self, *a, **k):
+        pass
+
+
+def _plan(tmp_path, *overrides):
+    return plan(["device=cpu", f"hydra.run.dir={tmp_path}/run", *overrides], console=_Quiet())
+
+
+# -- grid and bisection (hand-computed) --------------------------------------------------------------
+@pytest.mark.parametrize("low, high, expected", [
+    (8, 1024, [8, 16, 32, 64, 128, 256, 512, 1024]),
+    (6, 100, [6, 8, 16, 32, 64, 100]),
+    (1, 1, [1]),
+    (3, 3, [3]),
+])
+def test_grid_is_powers_of_two_plus_both_ends(low, high, expected):
+    assert grid_batches(low, high) == expected
+
+
+def test_explicit_grid_is_sorted_and_deduplicated():
+    assert grid_batches(8, 1024, [32, 8, 32]) == [8, 32]
+
+
+@pytest.mark.parametrize("bad", [[], [0], [8, "x"], [True]])
+def test_bad_explicit_grid_is_a_config_error(bad):
+    from oomtune.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="plan.batch_sizes"):
+        grid_batches(8, 1024, bad)
+
+
+@pytest.mark.parametrize("limit, expected", [(300, 300), (8, 8), (7, None), (1024, 1024), (5000, 1024),
+                                             (511, 511), (512, 512), (513, 513)])
+def test_bisection_finds_the_exact_largest_fitting_batch(limit, expected):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= limit
+
+    grid = grid_batches(8, 1024)
+    assert largest_fitting(fits, grid) == expected
+    # grid scan (at most 8 calls) + bisection over a gap of at most 512 (at most 9 calls)
+    assert len(calls) <= len(grid) + 9
+
+
+# -- agreement with live virtual-GPU trials --------------------------------------------------------
+def _trial(workload, batch, budget, alloc_conf=""):
+    """A virtual-GPU trial in this process, 2 steps like the predictor (warm-up 1 + measure 1)."""
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") == alloc_conf == ""
+    return run_child(TrialSpec(workload=workload, batch_size=batch, alloc_conf=alloc_conf, device="cpu",
+                               budget_bytes=budget, warmup_steps=1, measure_steps=1))
+
+
+def _clear_alloc_env(monkeypatch):
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("model, batch", [(MLP, 16), (RESNET, 4)])
+def test_plan_agrees_exactly_with_a_live_virtual_gpu_trial(model, batch, tmp_path, monkeypatch):
+    _clear_alloc_env(monkeypatch)
+    fmap = _plan(tmp_path, *model, "budget=1GiB", f"+plan.batch_sizes=[{batch}]",
+                 "search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
+                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
+    assert [r.alloc_conf for r in fmap.rows] == [""]
+    cell = fmap.rows[0].cells[0]
+    res = _trial(fmap.workload, batch, 1 << 30)
+    assert res.outcome == "ok", res.message
+    assert res.memory_source == "simulated"
+    assert cell.fits
+    assert cell.peak_reserved_bytes == res.peak_reserved_bytes
+    assert cell.peak_allocated_bytes == res.peak_allocated_bytes
+
+
+def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, monkeypatch):
+    """Non-default settings must reach torch before its allocator config is parsed: a fresh process."""
+    from oomtune.trial.runner import TrialRunner
+
+    _clear_alloc_env(monkeypatch)
+    fmap = _plan(tmp_path, *RESNET, "budget=1GiB", "+plan.batch_sizes=[4]", "search.space.max_split_size_mb=[null]",
+                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
+    row = next(r for r in fmap.rows if r.alloc_conf == "expandable_segments:True")
+    spec = TrialSpec(workload=fmap.workload, batch_size=4, alloc_conf=row.alloc_conf, device="cpu",
+                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120)
+    res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
+    assert res.outcome == "ok", res.message
+    assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes
+    assert row.cells[0].peak_allocated_bytes == res.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("budget, high, expected", [
+    # Hand calculation: at batch 2049 the hidden activation is 2049 * 128 * 4 = 1,049,088 bytes, above
+    # kSmallSize (1 MiB), so it needs a large-pool segment of at least kLargeBuffer = 20 MiB, which a
+    # 6 MiB budget cannot hold; at 2048 it is exactly 1 MiB and stays in the small pool.
+    (6 * MiB, 8192, 2048),
+    # 30 MiB: the boundary lies between grid points (found by bisection; the trials are the oracle).
+    (30 * MiB, 16384, None),
+])
+def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, tmp_path, monkeypatch):
+    """The predicted maximum B runs in a live virtual-GPU trial and B + 1 runs out of memory."""
+    _clear_alloc_env(monkeypatch)
+    fmap = _plan(tmp_path, *MLP, f"budget={budget}", "search.batch_size.low=8", f"search.batch_size.high={high}",
+                 "search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
+                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
+    row = fmap.rows[0]
+    best = row.max_batch_size
+    if expected is not None:
+        assert best == expected
+    else:
+        assert best is not None and best not in fmap.batch_sizes and 8 < best < high
+    ok = _trial(fmap.workload, best, budget)
+    over = _trial(fmap.workload, best + 1, budget)
+    assert ok.outcome == "ok", ok.message
+    assert over.outcome in ("oom", "oom_fragmentation", "fraction_cap"), over.outcome
+    assert row.at_max.peak_reserved_bytes == ok.peak_reserved_bytes <= budget
+
+
+# -- plan.yaml and the command -------------------------------------------------------------------------
+def test_plan_yaml_has_every_configuration_of_the_default_space(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "p" / "plan.yaml"
+    code = main(["plan", "device=cpu", *MLP, "budget=1GiB", "+plan.batch_sizes=[8,32]", "--out", str(out)])
+    assert code == 0
+    data = yaml.safe_load(out.read_text())
+    # default space: expandable 2 x max_split 3 x roundup 2 x gc 2
+    assert len(data["configurations"]) == 2 * 3 * 2 * 2
+    assert data["memory_source"] == "simulated" and data["batch_sizes"] == [8, 32]
+    assert data["device"]["budget_bytes"] == 1 << 30
+    assert data["geometry"] == {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
+    # the tiny MLP's tensors all fit one 2 MiB small-pool segment (kSmallBuffer) at batch 8
+    assert all(c["batches"][0]["peak_reserved_bytes"] == 2 * MiB for c in data["configurations"])
+    text = capsys.readouterr().out
+    assert "simulated" in text and "capture" in text and "replay" in text
+
+
+def test_plan_writes_into_the_run_dir_by_default(tmp_path):
+    assert main(["plan", "device=cpu", *MLP, "+plan.batch_sizes=[8]", f"hydra.run.dir={tmp_path}/r",
+                 "search.space.expandable_segments=[false]"]) == 0
+    assert (tmp_path / "r" / "plan.yaml").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["model=nope"], "model/nope"),
+    (["budget=lots"], "invalid size"),
+    (["budget=100GiB", "virtual_device_memory=80GiB"], "above"),
+    (["search.space.garbage_collection_threshold=[1.5]"], "garbage_collection_threshold"),
+    (["search.space.max_split_size_mb=[5]"], "max_split_size_mb"),
+    (["model.depth=19"], "model.depth"),
+    (["+plan.batch_sizes=[0]"], "plan.batch_sizes"),
+    (["target=python", "target.entry=no_such_module_xyz:make"], "cannot be loaded"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
+    code = main(["plan", "device=cpu", f"hydra.run.dir={tmp_path}/run", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("oomtune: error: ") and needle in err
+    assert len(err.splitlines()) == 1

@@ -1,0 +1,174 @@
+"""Starting-state rebuild, replay and segment-event comparison (oomtune.trace.replay).
+
+Expected values: the real trace's README (hand-given ground truth) and hand calculation with the
+rules of c10/cuda/CUDACachingAllocator.cpp (round to 512 B; <= 1 MiB -> small pool, 2 MiB segment;
+1-10 MiB -> 20 MiB segment; large-pool split when the remainder is > 1 MiB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomtune.exceptions import SnapshotError
+from oomtune.trace.replay import (
+    first_divergence,
+    rebuild_initial_state,
+    unexplained_release_indices,
+)
+from oomtune.trace.snapshot import load_snapshot
+
+MiB = 1 << 20
+REAL = Path("/work/shared/traces/cnn-small-default.pickle")
+needs_real = pytest.mark.skipif(not REAL.exists(), reason="real trace not present")
+S0, L0, L1 = 0x7F0000000000, 0x7F0001000000, 0x7F0003000000
+
+
+def ev(action, addr, size):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 0, "frames": []}
+
+
+def seg(addr, size, pool, blocks):
+    return {"device": 0, "address": addr, "total_size": size, "stream": 0, "segment_type": pool,
+            "is_expandable": False, "frames": [],
+            "blocks": [{"size": s, "requested_size": s, "state": st, "frames": []} for s, st in blocks]}
+
+
+def free(addr, size):
+    return [ev("free_requested", addr, size), ev("free_completed", addr, size)]
+
+
+def pre_existing_snapshot():
+    """L0 (20 MiB) existed with a 3 MiB block live at offset 0; the trace frees it, then allocates 4 MiB
+    (reusing L0: no segment_alloc)."""
+    trace = [*free(L0, 3 * MiB), ev("alloc", L0, 4 * MiB)]
+    return {"segments": [seg(L0, 20 * MiB, "large", [(4 * MiB, "active_allocated"), (16 * MiB, "inactive")])],
+            "device_traces": [trace]}
+
+
+def test_rebuild_from_free_without_alloc():
+    state = rebuild_initial_state(pre_existing_snapshot())
+    assert [(s.address, s.total_size_bytes, s.pool) for s in state.segments] == [(L0, 20 * MiB, "large")]
+    assert [(b.offset_bytes, b.size_bytes) for b in state.segments[0].live_blocks] == [(0, 3 * MiB)]
+    assert state.reserved_bytes == 20 * MiB and state.live_bytes == 3 * MiB
+
+
+def test_rebuild_removes_segments_the_trace_created_and_restores_freed_ones():
+    # Final: only L1 (created in the trace). L0 was released during the trace (segment_free).
+    trace = [ev("segment_free", L0, 20 * MiB), ev("segment_alloc", L1, 20 * MiB), ev("alloc", L1, 12 * MiB)]
+    snap = {"segments": [seg(L1, 20 * MiB, "large", [(12 * MiB, "active_allocated"), (8 * MiB, "inactive")])],
+            "device_traces": [trace]}
+    state = rebuild_initial_state(snap)
+    assert [(s.address, s.total_size_bytes, s.pool, s.live_blocks) for s in state.segments] == [
+        (L0, 20 * MiB, "large", ())]
+
+
+@needs_real
+def test_rebuild_real_trace_matches_readme():
+    state = rebuild_initial_state(load_snapshot(REAL))
+    # README: three segments existed before recording (2 MiB small, 2 MiB small, 20 MiB large).
+    assert sorted((s.total_size_bytes, s.pool) for s in state.segments) == [
+        (2 * MiB, "small"), (2 * MiB, "small"), (20 * MiB, "large")]
+    assert state.reserved_bytes == 24 * MiB
+    assert state.unplaced_blocks == ()
+
+
+def test_no_trace_for_device():
+    with pytest.raises(SnapshotError, match="no trace for device 3"):
+        rebuild_initial_state({"segments": [], "device_traces": [[]]}, device=3)
+
+
+def test_unexplained_releases():
+    trace = [
+        ev("alloc", L1, 12 * MiB),
+        ev("segment_free", L0, 20 * MiB),   # 1: inside malloc, followed by segment_alloc: explained
+        ev("segment_alloc", L1, 20 * MiB),
+        ev("alloc", L1, 12 * MiB),
+        *free(L1, 12 * MiB),
+        ev("segment_free", L1, 20 * MiB),   # 6: the program's empty_cache(): next is a request
+        ev("alloc", S0, 100),
+    ]
+    assert unexplained_release_indices(trace) == [6]
+
+
+def test_first_divergence():
+    assert first_divergence([(2, 1), (20, 2)], [(2, 1), (20, 2)]) is None
+    assert first_divergence([(2, 1), (20, 2)], [(2, 1), (20, 3)]) == 1
+    assert first_divergence([(2, 1), (20, 2)], [(2, 1)]) == 1
+    assert first_divergence([], [(2, 1)]) == 0
+
+
+def test_replay_pre_existing_block():
+    from oomtune.trace.replay import replay_snapshot
+
+    r = replay_snapshot(pre_existing_snapshot())
+    assert r.initial_state_exact
+    assert r.recorded_segment_allocs == [] and r.simulated_segment_allocs == []
+    assert r.first_divergence is None
+    assert r.peak_reserved_bytes == 20 * MiB  # the starting segment only
+    assert r.peak_allocated_bytes == 4 * MiB  # 3 MiB before, freed; then 4 MiB
+    assert r.simulated_final_reserved_bytes == r.recorded_final_reserved_bytes == 20 * MiB
+    assert r.events_replayed == 2
+
+
+@needs_real
+def test_real_trace_default_settings_matches_device():
+    from oomtune.trace.replay import replay_snapshot
+
+    r = replay_snapshot(load_snapshot(REAL))
+    readme_sizes = [20 * MiB, 2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 20 * MiB, 20 * MiB]
+    assert r.recorded_segment_allocs == readme_sizes
+    assert r.simulated_segment_allocs == readme_sizes
+    assert r.simulated_segment_alloc_positions == r.recorded_segment_alloc_positions
+    assert r.first_divergence is None
+    assert r.simulated_final_reserved_bytes == 128 * MiB
+    assert r.recorded_final_reserved_bytes == 128 * MiB
+    assert r.initial_state_exact
+    assert r.unexplained_releases == 0 and r.oom is False
+    # README: 1,935 alloc + 1,926 free_completed entries, all replayed.
+    assert r.events_replayed == 1935 + 1926
+
+
+def empty_cache_snapshot():
+    """The program frees its 5 MiB block and calls torch.cuda.empty_cache() (L0 is released; S0 still
+    holds a block), then frees the small block and allocates 5 MiB again, which needs a new 20 MiB
+    segment on the device (1 MiB < 5 MiB < 10 MiB -> large_segment_size)."""
+    trace = [
+        ev("segment_alloc", S0, 2 * MiB), ev("alloc", S0, 100),
+        ev("segment_alloc", L0, 20 * MiB), ev("alloc", L0, 5 * MiB), *free(L0, 5 * MiB),
+        ev("segment_free", L0, 20 * MiB),  # empty_cache(): the next entry is a request
+        *free(S0, 100),
+        ev("segment_alloc", L1, 20 * MiB), ev("alloc", L1, 5 * MiB),
+    ]
+    final = [seg(S0, 2 * MiB, "small", [(2 * MiB, "inactive")]),
+             seg(L1, 20 * MiB, "large", [(5 * MiB, "active_allocated"), (15 * MiB, "inactive")])]
+    return {"segments": final, "device_traces": [trace]}
+
+
+def test_recorded_release_applied_only_on_request():
+    from oomtune.trace.replay import replay_snapshot
+
+    snap = empty_cache_snapshot()
+    plain = replay_snapshot(snap)
+    assert plain.unexplained_releases == 1
+    assert plain.recorded_segment_allocs == [2 * MiB, 20 * MiB, 20 * MiB]
+    assert plain.simulated_segment_allocs == [2 * MiB, 20 * MiB]  # the cached 20 MiB is reused
+    assert plain.first_divergence == 2
+    assert plain.simulated_final_reserved_bytes == plain.recorded_final_reserved_bytes == 22 * MiB
+    assert any("no cause in the request stream" in n for n in plain.notes)
+
+    applied = replay_snapshot(snap, apply_recorded_releases=True)
+    assert applied.simulated_segment_allocs == [2 * MiB, 20 * MiB, 20 * MiB]
+    assert applied.simulated_segment_alloc_positions == applied.recorded_segment_alloc_positions == [1, 2, 3]
+    assert applied.simulated_segment_frees == applied.recorded_segment_frees == 1
+    assert applied.first_divergence is None
+    assert applied.recorded_peak_reserved_bytes == applied.peak_reserved_bytes == 22 * MiB
+
+
+def test_budget_too_small_for_starting_state():
+    from oomtune.trace.replay import replay_snapshot
+
+    r = replay_snapshot(pre_existing_snapshot(), total_memory_bytes=10 * MiB)  # < the 20 MiB segment
+    assert r.oom and r.oom_at["phase"] == "initial_state" and r.oom_at["event_index"] is None
+    assert r.events_replayed == 0
