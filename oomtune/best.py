@@ -11,6 +11,7 @@ Schema (version 1)::
     baseline: {batch_size, alloc_conf, metrics} | null
     gain: {throughput_ratio} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
+    diagnosis: {input_bound, reason, advice} | null
 
 Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF.
 """
@@ -65,6 +66,7 @@ class BestConfig:
     baseline: Choice | None = None
     gain: dict[str, Any] | None = None
     study: dict[str, Any] = field(default_factory=dict)
+    diagnosis: dict[str, Any] | None = None
     created: str | None = None
 
     @property

@@ -36,9 +36,8 @@ from typing import Any
 from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.units import format_bytes
 
-__all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "default_mode", "relative_change", "within_limit", "within_drop",
-           "evaluate_run",
-           "check_predict", "check_run", "write_junit"]
+__all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "default_mode", "relative_change", "within_limit",
+           "within_drop", "evaluate_run", "check_predict", "check_run", "write_junit"]
 
 CHECK_MODES = ("run", "predict")
 

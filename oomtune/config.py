@@ -129,7 +129,7 @@ def save_config(cfg: Any, run_dir: Path, overrides: Sequence[str]) -> None:
 
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
-    plain = {k: v for k, v in to_container(cfg).items() if k != "hydra"}
+    plain = {k: to_container(cfg[k]) for k in cfg if k != "hydra"}
     (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(plain)))
     (hydra_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 

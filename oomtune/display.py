@@ -24,7 +24,7 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
             continue
         predicted = t.user_attrs.get(R.ATTR_PREDICTED)
         error = None
-        if predicted and res.peak_reserved_bytes:
+        if predicted and res.peak_reserved_bytes and res.outcome == "ok":
             error = (predicted - res.peak_reserved_bytes) / res.peak_reserved_bytes
         rows.append({
             "number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),

@@ -214,3 +214,12 @@ def test_predict_without_a_recorded_prediction_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize("flag", [["--tolerance", "-0.1"], ["--max-memory-growth", "-1", "--mode", "run"]])
 def test_negative_limits_exit_2(flag, tmp_path, capsys):
     assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", *flag]) == 2
+
+
+@pytest.mark.parametrize("kind, cuda, mode", [("cuda", True, "run"), ("cuda", False, "predict"),
+                                              ("cpu", True, "predict"), ("cpu", False, "predict")])
+def test_default_mode(kind, cuda, mode, tmp_path):
+    from oomtune.check import default_mode
+
+    best = load_best(write_best(tmp_path / "best.yaml", kind=kind))
+    assert default_mode(best, cuda) == mode

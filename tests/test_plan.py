@@ -173,7 +173,8 @@ def test_plan_writes_into_the_run_dir_by_default(tmp_path):
     (["search.space.max_split_size_mb=[5]"], "max_split_size_mb"),
     (["model.depth=19"], "model.depth"),
     (["+plan.batch_sizes=[0]"], "plan.batch_sizes"),
-    (["target=python", "target.entry=no_such_module_xyz:make"], "cannot be loaded"),
+    (["target=python", "target.entry=no_such_module_xyz:make"], "no_such_module_xyz"),
+    (["target=cmd", "target.command='python train.py'"], "cannot be traced"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     code = main(["plan", "device=cpu", f"hydra.run.dir={tmp_path}/run", *args])

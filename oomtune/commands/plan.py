@@ -60,23 +60,21 @@ def _validate_workload(workload: dict[str, Any]) -> None:
     """Built-in: :func:`validate_workload_config`; python target: the entry must load.
 
     Raises:
-        ConfigError: unknown model, bad model key, unloadable entry, unsupported target.
+        ConfigError: unknown model, bad model key, unloadable entry, a cmd target.
     """
     from oomtune.exceptions import ConfigError
+    from oomtune.targets import target_config, validate_target
 
-    target = workload.get("target") or {}
+    target = target_config(workload)
     name = target.get("name", "builtin")
+    if name == "cmd":
+        raise ConfigError("oomtune plan needs target=builtin or target=python, not target=cmd: "
+                          "a training command cannot be traced without running it")
+    validate_target(target)
     if name == "builtin":
         from oomtune.workloads import validate_workload_config
 
         validate_workload_config(workload)
-    elif name == "python":
-        from oomtune.plan.predictor import load_entry
-
-        load_entry(str(target.get("entry")))
-    else:
-        raise ConfigError(f"oomtune plan needs target=builtin or target=python, not target={name}: "
-                          "a training command cannot be traced without running it")
 
 
 def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) -> Any:

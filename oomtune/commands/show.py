@@ -57,5 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
         return 0
-    Console().print(trial_table(rows, title=f"study {name} ({url})"))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(trial_table(rows, title=f"study {name} ({url})"))
     return 0

@@ -16,8 +16,8 @@ from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
 
-__all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "build_python_target", "capture_training_stream",
-           "load_entry", "sim_geometry"]
+__all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "capture_training_stream", "python_target_workload",
+           "sim_geometry", "unbounded_capacity_bytes"]
 
 #: Training steps captured per prediction (optimizer-state creation + one steady-state step).
 PREDICT_STEPS = 2
@@ -43,7 +43,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
 
     ``model_cfg`` is the ``model`` group, optionally with ``target``: a built-in workload
     (:func:`oomtune.workloads.build_workload`), or with ``target: {name: python, entry:
-    "pkg.mod:fn"}`` the user's factory (:func:`build_python_target`). Only storages on the capture
+    "pkg.mod:fn"}`` the user's factory (:func:`python_target_workload`). Only storages on the capture
     device are recorded (on meta, Adam's CPU ``step`` counters stay off the virtual GPU, as they
     stay on the host in a CUDA run). Falls back to CPU when an op has no meta kernel (slower; the
     reason is returned).
@@ -79,10 +79,12 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
 
 
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
-    """A built-in workload, or the python target's, on ``device`` with synthetic data."""
-    target = model_cfg.get("target") or {}
-    if isinstance(target, dict) and target.get("name") == "python":
-        return build_python_target(str(target.get("entry")), batch_size, device)
+    """The workload to capture on ``device``: the built-in one (synthetic data) or, for ``target:
+    python``, the user's (:func:`python_target_workload`)."""
+    from oomtune.targets import target_name
+
+    if target_name(model_cfg) == "python":
+        return python_target_workload(model_cfg["target"], batch_size, device)
     from oomtune.workloads import build_workload
 
     cfg = {k: v for k, v in model_cfg.items() if k != "target"}
@@ -90,64 +92,29 @@ def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     return build_workload(cfg, batch_size, device)
 
 
-def load_entry(entry: str) -> Any:
-    """The function named by ``"pkg.module:function"`` (the current directory is importable).
+def python_target_workload(target: dict[str, Any], batch_size: int, device: str) -> Any:
+    """The user's ``make_workload`` (:func:`oomtune.targets.python_entry.build_user_workload`), called
+    under ``with torch.device(device)`` so that what it creates without an explicit device lands on
+    ``device`` directly (on meta: no host memory for the model, parameters on the capture device so
+    the optimizer state is recorded). The first batch is taken out and counted as alive before the
+    step, as the built-ins' static batch: the inputs occupy device memory during the step.
 
     Raises:
-        ConfigError: malformed, not importable, or not a callable.
-    """
-    import importlib
-    import os
-    import sys
-
-    from oomtune.exceptions import ConfigError
-
-    module, sep, attr = str(entry).partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"target.entry={entry!r}: expected 'package.module:function'")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"target.entry={entry!r} cannot be loaded: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"target.entry={entry!r} is not a function")
-    return fn
-
-
-def build_python_target(entry: str, batch_size: int, device: str) -> Any:
-    """The workload of a python target: ``fn(batch_size) -> (model, optimizer, batches)``, called
-    under ``with torch.device(device)`` so that tensors it creates without an explicit device land
-    on ``device`` (meta for capture). ``batches`` yields ``(inputs, targets)``; the step is the
-    built-in one (forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad``). The first
-    batch counts as alive before the step (like the built-ins' static batch).
-
-    Returns:
-        an :class:`oomtune.workloads.Workload`.
-
-    Raises:
-        ConfigError: the entry cannot be loaded or does not return a 3-tuple.
+        ConfigError: as ``build_user_workload`` (bad entry, protocol not followed).
     """
     import itertools
 
     import torch
 
-    from oomtune.exceptions import ConfigError
-    from oomtune.workloads import Workload
-    from oomtune.workloads.models import ModelSpec
+    from oomtune.targets.python_entry import build_user_workload
 
-    fn = load_entry(entry)
     with torch.device(device):
-        made = fn(batch_size)
-        if not (isinstance(made, tuple) and len(made) == 3):
-            raise ConfigError(f"target.entry={entry!r} must return (model, optimizer, batches)")
-        model, optimizer, batches = made
-        batches = iter(batches)
-        first = next(batches)
-    spec = ModelSpec(model, "python", lambda n, d: first)
-    return Workload(spec, optimizer, torch.device(device), batch_size, "fp32",
-                    itertools.chain([first], batches), first, None)
+        wl = build_user_workload(target, batch_size, device)
+        first = next(wl.batches())
+    # Workload.tensors_before_step() reports _static_batch; batches() then yields it first again.
+    wl._static_batch = first
+    wl._batches = itertools.chain([first], wl._batches)
+    return wl
 
 
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class SearchSummary:
     outcomes: dict[str, int] = field(default_factory=dict)
     launches: int = 0
     launches_saved: int = 0
+    verdict: Any = None                  # oomtune.diagnose.Verdict (input-bound diagnosis)
 
 
 class Search:
@@ -83,6 +84,7 @@ class Search:
         self.on_trial = on_trial or (lambda trial, role: None)
         self.limit = R.MemoryLimit(options.budget_bytes, options.headroom)
         self.launches = 0
+        self.verdict: Any = None  # oomtune.diagnose.Verdict of the ranked trials (after confirm())
 
     # ---------------------------------------------------------------- running one candidate
     def _spec(self, cand: Candidate, *, steps: int | None = None) -> TrialSpec:
@@ -239,11 +241,18 @@ class Search:
                 hi = mid - 1
         return best
 
-    def run_search(self) -> None:
-        """The sampler's trials, up to ``n_trials`` in total (finished ones count: resume)."""
+    def run_search(self, baseline: Any | None = None) -> None:
+        """The sampler's trials, up to ``n_trials`` in total (finished ones count: resume).
+
+        With a baseline at batch B, the sampler's batch range starts at max(low, B // 4): throughput
+        rarely peaks far below the largest batch that fits, and the range stays wide enough to
+        find one that does."""
         remaining = self.opt.n_trials - len(self._finished("search"))
         if remaining <= 0:
             return
+        if baseline is not None:
+            self.space.batch_low = max(self.space.batch_low,
+                                       min(self.space.batch_high, baseline.params["batch_size"] // 4))
 
         def objective(trial: Any) -> float:
             return self._evaluate(trial, self.space.suggest(trial), "search")
@@ -255,10 +264,22 @@ class Search:
                             catch=(_TrialErrored,), callbacks=[callback], gc_after_trial=False)
 
     def _ranked(self) -> list[Any]:
+        """Feasible trials that ran, best first: highest throughput; but when the workload is
+        input-bound (field case C11) the smallest batch within 5% of the best throughput comes first,
+        since a bigger batch buys nothing while the GPU waits for data."""
+        from oomtune.diagnose import input_bound_verdict
+
         trials = [t for t in self.study.get_trials(deepcopy=False)
                   if t.user_attrs.get(R.ATTR_ROLE) in ("baseline", "search") and R.is_feasible_ok(t)
                   and R.ATTR_REUSED not in t.user_attrs]
-        return sorted(trials, key=lambda t: (-(t.value or 0.0), t.number))
+        ranked = sorted(trials, key=lambda t: (-(t.value or 0.0), t.number))
+        self.verdict = input_bound_verdict([R.result_of(t) for t in trials],
+                                           data_cfg=self.opt.workload.get("data"))
+        if self.verdict.input_bound and ranked:
+            near = [t for t in ranked if (t.value or 0.0) >= 0.95 * (ranked[0].value or 0.0)]
+            near.sort(key=lambda t: (t.params["batch_size"], -(t.value or 0.0)))
+            ranked = near + [t for t in ranked if t not in near]
+        return ranked
 
     def confirm(self, max_candidates: int = 3) -> tuple[Any | None, TrialResult | None, bool]:
         """Re-run the best candidates in a clean process for ``confirm_steps``; first that passes wins.
@@ -315,4 +336,5 @@ class Search:
             outcomes[key] = outcomes.get(key, 0) + 1
             if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs:
                 saved += 1
-        return SearchSummary(best, best_result, confirmed, baseline, outcomes, self.launches, saved)
+        return SearchSummary(best, best_result, confirmed, baseline, outcomes, self.launches, saved,
+                             self.verdict)

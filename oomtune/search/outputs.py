@@ -21,7 +21,7 @@ def versions(device: Any) -> dict[str, Any]:
     import optuna
     import torch
 
-    return {"oomtune": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+    return {"oomtune": __version__, "torch": str(torch.__version__), "cuda": torch.version.cuda,
             "driver": getattr(device, "driver_version", None), "optuna": optuna.__version__}
 
 
@@ -42,6 +42,10 @@ def _choice(trial: Any, res: TrialResult, confirmed: bool) -> Choice:
                   settings=settings, metrics=_metrics(res), confirmed=confirmed,
                   predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
                   trial_number=trial.number)
+
+
+def _ratio(a: int | None, b: int | None) -> float | None:
+    return a / b if a and b else None
 
 
 def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
@@ -67,12 +71,19 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     baseline = gain = None
     if summary.baseline is not None:
         baseline = _choice(summary.baseline, R.result_of(summary.baseline), False)
-        if baseline.metrics["throughput"] and best.metrics["throughput"]:
-            gain = {"throughput_ratio": best.metrics["throughput"] / baseline.metrics["throughput"],
-                    "batch_size_ratio": best.batch_size / baseline.batch_size}
+        # Like with like: both throughputs as measured in their search trials (the winner's
+        # confirmation ran more steps in a clean process and is reported in best.metrics).
+        best_measured, base_measured = summary.best.value, summary.baseline.value
+        if best_measured and base_measured:
+            gain = {"throughput_ratio": best_measured / base_measured,
+                    "batch_size_ratio": best.batch_size / baseline.batch_size,
+                    "peak_reserved_ratio": _ratio(best.metrics["peak_reserved_bytes"],
+                                                  baseline.metrics["peak_reserved_bytes"])}
     if predictor is not None:
-        best.predicted_peak_reserved_bytes = predictor.predict(space.candidate(
-            best.batch_size, {k: v for k, v in summary.best.params.items() if k != "batch_size"}))
+        # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
+        # workload and compares against exactly this number.
+        best.predicted_peak_reserved_bytes = predictor.predict_detail(
+            best.batch_size, best.alloc_conf).peak_reserved_bytes
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -84,6 +95,9 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
                "outcomes": summary.outcomes, "launches": summary.launches,
                "launches_saved": summary.launches_saved},
+        diagnosis=None if summary.verdict is None else {
+            "input_bound": summary.verdict.input_bound, "reason": summary.verdict.reason,
+            "advice": summary.verdict.advice},
     )
     path = write_best(config, run_dir / "best.yaml")
     src = best.metrics["memory_source"]
@@ -93,6 +107,10 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         f"{best.metrics['throughput']:.1f} samples/s, peak reserved "
         f"{(best.metrics['peak_reserved_bytes'] or 0) / 2**30:.2f} GiB ({src})"
         f"{' (confirmed)' if best.confirmed else ''}{tail}", highlight=False, markup=False)
+    if summary.verdict is not None and summary.verdict.input_bound:
+        console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
+        console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",
+                      highlight=False, markup=False)
     console.print(f"launches: {summary.launches} trial processes, {summary.launches_saved} saved by "
                   f"prediction/reuse", highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)

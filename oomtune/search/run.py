@@ -60,16 +60,22 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         SetupFault: the workload fails at the smallest batch with the default allocator.
         KeyboardInterrupt: Ctrl-C/SIGTERM; finished trials stay in storage, running ones are killed.
     """
-    from rich.console import Console
-
     from oomtune.trial.runner import TrialRunner
 
-    console = console or Console(stderr=True)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    console = console or _console(stderr=True)
+    out = _console(stderr=False) if console.stderr else console
     cfg = C.compose(list(overrides) + C.env_overrides())
     workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
-    from oomtune.workloads import validate_workload_config
+    from oomtune.targets import validate_target
 
-    validate_workload_config(workload)
+    validate_target(workload["target"])
+    if workload["target"]["name"] == "builtin":
+        from oomtune.workloads import validate_workload_config
+
+        validate_workload_config(workload)
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
     space = SearchSpace.from_config(cfg.search)
@@ -103,7 +109,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         baseline = drive.run_baseline()
-        drive.run_search()
+        drive.run_search(baseline)
         best, best_result, confirmed = drive.confirm()
     except KeyboardInterrupt:
         runner.kill_all()
@@ -117,7 +123,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     summary = drive.summary(best, best_result, confirmed, baseline)
     from oomtune.search.outputs import write_outputs
 
-    return write_outputs(cfg, run_dir, study, summary, device, budget_bytes, url, console,
+    return write_outputs(cfg, run_dir, study, summary, device, budget_bytes, url, out,
                          predictor=predictor, space=space)
 
 
@@ -136,6 +142,14 @@ def _calibrated(predictor: Any, study: Any) -> Any:
         return predictor.predict(cand)
 
     return predict
+
+
+def _console(*, stderr: bool) -> Any:
+    """A rich Console; wide enough for the trial table when the output is not a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=200)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -84,10 +84,14 @@ def open_study(url: str, study_name: str, sampler: Any) -> Any:
     study = optuna.create_study(
         storage=storage, study_name=study_name, sampler=sampler, direction="maximize", load_if_exists=True
     )
-    try:
-        optuna.storages.fail_stale_trials(study)
-    except Exception:  # JournalStorage without heartbeat support
-        pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        try:
+            optuna.storages.fail_stale_trials(study)
+        except Exception:  # JournalStorage without heartbeat support
+            pass
     return study
 
 

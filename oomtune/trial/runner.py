@@ -205,6 +205,10 @@ class TrialRunner:
             AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
         """
         settings = validate_spec(spec)
+        from oomtune.targets import target_name
+
+        if target_name(spec.workload) == "cmd":
+            return self._run_cmd(spec, workdir=Path(workdir), env=env)
         env_child = child_environment(spec, env)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -241,6 +245,24 @@ class TrialRunner:
         if result.wall_s is None:
             result.wall_s = time.time() - launched_at
         return result
+
+    def _run_cmd(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None) -> TrialResult:
+        """``target=cmd``: the user's command is the trial process (oomtune.targets.cmd)."""
+        from oomtune.targets.cmd import run_cmd_trial
+
+        started: list[int] = []
+
+        def register(pid: int) -> None:
+            started.append(pid)
+            with self._lock:
+                self._live[pid] = pid
+
+        try:
+            return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register)
+        finally:
+            with self._lock:
+                for pid in started:
+                    self._live.pop(pid, None)
 
     def _wait(self, handle: Any, timeout_s: float) -> tuple[int | None, bool]:
         """Wait for the trial; on timeout SIGTERM its group, then SIGKILL after ``grace_s``."""
