@@ -144,3 +144,16 @@ def test_prediction_prunes_without_launching(tmp_path):
     # Predicted max for the default: largest b with 12 MiB * b <= 950 MiB -> 79; the baseline starts there.
     assert runner.calls[0][0] == 79
     assert baseline.params["batch_size"] >= 79
+
+
+def test_search_range_starts_at_a_quarter_of_the_baseline(tmp_path):
+    # Baseline 76 (see above) -> the sampler's batches are drawn from [76 // 4 = 19, 256].
+    search, study, runner = make(tmp_path, n_trials=8)
+    baseline = search.run_baseline()
+    search.run_search(baseline)
+    drawn = [t.params["batch_size"] for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "search"]
+    assert len(drawn) == 8 and min(drawn) >= 19
+    search.confirm()  # confirmation of a batch below 19 would still record its own batch
+    for t in study.trials:
+        if t.user_attrs.get(R.ATTR_ROLE) == "confirm":
+            assert t.params["batch_size"] == study.trials[t.user_attrs[R.ATTR_CONFIRMS]].params["batch_size"]

@@ -179,9 +179,11 @@ class Search:
     def _finished(self, role: str) -> list[Any]:
         import optuna
 
+        # Trials with a stored result; one interrupted by Ctrl-C/SIGTERM is FAIL without a result
+        # and does not count, so a resumed search runs it again.
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         return [t for t in self.study.get_trials(deepcopy=False, states=done)
-                if t.user_attrs.get(R.ATTR_ROLE) == role]
+                if t.user_attrs.get(R.ATTR_ROLE) == role and R.ATTR_RESULT in t.user_attrs]
 
     def run_baseline(self) -> Any | None:
         """Largest batch that fits under torch's default allocator (doubling, then bisection).
@@ -250,12 +252,10 @@ class Search:
         remaining = self.opt.n_trials - len(self._finished("search"))
         if remaining <= 0:
             return
-        if baseline is not None:
-            self.space.batch_low = max(self.space.batch_low,
-                                       min(self.space.batch_high, baseline.params["batch_size"] // 4))
+        low = baseline.params["batch_size"] // 4 if baseline is not None else None
 
         def objective(trial: Any) -> float:
-            return self._evaluate(trial, self.space.suggest(trial), "search")
+            return self._evaluate(trial, self.space.suggest(trial, batch_low=low), "search")
 
         def callback(study: Any, frozen: Any) -> None:
             self.on_trial(frozen, "search")

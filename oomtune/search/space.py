@@ -85,9 +85,11 @@ class SearchSpace:
         bs = to_container(search_cfg.batch_size)
         return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {})
 
-    def suggest(self, trial: Any) -> Candidate:
-        """Ask an Optuna trial for a candidate (``trial.suggest_int``/``suggest_categorical``)."""
-        batch = trial.suggest_int("batch_size", self.batch_low, self.batch_high, log=True)
+    def suggest(self, trial: Any, *, batch_low: int | None = None) -> Candidate:
+        """Ask an Optuna trial for a candidate (``trial.suggest_int``/``suggest_categorical``);
+        ``batch_low`` narrows the batch range's lower end for this trial."""
+        low = self.batch_low if batch_low is None else max(self.batch_low, min(batch_low, self.batch_high))
+        batch = trial.suggest_int("batch_size", low, self.batch_high, log=True)
         params = {key: trial.suggest_categorical(key, values) for key, values in self.choices.items()}
         return self.candidate(batch, params)
 

@@ -1,0 +1,86 @@
+"""End to end on CPU: `oomtune search` on a tiny torchvision ResNet with real training steps and the
+virtual GPU, then show/env/load_best on its outputs, and resume after the search is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+import oomtune
+from oomtune.cli import main
+from oomtune.search import records as R
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
+        "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
+        "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120"]
+
+
+def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["search", *TINY, "search.n_trials=3", f"hydra.run.dir={run_dir}"]) == 0
+    best = oomtune.load_best(run_dir / "best.yaml")
+    info = json.loads((run_dir / "run.json").read_text())
+    study = optuna.load_study(study_name=info["study_name"], storage=info["storage"])
+    roles = [t.user_attrs.get(R.ATTR_ROLE) for t in study.trials]
+    assert "baseline" in roles and roles.count("search") == 3 and "confirm" in roles
+    # The answer is a configuration that ran, and its numbers are that run's.
+    winner = study.trials[best.best.trial_number]
+    assert R.is_feasible_ok(winner) and winner.params["batch_size"] == best.batch_size
+    confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_CONFIRMS) == winner.number][-1]
+    measured = R.result_of(confirm)
+    assert best.best.confirmed and best.best.metrics["throughput"] == measured.throughput > 0
+    assert best.best.metrics["peak_reserved_bytes"] == measured.peak_reserved_bytes
+    assert best.best.metrics["memory_source"] == "simulated" and best.device["memory_source"] == "simulated"
+    assert measured.peak_reserved_bytes <= 0.95 * 192 * 2**20
+    assert best.best.predicted_peak_reserved_bytes is not None
+    assert best.study["outcomes"].get("ok", 0) >= 3
+    capsys.readouterr()
+    assert main(["show", str(run_dir)]) == 0
+    assert "baseline" in capsys.readouterr().out
+    assert main(["env", str(run_dir / "best.yaml")]) == 0
+    assert capsys.readouterr().out.startswith("export PYTORCH_CUDA_ALLOC_CONF=")
+
+
+def _finished(storage: str, name: str) -> list:
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        return []
+    return study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+
+
+def test_interrupted_search_resumes_from_its_storage(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "oomtune", "search", *TINY, "search.n_trials=6", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (run_dir / "run.json").exists():
+        time.sleep(0.2)
+    info = json.loads((run_dir / "run.json").read_text())
+    while time.time() < deadline and len(_finished(info["storage"], info["study_name"])) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "resume" in err
+    before = {t.number: t.params for t in _finished(info["storage"], info["study_name"])}
+    assert len(before) >= 3
+    assert not (run_dir / "best.yaml").exists()
+    # The same command resumes: earlier trials are kept as they were, and the study completes.
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    after = {t.number: t for t in optuna.load_study(study_name=info["study_name"], storage=info["storage"]).trials}
+    assert all(after[n].params == p for n, p in before.items())
+    searched = [t for t in after.values() if t.user_attrs.get(R.ATTR_ROLE) == "search"
+                and t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(searched) == 6
+    assert (run_dir / "best.yaml").exists()
