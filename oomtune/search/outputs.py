@@ -113,5 +113,9 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
                       highlight=False, markup=False)
     console.print(f"launches: {summary.launches} trial processes, {summary.launches_saved} saved by "
                   f"prediction/reuse", highlight=False, markup=False)
+    if device.simulated:
+        console.print("note: trials trained on the CPU; memory figures come from the virtual GPU "
+                      "(simulated) and throughput is the CPU's, so allocator settings change memory "
+                      "here, not speed", highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)
     return path
