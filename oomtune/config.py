@@ -101,6 +101,7 @@ def default_study_name(cfg: Any) -> str:
         "device": str(cfg.device),
         "batch_size": to_container(cfg.search.batch_size),
         "space": to_container(cfg.search.space),
+        "data": to_container(cfg.search.get("data")),
     }
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name}-{digest}"

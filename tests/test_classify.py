@@ -466,3 +466,15 @@ def test_virtual_gpu_message_round_trip():
     # 6 - 3 = 3 GiB cached >= 2 GiB request: fragmentation even under the 7 GiB cap
     assert c.outcome is Outcome.OOM_FRAGMENTATION and "(simulated)" in c.message
     assert (c.oom.requested_bytes, c.oom.reserved_bytes, c.oom.allowed_bytes) == (2 * 2**30, 6 * 2**30, 7 * 2**30)
+
+
+def test_c8_trapped_cache_is_fragmentation_even_when_cached_alone_is_smaller():
+    # C8 (pytorch#35901): 10.26 GiB free < 10.84 GiB <= free + 10.37 GiB cached-but-unallocated: the
+    # batch fits, the split cached block stopped it -> fragmentation, never "needs more memory".
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 10.84 GiB. GPU 0 has a total "
+            "capacity of 23.65 GiB of which 10.26 GiB is free. Of the allocated memory 486.39 MiB is "
+            "allocated by PyTorch, and 10.37 GiB is reserved by PyTorch but unallocated.")
+    assert classify_text(text).outcome is Outcome.OOM_FRAGMENTATION
+    # The same request with little cached memory is a plain OOM: 10.26 + 0.30 < 10.84.
+    plain = text.replace("10.37 GiB is reserved", "0.30 GiB is reserved")
+    assert classify_text(plain).outcome is Outcome.OOM

@@ -7,6 +7,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.search import records as R
 from oomtune.search.driver import Search, SearchOptions, SetupFault
@@ -157,3 +158,26 @@ def test_search_range_starts_at_a_quarter_of_the_baseline(tmp_path):
     for t in study.trials:
         if t.user_attrs.get(R.ATTR_ROLE) == "confirm":
             assert t.params["batch_size"] == study.trials[t.user_attrs[R.ATTR_CONFIRMS]].params["batch_size"]
+
+
+def test_data_loader_settings_are_searchable_and_reach_the_trial(tmp_path):
+    seen = []
+
+    class Recording(FakeRunner):
+        def run(self, spec, *, workdir):
+            seen.append(spec.workload.get("data", {}).get("num_workers"))
+            return super().run(spec, workdir=workdir)
+
+    study = optuna.create_study(direction="maximize",
+                                sampler=optuna.samplers.GridSampler({"batch_size": [16], "data.num_workers": [0, 2],
+                                                                     "expandable_segments": [False]}))
+    space = SearchSpace(8, 64, {"expandable_segments": [False]}, {"num_workers": [0, 2]})
+    opts = SearchOptions(workload={"name": "fake", "data": {"num_workers": 0, "pin_memory": False}},
+                         device="cpu", budget_bytes=BUDGET, n_trials=2)
+    runner = Recording()
+    search = Search(study, space, opts, runner=runner, confirm_runner=runner, workdir=tmp_path)
+    search.run_search()
+    assert sorted(seen) == [0, 2]
+    assert {t.params["data.num_workers"] for t in study.trials} == {0, 2}
+    with pytest.raises(ConfigError, match="not a data-loader setting"):
+        SearchSpace(8, 64, {}, {"batch_size": [1]})

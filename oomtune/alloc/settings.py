@@ -18,18 +18,27 @@ import warnings
 from importlib import metadata
 from typing import Any, Mapping
 
+from oomtune.alloc._conf_syntax import (
+    _FLOAT_RE,
+    _INTERVALS,
+    _MAX_MB,
+    _bad,
+    _bool,
+    _divisions,
+    _divisions_mapping,
+    _is_pow2,
+    _mb_bytes,
+    _split_pairs,
+    _token,
+    _uint,
+)
 from oomtune.exceptions import AllocatorConfigError
 from oomtune.units import MiB
 
 __all__ = ["AllocatorSettings", "supported_keys", "validate_alloc_conf", "effective_settings"]
 
-_INTERVALS = 16                      # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
-_MAX_MB = (2**64 - 1) // MiB         # SIZE_MAX / kMB: torch clamps *_mb values to this
 _MIN_LARGE_ALLOC_MB = 10             # kMinLargeAlloc / kMB: large_segment_size_mb must be > this
 _MAX_REGISTER_THREADS = 128          # pinned_max_register_threads() (torch 2.14.1 message)
-_WS = " \t\n\v\f\r"                  # std::isspace in the C locale
-_INT_RE = re.compile(r"\d+")
-_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _MODELLED = ("backend", "expandable_segments", "garbage_collection_threshold", "large_segment_size_mb",
              "max_non_split_rounding_mb", "max_split_size_mb", "pinned_num_register_threads",
              "pinned_use_background_threads", "pinned_use_cuda_host_register",
@@ -58,10 +67,6 @@ _NATIVE_ONLY = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collec
                 "max_non_split_rounding_mb", "large_segment_size_mb", "expandable_segments",
                 "release_lock_on_cudamalloc")
 
-
-def _bad(key: str, value: Any, why: str) -> AllocatorConfigError:
-    """One line naming the key, the value and what is allowed."""
-    return AllocatorConfigError(f"{key}:{value} {why}")
 
 
 def _installed_torch() -> str | None:
@@ -98,146 +103,6 @@ def supported_keys(torch_version: str | None = None) -> frozenset[str]:
     keys |= {k for k, (lo, hi) in _REMOVED.items() if lo <= v < hi}
     return frozenset(keys)
 
-
-def _tokenize(text: str) -> list[str]:
-    """ConfigTokenizer: ',' ':' '[' ']' are tokens of their own; whitespace is dropped anywhere."""
-    tokens, buf = [], ""
-    for ch in text:
-        if ch in ",:[]":
-            if buf:
-                tokens.append(buf)
-            tokens.append(ch)
-            buf = ""
-        elif ch not in _WS:
-            buf += ch
-    return tokens + [buf] if buf else tokens
-
-
-def _split_pairs(text: str) -> list[tuple[str, str | list[tuple[str, str]]]]:
-    """Tokens -> [(key, value)], value a token or a list of (a, b) pairs; strict grammar."""
-    toks, i, pairs = _tokenize(text), 0, []
-    bad = lambda why: AllocatorConfigError(f"malformed allocator settings {text!r}: {why}")  # noqa: E731
-    while i < len(toks):
-        key = toks[i]
-        if key in ",:[]":
-            raise bad(f"expected a key but found {key!r} (empty key or stray bracket)")
-        if i + 1 >= len(toks) or toks[i + 1] != ":":
-            raise bad(f"key {key!r} must be followed by ':' and a value")
-        i += 2
-        if i >= len(toks) or toks[i] in ",:]":
-            raise bad(f"missing value after '{key}:'")
-        if toks[i] == "[":
-            items, i = _split_list(toks, i + 1, key, bad)
-            pairs.append((key, items))
-        else:
-            pairs.append((key, toks[i]))
-            i += 1
-        if i < len(toks):
-            if toks[i] != ",":
-                raise bad(f"expected ',' after the value of {key!r} but found {toks[i]!r}")
-            if i + 1 == len(toks):
-                raise bad("trailing ','")
-            i += 1
-    return pairs
-
-
-def _split_list(toks: list[str], i: int, key: str, bad: Any) -> tuple[list[tuple[str, str]], int]:
-    """Parse ``a:b,c:d]`` starting after '['; returns the pairs and the index after ']'."""
-    items: list[tuple[str, str]] = []
-    while True:
-        if i >= len(toks):
-            raise bad(f"unclosed '[' in the value of {key!r}")
-        if toks[i] == "]" and not items:
-            raise bad(f"empty list '[]' for {key!r}")
-        a = toks[i]
-        if a in ",:[]" or i + 2 >= len(toks) or toks[i + 1] != ":" or toks[i + 2] in ",:[]":
-            raise bad(f"list items of {key!r} must be 'INTERVAL:VALUE' (near {''.join(toks[i:i + 3])!r})")
-        items.append((a, toks[i + 2]))
-        i += 3
-        if i < len(toks) and toks[i] == "]":
-            return items, i + 1
-        if i >= len(toks) or toks[i] != ",":
-            raise bad(f"unclosed '[' in the value of {key!r}")
-        i += 1
-        if i < len(toks) and toks[i] == "]":
-            raise bad(f"trailing ',' inside the list of {key!r}")
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _uint(key: str, token: Any) -> int:
-    """A decimal whole number (torch's stoull, without its prefix parsing and wrap-around)."""
-    if not isinstance(token, str) or not _INT_RE.fullmatch(token):
-        raise _bad(key, token, "is not a whole number (decimal digits only, e.g. 512)")
-    n = int(token)
-    if n > 2**64 - 1:
-        raise _bad(key, token, f"is out of range (must be <= {2**64 - 1}; torch: stoull)")
-    return n
-
-
-def _bool(key: str, token: Any) -> bool:
-    if token not in ("True", "False"):  # ConfigTokenizer::toBool: case-sensitive
-        raise _bad(key, token, "is not a boolean: expected 'True' or 'False' (case-sensitive, as torch)")
-    return token == "True"
-
-
-def _mb_bytes(key: str, token: Any) -> int:
-    return min(_uint(key, token), _MAX_MB) * MiB  # torch: val_env = min(val_env, SIZE_MAX / kMB)
-
-
-def _divisions(token: Any, gt_fix: bool) -> tuple[int, ...]:
-    """``parseRoundUpPower2Divisions``: one power of 2 for all 16 intervals, or the list form."""
-    key = "roundup_power2_divisions"
-    if isinstance(token, str):
-        n = _uint(key, token)
-        if not _is_pow2(n):  # the single form rejects 0 (torch: isPowerOf2_64(value))
-            raise _bad(key, token, "invalid: the divisions has to be a power of 2 (1, 2, 4, ...)")
-        return (n,) * _INTERVALS
-    div, last, first = [0] * _INTERVALS, 0, True
-    for a, b in token:
-        n = _uint(key, b)
-        if n != 0 and not _is_pow2(n):
-            raise _bad(key, f"[{a}:{b}]", "invalid: the divisions has to be a power of 2 or 0 (off)")
-        if a == ">":
-            start = last + 1 if gt_fix else last
-            div[start:] = [n] * (_INTERVALS - start)
-            continue
-        boundary = _uint(key, a)
-        if not _is_pow2(boundary):
-            raise _bad(key, f"[{a}:{b}]", "invalid: the intervals (MiB) have to be a power of 2 or '>'")
-        idx = min(boundary.bit_length() - 1, _INTERVALS - 1)
-        if first:
-            div[:idx] = [n] * idx
-            first = False
-        div[idx], last = n, idx
-    return tuple(div)
-
-
-def _divisions_mapping(div: tuple[int, ...]) -> int | dict[str, int]:
-    """The 16 divisions as torch's user form: one int, or {"MiB": n, ..., ">": n}.
-
-    The list names the first interval of the last run as well as '>' so that the string means
-    the same under both '>' semantics (fill from last_index before 2.9, from last_index + 1 since).
-    """
-    if len(set(div)) == 1:
-        return div[0]
-    a = next(j for j in range(_INTERVALS) if div[j] != div[0]) - 1      # end of the first run
-    b = next(j for j in range(_INTERVALS - 1, -1, -1) if div[j] != div[-1]) + 1  # start of the last
-    out = {str(1 << a): div[0]}
-    out.update({str(1 << j): div[j] for j in range(a + 1, b + 1)})
-    out[">"] = div[-1]
-    return out
-
-
-def _token(value: Any) -> str:
-    """A Python value as a torch token: True/False, ints, shortest-repr floats, [a:b,...] lists."""
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    if isinstance(value, Mapping):
-        return "[" + ",".join(f"{k}:{_token(v)}" for k, v in value.items()) + "]"
-    return repr(value) if isinstance(value, float) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)

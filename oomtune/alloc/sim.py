@@ -40,6 +40,7 @@ from oomtune.alloc._config import read_settings
 from oomtune.alloc._expandable import ExpandableMixin
 from oomtune.alloc._release import ReleaseMixin
 from oomtune.alloc._snapshot import build_snapshot
+from oomtune.alloc._split import SplitMixin
 from oomtune.alloc.oom_message import SimulatedOutOfMemoryError, build_oom_message
 from oomtune.exceptions import ConfigError
 
@@ -55,7 +56,7 @@ assert (_stats.ALLOCATION, _stats.INACTIVE_SPLIT, _stats.ALLOCATED_BYTES, _stats
         _stats.REQUESTED_BYTES) == (0, 9, 12, 21, 24)
 
 
-class CachingAllocatorSim(ReleaseMixin, ExpandableMixin):
+class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
     """A simulated CUDA device with PyTorch's native caching allocator (``DeviceCachingAllocator``).
 
     Args:
@@ -206,60 +207,6 @@ class CachingAllocatorSim(ReleaseMixin, ExpandableMixin):
         else:
             self._free_split(block, prev, nxt)
 
-    def _free_split(self, block: Block, prev: Block | None, nxt: Block | None) -> None:
-        """The rest of ``free_block`` for a block that shares its segment: merge with free
-        neighbours (``try_merge_blocks``), cache it, and update the inactive_split stats."""
-        if block.es is not None:
-            self._free_expandable(block, prev, nxt)
-            return
-        pool = self._small if block.small else self._large
-        keys, free = pool.keys, self._free
-        net_n = net_b = 0
-        if prev is not None and not prev.allocated:
-            del keys[bisect_left(keys, (prev.stream << STREAM_SHIFT) | (prev.size << SIZE_SHIFT) | prev.addr)]
-            del free[prev.addr]
-            block.addr = prev.addr
-            block.prev = pp = prev.prev
-            if pp is not None:
-                pp.next = block
-            block.size += prev.size
-            net_n -= 1
-            net_b -= prev.size
-        if nxt is not None and not nxt.allocated:
-            del keys[bisect_left(keys, (nxt.stream << STREAM_SHIFT) | (nxt.size << SIZE_SHIFT) | nxt.addr)]
-            del free[nxt.addr]
-            block.next = nn = nxt.next
-            if nn is not None:
-                nn.prev = block
-            block.size += nxt.size
-            net_n -= 1
-            net_b -= nxt.size
-        size = block.size
-        insort(keys, (block.stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | block.addr)
-        free[block.addr] = block
-        block.gc_base = pool.gc_calls
-        if block.prev is not None or block.next is not None:
-            net_n += 1
-            net_b += size
-        pa, pt = self._hot
-        for lst in (pa, pt[block.small]):   # inactive_split (9), inactive_split_bytes (21)
-            if net_n > 0:
-                c = lst[9] + net_n
-                lst[9] = c
-                if c > lst[10]:
-                    lst[10] = c
-            elif net_n < 0:
-                lst[9] += net_n
-                lst[11] -= net_n
-            if net_b > 0:
-                c = lst[21] + net_b
-                lst[21] = c
-                if c > lst[22]:
-                    lst[22] = c
-            elif net_b < 0:
-                lst[21] += net_b
-                lst[23] -= net_b
-
     def empty_cache(self) -> None:
         """Release every cached whole segment and unmap free expandable pages (``emptyCache``)."""
         self._release_cached(self._calls)
@@ -373,46 +320,6 @@ class CachingAllocatorSim(ReleaseMixin, ExpandableMixin):
             self.segment_events.append({"action": "segment_alloc", "addr": block.addr,
                                         "size": alloc_size, "stream": stream, "index": index})
         return block
-
-    def _split(self, block: Block, size: int, remaining: int, split: bool, pool: Pool) -> None:
-        """The splitting part of ``alloc_found_block``: cut ``remaining`` bytes off into a new free
-        block when ``split``, and keep inactive_split(_bytes) right for blocks of split segments."""
-        pa, pt = self._hot
-        lists = (pa, pt[block.small])
-        was_split = block.prev is not None or block.next is not None
-        if split:
-            rest = Block(block.addr + size, remaining, block.stream, block.small)
-            rest.requested, rest.es = block.requested, block.es
-            nxt = block.next
-            rest.prev, rest.next = block, nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(pool.keys, (rest.stream << STREAM_SHIFT) | (remaining << SIZE_SHIFT) | rest.addr)
-            self._free[rest.addr] = rest
-            rest.gc_base = pool.gc_calls
-            if block.es is None:
-                for lst in lists:
-                    if was_split:              # an inactive split block shrinks by size
-                        lst[21] -= size
-                        lst[23] += size
-                    else:                      # a new inactive split block of remaining bytes
-                        c = lst[21] + remaining
-                        lst[21] = c
-                        if c > lst[22]:
-                            lst[22] = c
-                        c = lst[9] + 1
-                        lst[9] = c
-                        if c > lst[10]:
-                            lst[10] = c
-        elif block.es is None:                 # an inactive split block becomes active
-            size = block.size
-            for lst in lists:
-                lst[21] -= size
-                lst[23] += size
-                lst[9] -= 1
-                lst[11] += 1
 
     def _oom(self, alloc_size: int, orig: int) -> SimulatedOutOfMemoryError:
         """Count the OOM and build the exception with the native message (after the retries)."""

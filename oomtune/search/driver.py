@@ -94,7 +94,7 @@ class Search:
             for t in self.study.get_trials(deepcopy=False)
         )
         return TrialSpec(
-            workload=self.opt.workload, batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
+            workload=cand.apply_data(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.warmup_steps, measure_steps=steps or self.opt.measure_steps,
             timeout_s=self.opt.trial_timeout_s, smaller_batch_succeeded=smaller_ok,
@@ -106,7 +106,7 @@ class Search:
             res = R.result_of(t)
             if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm":
                 continue
-            same = all(t.params.get(k) == v for k, v in cand.params)
+            same = all(t.params.get(k) == v for k, v in cand.optuna_params().items() if k != "batch_size")
             if same and res.outcome_enum.is_memory and t.params.get("batch_size", 0) <= cand.batch_size:
                 why = (f"batch {t.params['batch_size']} already ran out of device memory under the same "
                        f"allocator settings (trial {t.number})")

@@ -37,11 +37,20 @@ def _metrics(res: TrialResult) -> dict[str, Any]:
 
 
 def _choice(trial: Any, res: TrialResult, confirmed: bool) -> Choice:
-    settings = {k: v for k, v in trial.params.items() if k != "batch_size" and v is not None}
+    settings = {k: v for k, v in trial.params.items()
+                if k != "batch_size" and not k.startswith("data.") and v is not None}
     return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=trial.user_attrs.get(R.ATTR_CONF, ""),
                   settings=settings, metrics=_metrics(res), confirmed=confirmed,
                   predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
                   trial_number=trial.number)
+
+
+def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The model config with the winner's searched data-loader settings (``data.*`` params)."""
+    loader = {k[len("data."):]: v for k, v in params.items() if k.startswith("data.")}
+    if loader:
+        model = {**model, "data": {**(model.get("data") or {}), **loader}}
+    return model
 
 
 def _ratio(a: int | None, b: int | None) -> float | None:
@@ -87,7 +96,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        workload={"model": C.to_container(cfg.model), "target": C.to_container(cfg.target)},
+        workload={"model": _with_loader(C.to_container(cfg.model), summary.best.params),
+                  "target": C.to_container(cfg.target)},
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id},

@@ -1,7 +1,8 @@
 """The search space: batch size and candidate values for each allocator key, as Optuna parameters.
 
 Parameter names are the allocator keys exactly as torch spells them (``max_split_size_mb``,
-``expandable_segments``, ...) plus ``batch_size``. The torch default of every key is always a
+``expandable_segments``, ...) plus ``batch_size`` and, when ``search.data`` names candidates,
+``data.num_workers``/``data.pin_memory``/``data.prefetch_factor`` (the workload's loader). The torch default of every key is always a
 candidate, so the default allocator (the baseline) is a point of the space.
 """
 
@@ -14,7 +15,10 @@ from typing import Any
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.exceptions import AllocatorConfigError, ConfigError
 
-__all__ = ["Candidate", "SearchSpace", "DEFAULTS"]
+__all__ = ["Candidate", "SearchSpace", "DEFAULTS", "LOADER_KEYS"]
+
+#: Data-loader settings that ``search.data`` may search (keys of the workload's ``data`` group).
+LOADER_KEYS = frozenset({"num_workers", "pin_memory", "prefetch_factor"})
 
 #: torch's default per key, in the form the space uses (None: key not set).
 DEFAULTS: dict[str, Any] = {
@@ -33,6 +37,7 @@ class Candidate:
 
     batch_size: int
     params: tuple[tuple[str, Any], ...]  # allocator key -> value, sorted, None = unset
+    data: tuple[tuple[str, Any], ...] = ()  # data-loader key (num_workers, ...) -> value, sorted
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -44,7 +49,16 @@ class Candidate:
         return self.settings.render()
 
     def optuna_params(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, **dict(self.params)}
+        """Optuna parameter names: ``batch_size``, the allocator keys, ``data.<loader key>``."""
+        return {"batch_size": self.batch_size, **dict(self.params),
+                **{f"data.{k}": v for k, v in self.data}}
+
+    def apply_data(self, workload: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of the workload config with this candidate's data-loader settings."""
+        out = dict(workload)
+        if self.data:
+            out["data"] = {**(workload.get("data") or {}), **dict(self.data)}
+        return out
 
 
 class SearchSpace:
@@ -55,7 +69,8 @@ class SearchSpace:
         AllocatorConfigError: a candidate value torch would reject (checked before any trial runs).
     """
 
-    def __init__(self, batch_low: int, batch_high: int, choices: Mapping[str, Sequence[Any]]):
+    def __init__(self, batch_low: int, batch_high: int, choices: Mapping[str, Sequence[Any]],
+                 data_choices: Mapping[str, Sequence[Any]] | None = None):
         if not (isinstance(batch_low, int) and isinstance(batch_high, int)) or not 1 <= batch_low <= batch_high:
             raise ConfigError(
                 f"search.batch_size must satisfy 1 <= low <= high, got low={batch_low!r} high={batch_high!r}"
@@ -77,13 +92,23 @@ class SearchSpace:
                 except AllocatorConfigError as exc:
                     raise AllocatorConfigError(f"search.space.{key}: {exc}") from None
             self.choices[key] = values
+        self.data_choices: dict[str, list[Any]] = {}
+        for key, values in (data_choices or {}).items():
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            if key not in LOADER_KEYS:
+                raise ConfigError(f"search.data.{key}: not a data-loader setting; choose from "
+                                  f"{', '.join(sorted(LOADER_KEYS))}")
+            if not values:
+                raise ConfigError(f"search.data.{key} is empty: give at least one value")
+            self.data_choices[key] = values
 
     @classmethod
     def from_config(cls, search_cfg: Any) -> "SearchSpace":
         from oomtune.config import to_container
 
         bs = to_container(search_cfg.batch_size)
-        return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {})
+        return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {},
+                   to_container(search_cfg.get("data")) or {})
 
     def suggest(self, trial: Any, *, batch_low: int | None = None) -> Candidate:
         """Ask an Optuna trial for a candidate (``trial.suggest_int``/``suggest_categorical``);
@@ -91,6 +116,8 @@ class SearchSpace:
         low = self.batch_low if batch_low is None else max(self.batch_low, min(batch_low, self.batch_high))
         batch = trial.suggest_int("batch_size", low, self.batch_high, log=True)
         params = {key: trial.suggest_categorical(key, values) for key, values in self.choices.items()}
+        params.update({f"data.{key}": trial.suggest_categorical(f"data.{key}", values)
+                       for key, values in self.data_choices.items()})
         return self.candidate(batch, params)
 
     def candidate(self, batch_size: int, params: Mapping[str, Any] | None = None) -> Candidate:
@@ -99,15 +126,19 @@ class SearchSpace:
         Raises:
             AllocatorConfigError: the combination is invalid for torch.
         """
+        params = dict(params or {})
+        params.pop("batch_size", None)
+        data = {k[len("data."):]: params.pop(k) for k in list(params) if k.startswith("data.")}
         merged = {key: DEFAULTS.get(key) for key in self.choices}
-        merged.update(params or {})
-        cand = Candidate(int(batch_size), tuple(sorted(merged.items())))
+        merged.update(params)
+        cand = Candidate(int(batch_size), tuple(sorted(merged.items())), tuple(sorted(data.items())))
         cand.alloc_conf  # validates the combination
         return cand
 
     def default(self, batch_size: int) -> Candidate:
-        """torch's default allocator at ``batch_size`` (the baseline)."""
-        return self.candidate(batch_size, {})
+        """torch's default allocator at ``batch_size`` (the baseline), with the first candidate of
+        each searched data-loader setting."""
+        return self.candidate(batch_size, {f"data.{k}": v[0] for k, v in self.data_choices.items()})
 
     def all_settings(self) -> list[dict[str, Any]]:
         """Every allocator combination of the space (the grid the planner predicts over)."""

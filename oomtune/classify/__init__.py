@@ -1,0 +1,69 @@
+"""One failure classifier for trial processes: exceptions, stderr text and exit status.
+
+Structured after Lightning's ``utilities/memory.py``: small named predicates over the exception text
+and a table of rules, tried in order; anything not recognised is ``error`` (never guessed to be an
+OOM). Every torch OOM message format is parsed into bytes by :func:`parse_oom_message`.
+
+Rule order (first match wins) and why:
+
+1. ``limit`` for element-count / 32-bit indexing limits (field case C2): these never mention memory and
+   no allocator setting helps, so they come before anything memory-like.
+2. The caching allocator's OOM (``CUDA out of memory. Tried to allocate``), split by cause:
+   ``oom_fragmentation`` when reserved-but-unallocated >= the request (C3), else ``fraction_cap`` when an
+   ``allowed`` figure below the total capacity was printed (C4), else ``oom``. Fragmentation wins over
+   the fraction cap: reserved - allocated >= request implies allocated + request <= reserved <= allowed,
+   so the request fits inside the cap and only the layout of the cached blocks stopped it; an allocator
+   setting (expandable_segments / max_split_size_mb) fixes it under the same budget, whereas "fraction
+   cap" would send the user to raise the budget.
+3. ``oom_outside_allocator``: cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE/NCCL allocation failures and the raw
+   driver/runtime ``CUDA error: out of memory`` (torch.AcceleratorError).
+4. ``host_oom``: host RAM and shared memory (C5).
+5. ``limit`` for batch-size-dependent library failures (cuDNN algorithm search, CUDNN_STATUS_NOT_SUPPORTED,
+   CUBLAS_STATUS_NOT_INITIALIZED) only after a smaller batch succeeded in the same setup (C1); otherwise
+   (batch 1, or nothing smaller ran) they are ``error``: a setup fault. CUBLAS_STATUS_NOT_INITIALIZED is
+   treated like the cuDNN cases (the reference notes list it as "batch-size-dependent but not memory");
+   when it comes with an out-of-memory text, rule 3 has already called it memory.
+6. The exception type: ``*OutOfMemoryError`` -> ``oom`` (an allocator OOM with an unparsed message),
+   Python ``MemoryError`` -> ``host_oom``. A plain RuntimeError is never an OOM by its type.
+
+The v2.13 ``LOG(WARNING)`` line "memory allocation failed with OOM on device ..." fires on retries that
+later succeed; it is removed from stderr before anything is matched.
+
+Implementation (the public names are re-exported here; import them from :mod:`oomtune.classify`):
+
+- ``_oom_parse``: :func:`parse_oom_message` -> :class:`OomInfo` (every torch OOM message format).
+- ``_rules``: :class:`Classification`, the predicates and :func:`classify_text` (one exception text).
+- ``_gpu_index``: :func:`map_gpu_index` (CUDA_VISIBLE_DEVICES, field case C10).
+- ``_failure``: :func:`classify_exception` (an exception chain) and :func:`classify_failure` (a dead
+  process: stderr tracebacks and exit status).
+"""
+
+from __future__ import annotations
+
+# ADVICE, TRACEBACK_TAIL_LINES and the is_* predicates are not in __all__ but stay importable from here,
+# as they were from the single module.
+from oomtune.classify._failure import TRACEBACK_TAIL_LINES, classify_exception, classify_failure
+from oomtune.classify._gpu_index import map_gpu_index
+from oomtune.classify._oom_parse import SIMULATED_PREFIX, OomInfo, parse_oom_message
+from oomtune.classify._rules import (
+    ADVICE,
+    Classification,
+    classify_text,
+    is_allocator_oom,
+    is_cudnn_algorithm,
+    is_element_limit,
+    is_host_oom,
+    is_outside_allocator_oom,
+    is_worker_crash,
+)
+
+__all__ = [
+    "OomInfo",
+    "Classification",
+    "parse_oom_message",
+    "classify_text",
+    "classify_exception",
+    "classify_failure",
+    "map_gpu_index",
+    "SIMULATED_PREFIX",
+]

@@ -1,0 +1,152 @@
+"""Classifying what a trial left behind: an exception chain, or a dead process's stderr and exit status."""
+
+from __future__ import annotations
+
+import re
+import signal
+import traceback as _tb
+
+from oomtune.classify._gpu_index import _ENV
+from oomtune.classify._rules import ADVICE, Classification, _drop_warnings, classify_text
+from oomtune.outcome import Outcome
+
+__all__ = ["classify_exception", "classify_failure", "TRACEBACK_TAIL_LINES"]
+
+TRACEBACK_TAIL_LINES = 20
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?", re.M)
+_CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
+_TB_HEAD = "Traceback (most recent call last):"
+
+
+def _tail(text: str, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
+    kept = [line for line in text.rstrip().splitlines()][-lines:]
+    return "\n".join(kept) if kept else None
+
+
+def _pick(texts: list[str], **kw) -> Classification | None:
+    """Classify a chain of exception texts, outermost last: the outermost specific cause wins (a
+    memory/limit outcome over a worker crash, e.g. "killed by signal: Bus error" raised from
+    "worker exited unexpectedly"), then a crash, then the outermost error."""
+    results = [classify_text(t, **kw) for t in texts if t.strip()]
+    for weak in ((Outcome.ERROR, Outcome.CRASH), (Outcome.ERROR,)):
+        for result in reversed(results):
+            if result.outcome not in weak:
+                return result
+    return results[-1] if results else None
+
+
+def classify_exception(exc: BaseException, *, batch_size: int | None = None,
+                       smaller_batch_succeeded: bool = False,
+                       visible_devices: str | None | object = _ENV) -> Classification:
+    """Classify an exception caught inside a trial process (with its ``__cause__``/``__context__`` chain).
+
+    A ``torch.OutOfMemoryError`` (or any subclass, e.g. the virtual GPU's simulated one) is always a
+    device-memory outcome; other types are judged by their text only. Never raises.
+    """
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    kw = dict(batch_size=batch_size, smaller_batch_succeeded=smaller_batch_succeeded, visible_devices=visible_devices)
+    texts = []
+    for e in reversed(chain):  # innermost first, outermost last (as Python prints them)
+        names = [c.__name__ for c in type(e).__mro__]
+        name = "OutOfMemoryError" if any(n.endswith("OutOfMemoryError") for n in names) else type(e).__name__
+        if "MemoryError" in names and name != "OutOfMemoryError":
+            name = "MemoryError"
+        texts.append(f"{name}: {e}")
+    result = _pick(texts, **kw) or classify_text(repr(exc), **kw)
+    if result.outcome in (Outcome.ERROR, Outcome.CRASH):
+        tail = _tail("".join(_tb.format_exception(exc)))
+        result = Classification(result.outcome, result.message, result.advice, result.oom,
+                                result.gpu_index_physical, tail)
+    return result
+
+
+def _exception_blocks(stderr: str) -> list[str]:
+    """The exception text after each ``Traceback (most recent call last):`` in ``stderr``, in order."""
+    lines = _RANK_PREFIX.sub("", stderr).splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith(_TB_HEAD):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and (lines[j][:1] in (" ", "\t") or not lines[j].strip()):
+            j += 1
+        k = j
+        while k < len(lines) and not lines[k].startswith(_TB_HEAD) and not lines[k].startswith(_CHAIN):
+            k += 1
+        blocks.append("\n".join(lines[j:k]).strip())
+        i = k
+    return blocks
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _recognised_text(stderr: str, kw: dict) -> Classification | None:
+    """The stderr tail (last 4000 characters) classified as one text, when that is not ``error``."""
+    result = classify_text(stderr[-4000:], **kw) if stderr.strip() else None
+    return result if result is not None and result.outcome is not Outcome.ERROR else None
+
+
+def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = False,
+                     batch_size: int | None = None, smaller_batch_succeeded: bool = False,
+                     visible_devices: str | None | object = _ENV) -> Classification:
+    """Classify a trial process that ended without writing its result record.
+
+    Args:
+        returncode: ``Popen.returncode`` (negative N = killed by signal N; 128+N from a shell = signal N);
+            None when unknown.
+        stderr: the child's stderr (its tail suffices); the last traceback's exception is classified,
+            then the exceptions it was raised from.
+        timed_out: the runner killed the process group at the wall limit (wins over everything).
+        batch_size / smaller_batch_succeeded / visible_devices: as in :func:`classify_text`.
+
+    Returns:
+        ``timeout``; the traceback's class when recognised; ``host_oom`` for SIGKILL without a Python
+        traceback (the kernel OOM killer, field case C5); ``crash`` for other signals; ``ok`` for exit 0
+        without a traceback (the "memory allocation failed with OOM" warning alone never fails a trial;
+        the runner judges a missing record itself); else ``error`` with the stderr tail. Never raises.
+    """
+    stderr = _drop_warnings(stderr or "")
+    tail = _tail(stderr)
+    if timed_out:
+        return Classification(Outcome.TIMEOUT, "trial exceeded its wall-time limit; process group killed",
+                              ADVICE[Outcome.TIMEOUT], traceback_tail=tail)
+    kw = dict(batch_size=batch_size, smaller_batch_succeeded=smaller_batch_succeeded, visible_devices=visible_devices)
+    blocks = _exception_blocks(stderr)
+    result = _pick(blocks, **kw) if blocks else None
+    if result is not None and result.outcome is not Outcome.ERROR:
+        return result
+    sig = -returncode if returncode is not None and returncode < 0 else None
+    if returncode is not None and 128 < returncode <= 128 + 64:
+        sig = returncode - 128
+    if sig is not None and not blocks:
+        if sig == signal.SIGKILL:
+            return Classification(Outcome.HOST_OOM, "killed by SIGKILL with no Python traceback: most likely "
+                                  "the host OOM killer", ADVICE[Outcome.HOST_OOM], traceback_tail=tail)
+        text_result = _recognised_text(stderr, kw)
+        if text_result is not None:
+            return text_result  # e.g. SIGABRT after "terminate called ... what(): CUDA out of memory"
+        return Classification(Outcome.CRASH, f"killed by {_signal_name(sig)}", ADVICE[Outcome.CRASH],
+                              traceback_tail=tail)
+    if result is not None:
+        return Classification(result.outcome, result.message, result.advice, traceback_tail=_tail(
+            stderr[stderr.rfind(_TB_HEAD):] if _TB_HEAD in stderr else stderr))
+    if returncode == 0:
+        return Classification(Outcome.OK, "exited with status 0", ADVICE[Outcome.OK])
+    text_result = _recognised_text(stderr, kw)
+    if text_result is not None:
+        return text_result
+    status = "unknown exit status" if returncode is None else f"exited with status {returncode}"
+    return Classification(Outcome.ERROR, f"{status} without a result record", ADVICE[Outcome.ERROR],
+                          traceback_tail=tail)

@@ -1,0 +1,213 @@
+"""Classifying one exception text: the rule table (see :mod:`oomtune.classify` for the order and why).
+
+Small named predicates over the text (after Lightning's ``utilities/memory.py``), tried in order by
+:func:`classify_text`; anything not recognised is ``error``. Allocator OOMs are split into
+fragmentation / fraction cap / plain from the figures :func:`parse_oom_message` reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from oomtune.classify._gpu_index import _ENV, _visible, map_gpu_index
+from oomtune.classify._oom_parse import SIMULATED_PREFIX, OomInfo, parse_oom_message
+from oomtune.exceptions import DeviceError
+from oomtune.outcome import Outcome
+from oomtune.units import format_bytes
+
+__all__ = ["Classification", "ADVICE", "classify_text", "is_element_limit", "is_allocator_oom",
+           "is_outside_allocator_oom", "is_host_oom", "is_cudnn_algorithm", "is_worker_crash"]
+
+@dataclass(frozen=True)
+class Classification:
+    """How a trial failed (or did not).
+
+    Attributes:
+        outcome: the :class:`Outcome`.
+        message: one line: the failing exception or exit status, with the key figures.
+        advice: one line: what to change (allocator setting, budget, workers, nothing).
+        oom: the parsed OOM message for allocator OOMs, else None.
+        gpu_index_physical: the physical device id (index or GPU-UUID) the printed index maps to under
+            CUDA_VISIBLE_DEVICES; None when not remapped (field case C10).
+        traceback_tail: the last lines of the traceback (at most 20) for ``error``/``crash``.
+    """
+
+    outcome: Outcome
+    message: str
+    advice: str
+    oom: OomInfo | None = None
+    gpu_index_physical: str | None = None
+    traceback_tail: str | None = None
+
+
+ADVICE = {
+    Outcome.OK: "nothing to change",
+    Outcome.OOM: "the batch does not fit: lower the batch size (cached free memory was smaller than the request)",
+    Outcome.OOM_FRAGMENTATION: "set expandable_segments:True or max_split_size_mb before lowering the batch",
+    Outcome.FRACTION_CAP: "the per-process memory fraction (budget) was the limit, not the card: lower the "
+                          "batch or raise the budget",
+    Outcome.OOM_OUTSIDE_ALLOCATOR: "memory outside the caching allocator (cuBLAS/cuDNN workspaces, NCCL, "
+                                   "CUDA context) ran out: leave more headroom below the budget or lower the batch",
+    Outcome.HOST_OOM: "host memory, not the GPU: lower num_workers / increase shared memory (--shm-size) or host RAM",
+    Outcome.LIMIT: "element-count limit, not memory: no allocator setting helps; this batch is infeasible",
+    Outcome.TIMEOUT: "raise the per-trial timeout or measure fewer steps",
+    Outcome.CRASH: "a native crash: rerun the trial alone to reproduce it",
+    Outcome.ERROR: "a setup fault or a bug, not a memory limit: see the traceback tail",
+}
+_LIB_LIMIT_ADVICE = ("batch-size-dependent library limit after smaller batches succeeded: this batch is "
+                     "infeasible; no allocator setting helps")
+
+
+def _rx(*alternatives: str) -> Callable[[str], bool]:
+    """A predicate: does any of the (case-sensitive) regular expressions occur in the text?"""
+    rx = re.compile("|".join(f"(?:{a})" for a in alternatives), re.S)
+    return lambda text: rx.search(text) is not None
+
+
+is_element_limit = _rx(r"INT_MAX", r"canUse32BitIndexMath", r"32-bit index", r"integer out of range",
+                       r"cannot be converted to type int(?:32)? without overflow", r"numel[^\n]*int32",
+                       r"more than 2\^31")
+is_allocator_oom = _rx(r"\b(?:CUDA|HIP|XPU) out of memory\.", r"would exceed allowed memory",
+                       r"preemptively rejected")
+is_outside_allocator_oom = _rx(r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED",
+                               r"CUFFT_ALLOC_FAILED", r"CUSOLVER_STATUS_ALLOC_FAILED",
+                               r"CUSPARSE_STATUS_ALLOC_FAILED", r"Cuda failure '?out of memory",
+                               r"Failed to CUDA calloc", r"(?:CUDA|HIP) error: out of memory",
+                               r"cudaErrorMemoryAllocation", r"hipErrorOutOfMemory",
+                               r"CUDA driver error: out of memory", r"CUDA_ERROR_OUT_OF_MEMORY")
+is_host_oom = _rx(r"DefaultCPUAllocator: (?:not enough memory|can't allocate memory)",
+                  r"(?i:can't allocate memory|cannot allocate memory)",
+                  r"DataLoader worker \(pid \d+\) is killed by signal: (?:Bus error|Killed)",
+                  r"out of shared memory", r"insufficient shared memory",
+                  r"unable to allocate shared memory", r"unable to write to file </torch_.*No space left")
+is_cudnn_algorithm = _rx(r"Unable to find a valid cuDNN algorithm", r"CUDNN_STATUS_NOT_SUPPORTED",
+                         r"CUBLAS_STATUS_NOT_INITIALIZED")
+is_worker_crash = _rx(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) (?:is killed by signal|exited unexpectedly)")
+_TYPE_RX = re.compile(r"^\s*([A-Za-z_][\w.]*)(?::|$)")
+
+
+def _exception_type(text: str) -> str:
+    m = _TYPE_RX.match(text)
+    return m.group(1).rsplit(".", 1)[-1] if m else ""
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _oom_classification(text: str, info: OomInfo | None) -> tuple[Outcome, str]:
+    """Split an allocator OOM into fragmentation / fraction cap / plain (see the module docstring)."""
+    where = "simulated" if SIMULATED_PREFIX in text else "device"
+    if info is None:
+        return Outcome.OOM, f"allocator OOM ({where}): {_one_line(text, 200)}"
+    req = info.requested_bytes
+    head = f"tried to allocate {format_bytes(req)}" + (f" on GPU {info.gpu_index}" if info.gpu_index is not None else "")
+    cached = info.cached_free_bytes
+    if req is not None and cached is not None and cached >= req:
+        return Outcome.OOM_FRAGMENTATION, (
+            f"fragmentation ({where}): {head}; {format_bytes(cached)} reserved but unallocated >= the "
+            f"request ({format_bytes(info.reserved_bytes)} reserved, {format_bytes(info.allocated_bytes)} allocated)")
+    if _trapped_cache_would_fit(info):
+        return Outcome.OOM_FRAGMENTATION, (
+            f"fragmentation ({where}): {head}; {format_bytes(info.free_bytes)} free + "
+            f"{format_bytes(cached)} reserved but unallocated would hold it, but the cached memory is "
+            f"split across segments that still hold live blocks")
+    if info.source_format == "preemptive" or _fraction_was_limit(info):
+        allowed = "" if info.allowed_bytes is None else f"{format_bytes(info.allowed_bytes)} allowed of "
+        return Outcome.FRACTION_CAP, (
+            f"fraction cap hit ({where}): {head}; {allowed}{format_bytes(info.total_bytes)} total")
+    return Outcome.OOM, (f"out of memory ({where}): {head}; {format_bytes(info.allocated_bytes)} allocated, "
+                         f"{format_bytes(info.free_bytes)} free of {format_bytes(info.total_bytes)}")
+
+
+def _trapped_cache_would_fit(info: OomInfo) -> bool:
+    """Field case C8 (pytorch#35901): 10.26 GiB free < 10.84 GiB <= free + cached. The message is
+    written after the allocator's retry chain released every cached block that was a whole segment
+    (release_cached_blocks in DeviceCachingAllocator::malloc), so the reserved-but-unallocated memory
+    left sits in segments that also hold live blocks. When the usable free memory (capped by the
+    fraction's allowance) plus that trapped cache holds the request, the batch fits the budget and
+    the layout stopped it: fragmentation, fixed by max_split_size_mb or expandable_segments."""
+    req, cached, free = info.requested_bytes, info.cached_free_bytes, info.free_bytes
+    if req is None or cached is None or cached <= 0 or free is None:
+        return False
+    if info.allowed_bytes is not None and info.reserved_bytes is not None:
+        free = min(free, max(0, info.allowed_bytes - info.reserved_bytes))
+    return free + cached >= req
+
+
+def _fraction_was_limit(info: OomInfo) -> bool:
+    """An "allowed" below the total capacity means set_per_process_memory_fraction capped the process
+    (field case C4). Exception: the card itself was out (free < request) while reserved + request
+    still fitted under the cap."""
+    if info.allowed_bytes is None or info.total_bytes is None or info.allowed_bytes >= info.total_bytes:
+        return False
+    used = info.reserved_bytes if info.reserved_bytes is not None else info.allocated_bytes
+    card_was_out = info.free_bytes is not None and info.requested_bytes is not None and info.free_bytes < info.requested_bytes
+    fits_cap = used is not None and info.requested_bytes is not None and used + info.requested_bytes <= info.allowed_bytes
+    return not (card_was_out and fits_cap)
+
+
+def _library_limit(smaller_batch_succeeded: bool, batch_size: int | None) -> bool:
+    return smaller_batch_succeeded and (batch_size is None or batch_size > 1)
+
+
+def classify_text(text: str, *, batch_size: int | None = None, smaller_batch_succeeded: bool = False,
+                  visible_devices: str | None | object = _ENV) -> Classification:
+    """Classify one exception text (``"TypeName: message"``, possibly several lines).
+
+    Args:
+        text: the exception line(s) as Python prints them (``format_exception_only``).
+        batch_size: the trial's batch size (batch 1 never yields a library ``limit``).
+        smaller_batch_succeeded: a smaller batch ran in the same setup (field case C1).
+        visible_devices: the trial's CUDA_VISIBLE_DEVICES (default: this process's environment).
+
+    Returns:
+        A :class:`Classification`; unrecognised text is ``error``. Never raises.
+    """
+    text = _drop_warnings(text).strip()
+    msg = _one_line(text)
+    if is_element_limit(text):
+        return Classification(Outcome.LIMIT, f"element-count limit: {msg}", ADVICE[Outcome.LIMIT])
+    etype = _exception_type(text)
+    if is_outside_allocator_oom(text) and not is_allocator_oom(text):
+        return Classification(Outcome.OOM_OUTSIDE_ALLOCATOR, f"out of memory outside the caching allocator: {msg}",
+                              ADVICE[Outcome.OOM_OUTSIDE_ALLOCATOR])
+    if is_allocator_oom(text) or etype.endswith("OutOfMemoryError"):
+        info = parse_oom_message(text)
+        outcome, line = _oom_classification(text, info)
+        physical = _physical(info, visible_devices)
+        if physical is not None:
+            line += f" (physical GPU {physical})"
+        return Classification(outcome, line, ADVICE[outcome], info, physical)
+    if is_host_oom(text) or etype == "MemoryError":
+        return Classification(Outcome.HOST_OOM, f"host memory: {msg}", ADVICE[Outcome.HOST_OOM])
+    if is_cudnn_algorithm(text):
+        if _library_limit(smaller_batch_succeeded, batch_size):
+            return Classification(Outcome.LIMIT, f"library limit at batch {batch_size}: {msg}", _LIB_LIMIT_ADVICE)
+        return Classification(Outcome.ERROR, f"setup fault (no smaller batch succeeded): {msg}", ADVICE[Outcome.ERROR])
+    if is_worker_crash(text):
+        return Classification(Outcome.CRASH, f"DataLoader worker died: {msg}", ADVICE[Outcome.CRASH])
+    return Classification(Outcome.ERROR, msg or "error with no message", ADVICE[Outcome.ERROR])
+
+
+def _physical(info: OomInfo | None, visible_devices: str | None | object) -> str | None:
+    if info is None or info.gpu_index is None:
+        return None
+    visible = _visible(visible_devices)
+    if visible is None:
+        return None
+    try:
+        return map_gpu_index(info.gpu_index, visible)
+    except DeviceError:
+        return None
+
+
+_WARNING_RX = re.compile(r"^.*memory allocation failed with OOM on device.*$\n?", re.M)
+
+
+def _drop_warnings(text: str) -> str:
+    """Remove torch's LOG(WARNING) "memory allocation failed with OOM" lines (recovered retries)."""
+    return _WARNING_RX.sub("", text)
