@@ -273,7 +273,7 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     _fill_throughput(result, reports)
     memories = [e["memory"] for e in events if isinstance(e.get("memory"), dict)]
     if memories:
-        _fill_memory(result, memories[-1])
+        _set_memory(result, memories[-1])
     else:
         result.extra["memory_unknown"] = True
     kw = dict(batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded)
@@ -331,15 +331,9 @@ def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None
     result.extra["reported"] = [r.get("extra") or {} for r in reports]
 
 
-def _fill_memory(result: TrialResult, memory: dict[str, Any]) -> None:
+def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:
     """Peaks and counters from a ``memory_stats()`` mapping (torch's keys); absent keys stay None."""
     stats = memory.get("stats") or {}
     if memory.get("source") in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
         result.memory_source = memory["source"]
-    result.peak_allocated_bytes = stats.get("allocated_bytes.all.peak")
-    result.peak_reserved_bytes = stats.get("reserved_bytes.all.peak")
-    result.peak_active_bytes = stats.get("active_bytes.all.peak")
-    result.num_alloc_retries = stats.get("num_alloc_retries")
-    result.num_ooms = stats.get("num_ooms")
-    if result.peak_reserved_bytes and result.peak_active_bytes is not None:
-        result.fragmentation = 1.0 - result.peak_active_bytes / result.peak_reserved_bytes
+    result.fill_memory_stats(stats)

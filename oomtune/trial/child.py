@@ -99,7 +99,7 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
     finally:
         if stats:
             with contextlib.suppress(Exception):
-                _fill_memory(result, stats[0]())
+                result.fill_memory_stats(stats[0]())
         first = result.extra.get("first_step_at")
         result.startup_s = None if first is None else max(0.0, first - start)
         result.wall_s = time.time() - start
@@ -270,18 +270,6 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult) -> None:
     result.step_time_s = timings.mean_step_s
     result.throughput = timings.samples_per_s
     result.data_wait_fraction = timings.data_wait_fraction
-
-
-def _fill_memory(result: TrialResult, stats: dict[str, Any]) -> None:
-    """Copy peaks and counters from a ``memory_stats()`` mapping (torch's key names); absent keys
-    stay None. fragmentation = 1 - peak_active / peak_reserved (None when nothing was reserved)."""
-    result.peak_allocated_bytes = stats.get("allocated_bytes.all.peak")
-    result.peak_reserved_bytes = stats.get("reserved_bytes.all.peak")
-    result.peak_active_bytes = stats.get("active_bytes.all.peak")
-    result.num_alloc_retries = stats.get("num_alloc_retries")
-    result.num_ooms = stats.get("num_ooms")
-    if result.peak_reserved_bytes and result.peak_active_bytes is not None:
-        result.fragmentation = 1.0 - result.peak_active_bytes / result.peak_reserved_bytes
 
 
 def _record_failure(result: TrialResult, exc: BaseException, spec: TrialSpec) -> None:

@@ -158,6 +158,18 @@ class TrialResult:
         result.extra.update(extra)
         return result
 
+    def fill_memory_stats(self, stats: dict[str, Any]) -> None:
+        """Copy peaks and counters from a ``memory_stats()`` mapping (torch.cuda.memory_stats keys, or
+        the virtual GPU's); absent keys stay None. fragmentation = 1 - peak_active / peak_reserved
+        (GMLake's definition; None when nothing was reserved)."""
+        self.peak_allocated_bytes = stats.get("allocated_bytes.all.peak")
+        self.peak_reserved_bytes = stats.get("reserved_bytes.all.peak")
+        self.peak_active_bytes = stats.get("active_bytes.all.peak")
+        self.num_alloc_retries = stats.get("num_alloc_retries")
+        self.num_ooms = stats.get("num_ooms")
+        if self.peak_reserved_bytes and self.peak_active_bytes is not None:
+            self.fragmentation = 1.0 - self.peak_active_bytes / self.peak_reserved_bytes
+
     @classmethod
     def read(cls, path: str | Path) -> "TrialResult":
         return cls.from_dict(json.loads(Path(path).read_text()))
