@@ -84,9 +84,21 @@ def check_record(rec: dict[str, Any], *, cuda: bool) -> dict[str, Any] | None:
             problems.append("no settings_effective reported by the CUDA allocator")
         elif seen is not None and seen != conf:
             problems.append(f"allocator reports PYTORCH_CUDA_ALLOC_CONF={seen!r}")
+        else:
+            ok, detail = _settings_match()(conf, None, effective)  # the keys, in torch's units
+            if not ok:
+                problems.append(f"allocator reports {detail}")
     return {"alloc_conf": conf, "batch_size": rec.get("batch_size"), "outcome": rec.get("outcome"),
             "launcher": launcher, "torch_alloc_conf": torch_conf, "ok": not problems,
             "problems": problems}
+
+
+def _settings_match() -> Any:
+    """gpu_validate.settings_match (one copy of the key-by-key comparison)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_validate import settings_match
+
+    return settings_match
 
 
 def settings_check(records: list[dict[str, Any]], *, cuda: bool) -> dict[str, Any]:
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     the settings check did not FAIL, else 1."""
     args = _parser().parse_args(argv)
     cuda = args.device == "cuda"
-    out = Path(args.out_dir) if args.out_dir else RESULTS
+    out = Path(args.out_dir).resolve() if args.out_dir else RESULTS
     run_dir = out / "gpu_search"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh study (the same config would resume one)
     run_dir.parent.mkdir(parents=True, exist_ok=True)

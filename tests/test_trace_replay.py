@@ -172,3 +172,23 @@ def test_budget_too_small_for_starting_state():
     r = replay_snapshot(pre_existing_snapshot(), total_memory_bytes=10 * MiB)  # < the 20 MiB segment
     assert r.oom and r.oom_at["phase"] == "initial_state" and r.oom_at["event_index"] is None
     assert r.events_replayed == 0
+
+
+def test_rebuild_undoes_expandable_segment_mappings():
+    # Final: one expandable segment at L1 with 40 MiB mapped. The trace mapped 20 MiB, then 20 MiB more
+    # at its end: before recording nothing was mapped. A map before the trace (10 MiB) that the trace
+    # then extends by 20 MiB leaves 10 MiB at the start.
+    def expandable(size, blocks):
+        s = seg(L1, size, "large", blocks)
+        s["is_expandable"] = True
+        return s
+
+    trace = [ev("segment_map", L1, 20 * MiB), ev("alloc", L1, 30 * MiB),
+             ev("segment_map", L1 + 20 * MiB, 20 * MiB)]
+    snap = {"segments": [expandable(40 * MiB, [(30 * MiB, "active_allocated"), (10 * MiB, "inactive")])],
+            "device_traces": [trace]}
+    assert rebuild_initial_state(snap).reserved_bytes == 0
+    grown = {"segments": [expandable(30 * MiB, [(30 * MiB, "inactive")])],
+             "device_traces": [[ev("segment_map", L1 + 10 * MiB, 20 * MiB)]]}
+    state = rebuild_initial_state(grown)
+    assert [(s.address, s.total_size_bytes) for s in state.segments] == [(L1, 10 * MiB)]

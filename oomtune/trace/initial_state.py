@@ -119,7 +119,28 @@ def _starting_segments(trace: list[dict], final: list[dict]) -> dict[int, dict]:
             pool = "small" if e["size"] <= _SMALL_BUFFER else "large"
             segs[e["addr"]] = {"size": e["size"], "stream": e.get("stream", 0), "pool": pool,
                                "expandable": False}
-    return segs
+        elif e["action"] in ("segment_map", "segment_unmap"):
+            _undo_mapping(segs, e)
+    return {a: s for a, s in segs.items() if s["size"] > 0}
+
+
+def _undo_mapping(segs: dict[int, dict], e: dict) -> None:
+    """Undo one expandable-segment page mapping (walking backwards): a segment_map grew the
+    expandable segment holding ``addr`` by ``size`` (so it was that much smaller before); a
+    segment_unmap shrank the one ending at ``addr`` (so it was larger). Expandable segments grow at
+    their end (ExpandableSegment::map in c10/cuda/CUDACachingAllocator.cpp maps the pages a request
+    needs after the mapped range), which is what this models."""
+    addr, size = e["addr"], e["size"]
+    owner = next((a for a, s in segs.items() if s["expandable"] and a <= addr <= a + s["size"]), None)
+    if e["action"] == "segment_map":
+        if owner is not None:
+            segs[owner]["size"] -= size
+        return
+    if owner is not None:
+        segs[owner]["size"] += size
+    else:
+        pool = "small" if size <= _SMALL_BUFFER else "large"
+        segs[addr] = {"size": size, "stream": e.get("stream", 0), "pool": pool, "expandable": True}
 
 
 def _pre_trace_blocks(trace: list[dict], final: list[dict]) -> dict[int, int]:
