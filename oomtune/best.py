@@ -133,6 +133,8 @@ def load_best(path: str | Path) -> BestConfig:
         text = path.read_text()
     except OSError as exc:
         raise BestFileError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise BestFileError(f"{path} is not a best.yaml: it is not a text file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -147,9 +149,14 @@ def load_best(path: str | Path) -> BestConfig:
     for key in ("workload", "device", "best"):
         if key not in data:
             raise BestFileError(f"{path}: missing required section '{key}'")
-    for key in ("workload", "device"):
-        if not isinstance(data[key], dict):
+    for key in ("workload", "device", "study", "versions", "gain", "diagnosis"):
+        if key in data and data[key] is not None and not isinstance(data[key], dict):
             raise BestFileError(f"{path}: section '{key}' must be a mapping")
+    for key in ("workload", "device"):
+        if data[key] is None:
+            raise BestFileError(f"{path}: section '{key}' must be a mapping")
+    if data.get("study") is None:
+        data["study"] = {}
     known = {f.name for f in dataclasses.fields(BestConfig)}
     data = {k: v for k, v in data.items() if k in known}
     data["best"] = _choice(data["best"], f"{path}: best")

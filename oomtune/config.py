@@ -52,22 +52,38 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
+    from oomtune.schema import register
+
+    register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(_with_override(_one_line(exc), overrides)) from None
     finally:
         GlobalHydra.instance().clear()
-    with open_dict(cfg):
-        if cfg.get("study_name") in (None, "", "auto"):
-            cfg.study_name = default_study_name(cfg)
     try:
+        for key in cfg:
+            if key != "hydra":
+                to_container(cfg[key])  # resolves interpolations: ${foo} fails here, in one line
+        with open_dict(cfg):
+            if cfg.get("study_name") in (None, "", "auto"):
+                cfg.study_name = default_study_name(cfg)
         OmegaConf.resolve(cfg.hydra.run)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def _with_override(message: str, overrides: Sequence[str]) -> str:
+    """Name the override a parse error is about when Hydra's message only quotes its value."""
+    m = re.search(r"input '([^']*)'", message)
+    if m:
+        culprits = [o for o in overrides if m.group(1) and m.group(1) in o]
+        if culprits:
+            return f"bad override {culprits[0]!r}: {message.removeprefix('bad config: ')}"
+    return message
 
 
 def _one_line(exc: BaseException) -> str:
@@ -75,6 +91,10 @@ def _one_line(exc: BaseException) -> str:
     first = text[0] if text else type(exc).__name__
     # Hydra's "Could not find 'model/nope'" is followed by the available options: keep them short.
     options = [ln.strip() for ln in text[1:] if ln.strip().startswith("\t") or ln.startswith("\t")]
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and "Error merging override" in first:
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return f"bad override: {first.replace('Error merging override ', '')}: {detail}"
     if "Could not find" in first or "Could not override" in first or "Key '" in first:
         rest = " ".join(ln.strip() for ln in text[1:] if ln.strip()).split("Config search path")[0]
         rest = re.sub(r"(Available options in '\w+':) (.*)", lambda m: m.group(1) + " " + ", ".join(m.group(2).split()), rest)
@@ -92,11 +112,14 @@ def to_container(cfg: Any) -> Any:
 
 
 def default_study_name(cfg: Any) -> str:
-    """``<model name>-<8 hex>``: a digest of the workload, target, budget, device and search space, so
-    rerunning the same command resumes the same study and a changed one starts a new study."""
+    """``<model name>-<8 hex>`` (``python-``/``cmd-`` for those targets): a digest of the workload,
+    target, budget, device and search space, so rerunning the same command resumes the same study
+    and a changed one starts a new study."""
+    target = to_container(cfg.target)
+    builtin = target.get("name") == "builtin"
     key = {
-        "model": to_container(cfg.model),
-        "target": to_container(cfg.target),
+        "model": to_container(cfg.model) if builtin else None,
+        "target": target,
         "budget": str(cfg.budget),
         "device": str(cfg.device),
         "batch_size": to_container(cfg.search.batch_size),
@@ -104,7 +127,7 @@ def default_study_name(cfg: Any) -> str:
         "data": to_container(cfg.search.get("data")),
     }
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"{cfg.model.name}-{digest}"
+    return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
 
 
 def run_dir_of(cfg: Any) -> Path:

@@ -6,11 +6,12 @@ identity and capacity come from NVML, and only without NVML from torch.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from oomtune.exceptions import ConfigError, DeviceError
-from oomtune.units import format_bytes, parse_size
+from oomtune.units import MiB, format_bytes, parse_size
 
 __all__ = ["TargetDevice", "resolve_device", "resolve_budget"]
 
@@ -80,8 +81,21 @@ def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
         DeviceError: above the device's total memory.
     """
     text = str(budget).strip()
-    if re.fullmatch(r"0*\.\d+|1(\.0*)?", text):
-        budget_bytes = int(float(text) * device.total_memory_bytes)
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and not math.isfinite(number):
+        raise ConfigError(f"budget {text!r} must be a finite size or fraction")
+    if number is not None and number <= 0:
+        raise ConfigError(f"budget {text!r} must be > 0")
+    if number is not None and number <= 1:
+        budget_bytes = int(number * device.total_memory_bytes)
+    elif number is not None and number < MiB:
+        raise ConfigError(
+            f"budget {text!r} is ambiguous: give a fraction of the device in (0, 1] (e.g. 0.9) "
+            "or a size with a unit (e.g. 16GiB)"
+        )
     else:
         budget_bytes = parse_size(text)
     if budget_bytes <= 0:

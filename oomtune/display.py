@@ -21,6 +21,8 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
     for t in trials:
         res = R.result_of(t)
         if res is None:
+            if t.state.name in ("FAIL", "RUNNING") and R.ATTR_ROLE in t.user_attrs:
+                rows.append(_unfinished_row(t))
             continue
         predicted = t.user_attrs.get(R.ATTR_PREDICTED)
         error = None
@@ -41,6 +43,18 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _unfinished_row(t: Any) -> dict[str, Any]:
+    """A trial without a result: interrupted (FAIL: Ctrl-C/SIGTERM; a resumed search re-runs it) or
+    still running (another worker, or a process that was killed)."""
+    outcome = "interrupted" if t.state.name == "FAIL" else "running"
+    return {"number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),
+            "batch_size": t.params.get("batch_size"), "alloc_conf": t.user_attrs.get(R.ATTR_CONF, ""),
+            "outcome": outcome, "throughput": None, "step_time_s": None, "peak_allocated_bytes": None,
+            "peak_reserved_bytes": None, "device_peak_bytes": None, "fragmentation": None,
+            "memory_source": "simulated", "predicted_peak_reserved_bytes": None, "prediction_error": None,
+            "feasible": False, "reused_from": None, "message": None, "data_wait_fraction": None}
+
+
 def _fmt(v: Any, spec: str = "") -> str:
     if v is None:
         return "-"
@@ -58,6 +72,10 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
         table.add_column(name, justify=justify)
     for r in rows:
         src = "(sim)" if r["memory_source"] == "simulated" else "(dev)"
+        if r["outcome"] in ("interrupted", "running"):
+            table.add_row(str(r["number"]), r["role"], str(r["batch_size"]), r["alloc_conf"] or "(default)",
+                          r["outcome"], "-", "-", "-", "-", "-", style="dim")
+            continue
         outcome = r["outcome"] + ("" if r["feasible"] or r["outcome"] != "ok" else " >limit")
         if r["reused_from"] is not None:
             outcome += f" =#{r['reused_from']}"

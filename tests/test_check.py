@@ -223,3 +223,97 @@ def test_default_mode(kind, cuda, mode, tmp_path):
 
     best = load_best(write_best(tmp_path / "best.yaml", kind=kind))
     assert default_mode(best, cuda) == mode
+
+
+# -- limits validated before anything runs (rule: one line, exit 2) --------------------------------------
+@pytest.mark.parametrize("flag, needle", [
+    (["--max-slowdown", "2"], "--max-slowdown=2.0"),       # was reported as "limit -200%"
+    (["--max-slowdown", "1"], "--max-slowdown=1.0"),       # a 100% loss cannot be a limit: [0, 1)
+    (["--max-slowdown", "-0.1"], "--max-slowdown=-0.1"),
+    (["--max-memory-growth", "nan"], "--max-memory-growth=nan"),
+    (["--tolerance", "inf"], "--tolerance=inf"),
+])
+def test_out_of_range_limits_exit_2_with_one_line(flag, needle, tmp_path, capsys, monkeypatch):
+    import oomtune.check as check
+
+    monkeypatch.setattr(check, "check_predict", _must_not_run)
+    monkeypatch.setattr(check, "check_run", _must_not_run)
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"oomtune: error: {needle}: expected a fraction") and len(err.splitlines()) == 1
+
+
+def test_limits_at_the_edges_of_their_ranges_are_accepted(tmp_path):
+    from oomtune.check import validate_limits
+
+    validate_limits(max_slowdown=0.0, max_memory_growth=0.0, tolerance=0.0)
+    validate_limits(max_slowdown=0.99, max_memory_growth=3.0, tolerance=10.0)
+
+
+def _must_not_run(*a, **k):
+    raise AssertionError("the check ran although its input is bad")
+
+
+@pytest.mark.parametrize("where", ["/proc/x/j.xml", "FILE/j.xml", "DIR"])
+def test_unwritable_junit_path_exits_2_before_the_check_runs(where, tmp_path, capsys, monkeypatch):
+    import oomtune.check as check
+
+    (tmp_path / "file").write_text("")
+    where = where.replace("FILE", str(tmp_path / "file")).replace("DIR", str(tmp_path))
+    monkeypatch.setattr(check, "check_predict", _must_not_run)
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", "--junit", where]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"oomtune: error: --junit {where!r}") and len(err.splitlines()) == 1
+
+
+# -- run mode on the virtual GPU: slowdown not checked unless asked for ------------------------------------
+class _FakeRunner:
+    """Returns a finished trial with the given figures (no process)."""
+
+    def __init__(self, **figures):
+        self.figures = figures
+
+    def run(self, spec, workdir):
+        return _result(**self.figures)
+
+
+def test_run_mode_on_a_simulated_best_skips_the_slowdown_by_default(tmp_path):
+    from oomtune.check import SIMULATED_SLOWDOWN_NOTE, check_run
+
+    best = load_best(write_best(tmp_path / "best.yaml", metrics={
+        "throughput": 100.0, "peak_reserved_bytes": 1_000_000_000, "memory_source": "simulated"}))
+    slow = _FakeRunner(throughput=30.0, peak_reserved_bytes=1_000_000_000)   # -70%: CPU noise
+    report = check_run(best, runner=slow)
+    speed = next(c for c in report.cases if c.name == "slowdown")
+    assert report.passed and speed.passed is None and speed.message == SIMULATED_SLOWDOWN_NOTE
+    assert report.figures["notes"] == [SIMULATED_SLOWDOWN_NOTE]
+    # memory still checked: +5% + 1 byte fails
+    grown = _FakeRunner(throughput=100.0, peak_reserved_bytes=1_050_000_001)
+    assert not check_run(best, runner=grown).passed
+    # an explicit limit checks the slowdown again
+    assert not check_run(best, runner=slow, max_slowdown=0.10).passed
+
+
+def test_run_mode_on_a_cuda_best_keeps_the_10_percent_default(tmp_path):
+    from oomtune.check import default_max_slowdown
+
+    assert default_max_slowdown(load_best(write_best(tmp_path / "a.yaml", kind="cuda", source="device"))) == 0.10
+    assert default_max_slowdown(load_best(write_best(tmp_path / "b.yaml"))) is None
+
+
+def test_run_mode_cli_prints_the_note(tmp_path, capsys, monkeypatch):
+    import oomtune.trial.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "TrialRunner",
+                        lambda **k: _FakeRunner(throughput=1.0, peak_reserved_bytes=TWO_MIB))
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "run"]) == 0
+    out = capsys.readouterr().out
+    assert "note: slowdown not checked: best.yaml was measured on the virtual GPU (CPU)" in out
+    assert "throughput" not in out.splitlines()[-1]   # the summary reports what was checked
+
+
+def test_predict_mode_refuses_cuda_malloc_async_with_advice(tmp_path, capsys):
+    path = write_best(tmp_path / "best.yaml", alloc_conf="backend:cudaMallocAsync")
+    assert main(["check", str(path), "--mode", "predict"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot simulate" in err and "--mode run" in err and len(err.splitlines()) == 1

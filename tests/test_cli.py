@@ -23,6 +23,21 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
      "garbage_collection_threshold"),
     (["search", "device=cuda:7"], "cuda:7"),
     (["search", "search.sampler=nope", "device=cpu"], "unknown sampler"),
+    (["search", "search.n_trials=abc"], "could not be converted to Integer"),
+    (["search", "search.space=garbage"], "search.space=garbage"),
+    (["search", "trial=garbage"], "trial=garbage"),
+    (["search", "budget=${foo}"], "Interpolation key 'foo' not found"),
+    (["search", "search.batch_size.low=8.5"], "search.batch_size.low=8.5"),
+    (["search", "search.seed=-1"], "search.seed"),
+    (["search", "search.timeout=-1"], "search.timeout"),
+    (["search", "trial.timeout=0"], "trial.timeout"),
+    (["search", "trial.measure_steps=0"], "trial.measure_steps"),
+    (["search", "trial.launcher=foo"], "trial.launcher"),
+    (["search", "search.prune_margin=-1"], "search.prune_margin"),
+    (["search", "device=cpu", "budget=1.5"], "ambiguous"),
+    (["search", "device=cpu", "budget=0"], "must be > 0"),
+    (["search", "device=cpu", "search.space.backend=[native,cudaMallocAsync]"], "cudaMallocAsync needs a CUDA device"),
+    (["search", "search.space.max_split_size_mb=[null,64,]"], "search.space.max_split_size_mb"),
     (["env", "/nonexistent/best.yaml"], "cannot read"),
     (["show", "--storage", "sqlite:///:memory:", "--study", "nope"], "does not exist"),
 ])
@@ -32,6 +47,36 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     assert code == 2, err
     assert err.startswith("oomtune: error: ") and needle in err
     assert len(err.splitlines()) == 1
+
+
+def test_bad_input_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["search", "device=cpu", "trial.timeout=-1", f"hydra.run.dir={run_dir}"]) == 2
+    assert not (run_dir / "study.db").exists() and not (run_dir / "run.json").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    (bytes(range(256)) * 4, "not a text file"),
+    (b"schema_version: 1\nworkload: {}\ndevice: {}\nstudy: x\nbest: {batch_size: 8, alloc_conf: ''}\n",
+     "section 'study' must be a mapping"),
+])
+def test_show_env_check_refuse_broken_best_yaml(tmp_path, capsys, content, needle):
+    path = tmp_path / "best.yaml"
+    path.write_bytes(content)
+    for cmd in (["show", str(path)], ["env", str(path)], ["check", str(path)]):
+        assert main(cmd) == 2, cmd
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1
+
+
+def test_show_corrupt_run_json_and_missing_storage(tmp_path, capsys):
+    (tmp_path / "run.json").write_text("[1]")
+    assert main(["show", str(tmp_path)]) == 2
+    assert "run.json is corrupt" in capsys.readouterr().err
+    db = tmp_path / "x.db"
+    assert main(["show", "--storage", f"sqlite:///{db}", "--study", "nope"]) == 2
+    assert "no storage at" in capsys.readouterr().err
+    assert not db.exists()  # a read-only command creates nothing
 
 
 def test_unwritable_run_dir_exits_2(tmp_path, capsys):

@@ -126,7 +126,9 @@ def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, mo
 def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, tmp_path, monkeypatch):
     """The predicted maximum B runs in a live virtual-GPU trial and B + 1 runs out of memory."""
     _clear_alloc_env(monkeypatch)
-    fmap = _plan(tmp_path, *MLP, f"budget={budget}", "search.batch_size.low=8", f"search.batch_size.high={high}",
+    # headroom 0: "fits" is then exactly "the trial does not run out of memory" (the OOM boundary)
+    fmap = _plan(tmp_path, *MLP, f"budget={budget}", "search.headroom=0", "search.batch_size.low=8",
+                 f"search.batch_size.high={high}",
                  "search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
                  "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
     row = fmap.rows[0]
@@ -175,6 +177,9 @@ def test_plan_writes_into_the_run_dir_by_default(tmp_path):
     (["+plan.batch_sizes=[0]"], "plan.batch_sizes"),
     (["target=python", "target.entry=no_such_module_xyz:make"], "no_such_module_xyz"),
     (["target=cmd", "target.command='python train.py'"], "cannot be traced"),
+    (["search.headroom=1"], "search.headroom=1"),
+    (["search.headroom=-0.1"], "search.headroom=-0.1"),
+    (["search.headroom=abc"], "search.headroom"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     code = main(["plan", "device=cpu", f"hydra.run.dir={tmp_path}/run", *args])
@@ -182,3 +187,98 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     assert code == 2, err
     assert err.startswith("oomtune: error: ") and needle in err
     assert len(err.splitlines()) == 1
+
+
+# -- headroom: the search's feasibility (completes AND peak reserved <= budget * (1 - headroom)) -------
+SINGLE = ["search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
+          "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
+
+
+@pytest.mark.parametrize("headroom, limit, expected", [
+    # the tiny MLP at batch 8 reserves one kSmallBuffer = 2 MiB segment (hand calculation, see above);
+    # 4 MiB * (1 - 0.5) = 2 MiB exactly: fits (inclusive, as MemoryLimit in the search)
+    ("0.5", 2 * MiB, 8),
+    # 4 MiB * 0.49 = 2,055,208.96 -> 2,055,208 bytes < 2 MiB: completes, but over the limit
+    ("0.51", 2_055_208, None),
+])
+def test_headroom_decides_the_largest_batch_like_the_search(headroom, limit, expected, tmp_path, monkeypatch):
+    _clear_alloc_env(monkeypatch)
+    fmap = _plan(tmp_path, *MLP, "budget=4MiB", f"search.headroom={headroom}", "+plan.batch_sizes=[8]", *SINGLE)
+    assert fmap.limit_bytes == limit
+    cell = fmap.rows[0].cells[0]
+    assert cell.completes and cell.peak_reserved_bytes == 2 * MiB
+    assert cell.fits is (expected is not None)
+    assert fmap.rows[0].max_batch_size == expected
+
+
+def test_plan_header_and_yaml_show_the_limit(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "device=cpu", *MLP, "budget=4MiB", "search.headroom=0.5", "+plan.batch_sizes=[8]",
+                 *SINGLE, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "budget 4.00 MiB, limit 2.00 MiB with headroom 50%" in text
+    assert "2.00 MiB" in text and "2097152" not in text   # sizes formatted, never raw bytes
+    data = yaml.safe_load(out.read_text())
+    assert data["limit"] == {"headroom": 0.5, "limit_bytes": 2 * MiB}
+    assert data["configurations"][0]["batches"][0]["fits"] is True
+
+
+# -- cudaMallocAsync: not simulated; skipped with a notice, an error only when nothing is left ------------
+def test_predictor_gives_no_prediction_for_cuda_malloc_async():
+    from types import SimpleNamespace
+
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.plan.predictor import Predictor
+
+    # a workload that cannot even be built: None must come before any capture is attempted
+    predictor = Predictor({"name": "no_such_model"}, {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
+    cand = SimpleNamespace(batch_size=8, settings=AllocatorSettings.parse("backend:cudaMallocAsync"))
+    assert predictor.predict(cand) is None
+
+
+def test_plan_skips_cuda_malloc_async_configurations_with_a_notice(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    code = main(["plan", "device=cpu", *MLP, "budget=1GiB", "+plan.batch_sizes=[8]", *SINGLE,
+                 "search.space.backend=[native,cudaMallocAsync]", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "note: skipping 1 backend:cudaMallocAsync configuration(s)" in captured.out
+    data = yaml.safe_load(out.read_text())
+    assert [c["alloc_conf"] for c in data["configurations"]] == [""]
+    assert data["skipped"] == ["backend:cudaMallocAsync"]
+
+
+def test_only_cuda_malloc_async_configurations_exit_2_before_writing(tmp_path, capsys, monkeypatch):
+    from oomtune.search.space import SearchSpace
+
+    # the search space always adds torch's default (native), so only a space without it gets here
+    monkeypatch.setattr(SearchSpace, "all_settings", lambda self: [{"backend": "cudaMallocAsync"}])
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "device=cpu", *MLP, "+plan.batch_sizes=[8]", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oomtune: error: every configuration") and "cudaMallocAsync" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_unwritable_out_exits_2_before_predicting(tmp_path, capsys, monkeypatch):
+    from oomtune.plan import feasibility
+
+    def boom(*a, **k):
+        raise AssertionError("predicted although the output cannot be written")
+
+    monkeypatch.setattr(feasibility, "build_plan", boom)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["plan", "device=cpu", *MLP, "+plan.batch_sizes=[8]", "--out", str(blocker / "plan.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oomtune: error: --out") and len(err.splitlines()) == 1
+
+
+def test_predict_raw_is_none_for_cuda_malloc_async_and_the_replay_otherwise(monkeypatch):
+    from oomtune.plan.predictor import Predictor
+
+    _clear_alloc_env(monkeypatch)
+    model = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10, "optimizer": "sgd"}
+    predictor = Predictor(model, {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
+    assert predictor.predict_raw(8, "backend:cudaMallocAsync") is None
+    assert predictor.predict_raw(8, "") == 2 * MiB   # one kSmallBuffer segment (hand calculation above)

@@ -295,3 +295,127 @@ def test_image_folder_feeds_the_builtin_resnet(tmp_path):
     assert set(y.tolist()) <= {0, 1}                                  # ImageFolder: sorted class dirs
     timings = wl.run_steps(1)
     assert timings.data_wait_fraction is not None and 0.0 <= timings.data_wait_fraction <= 1.0
+
+
+# ----------------------------------------------------------------------------- resolve_target and
+# validate_target for cmd: paths that survive the trial's own working directory, placeholders, programs
+def test_resolve_target_makes_a_relative_file_entry_absolute_from_cwd(tmp_path):
+    from oomtune.targets import resolve_target
+
+    got = resolve_target({"name": "python", "entry": "examples/my_workload.py:make_workload"}, cwd=tmp_path)
+    assert got == {"name": "python", "entry": f"{tmp_path / 'examples' / 'my_workload.py'}:make_workload"}
+    # module entries name no file; absolute files stay as they are
+    assert resolve_target({"name": "python", "entry": "pkg.mod:make"}, cwd=tmp_path)["entry"] == "pkg.mod:make"
+    assert resolve_target({"name": "python", "entry": EXAMPLE_ENTRY}, cwd=tmp_path)["entry"] == EXAMPLE_ENTRY
+
+
+def test_resolve_target_defaults_to_the_current_directory_and_leaves_the_input_alone(tmp_path, monkeypatch):
+    from oomtune.targets import resolve_target
+
+    monkeypatch.chdir(tmp_path)
+    given = {"name": "cmd", "command": "python train.py {batch_size}", "cwd": None}
+    assert resolve_target(given) == {"name": "cmd", "command": "python train.py {batch_size}", "cwd": str(tmp_path)}
+    assert given["cwd"] is None
+    assert resolve_target({"name": "cmd", "command": "x", "cwd": "sub"})["cwd"] == str(tmp_path / "sub")
+    assert resolve_target({"name": "cmd", "command": "x", "cwd": "/abs"}, cwd=tmp_path)["cwd"] == "/abs"
+    assert resolve_target({"name": "builtin"}) == {"name": "builtin"}
+
+
+def test_resolved_file_entry_still_loads_from_another_working_directory(tmp_path, monkeypatch):
+    """The tester's bug: the entry was checked from the project directory, the trial ran in its own."""
+    from oomtune.targets import resolve_target
+
+    monkeypatch.chdir(REPO)
+    relative = {"name": "python", "entry": "examples/my_workload.py:make_workload"}
+    validate_target(relative)
+    resolved = resolve_target(relative)
+    trial_dir = tmp_path / "trials" / "0"
+    trial_dir.mkdir(parents=True)
+    monkeypatch.chdir(trial_dir)
+    with pytest.raises(ConfigError, match="not found"):
+        build_trial_workload({"name": "mlp", "target": relative}, 2, "cpu")
+    assert isinstance(build_trial_workload({"name": "mlp", "target": resolved}, 2, "cpu"), UserWorkload)
+
+
+def test_resolved_entry_runs_in_a_real_trial_process(tmp_path, monkeypatch):
+    from oomtune.targets import resolve_target
+    from oomtune.trial.runner import TrialRunner
+
+    monkeypatch.chdir(REPO)
+    target = resolve_target({"name": "python", "entry": "examples/my_workload.py:make_workload"})
+    spec = TrialSpec(workload={"name": "mlp", "target": target}, batch_size=4, device="cpu",
+                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120)
+    with TrialRunner() as runner:
+        res = runner.run(spec, workdir=tmp_path / "trial")   # the child's cwd is tmp_path/trial
+    assert res.outcome == Outcome.OK.value, res.message
+
+
+def test_cmd_with_a_relative_script_runs_from_the_resolved_cwd(tmp_path, monkeypatch):
+    from oomtune.targets import resolve_target
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("import oomtune\noomtune.report(samples=8, seconds=2.0)\n")
+    monkeypatch.chdir(project)
+    target = resolve_target({"name": "cmd", "command": f"{PY} train.py {{batch_size}}", "cwd": None})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    spec = TrialSpec(workload={"name": "mlp", "target": target}, batch_size=2, timeout_s=60)
+    res = run_cmd_trial(spec, workdir=tmp_path / "t")
+    assert (res.outcome, res.throughput) == (Outcome.OK.value, 4.0), res.message
+
+
+def test_resolve_workload_also_resolves_the_data_path(tmp_path):
+    from oomtune.targets import resolve_workload
+
+    got = resolve_workload({"name": "transformer", "data": {"source": "tokens", "path": "data/train.bin"},
+                            "target": {"name": "builtin"}}, cwd=tmp_path)
+    assert got["data"] == {"source": "tokens", "path": str(tmp_path / "data" / "train.bin")}
+
+
+def test_missing_program_is_named_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        validate_target({"name": "cmd", "command": "nonexistent_cmd_xyz --bs {batch_size}", "cwd": None})
+    assert str(info.value) == "target.command: program 'nonexistent_cmd_xyz' not found"
+    with pytest.raises(ConfigError, match="program 'nonexistent_cmd_xyz' not found"):
+        validate_target({"name": "cmd", "command": ["nonexistent_cmd_xyz", "{batch_size}"]})
+
+
+def test_program_given_as_a_path_is_looked_up_in_the_target_cwd(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    target = {"name": "cmd", "command": "./run.sh {batch_size}", "cwd": str(tmp_path)}
+    with pytest.raises(ConfigError, match="program './run.sh' is not executable"):
+        validate_target(target)
+    script.chmod(0o755)
+    validate_target(target)
+    with pytest.raises(ConfigError, match="program './other.sh' not found"):
+        validate_target({**target, "command": "./other.sh"})
+
+
+def test_shell_commands_are_not_checked_for_a_program():
+    # the first word of a shell command may be a builtin (cd, export): /bin/sh decides at run time
+    validate_target({"name": "cmd", "command": f"cd / && {PY} -c pass {{batch_size}}"})
+
+
+@pytest.mark.parametrize("command, placeholder", [
+    ("python train.py --bs {bs}", "{bs}"),
+    ("python train.py --bs {batchsize}", "{batchsize}"),
+    ("python train.py --bs {batch_size} --lr {lr}", "{lr}"),
+])
+def test_unknown_placeholders_are_config_errors_naming_them(command, placeholder):
+    with pytest.raises(ConfigError) as info:
+        validate_target({"name": "cmd", "command": command})
+    message = str(info.value)
+    assert message.startswith("target.command: unknown placeholder ") and repr(placeholder) in message
+    assert "\n" not in message
+
+
+def test_escaped_braces_and_non_placeholder_braces_are_literal():
+    argv, _ = build_command({"command": "python t.py {batch_size} {{batch_size}} {{lr}}"}, 8)
+    assert argv == ["python", "t.py", "8", "{batch_size}", "{lr}"]
+    nested = """python t.py --cfg '{"a": {"b": 1}}' --bs {batch_size}"""
+    assert build_command({"command": nested}, 4)[0][-3:] == ['{"a": {"b": 1}}', "--bs", "4"]
+    argv, shell = build_command({"command": "echo ${HOME} {batch_size}"}, 2)
+    assert shell and argv[-1] == "echo ${HOME} 2"

@@ -184,3 +184,66 @@ def test_capture_workload_falls_back_to_cpu(monkeypatch):
     wl = build_capture_workload(MLP, 2)
     assert wl.device.type == "cpu"
     assert "aten::fancy" in wl.fallback_reason
+
+
+# -- every key's type and range (the rule: one line naming the key and the value) ----------------------
+@pytest.mark.parametrize("cfg, line", [
+    ({**RESNET, "channels_last": "abc"}, "model.channels_last='abc': expected true or false"),
+    ({**RESNET, "channels_last": 1}, "model.channels_last=1: expected true or false"),
+    ({**MLP, "data": {"pin_memory": "abc"}}, "model.data.pin_memory='abc': expected true or false"),
+    ({**MLP, "data": {"num_workers": 2, "prefetch_factor": "abc"}},
+     "model.data.prefetch_factor='abc': expected an integer >= 1"),
+    ({**MLP, "data": {"num_workers": 2, "prefetch_factor": 0}}, "model.data.prefetch_factor=0: expected an integer >= 1"),
+    ({**MLP, "data": {"num_workers": -1}}, "model.data.num_workers=-1: expected an integer >= 0"),
+    ({**MLP, "data": {"num_workers": True}}, "model.data.num_workers=True: expected an integer >= 0"),
+    ({**MLP, "data": {"decode_delay_s": float("inf")}}, "model.data.decode_delay_s=inf: expected a finite number >= 0"),
+    ({**MLP, "data": "abc"}, "model.data='abc': expected a mapping such as {source: synthetic}"),
+    ({**RESNET, "depth": "abc"}, "model.depth='abc': choose one of 18, 34, 50, 101, 152"),
+    ({**RESNET, "depth": 18.0}, "model.depth=18.0: choose one of 18, 34, 50, 101, 152"),
+    ({**RESNET, "image_size": 0}, "model.image_size=0: expected an integer >= 8"),
+    ({**MLP, "lr": "abc"}, "model.lr='abc': expected a finite number >= 0"),
+    ({**MLP, "lr": float("nan")}, "model.lr=nan: expected a finite number >= 0"),
+    ({**MLP, "lr": -0.1}, "model.lr=-0.1: expected a finite number >= 0"),
+    ({**MLP, "layers": True}, "model.layers=True: expected an integer >= 0"),
+    ({**TRANSFORMER, "dropout": 1.5}, "model.dropout=1.5: expected a finite number in [0, 1]"),
+    ({**MLP, "precision": ["fp32"]}, "model.precision=['fp32']: choose one of fp32, bf16, fp16"),
+    ({**MLP, "optimizer": None}, "model.optimizer=None: choose one of sgd, adam, adamw"),
+])
+def test_wrong_types_and_ranges_are_one_line_errors_naming_key_and_value(cfg, line):
+    with pytest.raises(ConfigError) as e:
+        validate_workload_config(cfg)
+    assert str(e.value) == line
+    with pytest.raises(ConfigError):   # the trial's own build refuses them too
+        build_workload(cfg, 2, "cpu")
+
+
+def test_prefetch_factor_needs_workers_as_torch_requires():
+    # torch.utils.data.DataLoader: "prefetch_factor option could only be specified in multiprocessing"
+    with pytest.raises(ConfigError, match=r"^model.data.prefetch_factor=2 needs model.data.num_workers > 0"):
+        validate_workload_config({**MLP, "data": {"num_workers": 0, "prefetch_factor": 2}})
+    validate_workload_config({**MLP, "data": {"num_workers": 2, "prefetch_factor": 2, "pin_memory": True}})
+    validate_workload_config({**MLP, "data": {"num_workers": 0, "prefetch_factor": None}})
+
+
+def test_well_typed_settings_are_accepted():
+    validate_workload_config({**RESNET, "channels_last": True, "lr": 0, "depth": 34})
+    validate_workload_config({**MLP, "layers": 0, "lr": 1, "data": {"decode_delay_s": None}})
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.channels_last=abc", "model.channels_last='abc'"),
+    ("model.data.pin_memory=abc", "model.data.pin_memory='abc'"),
+    ("model.data.prefetch_factor=abc", "model.data.prefetch_factor='abc'"),
+    ("model.depth=abc", "model.depth='abc'"),
+    ("model.lr=abc", "model.lr='abc'"),
+    ("model.data.num_workers=-1", "model.data.num_workers=-1"),
+    ("model.image_size=0", "model.image_size=0"),
+])
+def test_bad_model_overrides_exit_2_on_the_command_line(override, needle, tmp_path, capsys):
+    from oomtune.cli import main
+
+    code = main(["plan", "device=cpu", "model=resnet", override, f"hydra.run.dir={tmp_path}/run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("oomtune: error: ") and needle in err, err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()   # refused before anything was written

@@ -2,7 +2,10 @@
 
 Same Hydra overrides as ``oomtune search`` (``model=resnet model.depth=50 budget=16GiB``). The grid is
 ``search.batch_size.low..high`` (powers of two plus both ends) or ``+plan.batch_sizes=[8,16,...]``.
-Writes plan.yaml into the run directory (``hydra.run.dir``) or ``--out``.
+A batch fits as in the search: its replay completes and the predicted peak reserved is at most
+``budget * (1 - search.headroom)``. ``backend:cudaMallocAsync`` configurations cannot be simulated:
+they are skipped with a notice (an error when nothing else is left). Writes plan.yaml into the run
+directory (``hydra.run.dir``) or ``--out``.
 """
 
 from __future__ import annotations
@@ -84,14 +87,16 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         the :class:`oomtune.plan.feasibility.FeasibilityMap`.
 
     Raises:
-        ConfigError: bad override, unknown model, bad batch grid. AllocatorConfigError: a malformed
-        allocator value in search.space. DeviceError: a budget above the device.
+        ConfigError: bad override, unknown model, bad batch grid, ``search.headroom`` outside [0, 1),
+        only cudaMallocAsync configurations. AllocatorConfigError: a malformed allocator value in
+        search.space. DeviceError: a budget above the device. All before anything is captured or written.
     """
     from rich.console import Console
 
     from oomtune import config as C
     from oomtune.device import resolve_budget, resolve_device
-    from oomtune.plan.feasibility import build_plan, grid_batches, plan_table, write_plan
+    from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, plan_table,
+                                          split_simulable, validate_headroom, write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry
     from oomtune.search.space import SearchSpace
     from oomtune.units import format_bytes
@@ -100,25 +105,44 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     cfg = C.compose(list(overrides) + C.env_overrides())
     workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
     _validate_workload(workload)
+    headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
+    limit_bytes = limit_bytes_of(budget_bytes, headroom)
     space = SearchSpace.from_config(cfg.search)
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg))
-    settings = space.all_settings()
-    path = out if out is not None else C.run_dir_of(cfg) / "plan.yaml"
+    settings, skipped = split_simulable(space.all_settings())
+    if not settings:
+        from oomtune.exceptions import ConfigError
+
+        raise ConfigError("every configuration of search.space uses backend:cudaMallocAsync, which the virtual "
+                          "GPU cannot simulate: add native to search.space.backend to plan")
+    path = check_writable(out if out is not None else C.run_dir_of(cfg) / "plan.yaml", "--out")
     predictor = Predictor(workload, sim_geometry(device, budget_bytes))
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source}
-    console.print(f"oomtune plan: {workload['name']} on the virtual GPU ({device.name}, budget "
-                  f"{format_bytes(budget_bytes)}), {len(settings)} allocator configurations x batch "
-                  f"{grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)", highlight=False, markup=False)
-    fmap = build_plan(predictor, settings, grid, workload=workload, device=dev)
+    say = _printer(console)
+    say(f"oomtune plan: {workload['name']} on the virtual GPU ({device.name}, budget {format_bytes(budget_bytes)}, "
+        f"limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), {len(settings)} allocator "
+        f"configurations x batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)")
+    if skipped:
+        say(f"note: skipping {len(skipped)} backend:cudaMallocAsync configuration(s): the virtual GPU "
+            "simulates only the native caching allocator (measure them with oomtune search on a GPU)")
+    fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
+                      headroom=headroom)
+    fmap.skipped = skipped
     console.print(plan_table(fmap))
     for reason in fmap.fallback:
-        console.print(f"note: {reason}", highlight=False, markup=False)
-    console.print(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on "
-                  f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}), replay "
-                  f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s",
-                  highlight=False, markup=False)
-    console.print(f"wrote {write_plan(fmap, path)}", highlight=False, markup=False)
+        say(f"note: {reason}")
+    say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on "
+        f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}), replay "
+        f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")
+    say(f"wrote {write_plan(fmap, path)}")
     return fmap
+
+
+def _printer(console: Any) -> Any:
+    def say(text: str) -> None:
+        console.print(text, highlight=False, markup=False)
+
+    return say

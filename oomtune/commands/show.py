@@ -34,15 +34,18 @@ def _locate(args: argparse.Namespace) -> tuple[str, str]:
     if path.is_dir() and (path / RUN_FILE).is_file():
         try:
             info = json.loads((path / RUN_FILE).read_text())
-            return info["storage"], info["study_name"]
-        except (ValueError, KeyError) as exc:
-            raise BestFileError(f"{path / RUN_FILE} is corrupt: {exc}") from None
+            return str(info["storage"]), str(info["study_name"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise BestFileError(f"{path / RUN_FILE} is corrupt: expected {{\"storage\": ..., "
+                                f"\"study_name\": ...}}") from None
     if path.is_dir() and not (path / "best.yaml").exists():
         raise ConfigError(f"{path} is not an oomtune run directory (no {RUN_FILE} or best.yaml)")
     from oomtune.best import load_best
 
     best = load_best(path)
-    return best.study["storage"], best.study["study_name"]
+    if not best.study.get("storage") or not best.study.get("study_name"):
+        raise BestFileError(f"{path}: its 'study' section names no storage and study_name")
+    return str(best.study["storage"]), str(best.study["study_name"])
 
 
 def run(args: argparse.Namespace) -> int:

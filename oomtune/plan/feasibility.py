@@ -1,6 +1,12 @@
 """The feasibility map of ``oomtune plan``: per allocator configuration, the largest batch that fits
 the budget on the virtual GPU, and the predicted peak reserved / fragmentation at each batch size.
 
+"Fits" is the search's feasibility (:class:`oomtune.search.records.MemoryLimit`): the replay under
+the trial's limits completes without running out of memory AND the predicted peak reserved is at
+most the limit ``budget_bytes * (1 - search.headroom)`` (inclusive). Configurations the virtual GPU
+cannot simulate (``backend:cudaMallocAsync``: the driver's stream-ordered pool, not the caching
+allocator) are left out (:func:`split_simulable`).
+
 Every figure is simulated: the workload's request stream is captured on the meta device once per
 batch size (:class:`oomtune.plan.predictor.Predictor`) and replayed under each configuration with
 the trial's geometry (:func:`oomtune.plan.predictor.sim_geometry`: on CPU the budget is the virtual
@@ -22,12 +28,14 @@ plan.yaml (schema 1)::
     memory_source: simulated
     batch_sizes: [8, 16, ...]                           # the grid
     timing: {capture_s, replay_s, total_s, captures, replays}
+    limit: {headroom, limit_bytes}                      # fits: completes and peak <= limit_bytes
     fallback: [reasons the capture did not run as asked (CPU fallback, precision)]
+    skipped: [alloc_conf strings the virtual GPU cannot simulate (cudaMallocAsync)]
     configurations:
       - {alloc_conf, settings, max_batch_size (null: not even the smallest),
          at_max: {peak_reserved_bytes, peak_allocated_bytes, fragmentation} | null,
-         batches: [{batch_size, fits, peak_reserved_bytes, peak_allocated_bytes, fragmentation,
-                    num_alloc_retries}]}
+         batches: [{batch_size, fits, completes, peak_reserved_bytes, peak_allocated_bytes,
+                    fragmentation, num_alloc_retries}]}
 """
 
 from __future__ import annotations
@@ -43,14 +51,54 @@ from oomtune.exceptions import ConfigError
 from oomtune.units import format_bytes
 
 __all__ = ["PlanCell", "PlanRow", "FeasibilityMap", "grid_batches", "largest_fitting", "build_plan",
-           "write_plan", "plan_table", "PLAN_SCHEMA_VERSION"]
+           "write_plan", "plan_table", "check_writable", "validate_headroom", "limit_bytes_of", "split_simulable",
+           "PLAN_SCHEMA_VERSION"]
 
 PLAN_SCHEMA_VERSION = 1
 
 
+def validate_headroom(value: Any) -> float:
+    """``search.headroom`` as a float in ``[0, 1)``: the fraction of the budget kept free.
+
+    Raises:
+        ConfigError: not a number, or outside ``[0, 1)``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"search.headroom={value!r}: expected a fraction in [0, 1) such as 0.05 "
+                          "(the share of the budget kept free)")
+    return float(value)
+
+
+def limit_bytes_of(budget_bytes: int, headroom: float) -> int:
+    """The peak a feasible trial may reach, ``int(budget_bytes * (1 - headroom))``: the search's own
+    :class:`oomtune.search.records.MemoryLimit`, so that plan and search agree to the byte."""
+    from oomtune.search.records import MemoryLimit
+
+    return MemoryLimit(int(budget_bytes), float(headroom)).limit_bytes
+
+
+def split_simulable(settings_list: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Separate the configurations the virtual GPU can replay (``backend`` native or unset) from the
+    others. Returns (simulable mappings, rendered alloc_conf strings of the rest)."""
+    from oomtune.alloc.settings import AllocatorSettings
+
+    kept: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for mapping in settings_list:
+        if mapping.get("backend") in (None, "native"):
+            kept.append(mapping)
+        else:
+            set_keys = {k: v for k, v in mapping.items() if v is not None}
+            skipped.append(AllocatorSettings.from_mapping(set_keys).render())
+    return kept, skipped
+
+
 @dataclass(frozen=True)
 class PlanCell:
-    """One (configuration, batch size) prediction; bytes, simulated."""
+    """One (configuration, batch size) prediction; bytes, simulated.
+
+    ``completes``: the replay under the trial's limits ran without OOM; ``fits``: it completes and
+    the peak reserved is within the limit (budget minus headroom)."""
 
     batch_size: int
     fits: bool
@@ -58,12 +106,16 @@ class PlanCell:
     peak_allocated_bytes: int
     fragmentation: float | None
     num_alloc_retries: int
+    completes: bool = True
 
     @classmethod
-    def of(cls, pred: Any) -> "PlanCell":
-        """From a :class:`oomtune.plan.predictor.Prediction`."""
-        return cls(pred.batch_size, bool(pred.fits), int(pred.peak_reserved_bytes),
-                   int(pred.peak_allocated_bytes), pred.fragmentation, int(pred.num_alloc_retries))
+    def of(cls, pred: Any, limit_bytes: int | None = None) -> "PlanCell":
+        """From a :class:`oomtune.plan.predictor.Prediction`; ``limit_bytes`` None: no headroom
+        (fits = completes)."""
+        completes = bool(pred.fits)
+        fits = completes and (limit_bytes is None or int(pred.peak_reserved_bytes) <= limit_bytes)
+        return cls(pred.batch_size, fits, int(pred.peak_reserved_bytes), int(pred.peak_allocated_bytes),
+                   pred.fragmentation, int(pred.num_alloc_retries), completes)
 
 
 @dataclass
@@ -93,6 +145,9 @@ class FeasibilityMap:
     captures: int = 0
     replays: int = 0
     fallback: list[str] = field(default_factory=list)
+    headroom: float = 0.0
+    limit_bytes: int | None = None
+    skipped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan.yaml mapping (see the module docstring)."""
@@ -104,7 +159,9 @@ class FeasibilityMap:
             "timing": {"capture_s": round(self.capture_s, 3), "replay_s": round(self.replay_s, 3),
                        "total_s": round(self.total_s, 3), "captures": self.captures,
                        "replays": self.replays},
+            "limit": {"headroom": self.headroom, "limit_bytes": self.limit_bytes},
             "fallback": sorted(self.fallback),
+            "skipped": list(self.skipped),
             "configurations": [
                 {"alloc_conf": r.alloc_conf, "settings": r.settings, "max_batch_size": r.max_batch_size,
                  "at_max": None if r.at_max is None else _cell_figures(r.at_max),
@@ -176,33 +233,46 @@ def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int]) -> int | N
 
 
 def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Sequence[int], *,
-               workload: dict[str, Any], device: dict[str, Any], on_row: Callable[[PlanRow], None] | None = None
-               ) -> FeasibilityMap:
+               workload: dict[str, Any], device: dict[str, Any], limit_bytes: int | None = None,
+               headroom: float = 0.0, on_row: Callable[[PlanRow], None] | None = None) -> FeasibilityMap:
     """Predict every configuration at every grid batch and bisect its largest fitting batch.
 
     Args:
         predictor: a :class:`oomtune.plan.predictor.Predictor` (its geometry is the trial's).
         settings_list: allocator key -> value mappings (None = unset), e.g.
-            ``SearchSpace.all_settings()``.
+            ``SearchSpace.all_settings()``. Configurations the virtual GPU cannot simulate
+            (:func:`split_simulable`) are left out and listed in ``FeasibilityMap.skipped``.
         grid: batch sizes, see :func:`grid_batches`.
         workload / device: recorded as they are in plan.yaml.
+        limit_bytes: the search's limit (:func:`limit_bytes_of`): a batch fits when its replay
+            completes and its predicted peak reserved is <= this. None: completing is enough.
+        headroom: recorded in plan.yaml with the limit.
         on_row: called after each configuration (progress).
 
     Raises:
-        AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload.
+        AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload, or no
+            configuration the virtual GPU can simulate.
     """
     from oomtune.alloc.settings import AllocatorSettings
 
     t0 = time.perf_counter()
     grid = sorted(grid)
+    kept, skipped = split_simulable(settings_list)
+    if not kept:
+        raise ConfigError("every configuration uses backend:cudaMallocAsync, which the virtual GPU cannot "
+                          "simulate: add native to search.space.backend (or run oomtune search on a GPU)")
     rows: list[PlanRow] = []
-    for mapping in settings_list:
+    for mapping in kept:
         settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
-        conf = settings.render()
-        cells = [PlanCell.of(predictor.predict_detail(b, settings)) for b in grid]
-        best = largest_fitting(lambda b: predictor.predict_detail(b, settings).fits, grid)
-        at_max = None if best is None else PlanCell.of(predictor.predict_detail(best, settings))
-        rows.append(PlanRow(conf, {k: v for k, v in mapping.items() if v is not None}, cells, best, at_max))
+
+        def cell(b: int) -> PlanCell:
+            return PlanCell.of(predictor.predict_detail(b, settings), limit_bytes)
+
+        cells = [cell(b) for b in grid]
+        best = largest_fitting(lambda b: cell(b).fits, grid)
+        at_max = None if best is None else cell(best)
+        rows.append(PlanRow(settings.render(), {k: v for k, v in mapping.items() if v is not None},
+                            cells, best, at_max))
         if on_row is not None:
             on_row(rows[-1])
     return FeasibilityMap(
@@ -210,7 +280,40 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         rows=rows, capture_s=predictor.capture_seconds, replay_s=predictor.replay_seconds,
         total_s=time.perf_counter() - t0, captures=len(predictor._streams),
         replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
+        headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,
     )
+
+
+def check_writable(path: str | Path, label: str) -> Path:
+    """Check, before any work, that a file can be written at ``path``: not a directory, and a file
+    can be created in its nearest existing parent folder (probed with a temporary file removed at
+    once: permission bits alone do not tell, e.g. for root or read-only file systems such as /proc).
+    Nothing is left behind; missing folders are created only by the real write.
+
+    Raises:
+        ConfigError: one line naming ``label`` (e.g. ``--out``), the path and the reason.
+    """
+    import os
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{label} {str(path)!r} is a directory: give a file path")
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{str(parent)!r} is not a directory")
+        fd, probe = tempfile.mkstemp(prefix=".oomtune-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{label} {str(path)!r}: cannot write there ({str(parent)!r}: "
+                          f"{exc.strerror or exc})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"{label} {str(path)!r}: the file exists and is not writable")
+    return path
 
 
 def write_plan(plan: FeasibilityMap, path: str | Path) -> Path:
@@ -232,20 +335,14 @@ def write_plan(plan: FeasibilityMap, path: str | Path) -> Path:
     return path
 
 
-def _short(n: int) -> str:
-    """Compact binary size for table cells: ``"24.0M"``, ``"1.50G"``."""
-    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.2f}{unit}" if value < 10 else f"{value:.1f}{unit}"
-    return f"{n}B"
-
-
 def _cell_text(c: PlanCell) -> str:
+    size = format_bytes(c.peak_reserved_bytes)
+    if not c.completes:
+        return f"[red]OOM[/red] {size}"
     if not c.fits:
-        return f"[red]OOM[/red] {_short(c.peak_reserved_bytes)}"
+        return f"[yellow]>limit[/yellow] {size}"
     frag = "-" if c.fragmentation is None else f"{c.fragmentation:.0%}"
-    return f"{_short(c.peak_reserved_bytes)} {frag}"
+    return f"{size} {frag}"
 
 
 def plan_table(plan: FeasibilityMap) -> Any:
@@ -254,9 +351,13 @@ def plan_table(plan: FeasibilityMap) -> Any:
     from rich.table import Table
 
     budget = plan.device.get("budget_bytes")
-    table = Table(title=f"feasibility map (simulated), budget {format_bytes(budget)}",
-                  header_style="bold", caption="b=N: predicted peak reserved (simulated, K/M/G = KiB/MiB/GiB) "
-                  "and fragmentation (1 - peak active / peak reserved); OOM: does not fit, needs that much")
+    title = f"feasibility map (simulated), budget {format_bytes(budget)}"
+    if plan.limit_bytes is not None:
+        title += f", limit {format_bytes(plan.limit_bytes)} (headroom {plan.headroom:.0%})"
+    table = Table(title=title, header_style="bold",
+                  caption="b=N: predicted peak reserved (simulated) and fragmentation (1 - peak active / peak "
+                  "reserved); >limit: completes but above the limit (budget minus headroom); OOM: does not "
+                  "fit the budget, needs that much")
     table.add_column("alloc_conf", justify="left", overflow="fold", min_width=20)
     table.add_column("max batch", justify="right", no_wrap=True)
     table.add_column("at max (sim)", justify="right", no_wrap=True)

@@ -17,7 +17,7 @@ from typing import Any
 from oomtune.alloc.settings import AllocatorSettings
 
 __all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "capture_training_stream", "python_target_workload",
-           "sim_geometry", "unbounded_capacity_bytes"]
+           "sim_geometry", "unbounded_capacity_bytes", "simulable"]
 
 #: Training steps captured per prediction (optimizer-state creation + one steady-state step).
 PREDICT_STEPS = 2
@@ -117,6 +117,14 @@ def python_target_workload(target: dict[str, Any], batch_size: int, device: str)
     return wl
 
 
+def simulable(settings: AllocatorSettings) -> bool:
+    """Whether the virtual GPU can replay under ``settings``: only the native caching allocator
+    (``DeviceCachingAllocator`` in c10/cuda/CUDACachingAllocator.cpp) is simulated; with
+    ``backend:cudaMallocAsync`` the CUDA driver's stream-ordered pool manages memory
+    (c10/cuda/CUDAMallocAsyncAllocator.cpp), whose segment behaviour is not modelled."""
+    return settings.backend == "native"
+
+
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
     """The virtual GPU a trial on ``device`` sees: on CPU the budget is the capacity; on a real device
     the capacity is the device's and the budget is a memory fraction (as the trial applies it)."""
@@ -186,12 +194,17 @@ class Predictor:
         the peaks come from a second replay without a limit (how much it would need).
 
         Raises:
-            AllocatorConfigError: malformed settings. ConfigError: a bad workload config.
+            AllocatorConfigError: malformed settings. ConfigError: a bad workload config, or settings
+                the virtual GPU cannot simulate (``backend:cudaMallocAsync``, see :func:`simulable`).
         """
         from oomtune.alloc.stream import replay_stream
+        from oomtune.exceptions import ConfigError
 
         if isinstance(settings, str):
             settings = AllocatorSettings.parse(settings)
+        if not simulable(settings):
+            raise ConfigError(f"the virtual GPU cannot simulate backend:{settings.backend} (only the native "
+                              "caching allocator is modelled)")
         key = (batch_size, settings.render())
         if key not in self._cache:
             stream = self.stream(batch_size)
@@ -216,9 +229,33 @@ class Predictor:
         return pred
 
     def predict(self, candidate: Any) -> int | None:
-        """Calibrated predicted peak reserved of a search Candidate, in bytes."""
-        pred = self.predict_detail(candidate.batch_size, candidate.settings)
+        """Calibrated predicted peak reserved of a search Candidate (``batch_size``, ``settings``), in
+        bytes; None (no prediction: the candidate must be measured) when the virtual GPU cannot
+        simulate its settings (``backend:cudaMallocAsync``, :func:`simulable`).
+
+        Raises:
+            ConfigError: a bad workload config (as :meth:`predict_detail`).
+        """
+        settings = candidate.settings
+        if isinstance(settings, str):
+            settings = AllocatorSettings.parse(settings)
+        if not simulable(settings):
+            return None
+        pred = self.predict_detail(candidate.batch_size, settings)
         return pred.calibrated_peak_reserved_bytes
+
+    def predict_raw(self, batch_size: int, settings: AllocatorSettings | str) -> int | None:
+        """Uncalibrated predicted peak reserved (bytes) of ``batch_size`` under ``settings``; None when
+        the virtual GPU cannot simulate them (``backend:cudaMallocAsync``, :func:`simulable`).
+
+        Raises:
+            AllocatorConfigError: malformed settings. ConfigError: a bad workload config.
+        """
+        if isinstance(settings, str):
+            settings = AllocatorSettings.parse(settings)
+        if not simulable(settings):
+            return None
+        return self.predict_detail(batch_size, settings).peak_reserved_bytes
 
     def calibrate(self, pairs: list[tuple[int, int]]) -> float:
         """Set the calibration from (predicted, measured) peak reserved pairs of device trials: the

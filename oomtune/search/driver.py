@@ -25,6 +25,7 @@ from oomtune.outcome import Outcome
 from oomtune.search import records as R
 from oomtune.search.space import Candidate, SearchSpace
 from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.units import format_bytes
 
 __all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault"]
 
@@ -115,8 +116,8 @@ class Search:
             return None
         predicted = self.predict(cand)
         if predicted is not None and predicted > self.limit.limit_bytes * (1 + self.prune_margin):
-            why = (f"the virtual GPU predicts a peak reserved of {predicted} bytes, over the limit "
-                   f"{self.limit.limit_bytes} by more than {self.prune_margin:.0%}")
+            why = (f"the virtual GPU predicts a peak reserved of {format_bytes(predicted)}, over the limit "
+                   f"{format_bytes(self.limit.limit_bytes)} by more than {self.prune_margin:.0%}")
             return self._not_launched(cand, why), None
         return None
 
@@ -333,6 +334,8 @@ class Search:
             key = t.user_attrs.get(R.ATTR_OUTCOME)
             if key is None:
                 continue
+            if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
+                key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
             outcomes[key] = outcomes.get(key, 0) + 1
             if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs:
                 saved += 1

@@ -12,6 +12,7 @@ from oomtune import config as C
 from oomtune.best import BestConfig, Choice, write_best
 from oomtune.search import records as R
 from oomtune.trial.record import TrialResult
+from oomtune.units import format_bytes
 
 __all__ = ["write_outputs", "versions"]
 
@@ -57,8 +58,19 @@ def _ratio(a: int | None, b: int | None) -> float | None:
     return a / b if a and b else None
 
 
+def _workload_record(workload: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
+    loader settings), {target} for target=python|cmd."""
+    target = workload["target"]
+    if target.get("name") != "builtin":
+        return {"target": target}
+    model = {k: v for k, v in workload.items() if k != "target"}
+    return {"model": _with_loader(model, params), "target": target}
+
+
 def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
-                  url: str, console: Any, *, predictor: Any = None, space: Any = None) -> Path:
+                  url: str, console: Any, *, predictor: Any = None, space: Any = None,
+                  workload: dict[str, Any]) -> Path:
     """Write trials.json and best.yaml into the run dir and print the final table.
 
     Raises:
@@ -91,13 +103,11 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
         # workload and compares against exactly this number.
-        best.predicted_peak_reserved_bytes = predictor.predict_detail(
-            best.batch_size, best.alloc_conf).peak_reserved_bytes
+        best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf)
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        workload={"model": _with_loader(C.to_container(cfg.model), summary.best.params),
-                  "target": C.to_container(cfg.target)},
+        workload=_workload_record(workload, summary.best.params),
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id},
@@ -111,12 +121,17 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     )
     path = write_best(config, run_dir / "best.yaml")
     src = best.metrics["memory_source"]
-    tail = f", {gain['throughput_ratio']:.2f}x the default allocator's best" if gain else ""
     console.print(
         f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: "
         f"{best.metrics['throughput']:.1f} samples/s, peak reserved "
-        f"{(best.metrics['peak_reserved_bytes'] or 0) / 2**30:.2f} GiB ({src})"
-        f"{' (confirmed)' if best.confirmed else ''}{tail}", highlight=False, markup=False)
+        f"{format_bytes(best.metrics['peak_reserved_bytes'])} ({src})"
+        f"{', confirmed in a clean process' if best.confirmed else ''}", highlight=False, markup=False)
+    if gain:
+        console.print(
+            f"vs the default allocator at its largest batch ({baseline.batch_size}): "
+            f"{gain['throughput_ratio']:.2f}x throughput ({summary.best.value:.1f} vs "
+            f"{summary.baseline.value:.1f} samples/s, as measured in their search trials)",
+            highlight=False, markup=False)
     if summary.verdict is not None and summary.verdict.input_bound:
         console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
         console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",

@@ -17,6 +17,7 @@ from oomtune.search import records as R
 from oomtune.search.driver import Search, SearchOptions, SetupFault
 from oomtune.search.space import SearchSpace
 from oomtune.search.storage import make_sampler, open_study, storage_url
+from oomtune.units import format_bytes
 
 __all__ = ["search", "RUN_FILE"]
 
@@ -25,15 +26,9 @@ RUN_FILE = "run.json"  # {storage, study_name}: lets `oomtune show RUN_DIR` find
 
 def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
     s, t = cfg.search, cfg.trial
-    headroom = float(s.headroom)
-    if not 0 <= headroom < 1:
-        raise ConfigError(f"search.headroom must be in [0, 1), got {headroom}")
-    n_trials = int(s.n_trials)
-    if n_trials < 0:
-        raise ConfigError(f"search.n_trials must be >= 0, got {n_trials}")
     return SearchOptions(
-        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=headroom,
-        n_trials=n_trials, timeout_s=None if s.timeout is None else float(s.timeout),
+        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=float(s.headroom),
+        n_trials=int(s.n_trials), timeout_s=None if s.timeout is None else float(s.timeout),
         baseline=bool(s.baseline), confirm=bool(s.confirm), warmup_steps=int(t.warmup_steps),
         measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
         trial_timeout_s=float(t.timeout),
@@ -52,59 +47,91 @@ def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
         )
 
 
+def workload_of(cfg: Any) -> dict[str, Any]:
+    """The trial's workload mapping: the model group plus ``target`` (resolved: a relative entry
+    file or command directory becomes absolute, since trials run in their own directories); for
+    ``target=python|cmd`` only the target (the model group is not used).
+
+    Raises:
+        ConfigError: an invalid target or model config.
+    """
+    from oomtune.targets import resolve_workload, validate_target
+
+    target = C.to_container(cfg.target)
+    if target.get("name") != "builtin":
+        workload = resolve_workload({"target": target})
+        validate_target(workload["target"])
+        return workload
+    from oomtune.workloads import validate_workload_config
+
+    workload = resolve_workload({**C.to_container(cfg.model), "target": target})
+    validate_target(workload["target"])
+    validate_workload_config(workload)
+    return workload
+
+
+class _Prepared:
+    """Everything validated before any file is written or study opened."""
+
+    def __init__(self, overrides: Sequence[str]):
+        from oomtune.schema import validate
+
+        self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
+        validate(cfg)
+        self.workload = workload_of(cfg)
+        self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
+        self.budget_bytes = resolve_budget(cfg.budget, self.device)
+        self.space = SearchSpace.from_config(cfg.search)
+        if self.device.simulated and "cudaMallocAsync" in self.space.choices.get("backend", []):
+            raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
+                              "(device=cpu) models the native allocator only")
+        self.options = _options(cfg, self.workload, self.device, self.budget_bytes)
+        self.sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
+        self.run_dir = C.run_dir_of(cfg)
+
+
 def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     """Run the whole search; returns the path of the written best.yaml.
 
     Raises:
-        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts.
+        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts and
+            before anything is written.
         SetupFault: the workload fails at the smallest batch with the default allocator.
         KeyboardInterrupt: Ctrl-C/SIGTERM; finished trials stay in storage, running ones are killed.
     """
-    from oomtune.trial.runner import TrialRunner
-
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from oomtune.trial.runner import TrialRunner
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported by oomtune
     console = console or _console(stderr=True)
     out = _console(stderr=False) if console.stderr else console
-    cfg = C.compose(list(overrides) + C.env_overrides())
-    workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
-    from oomtune.targets import validate_target
-
-    validate_target(workload["target"])
-    if workload["target"]["name"] == "builtin":
-        from oomtune.workloads import validate_workload_config
-
-        validate_workload_config(workload)
-    device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
-    budget_bytes = resolve_budget(cfg.budget, device)
-    space = SearchSpace.from_config(cfg.search)
-    options = _options(cfg, workload, device, budget_bytes)
-    sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
-    run_dir = C.run_dir_of(cfg)
-    C.save_config(cfg, run_dir, overrides)
-    url = storage_url(cfg.storage, run_dir)
-    study = open_study(url, str(cfg.study_name), sampler)
-    _check_resume(study, workload, budget_bytes)
-    (run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
+    p = _Prepared(overrides)
+    cfg, device, space, options = p.cfg, p.device, p.space, p.options
+    url = storage_url(cfg.storage, p.run_dir)
+    study = open_study(url, str(cfg.study_name), p.sampler)
+    _check_resume(study, p.workload, p.budget_bytes)
+    C.save_config(cfg, p.run_dir, overrides)
+    (p.run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
 
     predictor = None
-    if str(cfg.search.prune) == "predicted" and workload["target"]["name"] == "builtin":
+    if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
         from oomtune.plan.predictor import Predictor
 
-        predictor = Predictor.for_search(workload, device, budget_bytes, console=console)
-    elif str(cfg.search.prune) not in ("off", "predicted"):
-        raise ConfigError(f"search.prune must be 'predicted' or 'off', got {cfg.search.prune!r}")
+        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, console=console)
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
+    done = _resume_line(study)
+    if done:
+        _say(console, done)
     _say(console, f"device {device.name} ({device.memory_source} memory), budget "
-                  f"{budget_bytes / 2**30:.2f} GiB, headroom {options.headroom:.0%}, "
+                  f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
                   f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
-    progress = _Progress(console, options.n_trials)
+    progress = _Progress(console, options.n_trials, already=_count(study, "search"))
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=runner, confirm_runner=confirm_runner,
-                   workdir=run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
+                   workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
                    prune_margin=float(cfg.search.prune_margin), on_trial=progress)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -123,8 +150,21 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     summary = drive.summary(best, best_result, confirmed, baseline)
     from oomtune.search.outputs import write_outputs
 
-    return write_outputs(cfg, run_dir, study, summary, device, budget_bytes, url, out,
-                         predictor=predictor, space=space)
+    return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
+                         predictor=predictor, space=space, workload=p.workload)
+
+
+def _count(study: Any, role: str) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.user_attrs.get(R.ATTR_ROLE) == role and R.ATTR_RESULT in t.user_attrs)
+
+
+def _resume_line(study: Any) -> str | None:
+    counts = {role: _count(study, role) for role in ("baseline", "search", "confirm")}
+    if not any(counts.values()):
+        return None
+    return ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
+            + " already finished")
 
 
 def _calibrated(predictor: Any, study: Any) -> Any:
@@ -136,8 +176,9 @@ def _calibrated(predictor: Any, study: Any) -> Any:
         for t in study.get_trials(deepcopy=False):
             res = R.result_of(t)
             if res is not None and res.memory_source == "device" and res.peak_reserved_bytes:
-                raw = predictor.predict_detail(res.batch_size, res.alloc_conf).peak_reserved_bytes
-                pairs.append((raw, int(res.peak_reserved_bytes)))
+                raw = predictor.predict_raw(res.batch_size, res.alloc_conf)
+                if raw is not None:  # None: not simulable (backend:cudaMallocAsync)
+                    pairs.append((raw, int(res.peak_reserved_bytes)))
         predictor.calibrate(pairs)
         return predictor.predict(cand)
 
@@ -163,8 +204,8 @@ def _say(console: Any, text: str) -> None:
 class _Progress:
     """Prints one line per finished trial: trial n of N, outcome, best so far."""
 
-    def __init__(self, console: Any, n_trials: int):
-        self.console, self.n_trials, self.count, self.best = console, n_trials, 0, None
+    def __init__(self, console: Any, n_trials: int, *, already: int = 0):
+        self.console, self.n_trials, self.count, self.best = console, n_trials, already, None
 
     def __call__(self, trial: Any, role: str) -> None:
         from oomtune.display import progress_line

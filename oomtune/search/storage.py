@@ -103,6 +103,10 @@ def load_study(url: str, study_name: str) -> Any:
     """
     import optuna
 
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        db = Path(url[len("sqlite:///"):])
+        if not db.is_file():
+            raise StudyNotFoundError(f"study {study_name!r}: no storage at {db} (the SQLite file does not exist)")
     storage = make_storage(url)
     names = [s.study_name for s in optuna.study.get_all_study_summaries(storage, include_best_trial=False)]
     if study_name not in names:

@@ -14,13 +14,15 @@ lazily: importing this package does not import torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["TARGET_NAMES", "target_config", "target_name", "validate_target", "build_trial_workload",
-           "run_cmd_trial"]
+__all__ = ["TARGET_NAMES", "target_config", "target_name", "validate_target", "resolve_target",
+           "resolve_workload", "build_trial_workload", "run_cmd_trial"]
 
 TARGET_NAMES = ("builtin", "python", "cmd")
 
@@ -37,24 +39,85 @@ def target_name(workload: Mapping[str, Any]) -> str:
 
 
 def validate_target(target: Mapping[str, Any]) -> None:
-    """Check the ``target`` group without running anything: a known name, a command for ``cmd``
-    (parsable, cwd exists), an importable entry function for ``python``.
+    """Check the ``target`` group without running anything: a known name; for ``cmd`` a non-empty
+    command whose only placeholder is ``{batch_size}``, whose program exists (on ``PATH``, or as an
+    executable file relative to ``target.cwd``; not checked for commands run through ``/bin/sh``)
+    and whose cwd exists; for ``python`` an importable entry function (a relative file path is
+    taken from the current directory, as :func:`resolve_target` does).
 
     Raises:
         ConfigError: the first problem, in one line.
     """
     name = target.get("name", "builtin")
-    if name not in TARGET_NAMES:
+    if not isinstance(name, str) or name not in TARGET_NAMES:
         raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
     if name == "cmd":
-        from oomtune.targets.cmd import resolve_cwd, build_command
+        from oomtune.targets.cmd import build_command, check_program, resolve_cwd
 
-        build_command(dict(target), 1)
-        resolve_cwd(dict(target))
+        argv, shell = build_command(dict(target), 1)
+        cwd = resolve_cwd(dict(target))
+        if not shell:
+            check_program(argv, cwd)
     elif name == "python":
         from oomtune.targets.python_entry import load_entry
 
         load_entry(target.get("entry"))  # type: ignore[arg-type]
+
+
+def resolve_target(target_cfg: Mapping[str, Any], *, cwd: Path | None = None) -> dict[str, Any]:
+    """A copy of the ``target`` group whose paths no longer depend on the working directory, for
+    trials that run elsewhere (each trial process runs in its own trial directory).
+
+    - ``python`` with a file entry (``path/to/file.py:function``): the file made absolute, relative
+      to ``cwd``; module entries (``pkg.mod:function``) are unchanged.
+    - ``cmd``: ``cwd`` made absolute, relative to ``cwd``; unset means ``cwd`` itself (the directory
+      :func:`oomtune.targets.cmd.run_cmd_trial` inherits today when ``target.cwd`` is null), so
+      relative paths in the command keep meaning what they mean on the user's command line.
+    - ``builtin`` and unknown names: a plain copy.
+
+    Nothing is checked here (see :func:`validate_target`); the result validates the same way.
+
+    Args:
+        target_cfg: the ``target`` group as a mapping.
+        cwd: the directory relative paths are taken from; default ``os.getcwd()``.
+    """
+    base = Path(cwd) if cwd is not None else Path(os.getcwd())
+    out = dict(target_cfg)
+    name = out.get("name", "builtin")
+    if name == "python" and isinstance(out.get("entry"), str):
+        where, sep, func = out["entry"].rpartition(":")
+        if sep and is_file_entry(where.strip()):
+            out["entry"] = f"{_absolute(where.strip(), base)}:{func}"
+    elif name == "cmd":
+        given = out.get("cwd")
+        out["cwd"] = str(base.resolve()) if given in (None, "") else _absolute(str(given), base)
+    return out
+
+
+def is_file_entry(where: str) -> bool:
+    """Whether the part of a python entry before ``:function`` names a file (ends with ``.py`` or
+    holds a path separator) rather than a module."""
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def resolve_workload(workload: Mapping[str, Any], *, cwd: Path | None = None) -> dict[str, Any]:
+    """A copy of a trial workload (``model`` keys + ``target``) with every user path made absolute:
+    the target (:func:`resolve_target`) and ``data.path`` of a built-in workload, relative to ``cwd``
+    (default ``os.getcwd()``)."""
+    out = dict(workload)
+    if isinstance(workload.get("target"), Mapping):
+        out["target"] = resolve_target(workload["target"], cwd=cwd)
+    data = workload.get("data")
+    if isinstance(data, Mapping) and isinstance(data.get("path"), str) and data["path"]:
+        base = Path(cwd) if cwd is not None else Path(os.getcwd())
+        out["data"] = {**data, "path": _absolute(data["path"], base)}
+    return out
+
+
+def _absolute(path: str, base: Path) -> str:
+    """``path`` (``~`` expanded) as an absolute, normalised path; relative ones taken from ``base``."""
+    p = Path(path).expanduser()
+    return str((p if p.is_absolute() else base / p).resolve())
 
 
 def build_trial_workload(workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:

@@ -1,7 +1,9 @@
 """``target=cmd``: any training command as a trial, its results read from a JSON-lines channel.
 
-The parent runs the command (``{batch_size}`` substituted) in a new session with these variables in
-its environment:
+The parent runs the command in a new session. In the command, ``{batch_size}`` is replaced by the
+trial's batch size and ``{{name}}`` is a literal ``{name}``; any other ``{name}`` is refused as a
+probable typo (:func:`substitute_batch_size`), while braces around anything else (JSON, awk) are left
+alone. These variables are in its environment:
 
 - ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF``: the trial's allocator string (both names,
   unset when empty; torch reads the first set and which one first differs between versions);
@@ -35,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -48,7 +52,7 @@ from oomtune.outcome import Outcome
 from oomtune.reporting import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
-__all__ = ["run_cmd_trial", "build_command", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
+__all__ = ["run_cmd_trial", "build_command", "substitute_batch_size", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
            "NO_REPORT_MESSAGE"]
 
 NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
@@ -59,24 +63,59 @@ _STDERR_TAIL_CHARS = 4000
 _GRACE_S = 3.0
 
 
+_PLACEHOLDER = "{batch_size}"
+# ``{{name}}`` (an escaped placeholder: the literal ``{name}``), or ``{name}`` not preceded by "$"
+# (a shell ``${VAR}``), where a name is letters, digits, ``_``, ``.``, ``-``: the only forms the
+# command template gives a meaning to. Other braces (JSON, awk programs, brace expansion
+# ``{a,b}``/``{1..3}``) are literal text, so nested JSON such as ``{"a": {"b": 1}}`` is untouched.
+_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+_TEMPLATE_RE = re.compile(r"\{\{(" + _NAME + r")\}\}|(?<!\$)\{(" + _NAME + r")\}")
+
+
+def substitute_batch_size(text: str, batch_size: int) -> str:
+    """``text`` with ``{batch_size}`` replaced by the batch size.
+
+    ``{{name}}`` is the escape for a literal ``{name}`` (``{{batch_size}}`` stays ``{batch_size}``).
+    Any other placeholder-like ``{name}`` (a bare name in braces, not a shell ``${name}``) is
+    refused: a misspelt ``{batchsize}`` would otherwise reach the command unreplaced. Braces that
+    do not enclose a bare name (JSON, awk, ``{a,b}``) are left as they are.
+
+    Raises:
+        ConfigError: an unknown placeholder, named in the message.
+    """
+    def repl(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return "{" + m.group(1) + "}"
+        if m.group(2) == "batch_size":
+            return str(batch_size)
+        raise ConfigError(f"target.command: unknown placeholder {m.group(0)!r}: only {_PLACEHOLDER} is "
+                          f"substituted (write {{{{{m.group(2)}}}}} for a literal {m.group(0)})")
+
+    return _TEMPLATE_RE.sub(repl, text)
+
+
 def build_command(target: dict[str, Any], batch_size: int) -> tuple[list[str], bool]:
     """The argv for ``target["command"]`` with ``{batch_size}`` replaced, and whether it needs a shell.
 
-    Only the literal ``{batch_size}`` is replaced (other braces, e.g. JSON, are left alone). A
-    command with shell syntax (pipes, ``&&``, ``;``, redirections, ``$VAR``, backquotes) runs as
+    Substitution (:func:`substitute_batch_size`): ``{batch_size}`` becomes the batch size,
+    ``{{name}}`` a literal ``{name}``; any other ``{name}`` is an error; other braces (e.g. JSON) are
+    left alone.
+    A command with shell syntax (pipes, ``&&``, ``;``, redirections, ``$VAR``, backquotes) runs as
     ``/bin/sh -c COMMAND``; otherwise it is ``shlex.split`` and run directly. A list command is used
-    as argv as is.
+    as argv as is (each element substituted).
 
     Raises:
-        ConfigError: a missing, empty or unparsable command.
+        ConfigError: a missing, empty or unparsable command, or an unknown placeholder.
     """
     command = target.get("command")
     if isinstance(command, (list, tuple)) and command and all(isinstance(c, str) for c in command):
-        return [c.replace("{batch_size}", str(batch_size)) for c in command], False
+        if not command[0].strip():
+            raise ConfigError(f"target.command={list(command)!r}: the program (first element) is empty")
+        return [substitute_batch_size(c, batch_size) for c in command], False
     if not isinstance(command, str) or not command.strip() or command.strip() == "???":
         raise ConfigError(f"target.command={command!r}: give the training command, e.g. "
                           "target.command='python train.py --batch-size {batch_size}'")
-    text = command.replace("{batch_size}", str(batch_size))
+    text = substitute_batch_size(command, batch_size)
     try:
         lex = shlex.shlex(text, posix=True, punctuation_chars=True)
         lex.whitespace_split = True
@@ -84,9 +123,34 @@ def build_command(target: dict[str, Any], batch_size: int) -> tuple[list[str], b
         argv = shlex.split(text)
     except ValueError as exc:
         raise ConfigError(f"target.command={command!r}: {exc}") from None
+    if not argv:
+        raise ConfigError(f"target.command={command!r}: no program to run")
     if any(t in _SHELL_TOKENS for t in tokens) or "$" in text or "`" in text:
         return ["/bin/sh", "-c", text], True
     return argv, False
+
+
+def check_program(argv: list[str], cwd: str | None) -> None:
+    """Check that ``argv[0]`` can be started: a bare name must be on ``PATH`` (``shutil.which``, as
+    ``execvp`` searches it), a path (with a ``/``) an executable file, relative to ``cwd`` (where the
+    command runs; default ours).
+
+    Raises:
+        ConfigError: ``target.command: program 'NAME' not found`` or ``... is not executable``.
+    """
+    prog = argv[0]
+    if "/" not in prog:
+        if shutil.which(prog) is None:
+            raise ConfigError(f"target.command: program {prog!r} not found")
+        return
+    path = Path(prog).expanduser()
+    if not path.is_absolute():
+        path = Path(cwd or os.getcwd()) / path
+    if not path.is_file():
+        raise ConfigError(f"target.command: program {prog!r} not found")
+    if not os.access(path, os.X_OK):
+        raise ConfigError(f"target.command: program {prog!r} is not executable (chmod +x, or run it "
+                          "through its interpreter, e.g. 'python script.py')")
 
 
 def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | None = None) -> dict[str, str]:

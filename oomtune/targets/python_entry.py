@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from oomtune.exceptions import ConfigError
+from oomtune.targets import is_file_entry
 from oomtune.workloads.loop import Workload
 
 __all__ = ["load_entry", "build_user_workload", "UserWorkload"]
@@ -68,8 +69,7 @@ def load_entry(entry: str) -> Callable[..., Any]:
     where, name = where.strip(), name.strip()
     if not where or not name.isidentifier():
         raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
-    is_file = where.endswith(".py") or "/" in where or "\\" in where
-    module = _load_file(entry, where) if is_file else _import_module(entry, where)
+    module = _load_file(entry, where) if is_file_entry(where) else _import_module(entry, where)
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"target.entry={entry!r}: {where!r} has no function {name!r}")

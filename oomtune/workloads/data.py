@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from oomtune.exceptions import ConfigError
-from oomtune.workloads.models import ModelSpec
+from oomtune.workloads.models import ModelSpec, cfg_bool, cfg_float, cfg_int
 
 __all__ = ["SOURCES", "make_batches", "check_data_config", "TokenWindows", "DelayDataset"]
 
@@ -77,18 +77,37 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+_DATA = "model.data."
+
+
 def _loader_kwargs(data: Mapping[str, Any], batch_size: int) -> dict[str, Any]:
-    workers = data.get("num_workers", 0)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"model.data.num_workers={workers!r}: expected an integer >= 0")
+    """DataLoader keyword arguments from the ``data`` mapping, type-checked.
+
+    ``prefetch_factor`` is passed only with ``num_workers`` > 0: torch's DataLoader raises
+    ``ValueError`` for a prefetch factor without workers. :func:`check_data_config` refuses that
+    combination in the user's config; here (a built trial, whose data settings may come from a
+    searched combination) it is dropped, since it has no effect without workers.
+
+    Raises:
+        ConfigError: ``num_workers`` not an int >= 0, ``pin_memory`` not a bool, ``prefetch_factor``
+            neither null nor an int >= 1.
+    """
+    workers = cfg_int(data, "num_workers", 0, minimum=0, prefix=_DATA)
     kw: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers,
-                          "pin_memory": bool(data.get("pin_memory", False)), "drop_last": True}
+                          "pin_memory": cfg_bool(data, "pin_memory", False, prefix=_DATA), "drop_last": True}
     prefetch = data.get("prefetch_factor")
-    if prefetch is not None and workers > 0:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigError(f"model.data.prefetch_factor={prefetch!r}: expected an integer >= 1")
-        kw["prefetch_factor"] = prefetch
+    if prefetch is not None:
+        cfg_int(data, "prefetch_factor", 2, minimum=1, prefix=_DATA)
+        if workers > 0:
+            kw["prefetch_factor"] = prefetch
     return kw
+
+
+def _decode_delay(data: Mapping[str, Any]) -> float:
+    """``decode_delay_s`` in seconds: null means 0; else a finite number >= 0 (ConfigError)."""
+    if data.get("decode_delay_s") is None:
+        return 0.0
+    return cfg_float(data, "decode_delay_s", 0.0, prefix=_DATA)
 
 
 def _forever(loader: DataLoader) -> Iterator[Any]:
@@ -109,34 +128,54 @@ def _to_device(batches: Iterator[Batch], device: torch.device, non_blocking: boo
 def _synthetic(spec: ModelSpec, data: Mapping[str, Any], batch_size: int,
                device: torch.device) -> tuple[Iterator[Batch], Batch]:
     batch = spec.make_batch(batch_size, device)   # made once on the device, reused every step
-    delay = data.get("decode_delay_s", 0) or 0
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-        raise ConfigError(f"model.data.decode_delay_s={delay!r}: expected a number of seconds >= 0")
+    delay = _decode_delay(data)
+    kw = _loader_kwargs(data, batch_size)   # checked even when unused, as in a real-data run
     if delay == 0:
         return itertools.repeat(batch), batch
-    kw = _loader_kwargs(data, batch_size)
     kw["pin_memory"] = False   # the placeholders never go to the device
     loader = DataLoader(DelayDataset(float(delay)), **kw)
     return (batch for _ in _forever(loader)), batch
 
 
 def check_data_config(spec: ModelSpec, data: Mapping[str, Any] | None) -> None:
-    """Validate the ``data`` mapping for ``spec`` without opening a loader.
+    """Validate the ``data`` mapping for ``spec`` without opening a loader: ``source`` one of
+    :data:`SOURCES`, ``path`` a string (and an existing file/folder for real data), ``num_workers``
+    an int >= 0, ``pin_memory`` a bool, ``prefetch_factor`` null or an int >= 1 and only with
+    ``num_workers`` > 0 (torch's DataLoader rule), ``decode_delay_s`` a finite number >= 0.
 
     Raises:
-        ConfigError: as :func:`make_batches` (on a non-meta device).
+        ConfigError: the first problem, naming the key and the value.
     """
-    data = dict(data or {})
-    source = data.get("source", "synthetic")
-    if source not in SOURCES:
-        raise ConfigError(f"model.data.source={source!r}: choose one of {', '.join(SOURCES)}")
-    _loader_kwargs(data, 1)
-    delay = data.get("decode_delay_s", 0) or 0
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-        raise ConfigError(f"model.data.decode_delay_s={delay!r}: expected a number of seconds >= 0")
+    data = _as_mapping(data)
+    source = _source(data)
+    kw = _loader_kwargs(data, 1)
+    if data.get("prefetch_factor") is not None and kw["num_workers"] == 0:
+        raise ConfigError(f"model.data.prefetch_factor={data['prefetch_factor']!r} needs model.data.num_workers "
+                          "> 0 (torch's DataLoader takes a prefetch factor only with worker processes); "
+                          "set it to null or add workers")
+    _decode_delay(data)
+    path = data.get("path")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"model.data.path={path!r}: expected a path string or null")
     if source == "synthetic":
         return
     _real_dataset(spec, data, source)
+
+
+def _as_mapping(data: Any) -> dict[str, Any]:
+    """The ``data`` group as a dict (None: {}). Raises ConfigError for anything but a mapping."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"model.data={data!r}: expected a mapping such as {{source: synthetic}}")
+    return dict(data)
+
+
+def _source(data: Mapping[str, Any]) -> str:
+    source = data.get("source", "synthetic")
+    if not isinstance(source, str) or source not in SOURCES:
+        raise ConfigError(f"model.data.source={source!r}: choose one of {', '.join(SOURCES)}")
+    return source
 
 
 def make_batches(spec: ModelSpec, data: Mapping[str, Any] | None, batch_size: int,
@@ -148,10 +187,8 @@ def make_batches(spec: ModelSpec, data: Mapping[str, Any] | None, batch_size: in
         ConfigError: unknown source, missing path, a source that does not fit the model, real data
             asked for on the meta device, or bad loader settings.
     """
-    data = dict(data or {})
-    source = data.get("source", "synthetic")
-    if source not in SOURCES:
-        raise ConfigError(f"model.data.source={source!r}: choose one of {', '.join(SOURCES)}")
+    data = _as_mapping(data)
+    source = _source(data)
     if source == "synthetic":
         return _synthetic(spec, data, batch_size, device)
     if device.type == "meta":

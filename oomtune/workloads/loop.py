@@ -13,7 +13,7 @@ from torch import nn
 
 from oomtune.exceptions import ConfigError
 from oomtune.workloads.data import make_batches
-from oomtune.workloads.models import ModelSpec, build_model, cfg_float
+from oomtune.workloads.models import ModelSpec, build_model, cfg_choice, cfg_float
 
 __all__ = ["Workload", "StepTimings", "build_workload", "build_capture_workload",
            "validate_workload_config"]
@@ -130,8 +130,8 @@ class Workload:
 
 
 def _optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimizer:
-    name = cfg.get("optimizer", "sgd")
-    lr = cfg_float(cfg, "lr", 0.1 if name == "sgd" else 1e-3)
+    name = cfg_choice(cfg, "optimizer", "sgd", OPTIMIZERS)
+    lr = cfg_float(cfg, "lr", 0.1 if name == "sgd" else 1e-3)  # >= 0, as torch.optim requires
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if name == "adam":
@@ -142,9 +142,7 @@ def _optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimize
 
 
 def _precision(cfg: Mapping[str, Any], device: torch.device) -> tuple[str, str | None]:
-    asked = cfg.get("precision", "fp32")
-    if asked not in PRECISIONS:
-        raise ConfigError(f"model.precision={asked!r}: choose one of fp32, bf16, fp16")
+    asked = cfg_choice(cfg, "precision", "fp32", tuple(PRECISIONS))
     if asked == "fp32" or torch.amp.is_autocast_available(device.type):
         return asked, None
     # The meta device has no autocast: activations are recorded at fp32 (an over-estimate).
@@ -198,7 +196,11 @@ def build_capture_workload(cfg: Mapping[str, Any], batch_size: int) -> Workload:
 def validate_workload_config(cfg: Mapping[str, Any]) -> None:
     """Check a ``model`` group without running anything: name and sizes (the model is built on
     meta, which costs no memory), optimizer, precision and data settings (source, path existence,
-    loader options). Keys this module does not use (e.g. ``target``) are ignored.
+    loader options). Every key used is checked for type and range: integers are ints (not bools)
+    with their minimum, numbers finite, switches (``channels_last``, ``data.pin_memory``) real
+    bools, ``data.prefetch_factor`` null or an int >= 1 and only with ``data.num_workers`` > 0 (as
+    ``torch.utils.data.DataLoader`` requires). Keys this module does not use (e.g. ``target``) are
+    ignored.
 
     Raises:
         ConfigError: the first problem found, in one line.

@@ -6,7 +6,8 @@ function making one synthetic batch ``(inputs, targets)`` on a given device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float"]
+__all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float", "cfg_bool",
+           "cfg_choice"]
 
 MODEL_NAMES = ("mlp", "resnet", "transformer")
 RESNET_DEPTHS = (18, 34, 50, 101, 152)
@@ -33,32 +35,54 @@ class ModelSpec:
         self.module, self.kind, self.make_batch, self.info = module, kind, make_batch, info
 
 
-def cfg_int(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1) -> int:
-    """``cfg[key]`` as an int >= ``minimum``. Raises ConfigError naming the key otherwise."""
+def cfg_int(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1,
+            prefix: str = "model.") -> int:
+    """``cfg[key]`` as an int >= ``minimum`` (a bool is not an int). Raises ConfigError naming the
+    key and the value otherwise."""
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"model.{key}={value!r}: expected an integer >= {minimum}")
+        raise ConfigError(f"{prefix}{key}={value!r}: expected an integer >= {minimum}")
     return value
 
 
 def cfg_float(cfg: Mapping[str, Any], key: str, default: float, *, lo: float = 0.0,
-              hi: float = float("inf")) -> float:
-    """``cfg[key]`` as a float in ``[lo, hi]``. Raises ConfigError naming the key otherwise."""
+              hi: float = float("inf"), prefix: str = "model.") -> float:
+    """``cfg[key]`` as a finite float in ``[lo, hi]`` (ints accepted, bools not). Raises
+    ConfigError naming the key and the value otherwise."""
     value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"model.{key}={value!r}: expected a number in [{lo}, {hi}]")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not lo <= value <= hi):
+        where = f"in [{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g}"
+        raise ConfigError(f"{prefix}{key}={value!r}: expected a finite number {where}")
     return float(value)
+
+
+def cfg_bool(cfg: Mapping[str, Any], key: str, default: bool, *, prefix: str = "model.") -> bool:
+    """``cfg[key]`` as a real bool (``true``/``false`` in YAML and Hydra overrides): ``"abc"``,
+    ``1`` or ``"yes"`` are refused rather than read as truthy. Raises ConfigError naming the key."""
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{prefix}{key}={value!r}: expected true or false")
+    return value
+
+
+def cfg_choice(cfg: Mapping[str, Any], key: str, default: Any, choices: Sequence[Any], *,
+               prefix: str = "model.") -> Any:
+    """``cfg[key]``, which must be one of ``choices`` (compared by type as well: ``True`` is not 1,
+    ``18.0`` is not 18). Raises ConfigError naming the key, the value and the choices."""
+    value = cfg.get(key, default)
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ConfigError(f"{prefix}{key}={value!r}: choose one of {', '.join(str(c) for c in choices)}")
+    return value
 
 
 def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
     import torchvision
 
-    depth = cfg.get("depth", 50)
-    if depth not in RESNET_DEPTHS:
-        raise ConfigError(f"model.depth={depth!r}: choose one of 18, 34, 50, 101, 152")
+    depth = cfg_choice(cfg, "depth", 50, RESNET_DEPTHS)
     size = cfg_int(cfg, "image_size", 224, minimum=8)
     classes = cfg_int(cfg, "num_classes", 1000)
-    channels_last = bool(cfg.get("channels_last", False))
+    channels_last = cfg_bool(cfg, "channels_last", False)
     module = getattr(torchvision.models, f"resnet{depth}")(weights=None, num_classes=classes)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     if channels_last:
@@ -146,7 +170,7 @@ def build_model(cfg: Mapping[str, Any], device: torch.device) -> ModelSpec:
         ConfigError: unknown model name or a bad model parameter.
     """
     name = cfg.get("name")
-    if name not in _BUILDERS:
+    if not isinstance(name, str) or name not in _BUILDERS:
         raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
     with torch.device(device):
         spec = _BUILDERS[name](cfg)

@@ -1,0 +1,99 @@
+"""Typed schema of oomtune's Hydra config (Hydra's structured configs, registered in a ConfigStore).
+
+``conf/config.yaml`` extends ``oomtune_schema``: Hydra then rejects overrides of the wrong type at
+compose time (``search.n_trials=abc``, ``search.space=garbage``, ``trial=garbage``) with a message
+naming the key. Ranges are checked by :func:`validate` before anything runs or is written. The
+``model`` and ``target`` groups vary by workload and are checked by oomtune.workloads/targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from oomtune.exceptions import ConfigError
+
+__all__ = ["RootConf", "SearchConf", "TrialConf", "BatchRangeConf", "register", "validate"]
+
+
+@dataclass
+class BatchRangeConf:
+    low: int = 8
+    high: int = 512
+
+
+@dataclass
+class SearchConf:
+    n_trials: int = 12
+    timeout: Optional[float] = None
+    sampler: str = "tpe"
+    seed: int = 0
+    headroom: float = 0.05
+    prune: str = "predicted"
+    prune_margin: float = 0.10
+    baseline: bool = True
+    confirm: bool = True
+    batch_size: BatchRangeConf = field(default_factory=BatchRangeConf)
+    space: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrialConf:
+    warmup_steps: int = 1
+    measure_steps: int = 3
+    timeout: float = 300.0
+    launcher: str = "auto"
+    confirm_steps: int = 10
+
+
+@dataclass
+class RootConf:
+    model: Any = None
+    search: SearchConf = field(default_factory=SearchConf)
+    target: Any = None
+    budget: str = "1GiB"
+    device: str = "auto"
+    virtual_device_memory: str = "80GiB"
+    storage: Optional[str] = None
+    study_name: Optional[str] = None
+    trial: TrialConf = field(default_factory=TrialConf)
+    plan: Dict[str, Any] = field(default_factory=dict)
+
+
+def register() -> None:
+    """Store the schema as ``oomtune_schema`` in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="oomtune_schema", node=RootConf)
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {rule}")
+
+
+def validate(cfg: Any) -> None:
+    """Ranges of the typed keys, checked before a study is opened or a file written.
+
+    Raises:
+        ConfigError: the first key out of range, in one line.
+    """
+    s, t = cfg.search, cfg.trial
+    _check(s.n_trials >= 0, "search.n_trials", s.n_trials, "must be >= 0")
+    _check(s.timeout is None or s.timeout > 0, "search.timeout", s.timeout, "must be > 0 seconds (or null)")
+    _check(0 <= s.seed < 2**32, "search.seed", s.seed, "must be in [0, 2**32)")
+    _check(0 <= s.headroom < 1, "search.headroom", s.headroom, "must be in [0, 1)")
+    _check(s.prune in ("predicted", "off"), "search.prune", s.prune, "must be 'predicted' or 'off'")
+    _check(s.prune_margin >= 0, "search.prune_margin", s.prune_margin, "must be >= 0")
+    _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
+    _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
+    _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")
+    _check(t.timeout > 0, "trial.timeout", t.timeout, "must be > 0 seconds")
+    _check(t.launcher in ("auto", "fork", "spawn"), "trial.launcher", t.launcher, "must be auto, fork or spawn")
+    for key in ("space", "data"):
+        for name, values in (s[key] or {}).items():
+            _check(values is None or isinstance(values, (list, tuple, str, int, float, bool))
+                   or hasattr(values, "__len__"), f"search.{key}.{name}", values, "must be a list of candidates")
+    run_dir = str(cfg.hydra.run.dir) if "hydra" in cfg else "x"
+    _check(run_dir.strip() != "", "hydra.run.dir", run_dir, "must not be empty")
