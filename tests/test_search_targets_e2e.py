@@ -1,0 +1,45 @@
+"""`oomtune search` end to end with the user's own workloads (README examples), on CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import oomtune
+from oomtune.cli import main
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["device=cpu", "search.n_trials=2", "search.batch_size.low=4", "search.batch_size.high=64",
+          "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120"]
+
+
+def test_target_python_with_a_relative_entry_path(tmp_path, monkeypatch):
+    # The README's example, run from the repository root with a relative file path: trials run in
+    # their own directories, so the entry must be resolved in the parent.
+    monkeypatch.chdir(REPO)
+    run_dir = tmp_path / "py"
+    code = main(["search", "target=python", "target.entry=examples/my_workload.py:make_workload",
+                 "budget=64MiB", *COMMON, f"hydra.run.dir={run_dir}"])
+    assert code == 0
+    best = oomtune.load_best(run_dir / "best.yaml")
+    assert best.workload == {"target": {"name": "python", "entry": str(REPO / "examples/my_workload.py") + ":make_workload"}}
+    assert best.study["study_name"].startswith("python-")
+    assert best.best.metrics["memory_source"] == "simulated" and best.best.metrics["throughput"] > 0
+    assert 4 <= best.batch_size <= 64
+
+
+def test_target_cmd_with_the_example_script(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    run_dir = tmp_path / "cmd"
+    command = "python examples/train_cmd.py --batch-size {batch_size}"
+    code = main(["search", "target=cmd", f"target.command='{command}'", "budget=64MiB", *COMMON,
+                 f"hydra.run.dir={run_dir}"])
+    assert code == 0
+    best = oomtune.load_best(run_dir / "best.yaml")
+    assert best.workload["target"]["name"] == "cmd" and best.workload["target"]["cwd"] == str(REPO)
+    # the script reported its throughput through oomtune.report() and ran on the virtual GPU
+    assert best.best.metrics["throughput"] > 0 and best.best.metrics["memory_source"] == "simulated"
+    assert best.best.metrics["peak_reserved_bytes"] > 0
