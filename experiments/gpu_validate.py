@@ -40,7 +40,6 @@ Writes experiments/results/gpu_validate.md and .json (or ``--out-dir``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pickle
@@ -184,35 +183,12 @@ def settings_match(conf: str, torch_conf: str | None, allocator_settings: dict |
     return (not problems, "; ".join(problems) or "ok")
 
 
-@contextlib.contextmanager
-def _fraction_patch(fraction: float | None):
-    """Make replay_snapshot's simulator apply ``fraction`` (replay_snapshot has no such parameter)."""
-    import oomtune.trace.replay as R
-
-    if fraction is None:
-        yield
-        return
-    original = R._make_sim
-
-    def make(settings: Any, total: int, device: int) -> Any:
-        sim, parsed = original(settings, total, device)
-        sim.set_per_process_memory_fraction(fraction)
-        return sim, parsed
-
-    R._make_sim = make
-    try:
-        yield
-    finally:
-        R._make_sim = original
-
-
 def replay_case(snapshot: dict, conf: str, *, total_memory_bytes: int | None, fraction: float | None) -> Any:
     """``replay_snapshot`` under ``conf`` on a device of ``total_memory_bytes``, with the child's
     memory fraction applied to the simulator when ``fraction`` is not None. Returns SnapshotReplay."""
     from oomtune.trace import replay_snapshot
 
-    with _fraction_patch(fraction):
-        return replay_snapshot(snapshot, conf, total_memory_bytes=total_memory_bytes)
+    return replay_snapshot(snapshot, conf, total_memory_bytes=total_memory_bytes, memory_fraction=fraction)
 
 
 def synthetic_snapshot(stream: Any, conf: str, *, total_memory_bytes: int, memory_fraction: float = 1.0,

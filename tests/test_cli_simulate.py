@@ -156,3 +156,23 @@ def test_unexplained_release_notice(tmp_path, capsys):
     assert main(["simulate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Notice: 1 recorded release(s) have no cause in the request stream" in out
+
+
+def test_memory_fraction_caps_the_replay_and_needs_a_budget(tmp_path, capsys):
+    import json
+    import pickle
+
+    from oomtune.cli import main
+
+    # One 40 MiB request (a 40 MiB segment: >= 10 MiB rounds to 2 MiB). On a 100 MiB device with
+    # fraction 0.3 only 30 MiB are allowed: out of memory; with 0.5 (50 MiB) it fits.
+    a = 1 << 32
+    snap = {"segments": [], "device_traces": [[{"action": "alloc", "addr": a, "size": 40 << 20, "stream": 0}]]}
+    path = tmp_path / "one.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["simulate", str(path), "--budget", "100MiB", "--memory-fraction", "0.3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["oom"] is True
+    assert main(["simulate", str(path), "--budget", "100MiB", "--memory-fraction", "0.5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["oom"] is False
+    assert main(["simulate", str(path), "--memory-fraction", "0.5"]) == 2
+    assert "needs --budget" in capsys.readouterr().err

@@ -33,6 +33,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="PYTORCH_CUDA_ALLOC_CONF string; repeat to compare several (default: torch's defaults)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="virtual GPU capacity, e.g. 16GiB (default: 1 TiB, nothing runs out)")
+    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="the program's torch.cuda.set_per_process_memory_fraction(F) (needs --budget, the "
+                   "device's capacity); garbage_collection_threshold acts only under a fraction")
     p.add_argument("--device", type=int, default=0, metavar="N", help="which device's trace to replay")
     p.add_argument("--apply-recorded-releases", action="store_true",
                    help="call empty_cache() where the trace released segments without a cause in the "
@@ -63,12 +66,17 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.trace import load_snapshot, replay_snapshot
 
     budget = _budget(args.budget)
+    fraction = args.memory_fraction
+    if fraction is not None and not (0 < fraction <= 1):
+        raise ConfigError(f"invalid --memory-fraction {fraction}: must be in (0, 1]")
+    if fraction is not None and budget is None:
+        raise ConfigError("--memory-fraction needs --budget (the device's capacity the fraction is of)")
     confs = args.conf if args.conf else [""]
     settings = [AllocatorSettings.parse(c) for c in confs]  # every --conf checked before replaying
     snapshot = load_snapshot(args.trace)
     results = [
         replay_snapshot(snapshot, s, total_memory_bytes=budget, device=args.device,
-                        apply_recorded_releases=args.apply_recorded_releases)
+                        apply_recorded_releases=args.apply_recorded_releases, memory_fraction=fraction)
         for s in settings
     ]
     if args.json:

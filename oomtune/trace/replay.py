@@ -146,7 +146,8 @@ def _recorded_segments(trace: list[dict], initial_reserved: int) -> tuple[list[t
     return allocs, frees, peak
 
 
-def _make_sim(settings: Any, total_memory_bytes: int, device: int) -> Any:
+def _make_sim(settings: Any, total_memory_bytes: int, device: int,
+              memory_fraction: float | None = None) -> Any:
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.alloc.sim import CachingAllocatorSim
 
@@ -154,6 +155,8 @@ def _make_sim(settings: Any, total_memory_bytes: int, device: int) -> Any:
         settings = AllocatorSettings.parse(settings)
     sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes, device_index=device,
                               record_segment_events=True)
+    if memory_fraction is not None:
+        sim.set_per_process_memory_fraction(memory_fraction)
     return sim, settings
 
 
@@ -218,6 +221,7 @@ def replay_snapshot(
     total_memory_bytes: int | None = None,
     device: int = 0,
     apply_recorded_releases: bool = False,
+    memory_fraction: float | None = None,
 ) -> SnapshotReplay:
     """Replay a snapshot's trace through a ``CachingAllocatorSim`` and compare segment events.
 
@@ -230,6 +234,10 @@ def replay_snapshot(
             e.g. the program's ``torch.cuda.empty_cache()``) call ``sim.empty_cache()`` (once per run of
             consecutive releases; the simulator has no release of one given segment, and empty_cache
             is what produces such runs on the device).
+        memory_fraction: as ``torch.cuda.set_per_process_memory_fraction`` in the recorded program:
+            caps reserved memory at ``fraction x total_memory_bytes`` and enables
+            garbage_collection_threshold, which acts only under a fraction (DeviceCachingAllocator::
+            garbage_collect_cached_blocks). None: not set.
 
     Returns:
         A :class:`SnapshotReplay`; peaks cover the starting state and the trace (the synthetic prefix
@@ -244,7 +252,7 @@ def replay_snapshot(
     trace, final = device_trace(snapshot, device)
     state = rebuild_initial_state(snapshot, device)
     total = DEFAULT_TOTAL_MEMORY_BYTES if total_memory_bytes is None else total_memory_bytes
-    sim, settings = _make_sim(settings, total, device)
+    sim, settings = _make_sim(settings, total, device, memory_fraction)
     unexplained = unexplained_release_indices(trace)
     started = time.perf_counter()
     oom_at = None
