@@ -172,12 +172,16 @@ def _geometry(best: Any) -> dict[str, Any]:
 
 
 def _workload(best: Any) -> dict[str, Any]:
+    """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
+    ``{target}`` for target=python|cmd (their model group is not used)."""
+    target = best.workload.get("target") or {"name": "builtin"}
+    if not isinstance(target, dict) or not isinstance(target.get("name"), str):
+        raise BestFileError("best.yaml workload.target must be a mapping with a 'name'")
+    if target["name"] != "builtin":
+        return {"target": target}
     model = best.workload.get("model")
     if not isinstance(model, dict) or "name" not in model:
         raise BestFileError("best.yaml workload.model must be a mapping with a 'name'")
-    target = best.workload.get("target") or {"name": "builtin"}
-    if not isinstance(target, dict):
-        raise BestFileError("best.yaml workload.target must be a mapping")
     return {**model, "target": target}
 
 

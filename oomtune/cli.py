@@ -27,13 +27,20 @@ COMMANDS = {
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``oomtune simulate: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="oomtune",
         description="Tune batch size and PyTorch CUDA caching-allocator settings under a memory budget.",
     )
     parser.add_argument("--version", action="version", version=f"oomtune {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     sub.required = True
     for name, module in COMMANDS.items():
         if only is not None and name != only:

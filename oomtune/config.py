@@ -60,7 +60,12 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_with_override(_one_line(exc), overrides)) from None
+        message = _with_override(_one_line(exc), overrides)
+        m = re.search(r"Could not override '([\w.]+)'", message)
+        if m:
+            groups = [o for o in overrides if o.split("=", 1)[0] in ("model", "search", "target")]
+            message = _unknown_key(m.group(1), config_name, groups) or message
+        raise ConfigError(message) from None
     finally:
         GlobalHydra.instance().clear()
     try:
@@ -74,6 +79,30 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def _unknown_key(dotted: str, config_name: str, groups: Sequence[str] = ()) -> str | None:
+    """'search.data.bogus' -> "unknown key 'search.data.bogus': search.data has num_workers, ...";
+    None when the parent is not a mapping of the base config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, key = dotted.rpartition(".")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            base = hydra_compose(config_name, overrides=list(groups))
+        node = OmegaConf.select(base, parent) if parent else base
+    except Exception:  # best effort: keep Hydra's own message
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+    if not isinstance(node, DictConfig):
+        return None
+    where = parent or "the config"
+    return f"unknown key {dotted!r}: {where} has {', '.join(str(k) for k in node.keys())}"
 
 
 def _with_override(message: str, overrides: Sequence[str]) -> str:

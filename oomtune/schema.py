@@ -31,6 +31,7 @@ class SearchConf:
     headroom: float = 0.05
     prune: str = "predicted"
     prune_margin: float = 0.10
+    min_gain: float = 0.02
     baseline: bool = True
     confirm: bool = True
     batch_size: BatchRangeConf = field(default_factory=BatchRangeConf)
@@ -86,6 +87,7 @@ def validate(cfg: Any) -> None:
     _check(0 <= s.headroom < 1, "search.headroom", s.headroom, "must be in [0, 1)")
     _check(s.prune in ("predicted", "off"), "search.prune", s.prune, "must be 'predicted' or 'off'")
     _check(s.prune_margin >= 0, "search.prune_margin", s.prune_margin, "must be >= 0")
+    _check(s.min_gain >= 0, "search.min_gain", s.min_gain, "must be >= 0")
     _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")

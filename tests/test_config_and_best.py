@@ -35,7 +35,8 @@ def test_study_name_is_stable_and_config_dependent():
 
 @pytest.mark.parametrize("override, needle", [
     ("model=nope", "Available options in 'model': mlp, resnet, transformer"),
-    ("nosuchkey=1", "Could not override 'nosuchkey'"),
+    ("nosuchkey=1", "unknown key 'nosuchkey': the config has model, search"),
+    ("search.data.bogus=[1]", "search.data has num_workers, pin_memory, prefetch_factor"),
     ("budget", "Error parsing override"),
 ])
 def test_bad_overrides_are_one_line_config_errors(override, needle):

@@ -29,6 +29,9 @@ def test_target_python_with_a_relative_entry_path(tmp_path, monkeypatch):
     assert best.study["study_name"].startswith("python-")
     assert best.best.metrics["memory_source"] == "simulated" and best.best.metrics["throughput"] > 0
     assert 4 <= best.batch_size <= 64
+    # and the CI check works on it, in both modes
+    assert main(["check", str(run_dir / "best.yaml"), "--mode", "predict"]) == 0
+    assert main(["check", str(run_dir / "best.yaml"), "--mode", "run"]) == 0
 
 
 def test_target_cmd_with_the_example_script(tmp_path, monkeypatch):
@@ -43,3 +46,4 @@ def test_target_cmd_with_the_example_script(tmp_path, monkeypatch):
     # the script reported its throughput through oomtune.report() and ran on the virtual GPU
     assert best.best.metrics["throughput"] > 0 and best.best.metrics["memory_source"] == "simulated"
     assert best.best.metrics["peak_reserved_bytes"] > 0
+    assert main(["check", str(run_dir / "best.yaml"), "--mode", "run"]) == 0

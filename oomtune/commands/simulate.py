@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         console = Console(highlight=False, soft_wrap=True, width=200)
     entries = len(snapshot["device_traces"][args.device]) if args.device < len(snapshot["device_traces"]) else 0
     console.print(f"Trace {args.trace} (device {args.device}): {entries:,} entries; budget "
-                  f"{format_bytes(budget) if budget else '1 TiB (default: nothing runs out)'}")
+                  f"{format_bytes(budget) if budget else '1 TiB (default: nothing runs out)'}"
+                  + (f", memory fraction {args.memory_fraction} (limit {format_bytes(int(args.memory_fraction * budget))})"
+                     if args.memory_fraction is not None and budget else ""))
     if len(results) == 1:
         _print_one(console, results[0])
     else:

@@ -55,6 +55,7 @@ class SearchOptions:
     confirm_steps: int = 10
     trial_timeout_s: float = 300.0
     baseline_precision: float = 0.1   # bisect until (fail - ok) <= precision * ok
+    min_gain: float = 0.02            # a non-default setting must beat the default allocator by this
 
 
 @dataclass
@@ -84,7 +85,6 @@ class Search:
         self.predict, self.prune_margin = predict, prune_margin
         self.on_trial = on_trial or (lambda trial, role: None)
         self.limit = R.MemoryLimit(options.budget_bytes, options.headroom)
-        self.launches = 0
         self.verdict: Any = None  # oomtune.diagnose.Verdict of the ranked trials (after confirm())
 
     # ---------------------------------------------------------------- running one candidate
@@ -149,7 +149,6 @@ class Search:
             result = R.result_of(earlier)
             trial.set_user_attr(R.ATTR_REUSED, earlier.number)
         else:
-            self.launches += 1
             result = self.runner.run(self._spec(cand), workdir=self.workdir / f"trial-{trial.number:04d}")
         trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
         trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
@@ -189,6 +188,9 @@ class Search:
     def run_baseline(self) -> Any | None:
         """Largest batch that fits under torch's default allocator (doubling, then bisection).
 
+        With a prediction, the first probe is the predicted largest batch and the second the one
+        above it: when both agree with the prediction the boundary is found in two trials.
+
         Raises:
             SetupFault: the smallest batch fails with an error that is not a memory outcome.
         """
@@ -196,8 +198,8 @@ class Search:
             return None
         tried: dict[int, Any] = {t.params["batch_size"]: t for t in self._finished("baseline")}
         low, high = self.space.batch_low, self.space.batch_high
-        batch = low
-        if self.predict is not None and not tried:
+        batch, predicted_max = low, None
+        if self.predict is not None:
             predicted_max = self._predicted_max_default()
             if predicted_max is not None:
                 batch = max(low, min(high, predicted_max))
@@ -211,6 +213,8 @@ class Search:
                 break
             if not tried:
                 nxt = batch
+            elif ok_max == predicted_max and bad_min is None and nxt > ok_max:
+                nxt = ok_max + 1  # the prediction held: test the boundary it names, then stop
             trial = self._run_one(self.space.default(nxt), "baseline")
             tried[nxt] = trial
             res = R.result_of(trial)
@@ -276,10 +280,27 @@ class Search:
         ranked = sorted(trials, key=lambda t: (-(t.value or 0.0), t.number))
         self.verdict = input_bound_verdict([R.result_of(t) for t in trials],
                                            data_cfg=self.opt.workload.get("data"))
+        ranked = self._prefer_default(ranked)
         if self.verdict.input_bound and ranked:
             near = [t for t in ranked if (t.value or 0.0) >= 0.95 * (ranked[0].value or 0.0)]
             near.sort(key=lambda t: (t.params["batch_size"], -(t.value or 0.0)))
             ranked = near + [t for t in ranked if t not in near]
+        return ranked
+
+    def _prefer_default(self, ranked: list[Any]) -> list[Any]:
+        """Allocator settings must earn their place: when the best candidate with non-default settings
+        beats the best default-allocator candidate by less than ``min_gain`` (2%: within the noise of
+        a few measured steps), the default one ranks first."""
+        defaults = {k: v for k, v in self.space.default(1).optuna_params().items() if k != "batch_size"}
+
+        def is_default(t: Any) -> bool:
+            return all(t.params.get(k) == v for k, v in defaults.items())
+
+        best_default = next((t for t in ranked if is_default(t)), None)
+        if not ranked or best_default is None or is_default(ranked[0]):
+            return ranked
+        if (ranked[0].value or 0.0) < (best_default.value or 0.0) * (1 + self.opt.min_gain):
+            return [best_default] + [t for t in ranked if t is not best_default]
         return ranked
 
     def confirm(self, max_candidates: int = 3) -> tuple[Any | None, TrialResult | None, bool]:
@@ -311,7 +332,6 @@ class Search:
             trial.set_user_attr(R.ATTR_ROLE, "confirm")
             trial.set_user_attr(R.ATTR_CONF, cand.alloc_conf)
             self.space.suggest(trial)
-            self.launches += 1
             spec = self._spec(cand, steps=self.opt.confirm_steps)
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
             trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
@@ -328,16 +348,24 @@ class Search:
 
     def summary(self, best: Any | None, best_result: TrialResult | None, confirmed: bool,
                 baseline: Any | None) -> SearchSummary:
+        """Counts over the whole study (every session of a resumed one): outcomes (``ok_over_limit``:
+        ran but exceeded the limit; ``interrupted``: killed by Ctrl-C/SIGTERM), trial processes
+        launched, and launches saved by prediction or by reusing an identical earlier trial."""
         outcomes: dict[str, int] = {}
-        saved = 0
+        saved = launched = 0
         for t in self.study.get_trials(deepcopy=False):
             key = t.user_attrs.get(R.ATTR_OUTCOME)
             if key is None:
+                if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs:
+                    outcomes["interrupted"] = outcomes.get("interrupted", 0) + 1
+                    launched += 1
                 continue
             if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
                 key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
             outcomes[key] = outcomes.get(key, 0) + 1
             if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs:
                 saved += 1
-        return SearchSummary(best, best_result, confirmed, baseline, outcomes, self.launches, saved,
+            else:
+                launched += 1
+        return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved,
                              self.verdict)

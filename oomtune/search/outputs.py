@@ -126,18 +126,23 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         f"{best.metrics['throughput']:.1f} samples/s, peak reserved "
         f"{format_bytes(best.metrics['peak_reserved_bytes'])} ({src})"
         f"{', confirmed in a clean process' if best.confirmed else ''}", highlight=False, markup=False)
-    if gain:
+    if gain and summary.best.number == summary.baseline.number:
+        console.print(f"the default allocator won: no allocator setting beat it at batch {baseline.batch_size}",
+                      highlight=False, markup=False)
+    elif gain:
         console.print(
             f"vs the default allocator at its largest batch ({baseline.batch_size}): "
             f"{gain['throughput_ratio']:.2f}x throughput ({summary.best.value:.1f} vs "
-            f"{summary.baseline.value:.1f} samples/s, as measured in their search trials)",
-            highlight=False, markup=False)
+            f"{summary.baseline.value:.1f} samples/s in their search trials; the figure above is the "
+            "confirmation run's)" if best.confirmed else
+            f"vs the default allocator at its largest batch ({baseline.batch_size}): "
+            f"{gain['throughput_ratio']:.2f}x throughput", highlight=False, markup=False)
     if summary.verdict is not None and summary.verdict.input_bound:
         console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
         console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",
                       highlight=False, markup=False)
-    console.print(f"launches: {summary.launches} trial processes, {summary.launches_saved} saved by "
-                  f"prediction/reuse", highlight=False, markup=False)
+    console.print(f"trial processes: {summary.launches} launched, {summary.launches_saved} saved by "
+                  f"prediction or reuse", highlight=False, markup=False)
     if device.simulated:
         console.print("note: trials trained on the CPU; memory figures come from the virtual GPU "
                       "(simulated) and throughput is the CPU's, so allocator settings change memory "

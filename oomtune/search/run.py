@@ -31,7 +31,7 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         n_trials=int(s.n_trials), timeout_s=None if s.timeout is None else float(s.timeout),
         baseline=bool(s.baseline), confirm=bool(s.confirm), warmup_steps=int(t.warmup_steps),
         measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
-        trial_timeout_s=float(t.timeout),
+        trial_timeout_s=float(t.timeout), min_gain=float(s.min_gain),
     )
 
 
@@ -127,7 +127,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     _say(console, f"device {device.name} ({device.memory_source} memory), budget "
                   f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
                   f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
-    progress = _Progress(console, options.n_trials, already=_count(study, "search"))
+    progress = _Progress(console, options.n_trials, study=study)
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=runner, confirm_runner=confirm_runner,
@@ -161,10 +161,13 @@ def _count(study: Any, role: str) -> int:
 
 def _resume_line(study: Any) -> str | None:
     counts = {role: _count(study, role) for role in ("baseline", "search", "confirm")}
-    if not any(counts.values()):
+    interrupted = sum(1 for t in study.get_trials(deepcopy=False)
+                      if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs)
+    if not any(counts.values()) and not interrupted:
         return None
-    return ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
+    line = ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
             + " already finished")
+    return line + (f"; {interrupted} interrupted (run again)" if interrupted else "")
 
 
 def _calibrated(predictor: Any, study: Any) -> Any:
@@ -189,8 +192,12 @@ def _console(*, stderr: bool) -> Any:
     """A rich Console; wide enough for the trial table when the output is not a terminal."""
     from rich.console import Console
 
+    import os
+
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=200)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0") or 0) or 200, soft_wrap=False)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -198,14 +205,19 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def _say(console: Any, text: str) -> None:
-    console.print(text, highlight=False, markup=False)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)  # one line, never wrapped
 
 
 class _Progress:
     """Prints one line per finished trial: trial n of N, outcome, best so far."""
 
-    def __init__(self, console: Any, n_trials: int, *, already: int = 0):
-        self.console, self.n_trials, self.count, self.best = console, n_trials, already, None
+    def __init__(self, console: Any, n_trials: int, *, study: Any = None):
+        self.console, self.n_trials, self.count, self.best = console, n_trials, 0, None
+        for t in study.get_trials(deepcopy=False) if study is not None else ():  # resumed study
+            if t.user_attrs.get(R.ATTR_ROLE) == "search" and R.ATTR_RESULT in t.user_attrs:
+                self.count += 1
+            if R.is_feasible_ok(t) and t.user_attrs.get(R.ATTR_ROLE) != "confirm":
+                self.best = max(self.best or 0.0, t.value or 0.0)
 
     def __call__(self, trial: Any, role: str) -> None:
         from oomtune.display import progress_line

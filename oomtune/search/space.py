@@ -94,6 +94,8 @@ class SearchSpace:
             self.choices[key] = values
         self.data_choices: dict[str, list[Any]] = {}
         for key, values in (data_choices or {}).items():
+            if values is None:
+                continue  # not searched
             values = list(values) if isinstance(values, (list, tuple)) else [values]
             if key not in LOADER_KEYS:
                 raise ConfigError(f"search.data.{key}: not a data-loader setting; choose from "
