@@ -1,4 +1,4 @@
-"""Replay the real GPU trace (/work/shared/traces/cnn-small-default.pickle) under several allocator
+"""Replay the real GPU trace (tests/data/cnn-small-default.pickle, from shared/traces/) under several allocator
 settings and compare with what the device recorded.
 
 Run: ``python experiments/replay_real_trace.py`` (about a second on one CPU core). Writes
@@ -18,7 +18,7 @@ from pathlib import Path
 from oomtune.trace import load_snapshot, rebuild_initial_state, replay_snapshot
 from oomtune.units import MiB, format_bytes
 
-TRACE = Path("/work/shared/traces/cnn-small-default.pickle")
+TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "cnn-small-default.pickle"
 OUT = Path(__file__).resolve().parent / "results" / "replay_real_trace.txt"
 CONFS = ["", "expandable_segments:True", "max_split_size_mb:20", "max_split_size_mb:64",
          "roundup_power2_divisions:4", "garbage_collection_threshold:0.6"]

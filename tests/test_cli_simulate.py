@@ -20,7 +20,7 @@ import pytest
 from oomtune.cli import main
 
 MiB = 1 << 20
-REAL = Path("/work/shared/traces/cnn-small-default.pickle")
+REAL = Path(__file__).resolve().parent / "data" / "cnn-small-default.pickle"
 ROOT = Path(__file__).resolve().parents[1]
 S0, L1 = 0x7F0000000000, 0x7F0001000000
 

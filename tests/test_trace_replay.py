@@ -20,8 +20,7 @@ from oomtune.trace.replay import (
 from oomtune.trace.snapshot import load_snapshot
 
 MiB = 1 << 20
-REAL = Path("/work/shared/traces/cnn-small-default.pickle")
-needs_real = pytest.mark.skipif(not REAL.exists(), reason="real trace not present")
+REAL = Path(__file__).resolve().parent / "data" / "cnn-small-default.pickle"
 S0, L0, L1 = 0x7F0000000000, 0x7F0001000000, 0x7F0003000000
 
 
@@ -64,7 +63,6 @@ def test_rebuild_removes_segments_the_trace_created_and_restores_freed_ones():
         (L0, 20 * MiB, "large", ())]
 
 
-@needs_real
 def test_rebuild_real_trace_matches_readme():
     state = rebuild_initial_state(load_snapshot(REAL))
     # README: three segments existed before recording (2 MiB small, 2 MiB small, 20 MiB large).
@@ -112,7 +110,6 @@ def test_replay_pre_existing_block():
     assert r.events_replayed == 2
 
 
-@needs_real
 def test_real_trace_default_settings_matches_device():
     from oomtune.trace.replay import replay_snapshot
 

@@ -11,8 +11,7 @@ import pytest
 from oomtune.exceptions import SnapshotError
 from oomtune.trace.snapshot import load_snapshot, loads_snapshot, validate_snapshot
 
-REAL = Path("/work/shared/traces/cnn-small-default.pickle")
-needs_real = pytest.mark.skipif(not REAL.exists(), reason="real trace not present")
+REAL = Path(__file__).resolve().parent / "data" / "cnn-small-default.pickle"
 
 
 class _RunsCommand:
@@ -29,7 +28,6 @@ def _minimal() -> dict:
     return {"segments": [], "device_traces": [[]]}
 
 
-@needs_real
 def test_real_trace_loads_with_readme_counts():
     snap = load_snapshot(REAL)
     trace = snap["device_traces"][0]
@@ -78,7 +76,6 @@ def test_empty_file(tmp_path):
         load_snapshot(path)
 
 
-@needs_real
 def test_truncated_real_pickle(tmp_path):
     data = REAL.read_bytes()
     path = tmp_path / "half.pickle"

@@ -13,7 +13,7 @@ Sizes and addresses are bytes. A pickle from outside can run code when it is loa
 returning ``os.system``), and ``oomtune simulate`` is handed such files by users, so
 :func:`load_snapshot` uses an unpickler whose ``find_class`` refuses every global: plain containers
 (dict, list, tuple), str, bytes, int, float, bool and None are built by pickle opcodes that never
-look up a global. The shipped real trace (/work/shared/traces/cnn-small-default.pickle, inspected with
+look up a global. The shipped real trace (tests/data/cnn-small-default.pickle, inspected with
 pickletools) holds no GLOBAL/STACK_GLOBAL/REDUCE opcode at all, so nothing needs admitting; torch
 writes ``segment_pool_id`` as a tuple, also a plain opcode (TUPLE2).
 """
