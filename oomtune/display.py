@@ -11,10 +11,6 @@ from oomtune.units import format_bytes
 __all__ = ["trial_rows", "trial_table", "progress_line", "describe", "outcome_label"]
 
 
-def _source_tag(res: Any) -> str:
-    return "sim" if res.memory_source == "simulated" else "dev"
-
-
 def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
     """One plain dict per trial with a stored result (bytes and floats, no formatting)."""
     rows = []

@@ -171,11 +171,14 @@ class Predictor:
         self.replays = 0
 
     @classmethod
-    def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *, console: Any = None
-                   ) -> "Predictor":
+    def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int) -> "Predictor":
+        """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
+        ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``."""
         return cls(workload, sim_geometry(device, budget_bytes))
 
     def stream(self, batch_size: int) -> Any:
+        """The training step's allocation stream at ``batch_size``, captured on the meta device once
+        and cached (:func:`capture_training_stream`); capture time adds to ``capture_seconds``."""
         if batch_size not in self._streams:
             t0 = time.perf_counter()
             stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps)

@@ -150,6 +150,11 @@ class Search:
             trial.set_user_attr(R.ATTR_REUSED, earlier.number)
         else:
             result = self.runner.run(self._spec(cand), workdir=self.workdir / f"trial-{trial.number:04d}")
+        return self._tell(trial, result)
+
+    def _tell(self, trial: Any, result: TrialResult) -> float:
+        """Store ``result`` on the running Optuna trial and return its objective value (throughput in
+        samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL)."""
         trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
         trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
         outcome = result.outcome_enum
@@ -334,12 +339,7 @@ class Search:
             self.space.suggest(trial)
             spec = self._spec(cand, steps=self.opt.confirm_steps)
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
-            trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
-            trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
-            if result.outcome_enum in (Outcome.ERROR, Outcome.CRASH):
-                raise _TrialErrored(result.message or result.outcome)
-            trial.set_constraint("memory", R.violation(result, self.limit))
-            return float(result.throughput or 0.0) if result.outcome == "ok" else 0.0
+            return self._tell(trial, result)
 
         self.study.optimize(objective, n_trials=1, catch=(_TrialErrored,), gc_after_trial=False)
         frozen = self.study.get_trials(deepcopy=False)[numbers[0]]

@@ -29,6 +29,7 @@ class MemoryLimit:
 
     @property
     def limit_bytes(self) -> int:
+        """``budget_bytes * (1 - headroom)``, truncated to whole bytes."""
         return int(self.budget_bytes * (1.0 - self.headroom))
 
 

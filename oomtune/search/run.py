@@ -118,7 +118,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
         from oomtune.plan.predictor import Predictor
 
-        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, console=console)
+        predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)

@@ -106,6 +106,12 @@ class SearchSpace:
 
     @classmethod
     def from_config(cls, search_cfg: Any) -> "SearchSpace":
+        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``).
+
+        Raises:
+            ConfigError: a bad batch range, an unknown data-loader key or an empty choice list.
+            AllocatorConfigError: a search.space value the allocator does not accept.
+        """
         from oomtune.config import to_container
 
         bs = to_container(search_cfg.batch_size)

@@ -36,10 +36,12 @@ class StepTimings:
 
     @property
     def total_s(self) -> float:
+        """Sum of the measured step times, in seconds (0.0 without steps)."""
         return sum(self.step_s)
 
     @property
     def mean_step_s(self) -> float | None:
+        """Mean step time in seconds; None without steps."""
         return self.total_s / len(self.step_s) if self.step_s else None
 
     @property
@@ -49,6 +51,7 @@ class StepTimings:
 
     @property
     def samples_per_s(self) -> float | None:
+        """Throughput in samples per second over the measured steps; None without step time."""
         return self.samples_per_step * len(self.step_s) / self.total_s if self.total_s > 0 else None
 
 
