@@ -34,13 +34,14 @@ class Outcome(str, enum.Enum):
         return self in _DEVICE_MEMORY
 
     @property
-    def is_infeasible(self) -> bool:
-        """True when the configuration ran and proved infeasible (told to Optuna as a violated
-        constraint rather than FAIL, so the sampler learns from it)."""
-        return self in _INFEASIBLE
+    def is_fault(self) -> bool:
+        """True for ``error`` and ``crash``: the trial says nothing about the configuration's
+        feasibility (told to Optuna as FAIL); every other outcome is a result (COMPLETE: ok, or
+        infeasible with a violated memory constraint, so the sampler learns from it)."""
+        return self in _FAULTS
 
 
 _DEVICE_MEMORY = frozenset(
     {Outcome.OOM, Outcome.OOM_FRAGMENTATION, Outcome.FRACTION_CAP, Outcome.OOM_OUTSIDE_ALLOCATOR}
 )
-_INFEASIBLE = _DEVICE_MEMORY | {Outcome.LIMIT, Outcome.PREDICTED_INFEASIBLE, Outcome.HOST_OOM, Outcome.TIMEOUT}
+_FAULTS = frozenset({Outcome.ERROR, Outcome.CRASH})

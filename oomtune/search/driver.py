@@ -158,7 +158,7 @@ class Search:
         trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
         trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
         outcome = result.outcome_enum
-        if outcome in (Outcome.ERROR, Outcome.CRASH):
+        if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)
         trial.set_constraint("memory", R.violation(result, self.limit))
         return float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0
@@ -223,7 +223,7 @@ class Search:
             trial = self._run_one(self.space.default(nxt), "baseline")
             tried[nxt] = trial
             res = R.result_of(trial)
-            if nxt == low and res is not None and res.outcome_enum in (Outcome.ERROR, Outcome.CRASH):
+            if nxt == low and res is not None and res.outcome_enum.is_fault:
                 raise SetupFault(f"the workload fails at batch {low} with the default allocator "
                                  f"({res.outcome}): {res.message}")
         ok = [t for t in tried.values() if R.is_feasible_ok(t)]

@@ -369,7 +369,7 @@ def _set(result: TrialResult, outcome: Outcome | str, message: str | None, advic
          tail: str | None) -> None:
     result.outcome = Outcome(outcome).value
     result.message, result.advice = message, advice
-    if result.outcome_enum in (Outcome.ERROR, Outcome.CRASH):
+    if result.outcome_enum.is_fault:
         result.traceback_tail = tail
 
 
