@@ -84,7 +84,7 @@ def main() -> int:
         "bench_trial_overhead: fixed cost per trial, spawn vs fork server",
         f"date {dt.datetime.now().isoformat(timespec='seconds')}  nproc {os.cpu_count()}  "
         f"python {sys.version.split()[0]}  torch {torch.__version__}  threads/trial {torch.get_num_threads()}",
-        f"workload resnet18 image 32 batch 8 on CPU (virtual GPU, 4 GiB), 1 warm-up + 3 measured steps",
+        "workload resnet18 image 32 batch 8 on CPU (virtual GPU, 4 GiB), 1 warm-up + 3 measured steps",
         "",
         f"{'launcher':<12} {'trials':>6} {'launch->1st':>10} {'min':>8} {'max':>8} {'startup_s':>10} "
         f"{'step ms':>10} {'cost/step':>10}",

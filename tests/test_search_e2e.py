@@ -4,7 +4,6 @@ virtual GPU, then show/env/load_best on its outputs, and resume after the search
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -16,8 +16,7 @@ candidate (:mod:`oomtune.trial.runner`) -> TrialResult -> told to Optuna -> best
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,8 +100,10 @@ class Search:
             timeout_s=self.opt.trial_timeout_s, smaller_batch_succeeded=smaller_ok,
         )
 
-    def _known_infeasible(self, cand: Candidate) -> tuple[TrialResult, int | None] | None:
-        """A result that makes ``cand`` infeasible without running it, and the trial it follows from."""
+    def _known_infeasible(self, cand: Candidate, predicted: int | None) -> TrialResult | None:
+        """A result that makes ``cand`` infeasible without running it: a smaller batch already ran out
+        of memory under the same settings, or ``predicted`` (peak reserved, bytes) is over the limit by
+        more than the prune margin."""
         for t in self.study.get_trials(deepcopy=False):
             res = R.result_of(t)
             if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm":
@@ -111,14 +112,13 @@ class Search:
             if same and res.outcome_enum.is_memory and t.params.get("batch_size", 0) <= cand.batch_size:
                 why = (f"batch {t.params['batch_size']} already ran out of device memory under the same "
                        f"allocator settings (trial {t.number})")
-                return self._not_launched(cand, why), t.number
-        if self.predict is None or self.prune_margin is None:
+                return self._not_launched(cand, why)
+        if self.prune_margin is None:
             return None
-        predicted = self.predict(cand)
         if predicted is not None and predicted > self.limit.limit_bytes * (1 + self.prune_margin):
             why = (f"the virtual GPU predicts a peak reserved of {format_bytes(predicted)}, over the limit "
                    f"{format_bytes(self.limit.limit_bytes)} by more than {self.prune_margin:.0%}")
-            return self._not_launched(cand, why), None
+            return self._not_launched(cand, why)
         return None
 
     def _not_launched(self, cand: Candidate, why: str) -> TrialResult:
@@ -141,10 +141,10 @@ class Search:
         predicted = self.predict(cand) if self.predict is not None else None
         if predicted is not None:
             trial.set_user_attr(R.ATTR_PREDICTED, int(predicted))
-        known = self._known_infeasible(cand) if role == "search" else None
+        known = self._known_infeasible(cand, predicted) if role == "search" else None
         earlier = self._reusable(cand) if role == "search" and known is None else None
         if known is not None:
-            result, _ = known
+            result = known
         elif earlier is not None:
             result = R.result_of(earlier)
             trial.set_user_attr(R.ATTR_REUSED, earlier.number)
@@ -165,8 +165,6 @@ class Search:
 
     def _run_one(self, cand: Candidate, role: str) -> Any:
         """Run ``cand`` as the next trial of the study; returns the FrozenTrial."""
-        import optuna
-
         self.study.enqueue_trial(cand.optuna_params(), skip_if_exists=False)
         numbers: list[int] = []
 

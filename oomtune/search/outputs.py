@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from oomtune import __version__
-from oomtune import config as C
 from oomtune.best import BestConfig, Choice, write_best
 from oomtune.search import records as R
 from oomtune.trial.record import TrialResult

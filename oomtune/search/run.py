@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from oomtune import config as C
 from oomtune.device import resolve_budget, resolve_device
 from oomtune.exceptions import ConfigError
 from oomtune.search import records as R
-from oomtune.search.driver import Search, SearchOptions, SetupFault
+from oomtune.search.driver import Search, SearchOptions
 from oomtune.search.space import SearchSpace
 from oomtune.search.storage import make_sampler, open_study, storage_url
 from oomtune.units import format_bytes
