@@ -19,8 +19,8 @@ _LAZY = {
     "load_best": "oomtune.best",
     "apply_best": "oomtune.best",
     "BestConfig": "oomtune.best",
-    "report": "oomtune.reporting",
-    "capture_hook": "oomtune.reporting",
+    "report": "oomtune.script_api",
+    "capture_hook": "oomtune.script_api",
     "AllocatorSettings": "oomtune.alloc.settings",
     "CachingAllocatorSim": "oomtune.alloc.sim",
 }

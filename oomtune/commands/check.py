@@ -1,4 +1,4 @@
-"""``oomtune check best.yaml``: the CI regression check (see :mod:`oomtune.check`).
+"""``oomtune check best.yaml``: the CI regression check (see :mod:`oomtune.regression`).
 
 Exit status: 0 pass, 1 regression, 2 bad input (missing/corrupt best.yaml, no recorded prediction in
 predict mode, bad flags). A one-line summary is always printed; ``--junit PATH`` also writes a JUnit
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from oomtune.check import DEFAULT_MAX_MEMORY_GROWTH, DEFAULT_MAX_SLOWDOWN, DEFAULT_TOLERANCE
+from oomtune.regression import DEFAULT_MAX_MEMORY_GROWTH, DEFAULT_MAX_SLOWDOWN, DEFAULT_TOLERANCE
 
 __all__ = ["register", "run"]
 
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from oomtune.best import load_best
-    from oomtune.check import (check_junit_path, check_predict, check_run, default_mode, validate_limits,
+    from oomtune.regression import (check_junit_path, check_predict, check_run, default_mode, validate_limits,
                                write_junit)
 
     validate_limits(max_slowdown=args.max_slowdown, max_memory_growth=args.max_memory_growth,

@@ -11,7 +11,7 @@ alone. These variables are in its environment:
   made visible, field case C10), ``OOMTUNE_BUDGET_BYTES`` (unset without a budget),
   ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``;
 - ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
-  :func:`oomtune.capture_hook` (:mod:`oomtune.reporting`).
+  :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`).
 
 How the record is built (:func:`result_from_channel`):
 
@@ -49,7 +49,7 @@ from typing import Any, Callable
 from oomtune.classify import classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.reporting import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
+from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
 __all__ = ["run_cmd_trial", "build_command", "substitute_batch_size", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",

@@ -13,7 +13,7 @@ from torch import nn
 
 import oomtune
 from oomtune.exceptions import ConfigError
-from oomtune.reporting import BUDGET_ENV, RESULT_FILE_ENV, capture_hook, launched, report
+from oomtune.script_api import BUDGET_ENV, RESULT_FILE_ENV, capture_hook, launched, report
 
 SIMULATED_PREFIX = "[virtual GPU, simulated] "
 
@@ -106,15 +106,15 @@ def test_capture_hook_refuses_a_second_active_hook(channel):
 
 
 def test_a_forked_child_never_feeds_the_simulator(channel, monkeypatch):
-    from oomtune import reporting
+    from oomtune import script_api
 
     monkeypatch.setenv(BUDGET_ENV, str(4 << 20))
     with capture_hook() as hook:
         recording_sim = hook._vgpu.sim
         real_pid = os.getpid()
-        monkeypatch.setattr(reporting.os, "getpid", lambda: real_pid + 1)   # as in a DataLoader worker
+        monkeypatch.setattr(script_api.os, "getpid", lambda: real_pid + 1)   # as in a DataLoader worker
         addr = recording_sim.malloc(64 << 20)    # 64 MiB would not fit the 4 MiB device
         recording_sim.free(addr)
-        monkeypatch.setattr(reporting.os, "getpid", lambda: real_pid)
+        monkeypatch.setattr(script_api.os, "getpid", lambda: real_pid)
         assert addr < 0 and hook.sim.memory_stats()["allocated_bytes.all.peak"] == 0
     assert [e["event"] for e in _lines(channel)] == ["memory"]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from oomtune.best import load_best
-from oomtune.check import evaluate_run, within_drop, within_limit
+from oomtune.regression import evaluate_run, within_drop, within_limit
 from oomtune.cli import main
 from oomtune.trial.record import TrialResult
 from oomtune.units import GiB, MiB
@@ -219,7 +219,7 @@ def test_negative_limits_exit_2(flag, tmp_path, capsys):
 @pytest.mark.parametrize("kind, cuda, mode", [("cuda", True, "run"), ("cuda", False, "predict"),
                                               ("cpu", True, "predict"), ("cpu", False, "predict")])
 def test_default_mode(kind, cuda, mode, tmp_path):
-    from oomtune.check import default_mode
+    from oomtune.regression import default_mode
 
     best = load_best(write_best(tmp_path / "best.yaml", kind=kind))
     assert default_mode(best, cuda) == mode
@@ -234,7 +234,7 @@ def test_default_mode(kind, cuda, mode, tmp_path):
     (["--tolerance", "inf"], "--tolerance=inf"),
 ])
 def test_out_of_range_limits_exit_2_with_one_line(flag, needle, tmp_path, capsys, monkeypatch):
-    import oomtune.check as check
+    import oomtune.regression as check
 
     monkeypatch.setattr(check, "check_predict", _must_not_run)
     monkeypatch.setattr(check, "check_run", _must_not_run)
@@ -244,7 +244,7 @@ def test_out_of_range_limits_exit_2_with_one_line(flag, needle, tmp_path, capsys
 
 
 def test_limits_at_the_edges_of_their_ranges_are_accepted(tmp_path):
-    from oomtune.check import validate_limits
+    from oomtune.regression import validate_limits
 
     validate_limits(max_slowdown=0.0, max_memory_growth=0.0, tolerance=0.0)
     validate_limits(max_slowdown=0.99, max_memory_growth=3.0, tolerance=10.0)
@@ -256,7 +256,7 @@ def _must_not_run(*a, **k):
 
 @pytest.mark.parametrize("where", ["/proc/x/j.xml", "FILE/j.xml", "DIR"])
 def test_unwritable_junit_path_exits_2_before_the_check_runs(where, tmp_path, capsys, monkeypatch):
-    import oomtune.check as check
+    import oomtune.regression as check
 
     (tmp_path / "file").write_text("")
     where = where.replace("FILE", str(tmp_path / "file")).replace("DIR", str(tmp_path))
@@ -278,7 +278,7 @@ class _FakeRunner:
 
 
 def test_run_mode_on_a_simulated_best_skips_the_slowdown_by_default(tmp_path):
-    from oomtune.check import SIMULATED_SLOWDOWN_NOTE, check_run
+    from oomtune.regression import SIMULATED_SLOWDOWN_NOTE, check_run
 
     best = load_best(write_best(tmp_path / "best.yaml", metrics={
         "throughput": 100.0, "peak_reserved_bytes": 1_000_000_000, "memory_source": "simulated"}))
@@ -295,7 +295,7 @@ def test_run_mode_on_a_simulated_best_skips_the_slowdown_by_default(tmp_path):
 
 
 def test_run_mode_on_a_cuda_best_keeps_the_10_percent_default(tmp_path):
-    from oomtune.check import default_max_slowdown
+    from oomtune.regression import default_max_slowdown
 
     assert default_max_slowdown(load_best(write_best(tmp_path / "a.yaml", kind="cuda", source="device"))) == 0.10
     assert default_max_slowdown(load_best(write_best(tmp_path / "b.yaml"))) is None
