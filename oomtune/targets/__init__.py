@@ -7,22 +7,27 @@
   :func:`oomtune.report`.
 
 ``TrialSpec.workload`` holds the ``model`` group's keys plus ``workload["target"]`` (this group);
-an absent target means ``builtin``. The trial process calls :func:`build_trial_workload`; the runner
-sends ``cmd`` trials to :func:`run_cmd_trial` instead of a trial process. Submodules are imported
+an absent target means ``builtin``. Each target is one module whose ``TARGET`` implements the trial
+protocol's contract (:class:`oomtune.trial._base.Target`), found by :func:`get_target`: the trial
+process builds in-process targets' workloads, the runner hands own-process targets (``cmd``) their
+trial. This package imports the trial layer, never the reverse. Submodules are imported
 lazily: importing this package does not import torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from oomtune.exceptions import ConfigError
+from oomtune.trial._base import Target
+from oomtune.trial._base import target_name as _base_target_name
 
 __all__ = ["TARGET_NAMES", "target_config", "target_name", "validate_target", "resolve_target",
-           "resolve_workload", "build_trial_workload", "run_cmd_trial"]
+           "resolve_workload", "build_trial_workload", "run_cmd_trial", "get_target"]
 
 TARGET_NAMES = ("builtin", "python", "cmd")
 
@@ -35,7 +40,23 @@ def target_config(workload: Mapping[str, Any]) -> dict[str, Any]:
 
 def target_name(workload: Mapping[str, Any]) -> str:
     """``"builtin"``, ``"python"`` or ``"cmd"`` (unchecked; see :func:`validate_target`)."""
-    return str(target_config(workload).get("name", "builtin"))
+    return _base_target_name(workload)
+
+
+#: target name -> the module implementing it (its ``TARGET``: an :class:`oomtune.trial._base.Target`).
+_MODULES = {"builtin": "oomtune.targets.builtin", "python": "oomtune.targets.python_entry",
+            "cmd": "oomtune.targets.cmd"}
+
+
+def get_target(name: str) -> Target:
+    """The :class:`oomtune.trial._base.Target` implementing ``target=name`` (its module imported now).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name not in _MODULES:
+        raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
+    return importlib.import_module(_MODULES[name]).TARGET
 
 
 def validate_target(target: Mapping[str, Any]) -> None:
@@ -51,17 +72,7 @@ def validate_target(target: Mapping[str, Any]) -> None:
     name = target.get("name", "builtin")
     if not isinstance(name, str) or name not in TARGET_NAMES:
         raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
-    if name == "cmd":
-        from oomtune.targets.cmd import build_command, check_program, resolve_cwd
-
-        argv, shell = build_command(dict(target), 1)
-        cwd = resolve_cwd(dict(target))
-        if not shell:
-            check_program(argv, cwd)
-    elif name == "python":
-        from oomtune.targets.python_entry import load_entry
-
-        load_entry(target.get("entry"))  # type: ignore[arg-type]
+    get_target(name).validate(target)
 
 
 def resolve_target(target_cfg: Mapping[str, Any], *, cwd: Path | None = None) -> dict[str, Any]:
@@ -128,20 +139,7 @@ def build_trial_workload(workload: Mapping[str, Any], batch_size: int, device: A
         ConfigError: a ``cmd`` target (it never runs inside a trial process), an unknown target, or
             what the builders raise.
     """
-    target = target_config(workload)
-    name = target.get("name", "builtin")
-    if name == "python":
-        from oomtune.targets.python_entry import build_user_workload
-
-        return build_user_workload(target, batch_size, device)
-    if name == "builtin":
-        from oomtune.workloads import build_workload
-
-        return build_workload(workload, batch_size, device)
-    if name == "cmd":
-        raise ConfigError("target=cmd runs as its own command (oomtune.targets.cmd.run_cmd_trial), "
-                          "not inside a trial process")
-    raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
+    return get_target(target_name(workload)).build_workload(workload, batch_size, device)
 
 
 def __getattr__(name: str) -> Any:

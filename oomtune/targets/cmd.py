@@ -44,16 +44,18 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from oomtune.classify import classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
+from oomtune.trial._base import Target
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
 __all__ = ["run_cmd_trial", "build_command", "substitute_batch_size", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
-           "NO_REPORT_MESSAGE"]
+           "NO_REPORT_MESSAGE", "CmdTarget", "TARGET"]
 
 NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
 _NO_REPORT_ADVICE = ("call oomtune.report(samples=..., seconds=...) after the measured steps "
@@ -401,3 +403,24 @@ def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:
     if memory.get("source") in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
         result.memory_source = memory["source"]
     result.fill_memory_stats(stats)
+
+
+class CmdTarget(Target):
+    """``target=cmd``: the user's command is the trial process (:func:`run_cmd_trial`)."""
+
+    name = "cmd"
+    own_process = True
+
+    def validate(self, target_cfg: Mapping[str, Any]) -> None:
+        target = dict(target_cfg)
+        argv, shell = build_command(target, 1)
+        cwd = resolve_cwd(target)
+        if not shell:
+            check_program(argv, cwd)
+
+    def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
+            grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:
+        return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
+
+
+TARGET = CmdTarget()

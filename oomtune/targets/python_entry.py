@@ -45,9 +45,10 @@ from torch import nn
 
 from oomtune.exceptions import ConfigError
 from oomtune.targets import is_file_entry
+from oomtune.trial._base import Target
 from oomtune.workloads.loop import Workload
 
-__all__ = ["load_entry", "build_user_workload", "UserWorkload"]
+__all__ = ["load_entry", "build_user_workload", "UserWorkload", "PythonTarget", "TARGET"]
 
 _FORMAT = "expected 'package.module:function' or 'path/to/file.py:function'"
 
@@ -252,3 +253,20 @@ def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
     if not takes_device:
         model.to(device)
     return UserWorkload(entry, model, optimizer, batches, loss_fn, device, batch_size)
+
+
+class PythonTarget(Target):
+    """``target=python``: the user's ``make_workload`` function, trained inside oomtune's trial
+    process (:func:`build_user_workload`)."""
+
+    name = "python"
+    own_process = False
+
+    def validate(self, target_cfg: Mapping[str, Any]) -> None:
+        load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
+
+    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+        return build_user_workload(workload.get("target") or {}, batch_size, device)
+
+
+TARGET = PythonTarget()

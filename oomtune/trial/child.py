@@ -156,14 +156,14 @@ def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[
     """Train on the CPU for real; device memory comes from the virtual GPU (step 3, CPU)."""
     from oomtune.alloc.sim import CachingAllocatorSim
     from oomtune.capture.virtual_gpu import VirtualGPU
-    from oomtune.targets import build_trial_workload
+    from oomtune.trial._base import target_for
 
     result.device = cpu_device_info()
     capacity = spec.budget_bytes if spec.budget_bytes is not None else _UNBOUNDED_SIM_BYTES
     sim = CachingAllocatorSim(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=capacity)
     stats.append(sim.memory_stats)
     torch.manual_seed(spec.seed)
-    workload = build_trial_workload(spec.workload, spec.batch_size, torch.device("cpu"))
+    workload = target_for(spec.workload).build_workload(spec.workload, spec.batch_size, torch.device("cpu"))
     with VirtualGPU(sim, device="cpu") as vgpu:
         vgpu.register(workload.tensors_before_step())
         hook()
@@ -174,7 +174,7 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     """Train on the pinned CUDA device under the budget (steps 2-4, CUDA)."""
     from oomtune.alloc.settings import effective_settings
     from oomtune.gpu import nvml
-    from oomtune.targets import build_trial_workload
+    from oomtune.trial._base import target_for
 
     result.device, physical = _cuda_device_info(nvml)
     dev = torch.device("cuda", 0)  # the only visible device (CUDA_VISIBLE_DEVICES, C10)
@@ -196,7 +196,7 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
-    workload = build_trial_workload(spec.workload, spec.batch_size, dev)
+    workload = target_for(spec.workload).build_workload(spec.workload, spec.batch_size, dev)
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
     try:
         with sampler:

@@ -35,6 +35,7 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_failure
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
+from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
@@ -205,10 +206,9 @@ class TrialRunner:
             AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
         """
         settings = validate_spec(spec)
-        from oomtune.targets import target_name
-
-        if target_name(spec.workload) == "cmd":
-            return self._run_cmd(spec, workdir=Path(workdir), env=env)
+        target = target_for(spec.workload)
+        if target.own_process:
+            return self._run_own_process(target, spec, workdir=Path(workdir), env=env)
         env_child = child_environment(spec, env)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -246,10 +246,10 @@ class TrialRunner:
             result.wall_s = time.time() - launched_at
         return result
 
-    def _run_cmd(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None) -> TrialResult:
-        """``target=cmd``: the user's command is the trial process (oomtune.targets.cmd)."""
-        from oomtune.targets.cmd import run_cmd_trial
-
+    def _run_own_process(self, target: Target, spec: TrialSpec, *, workdir: Path,
+                         env: dict[str, str] | None) -> TrialResult:
+        """An own-process target (``target=cmd``): its program is the trial process
+        (:meth:`oomtune.trial._base.Target.run`); its group is tracked for :meth:`kill_all`."""
         started: list[int] = []
 
         def register(pid: int) -> None:
@@ -258,7 +258,7 @@ class TrialRunner:
                 self._live[pid] = pid
 
         try:
-            return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register)
+            return target.run(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register)
         finally:
             with self._lock:
                 for pid in started:
