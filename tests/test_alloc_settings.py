@@ -178,8 +178,7 @@ def test_torch_version_gates_keys():
         supported_keys("banana")
 
 
-MALFORMED = [
-    "max_split_size_mb:512,",            # trailing comma
+MALFORMED = [  # torch accepts some of these without a defined meaning (see test_alloc_settings_field.py)
     "max_split_size_mb:",                # trailing ':' -> INTERNAL ASSERT at import torch
     "max_split_size_mb",                 # missing ':' and value
     ":512",                              # empty key
@@ -187,7 +186,6 @@ MALFORMED = [
     "max_split_size_mb:512,,expandable_segments:True",  # duplicate separators
     "max_split_size_mb::512",
     "roundup_power2_divisions:[256:1",   # unclosed '['
-    "roundup_power2_divisions:[256:1,512:2,]",
     "roundup_power2_divisions:[]",
     "roundup_power2_divisions:[256]",
     "roundup_power2_divisions:[256:1]x",
@@ -198,7 +196,6 @@ MALFORMED = [
     "[", "]",
     "max_split_size_mb:20.5",            # stoull would read 20
     "max_split_size_mb:-1",              # stoull would wrap to SIZE_MAX
-    "max_split_size_mb:+30",
     "max_split_size_mb:0x40",
 ]
 

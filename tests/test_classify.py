@@ -161,7 +161,10 @@ def test_oldest_cached_format_raised_as_runtime_error_is_oom_by_its_text():
             "8.57 MiB already allocated; 9.28 GiB free; 4.68 MiB cached)")
     info = parse_oom_message(text)
     assert info.source_format == "legacy_cached"
-    assert info.reserved_bytes == mib(4.68) and info.requested_bytes == mib(12.50)
+    # torch <= 1.3's "cached" is reserved - allocated (issue 14 item 1): reserved = 8.57 + 4.68 MiB
+    assert info.reserved_bytes == mib(8.57) + mib(4.68) and info.requested_bytes == mib(12.50)
+    assert info.cached_free_bytes == mib(4.68)
+    # 9.28 GiB free already covers the 12.50 MiB request: not fragmentation, a plain OOM (item 2)
     assert classify_text(text).outcome is Outcome.OOM
 
 

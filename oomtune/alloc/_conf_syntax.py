@@ -43,41 +43,56 @@ def _tokenize(text: str) -> list[str]:
 
 
 def _split_pairs(text: str) -> list[tuple[str, str | list[tuple[str, str]]]]:
-    """Tokens -> [(key, value)], value a token or a list of (a, b) pairs; strict grammar."""
+    """Tokens -> [(key, value)], value a token or a list of (a, b) pairs.
+
+    Accepts what torch 2.14.1 accepts with a defined meaning: one trailing ',' after the last value
+    and one before a list's ']' (``expandable_segments:True,``; :meth:`AllocatorSettings.render`
+    drops them). Refuses what torch refuses (empty keys, ``,,``, a missing value: torch raises or hits
+    an INTERNAL ASSERT) and what torch accepts without a defined meaning, saying what torch would do:
+    ``key,value`` (torch ignores its ':' check), text after a list (ignored by torch), ``[]``.
+    """
     toks, i, pairs = _tokenize(text), 0, []
     bad = lambda why: AllocatorConfigError(f"malformed allocator settings {text!r}: {why}")  # noqa: E731
     while i < len(toks):
         key = toks[i]
         if key in ",:[]":
-            raise bad(f"expected a key but found {key!r} (empty key or stray bracket)")
+            raise bad(f"expected a key but found {key!r} (empty key, ',,' or a stray bracket; torch raises "
+                      f"'Unrecognized key {key!r}')")
+        if i + 1 < len(toks) and toks[i + 1] == "," and i + 2 < len(toks) and toks[i + 2] not in ",:[]" \
+                and (i + 3 >= len(toks) or toks[i + 3] != ":"):
+            raise bad(f"'{key},{toks[i + 2]}' has ',' where ':' belongs; torch would silently read it as "
+                      f"{key}:{toks[i + 2]} (its ':' check is ignored): write {key}:{toks[i + 2]}")
         if i + 1 >= len(toks) or toks[i + 1] != ":":
-            raise bad(f"key {key!r} must be followed by ':' and a value")
+            raise bad(f"key {key!r} must be followed by ':' and a value (torch fails with an INTERNAL ASSERT)")
         i += 2
         if i >= len(toks) or toks[i] in ",:]":
-            raise bad(f"missing value after '{key}:'")
+            raise bad(f"missing value after '{key}:' (torch fails with an INTERNAL ASSERT or stoull)")
         if toks[i] == "[":
             items, i = _split_list(toks, i + 1, key, bad)
             pairs.append((key, items))
+            if i < len(toks) and toks[i] not in ",":
+                raise bad(f"{''.join(toks[i:])!r} after the list of {key!r} has no meaning (torch ignores "
+                          f"it silently); separate settings with ','")
         else:
             pairs.append((key, toks[i]))
             i += 1
         if i < len(toks):
             if toks[i] != ",":
-                raise bad(f"expected ',' after the value of {key!r} but found {toks[i]!r}")
-            if i + 1 == len(toks):
-                raise bad("trailing ','")
-            i += 1
+                raise bad(f"expected ',' after the value of {key!r} but found {toks[i]!r} (a missing ','?)")
+            i += 1   # a ',' at the very end is accepted, as torch does
     return pairs
 
 
 def _split_list(toks: list[str], i: int, key: str, bad: Any) -> tuple[list[tuple[str, str]], int]:
-    """Parse ``a:b,c:d]`` starting after '['; returns the pairs and the index after ']'."""
+    """Parse ``a:b,c:d]`` (a ',' before ']' allowed, as torch) starting after '['; returns the pairs
+    and the index after ']'."""
     items: list[tuple[str, str]] = []
     while True:
         if i >= len(toks):
-            raise bad(f"unclosed '[' in the value of {key!r}")
+            raise bad(f"unclosed '[' in the value of {key!r} (torch fails with an INTERNAL ASSERT)")
         if toks[i] == "]" and not items:
-            raise bad(f"empty list '[]' for {key!r}")
+            raise bad(f"empty list '[]' for {key!r} sets nothing (torch accepts it and keeps its default): "
+                      f"remove {key!r} or give INTERVAL:VALUE items")
         a = toks[i]
         if a in ",:[]" or i + 2 >= len(toks) or toks[i + 1] != ":" or toks[i + 2] in ",:[]":
             raise bad(f"list items of {key!r} must be 'INTERVAL:VALUE' (near {''.join(toks[i:i + 3])!r})")
@@ -88,8 +103,8 @@ def _split_list(toks: list[str], i: int, key: str, bad: Any) -> tuple[list[tuple
         if i >= len(toks) or toks[i] != ",":
             raise bad(f"unclosed '[' in the value of {key!r}")
         i += 1
-        if i < len(toks) and toks[i] == "]":
-            raise bad(f"trailing ',' inside the list of {key!r}")
+        if i < len(toks) and toks[i] == "]" and items:
+            return items, i + 1   # "[256:1,512:2,]": torch accepts the ',' before ']'
 
 
 def _is_pow2(n: int) -> bool:
@@ -97,9 +112,20 @@ def _is_pow2(n: int) -> bool:
 
 
 def _uint(key: str, token: Any) -> int:
-    """A decimal whole number (torch's stoull, without its prefix parsing and wrap-around)."""
+    """A decimal whole number, an optional '+' first (torch's stoull, without its prefix parsing and
+    wrap-around: ``20.5`` would be read as 20, ``-1`` wrap to SIZE_MAX, ``0x40`` be read as 0)."""
+    if isinstance(token, str) and _INT_RE.fullmatch(token.removeprefix("+")):
+        token = token.removeprefix("+")
     if not isinstance(token, str) or not _INT_RE.fullmatch(token):
-        raise _bad(key, token, "is not a whole number (decimal digits only, e.g. 512)")
+        prefix = re.match(r"[+]?\d+", token) if isinstance(token, str) else None
+        if isinstance(token, str) and token.startswith("-") and _INT_RE.fullmatch(token[1:]):
+            why = "is negative (torch's stoull would wrap it to 2**64 - 1 silently): give a whole number"
+        elif prefix is not None:
+            why = (f"is not a whole number (torch's stoull would read it as {int(prefix.group(0))}): "
+                   "give decimal digits only, e.g. 512")
+        else:
+            why = "is not a whole number (decimal digits only, e.g. 512)"
+        raise _bad(key, token, why)
     n = int(token)
     if n > 2**64 - 1:
         raise _bad(key, token, f"is out of range (must be <= {2**64 - 1}; torch: stoull)")

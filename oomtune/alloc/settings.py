@@ -3,10 +3,15 @@
 Reproduces ``ConfigTokenizer`` (c10/core/AllocatorConfig.h), ``AcceleratorAllocatorConfig::parseArgs``
 (c10/core/AllocatorConfig.cpp) and ``CUDAAllocatorConfig::parseArgs`` (c10/cuda/CUDAAllocatorConfig.cpp),
 checked against torch 2.14.1 (libc10.so strings and ``torch._C._accelerator_setAllocatorSettings``).
-oomtune is stricter than torch where torch mis-parses silently or crashes: torch's ``checkToken``
-result is ignored (``max_split_size_mb,512`` is accepted), ``stoull`` takes a prefix (``20.5`` -> 20,
-``-1`` wraps to SIZE_MAX), ``[]`` and ``[a:b,]`` are accepted, and a missing value or unclosed ``[``
-is an INTERNAL ASSERT that aborts ``import torch`` (pytorch #186453). Every such string is refused here.
+oomtune accepts what torch 2.14.1 accepts with a defined meaning, normalised by :meth:`render`: a
+trailing ``,`` (``expandable_segments:True,``), a ``,`` before a list's ``]``, a ``+`` sign. It refuses
+what torch refuses, naming torch's minimum (``max_split_size_mb:0`` -> "the minimum is 20"), and
+what torch accepts without a defined meaning, saying what torch would do: its ``checkToken`` result
+is ignored (``max_split_size_mb,512`` is read as 512), ``stoull`` takes a prefix (``20.5`` -> 20,
+``-1`` wraps to SIZE_MAX), ``[]`` sets nothing, text after ``]`` is ignored, a repeated key silently
+keeps its last value; a missing value or unclosed ``[`` is an INTERNAL ASSERT that aborts
+``import torch`` (pytorch #186453). tests/test_alloc_settings.py checks every verdict against
+torch's own parser (``torch._C._accelerator_setAllocatorSettings``).
 Whitespace is dropped anywhere, as ``ConfigTokenizer`` does (``std::isspace``).
 """
 
@@ -105,6 +110,15 @@ def supported_keys(torch_version: str | None = None) -> frozenset[str]:
 
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _mib_text(nbytes: int) -> str:
+    """A byte count as the ``_mb`` value a user wrote (``512``), or ``N bytes`` when not whole MiB."""
+    return str(nbytes // MiB) if nbytes % MiB == 0 else f"{nbytes} bytes"
+
+
 @dataclasses.dataclass(frozen=True)
 class AllocatorSettings:
     """The caching allocator's settings, sizes in bytes (a validated PYTORCH_CUDA_ALLOC_CONF).
@@ -134,13 +148,21 @@ class AllocatorSettings:
                      "pinned_use_background_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, repr(getattr(self, name)), "is not a boolean (True or False)")
-        large = self._mib("large_segment_size_mb", self.large_segment_size_bytes)
-        if large <= _MIN_LARGE_ALLOC_MB:
-            raise _bad("large_segment_size_mb", large, f"too small: must be > {_MIN_LARGE_ALLOC_MB} (MiB)")
+        large_bytes = self.large_segment_size_bytes
+        if _is_int(large_bytes) and large_bytes <= _MIN_LARGE_ALLOC_MB * MiB:  # before the MiB check: 0 too
+            raise _bad("large_segment_size_mb", _mib_text(large_bytes),
+                       f"too small: the minimum is {_MIN_LARGE_ALLOC_MB + 1} (MiB; torch: must be > {_MIN_LARGE_ALLOC_MB})")
+        large = self._mib("large_segment_size_mb", large_bytes)
         for key, nbytes in (("max_split_size_mb", self.max_split_size_bytes),
                             ("max_non_split_rounding_mb", self.max_non_split_rounding_bytes)):
-            if nbytes is not None and self._mib(key, nbytes) < large:  # torch: >= large segment size
-                raise _bad(key, nbytes // MiB, f"too small: must be >= {large} (MiB, the large segment size)")
+            # torch: "CachingAllocator option max_split_size_mb too small, must be >= 20" (the large
+            # segment size, kLargeBuffer = 20 MiB by default); 0 included (not "unlimited": omit the key)
+            if _is_int(nbytes) and nbytes < large * MiB:
+                raise _bad(key, _mib_text(nbytes), f"too small: the minimum is {large} (MiB, the large segment "
+                           f"size; torch: must be >= {large})" + ("; omit the key for no limit"
+                                                                  if key == "max_split_size_mb" else ""))
+            if nbytes is not None:
+                self._mib(key, nbytes)
         gc = self.garbage_collection_threshold
         if isinstance(gc, bool) or not isinstance(gc, (int, float)) or not (gc == 0 or 0 < gc < 1):
             raise _bad("garbage_collection_threshold", gc, "invalid: set it in (0.0, 1.0) exclusive (0 = off)")
@@ -190,7 +212,8 @@ class AllocatorSettings:
             if name not in _MODELLED:
                 raise AllocatorConfigError(f"key {key!r} is accepted by torch but not modelled by oomtune; remove it")
             if name in values:
-                raise AllocatorConfigError(f"duplicate key {name!r} in {text!r}")
+                raise AllocatorConfigError(f"duplicate key {name!r} in {text!r}: torch would keep the last value "
+                                           "and silently ignore the first; give each key once")
             if isinstance(value, list) and name != "roundup_power2_divisions":
                 raise AllocatorConfigError(f"{key} takes a single value, not a '[...]' list")
             values[name] = (key, value)
@@ -204,7 +227,8 @@ class AllocatorSettings:
                 kw["backend"] = tok
             elif name == "garbage_collection_threshold":
                 if not _FLOAT_RE.fullmatch(tok) or not 0 < float(tok) < 1:
-                    raise _bad(name, tok, "invalid: set it in (0.0, 1.0) exclusive")
+                    raise _bad(name, tok, "invalid: set it in (0.0, 1.0) exclusive (torch's range; for "
+                               "off, omit the key)")
                 kw[name] = float(tok)
             elif name == "roundup_power2_divisions":
                 kw[name] = _divisions(tok, gt_fix)
@@ -282,6 +306,7 @@ class AllocatorSettings:
 
 
 _DEFAULTS = AllocatorSettings()
+
 
 
 def validate_alloc_conf(text: str) -> AllocatorSettings:

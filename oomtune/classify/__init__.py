@@ -8,13 +8,17 @@ Rule order (first match wins) and why:
 
 1. ``limit`` for element-count / 32-bit indexing limits (field case C2): these never mention memory and
    no allocator setting helps, so they come before anything memory-like.
-2. The caching allocator's OOM (``CUDA out of memory. Tried to allocate``), split by cause:
-   ``oom_fragmentation`` when reserved-but-unallocated >= the request (C3), else ``fraction_cap`` when an
-   ``allowed`` figure below the total capacity was printed (C4), else ``oom``. Fragmentation wins over
-   the fraction cap: reserved - allocated >= request implies allocated + request <= reserved <= allowed,
-   so the request fits inside the cap and only the layout of the cached blocks stopped it; an allocator
-   setting (expandable_segments / max_split_size_mb) fixes it under the same budget, whereas "fraction
-   cap" would send the user to raise the budget.
+2. TensorFlow's memory failures (``ResourceExhaustedError: OOM when allocating tensor``, "failed to
+   allocate", "Dst tensor is not initialized"): ``oom`` (``host_oom`` on TF's CPU allocator); PyTorch's
+   allocator settings do not apply to TF's allocator, the advice says so (issue 14 item 3).
+2b. The caching allocator's OOM (``CUDA out of memory. Tried to allocate``), split by cause:
+   ``oom_fragmentation`` when free < request <= free + reserved-but-unallocated, "free" capped by what
+   the fraction still allows (C3, C8; issue 14 item 2: free memory alone covering the request is not
+   fragmentation), else ``fraction_cap`` when an ``allowed`` figure below the total capacity was
+   printed (C4), else ``oom``. Fragmentation wins over the fraction cap: the request fits inside the
+   cap and only the layout of the cached blocks stopped it; an allocator setting (expandable_segments
+   / max_split_size_mb) fixes it under the same budget, whereas "fraction cap" would send the user to
+   raise the budget. torch <= 1.3's "C cached" is reserved - allocated (issue 14 item 1).
 3. ``oom_outside_allocator``: cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE/NCCL allocation failures and the raw
    driver/runtime ``CUDA error: out of memory`` (torch.AcceleratorError).
 4. ``host_oom``: host RAM and shared memory (C5).
@@ -25,6 +29,10 @@ Rule order (first match wins) and why:
    when it comes with an out-of-memory text, rule 3 has already called it memory.
 6. The exception type: ``*OutOfMemoryError`` -> ``oom`` (an allocator OOM with an unparsed message),
    Python ``MemoryError`` -> ``host_oom``. A plain RuntimeError is never an OOM by its type.
+
+For a dead process (:func:`classify_failure`), the exceptions of its tracebacks decide first; when
+they are not recognised, a memory signal anywhere in stderr counts (issue 14 item 4: NCCL's
+"Cuda failure 'out of memory'" before a generic RuntimeError).
 
 The v2.13 ``LOG(WARNING)`` line "memory allocation failed with OOM on device ..." fires on retries that
 later succeed; it is removed from stderr before anything is matched.
@@ -54,7 +62,9 @@ from oomtune.classify._rules import (
     is_element_limit,
     is_host_oom,
     is_outside_allocator_oom,
+    is_tensorflow_oom,
     is_worker_crash,
+    memory_signal,
 )
 
 __all__ = [

@@ -7,7 +7,7 @@ import signal
 import traceback as _tb
 
 from oomtune.classify._gpu_index import _ENV
-from oomtune.classify._rules import ADVICE, Classification, _drop_warnings, classify_text
+from oomtune.classify._rules import ADVICE, Classification, _drop_warnings, classify_text, memory_signal
 from oomtune.outcome import Outcome
 
 __all__ = ["classify_exception", "classify_failure", "TRACEBACK_TAIL_LINES"]
@@ -107,7 +107,8 @@ def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = F
         returncode: ``Popen.returncode`` (negative N = killed by signal N; 128+N from a shell = signal N);
             None when unknown.
         stderr: the child's stderr (its tail suffices); the last traceback's exception is classified,
-            then the exceptions it was raised from.
+            then the exceptions it was raised from; when they are not recognised, a memory signal
+            anywhere in ``stderr`` (:func:`memory_signal`) decides.
         timed_out: the runner killed the process group at the wall limit (wins over everything).
         batch_size / smaller_batch_succeeded / visible_devices: as in :func:`classify_text`.
 
@@ -127,6 +128,13 @@ def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = F
     result = _pick(blocks, **kw) if blocks else None
     if result is not None and result.outcome is not Outcome.ERROR:
         return result
+    if returncode != 0 or blocks:
+        # A memory signal anywhere counts, even when a generic traceback follows it (issue 14 item 4:
+        # "NCCL WARN Cuda failure 'out of memory'", then a RuntimeError from the collective).
+        found = memory_signal(stderr, **kw)
+        if found is not None:
+            return Classification(found.outcome, found.message, found.advice, found.oom,
+                                  found.gpu_index_physical, tail)
     sig = -returncode if returncode is not None and returncode < 0 else None
     if returncode is not None and 128 < returncode <= 128 + 64:
         sig = returncode - 128

@@ -44,7 +44,7 @@ def _find(rx: re.Pattern[str], text: str) -> int | None:
 _CUR_HEAD = _w(r"(CUDA|HIP|XPU) out of memory\. Tried to allocate SIZE\. GPU (\d+) has a total "
                r"capac(?:i)?ty of SIZE of which SIZE is free\.")
 _CUR_SELF = _w(r"Including non-PyTorch memory, this process has SIZE memory in use")
-_CUR_PROC = _w(r"Process \d+ has SIZE memory in use")
+_CUR_PROC = _w(r"Process [^\s.;]+ has SIZE memory in use")  # another process (NVML): pid as printed
 _CUR_ALLOWED = _w(r"SIZE allowed;")
 _CUR_ALLOC = _w(r"Of the allocated memory SIZE is allocated by PyTorch,")
 _CUR_UNALLOC = _w(r"and SIZE is reserved by PyTorch but unallocated")
@@ -54,7 +54,9 @@ _LEG_ALLOC = _w(r"SIZE already allocated")
 _LEG_FREE = _w(r"SIZE free")
 _LEG_ALLOWED = _w(r"SIZE allowed")
 _LEG_RESERVED = _w(r"SIZE reserved in total by PyTorch")
-_LEG_CACHED = _w(r"SIZE cached")  # torch <= 1.3: "cached" was the same total (memory_cached == reserved)
+# torch <= 1.3 printed "C cached" where C is cached but not allocated (reserved - allocated): in every
+# such report it is smaller than "already allocated" (issue 14 item 1), so reserved = A + C.
+_LEG_CACHED = _w(r"SIZE cached")
 _ASYNC_HEAD = _w(r"Allocation on device (\d+) would exceed allowed memory")
 _ASYNC_ALLOC = _w(r"Currently allocated\s*: SIZE")
 _ASYNC_REQ = _w(r"Requested\s*: SIZE")
@@ -79,6 +81,8 @@ class OomInfo:
         reserved_bytes: reserved in total by PyTorch = allocated + reserved-but-unallocated.
         allowed_bytes: the per-process-fraction limit when one was set, else None.
         process_in_use_bytes: "this process has M memory in use" (or the single "Process P has M").
+        other_processes_bytes: the sum of "Process P has M memory in use" of the other processes
+            (current format, NVML's list; None when none is printed or only one process is listed).
         source_format: "current" | "legacy" | "legacy_cached" | "cudaMallocAsync" | "preemptive".
         backend: "CUDA" | "HIP" | "XPU".
     """
@@ -93,6 +97,7 @@ class OomInfo:
     process_in_use_bytes: int | None
     source_format: str
     backend: str = "CUDA"
+    other_processes_bytes: int | None = None
 
     @property
     def cached_free_bytes(self) -> int | None:
@@ -110,24 +115,29 @@ def _parse_current(text: str) -> OomInfo | None:
     rest = text[m.end():]
     allocated, unallocated = _find(_CUR_ALLOC, rest), _find(_CUR_UNALLOC, rest)
     in_use = _find(_CUR_SELF, rest)
-    procs = _CUR_PROC.findall(rest)
+    procs = [_bytes(*p) for p in _CUR_PROC.findall(rest)]
+    others = sum(procs) if procs and in_use is not None else None
     if in_use is None and len(procs) == 1:
-        in_use = _bytes(*procs[0])
+        in_use = procs[0]
     reserved = None if allocated is None or unallocated is None else allocated + unallocated
     return OomInfo(_bytes(m[2], m[3]), int(m[4]), _bytes(m[5], m[6]), _bytes(m[7], m[8]), allocated,
-                   reserved, _find(_CUR_ALLOWED, rest), in_use, "current", m[1])
+                   reserved, _find(_CUR_ALLOWED, rest), in_use, "current", m[1], others)
 
 
 def _parse_legacy(text: str) -> OomInfo | None:
     """Format of torch 1.x-2.0: ``(GPU 0; T total capacity; A already allocated; F free; [W allowed; ]
-    R reserved in total by PyTorch)``; torch <= 1.3 printed ``R cached`` for the same total."""
+    R reserved in total by PyTorch)``. torch <= 1.3 printed ``C cached`` instead, C being the cached
+    memory not allocated (reserved - allocated, always below "already allocated" in the reports), so
+    there reserved = A + C and the cache is C itself (issue 14 item 1)."""
     m = _LEG_HEAD.search(text)
     if m is None:
         return None
     body = m[5]
     reserved, fmt = _find(_LEG_RESERVED, body), "legacy"
     if reserved is None:
-        reserved, fmt = _find(_LEG_CACHED, body), "legacy_cached"
+        cached, allocated = _find(_LEG_CACHED, body), _find(_LEG_ALLOC, body)
+        reserved = None if cached is None or allocated is None else allocated + cached
+        fmt = "legacy_cached"
     return OomInfo(_bytes(m[2], m[3]), int(m[4]), _find(_LEG_TOTAL, body), _find(_LEG_FREE, body),
                    _find(_LEG_ALLOC, body), reserved, _find(_LEG_ALLOWED, body), None, fmt, m[1])
 

@@ -18,7 +18,8 @@ from oomtune.outcome import Outcome
 from oomtune.units import format_bytes
 
 __all__ = ["Classification", "ADVICE", "classify_text", "is_element_limit", "is_allocator_oom",
-           "is_outside_allocator_oom", "is_host_oom", "is_cudnn_algorithm", "is_worker_crash"]
+           "is_outside_allocator_oom", "is_host_oom", "is_tensorflow_oom", "is_cudnn_algorithm",
+           "is_worker_crash", "memory_signal"]
 
 @dataclass(frozen=True)
 class Classification:
@@ -56,6 +57,8 @@ ADVICE = {
     Outcome.CRASH: "a native crash: rerun the trial alone to reproduce it",
     Outcome.ERROR: "a setup fault or a bug, not a memory limit: see the traceback tail",
 }
+_TF_ADVICE = ("TensorFlow's allocator ran out (PyTorch allocator settings do not apply to it): lower the batch "
+              "size, or set TF_GPU_ALLOCATOR=cuda_malloc_async / TF_FORCE_GPU_ALLOW_GROWTH=true")
 _LIB_LIMIT_ADVICE = ("batch-size-dependent library limit after smaller batches succeeded: this batch is "
                      "infeasible; no allocator setting helps")
 
@@ -82,6 +85,13 @@ is_host_oom = _rx(r"DefaultCPUAllocator: (?:not enough memory|can't allocate mem
                   r"DataLoader worker \(pid \d+\) is killed by signal: (?:Bus error|Killed)",
                   r"out of shared memory", r"insufficient shared memory",
                   r"unable to allocate shared memory", r"unable to write to file </torch_.*No space left")
+# TensorFlow's own allocator (BFC) and its memory failures: users run TF scripts through target=cmd
+# (issue 14 item 3). tensorflow/core/common_runtime/bfc_allocator.cc, framework/op_kernel.cc,
+# common_runtime/gpu/gpu_util.cc ("Dst tensor is not initialized": the copy destination got no memory).
+is_tensorflow_oom = _rx(r"ResourceExhaustedError", r"\bRESOURCE_EXHAUSTED\b", r"OOM when allocating tensor",
+                        r"Dst tensor is not initialized", r"ran out of memory trying to allocate",
+                        r"\bfailed to allocate (?:memory\b|[\d.]+\s*[KMGTP]?i?B?\b)")
+_TF_HOST = re.compile(r"device:CPU|\bcpu_allocator\b|\bmklcpu\b|Allocator \(cpu\)", re.I)
 is_cudnn_algorithm = _rx(r"Unable to find a valid cuDNN algorithm", r"CUDNN_STATUS_NOT_SUPPORTED",
                          r"CUBLAS_STATUS_NOT_INITIALIZED")
 is_worker_crash = _rx(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) (?:is killed by signal|exited unexpectedly)")
@@ -106,36 +116,48 @@ def _oom_classification(text: str, info: OomInfo | None) -> tuple[Outcome, str]:
     req = info.requested_bytes
     head = f"tried to allocate {format_bytes(req)}" + (f" on GPU {info.gpu_index}" if info.gpu_index is not None else "")
     cached = info.cached_free_bytes
-    if req is not None and cached is not None and cached >= req:
+    if _is_fragmentation(info):
         return Outcome.OOM_FRAGMENTATION, (
-            f"fragmentation ({where}): {head}; {format_bytes(cached)} reserved but unallocated >= the "
-            f"request ({format_bytes(info.reserved_bytes)} reserved, {format_bytes(info.allocated_bytes)} allocated)")
-    if _trapped_cache_would_fit(info):
-        return Outcome.OOM_FRAGMENTATION, (
-            f"fragmentation ({where}): {head}; {format_bytes(info.free_bytes)} free + "
-            f"{format_bytes(cached)} reserved but unallocated would hold it, but the cached memory is "
-            f"split across segments that still hold live blocks")
+            f"fragmentation ({where}): {head}; {format_bytes(_usable_free(info))} free < the request <= free + "
+            f"{format_bytes(cached)} reserved but unallocated ({format_bytes(info.reserved_bytes)} reserved, "
+            f"{format_bytes(info.allocated_bytes)} allocated): the cached memory is split across segments "
+            f"that still hold live blocks")
     if info.source_format == "preemptive" or _fraction_was_limit(info):
         allowed = "" if info.allowed_bytes is None else f"{format_bytes(info.allowed_bytes)} allowed of "
         return Outcome.FRACTION_CAP, (
             f"fraction cap hit ({where}): {head}; {allowed}{format_bytes(info.total_bytes)} total")
+    others = ("" if not info.other_processes_bytes
+              else f"; other processes hold {format_bytes(info.other_processes_bytes)}")
     return Outcome.OOM, (f"out of memory ({where}): {head}; {format_bytes(info.allocated_bytes)} allocated, "
-                         f"{format_bytes(info.free_bytes)} free of {format_bytes(info.total_bytes)}")
+                         f"{format_bytes(info.free_bytes)} free of {format_bytes(info.total_bytes)}{others}")
 
 
-def _trapped_cache_would_fit(info: OomInfo) -> bool:
-    """Field case C8 (pytorch#35901): 10.26 GiB free < 10.84 GiB <= free + cached. The message is
-    written after the allocator's retry chain released every cached block that was a whole segment
-    (release_cached_blocks in DeviceCachingAllocator::malloc), so the reserved-but-unallocated memory
-    left sits in segments that also hold live blocks. When the usable free memory (capped by the
-    fraction's allowance) plus that trapped cache holds the request, the batch fits the budget and
-    the layout stopped it: fragmentation, fixed by max_split_size_mb or expandable_segments."""
-    req, cached, free = info.requested_bytes, info.cached_free_bytes, info.free_bytes
-    if req is None or cached is None or cached <= 0 or free is None:
-        return False
-    if info.allowed_bytes is not None and info.reserved_bytes is not None:
+def _usable_free(info: OomInfo) -> int | None:
+    """The device's free memory as the message printed it, capped by what the per-process fraction
+    still allows (``allowed - reserved``) when an ``allowed`` figure was printed; bytes."""
+    free = info.free_bytes
+    if free is not None and info.allowed_bytes is not None and info.reserved_bytes is not None:
         free = min(free, max(0, info.allowed_bytes - info.reserved_bytes))
-    return free + cached >= req
+    return free
+
+
+def _is_fragmentation(info: OomInfo) -> bool:
+    """``free < request <= free + cached``, in every format (issue 14 item 2; field cases C3, C8).
+
+    The message is written after the allocator's retry chain released every cached block that was a
+    whole segment (``release_cached_blocks`` in ``DeviceCachingAllocator::malloc``), so the
+    reserved-but-unallocated memory left sits in segments that also hold live blocks. When the usable
+    free memory (capped by the fraction's allowance) alone covers the request, the layout of the
+    cache did not stop it (another process took the memory, or the figures raced): not fragmentation.
+    When free + that trapped cache holds the request, the batch fits the budget and the layout stopped
+    it: fragmentation, fixed by max_split_size_mb or expandable_segments. Without a printed free
+    figure the cache alone must hold the request."""
+    req, cached, free = info.requested_bytes, info.cached_free_bytes, _usable_free(info)
+    if req is None or cached is None or cached <= 0:
+        return False
+    if free is None:
+        return cached >= req
+    return free < req <= free + cached
 
 
 def _fraction_was_limit(info: OomInfo) -> bool:
@@ -172,6 +194,11 @@ def classify_text(text: str, *, batch_size: int | None = None, smaller_batch_suc
     if is_element_limit(text):
         return Classification(Outcome.LIMIT, f"element-count limit: {msg}", ADVICE[Outcome.LIMIT])
     etype = _exception_type(text)
+    if is_tensorflow_oom(text) and not is_allocator_oom(text):
+        if _TF_HOST.search(text):
+            return Classification(Outcome.HOST_OOM, f"host memory (TensorFlow's CPU allocator): {msg}",
+                                  ADVICE[Outcome.HOST_OOM])
+        return Classification(Outcome.OOM, f"out of memory in TensorFlow's GPU allocator: {msg}", _TF_ADVICE)
     if is_outside_allocator_oom(text) and not is_allocator_oom(text):
         return Classification(Outcome.OOM_OUTSIDE_ALLOCATOR, f"out of memory outside the caching allocator: {msg}",
                               ADVICE[Outcome.OOM_OUTSIDE_ALLOCATOR])
@@ -191,6 +218,32 @@ def classify_text(text: str, *, batch_size: int | None = None, smaller_batch_suc
     if is_worker_crash(text):
         return Classification(Outcome.CRASH, f"DataLoader worker died: {msg}", ADVICE[Outcome.CRASH])
     return Classification(Outcome.ERROR, msg or "error with no message", ADVICE[Outcome.ERROR])
+
+
+def memory_signal(text: str, **kw) -> Classification | None:
+    """The memory outcome of a memory failure named anywhere in ``text`` (a whole stderr), or None.
+
+    Unlike :func:`classify_text`, which judges one exception, this looks for any memory signal
+    (allocator OOM, TensorFlow, outside the allocator, host) in any line, e.g. NCCL's
+    ``NCCL WARN Cuda failure 'out of memory'`` logged before a generic traceback (issue 14 item 4).
+    ``kw`` as for :func:`classify_text`. Never raises.
+    """
+    text = _drop_warnings(text)
+    if not (is_allocator_oom(text) or is_tensorflow_oom(text) or is_outside_allocator_oom(text)
+            or is_host_oom(text)):
+        return None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    for i, line in enumerate(lines):  # the first line that carries the signal
+        if not (is_allocator_oom(line) or is_tensorflow_oom(line) or is_outside_allocator_oom(line)
+                or is_host_oom(line)):
+            continue
+        result = classify_text(line, **kw)
+        if is_allocator_oom(line) and result.oom is None:  # a message wrapped over several lines
+            result = classify_text("\n".join(lines[i:i + 8]), **kw)
+        if result.outcome.is_memory or result.outcome is Outcome.HOST_OOM:
+            return result
+    result = classify_text(text, **kw)
+    return result if result.outcome.is_memory or result.outcome is Outcome.HOST_OOM else None
 
 
 def _physical(info: OomInfo | None, visible_devices: str | None | object) -> str | None:
