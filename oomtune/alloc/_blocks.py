@@ -24,7 +24,7 @@ __all__ = [
 K_MIN_BLOCK_SIZE = 512            # all sizes are rounded to at least 512 bytes
 K_SMALL_SIZE = 1 << 20            # largest "small" allocation is 1 MiB
 K_SMALL_BUFFER = 2 << 20          # "small" allocations are packed in 2 MiB segments
-K_LARGE_BUFFER = 20 << 20         # kLargeBuffer: still 20 MiB; expandable large-pool page size
+K_LARGE_BUFFER = 20 << 20         # kLargeBuffer: 20 MiB, the default of large_segment_size
 K_MIN_LARGE_ALLOC = 10 << 20      # requests between 1 and 10 MiB get a large_segment_size segment
 K_ROUND_LARGE = 2 << 20           # larger requests round their segment up to 2 MiB
 SIZE_MAX = (1 << 64) - 1          # std::numeric_limits<size_t>::max(): "unlimited" max_split_size
@@ -38,9 +38,10 @@ ADDR_MASK = FIELD_MASK
 class ExpandableSegment:
     """One reserved virtual address range mapped in pages on demand (``ExpandableSegment``).
 
-    ``page_bytes`` is 2 MiB for the small pool and 20 MiB for the large pool (the constructor's
-    ``segment_size`` from ``find_expandable_block``: ``pool->is_small ? kSmallBuffer :
-    kLargeBuffer``). The range holds ``ceil(1.125 * total_memory / page)`` pages.
+    ``page`` (bytes) is 2 MiB for the small pool and ``large_segment_size`` (20 MiB by default) for
+    the large pool (the constructor's ``segment_size`` from ``find_expandable_block`` in torch
+    2.14.1: ``pool->is_small ? kSmallBuffer : large_segment_size()``). The range holds
+    ``ceil(1.125 * total_memory / page)`` pages.
     """
 
     __slots__ = ("base", "page", "num_pages", "mapped", "stream", "small")

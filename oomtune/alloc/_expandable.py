@@ -3,7 +3,9 @@
 A mixin of :class:`oomtune.alloc.sim.CachingAllocatorSim`, after ``find_expandable_block``,
 ``map_block``, ``try_allocate_expandable_block``, ``unmap_block`` and
 ``release_expandable_segment`` in c10/cuda/CUDACachingAllocator.cpp and ``ExpandableSegment::map``
-/ ``unmap``. Pages are 2 MiB in the small pool and 20 MiB (kLargeBuffer) in the large pool; each
+/ ``unmap``. Pages are 2 MiB in the small pool and ``large_segment_size`` (20 MiB by default) in the
+large pool (``find_expandable_block``: ``pool->is_small ? kSmallBuffer : large_segment_size()``, torch
+2.14.1; the same 20 MiB as kLargeBuffer in versions without that setting); each
 segment reserves ``ceil(1.125 * total / page)`` pages of address space. Mapping counts as a device
 allocation (``num_device_alloc``, ``reserved_bytes``) but, as in torch, not as a new ``segment``.
 A page is obtained only if the simulated device still has that much free memory (``cuMemCreate``
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from oomtune.alloc._blocks import (ADDR_MASK, K_LARGE_BUFFER, K_SMALL_BUFFER, STREAM_SHIFT, Block,
+from oomtune.alloc._blocks import (ADDR_MASK, K_SMALL_BUFFER, STREAM_SHIFT, Block,
                                    ExpandableSegment, Pool)
 from oomtune.alloc._stats import RESERVED_BYTES, dec, inc
 
@@ -81,7 +83,7 @@ class ExpandableMixin:
             if room >= size:
                 return c
             i += 1
-        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if pool.small else self._large_seg
         total = self._total
         pages = -(-(total + total // 8) // page)
         es = ExpandableSegment(self._reserve_address(pages * page, page), page, pages, stream, pool.small)

@@ -14,13 +14,18 @@ The simulated device has ``total_memory_bytes``; ``non_allocator_bytes`` (CUDA c
 libraries) are taken before the allocator gets any, so ``cudaMalloc`` succeeds while
 ``size <= total - non_allocator - reserved``.
 
-Where the reference notes and the source differ, the source wins: ``set_per_process_memory_fraction``
-arms the limit (and garbage collection) even at 1.0 (``set_fraction = true``); torch >= 2.9 sizes
-1-10 MiB segments with ``large_segment_size`` (was kLargeBuffer); expandable large-pool pages stay
-kLargeBuffer (20 MiB), and the fraction check for expandable memory uses the segment size
-(``alloc_size``) although whole pages are mapped, so reserved memory can pass the limit by less than a
-page, as in torch. Deviations: garbage collection and release_available_cached_blocks skip
-expandable blocks (newer torch / pytorch#123548); the opt-in ``per_process_memory_fraction`` +
+Where the reference notes and the source differ, the source wins (torch 2.14.1, checked against the
+shipped libc10_cuda.so): ``setMemoryFraction`` sets a limit only for a fraction < 1, of
+``round(fraction x total)`` bytes (``std::round``; 1.0 clears it, so no limit, no garbage collection
+and no "allowed" text in the OOM message); a request of 0 bytes never reaches the allocator
+(``NativeCachingAllocator::allocate`` calls malloc only when ``size != 0``): :meth:`malloc` returns
+address 0 and :meth:`free` of 0 does nothing; torch >= 2.9 sizes 1-10 MiB segments with
+``large_segment_size``; expandable large-pool pages are ``large_segment_size`` too
+(``find_expandable_block``: ``pool->is_small ? kSmallBuffer : large_segment_size()``; 20 MiB by
+default), and the fraction check for expandable memory uses the segment size (``alloc_size``)
+although whole pages are mapped, so reserved memory can pass the limit by less than a page, as in
+torch. Deviations: garbage collection and release_available_cached_blocks skip expandable blocks
+(newer torch / pytorch#123548); the opt-in ``per_process_memory_fraction`` +
 ``throw_on_cudamalloc_oom`` keys of recent torch are not modelled.
 
 Speed: free blocks live in sorted lists of packed integer keys (bisect), blocks in dicts by address,
@@ -56,6 +61,12 @@ assert (_stats.ALLOCATION, _stats.INACTIVE_SPLIT, _stats.ALLOCATED_BYTES, _stats
         _stats.REQUESTED_BYTES) == (0, 9, 12, 21, 24)
 
 
+def _round_half_away(x: float) -> int:
+    """``std::round`` of a non-negative double as the compiled torch does it: trunc(x + 0.5 - ulp)
+    below 2**52 (where every double is already an integer)."""
+    return int(x + 0.49999999999999994) if x < 4503599627370496.0 else int(x)
+
+
 class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
     """A simulated CUDA device with PyTorch's native caching allocator (``DeviceCachingAllocator``).
 
@@ -63,8 +74,8 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
         settings: ``AllocatorSettings``, a PYTORCH_CUDA_ALLOC_CONF string, or None (torch defaults).
         total_memory_bytes: the device capacity in bytes (``cudaMemGetInfo`` total).
         non_allocator_bytes: device memory outside the allocator (CUDA context etc.), in bytes.
-        memory_fraction: a value < 1 calls :meth:`set_per_process_memory_fraction`; 1.0 (default)
-            means the process never set a fraction (no limit, and no garbage collection).
+        memory_fraction: passed to :meth:`set_per_process_memory_fraction` unless 1.0 (default);
+            1.0 means no limit and no garbage collection, as in torch.
         device_index: the GPU index shown in messages and snapshots.
         record_segment_events: keep ``segment_events``: dicts ``{"action": "segment_alloc" |
             "segment_free" | "segment_map" | "segment_unmap", "addr", "size", "stream", "index"}``
@@ -115,20 +126,26 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
     def malloc(self, size_bytes: int, stream: int = 0) -> int:
         """Allocate ``size_bytes`` on ``stream``; returns the block address (``DeviceCachingAllocator::malloc``).
 
+        A request of 0 bytes returns address 0 and changes nothing (no stats, no call counted): in
+        torch it never reaches the allocator (``NativeCachingAllocator::allocate`` returns a null
+        pointer for ``size == 0``).
+
         Raises:
             SimulatedOutOfMemoryError: the whole retry chain failed (``num_ooms`` is incremented).
             ConfigError: a negative size.
         """
-        index = self._calls
-        self._calls = index + 1
         if size_bytes < 512:
-            if size_bytes < 0:
+            if size_bytes <= 0:
+                if size_bytes == 0:
+                    return 0
                 raise ConfigError(f"cannot allocate a negative size ({size_bytes} bytes)")
             size = 512
         elif self._divs is None:
             size = (size_bytes + 511) & -512
         else:
             size = round_size(size_bytes, self._divs)
+        index = self._calls
+        self._calls = index + 1
         small = size <= 1048576
         pool = self._small if small else self._large
         if self._gc_on:
@@ -179,13 +196,18 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
     def free(self, addr: int) -> None:
         """Free the block at ``addr`` (``DeviceCachingAllocator::free`` + ``free_block``).
 
+        ``addr`` 0 (what :meth:`malloc` returns for 0 bytes) does nothing, as torch's ``free`` of a
+        null pointer.
+
         Raises:
             ConfigError: ``addr`` is not an allocated block of this simulator.
         """
-        self._calls += 1
         block = self._active.pop(addr, None)
         if block is None:
+            if addr == 0:
+                return
             raise ConfigError(f"free of an address that is not allocated on the virtual GPU: {addr!r}")
+        self._calls += 1
         block.allocated = False
         size, req, small = block.size, block.requested, block.small
         pa, pt = self._hot
@@ -212,15 +234,24 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
         self._release_cached(self._calls)
 
     def set_per_process_memory_fraction(self, fraction: float) -> None:
-        """Limit reserved memory to ``int(fraction * total_memory_bytes)`` (``setMemoryFraction``).
+        """Limit reserved memory to ``round(fraction * total_memory_bytes)`` bytes (``setMemoryFraction``).
 
-        As in torch, calling this (even with 1.0) turns on the limit check and lets
-        garbage_collection_threshold act. Raises ConfigError unless 0 <= fraction <= 1.
+        As ``DeviceCachingAllocator::setMemoryFraction`` in torch 2.14.1: a fraction < 1 sets the
+        limit (``std::round`` of the product in double precision) and lets
+        garbage_collection_threshold act; 1.0 clears any limit (``allowed_memory_maximum`` empty), so
+        nothing is capped, nothing is garbage-collected and the OOM message has no "allowed" text.
+
+        Raises:
+            ConfigError: unless 0 <= fraction <= 1.
         """
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise ConfigError(f"invalid memory fraction {fraction!r}: allowed range is 0~1")
-        self._allowed = int(fraction * self._total)
-        self._gc_on = self._gc_threshold > 0.0
+        if fraction < 1.0:
+            self._allowed = _round_half_away(fraction * float(self._total))
+            self._gc_on = self._gc_threshold > 0.0
+        else:
+            self._allowed = None
+            self._gc_on = False
 
     def memory_stats(self) -> dict[str, int]:
         """The flat ``torch.cuda.memory_stats()`` dict (e.g. ``"allocated_bytes.all.peak"``)."""
