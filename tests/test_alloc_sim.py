@@ -240,7 +240,8 @@ def test_oom_error_is_a_torch_oom_and_pickles():
         s.malloc(100 * MiB)
     assert isinstance(ei.value, RuntimeError) and "GPU 3 has" in str(ei.value)
     back = pickle.loads(pickle.dumps(ei.value))
-    assert type(back) is SimulatedOutOfMemoryError and back.requested_bytes == 100 * MiB
+    assert type(back) is type(ei.value) and isinstance(back, SimulatedOutOfMemoryError)
+    assert isinstance(back, torch.OutOfMemoryError) and back.requested_bytes == 100 * MiB
     assert str(back) == str(ei.value) and back.gpu_index == 3
 
 

@@ -11,10 +11,8 @@ a device reading.
 
 from __future__ import annotations
 
-try:  # torch.OutOfMemoryError is torch.cuda.OutOfMemoryError, a RuntimeError subclass
-    from torch import OutOfMemoryError as _TorchOOM
-except ImportError:  # pragma: no cover - torch is a dependency; keep the allocator layer importable
-    _TorchOOM = RuntimeError  # type: ignore[assignment,misc]
+import sys
+from typing import Any
 
 __all__ = ["SIMULATED_PREFIX", "SimulatedOutOfMemoryError", "format_size", "build_oom_message"]
 
@@ -71,12 +69,19 @@ def build_oom_message(*, alloc_size_bytes: int, device_index: int, total_bytes: 
     return (SIMULATED_PREFIX + text) if simulated else text
 
 
-class SimulatedOutOfMemoryError(_TorchOOM):
-    """A simulated CUDA OOM: a subclass of ``torch.OutOfMemoryError`` (so of RuntimeError).
+class SimulatedOutOfMemoryError(RuntimeError):
+    """A simulated CUDA OOM; a ``torch.OutOfMemoryError`` whenever torch is imported in the process.
 
     Raised by ``CachingAllocatorSim.malloc`` when the whole retry chain of
     ``DeviceCachingAllocator::malloc`` fails. Code that catches ``torch.OutOfMemoryError`` handles
     it as a real OOM. All sizes are in bytes.
+
+    The allocator layer does not import torch (``oomtune simulate`` replays a snapshot without it,
+    issue 13), so the instance's class is chosen when it is made: if ``torch`` is in ``sys.modules``
+    the instance is of a subclass of both this class and ``torch.OutOfMemoryError`` (so of
+    RuntimeError), same name; otherwise of this class alone (a RuntimeError). Code that can name
+    ``torch.OutOfMemoryError`` has imported torch, so it always catches the simulated OOM; catch
+    this class to handle it in torch-free code. Pickling keeps the rule on the receiving side.
 
     Attributes:
         requested_bytes: the segment size that failed (the "Tried to allocate" figure).
@@ -86,6 +91,11 @@ class SimulatedOutOfMemoryError(_TorchOOM):
         allowed_bytes: the memory-fraction limit, None when no fraction was set.
         device_index: the simulated GPU index.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SimulatedOutOfMemoryError:
+        if cls is SimulatedOutOfMemoryError and "torch" in sys.modules:
+            cls = _torch_flavour()
+        return super().__new__(cls, *args)
 
     def __init__(self, message: str = "", *, requested_bytes: int | None = None,
                  request_size_bytes: int | None = None, allocated_bytes: int | None = None,
@@ -108,7 +118,26 @@ class SimulatedOutOfMemoryError(_TorchOOM):
         return self.device_index
 
     def __reduce__(self):  # keep the attributes across pickling (trial processes)
-        return (_rebuild, (type(self), self.args[0] if self.args else "", dict(self.__dict__)))
+        cls = type(self)
+        if cls is _FLAVOUR.get("torch"):  # rebuilt by the receiver's rule (torch imported or not)
+            cls = SimulatedOutOfMemoryError
+        return (_rebuild, (cls, self.args[0] if self.args else "", dict(self.__dict__)))
+
+
+_FLAVOUR: dict[str, type] = {}
+
+
+def _torch_flavour() -> type:
+    """The subclass of :class:`SimulatedOutOfMemoryError` and ``torch.OutOfMemoryError`` (made once)."""
+    flavour = _FLAVOUR.get("torch")
+    if flavour is None:
+        from torch import OutOfMemoryError  # torch.cuda.OutOfMemoryError, a RuntimeError subclass
+
+        flavour = type("SimulatedOutOfMemoryError", (SimulatedOutOfMemoryError, OutOfMemoryError),
+                       {"__module__": __name__, "__doc__": SimulatedOutOfMemoryError.__doc__})
+        flavour.__qualname__ = "SimulatedOutOfMemoryError"
+        _FLAVOUR["torch"] = flavour
+    return flavour
 
 
 def _rebuild(cls: type, message: str, state: dict) -> SimulatedOutOfMemoryError:

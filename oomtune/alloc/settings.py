@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from importlib import metadata
 from typing import Any, Mapping
 
 from oomtune.alloc._conf_syntax import (
@@ -75,6 +74,8 @@ _NATIVE_ONLY = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collec
 
 
 def _installed_torch() -> str | None:
+    from importlib import metadata  # imported here: ~30 ms that parsing a string does not need
+
     try:
         return metadata.version("torch")  # no ``import torch``: cheap, and never touches CUDA
     except metadata.PackageNotFoundError:

@@ -153,16 +153,29 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
 def _check_trace(source: str, d: int, trace: Any) -> None:
     if not isinstance(trace, list):
         raise _fail(source, f"device_traces[{d}]", f"is a {type(trace).__name__}, expected a list")
+    # Fast pass over well-formed entries (the same checks as _check_entry, without building the
+    # message's location); the first entry it doubts goes through _check_entry for the verdict.
     for i, entry in enumerate(trace):
-        where = f"device_traces[{d}][{i}]"
-        if not isinstance(entry, dict):
-            raise _fail(source, where, f"is a {type(entry).__name__}, expected a dict")
-        if not isinstance(entry.get("action"), str):
-            raise _fail(source, where, "has no string 'action'")
-        for key in ("addr", "size"):
-            _check_int(source, where, entry, key)
-        _check_int(source, where, entry, "stream", required=False)
-        _check_int(source, where, entry, "time_us", required=False)
+        if type(entry) is dict:
+            get = entry.get
+            addr, size, stream, time_us = get("addr"), get("size"), get("stream"), get("time_us")
+            if (type(get("action")) is str and type(addr) is int and addr >= 0 and type(size) is int
+                    and size >= 0 and (stream is None or (type(stream) is int and stream >= 0))
+                    and (time_us is None or type(time_us) is int)):
+                continue
+        _check_entry(source, d, i, entry)
+
+
+def _check_entry(source: str, d: int, i: int, entry: Any) -> None:
+    where = f"device_traces[{d}][{i}]"
+    if not isinstance(entry, dict):
+        raise _fail(source, where, f"is a {type(entry).__name__}, expected a dict")
+    if not isinstance(entry.get("action"), str):
+        raise _fail(source, where, "has no string 'action'")
+    for key in ("addr", "size"):
+        _check_int(source, where, entry, key)
+    _check_int(source, where, entry, "stream", required=False)
+    _check_int(source, where, entry, "time_us", required=False)
 
 
 def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:

@@ -1,0 +1,111 @@
+"""Commands that do not run a model start without importing torch (issue 13, item 1).
+
+Each check runs in a fresh interpreter (a subprocess), because other tests in this session import
+torch, and reads ``sys.modules`` after the command finished. The speed these imports cost is
+measured by experiments/bench_startup.py, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "tests" / "data" / "cnn-small-default.pickle"
+HEAVY = ("torch", "hydra", "omegaconf")
+
+
+def _modules_after(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter; return {"out": its stdout, "loaded": heavy modules}."""
+    probe = (f"import sys, json, io, contextlib\nbuf = io.StringIO()\n"
+             f"with contextlib.redirect_stdout(buf):\n"
+             + "".join(f"    {line}\n" for line in code.strip().splitlines())
+             + f"print(json.dumps({{'out': buf.getvalue(), "
+             f"'loaded': sorted(m for m in {HEAVY!r} if m in sys.modules)}}))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _best_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "best.yaml"
+    path.write_text("schema_version: 1\nworkload: {model: {name: mlp}}\ndevice: {kind: cpu}\n"
+                    "best: {batch_size: 32, alloc_conf: 'expandable_segments:True,max_split_size_mb:256'}\n"
+                    "study: {storage: 'sqlite:///%s', study_name: s}\n" % (tmp_path / "s.db"))
+    return path
+
+
+def test_help_imports_no_torch():
+    r = _modules_after("from oomtune.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    assert "simulate" in r["out"] and "plan" in r["out"]
+    assert r["loaded"] == []
+
+
+def test_simulate_imports_no_torch():
+    r = _modules_after(f"from oomtune.cli import main\nmain(['simulate', {str(TRACE)!r}, '--json'])")
+    assert json.loads(r["out"])["events_replayed"] > 0
+    assert r["loaded"] == []
+
+
+def test_simulate_with_an_oom_imports_no_torch():
+    # A budget below the trace's starting state: the simulated OOM is raised and caught torch-free.
+    r = _modules_after(f"from oomtune.cli import main\nmain(['simulate', {str(TRACE)!r}, '--json', "
+                       f"'--budget', '1MiB'])")
+    assert json.loads(r["out"])["oom"] is True
+    assert r["loaded"] == []
+
+
+def test_env_and_load_best_import_no_torch(tmp_path):
+    best = _best_yaml(tmp_path)
+    r = _modules_after(f"from oomtune.cli import main\nmain(['env', {str(best)!r}, '--batch-size'])")
+    assert r["out"].splitlines() == [
+        "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:256 "
+        "PYTORCH_ALLOC_CONF=expandable_segments:True,max_split_size_mb:256",
+        "export OOMTUNE_BATCH_SIZE=32"]
+    assert r["loaded"] == []
+    r = _modules_after(f"import oomtune\nprint(oomtune.load_best({str(best)!r}).batch_size)")
+    assert r["out"].strip() == "32" and r["loaded"] == []
+
+
+def test_show_imports_no_torch(tmp_path):
+    pytest.importorskip("optuna")
+    from oomtune.search.records import ATTR_ROLE  # a trial still running, as `show` lists it
+    best = _best_yaml(tmp_path)
+    setup = (f"import optuna\noptuna.logging.set_verbosity(optuna.logging.WARNING)\n"
+             f"st = optuna.create_study(study_name='s', storage='sqlite:///{tmp_path / 's.db'}')\n"
+             f"t = st.ask()\nt.suggest_int('batch_size', 8, 8)\nt.set_user_attr({ATTR_ROLE!r}, 'baseline')")
+    subprocess.run([sys.executable, "-c", setup], check=True, timeout=300)
+    r = _modules_after(f"from oomtune.cli import main\nmain(['show', {str(best)!r}, '--json'])")
+    rows = json.loads(r["out"])
+    assert [(row["batch_size"], row["role"], row["outcome"]) for row in rows] == [(8, "baseline", "running")]
+    assert r["loaded"] == []
+
+
+def test_settings_validation_imports_no_torch():
+    r = _modules_after("from oomtune.alloc import validate_alloc_conf, AllocatorSettings, supported_keys\n"
+                       "s = validate_alloc_conf('max_split_size_mb:256,expandable_segments:True')\n"
+                       "print(s.max_split_size_bytes, 'expandable_segments' in supported_keys())\n"
+                       "try:\n    AllocatorSettings.parse('max_split_size_mb:10')\n"
+                       "except Exception as e:\n    print(type(e).__name__)")
+    assert r["out"].split() == [str(256 << 20), "True", "AllocatorConfigError"]
+    assert r["loaded"] == []
+
+
+def test_simulator_oom_is_torch_oom_once_torch_is_imported():
+    # The same simulator raises a torch.OutOfMemoryError when torch is in the process.
+    r = _modules_after("from oomtune.alloc.sim import CachingAllocatorSim\n"
+                       "from oomtune.alloc.oom_message import SimulatedOutOfMemoryError\n"
+                       "def oom():\n"
+                       "    try:\n        CachingAllocatorSim(total_memory_bytes=1 << 20).malloc(4 << 20)\n"
+                       "    except SimulatedOutOfMemoryError as e:\n        return e\n"
+                       "e = oom()\nprint(isinstance(e, RuntimeError))\nimport torch\n"
+                       "print(isinstance(e, torch.OutOfMemoryError), isinstance(oom(), torch.OutOfMemoryError))")
+    assert r["out"].split() == ["True", "False", "True"]
+    assert r["loaded"] == ["torch"]
