@@ -23,9 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import DEFAULT_OLD, ROOT, child_env, header, old_tree  # noqa: E402
 
 
-def wall(cmd: list[str], env: dict[str, str]) -> float:
+EXIT: dict[str, set[int]] = {"old": set(), "new": set()}
+
+
+def wall(cmd: list[str], env: dict[str, str], name: str = "") -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # cwd = the tree itself: ``python -m`` puts the working directory first on sys.path
+    rc = subprocess.run(cmd, env=env, cwd=env["PYTHONPATH"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    if name:
+        EXIT[name].add(rc)
     return time.perf_counter() - t0
 
 
@@ -34,16 +40,19 @@ def compare(args: list[str], envs: dict[str, dict[str, str]], repeat: int) -> di
     for env in envs.values():
         wall(cmd, env)  # warm-up: writes bytecode caches, fills the page cache
     times: dict[str, list[float]] = {k: [] for k in envs}
+    for k in EXIT:
+        EXIT[k] = set()
     for _ in range(repeat):
         for name, env in envs.items():
-            times[name].append(wall(cmd, env))
+            times[name].append(wall(cmd, env, name))
     return times
 
 
 def row(label: str, t: dict[str, list[float]]) -> str:
     med_old, med_new = statistics.median(t["old"]), statistics.median(t["new"])
+    codes = "".join(f" [{k} exit {sorted(v)}]" for k, v in EXIT.items() if v - {0})
     return (f"{label:<48} new {med_new:6.3f} s (min {min(t['new']):6.3f})   old {med_old:6.3f} s "
-            f"(min {min(t['old']):6.3f})   old/new {med_old / med_new:5.1f}x")
+            f"(min {min(t['old']):6.3f})   old/new {med_old / med_new:5.1f}x{codes}")
 
 
 def main() -> int:
@@ -57,7 +66,9 @@ def main() -> int:
     out += ["# wall time of a fresh process, median of --repeat runs (min in parentheses), old and new "
             "alternating; CPU only, simulate replays on the virtual GPU (simulated)", ""]
     envs = {"old": child_env(old_tree(args.old)), "new": child_env(ROOT)}
-    t = {k: [] for k in envs}
+    t: dict[str, list[float]] = {k: [] for k in envs}
+    for k in EXIT:
+        EXIT[k] = set()
     for _ in range(args.repeat):
         for name, env in envs.items():
             t[name].append(wall([sys.executable, "-c", "pass"], env))
@@ -65,6 +76,7 @@ def main() -> int:
     out.append(row("oomtune --help (target <= 0.3 s)", compare(["--help"], envs, args.repeat)))
     traces = sorted(args.traces.glob("*.pickle"), key=lambda p: p.stat().st_size)
     for trace in traces:
+        trace = trace.resolve()
         label = f"simulate {trace.name} ({trace.stat().st_size / 2**20:.1f} MiB)"
         out.append(row(label, compare(["simulate", str(trace)], envs, args.repeat)))
         print(out[-1], flush=True)
