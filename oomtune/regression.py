@@ -165,7 +165,10 @@ def _geometry(best: Any) -> dict[str, Any]:
     if not isinstance(budget, int) or budget <= 0:
         raise BestFileError(f"best.yaml device.budget_bytes must be a positive integer, got {budget!r}")
     if dev.get("memory_source") == "simulated" or dev.get("kind") == "cpu":
-        return {"total_memory_bytes": budget, "memory_fraction": 1.0}
+        from oomtune.capture.virtual_gpu import budget_geometry
+
+        size = total if isinstance(total, int) and total >= budget else None  # None: older best.yaml
+        return budget_geometry(budget, size)
     if not isinstance(total, int) or total < budget:
         raise BestFileError(f"best.yaml device.total_memory_bytes={total!r} must be an integer >= budget_bytes")
     return {"total_memory_bytes": total, "memory_fraction": min(1.0, budget / total)}
@@ -347,7 +350,8 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     _geometry(best)  # validates budget_bytes
     spec = TrialSpec(workload=_workload(best), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=_run_device(best, device), budget_bytes=int(best.device["budget_bytes"]),
-                     warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s))
+                     warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
+                     device_memory_bytes=_geometry(best)["total_memory_bytes"])
     runner = runner or TrialRunner(launcher="spawn")
     with tempfile.TemporaryDirectory(prefix="oomtune-check-") as tmp:
         res = runner.run(spec, workdir=Path(workdir) if workdir is not None else Path(tmp))

@@ -126,10 +126,13 @@ def simulable(settings: AllocatorSettings) -> bool:
 
 
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
-    """The virtual GPU a trial on ``device`` sees: on CPU the budget is the capacity; on a real device
-    the capacity is the device's and the budget is a memory fraction (as the trial applies it)."""
+    """The virtual GPU a trial on ``device`` sees: the device's capacity (on CPU the virtual GPU's,
+    ``virtual_device_memory``) with the budget as a memory fraction, as the trial applies it
+    (:func:`oomtune.capture.virtual_gpu.budget_geometry`)."""
     if device.simulated:
-        return {"total_memory_bytes": budget_bytes, "memory_fraction": 1.0}
+        from oomtune.capture.virtual_gpu import budget_geometry
+
+        return budget_geometry(budget_bytes, device.total_memory_bytes)
     return {"total_memory_bytes": device.total_memory_bytes,
             "memory_fraction": min(1.0, budget_bytes / device.total_memory_bytes)}
 

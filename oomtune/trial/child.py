@@ -17,7 +17,8 @@ Order of events (each step must precede the next):
    ``allocator settings did not take effect: expected ..., torch reports ...``.
 3. CUDA: init + cuBLAS warm-up, non-allocator memory measured, the budget applied as a memory
    fraction corrected for it (field case C9, :mod:`oomtune.trial.budget`).
-   CPU: a virtual GPU (:class:`CachingAllocatorSim` of capacity ``budget_bytes``) sees every storage
+   CPU: a virtual GPU (:func:`oomtune.capture.virtual_gpu.budgeted_sim`: a device of
+   ``device_memory_bytes`` with the budget as a memory fraction, as on CUDA) sees every storage
    of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``.
 4. Warm-up steps, then measured steps (each followed by a device sync).
 
@@ -154,13 +155,15 @@ _UNBOUNDED_SIM_BYTES = 1 << 50
 
 def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
     """Train on the CPU for real; device memory comes from the virtual GPU (step 3, CPU)."""
-    from oomtune.alloc.sim import CachingAllocatorSim
-    from oomtune.capture.virtual_gpu import VirtualGPU
+    from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
     from oomtune.trial._base import target_for
 
     result.device = cpu_device_info()
-    capacity = spec.budget_bytes if spec.budget_bytes is not None else _UNBOUNDED_SIM_BYTES
-    sim = CachingAllocatorSim(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=capacity)
+    settings = AllocatorSettings.parse(spec.alloc_conf)
+    if spec.budget_bytes is None:
+        sim = budgeted_sim(settings, None, spec.device_memory_bytes or _UNBOUNDED_SIM_BYTES)
+    else:
+        sim = budgeted_sim(settings, spec.budget_bytes, spec.device_memory_bytes)
     stats.append(sim.memory_stats)
     torch.manual_seed(spec.seed)
     workload = target_for(spec.workload).build_workload(spec.workload, spec.batch_size, torch.device("cpu"))

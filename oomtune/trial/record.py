@@ -36,7 +36,9 @@ class TrialSpec:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         budget_bytes: device memory the run must fit in. On CUDA it is applied with
             ``torch.cuda.set_per_process_memory_fraction``, corrected for non-allocator memory
-            (field case C9); on CPU it is the virtual GPU's capacity.
+            (field case C9); on CPU it is a memory fraction of the virtual GPU's capacity.
+        device_memory_bytes: on CPU, the virtual GPU's capacity (``virtual_device_memory``); None:
+            the budget is the capacity (records written before it existed). Unused on CUDA.
         warmup_steps / measure_steps: steps run before timing / steps timed (with device sync).
         timeout_s: wall limit for the whole trial process (the runner kills its process group).
         seed: torch's manual seed for the workload.
@@ -55,6 +57,7 @@ class TrialSpec:
     timeout_s: float = 300.0
     seed: int = 0
     smaller_batch_succeeded: bool = False
+    device_memory_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
