@@ -9,9 +9,12 @@ Schema (version 1)::
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes}
     baseline: {batch_size, alloc_conf, metrics} | null
-    gain: {throughput_ratio} | null
+    gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
     diagnosis: {input_bound, reason, advice} | null
+    objective: {name: batch|throughput, reason, at_top_of_range}
+    frontiers: [{alloc_conf, predicted_max_batch, measured_max_batch, measured_fail_batch,
+                 calibration, probed, twins}]
 
 Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF.
 """
@@ -68,6 +71,8 @@ class BestConfig:
     study: dict[str, Any] = field(default_factory=dict)
     diagnosis: dict[str, Any] | None = None
     created: str | None = None
+    objective: dict[str, Any] | None = None        # {name: batch|throughput, reason}: what decided
+    frontiers: list[dict[str, Any]] | None = None  # per configuration: predicted and measured frontier
 
     @property
     def alloc_conf(self) -> str:

@@ -107,7 +107,7 @@ def outcome_label(trial: Any, res: Any) -> str:
     return label if reused is None else f"{label} =#{reused}"
 
 
-def progress_line(trial: Any, role: str, index: int | None, total: int | None, best: float | None) -> str:
+def progress_line(trial: Any, role: str, index: int | None, total: int | None, best: float | str | None) -> str:
     """``[trial 7] search 3/12  bs=128  expandable_segments:True  ok  812.3 samples/s  peak reserved
     1.21 GiB (simulated)  best 812.3``: one line per finished trial (never wrapped)."""
     res = R.result_of(trial)
@@ -121,6 +121,6 @@ def progress_line(trial: Any, role: str, index: int | None, total: int | None, b
         parts.append(f"peak reserved {format_bytes(res.peak_reserved_bytes)} ({res.memory_source})")
     if res.outcome != "ok" and res.message:
         parts.append(" ".join(res.message.split()))
-    if best is not None:
-        parts.append(f"best {best:.1f}")
+    if best is not None:  # the leader under the final ranking rule (a description, or a throughput)
+        parts.append(f"best {best}" if isinstance(best, str) else f"best {best:.1f}")
     return "  ".join(parts)

@@ -34,6 +34,10 @@ class SearchConf:
     min_gain: float = 0.02
     baseline: bool = True
     confirm: bool = True
+    objective: str = "auto"
+    frontier_configs: int = 2
+    repeats: int = 2
+    finalists: int = 2
     batch_size: BatchRangeConf = field(default_factory=BatchRangeConf)
     space: Dict[str, Any] = field(default_factory=dict)
     data: Dict[str, Any] = field(default_factory=dict)
@@ -88,6 +92,11 @@ def validate(cfg: Any) -> None:
     _check(s.prune in ("predicted", "off"), "search.prune", s.prune, "must be 'predicted' or 'off'")
     _check(s.prune_margin >= 0, "search.prune_margin", s.prune_margin, "must be >= 0")
     _check(s.min_gain >= 0, "search.min_gain", s.min_gain, "must be >= 0")
+    _check(s.objective in ("auto", "throughput", "batch"), "search.objective", s.objective,
+           "must be auto, throughput or batch")
+    _check(s.frontier_configs >= 0, "search.frontier_configs", s.frontier_configs, "must be >= 0")
+    _check(s.repeats >= 1, "search.repeats", s.repeats, "must be >= 1")
+    _check(s.finalists >= 1, "search.finalists", s.finalists, "must be >= 1")
     _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")

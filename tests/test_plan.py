@@ -75,7 +75,8 @@ def _trial(workload, batch, budget, alloc_conf=""):
     """A virtual-GPU trial in this process, 2 steps like the predictor (warm-up 1 + measure 1)."""
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") == alloc_conf == ""
     return run_child(TrialSpec(workload=workload, batch_size=batch, alloc_conf=alloc_conf, device="cpu",
-                               budget_bytes=budget, warmup_steps=1, measure_steps=1))
+                               budget_bytes=budget, warmup_steps=1, measure_steps=1,
+                               device_memory_bytes=80 << 30))  # the search's virtual GPU (virtual_device_memory)
 
 
 def _clear_alloc_env(monkeypatch):
@@ -108,7 +109,8 @@ def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, mo
                  "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
     row = next(r for r in fmap.rows if r.alloc_conf == "expandable_segments:True")
     spec = TrialSpec(workload=fmap.workload, batch_size=4, alloc_conf=row.alloc_conf, device="cpu",
-                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120)
+                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120,
+                     device_memory_bytes=fmap.geometry["total_memory_bytes"])
     res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
     assert res.outcome == "ok", res.message
     assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes

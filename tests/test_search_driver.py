@@ -59,7 +59,7 @@ def test_baseline_finds_largest_default_batch_by_doubling_then_bisection(tmp_pat
     # 80..83 run but exceed the limit; >= 84 is out of memory (1008 MiB > 1000 MiB).
     # Probes: 8, 16, 32, 64 ok; 128 oom; 96 oom; 80 over limit; 72 ok; 76 ok; (80-76=4 <= 7.6) stop.
     search, study, runner = make(tmp_path)
-    baseline = search.run_baseline()
+    baseline = search.run_frontier()
     assert [c[0] for c in runner.calls] == [8, 16, 32, 64, 128, 96, 80, 72, 76]
     assert all(c[1] == "" for c in runner.calls)  # the default allocator
     assert baseline.params["batch_size"] == 76
@@ -67,7 +67,7 @@ def test_baseline_finds_largest_default_batch_by_doubling_then_bisection(tmp_pat
 
 def test_infeasible_outcomes_are_complete_trials_with_violated_constraint(tmp_path):
     search, study, _ = make(tmp_path)
-    search.run_baseline()
+    search.run_frontier()
     by_batch = {t.params["batch_size"]: t for t in study.trials}
     oom = by_batch[128]
     assert oom.state == optuna.trial.TrialState.COMPLETE
@@ -82,7 +82,7 @@ def test_infeasible_outcomes_are_complete_trials_with_violated_constraint(tmp_pa
 def test_answer_is_a_batch_that_ran_c6(tmp_path):
     # Field case C6: 2, 4 and 8 pass and the search ends: the answer is 8, never an untested 16.
     search, study, runner = make(tmp_path, low=2, high=8)
-    search.run_baseline()
+    search.run_frontier()
     search.run_search()
     best, result, confirmed = search.confirm()
     assert best.params["batch_size"] == 8
@@ -92,28 +92,40 @@ def test_answer_is_a_batch_that_ran_c6(tmp_path):
 
 def test_confirmation_failure_falls_back_to_next_best_c7(tmp_path):
     # The top candidate (76, default) fails its clean-process confirmation (C7): the next best (72) wins.
+    # Throughput objective: the two finalists (76, 72) are each measured twice (repeats=2), in one round.
     runner = FakeRunner(fail_confirm_batches={76})
     search, study, _ = make(tmp_path, runner=runner)
-    search.run_baseline()
+    search.run_frontier()
     best, result, confirmed = search.confirm()
     assert best.params["batch_size"] == 72 and confirmed
     confirms = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"]
-    assert [t.user_attrs[R.ATTR_CONFIRMS] for t in confirms] == [by.number for by in study.trials
-                                                                   if by.params["batch_size"] in (76, 72)
-                                                                   and by.user_attrs[R.ATTR_ROLE] == "baseline"][::-1]
-    assert all(c[2] == 10 for c in runner.calls[-2:])  # confirmation runs use confirm_steps
+    n76, n72 = (next(by.number for by in study.trials if by.params["batch_size"] == b
+                     and by.user_attrs[R.ATTR_ROLE] == "baseline") for b in (76, 72))
+    assert [t.user_attrs[R.ATTR_CONFIRMS] for t in confirms] == [n76, n76, n72, n72]
+    assert all(c[2] == 10 for c in runner.calls[-4:])  # confirmation runs use confirm_steps
+    assert search.gain is None  # the baseline (76) did not survive: no gain is claimed against it
+
+
+def test_batch_objective_confirms_the_largest_feasible_batch_once(tmp_path):
+    # objective=batch: the ranking is by batch (76 > 72 ...); one clean run of the top candidate.
+    search, study, runner = make(tmp_path)
+    search.opt.objective = "batch"
+    search.run_frontier()
+    best, result, confirmed = search.confirm()
+    assert best.params["batch_size"] == 76 and confirmed
+    assert [c for c in runner.calls if c[2] == 10] == [(76, "", 10)]
 
 
 def test_error_at_smallest_batch_is_a_setup_fault(tmp_path):
     search, study, _ = make(tmp_path, runner=FakeRunner(error_at=8))
     with pytest.raises(SetupFault, match="batch 8"):
-        search.run_baseline()
+        search.run_frontier()
     assert study.trials[0].state == optuna.trial.TrialState.FAIL
 
 
 def test_search_skips_batches_above_a_known_oom_under_same_settings(tmp_path):
     search, study, runner = make(tmp_path, n_trials=12, high=512)
-    search.run_baseline()
+    search.run_frontier()
     search.run_search()
     launched = len(runner.calls)
     skipped = [t for t in study.trials if t.user_attrs.get(R.ATTR_OUTCOME) == Outcome.PREDICTED_INFEASIBLE.value]
@@ -138,20 +150,65 @@ def test_expandable_segments_wins_when_it_fits_a_larger_batch(tmp_path):
     assert result.peak_reserved_bytes == 950 * MiB
 
 
-def test_prediction_prunes_without_launching(tmp_path):
+class FakePredictor:
+    """The FakeRunner's memory model as a virtual-GPU prediction (exact): 12 MiB per sample under the
+    default allocator, 10 MiB with expandable_segments; completes when within the budget."""
+
+    def __init__(self, per_expandable=10 * MiB):
+        self.per_expandable = per_expandable
+        self.capture_seconds = self.replay_seconds = 0.0
+
+    def peak(self, batch, conf):
+        return batch * (self.per_expandable if "expandable_segments:True" in conf else 12 * MiB)
+
+    def predict_detail(self, batch, settings):
+        from oomtune.plan.predictor import Prediction
+
+        conf = settings if isinstance(settings, str) else settings.render()
+        peak = self.peak(batch, conf)
+        return Prediction(batch, conf, peak, peak, 0.0, peak <= BUDGET, 0, peak)
+
+    def predict_raw(self, batch, settings):
+        return self.predict_detail(batch, settings).peak_reserved_bytes
+
+
+def test_frontier_first_probes_each_configuration_at_its_predicted_frontier(tmp_path):
+    # limit = 950 MiB. Predicted frontiers: default 950 // 12 = 79 (948 MiB); expandable 950 // 10 = 95
+    # (950 MiB, inclusive). Round 1: default@79, expandable@95, both ok; round 2: the boundaries,
+    # default@80 (960 MiB) and expandable@96 (960 MiB), both over the limit. Four trials, no sampler.
     search, study, runner = make(tmp_path, n_trials=0)
-    search.predict = lambda cand: cand.batch_size * 12 * MiB  # exact for the default allocator
-    baseline = search.run_baseline()
-    # Predicted max for the default: largest b with 12 MiB * b <= 950 MiB -> 79; the baseline starts
-    # there, then tests 80 (960 MiB > 950 MiB: over the limit) and stops: two trials.
-    assert [c[0] for c in runner.calls] == [79, 80]
+    search.predictor = FakePredictor()
+    baseline = search.run_frontier()
+    assert [c[:2] for c in runner.calls] == [(79, ""), (95, "expandable_segments:True"),
+                                             (80, ""), (96, "expandable_segments:True")]
     assert baseline.params["batch_size"] == 79
+    rows = {c.alloc_conf: c for c in search.planner.configs}
+    assert (rows[""].predicted, rows[""].measured_text()) == (79, "79")
+    assert (rows["expandable_segments:True"].predicted, rows["expandable_segments:True"].measured_text()) == (95, "95")
+    assert [t.user_attrs[R.ATTR_ROLE] for t in study.trials] == ["baseline", "frontier", "baseline", "frontier"]
+
+
+def test_frontier_probes_are_calibrated_by_the_measured_peak(tmp_path):
+    # The prediction underestimates expandable_segments: predicted 9 MiB/sample (frontier 950 // 9 =
+    # 105), measured 10 MiB. The probe at 105 measures 1050 MiB: out of memory (> 1000 MiB), so the
+    # ratio is at least 1000 / 945 (the whole budget over the prediction); the calibrated frontier is
+    # then the largest b with ceil(9 MiB * b * 1000/945) <= 950 MiB -> b = 99 (99 * 9 * 1000/945 =
+    # 942.9 MiB; 100 -> 952.4 MiB). 99 -> 990 MiB: ran, over the limit, ratio 990/891 = 10/9 exactly;
+    # calibrated frontier = largest b with 10 MiB * b <= 950 MiB = 95: ok; then 96 (the boundary of
+    # the leader): over the limit. Measured frontier 95, as the runner's model says.
+    search, study, runner = make(tmp_path, n_trials=0)
+    search.predictor = FakePredictor(per_expandable=9 * MiB)
+    search.run_frontier()
+    probes = [c[0] for c in runner.calls if c[1]]
+    assert probes == [105, 99, 95, 96]
+    row = next(c for c in search.planner.configs if c.alloc_conf)
+    assert (row.predicted, row.measured_text()) == (105, "95")
 
 
 def test_search_range_starts_at_a_quarter_of_the_baseline(tmp_path):
     # Baseline 76 (see above) -> the sampler's batches are drawn from [76 // 4 = 19, 256].
     search, study, runner = make(tmp_path, n_trials=8)
-    baseline = search.run_baseline()
+    baseline = search.run_frontier()
     search.run_search(baseline)
     drawn = [t.params["batch_size"] for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "search"]
     assert len(drawn) == 8 and min(drawn) >= 19

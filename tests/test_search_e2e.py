@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
         "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
-        "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120"]
+        "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120",
+        "search.objective=throughput"]  # the sampler runs for the throughput objective only
 
 
 def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):

@@ -50,7 +50,7 @@ from typing import Any
 from oomtune.exceptions import ConfigError
 from oomtune.units import format_bytes
 
-__all__ = ["PlanCell", "PlanRow", "FeasibilityMap", "grid_batches", "largest_fitting", "build_plan",
+__all__ = ["PlanCell", "PlanRow", "FeasibilityMap", "grid_batches", "largest_fitting", "frontier_row", "build_plan",
            "write_plan", "plan_table", "check_writable", "validate_headroom", "limit_bytes_of", "split_simulable",
            "PLAN_SCHEMA_VERSION"]
 
@@ -232,6 +232,33 @@ def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int]) -> int | N
     return lo
 
 
+def frontier_row(predictor: Any, mapping: dict[str, Any], grid: Sequence[int], limit_bytes: int | None) -> PlanRow:
+    """One configuration's predicted frontier: the grid cells and the largest batch that fits
+    (:func:`largest_fitting` over ``grid``, exact by bisection), as ``oomtune plan`` and the search's
+    frontier probes (:mod:`oomtune.search.frontier`) both compute it.
+
+    Args:
+        predictor: a :class:`oomtune.plan.predictor.Predictor`.
+        mapping: allocator key -> value (None = unset); must be simulable (:func:`split_simulable`).
+        grid: sorted batch sizes (:func:`grid_batches`).
+        limit_bytes: as in :func:`build_plan`.
+
+    Raises:
+        AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload.
+    """
+    from oomtune.alloc.settings import AllocatorSettings
+
+    settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
+
+    def cell(b: int) -> PlanCell:
+        return PlanCell.of(predictor.predict_detail(b, settings), limit_bytes)
+
+    cells = [cell(b) for b in grid]
+    best = largest_fitting(lambda b: cell(b).fits, grid)
+    at_max = None if best is None else cell(best)
+    return PlanRow(settings.render(), {k: v for k, v in mapping.items() if v is not None}, cells, best, at_max)
+
+
 def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Sequence[int], *,
                workload: dict[str, Any], device: dict[str, Any], limit_bytes: int | None = None,
                headroom: float = 0.0, on_row: Callable[[PlanRow], None] | None = None) -> FeasibilityMap:
@@ -253,8 +280,6 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload, or no
             configuration the virtual GPU can simulate.
     """
-    from oomtune.alloc.settings import AllocatorSettings
-
     t0 = time.perf_counter()
     grid = sorted(grid)
     kept, skipped = split_simulable(settings_list)
@@ -263,16 +288,7 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
                           "simulate: add native to search.space.backend (or run oomtune search on a GPU)")
     rows: list[PlanRow] = []
     for mapping in kept:
-        settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
-
-        def cell(b: int) -> PlanCell:
-            return PlanCell.of(predictor.predict_detail(b, settings), limit_bytes)
-
-        cells = [cell(b) for b in grid]
-        best = largest_fitting(lambda b: cell(b).fits, grid)
-        at_max = None if best is None else cell(best)
-        rows.append(PlanRow(settings.render(), {k: v for k, v in mapping.items() if v is not None},
-                            cells, best, at_max))
+        rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
         if on_row is not None:
             on_row(rows[-1])
     return FeasibilityMap(

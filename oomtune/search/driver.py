@@ -1,17 +1,27 @@
-"""The search: baseline probes, the Optuna loop, confirmation of the winner.
+"""The search: frontier probes, the sampler's trials, honest confirmation of the winner.
 
 One way through: config -> :class:`Search` (parent only; owns the study) -> a trial process per
 candidate (:mod:`oomtune.trial.runner`) -> TrialResult -> told to Optuna -> best.yaml.
 
-- Baseline: torch's default allocator at the largest batch that fits, found by doubling then
-  bisection (Lightning's binsearch scaling), each probe a real trial.
-- Search: Optuna (TPE by default) over batch size x allocator keys; memory failures and other
-  infeasible outcomes are COMPLETE trials with a violated constraint (``Trial.set_constraint``), not
-  FAIL, so the sampler learns where the budget ends. Errors and crashes are FAIL.
-- Candidates a smaller batch already showed infeasible under the same settings (memory grows with the
-  batch) or that the virtual GPU predicts far over the budget are recorded without launching.
-- The answer is always a configuration that ran (field case C6), confirmed in a clean process for
-  more steps (C7); if confirmation fails, the next best is confirmed.
+1. Frontier first (:mod:`oomtune.search.frontier`): before any device trial, every allocator
+   configuration's predicted frontier (largest batch within budget x (1 - headroom), computed as
+   ``oomtune plan`` does); then rounds of probes: the default allocator at its frontier (the
+   baseline, role ``baseline``) and the configurations with the highest predicted frontiers at and
+   near theirs (role ``frontier``), each result calibrating that configuration's prediction.
+2. The sampler (Optuna, TPE by default) for what the simulator cannot rank: throughput among
+   feasible candidates, data-loader settings (objective ``throughput`` only). Memory failures are
+   COMPLETE trials with a violated constraint (``Trial.set_constraint``); errors are FAIL.
+   Candidates a smaller batch already showed infeasible under the same settings, or that the
+   calibrated prediction puts over the limit by more than ``prune_margin``, are recorded without
+   launching.
+3. Confirmation (:mod:`oomtune.search.ranking`): objective ``batch``: the largest feasible batch
+   (ties: lower peak reserved, fewer keys) re-run in a clean process for ``confirm_steps``;
+   objective ``throughput``: the top candidates and the baseline measured ``repeats`` times each,
+   a gain claimed only beyond the measured spread. The answer is always a configuration that ran
+   (field case C6) and passed its confirmation (C7).
+
+Every batch of trials goes through :meth:`Search._run_batch` (one trial per candidate, in order):
+the one place that launches trials, so concurrent workers can replace it.
 """
 
 from __future__ import annotations
@@ -21,12 +31,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.outcome import Outcome
+from oomtune.search import ranking as K
 from oomtune.search import records as R
+from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.space import Candidate, SearchSpace
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
 __all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault"]
+
+#: Roles whose trials measure candidates (confirmations re-measure them).
+PROBE_ROLES = ("baseline", "frontier", "search")
 
 
 class SetupFault(RuntimeError):
@@ -53,8 +68,14 @@ class SearchOptions:
     measure_steps: int = 3
     confirm_steps: int = 10
     trial_timeout_s: float = 300.0
-    baseline_precision: float = 0.1   # bisect until (fail - ok) <= precision * ok
+    baseline_precision: float = 0.1   # without predictions, bisect until (fail - ok) <= precision * ok
     min_gain: float = 0.02            # a non-default setting must beat the default allocator by this
+    objective: str = "throughput"     # resolved: "throughput" | "batch" (see oomtune.search.ranking)
+    objective_reason: str = ""
+    frontier_configs: int = 2         # non-default configurations probed at their frontier
+    repeats: int = 2                  # clean-process measurements per finalist (throughput objective)
+    finalists: int = 2                # top candidates re-measured besides the baseline
+    device_memory_bytes: int | None = None  # virtual GPU capacity (CPU trials)
 
 
 @dataclass
@@ -69,24 +90,37 @@ class SearchSummary:
     launches: int = 0
     launches_saved: int = 0
     verdict: Any = None                  # oomtune.diagnose.Verdict (input-bound diagnosis)
+    objective: str = "throughput"
+    objective_reason: str = ""
+    gain: dict[str, Any] | None = None   # confirmation figures against the baseline's
+    frontiers: list[ConfigFrontier] = field(default_factory=list)
+    at_top_of_range: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 class Search:
     """Drive one study. ``runner`` runs a TrialSpec in a fresh process and returns a TrialResult;
-    ``confirm_runner`` must use a clean process (spawn). ``predict`` maps a Candidate to a predicted
-    peak reserved in bytes (or None) for pruning; ``on_trial`` is called after every trial."""
+    ``confirm_runner`` must use a clean process (spawn). ``predict`` maps a Candidate to a calibrated
+    predicted peak reserved in bytes (or None) for pruning; ``predictor`` (a
+    :class:`oomtune.plan.predictor.Predictor`) gives the frontiers; ``on_trial`` is called after
+    every trial and ``say`` with one-line messages."""
 
     def __init__(self, study: Any, space: SearchSpace, options: SearchOptions, *, runner: Any,
                  confirm_runner: Any, workdir: Path, predict: Callable[[Candidate], int | None] | None = None,
-                 prune_margin: float | None = 0.10, on_trial: Callable[[Any, str], None] | None = None):
+                 predictor: Any = None, prune_margin: float | None = 0.10,
+                 on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None):
         self.study, self.space, self.opt = study, space, options
         self.runner, self.confirm_runner, self.workdir = runner, confirm_runner, workdir
-        self.predict, self.prune_margin = predict, prune_margin
+        self.predict, self.predictor, self.prune_margin = predict, predictor, prune_margin
         self.on_trial = on_trial or (lambda trial, role: None)
+        self.say = say or (lambda text: None)
         self.limit = R.MemoryLimit(options.budget_bytes, options.headroom)
         self.verdict: Any = None  # oomtune.diagnose.Verdict of the ranked trials (after confirm())
+        self.planner: FrontierPlanner | None = None
+        self.gain: dict[str, Any] | None = None
+        self._confirms: dict[Candidate, int] = {}  # candidate -> trial number it confirms
 
-    # ---------------------------------------------------------------- running one candidate
+    # ---------------------------------------------------------------- running candidates
     def _spec(self, cand: Candidate, *, steps: int | None = None) -> TrialSpec:
         smaller_ok = any(
             R.result_of(t) is not None and t.user_attrs.get(R.ATTR_OUTCOME) == "ok"
@@ -98,6 +132,7 @@ class Search:
             device=self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.warmup_steps, measure_steps=steps or self.opt.measure_steps,
             timeout_s=self.opt.trial_timeout_s, smaller_batch_succeeded=smaller_ok,
+            device_memory_bytes=self.opt.device_memory_bytes,
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None) -> TrialResult | None:
@@ -141,6 +176,11 @@ class Search:
         predicted = self.predict(cand) if self.predict is not None else None
         if predicted is not None:
             trial.set_user_attr(R.ATTR_PREDICTED, int(predicted))
+        if role == "confirm":
+            trial.set_user_attr(R.ATTR_CONFIRMS, self._confirms.get(cand))
+            spec = self._spec(cand, steps=self.opt.confirm_steps)
+            result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
+            return self._tell(trial, result)
         known = self._known_infeasible(cand, predicted) if role == "search" else None
         earlier = self._reusable(cand) if role == "search" and known is None else None
         if known is not None:
@@ -170,93 +210,137 @@ class Search:
 
         def objective(trial: Any) -> float:
             numbers.append(trial.number)
-            return self._evaluate(trial, self.space.suggest(trial), role)
+            self.space.suggest(trial)  # the enqueued parameters
+            return self._evaluate(trial, cand, role)
 
         self.study.optimize(objective, n_trials=1, catch=(_TrialErrored,), gc_after_trial=False)
         frozen = self.study.get_trials(deepcopy=False)[numbers[0]] if numbers else None
         if frozen is not None:
-            self.on_trial(frozen, role)
+            self.on_trial(frozen, frozen.user_attrs.get(R.ATTR_ROLE, role))
         return frozen
 
-    # ---------------------------------------------------------------- phases
-    def _finished(self, role: str) -> list[Any]:
+    def _run_batch(self, cands: list[Candidate], role: str) -> list[Any]:
+        """Run independent candidates (one round), one trial each, and return their FrozenTrials in
+        the order given. Sequential here; the only place trials of a round are launched, so a
+        concurrent executor can replace it. ``role`` ``frontier`` stores the default allocator's
+        probes as ``baseline``; ``confirm`` runs in a clean process for ``confirm_steps``."""
+        out = []
+        for cand in cands:
+            this_role = "baseline" if role == "frontier" and cand.alloc_conf == "" else role
+            out.append(self._run_one(cand, this_role))
+        return out
+
+    def _finished(self, *roles: str) -> list[Any]:
         import optuna
 
         # Trials with a stored result; one interrupted by Ctrl-C/SIGTERM is FAIL without a result
         # and does not count, so a resumed search runs it again.
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         return [t for t in self.study.get_trials(deepcopy=False, states=done)
-                if t.user_attrs.get(R.ATTR_ROLE) == role and R.ATTR_RESULT in t.user_attrs]
+                if t.user_attrs.get(R.ATTR_ROLE) in roles and R.ATTR_RESULT in t.user_attrs]
 
-    def run_baseline(self) -> Any | None:
-        """Largest batch that fits under torch's default allocator (doubling, then bisection).
+    # ---------------------------------------------------------------- 1. frontier first
+    def _peak(self, batch: int, params: dict[str, Any]) -> tuple[int, bool] | None:
+        from oomtune.plan.predictor import simulable
 
-        With a prediction, the first probe is the predicted largest batch and the second the one
-        above it: when both agree with the prediction the boundary is found in two trials.
+        settings = self.space.candidate(batch, params).settings
+        if self.predictor is None or not simulable(settings):
+            return None
+        pred = self.predictor.predict_detail(batch, settings)
+        return int(pred.peak_reserved_bytes), bool(pred.fits)
+
+    def plan_frontiers(self) -> FrontierPlanner:
+        """Every configuration's predicted frontier (simulated), before any device trial."""
+        low, high = self.space.batch_low, self.space.batch_high
+        if self.predictor is not None:
+            configs = predicted_frontiers(self.predictor, self.space.all_settings(), low, high,
+                                          self.limit.limit_bytes)
+        else:
+            default = {k: v for k, v in self.space.default(1).params}
+            configs = [ConfigFrontier(default, "", None)]
+        for c in configs:  # data-loader defaults travel with each probe
+            c.params.update({f"data.{k}": v for k, v in self.space.default(1).data})
+        return FrontierPlanner(configs, low, high, self.limit.limit_bytes, peak=self._peak if self.predictor else None,
+                               max_configs=self.opt.frontier_configs, precision=self.opt.baseline_precision,
+                               boundary_all=self.opt.objective == "throughput")
+
+    def _learn(self, planner: FrontierPlanner, trial: Any, *, probe: bool) -> None:
+        """Record one finished trial into its configuration's frontier (calibration included)."""
+        res = R.result_of(trial)
+        c = planner.find(trial.user_attrs.get(R.ATTR_CONF, "")) if res is not None else None
+        if c is None or res.outcome_enum.is_fault or R.ATTR_REUSED in trial.user_attrs \
+                or res.outcome == Outcome.PREDICTED_INFEASIBLE.value or c.alloc_conf != res.alloc_conf:
+            return
+        batch = int(trial.params["batch_size"])
+        raw = self._peak(batch, c.params)
+        ratio = floor = None
+        used = R.used_bytes(res)
+        if raw is not None and raw[0] > 0:
+            if res.outcome == Outcome.OK.value and used:
+                ratio = used / raw[0]
+            elif res.outcome_enum.is_memory:
+                floor = self.opt.budget_bytes / raw[0]  # it needed more than the whole budget
+        if probe:
+            c.probes += 1
+        c.record(batch, R.is_feasible_ok(trial), ratio=ratio, floor=floor, peak_bytes=res.peak_reserved_bytes)
+
+    def run_frontier(self) -> Any | None:
+        """The frontier rounds (see the module docstring). Returns the baseline trial: the default
+        allocator at its largest measured feasible batch (None when ``search.baseline=false`` or
+        nothing fit).
 
         Raises:
-            SetupFault: the smallest batch fails with an error that is not a memory outcome.
+            SetupFault: the default allocator fails at the smallest batch with a non-memory error.
         """
-        if not self.opt.baseline:
-            return None
-        tried: dict[int, Any] = {t.params["batch_size"]: t for t in self._finished("baseline")}
-        low, high = self.space.batch_low, self.space.batch_high
-        batch, predicted_max = low, None
-        if self.predict is not None:
-            predicted_max = self._predicted_max_default()
-            if predicted_max is not None:
-                batch = max(low, min(high, predicted_max))
+        planner = self.planner = self.plan_frontiers()
+        default = planner.default
+        if not self.opt.baseline and default is not None:
+            default.selected = False
+        for t in self._finished(*PROBE_ROLES):  # a resumed study: what is known already
+            self._learn(planner, t, probe=t.user_attrs.get(R.ATTR_ROLE) != "search")
+        self._recalibrate(planner)
         while True:
-            ok = [b for b, t in tried.items() if R.is_feasible_ok(t)]
-            bad = [b for b, t in tried.items() if not R.is_feasible_ok(t)]
-            ok_max = max(ok) if ok else None
-            bad_min = min((b for b in bad if ok_max is None or b > ok_max), default=None)
-            nxt = self._next_probe(ok_max, bad_min, low, high)
-            if nxt is None:
+            round_ = planner.next_round()
+            if not round_:
                 break
-            if not tried:
-                nxt = batch
-            elif ok_max == predicted_max and bad_min is None and nxt > ok_max:
-                nxt = ok_max + 1  # the prediction held: test the boundary it names, then stop
-            trial = self._run_one(self.space.default(nxt), "baseline")
-            tried[nxt] = trial
-            res = R.result_of(trial)
-            if nxt == low and res is not None and res.outcome_enum.is_fault:
-                raise SetupFault(f"the workload fails at batch {low} with the default allocator "
-                                 f"({res.outcome}): {res.message}")
-        ok = [t for t in tried.values() if R.is_feasible_ok(t)]
-        return max(ok, key=lambda t: t.params["batch_size"]) if ok else None
+            cands = [self.space.candidate(batch, c.params) for c, batch in round_]
+            for (c, batch), trial in zip(round_, self._run_batch(cands, "frontier")):
+                self._learn(planner, trial, probe=True)
+                c.force_next = None
+                res = R.result_of(trial)
+                if res is None or not res.outcome_enum.is_fault:
+                    continue
+                if c.is_default and batch <= self.space.batch_low:
+                    raise SetupFault(f"the workload fails at batch {batch} with the default allocator "
+                                     f"({res.outcome}): {res.message}")
+                if c.is_default and c.ok_max is None:
+                    c.probes += 1
+                    c.force_next = self.space.batch_low  # an error, not memory: does the smallest batch run?
+                else:
+                    c.selected = False  # an error, not a memory answer: stop probing this configuration
+            self._recalibrate(planner)
+        return self.baseline_trial()
 
-    def _next_probe(self, ok_max: int | None, bad_min: int | None, low: int, high: int) -> int | None:
-        if ok_max is None and bad_min is None:
-            return low
-        if ok_max is None:
-            return None if bad_min <= low else max(low, bad_min // 2)
-        if bad_min is None:
-            return None if ok_max >= high else min(high, ok_max * 2)
-        if bad_min - ok_max <= max(1, int(ok_max * self.opt.baseline_precision)):
-            return None
-        return (ok_max + bad_min) // 2
+    def _recalibrate(self, planner: FrontierPlanner) -> None:
+        ratios = sorted(r for c in planner.configs for r in c.ratios)
+        if ratios:
+            planner.device_ratio = ratios[len(ratios) // 2]
 
-    def _predicted_max_default(self) -> int | None:
-        lo, hi, best = self.space.batch_low, self.space.batch_high, None
-        while lo <= hi:  # memory is monotone in the batch size: bisect on the prediction
-            mid = (lo + hi) // 2
-            predicted = self.predict(self.space.default(mid))
-            if predicted is None:
-                return None
-            if predicted <= self.limit.limit_bytes:
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        return best
+    def baseline_trial(self) -> Any | None:
+        """The default allocator's largest feasible measured batch (role baseline)."""
+        ok = [t for t in self._finished("baseline") if R.is_feasible_ok(t)]
+        return max(ok, key=lambda t: (t.params["batch_size"], -t.number)) if ok else None
 
+    # ---------------------------------------------------------------- 2. the sampler
     def run_search(self, baseline: Any | None = None) -> None:
-        """The sampler's trials, up to ``n_trials`` in total (finished ones count: resume).
+        """The sampler's trials, up to ``n_trials`` in total (finished ones count: resume); none for
+        the batch objective, where the frontier probes decide.
 
         With a baseline at batch B, the sampler's batch range starts at max(low, B // 4): throughput
         rarely peaks far below the largest batch that fits, and the range stays wide enough to
         find one that does."""
+        if self.opt.objective == "batch":
+            return
         remaining = self.opt.n_trials - len(self._finished("search"))
         if remaining <= 0:
             return
@@ -271,43 +355,75 @@ class Search:
         self.study.optimize(objective, n_trials=remaining, timeout=self.opt.timeout_s,
                             catch=(_TrialErrored,), callbacks=[callback], gc_after_trial=False)
 
+    # ---------------------------------------------------------------- 3. ranking and confirmation
+    def _candidates(self) -> list[Any]:
+        return [t for t in self.study.get_trials(deepcopy=False)
+                if t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and R.is_feasible_ok(t)
+                and R.ATTR_REUSED not in t.user_attrs]
+
     def _ranked(self) -> list[Any]:
-        """Feasible trials that ran, best first: highest throughput; but when the workload is
-        input-bound (field case C11) the smallest batch within 5% of the best throughput comes first,
-        since a bigger batch buys nothing while the GPU waits for data."""
+        """Feasible trials that ran, best first under the objective. Throughput: highest first, but
+        when the workload is input-bound (field case C11) the smallest batch within 5% of the best
+        comes first (a bigger batch buys nothing while the GPU waits for data). Batch:
+        :func:`oomtune.search.ranking.rank_by_batch`."""
         from oomtune.diagnose import input_bound_verdict
 
-        trials = [t for t in self.study.get_trials(deepcopy=False)
-                  if t.user_attrs.get(R.ATTR_ROLE) in ("baseline", "search") and R.is_feasible_ok(t)
-                  and R.ATTR_REUSED not in t.user_attrs]
-        ranked = sorted(trials, key=lambda t: (-(t.value or 0.0), t.number))
-        self.verdict = input_bound_verdict([R.result_of(t) for t in trials],
-                                           data_cfg=self.opt.workload.get("data"))
-        ranked = self._prefer_default(ranked)
+        trials = self._candidates()
+        self.verdict = input_bound_verdict([R.result_of(t) for t in trials], data_cfg=self.opt.workload.get("data"))
+        if self.opt.objective == "batch":
+            return K.rank_by_batch(trials)
+        ranked = self._prefer_default(sorted(trials, key=lambda t: (-(t.value or 0.0), t.number)))
         if self.verdict.input_bound and ranked:
             near = [t for t in ranked if (t.value or 0.0) >= 0.95 * (ranked[0].value or 0.0)]
             near.sort(key=lambda t: (t.params["batch_size"], -(t.value or 0.0)))
             ranked = near + [t for t in ranked if t not in near]
         return ranked
 
+    def leader(self) -> Any | None:
+        """The leader so far under the final ranking rule (the progress line's "best")."""
+        trials = self._candidates()
+        if not trials:
+            return None
+        if self.opt.objective == "batch":
+            return K.rank_by_batch(trials)[0]
+        return self._prefer_default(sorted(trials, key=lambda t: (-(t.value or 0.0), t.number)))[0]
+
     def _prefer_default(self, ranked: list[Any]) -> list[Any]:
         """Allocator settings must earn their place: when the best candidate with non-default settings
         beats the best default-allocator candidate by less than ``min_gain`` (2%: within the noise of
         a few measured steps), the default one ranks first."""
-        defaults = {k: v for k, v in self.space.default(1).optuna_params().items() if k != "batch_size"}
-
-        def is_default(t: Any) -> bool:
-            return all(t.params.get(k) == v for k, v in defaults.items())
-
-        best_default = next((t for t in ranked if is_default(t)), None)
-        if not ranked or best_default is None or is_default(ranked[0]):
+        best_default = next((t for t in ranked if self._is_default(t)), None)
+        if not ranked or best_default is None or self._is_default(ranked[0]):
             return ranked
         if (ranked[0].value or 0.0) < (best_default.value or 0.0) * (1 + self.opt.min_gain):
             return [best_default] + [t for t in ranked if t is not best_default]
         return ranked
 
+    def _is_default(self, t: Any) -> bool:
+        defaults = {k: v for k, v in self.space.default(1).optuna_params().items() if k != "batch_size"}
+        return all(t.params.get(k) == v for k, v in defaults.items())
+
+    def _candidate_of(self, trial: Any) -> Candidate:
+        params = {k: v for k, v in trial.params.items() if k != "batch_size"}
+        return self.space.candidate(trial.params["batch_size"], params)
+
+    def _confirm_runs(self, trials: list[Any], times: int) -> dict[int, list[Any]]:
+        """Clean-process runs of each trial's candidate, ``times`` each (finished ones count: resume),
+        launched as one round. Returns trial number -> its confirmation trials."""
+        done: dict[int, list[Any]] = {}
+        for t in self._finished("confirm"):
+            done.setdefault(t.user_attrs.get(R.ATTR_CONFIRMS), []).append(t)
+        todo: list[Candidate] = []
+        for t in trials:
+            cand = self._candidate_of(t)
+            self._confirms[cand] = t.number
+            todo += [cand] * max(0, times - len(done.get(t.number, [])))
+        for cand, frozen in zip(todo, self._run_batch(todo, "confirm")):
+            done.setdefault(self._confirms[cand], []).append(frozen)
+        return {t.number: done.get(t.number, []) for t in trials}
+
     def confirm(self, max_candidates: int = 3) -> tuple[Any | None, TrialResult | None, bool]:
-        """Re-run the best candidates in a clean process for ``confirm_steps``; first that passes wins.
+        """Confirm the winner in a clean process (see the module docstring); first that passes wins.
 
         Returns (winner trial, confirmation result or the trial's own, confirmed?)."""
         ranked = self._ranked()
@@ -315,34 +431,54 @@ class Search:
             return None, None, False
         if not self.opt.confirm:
             return ranked[0], R.result_of(ranked[0]), False
-        done = {t.user_attrs.get(R.ATTR_CONFIRMS): t for t in self._finished("confirm")}
+        if self.opt.objective == "throughput" and self.opt.repeats >= 2:
+            return self._confirm_throughput(ranked)
         for cand_trial in ranked[:max_candidates]:
-            conf = done.get(cand_trial.number)
-            if conf is None:
-                conf = self._confirm_one(cand_trial)
-            if R.is_feasible_ok(conf):
-                return cand_trial, R.result_of(conf), True
+            runs = self._confirm_runs([cand_trial], 1)[cand_trial.number]
+            if runs and all(R.is_feasible_ok(r) for r in runs):
+                self._batch_gain(cand_trial, runs)
+                return cand_trial, R.result_of(runs[-1]), True
         return None, None, False
 
-    def _confirm_one(self, cand_trial: Any) -> Any:
-        params = {k: v for k, v in cand_trial.params.items() if k != "batch_size"}
-        cand = self.space.candidate(cand_trial.params["batch_size"], params)
-        self.study.enqueue_trial(cand.optuna_params(), user_attrs={R.ATTR_CONFIRMS: cand_trial.number})
-        numbers: list[int] = []
+    def _batch_gain(self, winner: Any, runs: list[Any]) -> None:
+        base = self.baseline_trial()
+        if base is None:
+            return
+        res, base_res = R.result_of(runs[-1]), R.result_of(base)
+        self.gain = {"objective": "batch", "batch_size_ratio": winner.params["batch_size"] / base.params["batch_size"],
+                     "peak_reserved_ratio": (res.peak_reserved_bytes / base_res.peak_reserved_bytes
+                                             if res.peak_reserved_bytes and base_res.peak_reserved_bytes else None),
+                     "claimed": winner.params["batch_size"] > base.params["batch_size"],
+                     "from": "the winner's clean-process confirmation vs the baseline's frontier probe"}
 
-        def objective(trial: Any) -> float:
-            numbers.append(trial.number)
-            trial.set_user_attr(R.ATTR_ROLE, "confirm")
-            trial.set_user_attr(R.ATTR_CONF, cand.alloc_conf)
-            self.space.suggest(trial)
-            spec = self._spec(cand, steps=self.opt.confirm_steps)
-            result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
-            return self._tell(trial, result)
-
-        self.study.optimize(objective, n_trials=1, catch=(_TrialErrored,), gc_after_trial=False)
-        frozen = self.study.get_trials(deepcopy=False)[numbers[0]]
-        self.on_trial(frozen, "confirm")
-        return frozen
+    def _confirm_throughput(self, ranked: list[Any]) -> tuple[Any | None, TrialResult | None, bool]:
+        """Top ``finalists`` and the baseline, ``repeats`` clean runs each; the winner must beat the
+        baseline beyond the measured spread (:func:`oomtune.search.ranking.beats`), else the baseline
+        is the answer."""
+        base = self.baseline_trial() or next((t for t in ranked if self._is_default(t)), None)
+        finalists = ranked[:self.opt.finalists]
+        if base is not None and base not in finalists:
+            finalists.append(base)
+        runs = self._confirm_runs(finalists, self.opt.repeats)
+        reps = {t.number: K.Repeats(t, [float(R.result_of(r).throughput or 0.0) for r in runs[t.number]
+                                        if R.is_feasible_ok(r)],
+                                    failed=not all(R.is_feasible_ok(r) for r in runs[t.number]))
+                for t in finalists}
+        best = K.best_repeats(list(reps.values()))
+        if best is None:
+            return None, None, False
+        base_rep = reps.get(base.number) if base is not None else None
+        claimed = False
+        if base_rep is not None and not base_rep.failed and best is not base_rep:
+            claimed = K.beats(best, base_rep, self.opt.min_gain)
+            if not claimed:
+                best = base_rep  # not beyond the noise: the default allocator stays
+        if base_rep is not None and base_rep.values:
+            self.gain = {"objective": "throughput", "throughput_ratio": best.mean / base_rep.mean,
+                         "claimed": claimed, "winner": best.to_dict(), "baseline": base_rep.to_dict(),
+                         "from": f"means of {self.opt.repeats} clean-process runs each"}
+        winner_runs = [r for r in runs[best.trial.number] if R.is_feasible_ok(r)]
+        return best.trial, R.result_of(winner_runs[-1]), True
 
     def summary(self, best: Any | None, best_result: TrialResult | None, confirmed: bool,
                 baseline: Any | None) -> SearchSummary:
@@ -365,5 +501,8 @@ class Search:
                 saved += 1
             else:
                 launched += 1
-        return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved,
-                             self.verdict)
+        top = best is not None and best.params["batch_size"] >= self.space.batch_high
+        return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
+                             objective=self.opt.objective, objective_reason=self.opt.objective_reason,
+                             gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
+                             at_top_of_range=top)

@@ -53,10 +53,6 @@ def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     return model
 
 
-def _ratio(a: int | None, b: int | None) -> float | None:
-    return a / b if a and b else None
-
-
 def _workload_record(workload: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
     loader settings), {target} for target=python|cmd."""
@@ -88,17 +84,10 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
             f"(see {run_dir / 'trials.json'}); lower search.batch_size.low or raise budget"
         )
     best = _choice(summary.best, summary.best_result, summary.confirmed)
-    baseline = gain = None
+    baseline = None
     if summary.baseline is not None:
         baseline = _choice(summary.baseline, R.result_of(summary.baseline), False)
-        # Like with like: both throughputs as measured in their search trials (the winner's
-        # confirmation ran more steps in a clean process and is reported in best.metrics).
-        best_measured, base_measured = summary.best.value, summary.baseline.value
-        if best_measured and base_measured:
-            gain = {"throughput_ratio": best_measured / base_measured,
-                    "batch_size_ratio": best.batch_size / baseline.batch_size,
-                    "peak_reserved_ratio": _ratio(best.metrics["peak_reserved_bytes"],
-                                                  baseline.metrics["peak_reserved_bytes"])}
+    gain = summary.gain  # confirmation figures against the baseline's (oomtune.search.driver)
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
         # workload and compares against exactly this number.
@@ -117,25 +106,16 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         diagnosis=None if summary.verdict is None else {
             "input_bound": summary.verdict.input_bound, "reason": summary.verdict.reason,
             "advice": summary.verdict.advice},
+        objective={"name": summary.objective, "reason": summary.objective_reason,
+                   "at_top_of_range": summary.at_top_of_range},
+        frontiers=[c.to_dict() for c in summary.frontiers],
     )
     path = write_best(config, run_dir / "best.yaml")
-    src = best.metrics["memory_source"]
-    console.print(
-        f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: "
-        f"{best.metrics['throughput']:.1f} samples/s, peak reserved "
-        f"{format_bytes(best.metrics['peak_reserved_bytes'])} ({src})"
-        f"{', confirmed in a clean process' if best.confirmed else ''}", highlight=False, markup=False)
-    if gain and summary.best.number == summary.baseline.number:
-        console.print(f"the default allocator won: no allocator setting beat it at batch {baseline.batch_size}",
-                      highlight=False, markup=False)
-    elif gain:
-        console.print(
-            f"vs the default allocator at its largest batch ({baseline.batch_size}): "
-            f"{gain['throughput_ratio']:.2f}x throughput ({summary.best.value:.1f} vs "
-            f"{summary.baseline.value:.1f} samples/s in their search trials; the figure above is the "
-            "confirmation run's)" if best.confirmed else
-            f"vs the default allocator at its largest batch ({baseline.batch_size}): "
-            f"{gain['throughput_ratio']:.2f}x throughput", highlight=False, markup=False)
+    if summary.frontiers:
+        console.print(frontier_table(summary.frontiers, best.alloc_conf))
+    for line in summary_lines(summary, best, baseline, simulated=device.simulated,
+                              confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high)):
+        console.print(line, highlight=False, markup=False)
     if summary.verdict is not None and summary.verdict.input_bound:
         console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
         console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",
@@ -148,3 +128,58 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
                       "here, not speed", highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)
     return path
+
+
+def frontier_table(frontiers: list[Any], best_conf: str) -> Any:
+    """Per allocator configuration: the predicted frontier (largest batch within the limit on the
+    virtual GPU) and the measured one (``352``: exact; ``>=456``: no failure measured above;
+    ``-``: not probed), the calibration (measured / predicted peak) and the twins folded into it."""
+    from rich.table import Table
+
+    table = Table(title="frontiers: largest batch within budget x (1 - headroom)", header_style="bold")
+    for name, justify in (("alloc_conf", "left"), ("predicted (sim)", "right"), ("measured", "right"),
+                          ("calibration", "right"), ("same prediction as", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for c in sorted(frontiers, key=lambda c: (-(c.predicted or 0), c.n_keys)):
+        cal = c.calibration() if (c.ratios or c.ratio_floor) else None
+        table.add_row(c.alloc_conf or "(default)", "-" if c.predicted is None else str(c.predicted),
+                      c.measured_text(), "-" if cal is None else f"{cal:.3f}",
+                      ", ".join(c.twins) if c.twins else "",
+                      style="bold green" if c.alloc_conf == best_conf else None)
+    return table
+
+
+def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simulated: bool,
+                  confirm_steps: int, batch_high: int) -> list[str]:
+    """The closing lines: the answer, its gain over the baseline (confirmation figures only, claimed
+    only beyond the noise), the objective that decided, and a note when the batch is the range's top."""
+    m = best.metrics
+    src = m["memory_source"]
+    speed = "" if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s{' (CPU)' if simulated else ''}, "
+    lines = [f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: {speed}peak reserved "
+             f"{format_bytes(m['peak_reserved_bytes'])} ({src})"
+             f"{f', confirmed in a clean process ({confirm_steps} steps)' if best.confirmed else ''}"]
+    gain = summary.gain or {}
+    if baseline is not None and gain.get("objective") == "batch":
+        if gain.get("claimed"):
+            lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
+                         f"{gain['batch_size_ratio']:.2f}x batch ({best.batch_size} vs {baseline.batch_size}) "
+                         f"within the same budget ({src} memory)")
+        else:
+            lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size}")
+    elif baseline is not None and gain.get("objective") == "throughput":
+        w, b = gain["winner"], gain["baseline"]
+        noise = (f"{w['mean']:.1f} [{min(w['throughputs']):.1f}-{max(w['throughputs']):.1f}] vs "
+                 f"{b['mean']:.1f} [{min(b['throughputs']):.1f}-{max(b['throughputs']):.1f}] samples/s, "
+                 f"{len(w['throughputs'])} clean runs each")
+        if gain.get("claimed"):
+            lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
+                         f"{gain['throughput_ratio']:.2f}x throughput ({noise})")
+        else:
+            lines.append(f"the default allocator won: no allocator setting beat it beyond the measured noise "
+                         f"({noise})")
+    lines.append(f"objective: {summary.objective} ({summary.objective_reason})")
+    if summary.at_top_of_range:
+        lines.append(f"note: batch {best.batch_size} is the top of the searched range: raise "
+                     f"search.batch_size.high (e.g. search.batch_size.high={2 * batch_high}) to look further")
+    return lines

@@ -24,13 +24,19 @@ RUN_FILE = "run.json"  # {storage, study_name}: lets `oomtune show RUN_DIR` find
 
 
 def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
+    from oomtune.search.ranking import resolve_objective
+
     s, t = cfg.search, cfg.trial
+    objective, reason = resolve_objective(str(s.objective), simulated=device.simulated)
     return SearchOptions(
         workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=float(s.headroom),
         n_trials=int(s.n_trials), timeout_s=None if s.timeout is None else float(s.timeout),
         baseline=bool(s.baseline), confirm=bool(s.confirm), warmup_steps=int(t.warmup_steps),
         measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
         trial_timeout_s=float(t.timeout), min_gain=float(s.min_gain),
+        objective=objective, objective_reason=reason, frontier_configs=int(s.frontier_configs),
+        repeats=int(s.repeats), finalists=int(s.finalists),
+        device_memory_bytes=device.total_memory_bytes if device.simulated else None,
     )
 
 
@@ -126,15 +132,22 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     _say(console, f"device {device.name} ({device.memory_source} memory), budget "
                   f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
                   f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
-    progress = _Progress(console, options.n_trials, study=study)
+    _say(console, f"objective: {options.objective} ({options.objective_reason})")
+    progress = _Progress(console, options.n_trials if options.objective == "throughput" else 0)
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=runner, confirm_runner=confirm_runner,
                    workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
-                   prune_margin=float(cfg.search.prune_margin), on_trial=progress)
+                   predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress,
+                   say=lambda text: _say(console, text))
+    progress.leader = drive.leader
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        baseline = drive.run_baseline()
+        if predictor is not None:
+            _say(console, "predicting every configuration's frontier on the virtual GPU ...")
+        baseline = drive.run_frontier()
+        if predictor is not None and drive.planner is not None:
+            _say(console, _frontier_line(drive.planner, predictor))
         drive.run_search(baseline)
         best, best_result, confirmed = drive.confirm()
     except KeyboardInterrupt:
@@ -208,23 +221,32 @@ def _say(console: Any, text: str) -> None:
 
 
 class _Progress:
-    """Prints one line per finished trial: trial n of N, outcome, best so far."""
+    """Prints one line per finished trial: trial n of N (sampler trials), outcome, and the leader so
+    far under the final ranking rule (``leader``: a callable returning the leading FrozenTrial)."""
 
-    def __init__(self, console: Any, n_trials: int, *, study: Any = None):
-        self.console, self.n_trials, self.count, self.best = console, n_trials, 0, None
-        for t in study.get_trials(deepcopy=False) if study is not None else ():  # resumed study
-            if t.user_attrs.get(R.ATTR_ROLE) == "search" and R.ATTR_RESULT in t.user_attrs:
-                self.count += 1
-            if R.is_feasible_ok(t) and t.user_attrs.get(R.ATTR_ROLE) != "confirm":
-                self.best = max(self.best or 0.0, t.value or 0.0)
+    def __init__(self, console: Any, n_trials: int):
+        self.console, self.n_trials, self.count = console, n_trials, 0
+        self.leader: Any = lambda: None
 
     def __call__(self, trial: Any, role: str) -> None:
         from oomtune.display import progress_line
 
-        if R.is_feasible_ok(trial) and role != "confirm":
-            self.best = max(self.best or 0.0, trial.value or 0.0)
         index = None
         if role == "search":
             self.count += 1
             index = self.count
-        _say(self.console, progress_line(trial, role, index, self.n_trials if index else None, self.best))
+        lead = self.leader()
+        best = None
+        if lead is not None:
+            conf = lead.user_attrs.get(R.ATTR_CONF) or "(default)"
+            best = f"bs={lead.params['batch_size']} {conf}" + (f" {lead.value:.1f}/s" if lead.value else "")
+        _say(self.console, progress_line(trial, role, index, self.n_trials if index else None, best))
+
+
+def _frontier_line(planner: Any, predictor: Any) -> str:
+    """One line: how long the frontier prediction took and what it says."""
+    probed = [c for c in planner.configs if c.selected]
+    parts = [f"{c.alloc_conf or '(default)'} {c.predicted}" for c in probed]
+    return (f"predicted frontiers of {sum(1 + len(c.twins) for c in planner.configs)} configurations "
+            f"(simulated; capture {predictor.capture_seconds:.1f} s, replay {predictor.replay_seconds:.1f} s); "
+            f"probing: {', '.join(parts)}")
