@@ -362,3 +362,42 @@ def test_virtual_gpu_with_real_simulator_oom_inside_step():
     assert vgpu.n_mallocs == 5
     assert "Tried to allocate 16.00 MiB" in str(err.value)
     assert sim.memory_stats()["num_ooms"] == 1
+
+
+# -- the virtual GPU's geometry (issue 9, item 3) ----------------------------------------------------
+def test_virtual_gpu_budget_is_a_memory_fraction_of_the_device():
+    from oomtune.capture.virtual_gpu import budget_geometry
+
+    gib = 1 << 30
+    geo = budget_geometry(gib, 80 * gib)
+    assert geo == {"total_memory_bytes": 80 * gib, "memory_fraction": 1 / 80}
+    for budget in (gib, 3 * gib + 12345, 79 * gib + 1):  # setMemoryFraction: round(fraction * total)
+        g = budget_geometry(budget, 80 * gib)
+        assert round(g["memory_fraction"] * g["total_memory_bytes"]) == budget
+    assert budget_geometry(gib, None) == {"total_memory_bytes": gib, "memory_fraction": 1.0}
+
+
+def test_garbage_collection_threshold_acts_on_the_virtual_gpu():
+    # torch's malloc calls garbage_collect_cached_blocks only under a memory fraction
+    # (CUDACachingAllocator.cpp). Budget 1000 MiB, threshold 0.8 -> 800 MiB. An 850 MiB block is
+    # cached, then 900 MiB is requested: no cached block fits; reserved 850 > 800, so GC frees the
+    # 850 MiB block and the new segment fits without a retry. On a device the size of the budget
+    # (no fraction), GC never runs: 850 + 900 > 1000 fails, the cache is released, and the retry
+    # succeeds (num_alloc_retries = 1).
+    from oomtune.capture.virtual_gpu import budgeted_sim
+
+    mib = 1 << 20
+    for device_memory, retries in ((80 << 30, 0), (None, 1)):
+        sim = budgeted_sim("garbage_collection_threshold:0.8", 1000 * mib, device_memory)
+        sim.free(sim.malloc(850 * mib))
+        sim.malloc(900 * mib)
+        assert sim.num_alloc_retries == retries
+        assert sim.memory_stats()["reserved_bytes.all.current"] == 900 * mib
+
+
+def test_plan_geometry_of_the_virtual_gpu_is_the_trials():
+    from oomtune.device import resolve_device
+    from oomtune.plan.predictor import sim_geometry
+
+    dev = resolve_device("cpu", virtual_device_memory="80GiB")
+    assert sim_geometry(dev, 1 << 30) == {"total_memory_bytes": 80 << 30, "memory_fraction": 1 / 80}
