@@ -69,11 +69,11 @@ def main() -> int:
         "requests); rty = num_alloc_retries (simulated); exact = starting state reproduced exactly.",
         f"default settings, recorded segment allocs (MiB): {[s // MiB for s in default.recorded_segment_allocs]}",
         f"default settings, simulated segment allocs (MiB): {[s // MiB for s in default.simulated_segment_allocs]}",
-        f"default settings, positions recorded {default.recorded_segment_alloc_positions} vs simulated "
-        f"{default.simulated_segment_alloc_positions}",
+        f"default settings, segment events recorded {default.recorded_segment_events} vs simulated "
+        f"{default.simulated_segment_events}",
         f"final reserved: recorded on device {format_bytes(default.recorded_final_reserved_bytes)}, "
-        f"simulated {format_bytes(default.simulated_final_reserved_bytes)}; unexplained releases "
-        f"{default.unexplained_releases}",
+        f"simulated {format_bytes(default.simulated_final_reserved_bytes)}; recorded release runs "
+        f"{len(default.releases)}",
     ]
     text = "\n".join(lines) + "\n"
     OUT.parent.mkdir(parents=True, exist_ok=True)

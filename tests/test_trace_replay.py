@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from oomtune.exceptions import SnapshotError
+from oomtune.trace.releases import classify_releases
 from oomtune.trace.replay import (
     first_divergence,
     rebuild_initial_state,
-    unexplained_release_indices,
 )
 from oomtune.trace.snapshot import load_snapshot
 
@@ -77,17 +77,20 @@ def test_no_trace_for_device():
         rebuild_initial_state({"segments": [], "device_traces": [[]]}, device=3)
 
 
-def test_unexplained_releases():
+def test_release_classified_by_request_stream_without_frames():
     trace = [
         ev("alloc", L1, 12 * MiB),
-        ev("segment_free", L0, 20 * MiB),   # 1: inside malloc, followed by segment_alloc: explained
+        ev("segment_free", L0, 20 * MiB),   # 1: followed by segment_alloc: the device limit decides
         ev("segment_alloc", L1, 20 * MiB),
         ev("alloc", L1, 12 * MiB),
         *free(L1, 12 * MiB),
         ev("segment_free", L1, 20 * MiB),   # 6: the program's empty_cache(): next is a request
         ev("alloc", S0, 100),
     ]
-    assert unexplained_release_indices(trace) == [6]
+    # Starting reserved 20 MiB (L0). Recorded reserved: 20 -> 0 (release) -> 20 -> 0; peak 20 MiB.
+    # Release 1: reserved 20 + needed 20 = 40 > peak 20: consistent with a full device: allocator.
+    got = [(r.first, r.explicit, r.rule) for r in classify_releases(trace, 20 * MiB)]
+    assert got == [(1, False, "device limit"), (6, True, "request stream")]
 
 
 def test_first_divergence():
@@ -95,6 +98,7 @@ def test_first_divergence():
     assert first_divergence([(2, 1), (20, 2)], [(2, 1), (20, 3)]) == 1
     assert first_divergence([(2, 1), (20, 2)], [(2, 1)]) == 1
     assert first_divergence([], [(2, 1)]) == 0
+    assert first_divergence([("segment_free", 2, 1)], [("segment_free", 20, 1)]) == 0
 
 
 def test_replay_pre_existing_block():
@@ -117,12 +121,12 @@ def test_real_trace_default_settings_matches_device():
     readme_sizes = [20 * MiB, 2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 20 * MiB, 20 * MiB]
     assert r.recorded_segment_allocs == readme_sizes
     assert r.simulated_segment_allocs == readme_sizes
-    assert r.simulated_segment_alloc_positions == r.recorded_segment_alloc_positions
+    assert r.simulated_segment_events == r.recorded_segment_events
     assert r.first_divergence is None
     assert r.simulated_final_reserved_bytes == 128 * MiB
     assert r.recorded_final_reserved_bytes == 128 * MiB
     assert r.initial_state_exact
-    assert r.unexplained_releases == 0 and r.oom is False
+    assert r.releases == [] and r.oom is False
     # README: 1,935 alloc + 1,926 free_completed entries, all replayed.
     assert r.events_replayed == 1935 + 1926
 
@@ -143,24 +147,25 @@ def empty_cache_snapshot():
     return {"segments": final, "device_traces": [trace]}
 
 
-def test_recorded_release_applied_only_on_request():
+def test_program_release_replayed_as_empty_cache_by_default():
     from oomtune.trace.replay import replay_snapshot
 
     snap = empty_cache_snapshot()
-    plain = replay_snapshot(snap)
-    assert plain.unexplained_releases == 1
-    assert plain.recorded_segment_allocs == [2 * MiB, 20 * MiB, 20 * MiB]
-    assert plain.simulated_segment_allocs == [2 * MiB, 20 * MiB]  # the cached 20 MiB is reused
-    assert plain.first_divergence == 2
-    assert plain.simulated_final_reserved_bytes == plain.recorded_final_reserved_bytes == 22 * MiB
-    assert any("no cause in the request stream" in n for n in plain.notes)
+    r = replay_snapshot(snap)
+    assert r.releases == [{"trace_index": 6, "count": 1, "explicit": True, "rule": "request stream"}]
+    # Requests: alloc#0 (S0), alloc#1 (L0), free#2 (L0); empty_cache before request #3; free#3 (S0),
+    # alloc#4 (L1) needs a new 20 MiB segment.
+    assert r.recorded_segment_events == r.simulated_segment_events == [
+        ["segment_alloc", 2 * MiB, 0], ["segment_alloc", 20 * MiB, 1], ["segment_free", 20 * MiB, 3],
+        ["segment_alloc", 20 * MiB, 4]]
+    assert r.first_divergence is None and r.exact
+    assert r.recorded_peak_reserved_bytes == r.peak_reserved_bytes == 22 * MiB
 
-    applied = replay_snapshot(snap, apply_recorded_releases=True)
-    assert applied.simulated_segment_allocs == [2 * MiB, 20 * MiB, 20 * MiB]
-    assert applied.simulated_segment_alloc_positions == applied.recorded_segment_alloc_positions == [1, 2, 3]
-    assert applied.simulated_segment_frees == applied.recorded_segment_frees == 1
-    assert applied.first_divergence is None
-    assert applied.recorded_peak_reserved_bytes == applied.peak_reserved_bytes == 22 * MiB
+    ignored = replay_snapshot(snap, releases="none")
+    assert ignored.simulated_segment_allocs == [2 * MiB, 20 * MiB]  # the cached 20 MiB is reused
+    assert ignored.divergence == {"index": 2, "recorded": ["segment_free", 20 * MiB, 3],
+                                  "simulated": None}
+    assert ignored.simulated_final_reserved_bytes == ignored.recorded_final_reserved_bytes == 22 * MiB
 
 
 def test_budget_too_small_for_starting_state():

@@ -292,6 +292,11 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
         return self._total
 
     @property
+    def expandable_segments(self) -> bool:
+        """True when new memory comes from expandable segments (``expandable_segments:True``)."""
+        return self._expandable
+
+    @property
     def allowed_bytes(self) -> int | None:
         """``allowed_memory_maximum`` in bytes, or None when no fraction was set."""
         return self._allowed

@@ -1,8 +1,11 @@
 """``oomtune simulate TRACE.pickle``: replay a real memory snapshot under allocator settings.
 
 The trace is a ``torch.cuda.memory._dump_snapshot`` pickle, loaded with the restricted unpickler
-(:func:`oomtune.trace.load_snapshot`). Each ``--conf`` is one PYTORCH_CUDA_ALLOC_CONF string (none:
-torch's defaults). Output labels every figure ``(simulated)`` or ``(recorded on device)``.
+(:func:`oomtune.trace.load_snapshot`). By default the replay uses the settings the snapshot records
+(``allocator_settings``) and, when the trace shows the device running short, the device limit it
+implies; each ``--conf`` is one PYTORCH_CUDA_ALLOC_CONF string to replay under instead (``""``:
+torch's defaults), ``--budget`` a capacity. Output labels every figure ``(simulated)`` or
+``(recorded on device)`` and says which rule decided who made each recorded release.
 
 ``--json`` prints one JSON object for one ``--conf`` (or none), and a JSON list of such objects, in
 ``--conf`` order, for several.
@@ -30,16 +33,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("trace", metavar="TRACE.pickle", help="snapshot pickle (loaded without executing code)")
     p.add_argument("--conf", action="append", default=None, metavar="SETTINGS",
-                   help="PYTORCH_CUDA_ALLOC_CONF string; repeat to compare several (default: torch's defaults)")
+                   help="PYTORCH_CUDA_ALLOC_CONF string; repeat to compare several (default: the settings "
+                   "recorded in the snapshot; \"\" for torch's defaults)")
     p.add_argument("--budget", default=None, metavar="SIZE",
-                   help="virtual GPU capacity, e.g. 16GiB (default: 1 TiB, nothing runs out)")
+                   help="virtual GPU capacity, e.g. 16GiB (default: the device limit the trace implies when "
+                   "it ran short, else 1 TiB, nothing runs out)")
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="the program's torch.cuda.set_per_process_memory_fraction(F) (needs --budget, the "
                    "device's capacity); garbage_collection_threshold acts only under a fraction")
-    p.add_argument("--device", type=int, default=0, metavar="N", help="which device's trace to replay")
-    p.add_argument("--apply-recorded-releases", action="store_true",
-                   help="call empty_cache() where the trace released segments without a cause in the "
-                   "request stream (e.g. the program's torch.cuda.empty_cache())")
+    p.add_argument("--device", type=int, default=None, metavar="N",
+                   help="which device's trace to replay (default: the first device with trace entries)")
+    p.add_argument("--releases", choices=("auto", "all", "none"), default="auto",
+                   help="which recorded segment releases become empty_cache() in the replay: auto (those the "
+                   "program made, told apart from the allocator's own release-and-retry), all, none")
     p.add_argument("--json", action="store_true", help="print JSON (an object; a list for several --conf)")
     p.set_defaults(func=run)
     return p
@@ -71,17 +77,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid --memory-fraction {fraction}: must be in (0, 1]")
     if fraction is not None and budget is None:
         raise ConfigError("--memory-fraction needs --budget (the device's capacity the fraction is of)")
-    confs = args.conf if args.conf else [""]
-    settings = [AllocatorSettings.parse(c) for c in confs]  # every --conf checked before replaying
+    from oomtune.trace import RECORDED, default_device, devices_with_data
+
+    settings = [AllocatorSettings.parse(c) for c in args.conf] if args.conf else [RECORDED]
     snapshot = load_snapshot(args.trace)
+    device = default_device(snapshot) if args.device is None else args.device
     results = [
-        replay_snapshot(snapshot, s, total_memory_bytes=budget, device=args.device,
-                        apply_recorded_releases=args.apply_recorded_releases, memory_fraction=fraction)
+        replay_snapshot(snapshot, s, total_memory_bytes=budget, device=device, releases=args.releases,
+                        memory_fraction=fraction)
         for s in settings
     ]
     if args.json:
-        objs = [dict(r.to_dict(), budget_bytes=budget, trace=str(args.trace), device=args.device)
-                for r in results]
+        objs = [dict(r.to_dict(), budget_bytes=budget, trace=str(args.trace)) for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, sort_keys=True))
         return 0
     from rich.console import Console
@@ -89,11 +96,17 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(highlight=False, soft_wrap=True, width=200)
-    entries = len(snapshot["device_traces"][args.device]) if args.device < len(snapshot["device_traces"]) else 0
-    console.print(f"Trace {args.trace} (device {args.device}): {entries:,} entries; budget "
-                  f"{format_bytes(budget) if budget else '1 TiB (default: nothing runs out)'}"
-                  + (f", memory fraction {args.memory_fraction} (limit {format_bytes(int(args.memory_fraction * budget))})"
-                     if args.memory_fraction is not None and budget else ""))
+    traces = snapshot["device_traces"]
+    entries = len(traces[device]) if device < len(traces) else 0
+    held = devices_with_data(snapshot)
+    console.print(f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
+                  f"replaying device {device} ({entries:,} entries)")
+    r0 = results[0]
+    console.print(f"Budget: {_budget_text(r0)}"
+                  + (f", memory fraction {fraction} (limit {format_bytes(round(fraction * r0.total_memory_bytes))})"
+                     if fraction is not None else ""))
+    if r0.releases:
+        console.print(f"Recorded releases: {_releases_text(r0.releases)}")
     if len(results) == 1:
         _print_one(console, results[0])
     else:
@@ -101,12 +114,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget_text(r: Any) -> str:
+    lim = r.device_limit
+    if r.budget_source == "given":
+        text = f"{format_bytes(r.total_memory_bytes)} (given)"
+    elif r.budget_source == "inferred from the trace":
+        high = "?" if lim["high_bytes"] is None else format_bytes(lim["high_bytes"])
+        return (f"{format_bytes(r.total_memory_bytes)}: the device limit inferred from the trace, between "
+                f"{format_bytes(lim['low_bytes'])} and {high} ({'; '.join(lim['sources'])}); --budget overrides")
+    else:
+        text = "1 TiB (default: the trace never ran short, nothing runs out)"
+    if lim is not None:
+        high = "?" if lim["high_bytes"] is None else format_bytes(lim["high_bytes"])
+        text += f"; the trace implies a device limit between {format_bytes(lim['low_bytes'])} and {high}"
+    return text
+
+
+def _releases_text(releases: list[dict]) -> str:
+    explicit = [g for g in releases if g["explicit"]]
+    own = [g for g in releases if not g["explicit"]]
+    parts = []
+    for label, groups in (("the program's empty_cache(), replayed as such", explicit),
+                          ("the allocator's own release-and-retry, left to the simulator", own)):
+        if groups:
+            rules = sorted({g["rule"] for g in groups})
+            parts.append(f"{len(groups)} run(s) of {sum(g['count'] for g in groups)} release(s): {label} "
+                         f"(decided by: {', '.join(rules)})")
+    return "; ".join(parts)
+
+
 def _settings_label(text: str) -> str:
     return text if text else "(torch defaults)"
 
 
-def _mib_list(sizes: list[int]) -> str:
-    return ", ".join(f"{s / (1 << 20):g}" for s in sizes) + " MiB" if sizes else "none"
+def _mib_list(sizes: list[int], show: int = 24) -> str:
+    if not sizes:
+        return "none"
+    more = f", ... ({len(sizes) - show} more)" if len(sizes) > show else ""
+    return ", ".join(f"{s / (1 << 20):g}" for s in sizes[:show]) + more + " MiB"
 
 
 def _oom_text(r: Any) -> str:
@@ -115,7 +160,7 @@ def _oom_text(r: Any) -> str:
     at = r.oom_at or {}
     where = ("while rebuilding the starting state" if at.get("phase") == "initial_state"
              else f"at trace entry {at.get('event_index')}")
-    return f"yes, {where} (request of {format_bytes(at.get('requested_bytes'))})"
+    return f"yes, {where} (request of {format_bytes(at.get('requested_bytes'))}; the device did not)"
 
 
 def _reserved_diff(r: Any) -> str:
@@ -125,22 +170,26 @@ def _reserved_diff(r: Any) -> str:
     return f"{sign}{format_bytes(diff)}" + (f" ({sign}{pct:.2f}%)" if pct is not None else "")
 
 
+def _event_text(ev: list | None) -> str:
+    if ev is None:
+        return "nothing (the list ended)"
+    action, size, pos = ev
+    return f"{action} {format_bytes(size)} at request #{pos}"
+
+
 def _divergence_text(r: Any) -> str:
-    k = r.first_divergence
-    if k is None:
-        return "none: same sizes at the same requests"
-
-    def side(sizes: list[int], pos: list[int]) -> str:
-        return f"{format_bytes(sizes[k])} at alloc #{pos[k]}" if k < len(sizes) else "nothing"
-
-    return (f"segment alloc #{k}: recorded on device {side(r.recorded_segment_allocs, r.recorded_segment_alloc_positions)}"
-            f", simulated {side(r.simulated_segment_allocs, r.simulated_segment_alloc_positions)}")
+    d = r.divergence
+    if d is None:
+        return (f"none: all {len(r.recorded_segment_events)} segment events (alloc/free/map/unmap, oom) "
+                "identical in order, size and request")
+    return (f"segment event #{d['index']}: recorded on device {_event_text(d['recorded'])}, "
+            f"simulated {_event_text(d['simulated'])}")
 
 
 def _print_one(console: Any, r: Any) -> None:
     frag = "-" if r.fragmentation is None else f"{100 * r.fragmentation:.2f}%"
     lines = [
-        f"Settings: {_settings_label(r.settings)}",
+        f"Settings: {_settings_label(r.settings)} ({r.settings_source})",
         f"Starting state (recorded on device): {format_bytes(r.initial_reserved_bytes)} reserved, "
         f"{format_bytes(r.initial_live_bytes)} live" + ("" if r.initial_state_exact else " (rebuilt approximately)"),
         f"Events replayed: {r.events_replayed:,} in {r.replay_seconds:.3f} s",
@@ -153,12 +202,13 @@ def _print_one(console: Any, r: Any) -> None:
         f"Alloc retries (simulated): {r.num_alloc_retries}",
         f"OOM (simulated): {_oom_text(r)}",
     ]
-    if r.recorded_segment_allocs or r.recorded_segment_frees:
+    if r.recorded_segment_events or r.simulated_segment_events:
         lines += [
             f"Segment allocs (recorded on device): {len(r.recorded_segment_allocs)}: {_mib_list(r.recorded_segment_allocs)}",
             f"Segment allocs (simulated): {len(r.simulated_segment_allocs)}: {_mib_list(r.simulated_segment_allocs)}",
             f"Segment releases: (recorded on device) {r.recorded_segment_frees}, (simulated) {r.simulated_segment_frees}",
-            f"First divergence: {_divergence_text(r)}",
+            f"OOM entries: (recorded on device) {r.recorded_ooms}, (simulated) {r.simulated_ooms}",
+            f"First difference: {_divergence_text(r)}",
         ]
     for line in lines:
         console.print(line)

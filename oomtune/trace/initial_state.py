@@ -107,11 +107,15 @@ def _starting_segments(trace: list[dict], final: list[dict]) -> dict[int, dict]:
 
     A segment freed during the trace is absent from the final list; its pool is inferred from its
     size: small-pool segments are exactly kSmallBuffer (2 MiB), large-pool ones are >= 10 MiB
-    (``DeviceCachingAllocator::get_allocation_size``).
+    (``DeviceCachingAllocator::get_allocation_size``). Expandable segments are handled as mapped
+    address ranges (:func:`_undo_mappings`).
     """
     segs = {s["address"]: {"size": s["total_size"], "stream": s.get("stream", 0),
-                           "pool": s.get("segment_type", "large"),
-                           "expandable": bool(s.get("is_expandable", False))} for s in final}
+                           "pool": s.get("segment_type", "large"), "expandable": False}
+            for s in final if not s.get("is_expandable", False)}
+    ranges = [(s["address"], s["address"] + s["total_size"], s.get("segment_type", "large"),
+               s.get("stream", 0)) for s in final if s.get("is_expandable", False)]
+    mapping_events = []
     for e in reversed(trace):
         if e["action"] == "segment_alloc":
             segs.pop(e["addr"], None)
@@ -120,27 +124,48 @@ def _starting_segments(trace: list[dict], final: list[dict]) -> dict[int, dict]:
             segs[e["addr"]] = {"size": e["size"], "stream": e.get("stream", 0), "pool": pool,
                                "expandable": False}
         elif e["action"] in ("segment_map", "segment_unmap"):
-            _undo_mapping(segs, e)
+            mapping_events.append(e)
+    for start, end, pool, stream in _undo_mappings(ranges, mapping_events):
+        segs[start] = {"size": end - start, "stream": stream, "pool": pool, "expandable": True}
     return {a: s for a, s in segs.items() if s["size"] > 0}
 
 
-def _undo_mapping(segs: dict[int, dict], e: dict) -> None:
-    """Undo one expandable-segment page mapping (walking backwards): a segment_map grew the
-    expandable segment holding ``addr`` by ``size`` (so it was that much smaller before); a
-    segment_unmap shrank the one ending at ``addr`` (so it was larger). Expandable segments grow at
-    their end (ExpandableSegment::map in c10/cuda/CUDACachingAllocator.cpp maps the pages a request
-    needs after the mapped range), which is what this models."""
-    addr, size = e["addr"], e["size"]
-    owner = next((a for a, s in segs.items() if s["expandable"] and a <= addr <= a + s["size"]), None)
-    if e["action"] == "segment_map":
-        if owner is not None:
-            segs[owner]["size"] -= size
-        return
-    if owner is not None:
-        segs[owner]["size"] += size
-    else:
-        pool = "small" if size <= _SMALL_BUFFER else "large"
-        segs[addr] = {"size": size, "stream": e.get("stream", 0), "pool": pool, "expandable": True}
+def _undo_mappings(ranges: list[tuple[int, int, str, int]], events: list[dict]) -> list[tuple[int, int, str, int]]:
+    """Mapped ranges ``(start, end, pool, stream)`` of expandable segments before the trace.
+
+    ``ranges``: the final snapshot's expandable segments (torch lists one per contiguous mapped
+    range, ``DeviceCachingAllocator::snapshot``); ``events``: the trace's segment_map/segment_unmap
+    entries, latest first. Undoing a map removes its range (it may split a mapped range in two:
+    the map filled a hole); undoing an unmap adds its range back, merging with its neighbours (an
+    unmap in the middle of a mapped range, as ``release_cached_blocks`` -> ``unmap_block`` makes when
+    it returns the free pages between live blocks). A re-added range that touches no known range
+    takes its pool from its size: whole 2 MiB pages that are not 20 MiB multiples are small-pool.
+    """
+    spans = sorted(ranges)
+    for e in events:
+        lo, hi = e["addr"], e["addr"] + e["size"]
+        if e["action"] == "segment_map":
+            cut = []
+            for a, b, pool, stream in spans:
+                if b <= lo or a >= hi:
+                    cut.append((a, b, pool, stream))
+                    continue
+                if a < lo:
+                    cut.append((a, lo, pool, stream))
+                if b > hi:
+                    cut.append((hi, b, pool, stream))
+            spans = cut
+        else:
+            touching = [s for s in spans if s[1] >= lo and s[0] <= hi]
+            if touching:
+                pool, stream = touching[0][2], touching[0][3]
+            else:
+                pool = "small" if e["size"] % (20 << 20) else "large"
+                stream = e.get("stream", 0)
+            a = min([lo] + [s[0] for s in touching])
+            b = max([hi] + [s[1] for s in touching])
+            spans = sorted([s for s in spans if s not in touching] + [(a, b, pool, stream)])
+    return spans
 
 
 def _pre_trace_blocks(trace: list[dict], final: list[dict]) -> dict[int, int]:
@@ -149,7 +174,7 @@ def _pre_trace_blocks(trace: list[dict], final: list[dict]) -> dict[int, int]:
     pending: set[int] = set()  # pre-trace blocks whose free was requested, not yet completed
     before: dict[int, int] = {}
     for e in trace:
-        action, addr = e["action"], e["addr"]
+        action, addr = e["action"], e.get("addr")
         if action == "alloc":
             live.add(addr)
         elif action in ("free_requested", "free_completed") and addr not in live:
@@ -200,12 +225,34 @@ def rebuild_initial_state(snapshot: dict[str, Any], device: int = 0) -> InitialS
             unplaced.append(addr)
             continue
         placed[seg_addr].append(InitialBlock(addr - seg_addr, size, addr))
+    for a in starts:
+        if segs[a]["pool"] == "large" and not segs[a]["expandable"]:
+            placed[a] = _with_unsplit_tails(placed[a], segs[a]["size"])
     segments = tuple(
         InitialSegment(a, segs[a]["size"], segs[a]["stream"], segs[a]["pool"], segs[a]["expandable"],
                        tuple(placed[a]))
         for a in starts
     )
     return InitialState(segments, tuple(unplaced))
+
+
+def _with_unsplit_tails(blocks: list[InitialBlock], segment_size: int) -> list[InitialBlock]:
+    """Give each live block of a large-pool segment the free gap after it when that gap is at most
+    1 MiB: the block's unsplit tail.
+
+    ``should_split`` (c10/cuda/CUDACachingAllocator.cpp) splits a large-pool block only when the
+    remainder is larger than kSmallSize (1 MiB), so every block of a large-pool segment, free or
+    allocated, is larger than 1 MiB: a gap of at most 1 MiB after a block cannot be a free block of
+    its own, and is the tail the block kept. The trace gives a pre-trace block's requested size
+    only (its free entry), so the rebuilt size lacks that tail until it is added here.
+    """
+    out = []
+    for k, b in enumerate(blocks):
+        end = blocks[k + 1].offset_bytes if k + 1 < len(blocks) else segment_size
+        gap = end - b.offset_bytes - b.size_bytes
+        out.append(InitialBlock(b.offset_bytes, b.size_bytes + gap, b.recorded_addr)
+                   if 0 < gap <= _SMALL_SIZE else b)
+    return out
 
 
 def _pieces(seg: InitialSegment) -> list[tuple[int, int, int | None]]:
@@ -235,7 +282,12 @@ def seed_initial_state(sim: Any, state: InitialState) -> tuple[dict[int, int], b
     piece (a request <= 1 MiB gets a kSmallBuffer segment). The pieces are then requested in address
     order: with every other segment fully allocated, best fit (``get_free_block``) can only pick the
     one free block of this segment, and splitting it leaves the rest at the next offset. Gaps are freed
-    at the end; adjacent free pieces merge (``free_block`` -> ``try_merge_blocks``).
+    at the end; adjacent free pieces merge (``free_block`` -> ``try_merge_blocks``). Under
+    expandable settings a segment's pages are mapped by its first request; that carve is exact for
+    one mapped range per pool and stream with no free gap of at most 1 MiB in the large pool (such a
+    request would go to the small pool). A segment of the other kind than the settings make (e.g.
+    replaying a default-settings trace under ``expandable_segments:True``) is carved as the
+    settings' kind and reported as not exact.
 
     Returns:
         (recorded address -> simulator address of each live block, exact): ``exact`` is False when a
@@ -248,9 +300,17 @@ def seed_initial_state(sim: Any, state: InitialState) -> tuple[dict[int, int], b
     addr_map: dict[int, int] = {}
     gaps: list[int] = []
     exact = True
+    expandable = bool(getattr(sim, "expandable_segments", False))
+    by_kind: dict[tuple[str, int], int] = {}
     for seg in state.segments:
         if seg.is_expandable:
-            exact = False  # expandable segments grow by mapping pages; carved as plain requests
+            by_kind[(seg.pool, seg.stream)] = by_kind.get((seg.pool, seg.stream), 0) + 1
+    for seg in state.segments:
+        if seg.is_expandable != expandable:
+            exact = False  # a segment of the other kind than the settings make: carved as this kind
+        elif seg.is_expandable and (by_kind[(seg.pool, seg.stream)] > 1 or seg.pool == "large" and any(
+                0 < size <= _SMALL_SIZE for _, size, rec in _pieces(seg) if rec is None)):
+            exact = False  # several mapped ranges (holes between) or a free gap <= 1 MiB: not carvable
         base = None
         if seg.pool == "large":
             base = sim.malloc(seg.total_size_bytes, stream=seg.stream)

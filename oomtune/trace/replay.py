@@ -1,20 +1,23 @@
 """Replaying a real GPU memory snapshot through the virtual GPU, and comparing segment events.
 
-Three steps:
+Steps:
 
 1. :func:`rebuild_initial_state`: what the allocator held before the trace's first entry (recording
    starts mid-program, so the final segments hold segments and blocks the trace never created): the
    final state with the trace undone, as in the memory viewer.
-2. :func:`seed_initial_state`: puts that state into a ``CachingAllocatorSim`` through ``malloc``/``free``
-   only; a layout the settings cannot reproduce is reported (``initial_state_exact=False``).
-3. :func:`replay_snapshot`: ``alloc`` -> ``malloc(size, stream)``; ``free_completed`` -> ``free``.
-   ``free_requested`` is when the program dropped the tensor; with several streams the allocator keeps
-   the block until the recorded CUDA events complete (``DeviceCachingAllocator::free`` ->
-   ``insert_events``; the block returns to the pool in ``process_events``), and ``free_completed`` marks
-   that moment, so it is the one that changes memory. With one stream the two are adjacent.
-
-Steps 1 and 2 live in :mod:`oomtune.trace.initial_state` (the details are there); their names are
-re-exported here.
+2. Settings: the snapshot's recorded ``allocator_settings`` unless others are given
+   (:mod:`oomtune.trace.recorded`); device capacity: the limit the trace implies when it shows the
+   device running short (:mod:`oomtune.trace.releases`), unless a budget is given.
+3. :func:`seed_initial_state`: puts the starting state into a ``CachingAllocatorSim`` through
+   ``malloc``/``free`` only; a layout the settings cannot reproduce is reported
+   (``initial_state_exact=False``).
+4. Replay: ``alloc`` -> ``malloc(size, stream)``; ``free_completed`` -> ``free`` (with several
+   streams the block returns to the pool when its events complete, ``process_events``, which
+   ``free_completed`` marks); ``oom`` -> the same request, which must fail again; a release the
+   program made (``empty_cache``, see :func:`oomtune.trace.releases.classify_releases`) ->
+   ``empty_cache()``. Releases of the allocator itself are left to the simulator.
+5. Every recorded segment_alloc/free/map/unmap and oom is compared with the simulator's, in order,
+   size and position (:mod:`oomtune.trace.compare`); the first difference of any kind is reported.
 """
 
 from __future__ import annotations
@@ -23,38 +26,43 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomtune.trace.initial_state import (
-    InitialBlock,
-    InitialSegment,
-    InitialState,
-    device_trace,
-    rebuild_initial_state,
-    seed_initial_state,
-)
+from oomtune.trace.compare import (SEGMENT_ACTIONS, divergence_detail, first_divergence,
+                                   recorded_events)
+from oomtune.trace.initial_state import (InitialBlock, InitialSegment, InitialState, device_trace,
+                                         rebuild_initial_state, seed_initial_state)
+from oomtune.trace.releases import (DeviceLimit, Release, classify_releases, infer_device_limit,
+                                    recorded_reserved_walk)
 
 __all__ = [
     "InitialBlock", "InitialSegment", "InitialState", "SnapshotReplay", "DEFAULT_TOTAL_MEMORY_BYTES",
-    "rebuild_initial_state", "seed_initial_state", "replay_snapshot", "device_trace",
-    "unexplained_release_indices", "first_divergence",
+    "RECORDED", "rebuild_initial_state", "seed_initial_state", "replay_snapshot", "device_trace",
+    "first_divergence", "default_device",
 ]
 
-#: Capacity of the virtual GPU when no budget is given (1 TiB): nothing runs out unless asked.
+#: Capacity of the virtual GPU when no budget is given and the trace implies no limit (1 TiB).
 DEFAULT_TOTAL_MEMORY_BYTES = 1 << 40
+#: ``settings`` value of :func:`replay_snapshot` meaning "the settings the snapshot records".
+RECORDED = "<recorded>"
 _GROW = ("segment_alloc", "segment_map")
 _SHRINK = ("segment_free", "segment_unmap")
-_REQUESTS = ("alloc", "free_requested", "free_completed")
 
 
 @dataclass
 class SnapshotReplay:
     """Result of :func:`replay_snapshot`. Sizes in bytes, time in seconds.
 
-    ``*_segment_allocs`` are segment_alloc/segment_map sizes in order, recorded on the device vs made
-    by the simulator; ``*_segment_alloc_positions`` the ordinal of the ``alloc`` request each served.
-    ``first_divergence``: first index into those lists where size or position differ (or the shorter
-    list ends), ``None`` when they agree. ``oom_at``: ``{"event_index", "requested_bytes", "phase"}``
-    (phase ``"initial_state"`` or ``"replay"``; event_index is the trace index, ``None`` in the
-    initial-state phase) or ``None``. ``fragmentation`` = 1 - peak_active / peak_reserved.
+    ``recorded_segment_events`` / ``simulated_segment_events``: ``[action, size, position]`` of every
+    segment_alloc/free/map/unmap and oom (:mod:`oomtune.trace.compare`); ``first_divergence``: the
+    first index where they differ (None: identical), ``divergence``: that index with both events.
+    ``recorded_segment_allocs`` / ``simulated_segment_allocs``: sizes of segment_alloc/segment_map
+    events, for display. ``oom_at``: the first simulated OOM that the device did not have
+    (``{"event_index", "requested_bytes", "phase"}``, phase ``"initial_state"`` or ``"replay"``),
+    else None. ``releases``: one dict per run of recorded releases (``trace_index``, ``count``,
+    ``explicit``, ``rule``). ``device_limit``: what the trace implies about the device
+    (``low_bytes``, ``high_bytes``, ``used_bytes``, ``sources``) or None. ``budget_source``:
+    ``"given"``, ``"inferred from the trace"`` or ``"default"``; ``settings_source``: ``"recorded"``,
+    ``"given"`` or ``"torch defaults (none recorded)"``. ``fragmentation`` = 1 - peak_active /
+    peak_reserved.
     """
 
     peak_allocated_bytes: int
@@ -65,99 +73,68 @@ class SnapshotReplay:
     oom: bool
     oom_at: dict[str, Any] | None
     events_replayed: int
+    recorded_segment_events: list[list[Any]]
+    simulated_segment_events: list[list[Any]]
     recorded_segment_allocs: list[int]
     simulated_segment_allocs: list[int]
-    recorded_segment_alloc_positions: list[int]
-    simulated_segment_alloc_positions: list[int]
     recorded_segment_frees: int
     simulated_segment_frees: int
+    recorded_ooms: int
+    simulated_ooms: int
     recorded_peak_reserved_bytes: int
     recorded_final_reserved_bytes: int
     simulated_final_reserved_bytes: int
     first_divergence: int | None
-    unexplained_releases: int
+    divergence: dict[str, Any] | None
+    releases: list[dict[str, Any]]
     replay_seconds: float
     initial_reserved_bytes: int
     initial_live_bytes: int
     initial_state_exact: bool
-    applied_recorded_releases: bool
     settings: str
+    settings_source: str
+    total_memory_bytes: int
+    budget_source: str
+    device_limit: dict[str, Any] | None
+    device: int
+    devices_with_data: list[int]
     recorded_allocator_settings: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def exact(self) -> bool:
+        """Every segment event, the peak and the final reserved total as recorded, no extra OOM."""
+        return (self.first_divergence is None and self.oom_at is None
+                and self.peak_reserved_bytes == self.recorded_peak_reserved_bytes
+                and self.simulated_final_reserved_bytes == self.recorded_final_reserved_bytes)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
+        """A JSON-ready dict of every field, plus ``exact``."""
         import dataclasses
 
-        return dataclasses.asdict(self)
+        return dict(dataclasses.asdict(self), exact=self.exact)
 
 
-def unexplained_release_indices(trace: list[dict]) -> list[int]:
-    """Trace indices of segment_free/segment_unmap events with no cause in the request stream.
+def default_device(snapshot: dict[str, Any]) -> int:
+    """The device replayed when none is named: the lowest index with trace entries, else the lowest
+    with segments, else 0."""
+    from oomtune.trace.snapshot import devices_with_data
 
-    Inside ``malloc`` the allocator releases cached segments only on its way to a new one
-    (``release_available_cached_blocks``, ``garbage_collect_cached_blocks``, ``release_cached_blocks``
-    are each followed by ``alloc_block``) or to an OOM, so an allocator-caused release is followed by a
-    segment_alloc/segment_map or an oom entry before the next request entry. Any other release came
-    from the program (``torch.cuda.empty_cache()``, ``torch.cuda.memory._set_allocator_settings``, ...).
-    Limitation: a program's ``empty_cache()`` directly followed by an allocation that needs a new
-    segment looks exactly like the allocator's own release-and-retry in the trace and is counted as
-    explained.
-    """
-    out: list[int] = []
-    for i, e in enumerate(trace):
-        if e["action"] not in _SHRINK:
-            continue
-        caused = False
-        for later in trace[i + 1:]:
-            act = later["action"]
-            if act in _GROW or act == "oom":
-                caused = True
-                break
-            if act in _REQUESTS:
-                break
-        if not caused:
-            out.append(i)
-    return out
+    traced = [d for d, t in enumerate(snapshot["device_traces"]) if t]
+    if traced:
+        return traced[0]
+    held = devices_with_data(snapshot)
+    return held[0] if held else 0
 
 
-def first_divergence(recorded: list[tuple[int, int]], simulated: list[tuple[int, int]]) -> int | None:
-    """First index where two (size, position) lists differ, or where the shorter ends; None if equal."""
-    for k, (r, s) in enumerate(zip(recorded, simulated)):
-        if r != s:
-            return k
-    return None if len(recorded) == len(simulated) else min(len(recorded), len(simulated))
-
-
-def _recorded_segments(trace: list[dict], initial_reserved: int) -> tuple[list[tuple[int, int]], int, int]:
-    """((size, alloc ordinal) of each recorded segment_alloc/map, segment frees, peak reserved)."""
-    allocs, frees, reserved, peak, ordinal = [], 0, initial_reserved, initial_reserved, 0
-    for e in trace:
-        act = e["action"]
-        if act == "alloc":
-            ordinal += 1
-        elif act in _GROW:
-            allocs.append((e["size"], ordinal + 1))  # served the next alloc request (1-based)
-            reserved += e["size"]
-            peak = max(peak, reserved)
-        elif act in _SHRINK:
-            frees += 1
-            reserved -= e["size"]
-    return allocs, frees, peak
-
-
-def _make_sim(settings: Any, total_memory_bytes: int, device: int,
-              memory_fraction: float | None = None) -> Any:
-    from oomtune.alloc.settings import AllocatorSettings
+def _make_sim(settings: Any, total_memory_bytes: int, device: int, memory_fraction: float | None) -> Any:
     from oomtune.alloc.sim import CachingAllocatorSim
 
-    if isinstance(settings, str):
-        settings = AllocatorSettings.parse(settings)
     sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes, device_index=device,
                               record_segment_events=True)
     if memory_fraction is not None:
         sim.set_per_process_memory_fraction(memory_fraction)
-    return sim, settings
+    return sim
 
 
 def _render(settings: Any) -> str:
@@ -168,92 +145,129 @@ def _render(settings: Any) -> str:
 
 
 class _Run:
-    """Mutable replay state: the simulator, address map and simulated segment events seen so far."""
+    """Mutable replay state: the simulator, the address map and the simulated events so far."""
 
     def __init__(self, sim: Any, addr_map: dict[int, int]) -> None:
         self.sim, self.addr_map = sim, addr_map
         self.seen = len(sim.segment_events)  # events of the synthetic prefix are not compared
-        self.allocs: list[tuple[int, int]] = []
-        self.frees = 0
-        self.events = 0
+        self.events: list[tuple[str, int, int]] = []
+        self.replayed = 0
 
-    def collect(self, ordinal: int) -> None:
-        """Attribute new simulated segment events to alloc request ``ordinal`` (counted from 1)."""
-        for ev in self.sim.segment_events[self.seen:]:
-            if ev["action"] in _GROW:
-                self.allocs.append((ev["size"], ordinal))
-            elif ev["action"] in _SHRINK:
-                self.frees += 1
-        self.seen = len(self.sim.segment_events)
+    def collect(self, position: int) -> None:
+        """Attribute the simulator's new segment events to request ``position``."""
+        new = self.sim.segment_events
+        if len(new) > self.seen:
+            self.events.extend((ev["action"], ev["size"], position) for ev in new[self.seen:])
+            self.seen = len(new)
 
 
-def _replay_events(run: _Run, trace: list[dict], releases: set[int]) -> dict[str, Any] | None:
-    """Feed the trace to the simulator; returns oom_at or None."""
+def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int]) -> dict[str, Any] | None:
+    """Feed the trace to the simulator; returns oom_at (an OOM the device did not have) or None."""
     from oomtune.alloc.sim import SimulatedOutOfMemoryError
 
-    ordinal = 0
+    sim, addr_map = run.sim, run.addr_map
+    pos = 0
     for i, e in enumerate(trace):
         act = e["action"]
         if act == "alloc":
-            ordinal += 1
             try:
-                run.addr_map[e["addr"]] = run.sim.malloc(e["size"], stream=e.get("stream", 0))
+                addr_map[e["addr"]] = sim.malloc(e["size"], e.get("stream", 0))
             except SimulatedOutOfMemoryError:
-                run.collect(ordinal)
+                run.collect(pos)
+                run.events.append(("oom", e["size"], pos))
                 return {"event_index": i, "requested_bytes": e["size"], "phase": "replay"}
-            run.events += 1
-            run.collect(ordinal)
+            run.replayed += 1
+            run.collect(pos)
+            pos += 1
         elif act == "free_completed":
-            addr = run.addr_map.pop(e["addr"], None)
+            addr = addr_map.pop(e["addr"], None)
             if addr is not None:  # None: a block placed nowhere in the starting state
-                run.sim.free(addr)
-                run.events += 1
-        elif i in releases and (i - 1) not in releases:  # one empty_cache per run of releases
-            run.sim.empty_cache()
-            run.collect(ordinal + 1)
+                sim.free(addr)
+                run.replayed += 1
+            pos += 1
+        elif act == "oom":
+            try:
+                addr = sim.malloc(e["size"], e.get("stream", 0))
+            except SimulatedOutOfMemoryError:
+                run.collect(pos)
+                run.events.append(("oom", e["size"], pos))
+            else:  # the simulator found room where the device did not: a divergence, shown as such
+                run.collect(pos)
+                sim.free(addr)
+            run.replayed += 1
+            pos += 1
+        elif i in explicit_starts:
+            sim.empty_cache()
+            run.collect(pos)
     return None
 
 
 def replay_snapshot(
     snapshot: dict[str, Any],
-    settings: Any = None,
+    settings: Any = RECORDED,
     *,
     total_memory_bytes: int | None = None,
-    device: int = 0,
-    apply_recorded_releases: bool = False,
+    device: int | None = None,
+    releases: str = "auto",
     memory_fraction: float | None = None,
 ) -> SnapshotReplay:
-    """Replay a snapshot's trace through a ``CachingAllocatorSim`` and compare segment events.
+    """Replay one device's trace through a ``CachingAllocatorSim`` and compare segment events.
 
     Args:
         snapshot: a validated snapshot (:func:`oomtune.trace.snapshot.load_snapshot`).
-        settings: ``AllocatorSettings``, a PYTORCH_CUDA_ALLOC_CONF string, or None (torch defaults).
-        total_memory_bytes: the virtual GPU's capacity; None -> 1 TiB (nothing runs out).
-        device: which device's trace to replay.
-        apply_recorded_releases: at each unexplained recorded release (:func:`unexplained_release_indices`,
-            e.g. the program's ``torch.cuda.empty_cache()``) call ``sim.empty_cache()`` (once per run of
-            consecutive releases; the simulator has no release of one given segment, and empty_cache
-            is what produces such runs on the device).
-        memory_fraction: as ``torch.cuda.set_per_process_memory_fraction`` in the recorded program:
-            caps reserved memory at ``fraction x total_memory_bytes`` and enables
-            garbage_collection_threshold, which acts only under a fraction (DeviceCachingAllocator::
-            garbage_collect_cached_blocks). None: not set.
+        settings: :data:`RECORDED` (default: the snapshot's ``allocator_settings``, torch's defaults
+            when it records none), or ``AllocatorSettings`` / a PYTORCH_CUDA_ALLOC_CONF string /
+            None (torch defaults) to replay under other settings.
+        total_memory_bytes: the virtual GPU's capacity; None: the limit the trace implies
+            (:func:`oomtune.trace.releases.infer_device_limit`) when it shows one, else 1 TiB.
+        device: which device's trace; None: :func:`default_device`.
+        releases: ``"auto"`` (the program's releases, told apart from the allocator's by
+            :func:`oomtune.trace.releases.classify_releases`, become ``empty_cache()``), ``"all"``
+            (every recorded release does), ``"none"`` (none does).
+        memory_fraction: as ``torch.cuda.set_per_process_memory_fraction`` in the recorded program
+            (a limit of round(fraction x capacity); garbage_collection_threshold acts only under
+            one). None: not set.
 
     Returns:
         A :class:`SnapshotReplay`; peaks cover the starting state and the trace (the synthetic prefix
         that rebuilds the starting state is excluded with ``reset_peak_memory_stats``).
 
     Raises:
-        SnapshotError: no trace for ``device``.
+        SnapshotError: no trace for ``device``. ConfigError: ``releases`` is not one of the three.
         AllocatorConfigError: a malformed settings string.
     """
+    from oomtune.alloc.settings import AllocatorSettings
     from oomtune.alloc.sim import SimulatedOutOfMemoryError
+    from oomtune.exceptions import ConfigError
+    from oomtune.trace.recorded import recorded_settings
+    from oomtune.trace.snapshot import devices_with_data
 
+    if releases not in ("auto", "all", "none"):
+        raise ConfigError(f"invalid releases={releases!r}: expected 'auto', 'all' or 'none'")
+    notes: list[str] = []
+    device = default_device(snapshot) if device is None else device
     trace, final = device_trace(snapshot, device)
     state = rebuild_initial_state(snapshot, device)
-    total = DEFAULT_TOTAL_MEMORY_BYTES if total_memory_bytes is None else total_memory_bytes
-    sim, settings = _make_sim(settings, total, device, memory_fraction)
-    unexplained = unexplained_release_indices(trace)
+    if isinstance(settings, str) and settings == RECORDED:
+        settings, note = recorded_settings(snapshot)
+        settings_source = "recorded" if snapshot.get("allocator_settings") and note is None else \
+            "torch defaults (none recorded)"
+        if note:
+            notes.append(note)
+    else:
+        settings_source = "given"
+        if isinstance(settings, str):
+            settings = AllocatorSettings.parse(settings)
+    groups = classify_releases(trace, state.reserved_bytes)
+    limit = infer_device_limit(trace, state.reserved_bytes, groups)
+    if total_memory_bytes is not None:
+        total, budget_source = total_memory_bytes, "given"
+    elif limit is not None:
+        total, budget_source = limit.used_bytes, "inferred from the trace"
+    else:
+        total, budget_source = DEFAULT_TOTAL_MEMORY_BYTES, "default"
+    sim = _make_sim(settings, total, device, memory_fraction)
+    explicit = {g.first for g in groups if releases == "all" or (releases == "auto" and g.explicit)}
     started = time.perf_counter()
     oom_at = None
     try:
@@ -266,24 +280,37 @@ def replay_snapshot(
     sim.reset_peak_memory_stats()
     run = _Run(sim, addr_map)
     if oom_at is None:
-        oom_at = _replay_events(run, trace, set(unexplained) if apply_recorded_releases else set())
+        oom_at = _replay_events(run, trace, explicit)
     seconds = time.perf_counter() - started
-    return _result(run, trace, final, state, oom_at, unexplained, retries0, seconds, exact,
-                   apply_recorded_releases, settings, snapshot.get("allocator_settings"))
+    if not exact:
+        notes.append("the starting state could not be reproduced exactly under these settings"
+                      + ("" if settings_source != "given" or not snapshot.get("allocator_settings")
+                         else " (the trace was recorded under its own allocator_settings)")
+                      + ": the replay is approximate")
+    return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
+                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes)
 
 
-def _result(run: _Run, trace, final, state, oom_at, unexplained, retries0, seconds, exact,
-            applied, settings, recorded_settings) -> SnapshotReplay:
+def _release_dicts(groups: list[Release]) -> list[dict[str, Any]]:
+    return [{"trace_index": g.first, "count": g.last - g.first + 1, "explicit": g.explicit, "rule": g.rule}
+            for g in groups]
+
+
+def _limit_dict(limit: DeviceLimit | None) -> dict[str, Any] | None:
+    if limit is None:
+        return None
+    return {"low_bytes": limit.low_bytes, "high_bytes": limit.high_bytes, "used_bytes": limit.used_bytes,
+            "sources": list(limit.sources)}
+
+
+def _result(run: _Run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
+            snapshot, groups, limit, total, budget_source, device, devices, notes) -> SnapshotReplay:
     stats = run.sim.memory_stats()
-    rec_allocs, rec_frees, rec_peak = _recorded_segments(trace, state.reserved_bytes)
+    recorded = recorded_events(trace)
+    simulated = run.events
+    _, rec_peak = recorded_reserved_walk(trace, state.reserved_bytes)
     peak_reserved = stats["reserved_bytes.all.peak"]
     peak_active = stats["active_bytes.all.peak"]
-    notes = []
-    if not exact:
-        notes.append("the starting state could not be reproduced exactly under these settings")
-    if unexplained and not applied:
-        notes.append(f"{len(unexplained)} recorded release(s) have no cause in the request stream "
-                     "(e.g. torch.cuda.empty_cache()); see --apply-recorded-releases")
     return SnapshotReplay(
         peak_allocated_bytes=stats["allocated_bytes.all.peak"],
         peak_reserved_bytes=peak_reserved,
@@ -292,24 +319,35 @@ def _result(run: _Run, trace, final, state, oom_at, unexplained, retries0, secon
         num_alloc_retries=stats.get("num_alloc_retries", 0) - retries0,
         oom=oom_at is not None,
         oom_at=oom_at,
-        events_replayed=run.events,
-        recorded_segment_allocs=[s for s, _ in rec_allocs],
-        simulated_segment_allocs=[s for s, _ in run.allocs],
-        recorded_segment_alloc_positions=[p for _, p in rec_allocs],
-        simulated_segment_alloc_positions=[p for _, p in run.allocs],
-        recorded_segment_frees=rec_frees,
-        simulated_segment_frees=run.frees,
+        events_replayed=run.replayed,
+        recorded_segment_events=[list(e) for e in recorded],
+        simulated_segment_events=[list(e) for e in simulated],
+        recorded_segment_allocs=[s for a, s, _ in recorded if a in _GROW],
+        simulated_segment_allocs=[s for a, s, _ in simulated if a in _GROW],
+        recorded_segment_frees=sum(1 for a, _, _ in recorded if a in _SHRINK),
+        simulated_segment_frees=sum(1 for a, _, _ in simulated if a in _SHRINK),
+        recorded_ooms=sum(1 for a, _, _ in recorded if a == "oom"),
+        simulated_ooms=sum(1 for a, _, _ in simulated if a == "oom"),
         recorded_peak_reserved_bytes=rec_peak,
         recorded_final_reserved_bytes=sum(s["total_size"] for s in final),
         simulated_final_reserved_bytes=stats["reserved_bytes.all.current"],
-        first_divergence=first_divergence(rec_allocs, run.allocs),
-        unexplained_releases=len(unexplained),
+        first_divergence=first_divergence(recorded, simulated),
+        divergence=divergence_detail(recorded, simulated),
+        releases=_release_dicts(groups),
         replay_seconds=seconds,
         initial_reserved_bytes=state.reserved_bytes,
         initial_live_bytes=state.live_bytes,
         initial_state_exact=exact,
-        applied_recorded_releases=applied,
         settings=_render(settings),
-        recorded_allocator_settings=recorded_settings,
+        settings_source=settings_source,
+        total_memory_bytes=total,
+        budget_source=budget_source,
+        device_limit=_limit_dict(limit),
+        device=device,
+        devices_with_data=devices,
+        recorded_allocator_settings=snapshot.get("allocator_settings"),
         notes=notes,
     )
+
+
+assert set(SEGMENT_ACTIONS) == set(_GROW) | set(_SHRINK)

@@ -27,7 +27,7 @@ from typing import Any
 
 from oomtune.exceptions import SnapshotError
 
-__all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "TRACE_ACTIONS"]
+__all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "devices_with_data", "TRACE_ACTIONS"]
 
 #: Trace actions written by torch's allocator (TraceEntry::Action in
 #: c10/cuda/CUDACachingAllocator.h); other action strings are kept but ignored by replay.
@@ -172,6 +172,15 @@ def _check_entry(source: str, d: int, i: int, entry: Any) -> None:
         raise _fail(source, where, f"is a {type(entry).__name__}, expected a dict")
     if not isinstance(entry.get("action"), str):
         raise _fail(source, where, "has no string 'action'")
+    if entry["action"] == "oom":
+        # An out-of-memory entry carries the device's free memory instead of an address
+        # (torch/csrc/cuda/memory_snapshot.cpp writes ``device_free`` for TraceEntry::OOM).
+        _check_int(source, where, entry, "size")
+        _check_int(source, where, entry, "device_free", required="addr" not in entry)
+        _check_int(source, where, entry, "addr", required=False)
+        _check_int(source, where, entry, "stream", required=False)
+        _check_int(source, where, entry, "time_us", required=False)
+        return
     for key in ("addr", "size"):
         _check_int(source, where, entry, key)
     _check_int(source, where, entry, "stream", required=False)
@@ -183,7 +192,9 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
 
     Checked: a dict with a ``segments`` list of dicts (int address/total_size >= 0, a ``blocks`` list
     whose sizes sum to total_size, string block states) and a ``device_traces`` list of lists of dicts
-    (string action, int addr/size >= 0, int stream/time_us when present). Frames are not inspected.
+    (string action, int addr/size >= 0, int stream/time_us when present; an ``oom`` entry has an int
+    ``device_free`` in place of ``addr``, as a snapshot dumped after an out-of-memory error holds).
+    Frames are not inspected.
 
     Raises:
         SnapshotError: naming the first offending entry.
@@ -210,3 +221,14 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     settings = obj.get("allocator_settings")
     if settings is not None and not isinstance(settings, dict):
         raise _fail(source, "'allocator_settings'", "is not a dict")
+
+
+def devices_with_data(snapshot: dict[str, Any]) -> list[int]:
+    """Device indices that hold trace entries or segments in a validated snapshot, ascending.
+
+    A snapshot of a multi-GPU process has one trace per visible device (``device_traces[i]`` is
+    device ``i``) and segments tagged with ``device``; devices the program never used have neither.
+    """
+    devices = {d for d, trace in enumerate(snapshot["device_traces"]) if trace}
+    devices |= {s.get("device", 0) for s in snapshot["segments"]}
+    return sorted(devices)

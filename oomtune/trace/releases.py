@@ -1,0 +1,168 @@
+"""Who released a trace's segments, and what the trace says about the device's memory limit.
+
+A run of consecutive ``segment_free`` / ``segment_unmap`` entries is one release: either the
+program's ``torch.cuda.empty_cache()`` (``NativeCachingAllocator::emptyCache`` ->
+``release_cached_blocks``) or the allocator's own release-and-retry inside ``malloc``
+(``release_available_cached_blocks`` / ``release_cached_blocks`` after ``alloc_block`` failed,
+c10/cuda/CUDACachingAllocator.cpp). The replay must call ``empty_cache`` for the first kind and must
+leave the second to the simulator, which repeats it only on a device of the right size. Rules, in
+order (the one that decided is reported):
+
+1. ``frames``: the entries' stack frames name ``emptyCache`` / ``empty_cache`` (explicit) or
+   ``DeviceCachingAllocator::malloc`` (the allocator's own release).
+2. ``request stream``: no segment_alloc/segment_map/oom follows before the next request entry, so
+   no allocation needed it: explicit.
+3. ``device limit``: a new segment follows. The allocator releases only when
+   ``reserved + needed > limit``; the limit is at least the largest reserved total the device ever
+   held (it held it), so a release with ``reserved + needed <= peak reserved`` cannot be the
+   allocator's: explicit; otherwise the allocator's. Limitation: this rule does not check that no
+   cached block could have served the request (``get_free_block`` comes first), so an
+   ``empty_cache()`` right before a request that a cached block would have served is misread; the
+   replay then shows that release as its first difference.
+
+The device limit (bytes of reserved memory the device could hold, :func:`infer_device_limit`): at
+least the peak reserved total; below ``reserved + needed`` at every release of the allocator; and
+exactly ``reserved + device_free`` at an ``oom`` entry (``device_free`` is ``cudaMemGetInfo``'s free
+memory when the allocator gave up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Release", "DeviceLimit", "classify_releases", "infer_device_limit", "recorded_reserved_walk"]
+
+_GROW = ("segment_alloc", "segment_map")
+_SHRINK = ("segment_free", "segment_unmap")
+_REQUESTS = ("alloc", "free_requested", "free_completed")
+
+
+@dataclass(frozen=True)
+class Release:
+    """One run of recorded segment releases: trace indices ``first..last`` (inclusive).
+
+    ``explicit``: the program's empty_cache (True) or the allocator's release-and-retry (False);
+    ``rule``: ``"frames"``, ``"request stream"`` or ``"device limit"`` (see the module docstring);
+    ``reserved_before_bytes``: recorded reserved total just before it; ``needed_bytes``: size of the
+    segment_alloc/segment_map that follows before the next request (0 if none).
+    """
+
+    first: int
+    last: int
+    explicit: bool
+    rule: str
+    reserved_before_bytes: int
+    needed_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceLimit:
+    """What a trace says about the device's limit on reserved memory, in bytes.
+
+    ``low_bytes`` <= limit <= ``high_bytes`` (``high_bytes`` None: no upper bound); ``used_bytes``:
+    the value a replay uses (the ``oom`` entry's exact figure when there is one, else ``low_bytes``);
+    ``sources``: what bounded it, for display.
+    """
+
+    low_bytes: int
+    high_bytes: int | None
+    used_bytes: int
+    sources: tuple[str, ...]
+
+
+def recorded_reserved_walk(trace: list[dict], initial_reserved: int) -> tuple[list[int], int]:
+    """Reserved bytes before each trace entry (recorded segment events applied), and the peak."""
+    reserved, peak, before = initial_reserved, initial_reserved, []
+    for e in trace:
+        before.append(reserved)
+        act = e["action"]
+        if act in _GROW:
+            reserved += e["size"]
+            peak = max(peak, reserved)
+        elif act in _SHRINK:
+            reserved -= e["size"]
+    return before, peak
+
+
+def _frames_verdict(entries: list[dict]) -> bool | None:
+    """True: empty_cache in the frames; False: the allocator's malloc; None: frames say nothing."""
+    for e in entries:
+        names = [f.get("name", "") for f in e.get("frames") or () if isinstance(f, dict)]
+        if any("emptyCache" in n or n == "empty_cache" for n in names):
+            return True
+        if any("DeviceCachingAllocator::malloc" in n or "garbage_collect" in n for n in names):
+            return False
+    return None
+
+
+def classify_releases(trace: list[dict], initial_reserved: int) -> list[Release]:
+    """Every run of consecutive segment releases in ``trace``, classified (module docstring).
+
+    Args:
+        trace: one device's trace entries.
+        initial_reserved: reserved bytes before the first entry (the rebuilt starting state).
+    """
+    before, peak = recorded_reserved_walk(trace, initial_reserved)
+    out: list[Release] = []
+    i, n = 0, len(trace)
+    while i < n:
+        if trace[i]["action"] not in _SHRINK:
+            i += 1
+            continue
+        j = i
+        while j + 1 < n and trace[j + 1]["action"] in _SHRINK:
+            j += 1
+        needed, followed = 0, False
+        for later in trace[j + 1:]:
+            act = later["action"]
+            if act in _GROW:
+                needed, followed = later["size"], True
+                break
+            if act == "oom":
+                needed, followed = later["size"], True
+                break
+            if act in _REQUESTS:
+                break
+        verdict = _frames_verdict(trace[i:j + 1])
+        if verdict is not None:
+            explicit, rule = verdict, "frames"
+        elif not followed:
+            explicit, rule = True, "request stream"
+        else:
+            explicit, rule = before[i] + needed <= peak, "device limit"
+        out.append(Release(i, j, explicit, rule, before[i], needed))
+        i = j + 1
+    return out
+
+
+def infer_device_limit(trace: list[dict], initial_reserved: int,
+                       releases: list[Release]) -> DeviceLimit | None:
+    """The device limit the trace implies, or None when it implies none (no allocator release, no
+    ``oom`` entry: the device never ran short, so any capacity above the peak replays the same).
+    """
+    before, peak = recorded_reserved_walk(trace, initial_reserved)
+    high: int | None = None
+    exact: int | None = None
+    sources = ["at least the peak reserved (the device held it)"]
+    for r in releases:
+        if not r.explicit and r.needed_bytes:
+            bound = r.reserved_before_bytes + r.needed_bytes - 1
+            if high is None or bound < high:
+                high = bound
+    if high is not None:
+        sources.append("below reserved + needed at the allocator's releases")
+    for i, e in enumerate(trace):
+        if e["action"] == "oom" and isinstance(e.get("device_free"), int):
+            point = before[i] + e["device_free"]
+            exact = point if exact is None else min(exact, point)
+    if exact is not None:
+        sources.append("reserved + device_free at the oom entry")
+    if high is None and exact is None:
+        return None
+    low = peak
+    if exact is not None and exact >= low and (high is None or exact <= high):
+        used = exact
+    else:
+        used = low
+    return DeviceLimit(low, high if exact is None else min(high or exact, exact), used, tuple(sources))
