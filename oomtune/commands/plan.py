@@ -134,8 +134,11 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     console.print(plan_table(fmap))
     for reason in fmap.fallback:
         say(f"note: {reason}")
+    if predictor.derivation_note:
+        say(f"note: {predictor.derivation_note}")
     say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on "
-        f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}), replay "
+        f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}"
+        f"{f', {fmap.derived} more derived' if fmap.derived else ''}), replay "
         f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")
     say(f"wrote {write_plan(fmap, path)}")
     return fmap

@@ -144,6 +144,7 @@ class FeasibilityMap:
     total_s: float = 0.0
     captures: int = 0
     replays: int = 0
+    derived: int = 0   # batch sizes whose stream was derived, not captured (issue 13)
     fallback: list[str] = field(default_factory=list)
     headroom: float = 0.0
     limit_bytes: int | None = None
@@ -158,7 +159,7 @@ class FeasibilityMap:
             "memory_source": "simulated", "batch_sizes": list(self.batch_sizes),
             "timing": {"capture_s": round(self.capture_s, 3), "replay_s": round(self.replay_s, 3),
                        "total_s": round(self.total_s, 3), "captures": self.captures,
-                       "replays": self.replays},
+                       "derived": self.derived, "replays": self.replays},
             "limit": {"headroom": self.headroom, "limit_bytes": self.limit_bytes},
             "fallback": sorted(self.fallback),
             "skipped": list(self.skipped),
@@ -287,6 +288,8 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         raise ConfigError("every configuration uses backend:cudaMallocAsync, which the virtual GPU cannot "
                           "simulate: add native to search.space.backend (or run oomtune search on a GPU)")
     rows: list[PlanRow] = []
+    if hasattr(predictor, "prepare"):  # capture the anchors of the derived streams (Predictor.prepare)
+        predictor.prepare(grid)
     for mapping in kept:
         rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
         if on_row is not None:
@@ -294,8 +297,8 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
     return FeasibilityMap(
         workload=workload, device=device, geometry=dict(predictor.geometry), batch_sizes=list(grid),
         rows=rows, capture_s=predictor.capture_seconds, replay_s=predictor.replay_seconds,
-        total_s=time.perf_counter() - t0, captures=len(predictor._streams),
-        replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
+        total_s=time.perf_counter() - t0, captures=getattr(predictor, "captures", len(predictor._streams)),
+        derived=len(getattr(predictor, "derived_batches", ())), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
         headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,
     )
 

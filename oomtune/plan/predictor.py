@@ -5,6 +5,11 @@ then runs its steps while every new storage is fed to a :class:`CachingAllocator
 does the same on the meta device (no compute, no memory): the same request stream in the same order,
 replayed under each allocator setting. ``PREDICT_STEPS`` steps are captured: the first creates the
 optimizer state, the second is the steady state, and later steps repeat the second's stream.
+
+Most batch sizes are not captured at all (issue 13): once three captures agree on an affine model of
+every request's size in the batch size (:class:`oomtune.plan.derive.AffineStreamModel`), the streams
+of batch sizes between them are derived; the first derived batch size is also captured and compared
+event by event (a spot check), and any difference turns derivation off for that predictor.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
+from oomtune.plan.derive import MIN_FIT_CAPTURES, AffineStreamModel
 
 __all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "capture_training_stream", "python_target_workload",
            "sim_geometry", "unbounded_capacity_bytes", "simulable"]
@@ -156,17 +162,38 @@ class Prediction:
 
 
 class Predictor:
-    """Caches one captured stream per batch size; replays it per allocator setting.
+    """Holds one request stream per batch size, captured or derived; replays it per allocator setting.
+
+    Streams are captured on the meta device (:func:`capture_training_stream`) until
+    :data:`~oomtune.plan.derive.MIN_FIT_CAPTURES` captures fit an affine model of the request sizes
+    (:class:`~oomtune.plan.derive.AffineStreamModel`); after that, a batch size between the smallest
+    and largest captured ones is derived from the model, and one outside is captured (and refits the
+    model). The first ``spot_checks`` derived batch sizes are captured as well and compared event by
+    event; the captured stream is used, and a difference (or captures the model no longer fits)
+    turns derivation off, so every later batch size is captured. Every replayed stream is therefore
+    either captured or equal to what a capture gives wherever checked.
 
     Args:
         model_cfg: the ``model`` group (plain dict).
         geometry: :func:`sim_geometry` of the target device and budget.
+        steps: training steps per stream (:data:`PREDICT_STEPS`).
+        derive: derive streams from the affine model (False: capture every batch size).
+        spot_checks: derived batch sizes that are also captured and compared (>= 1).
     """
 
-    def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS):
+    def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
+                 derive: bool = True, spot_checks: int = 1):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
+        self._captured: dict[int, Any] = {}
+        self._capture_reasons: dict[int, str | None] = {}
         self._cache: dict[tuple[int, str], Prediction] = {}
+        self._model: AffineStreamModel | None = None
+        self.derive = derive
+        self.spot_checks = max(1, int(spot_checks))
+        self.spot_checked: list[int] = []
+        self.derived_batches: list[int] = []
+        self.derivation_note: str | None = None
         self.fallback_reasons: set[str] = set()
         self.calibration = 1.0
         self.capture_seconds = 0.0
@@ -179,17 +206,71 @@ class Predictor:
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``."""
         return cls(workload, sim_geometry(device, budget_bytes))
 
+    @property
+    def captures(self) -> int:
+        """Batch sizes captured on the meta device (spot checks included)."""
+        return len(self._captured)
+
+    def prepare(self, batch_sizes: Any) -> None:
+        """Capture the batch sizes that anchor the affine model for ``batch_sizes`` (all that will be
+        asked): the smallest, the largest and the median, so that every other one is derived by
+        interpolation. Does nothing when derivation is off or fewer than three distinct sizes come.
+
+        Raises:
+            ConfigError: as :func:`capture_training_stream`.
+        """
+        sizes = sorted(set(int(b) for b in batch_sizes))
+        if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
+            return
+        for b in (sizes[0], sizes[-1], sizes[len(sizes) // 2]):
+            self.stream(b)
+
     def stream(self, batch_size: int) -> Any:
-        """The training step's allocation stream at ``batch_size``, captured on the meta device once
-        and cached (:func:`capture_training_stream`); capture time adds to ``capture_seconds``."""
-        if batch_size not in self._streams:
-            t0 = time.perf_counter()
-            stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps)
-            self.capture_seconds += time.perf_counter() - t0
-            if reason:
-                self.fallback_reasons.add(reason)
-            self._streams[batch_size] = stream
-        return self._streams[batch_size]
+        """The training step's allocation stream at ``batch_size`` (cached): derived from the affine
+        model where it covers the batch size and was spot-checked, else captured on the meta device
+        (:func:`capture_training_stream`); capture time adds to ``capture_seconds``.
+
+        Raises:
+            ConfigError: as :func:`capture_training_stream`.
+        """
+        stream = self._streams.get(batch_size)
+        if stream is not None:
+            return stream
+        model = self._model if self.derive else None
+        if model is None or not model.covers(batch_size):
+            return self._capture(batch_size)
+        derived = model.derive(batch_size)
+        if len(self.spot_checked) < self.spot_checks:
+            captured = self._capture(batch_size)
+            self.spot_checked.append(batch_size)
+            if captured != derived:
+                self._derivation_off(f"the stream derived at batch {batch_size} differs from its capture")
+            return captured
+        self._streams[batch_size] = derived
+        self.derived_batches.append(batch_size)
+        return derived
+
+    def _capture(self, batch_size: int) -> Any:
+        t0 = time.perf_counter()
+        stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps)
+        self.capture_seconds += time.perf_counter() - t0
+        if reason:
+            self.fallback_reasons.add(reason)
+        self._streams[batch_size] = self._captured[batch_size] = stream
+        self._capture_reasons[batch_size] = reason
+        if self.derive and self.derivation_note is None and len(self._captured) >= MIN_FIT_CAPTURES:
+            if len(set(self._capture_reasons.values())) > 1:
+                self._derivation_off("captures at different batch sizes ran differently")
+            else:
+                self._model = AffineStreamModel.fit(self._captured)
+                if self._model is None:
+                    self._derivation_off("request sizes are not affine in the batch size")
+        return stream
+
+    def _derivation_off(self, why: str) -> None:
+        self._model = None
+        self.derive = False
+        self.derivation_note = f"derivation off ({why}): every batch size captured"
 
     def predict_detail(self, batch_size: int, settings: AllocatorSettings | str) -> Prediction:
         """Replay the batch's stream under ``settings`` on the trial's virtual GPU (``self.geometry``).

@@ -1,0 +1,175 @@
+"""Derived request streams (issue 13, item 3): the affine model, its checks, and plans identical to
+capturing every batch size.
+
+Expected values: hand-computed sizes for the synthetic streams; for the built-in workloads the
+reference is a real capture on the meta device at the same batch size, compared event by event.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from oomtune.alloc.stream import AllocationStream
+from oomtune.plan import predictor as P
+from oomtune.plan.derive import AffineStreamModel
+
+WORKLOADS = {
+    "mlp": {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 2, "num_classes": 10,
+            "optimizer": "sgd"},
+    "resnet": {"name": "resnet", "depth": 18, "image_size": 32, "num_classes": 10, "optimizer": "sgd"},
+    "transformer": {"name": "transformer", "layers": 1, "d_model": 64, "heads": 2, "seq_len": 32,
+                    "vocab_size": 256, "dropout": 0.0, "optimizer": "adamw"},
+}
+
+
+def _stream(b: int, *, weight: int = 4096, act_per_sample: int = 3 * 1000, extra: int = 0) -> AllocationStream:
+    """weight (fixed), activation (b * act_per_sample + 512), free activation, grad (fixed)."""
+    s = AllocationStream()
+    s.append_alloc(1, weight)
+    s.append_alloc(2, b * act_per_sample + 512 + extra)
+    s.append_free(2)
+    s.append_alloc(3, weight)
+    return s
+
+
+def _first_difference(a: AllocationStream, b: AllocationStream) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"event {i}: derived {x}, captured {y}"
+    return f"lengths {len(a)} vs {len(b)}"
+
+
+# -- the model on hand-made streams -----------------------------------------------------------------
+def test_fit_and_derive_by_hand():
+    model = AffineStreamModel.fit({b: _stream(b) for b in (2, 8, 32)})
+    assert model is not None and (model.low, model.high) == (2, 32)
+    d = model.derive(5)
+    # activation: 5 * 3000 + 512 = 15512 bytes; its free carries the same size
+    assert list(d) == [("alloc", 1, 4096, 0), ("alloc", 2, 15512, 0), ("free", 2, 15512, 0),
+                       ("alloc", 3, 4096, 0)]
+    assert d == _stream(5) and d.live_keys == [1, 3] and d.peak_live_bytes() == 4096 + 15512
+
+
+def test_derive_refuses_outside_the_captured_range():
+    model = AffineStreamModel.fit({b: _stream(b) for b in (2, 8, 32)})
+    assert model.covers(2) and model.covers(32) and not model.covers(1) and not model.covers(33)
+    with pytest.raises(ValueError, match="outside the captured range"):
+        model.derive(64)
+
+
+def test_no_fit_with_two_captures():
+    assert AffineStreamModel.fit({2: _stream(2), 32: _stream(32)}) is None
+
+
+def test_no_fit_when_the_middle_capture_is_off_the_line():
+    # sizes at 2 and 32 define the line; at 8 the activation is 1 byte larger than the line says
+    assert AffineStreamModel.fit({2: _stream(2), 8: _stream(8, extra=1), 32: _stream(32)}) is None
+
+
+def test_no_fit_for_a_fractional_slope():
+    # activation sizes 1000 at b=1 and 1001 at b=3: slope 1/2 byte per sample is not an integer
+    s = {b: AllocationStream([("alloc", 1, size)]) for b, size in ((1, 1000), (2, 1000), (3, 1001))}
+    assert AffineStreamModel.fit(s) is None
+
+
+def test_no_fit_when_the_events_differ():
+    other = _stream(8)
+    other.append_free(1)  # one more event at batch 8
+    assert AffineStreamModel.fit({2: _stream(2), 8: other, 32: _stream(32)}) is None
+    swapped = AllocationStream([("alloc", 1, 4096), ("alloc", 2, 8 * 3000 + 512), ("free", 1),
+                                ("alloc", 3, 4096)])  # frees the weight instead of the activation
+    assert AffineStreamModel.fit({2: _stream(2), 8: swapped, 32: _stream(32)}) is None
+
+
+# -- the built-in workloads: derived == captured, event by event --------------------------------------
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_derived_streams_equal_real_captures_for_builtin_workloads(name):
+    cfg = WORKLOADS[name]
+    model = AffineStreamModel.fit({b: P.capture_training_stream(cfg, b)[0] for b in (2, 9, 33)})
+    assert model is not None, f"{name}: request sizes not affine in the batch size"
+    for b in (3, 16, 24):
+        captured, _ = P.capture_training_stream(cfg, b)
+        derived = model.derive(b)
+        assert derived == captured, f"{name} batch {b}: {_first_difference(derived, captured)}"
+        assert derived.live_keys == captured.live_keys
+
+
+# -- the predictor: anchors, spot check, fallback -----------------------------------------------------
+GEOMETRY = {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
+
+
+def _fake_capture(monkeypatch, make):
+    calls = []
+
+    def capture(model_cfg, batch_size, *, steps=P.PREDICT_STEPS):
+        calls.append(batch_size)
+        return make(batch_size), None
+
+    monkeypatch.setattr(P, "capture_training_stream", capture)
+    return calls
+
+
+def test_predictor_captures_anchors_and_one_spot_check_then_derives(monkeypatch):
+    calls = _fake_capture(monkeypatch, _stream)
+    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred.prepare([8, 16, 32, 64, 128])
+    assert calls == [8, 128, 32]                      # smallest, largest, median
+    for b in (16, 64, 100, 17):
+        assert pred.stream(b) == _stream(b)
+    assert calls == [8, 128, 32, 16]                  # 16: the spot check; 64, 100, 17 derived
+    assert pred.spot_checked == [16] and pred.derived_batches == [64, 100, 17]
+    assert pred.captures == 4 and pred.derivation_note is None
+    pred.stream(256)                                  # outside the captured range: captured
+    assert calls[-1] == 256 and pred.captures == 5
+
+
+def test_predictor_turns_derivation_off_when_the_spot_check_differs(monkeypatch):
+    # affine at the anchors, but batch 16 runs a different algorithm (one byte more)
+    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=1 if b == 16 else 0))
+    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred.prepare([8, 16, 32, 64, 128])
+    assert pred.stream(16) == _stream(16, extra=1)    # the capture is used, not the derivation
+    assert pred.stream(64) == _stream(64)
+    assert calls == [8, 128, 32, 16, 64] and pred.derived_batches == []
+    assert "differs from its capture" in pred.derivation_note
+
+
+def test_predictor_without_an_affine_fit_captures_everything(monkeypatch):
+    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=b * b))  # quadratic term
+    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred.prepare([8, 16, 32, 64, 128])
+    for b in (16, 64):
+        assert pred.stream(b) == _stream(b, extra=b * b)
+    assert calls == [8, 128, 32, 16, 64] and pred.derived_batches == []
+    assert "not affine" in pred.derivation_note
+
+
+def test_predictor_derive_false_captures_every_batch(monkeypatch):
+    calls = _fake_capture(monkeypatch, _stream)
+    pred = P.Predictor({"name": "fake"}, GEOMETRY, derive=False)
+    pred.prepare([8, 16, 32, 64])
+    for b in (8, 16, 32, 64):
+        pred.stream(b)
+    assert calls == [8, 16, 32, 64] and pred.derived_batches == []
+
+
+# -- a whole plan: identical with and without derivation ----------------------------------------------
+def test_plan_with_derived_streams_equals_plan_capturing_every_batch(monkeypatch):
+    from oomtune.plan.feasibility import build_plan, grid_batches
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = WORKLOADS["resnet"]
+    settings = [{}, {"expandable_segments": True}, {"max_split_size_mb": 20, "roundup_power2_divisions": 4}]
+    geometry = {"total_memory_bytes": 172 << 20, "memory_fraction": 1.0}  # 160 MiB at 32, 186 at 64
+    grid = grid_batches(4, 64)
+    maps = {}
+    for derive in (True, False):
+        pred = P.Predictor(cfg, geometry, derive=derive)
+        fmap = build_plan(pred, settings, grid, workload=cfg, device={"kind": "cpu"})
+        maps[derive] = (fmap, pred)
+    with_d, without = maps[True][0].to_dict(), maps[False][0].to_dict()
+    assert with_d["configurations"] == without["configurations"]
+    assert maps[True][1].derived_batches, "nothing was derived: the test does not exercise derivation"
+    assert maps[True][0].captures < maps[False][0].captures
+    assert {c["max_batch_size"] for c in with_d["configurations"]} - set(grid), "no bisection happened"
