@@ -107,9 +107,9 @@ def main() -> int:
         f"identical to the old code's map: {'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",
         "", "table as printed (new):", runs[new][0]["table"]]
     text = "\n".join(lines)
-    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
+    print(text)
     return 0 if identical else 1
 
 

@@ -83,9 +83,9 @@ def main() -> int:
     if traces:
         out.append(f"target: simulate on the largest trace ({traces[-1].name}) <= 0.5 s")
     text = "\n".join(out) + "\n"
-    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    print(text)
     return 0
 
 
