@@ -50,6 +50,7 @@ class TrialConf:
     timeout: float = 300.0
     launcher: str = "auto"
     confirm_steps: int = 10
+    soak_steps: int = 2000
 
 
 @dataclass
@@ -100,6 +101,7 @@ def validate(cfg: Any) -> None:
     _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")
+    _check(t.soak_steps >= 0, "trial.soak_steps", t.soak_steps, "must be >= 0 (0: no soak)")
     _check(t.timeout > 0, "trial.timeout", t.timeout, "must be > 0 seconds")
     _check(t.launcher in ("auto", "fork", "spawn"), "trial.launcher", t.launcher, "must be auto, fork or spawn")
     for key in ("space", "data"):

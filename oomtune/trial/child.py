@@ -21,6 +21,8 @@ Order of events (each step must precede the next):
    ``device_memory_bytes`` with the budget as a memory fraction, as on CUDA) sees every storage
    of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``.
 4. Warm-up steps, then measured steps (each followed by a device sync).
+5. With ``spec.soak_steps``, the virtual-GPU soak (:mod:`oomtune.trial.soak_check`): running out of
+   memory at soak step k makes the trial infeasible (outcome ``oom`` / ``oom_fragmentation``).
 
 Every exception is classified (:func:`oomtune.classify.classify_exception`) and written as the
 record; the process exits 0 after writing a record, also for OOM.
@@ -51,6 +53,7 @@ from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, DeviceInfo, TrialResult, TrialSpec
+from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
 __all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
 
@@ -92,6 +95,7 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
         runner = _run_cuda if cuda else _run_cpu
         runner(spec, result, stats, lambda: _run_test_hook(result))
         result.outcome = Outcome.OK.value
+        soak_verdict(spec, result)   # a failed soak makes the trial infeasible
     except SettingsMismatchError as exc:
         result.outcome, result.message = Outcome.ERROR.value, str(exc)
         result.advice = "check how the trial process was launched; the settings must be set before CUDA starts"
@@ -160,17 +164,22 @@ def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[
 
     result.device = cpu_device_info()
     settings = AllocatorSettings.parse(spec.alloc_conf)
-    if spec.budget_bytes is None:
-        sim = budgeted_sim(settings, None, spec.device_memory_bytes or _UNBOUNDED_SIM_BYTES)
-    else:
-        sim = budgeted_sim(settings, spec.budget_bytes, spec.device_memory_bytes)
+
+    def new_sim() -> Any:
+        if spec.budget_bytes is None:
+            return budgeted_sim(settings, None, spec.device_memory_bytes or _UNBOUNDED_SIM_BYTES)
+        return budgeted_sim(settings, spec.budget_bytes, spec.device_memory_bytes)
+
+    sim = new_sim()
     stats.append(sim.memory_stats)
     torch.manual_seed(spec.seed)
-    workload = target_for(spec.workload).build_workload(spec.workload, spec.batch_size, torch.device("cpu"))
+    workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, torch.device("cpu"))
     with VirtualGPU(sim, device="cpu") as vgpu:
         vgpu.register(workload.tensors_before_step())
         hook()
         _timed_steps(spec, workload, result)
+    # The soak on a virtual GPU like this one, captured on the CPU: its first steps are the ones just run.
+    run_soak(spec, result, new_sim, capture_device="cpu")
 
 
 def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
@@ -199,7 +208,7 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
-    workload = target_for(spec.workload).build_workload(spec.workload, spec.batch_size, dev)
+    workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, dev)
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
     try:
         with sampler:
@@ -211,6 +220,20 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
             result.device_peak_bytes = reading.peak_used_bytes
             result.gpu_utilization = reading.mean_utilization_percent
             result.extra["device_peak_source"] = reading.peak_source
+    # The soak predicts the device's future on a virtual GPU of the device's geometry (meta capture).
+    run_soak(spec, result, lambda: _device_like_sim(spec, total, result), capture_device="meta")
+
+
+def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> Any:
+    """A virtual GPU with the CUDA trial's geometry: the device's capacity, the non-allocator memory
+    measured, the memory fraction applied (for the soak)."""
+    from oomtune.alloc.sim import CachingAllocatorSim
+
+    sim = CachingAllocatorSim(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=total_bytes,
+                              non_allocator_bytes=min(result.non_allocator_bytes or 0, total_bytes))
+    if "memory_fraction" in result.extra:
+        sim.set_per_process_memory_fraction(result.extra["memory_fraction"])
+    return sim
 
 
 def _cuda_device_info(nvml: Any) -> tuple[DeviceInfo, int | None]:

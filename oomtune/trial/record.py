@@ -45,6 +45,12 @@ class TrialSpec:
         smaller_batch_succeeded: a smaller batch already ran in the same setup; passed to the
             classifier (a batch-dependent failure after a success is a limit, not a setup fault;
             field case C1).
+        soak_steps: after the live steps pass, soak the candidate for this many steps of the
+            workload's shape sequence on the virtual GPU (:mod:`oomtune.plan.soak`; built-in
+            workloads; 0: no soak). Running out of memory in the soak makes the trial infeasible.
+        shapes: the live steps' shapes: ``data`` (the shape distribution's seeded order) or
+            ``worst`` (every live step at the distribution's largest shape; the soak still follows
+            the data order): a confirmation meets the worst case.
     """
 
     workload: dict[str, Any]
@@ -58,6 +64,8 @@ class TrialSpec:
     seed: int = 0
     smaller_batch_succeeded: bool = False
     device_memory_bytes: int | None = None
+    soak_steps: int = 0
+    shapes: str = "data"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -109,6 +117,14 @@ class TrialResult:
         advice: what to try next, from the classifier (None when ok).
         traceback_tail: the last lines of the traceback for ``error`` outcomes.
         wall_s: wall time of the whole trial process; startup_s: process start to first step.
+        soak_passed: the virtual-GPU soak (``TrialSpec.soak_steps``) ran every step (None: no soak).
+        soak_steps_run: soak steps completed; soak_failed_step: the 1-based soak step that ran out
+            of memory (step 1 is the first live step); soak_shape: that step's ``seq_len`` /
+            ``image_size``.
+        soak_reserved_bytes / soak_allocated_bytes: reserved and allocated at the soak's failure (at
+            its end when passed), simulated; their difference is the cached-but-unused memory.
+        soak_peak_reserved_bytes: peak reserved over the soak, simulated.
+        soak_message: one line on the soak's failure (None when passed); soak_s: its wall seconds.
     """
 
     outcome: str
@@ -136,6 +152,15 @@ class TrialResult:
     startup_s: float | None = None
     steps: int | None = None
     device: DeviceInfo | None = None
+    soak_passed: bool | None = None
+    soak_steps_run: int | None = None
+    soak_failed_step: int | None = None
+    soak_shape: int | None = None
+    soak_reserved_bytes: int | None = None
+    soak_allocated_bytes: int | None = None
+    soak_peak_reserved_bytes: int | None = None
+    soak_message: str | None = None
+    soak_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

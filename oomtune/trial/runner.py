@@ -52,7 +52,7 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
     Raises:
         AllocatorConfigError: ``spec.alloc_conf`` is malformed or rejected by torch's rules.
         ConfigError: batch size < 1, measure steps < 1, warm-up steps < 0, timeout <= 0, a negative
-            budget or an unknown device string.
+            budget, soak steps < 0, shapes other than data/worst, or an unknown device string.
     """
     settings = AllocatorSettings.parse(spec.alloc_conf)
     checks = (
@@ -62,6 +62,8 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
         (spec.timeout_s > 0, f"trial timeout must be > 0 s, got {spec.timeout_s}"),
         (spec.budget_bytes is None or spec.budget_bytes > 0,
          f"memory budget must be > 0 bytes, got {spec.budget_bytes}"),
+        (spec.soak_steps >= 0, f"soak_steps must be >= 0, got {spec.soak_steps}"),
+        (spec.shapes in ("data", "worst"), f"shapes must be 'data' or 'worst', got {spec.shapes!r}"),
     )
     for ok, message in checks:
         if not ok:

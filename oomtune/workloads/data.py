@@ -5,6 +5,9 @@ default synthetic), ``path``, ``num_workers`` (0), ``pin_memory`` (False), ``pre
 (torch's default 2 when workers > 0), ``decode_delay_s`` (0: synthetic only, a per-sample CPU sleep
 in the loader that emulates slow decoding, field case C11).
 
+Synthetic batches follow the model's shape distribution (:mod:`oomtune.workloads.shapes`): one
+static batch for a fixed shape, a fresh batch per step in the distribution's seeded order otherwise.
+
 Token file format: a raw little-endian ``uint16`` array of token ids with no header (nanoGPT's
 ``train.bin``); each sample is a random window of ``seq_len + 1`` tokens (inputs, targets shifted
 by one).
@@ -126,15 +129,27 @@ def _to_device(batches: Iterator[Batch], device: torch.device, non_blocking: boo
 
 
 def _synthetic(spec: ModelSpec, data: Mapping[str, Any], batch_size: int,
-               device: torch.device) -> tuple[Iterator[Batch], Batch]:
-    batch = spec.make_batch(batch_size, device)   # made once on the device, reused every step
+               device: torch.device) -> tuple[Iterator[Batch], Batch | None]:
+    """Fixed shapes: one batch made once on the device and reused every step (static, returned).
+    Variable shapes (:mod:`oomtune.workloads.shapes`): a new batch per step in the distribution's
+    seeded order, made when the step asks for it and released when the step drops it (no static
+    batch)."""
     delay = _decode_delay(data)
     kw = _loader_kwargs(data, batch_size)   # checked even when unused, as in a real-data run
+    if spec.shapes.is_fixed:
+        static: Batch | None = spec.make_batch(batch_size, device)
+        ticks: Iterator[Any] = itertools.repeat(None)
+    else:
+        static = None
+    if delay > 0:
+        kw["pin_memory"] = False   # the placeholders never go to the device
+        ticks = _forever(DataLoader(DelayDataset(float(delay)), **kw))
+    if static is not None:
+        return (static for _ in ticks), static
+    shapes = spec.shapes.iter_shapes(batch_size)
     if delay == 0:
-        return itertools.repeat(batch), batch
-    kw["pin_memory"] = False   # the placeholders never go to the device
-    loader = DataLoader(DelayDataset(float(delay)), **kw)
-    return (batch for _ in _forever(loader)), batch
+        return (spec.make_batch(batch_size, device, s) for s in shapes), None
+    return (spec.make_batch(batch_size, device, s) for s, _ in zip(shapes, ticks)), None
 
 
 def check_data_config(spec: ModelSpec, data: Mapping[str, Any] | None) -> None:
@@ -201,6 +216,9 @@ def make_batches(spec: ModelSpec, data: Mapping[str, Any] | None, batch_size: in
 
 def _real_dataset(spec: ModelSpec, data: Mapping[str, Any], source: str) -> Dataset:
     path = data.get("path")
+    if not spec.shapes.is_fixed:
+        raise ConfigError(f"model.{spec.shapes.key}: a shape distribution shapes synthetic batches; "
+                          f"with model.data.source={source!r} give one fixed {spec.shapes.key}")
     if not path:
         raise ConfigError(f"model.data.source={source!r} needs model.data.path")
     if source == "imagefolder":

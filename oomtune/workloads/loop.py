@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,13 @@ class Workload:
             loss.backward()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def use_shapes(self, shapes: Iterable[Any]) -> None:
+        """Replace the batch iterator by fresh synthetic batches of ``shapes`` (``seq_len`` /
+        ``image_size`` per step, see :mod:`oomtune.workloads.shapes`), each made when a step asks
+        for it, as the variable-shape data source makes them: for capturing one shape's step
+        (:mod:`oomtune.plan.soak`)."""
+        self._batches = (self.spec.make_batch(self.batch_size, self.device, s) for s in shapes)
 
     def tensors_before_step(self) -> list[torch.Tensor]:
         """Tensors alive between steps: parameters, buffers, optimizer state, the static synthetic

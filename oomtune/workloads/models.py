@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from oomtune.exceptions import ConfigError
+from oomtune.workloads.shapes import shape_distribution
 
 __all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float", "cfg_bool",
            "cfg_choice"]
@@ -21,11 +22,14 @@ __all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "c
 MODEL_NAMES = ("mlp", "resnet", "transformer")
 RESNET_DEPTHS = (18, 34, 50, 101, 152)
 
-BatchFn = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+#: ``make_batch(batch_size, device, shape=None)``: ``shape`` is the step's ``seq_len`` / ``image_size``
+#: (None: the model's fixed or largest one; see :mod:`oomtune.workloads.shapes`).
+BatchFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class ModelSpec:
-    """A built model: ``module``, ``make_batch(batch_size, device)`` and the input description.
+    """A built model: ``module``, ``make_batch(batch_size, device, shape=None)`` and the input
+    description; ``shapes`` is the per-step :class:`~oomtune.workloads.shapes.ShapeDistribution`.
 
     ``kind`` is ``"image"`` (inputs N x 3 x H x W float, targets N int64 class ids), ``"tokens"``
     (inputs and targets N x seq_len int64 token ids) or ``"vector"`` (N x in_features float, N int64).
@@ -33,6 +37,7 @@ class ModelSpec:
 
     def __init__(self, module: nn.Module, kind: str, make_batch: BatchFn, **info: Any) -> None:
         self.module, self.kind, self.make_batch, self.info = module, kind, make_batch, info
+        self.shapes = shape_distribution({})
 
 
 def cfg_int(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1,
@@ -80,7 +85,8 @@ def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
     import torchvision
 
     depth = cfg_choice(cfg, "depth", 50, RESNET_DEPTHS)
-    size = cfg_int(cfg, "image_size", 224, minimum=8)
+    shapes = shape_distribution(cfg)   # image_size: one size, or a list (multi-scale)
+    size = shapes.max_shape
     classes = cfg_int(cfg, "num_classes", 1000)
     channels_last = cfg_bool(cfg, "channels_last", False)
     module = getattr(torchvision.models, f"resnet{depth}")(weights=None, num_classes=classes)
@@ -88,12 +94,15 @@ def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
     if channels_last:
         module = module.to(memory_format=torch.channels_last)
 
-    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(n, 3, size, size, device=device).contiguous(memory_format=fmt)
+    def make_batch(n: int, device: torch.device, shape: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        s = size if shape is None else shape
+        x = torch.randn(n, 3, s, s, device=device).contiguous(memory_format=fmt)
         return x, torch.randint(0, classes, (n,), device=device)
 
-    return ModelSpec(module, "image", make_batch, image_size=size, num_classes=classes,
+    spec = ModelSpec(module, "image", make_batch, image_size=size, num_classes=classes,
                      memory_format=fmt)
+    spec.shapes = shapes
+    return spec
 
 
 class DecoderLM(nn.Module):
@@ -128,17 +137,25 @@ def _transformer(cfg: Mapping[str, Any]) -> ModelSpec:
     heads = cfg_int(cfg, "heads", 8)
     if d_model % heads:
         raise ConfigError(f"model.d_model={d_model} is not divisible by model.heads={heads}")
-    seq_len = cfg_int(cfg, "seq_len", 512)
+    shapes = shape_distribution(cfg)   # seq_len: fixed, a uniform range or a token file's documents
+    seq_len = shapes.max_shape
+    if cfg.get("max_seq_len") is not None:   # set by shapes.at_shape: keep the distribution's embedding
+        seq_len = max(seq_len, cfg_int(cfg, "max_seq_len", seq_len))
     vocab = cfg_int(cfg, "vocab_size", 50304, minimum=2)
     module = DecoderLM(vocab_size=vocab, d_model=d_model, heads=heads, seq_len=seq_len,
                        layers=cfg_int(cfg, "layers", 6),
                        dropout=cfg_float(cfg, "dropout", 0.1, hi=1.0))
 
-    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randint(0, vocab, (n, seq_len), device=device),
-                torch.randint(0, vocab, (n, seq_len), device=device))
+    fixed_len = shapes.max_shape
 
-    return ModelSpec(module, "tokens", make_batch, seq_len=seq_len, vocab_size=vocab)
+    def make_batch(n: int, device: torch.device, shape: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        t = fixed_len if shape is None else shape
+        return (torch.randint(0, vocab, (n, t), device=device),
+                torch.randint(0, vocab, (n, t), device=device))
+
+    spec = ModelSpec(module, "tokens", make_batch, seq_len=fixed_len, vocab_size=vocab)
+    spec.shapes = shapes
+    return spec
 
 
 def _mlp(cfg: Mapping[str, Any]) -> ModelSpec:
@@ -152,7 +169,7 @@ def _mlp(cfg: Mapping[str, Any]) -> ModelSpec:
         width = hidden
     mods.append(nn.Linear(width, classes))
 
-    def make_batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(n: int, device: torch.device, shape: None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.randn(n, in_features, device=device),
                 torch.randint(0, classes, (n,), device=device))
 

@@ -1,0 +1,90 @@
+"""The trial's soak: after the measured steps pass, the virtual GPU soaks the candidate for
+``TrialSpec.soak_steps`` steps of the workload's shape sequence (:mod:`oomtune.plan.soak`); running
+out of memory at soak step k makes the trial infeasible, and the record says at which step and why.
+
+Also the shape order of the live steps (``TrialSpec.shapes``): ``data`` (the distribution's seeded
+order) or ``worst`` (every live step at the distribution's largest shape,
+:func:`oomtune.workloads.shapes.worst_shapes`: a confirmation run meets the worst case).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from oomtune.outcome import Outcome
+from oomtune.trial.record import TrialResult, TrialSpec
+
+__all__ = ["SHAPE_ORDERS", "live_workload", "run_soak", "soak_verdict"]
+
+#: ``TrialSpec.shapes`` values.
+SHAPE_ORDERS = ("data", "worst")
+
+
+def live_workload(spec: TrialSpec) -> dict[str, Any]:
+    """The workload config the live steps train: ``spec.workload``, or for ``shapes="worst"`` the
+    same workload fixed at its largest shape (:func:`oomtune.workloads.shapes.at_shape`).
+
+    Raises:
+        ConfigError: an unknown ``spec.shapes`` or a bad shape distribution.
+    """
+    from oomtune.exceptions import ConfigError
+
+    if spec.shapes not in SHAPE_ORDERS:
+        raise ConfigError(f"trial shapes={spec.shapes!r}: expected one of {', '.join(SHAPE_ORDERS)}")
+    if spec.shapes == "data":
+        return spec.workload
+    from oomtune.workloads.shapes import at_shape, worst_shapes
+
+    cfg = {k: v for k, v in spec.workload.items() if k != "target"}
+    out = at_shape(cfg, worst_shapes(cfg)[0])
+    if "target" in spec.workload:
+        out["target"] = spec.workload["target"]
+    return out
+
+
+def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *,
+             capture_device: str = "meta") -> None:
+    """Soak ``spec`` (its workload's data order, ``spec.soak_steps`` steps) on a fresh virtual GPU
+    from ``new_sim()`` and write the ``soak_*`` fields of ``result`` (:func:`soak_verdict` then
+    judges them). Nothing happens for ``soak_steps`` 0 or a non-built-in target.
+
+    Args:
+        new_sim: makes a ``CachingAllocatorSim`` of the trial's geometry: the one the trial's own
+            steps ran on (CPU trial) or the device's figures (CUDA trial).
+        capture_device: ``cpu`` on a CPU trial (its first steps then equal the trial's own),
+            ``meta`` otherwise.
+    """
+    from oomtune.plan.soak import soak, soak_supported
+
+    if spec.soak_steps <= 0 or not soak_supported(spec.workload):
+        return
+    t0 = time.perf_counter()
+    cfg = {k: v for k, v in spec.workload.items() if k != "target"}
+    res = soak(cfg, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
+               new_sim=new_sim)
+    result.soak_passed, result.soak_steps_run = res.passed, res.steps_run
+    result.soak_failed_step, result.soak_shape = res.failed_step, res.shape_at_failure
+    result.soak_reserved_bytes, result.soak_allocated_bytes = res.reserved_bytes, res.allocated_bytes
+    result.soak_peak_reserved_bytes = res.peak_reserved_bytes
+    result.soak_s = time.perf_counter() - t0
+    result.soak_message = res.message
+    result.extra["soak_distinct_shapes"] = res.distinct_shapes
+    if not res.passed:
+        result.oom_requested_bytes = res.requested_bytes
+        result.extra["soak_fragmentation"] = res.fragmentation_failure
+
+
+def soak_verdict(spec: TrialSpec, result: TrialResult) -> None:
+    """After the live steps passed (``result.outcome`` ok): a failed soak makes the trial infeasible:
+    outcome ``oom_fragmentation`` (reserved - allocated >= the request) or ``oom``, with a message
+    naming the soak step, the shape and the figures, and the classifier's advice."""
+    from oomtune.classify import ADVICE
+
+    if result.soak_passed is not False:
+        return
+    outcome = Outcome.OOM_FRAGMENTATION if result.extra.get("soak_fragmentation") else Outcome.OOM
+    result.outcome = outcome.value
+    result.message = f"passed the {spec.warmup_steps + spec.measure_steps} live steps, then {result.soak_message}"
+    result.advice = ADVICE[outcome]

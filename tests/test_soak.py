@@ -1,0 +1,213 @@
+"""Shape distributions and the virtual-GPU soak (issue 9, item 4 and its test in item 7).
+
+Expected figures are hand calculations (the hand-checkable soak below, the token-file documents)
+or a live virtual-GPU trial of the same steps; the variable-length case asserts qualitative facts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from oomtune.alloc.sim import CachingAllocatorSim
+from oomtune.alloc.stream import AllocationStream
+from oomtune.capture import VirtualGPU
+from oomtune.exceptions import ConfigError
+from oomtune.plan.soak import SoakStreams, replay_soak, soak
+from oomtune.trial.child import run_child
+from oomtune.trial.record import TrialSpec
+from oomtune.workloads import build_workload
+from oomtune.workloads.shapes import at_shape, shape_distribution, worst_shapes
+
+MiB = 1 << 20
+
+SMALL_LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "vocab_size": 512, "dropout": 0.0,
+            "optimizer": "adamw", "lr": 3e-4, "precision": "fp32", "seq_len": {"low": 16, "high": 128},
+            "data": {"source": "synthetic"}}
+MULTI_SCALE = {"name": "resnet", "depth": 18, "image_size": [32, 48, 64], "num_classes": 10,
+               "optimizer": "sgd", "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
+
+
+# ------------------------------------------------------------------------------- distributions
+def test_uniform_range_is_seeded_padded_and_bounded():
+    cfg = {"name": "transformer", "seq_len": {"low": 10, "high": 100, "pad_multiple": 8, "seed": 3}}
+    dist = shape_distribution(cfg)
+    seq = dist.sequence(4, 300)
+    assert seq == shape_distribution(cfg).sequence(4, 300)           # same run after run
+    assert seq != shape_distribution({**cfg, "seq_len": {**cfg["seq_len"], "seed": 4}}).sequence(4, 300)
+    assert all(v % 8 == 0 and 16 <= v <= 104 for v in seq)          # 10 rounds up to 16, 100 to 104
+    assert dist.max_shape == 104 and worst_shapes(cfg) == [104]
+    assert len(set(seq)) > 5
+
+
+def test_token_file_documents_padded_per_batch(tmp_path):
+    # EOS = 0. Documents (each ending with, and counting, its EOS): [5 6 0] [7 0] [1 2 3 4 0] [0] [9 9]
+    path = tmp_path / "train.bin"
+    np.array([5, 6, 0, 7, 0, 1, 2, 3, 4, 0, 0, 9, 9], dtype="<u2").tofile(path)
+    cfg = {"name": "transformer",
+           "seq_len": {"tokens": str(path), "eos_token": 0, "max": 4, "pad_multiple": 1, "seed": 0}}
+    dist = shape_distribution(cfg)
+    assert dist.lengths.tolist() == [3, 2, 4, 1, 2]                  # 5 truncated to max=4
+    order = np.random.default_rng(0).permutation(5)                 # the documented order
+    lengths = np.array([3, 2, 4, 1, 2])
+    expected = [int(lengths[order[0:2]].max()), int(lengths[order[2:4]].max())]
+    assert dist.sequence(2, 2) == expected                          # batch maxima: dynamic padding
+    assert worst_shapes(cfg) == [4]
+
+
+def test_multi_scale_images_and_bad_spellings():
+    dist = shape_distribution(MULTI_SCALE)
+    seq = dist.sequence(8, 200)
+    assert set(seq) == {32, 48, 64} and dist.max_shape == 64
+    assert worst_shapes(MULTI_SCALE, 2) == [64, 48]
+    assert shape_distribution({"name": "resnet", "image_size": 64}).is_fixed
+    for bad in ({"low": 64}, {"low": 9, "high": 8}, {"low": 8, "high": 9, "typo": 1}, [64, 128]):
+        with pytest.raises(ConfigError, match="model.seq_len"):
+            shape_distribution({"name": "transformer", "seq_len": bad})
+    with pytest.raises(ConfigError, match="model.image_size"):
+        shape_distribution({"name": "resnet", "image_size": [64, 4]})
+
+
+def test_variable_shapes_need_synthetic_data(tmp_path):
+    path = tmp_path / "t.bin"
+    np.zeros(64, dtype="<u2").tofile(path)
+    cfg = {**SMALL_LM, "data": {"source": "tokens", "path": str(path)}}
+    with pytest.raises(ConfigError, match="synthetic"):
+        build_workload(cfg, 2, "cpu")
+
+
+def test_worst_shape_workload_keeps_the_parameters():
+    worst = at_shape(SMALL_LM, worst_shapes(SMALL_LM)[0])
+    assert shape_distribution(worst).is_fixed
+    a, b = build_workload(SMALL_LM, 2, "meta"), build_workload(worst, 2, "meta")
+    assert [p.shape for p in a.model.parameters()] == [p.shape for p in b.model.parameters()]
+
+
+# ------------------------------------------------------------------------------- the soak
+def _live_per_step(cfg, batch, steps):
+    """(allocated, reserved, peak allocated, peak reserved) after each step of a live virtual-GPU
+    run on the CPU, as a CPU trial runs it (register what exists, then the workload's batches)."""
+    sim = CachingAllocatorSim("", total_memory_bytes=1 << 40)
+    wl = build_workload(cfg, batch, "cpu")
+    out = []
+    with VirtualGPU(sim, device="cpu") as vgpu:
+        vgpu.register(wl.tensors_before_step())
+        for _ in range(steps):
+            wl.run_steps(1)
+            st = sim.memory_stats()
+            out.append((st["allocated_bytes.all.current"], st["reserved_bytes.all.current"],
+                        st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]))
+    return out
+
+
+@pytest.mark.parametrize("cfg, batch", [(SMALL_LM, 8), (MULTI_SCALE, 4)])
+def test_soak_first_steps_equal_a_live_virtual_gpu_run(cfg, batch):
+    live = _live_per_step(cfg, batch, 6)
+    res = soak(cfg, batch, "", device_memory_bytes=1 << 40, steps=6, capture_device="cpu", record_steps=True)
+    assert res.passed and res.steps_run == 6
+    assert res.per_step == live
+    # What persists between steps (parameters, optimizer state) is allocated once: after step 1
+    # the allocated bytes return to the same figure after every step.
+    assert len({a for a, _, _, _ in live[1:]}) == 1
+
+
+def _stream(*events):
+    return AllocationStream(list(events))
+
+
+def test_hand_checkable_fragmentation_soak():
+    """Default settings, a 60 MiB device; all requests > 10 MiB (segments of exactly their size).
+    Step 1: A, B 24 MiB each (two segments, reserved 48), freed; P1 12 MiB takes the head of A
+    (best fit, lowest address; split, 12 MiB free behind it), a temporary Y fills that 12, P2 takes
+    the head of B (12 free behind it), Y is freed. P1, P2 persist: allocated 24, reserved 48, two
+    free 12 MiB pieces. "small" steps (10 MiB) fit in a piece. The "big" step (20 MiB) fits in no
+    piece, cudaMalloc would need 48 + 20 > 60, no segment is wholly free to release: out of memory
+    at step 5 with reserved - allocated = 24 MiB >= the 20 MiB request (fragmentation)."""
+    first = _stream(("alloc", 1, 24 * MiB), ("alloc", 2, 24 * MiB), ("free", 1), ("free", 2),
+                    ("alloc", 3, 12 * MiB), ("alloc", 4, 12 * MiB), ("alloc", 5, 12 * MiB), ("free", 4))
+    small = _stream(("alloc", 1, 10 * MiB), ("free", 1))
+    big = _stream(("alloc", 1, 20 * MiB), ("free", 1))
+    streams = SoakStreams(batch_size=1, shapes=["small", "small", "small", "small", "big", "small"],
+                          first=first, steady={"small": small, "big": big}, fixed=False, shape_key="shape")
+    res = replay_soak(streams, "", device_memory_bytes=60 * MiB)
+    assert not res.passed and res.steps_run == 4 and res.failed_step == 5 and res.shape_at_failure == "big"
+    assert (res.reserved_bytes, res.allocated_bytes, res.requested_bytes) == (48 * MiB, 24 * MiB, 20 * MiB)
+    assert res.fragmentation_failure
+    assert "soak step 5/6 (shape=big)" in res.message and "fragmentation" in res.message
+    # With 68 MiB the big step gets its own 20 MiB segment and everything passes.
+    ok = replay_soak(streams, "", device_memory_bytes=68 * MiB)
+    assert ok.passed and ok.steps_run == 6 and ok.peak_reserved_bytes == 68 * MiB
+
+
+def test_fixed_shapes_stop_early_once_a_step_repeats_itself():
+    cfg = {**MULTI_SCALE, "image_size": 32}
+    res = soak(cfg, 2, "", device_memory_bytes=1 << 40, steps=2000, capture_device="meta")
+    assert res.passed and res.steps_run == 2000 and res.distinct_shapes == 1
+    assert res.converged_at is not None and res.converged_at < 10
+
+
+# A variable-length case (found by experiments/find_soak_case.py --capture meta): the built-in
+# transformer, small; padded lengths 64..512 in buckets of 64; batch 4; a 100 MiB device.
+VARIABLE_LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "vocab_size": 2048,
+               "dropout": 0.0, "optimizer": "adamw", "lr": 3e-4, "precision": "fp32",
+               "seq_len": {"low": 64, "high": 512, "pad_multiple": 64, "seed": 0}}
+
+
+def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives():
+    from oomtune.plan.soak import capture_soak
+
+    streams = capture_soak(VARIABLE_LM, 4, 2000, capture_device="meta")
+    default = replay_soak(streams, "", device_memory_bytes=100 * MiB)
+    assert not default.passed
+    assert default.failed_step > 4                      # the trial's 4 live steps pass
+    assert default.cached_unused_bytes >= default.requested_bytes   # fragmentation
+    assert f"soak step {default.failed_step}/2000" in default.message
+    expandable = replay_soak(streams, "expandable_segments:True", device_memory_bytes=100 * MiB)
+    assert expandable.passed and expandable.steps_run == 2000
+    assert expandable.peak_reserved_bytes <= 100 * MiB
+
+
+# ------------------------------------------------------------------------------- in the trial
+def _clear_alloc_env(monkeypatch):
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_trial_records_a_passing_soak(monkeypatch):
+    _clear_alloc_env(monkeypatch)
+    res = run_child(TrialSpec(workload=SMALL_LM, batch_size=4, device="cpu", budget_bytes=1 << 30,
+                              warmup_steps=1, measure_steps=1, soak_steps=50))
+    assert res.outcome == "ok", res.message
+    assert res.soak_passed and res.soak_steps_run == 50 and res.soak_failed_step is None
+    assert res.soak_peak_reserved_bytes >= res.peak_reserved_bytes   # the soak includes the live steps
+
+
+def test_trial_worst_shapes_run_the_largest_shape(monkeypatch):
+    _clear_alloc_env(monkeypatch)
+    spec = dict(workload=SMALL_LM, batch_size=4, device="cpu", budget_bytes=1 << 30, warmup_steps=1,
+                measure_steps=1)
+    data, worst = run_child(TrialSpec(**spec)), run_child(TrialSpec(**spec, shapes="worst"))
+    assert data.outcome == worst.outcome == "ok"
+    # seq_len 128 (the largest) every step needs at least what the data order's steps needed
+    assert worst.peak_allocated_bytes >= data.peak_allocated_bytes
+    assert worst.peak_allocated_bytes == max(x[2] for x in _live_per_step(at_shape(SMALL_LM, 128), 4, 2))
+
+
+@pytest.mark.skipif(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), reason="needs torch's default allocator settings")
+def test_trial_fails_on_the_soak_with_step_and_reason(monkeypatch):
+    _clear_alloc_env(monkeypatch)
+    res = run_child(TrialSpec(workload=VARIABLE_LM, batch_size=4, device="cpu", budget_bytes=CPU_CASE_BUDGET,
+                              warmup_steps=1, measure_steps=3, soak_steps=2000))
+    assert res.outcome in ("oom", "oom_fragmentation"), res.message
+    assert res.soak_passed is False and res.soak_failed_step > 4
+    assert res.throughput is not None                  # the live steps ran and were measured
+    assert f"soak step {res.soak_failed_step}/2000" in res.message
+    assert res.soak_reserved_bytes - res.soak_allocated_bytes >= 0
+
+
+# With CPU capture (a CPU trial soaks the kernels it ran) the same model at batch 4 fails its soak
+# on a 76 MiB virtual GPU (experiments/results/find_soak_case.txt records the scan).
+CPU_CASE_BUDGET = 76 * MiB
