@@ -42,8 +42,14 @@ def main() -> int:
     snap = load_snapshot(TRACE)
     load_s = time.perf_counter() - t0
     state = rebuild_initial_state(snap)
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TRACE.parents[2], capture_output=True,
+                            text=True).stdout.strip()
     lines = [
-        f"trace: {TRACE} ({len(snap['device_traces'][0]):,} entries), loaded (restricted unpickler + "
+        "# command: python experiments/replay_real_trace.py",
+        f"# commit: {commit}; figures: simulated (virtual GPU) vs recorded on device (the trace)",
+        f"trace: {TRACE.relative_to(TRACE.parents[2])} ({len(snap['device_traces'][0]):,} entries), loaded (restricted unpickler + "
         f"validation) in {load_s * 1000:.1f} ms",
         f"starting state rebuilt: {len(state.segments)} segments "
         f"({', '.join(f'{s.total_size_bytes // MiB} MiB {s.pool}' for s in state.segments)}), "

@@ -96,14 +96,16 @@ def _frames_verdict(entries: list[dict]) -> bool | None:
     return None
 
 
-def classify_releases(trace: list[dict], initial_reserved: int) -> list[Release]:
+def classify_releases(trace: list[dict], initial_reserved: int,
+                      walk: tuple[list[int], int] | None = None) -> list[Release]:
     """Every run of consecutive segment releases in ``trace``, classified (module docstring).
 
     Args:
         trace: one device's trace entries.
         initial_reserved: reserved bytes before the first entry (the rebuilt starting state).
+        walk: :func:`recorded_reserved_walk`'s result when the caller has it (else computed).
     """
-    before, peak = recorded_reserved_walk(trace, initial_reserved)
+    before, peak = walk or recorded_reserved_walk(trace, initial_reserved)
     out: list[Release] = []
     i, n = 0, len(trace)
     while i < n:
@@ -136,12 +138,13 @@ def classify_releases(trace: list[dict], initial_reserved: int) -> list[Release]
     return out
 
 
-def infer_device_limit(trace: list[dict], initial_reserved: int,
-                       releases: list[Release]) -> DeviceLimit | None:
+def infer_device_limit(trace: list[dict], initial_reserved: int, releases: list[Release],
+                       walk: tuple[list[int], int] | None = None) -> DeviceLimit | None:
     """The device limit the trace implies, or None when it implies none (no allocator release, no
     ``oom`` entry: the device never ran short, so any capacity above the peak replays the same).
+    ``walk``: :func:`recorded_reserved_walk`'s result when the caller has it (else computed).
     """
-    before, peak = recorded_reserved_walk(trace, initial_reserved)
+    before, peak = walk or recorded_reserved_walk(trace, initial_reserved)
     high: int | None = None
     exact: int | None = None
     sources = ["at least the peak reserved (the device held it)"]

@@ -258,8 +258,9 @@ def replay_snapshot(
         settings_source = "given"
         if isinstance(settings, str):
             settings = AllocatorSettings.parse(settings)
-    groups = classify_releases(trace, state.reserved_bytes)
-    limit = infer_device_limit(trace, state.reserved_bytes, groups)
+    walk = recorded_reserved_walk(trace, state.reserved_bytes)
+    groups = classify_releases(trace, state.reserved_bytes, walk)
+    limit = infer_device_limit(trace, state.reserved_bytes, groups, walk)
     if total_memory_bytes is not None:
         total, budget_source = total_memory_bytes, "given"
     elif limit is not None:
@@ -288,7 +289,8 @@ def replay_snapshot(
                          else " (the trace was recorded under its own allocator_settings)")
                       + ": the replay is approximate")
     return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes)
+                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes,
+                   walk[1])
 
 
 def _release_dicts(groups: list[Release]) -> list[dict[str, Any]]:
@@ -304,11 +306,10 @@ def _limit_dict(limit: DeviceLimit | None) -> dict[str, Any] | None:
 
 
 def _result(run: _Run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-            snapshot, groups, limit, total, budget_source, device, devices, notes) -> SnapshotReplay:
+            snapshot, groups, limit, total, budget_source, device, devices, notes, rec_peak) -> SnapshotReplay:
     stats = run.sim.memory_stats()
     recorded = recorded_events(trace)
     simulated = run.events
-    _, rec_peak = recorded_reserved_walk(trace, state.reserved_bytes)
     peak_reserved = stats["reserved_bytes.all.peak"]
     peak_active = stats["active_bytes.all.peak"]
     return SnapshotReplay(
