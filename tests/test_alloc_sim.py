@@ -463,3 +463,16 @@ def test_stream_rejects_bad_events_and_files(tmp_path):
         AllocationStream.load(tmp_path / "x.bin")
     with pytest.raises(ConfigError):
         AllocationStream.load(tmp_path / "missing.bin")
+
+
+def test_would_reuse_cached_is_get_free_block_without_change():
+    s = sim()
+    a = s.malloc(5 * MiB)                    # 20 MiB segment: a at [0, 5), free [5, 20)
+    before = (s.memory_stats(), list(s._large.keys))
+    assert s.would_reuse_cached(15 * MiB)    # the 15 MiB free remainder fits
+    assert not s.would_reuse_cached(15 * MiB + 1)   # rounds to 15 MiB + 512 > 15 MiB
+    assert not s.would_reuse_cached(100)     # small pool: no cached small block
+    assert not s.would_reuse_cached(5 * MiB, stream=1)   # blocks are per stream
+    assert (s.memory_stats(), list(s._large.keys)) == before
+    s.free(a)
+    assert s.would_reuse_cached(20 * MiB) and not s.would_reuse_cached(0)

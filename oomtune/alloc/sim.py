@@ -229,6 +229,26 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
         else:
             self._free_split(block, prev, nxt)
 
+    def would_reuse_cached(self, size_bytes: int, stream: int = 0) -> bool:
+        """True when a ``malloc(size_bytes, stream)`` now would be served by a cached free block
+        (``get_free_block`` succeeds), so the allocator would release nothing for it. Changes nothing.
+
+        Used by the trace replay to tell a program's ``empty_cache()`` from the allocator's
+        release-and-retry, which happens only after ``get_free_block`` failed.
+        """
+        if size_bytes <= 0:
+            return False
+        size = round_size(size_bytes, self._divs)
+        keys = (self._small if size <= 1048576 else self._large).keys
+        i = bisect_left(keys, (stream << STREAM_SHIFT) | (size << SIZE_SHIFT))
+        if i >= len(keys) or keys[i] >> STREAM_SHIFT != stream:
+            return False
+        k = keys[i]
+        if self._expandable:
+            i, k = self._pick_expandable(keys, i, stream)
+        bsize, ms = (k >> SIZE_SHIFT) & FIELD_MASK, self._max_split
+        return (bsize < ms) if size < ms else (bsize < size + self._max_non_split)
+
     def empty_cache(self) -> None:
         """Release every cached whole segment and unmap free expandable pages (``emptyCache``)."""
         self._release_cached(self._calls)

@@ -15,10 +15,10 @@ order (the one that decided is reported):
 3. ``device limit``: a new segment follows. The allocator releases only when
    ``reserved + needed > limit``; the limit is at least the largest reserved total the device ever
    held (it held it), so a release with ``reserved + needed <= peak reserved`` cannot be the
-   allocator's: explicit; otherwise the allocator's. Limitation: this rule does not check that no
-   cached block could have served the request (``get_free_block`` comes first), so an
-   ``empty_cache()`` right before a request that a cached block would have served is misread; the
-   replay then shows that release as its first difference.
+   allocator's: explicit; otherwise the allocator's.
+4. ``cached block``: applied during the replay (:mod:`oomtune.trace.replay`) to a release rule 3
+   gave to the allocator: the allocator releases only after ``get_free_block`` failed, so if a
+   cached block of the simulator would serve the next request, the release was the program's.
 
 The device limit (bytes of reserved memory the device could hold, :func:`infer_device_limit`): at
 least the peak reserved total; below ``reserved + needed`` at every release of the allocator; and
@@ -43,9 +43,11 @@ class Release:
     """One run of recorded segment releases: trace indices ``first..last`` (inclusive).
 
     ``explicit``: the program's empty_cache (True) or the allocator's release-and-retry (False);
-    ``rule``: ``"frames"``, ``"request stream"`` or ``"device limit"`` (see the module docstring);
+    ``rule``: ``"frames"``, ``"request stream"``, ``"device limit"`` or ``"cached block"`` (module docstring);
     ``reserved_before_bytes``: recorded reserved total just before it; ``needed_bytes``: size of the
-    segment_alloc/segment_map that follows before the next request (0 if none).
+    segment_alloc/segment_map that follows before the next request (0 if none); ``request``:
+    ``(size_bytes, stream)`` of the next ``alloc`` entry, the request those segments served (None if
+    there is none).
     """
 
     first: int
@@ -54,6 +56,7 @@ class Release:
     rule: str
     reserved_before_bytes: int
     needed_bytes: int
+    request: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ def classify_releases(trace: list[dict], initial_reserved: int,
                 break
             if act in _REQUESTS:
                 break
+        request = next(((e["size"], e.get("stream", 0)) for e in trace[j + 1:] if e["action"] == "alloc"), None)
         verdict = _frames_verdict(trace[i:j + 1])
         if verdict is not None:
             explicit, rule = verdict, "frames"
@@ -133,7 +137,7 @@ def classify_releases(trace: list[dict], initial_reserved: int,
             explicit, rule = True, "request stream"
         else:
             explicit, rule = before[i] + needed <= peak, "device limit"
-        out.append(Release(i, j, explicit, rule, before[i], needed))
+        out.append(Release(i, j, explicit, rule, before[i], needed, request))
         i = j + 1
     return out
 

@@ -22,6 +22,7 @@ Steps:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,6 @@ class SnapshotReplay:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field, plus ``exact``."""
-        import dataclasses
-
         return dict(dataclasses.asdict(self), exact=self.exact)
 
 
@@ -152,6 +151,7 @@ class _Run:
         self.seen = len(sim.segment_events)  # events of the synthetic prefix are not compared
         self.events: list[tuple[str, int, int]] = []
         self.replayed = 0
+        self.by_cache: set[int] = set()   # releases found to be the program's by the cached-block rule
 
     def collect(self, position: int) -> None:
         """Attribute the simulator's new segment events to request ``position``."""
@@ -161,11 +161,18 @@ class _Run:
             self.seen = len(new)
 
 
-def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int]) -> dict[str, Any] | None:
-    """Feed the trace to the simulator; returns oom_at (an OOM the device did not have) or None."""
+def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int],
+                   check_cache: dict[int, tuple[int, int]] | None = None) -> dict[str, Any] | None:
+    """Feed the trace to the simulator; returns oom_at (an OOM the device did not have) or None.
+
+    ``check_cache``: trace index of a release given to the allocator by the device-limit rule ->
+    the next request ``(size, stream)``; if a cached block of the simulator would serve it, the
+    release is replayed as ``empty_cache()`` and its index is added to ``run.by_cache``.
+    """
     from oomtune.alloc.sim import SimulatedOutOfMemoryError
 
     sim, addr_map = run.sim, run.addr_map
+    check_cache = check_cache or {}
     pos = 0
     for i, e in enumerate(trace):
         act = e["action"]
@@ -196,7 +203,9 @@ def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int]) -> d
                 sim.free(addr)
             run.replayed += 1
             pos += 1
-        elif i in explicit_starts:
+        elif i in explicit_starts or (i in check_cache and sim.would_reuse_cached(*check_cache[i])):
+            if i not in explicit_starts:
+                run.by_cache.add(i)
             sim.empty_cache()
             run.collect(pos)
     return None
@@ -237,7 +246,6 @@ def replay_snapshot(
         AllocatorConfigError: a malformed settings string.
     """
     from oomtune.alloc.settings import AllocatorSettings
-    from oomtune.alloc.sim import SimulatedOutOfMemoryError
     from oomtune.exceptions import ConfigError
     from oomtune.trace.recorded import recorded_settings
     from oomtune.trace.snapshot import devices_with_data
@@ -260,16 +268,43 @@ def replay_snapshot(
             settings = AllocatorSettings.parse(settings)
     walk = recorded_reserved_walk(trace, state.reserved_bytes)
     groups = classify_releases(trace, state.reserved_bytes, walk)
-    limit = infer_device_limit(trace, state.reserved_bytes, groups, walk)
-    if total_memory_bytes is not None:
-        total, budget_source = total_memory_bytes, "given"
-    elif limit is not None:
-        total, budget_source = limit.used_bytes, "inferred from the trace"
-    else:
-        total, budget_source = DEFAULT_TOTAL_MEMORY_BYTES, "default"
+    while True:  # at most twice: again when the cached-block rule changed what bounds the limit
+        limit = infer_device_limit(trace, state.reserved_bytes, groups, walk)
+        if total_memory_bytes is not None:
+            total, budget_source = total_memory_bytes, "given"
+        elif limit is not None:
+            total, budget_source = limit.used_bytes, "inferred from the trace"
+        else:
+            total, budget_source = DEFAULT_TOTAL_MEMORY_BYTES, "default"
+        started = time.perf_counter()
+        run, oom_at, exact, retries0 = _run_replay(settings, total, device, memory_fraction, state, trace,
+                                                   groups, releases)
+        if not run.by_cache:
+            break
+        groups = [dataclasses.replace(g, explicit=True, rule="cached block") if g.first in run.by_cache else g
+                  for g in groups]
+        if total_memory_bytes is not None or infer_device_limit(trace, state.reserved_bytes, groups, walk) == limit:
+            break
+    seconds = time.perf_counter() - started
+    if not exact:
+        notes.append("the starting state could not be reproduced exactly under these settings"
+                      + ("" if settings_source != "given" or not snapshot.get("allocator_settings")
+                         else " (the trace was recorded under its own allocator_settings)")
+                      + ": the replay is approximate")
+    return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
+                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes,
+                   walk[1])
+
+
+def _run_replay(settings: Any, total: int, device: int, memory_fraction: float | None, state: InitialState,
+                trace: list[dict], groups: list[Release], releases: str) -> tuple[_Run, Any, bool, int]:
+    """Seed a fresh simulator with ``state`` and replay ``trace``: (run, oom_at, exact, retries0)."""
+    from oomtune.alloc.sim import SimulatedOutOfMemoryError
+
     sim = _make_sim(settings, total, device, memory_fraction)
     explicit = {g.first for g in groups if releases == "all" or (releases == "auto" and g.explicit)}
-    started = time.perf_counter()
+    check_cache = {g.first: g.request for g in groups if releases == "auto" and not g.explicit
+                   and g.rule == "device limit" and g.request is not None}
     oom_at = None
     try:
         addr_map, exact = seed_initial_state(sim, state)
@@ -281,16 +316,8 @@ def replay_snapshot(
     sim.reset_peak_memory_stats()
     run = _Run(sim, addr_map)
     if oom_at is None:
-        oom_at = _replay_events(run, trace, explicit)
-    seconds = time.perf_counter() - started
-    if not exact:
-        notes.append("the starting state could not be reproduced exactly under these settings"
-                      + ("" if settings_source != "given" or not snapshot.get("allocator_settings")
-                         else " (the trace was recorded under its own allocator_settings)")
-                      + ": the replay is approximate")
-    return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes,
-                   walk[1])
+        oom_at = _replay_events(run, trace, explicit, check_cache)
+    return run, oom_at, exact, retries0
 
 
 def _release_dicts(groups: list[Release]) -> list[dict[str, Any]]:
