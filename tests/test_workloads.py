@@ -52,8 +52,12 @@ def test_optimizers_and_precision():
     wl = build_workload({**MLP, "precision": "bf16"}, 2, "cpu")
     assert wl.precision == "bf16" and wl.fallback_reason is None
     wl.step(next(wl.batches()))
+    # meta stands for a CUDA run: bf16 is kept and CUDA's autocast policy applied (issue 15)
     meta = build_workload({**MLP, "precision": "bf16"}, 2, "meta")
-    assert meta.precision == "fp32" and "bf16" in meta.fallback_reason
+    assert meta.precision == "bf16" and meta.fallback_reason is None
+    x, _ = next(meta.batches())
+    with meta._autocast():
+        assert meta.model(x).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("cfg,needle", [

@@ -16,14 +16,17 @@ live storage (PyObject preservation), so views (``view``, ``t``, indexing), in-p
 
 Known differences from a real CUDA run (the recorded stream omits or differs in):
 
-* Workspaces allocated inside kernels below the Python dispatch key: cuBLAS workspaces (one per
-  handle/stream, ``CUBLAS_WORKSPACE_CONFIG``), cuDNN convolution workspaces (sized by the chosen
-  algorithm; often hundreds of MiB, freed right after the call), cuFFT plans, NCCL buffers.
+* Workspaces allocated inside kernels below the Python dispatch key: cuDNN convolution workspaces
+  (sized by the chosen algorithm; often hundreds of MiB, freed right after the call), the staging
+  buffers of large reductions (``max``/``sum`` over a 10,000-wide vocabulary: 157 MiB and 39 MiB
+  plus 16-byte semaphores in lm-ctx128-fullstep, freed at once), cuFFT plans, NCCL buffers.
+  cuBLAS workspaces are added when ``blas_workspaces`` is given
+  (:mod:`oomtune.capture.blas_workspace`).
 * Kernel choice: ``meta``/CPU follow the generic kernels; on CUDA, cuDNN batch norm returns an extra
   reserve buffer, fused/flash attention saves different tensors, and the default optimizer
   implementation is ``foreach`` (CPU and meta default to the per-tensor loop).
-* Autocast: the CUDA autocast weight cache keeps the low-precision copies of the parameters alive
-  for the whole forward; bf16/fp16 casts on CPU autocast follow CPU's op lists.
+* Autocast: ``torch.autocast("cuda")`` does nothing on meta/CPU tensors; :func:`capture_stream`
+  applies CUDA's policy (op lists, weight-cast cache) with :mod:`oomtune.capture.cuda_autocast`.
 * ``torch.UntypedStorage.resize_`` called directly (not through an aten op) is not seen; a storage
   that grows under an aten op is recorded as a new request followed by the release of the old one.
 * Storages kept alive by a reference cycle are released when the cyclic garbage collector runs, not
@@ -117,6 +120,10 @@ class StorageRecorder(TorchDispatchMode):
             ``None`` records every device. Capturing on meta with ``device="meta"`` skips CPU
             tensors such as Adam's ``step`` counters, which on a GPU run also stay on the host.
 
+        blas_workspaces: a :class:`~oomtune.capture.blas_workspace.BlasWorkspaces`: the first BLAS op
+            (mm, bmm, addmm, ...) on a cuBLAS handle without a workspace is followed by one request
+            of its size that is never released (torch keeps workspaces for the process's life).
+
     Zero-byte storages are tracked but not reported (the CUDA allocator makes no request for them).
     Releases after the mode exits are not reported. Exceptions raised by ``sink.on_alloc`` (a
     simulated OOM) propagate out of the op that allocated; that storage is not counted as live.
@@ -124,9 +131,12 @@ class StorageRecorder(TorchDispatchMode):
     running on the same thread (cyclic GC inside the sink) is deferred until that call returns.
     """
 
-    def __init__(self, sink: AllocationSink, *, device: str | torch.device | None = None) -> None:
+    def __init__(self, sink: AllocationSink, *, device: str | torch.device | None = None,
+                 blas_workspaces: Any = None) -> None:
         super().__init__()
         self.sink = sink
+        self.blas_workspaces = blas_workspaces
+        self._workspace_refs: list[Any] = []
         self.device_type = None if device is None else torch.device(device).type
         self._live: dict[int, _Entry] = {}   # id(storage object) -> entry
         self._next_key = 1
@@ -178,7 +188,17 @@ class StorageRecorder(TorchDispatchMode):
             for t in leaves:
                 if isinstance(t, torch.Tensor):
                     self._track(t)
+            ws = self.blas_workspaces
+            if ws is not None and ws.needs_workspace(func):
+                self.add_workspace(ws.size_bytes)
         return out
+
+    def add_workspace(self, size_bytes: int) -> None:
+        """Report one request of ``size_bytes`` that stays live (a cuBLAS workspace), now."""
+        with self._lock:
+            holder = torch.empty(0, device="meta").untyped_storage()
+            self._workspace_refs.append(holder)  # keeps the entry alive: never released
+            self._report_alloc(-len(self._workspace_refs), holder, size_bytes)
 
     def _track(self, t: torch.Tensor) -> int:
         """Register ``t``'s storage if new (or grown); return 1 if a new storage was registered."""
@@ -259,17 +279,28 @@ def capture_stream(
     existing: Iterable[torch.Tensor] = (),
     device: str | torch.device | None = None,
     stream: int = 0,
+    blas_workspaces: Any = None,
+    cuda_autocast: bool = True,
 ) -> Any:
     """Run ``step_fn()`` once under a :class:`StorageRecorder` and return its request stream.
 
     ``existing`` tensors (parameters, buffers, optimizer state, inputs) are registered first as
     allocations, so the stream starts with them. Returns an ``oomtune.alloc.stream.AllocationStream``
     of ``(action, key, size_bytes, stream)`` events. ``device`` filters as in
-    :class:`StorageRecorder`.
+    :class:`StorageRecorder`. ``blas_workspaces``: a ``BlasWorkspaces``; its ``n_existing``
+    workspaces are registered after ``existing``, others are added at the first BLAS op of their
+    handle. ``cuda_autocast``: ``torch.autocast("cuda", ...)`` inside ``step_fn`` follows CUDA's
+    policy (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`).
     """
+    import contextlib
+
+    from oomtune.capture.cuda_autocast import emulate_cuda_autocast
+
     sink = StreamSink(stream)
-    rec = StorageRecorder(sink, device=device)
+    rec = StorageRecorder(sink, device=device, blas_workspaces=blas_workspaces)
     rec.register_existing(existing)
-    with rec:
+    for _ in range(getattr(blas_workspaces, "n_existing", 0)):
+        rec.add_workspace(blas_workspaces.size_bytes)
+    with (emulate_cuda_autocast() if cuda_autocast else contextlib.nullcontext()), rec:
         step_fn()
     return sink.to_stream()

@@ -5,7 +5,9 @@ Each storage the step creates becomes ``sim.malloc(size_bytes, stream)`` at the 
 creates it returns, and its release becomes ``sim.free(addr)``: the same request stream the CUDA
 caching allocator would receive (``NativeCachingAllocator::allocate`` / ``local_raw_delete`` in
 c10/cuda/CUDACachingAllocator.cpp), within the limits listed in :mod:`oomtune.capture.recorder`
-(no cuBLAS/cuDNN workspaces, generic kernels, no autocast weight cache).
+(no cuDNN workspaces or reduction staging buffers, generic kernels); cuBLAS workspaces are
+modelled (``blas_workspaces``), and ``torch.autocast("cuda")`` follows CUDA's policy inside the
+context (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`).
 
 The virtual GPU is a device of ``virtual_device_memory`` bytes with the budget applied as a memory
 fraction, as a CUDA trial applies it (``torch.cuda.set_per_process_memory_fraction``), not a device
@@ -112,6 +114,12 @@ class VirtualGPU:
             sent. Default ``None``: the device of the first tensor given to :meth:`register`, or
             every device if nothing was registered before the first op.
         stream: the CUDA stream number given to ``sim.malloc``.
+        blas_workspaces: cuBLAS workspaces (:mod:`oomtune.capture.blas_workspace`), requests a CUDA
+            run makes below the Python dispatch level: ``"default"`` models the main thread's as
+            existing (sent with the first :meth:`register`, as a trial creates it before
+            measuring) and the autograd thread's at the first backward matmul, each
+            ``cublas_workspace_bytes()``; a ``BlasWorkspaces`` instance; or ``None`` (none, the
+            default: only the requests the enclosed code makes itself).
 
     Raises:
         torch.OutOfMemoryError: (the simulator's subclass) from :meth:`register` or from inside the
@@ -126,10 +134,16 @@ class VirtualGPU:
     thread-local), which matches CPU-side work that never touches the GPU allocator.
     """
 
-    def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0) -> None:
+    def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0,
+                 blas_workspaces: Any = None) -> None:
+        if isinstance(blas_workspaces, str) and blas_workspaces == "default":
+            from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
+
+            blas_workspaces = BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
         self.sim = sim
         self._sink = _SimSink(sim, stream)
-        self.recorder = StorageRecorder(self._sink, device=device)
+        self.recorder = StorageRecorder(self._sink, device=device, blas_workspaces=blas_workspaces)
+        self._workspaces_pending = getattr(blas_workspaces, "n_existing", 0)
         self._entered = False
         self._exited = False
 
@@ -165,6 +179,9 @@ class VirtualGPU:
             if first is not None:
                 self.recorder.device_type = first.device.type
         n = self.recorder.register_existing(tensors)
+        for _ in range(self._workspaces_pending):
+            self.recorder.add_workspace(self.recorder.blas_workspaces.size_bytes)
+        self._workspaces_pending = 0
         if not self._exited:
             # Registered before entering: forward their releases to the simulator from now on.
             self.recorder.recording = True
@@ -174,9 +191,16 @@ class VirtualGPU:
         if self._entered:
             raise RuntimeError("a VirtualGPU records once; create a new one for another run")
         self._entered = True
+        from oomtune.capture.cuda_autocast import emulate_cuda_autocast
+
+        self._autocast = emulate_cuda_autocast()
+        self._autocast.__enter__()
         self.recorder.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._exited = True
-        self.recorder.__exit__(*exc)
+        try:
+            self.recorder.__exit__(*exc)
+        finally:
+            self._autocast.__exit__(*exc)

@@ -52,7 +52,10 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     "pkg.mod:fn"}`` the user's factory (:func:`python_target_workload`). Only storages on the capture
     device are recorded (on meta, Adam's CPU ``step`` counters stay off the virtual GPU, as they
     stay on the host in a CUDA run). Falls back to CPU when an op has no meta kernel (slower; the
-    reason is returned).
+    reason is returned). cuBLAS workspaces are requests of the stream
+    (:mod:`oomtune.capture.blas_workspace`): the main thread's exists before the step (the trial
+    creates it before measuring), the autograd thread's is added at the first backward matmul.
+    ``torch.autocast("cuda")`` and ``precision: bf16|fp16`` follow CUDA's autocast policy.
 
     Returns:
         (AllocationStream, fallback_reason or None)
@@ -60,6 +63,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     Raises:
         ConfigError: an invalid workload config or python target entry.
     """
+    from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
     from oomtune.capture.recorder import capture_stream
 
     reason = None
@@ -72,7 +76,9 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
                 wl.step(next(batches))
 
         try:
-            stream = capture_stream(run, existing=wl.tensors_before_step(), device=device)
+            workspaces = BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+            stream = capture_stream(run, existing=wl.tensors_before_step(), device=device,
+                                    blas_workspaces=workspaces)
         except (NotImplementedError, RuntimeError) as exc:
             if device == "cpu":
                 raise
@@ -134,13 +140,19 @@ def simulable(settings: AllocatorSettings) -> bool:
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
     """The virtual GPU a trial on ``device`` sees: the device's capacity (on CPU the virtual GPU's,
     ``virtual_device_memory``) with the budget as a memory fraction, as the trial applies it
-    (:func:`oomtune.capture.virtual_gpu.budget_geometry`)."""
+    (:func:`oomtune.capture.virtual_gpu.budget_geometry`). On a real device the trial's fraction is
+    ``(budget - non_allocator) / total`` (field case C9, :func:`oomtune.trial.budget.
+    memory_fraction_for_budget`); with no device reading at plan time the memory outside the
+    allocator is estimated (:func:`oomtune.trial.budget.estimated_non_allocator_bytes`)."""
     if device.simulated:
         from oomtune.capture.virtual_gpu import budget_geometry
 
         return budget_geometry(budget_bytes, device.total_memory_bytes)
-    return {"total_memory_bytes": device.total_memory_bytes,
-            "memory_fraction": min(1.0, budget_bytes / device.total_memory_bytes)}
+    from oomtune.trial.budget import estimated_non_allocator_bytes
+
+    outside = min(estimated_non_allocator_bytes(), max(0, budget_bytes - 1))
+    return {"total_memory_bytes": device.total_memory_bytes, "non_allocator_bytes": outside,
+            "memory_fraction": min(1.0, (budget_bytes - outside) / device.total_memory_bytes)}
 
 
 @dataclass(frozen=True)

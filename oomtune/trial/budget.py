@@ -12,6 +12,25 @@ Field case C9: ``set_per_process_memory_fraction(0.5)`` on a 10,989 MB card allo
 nvidia-smi showed 6,509 MB for the process (about 1 GB of context). A budget ``B`` emulated with the
 fraction must therefore subtract the measured non-allocator memory:
 ``fraction = (B - non_allocator) / total``, so that ``fraction * total + non_allocator <= B``.
+
+Memory outside the request stream (issue 15), and what the recordings can show of it:
+
+* cuBLAS workspaces are *inside* the allocator since torch 2.1 (``getNewWorkspace`` in
+  CublasHandlePool.cpp allocates them through ``CUDACachingAllocator``): one per cuBLAS handle (per
+  thread: the forward's and the autograd engine's) and stream, 32 MiB on compute capability 9.x
+  (``4096 * 8 * 1024``), else 8 MiB + 128 KiB (``:4096:2:16:8``), or ``CUBLAS_WORKSPACE_CONFIG``.
+  The recordings show them (lm-ctx128-fullstep: two 33,554,432-byte requests from
+  ``at::cuda::getNewWorkspace()``; lm-medium-ctx512-training: two 8,519,680-byte blocks live before
+  recording), so they are modelled as requests (:mod:`oomtune.capture.blas_workspace`), not here.
+* The CUDA context (driver state, loaded kernel modules, cuBLAS/cuDNN handles' own state) is outside
+  the allocator: no recording can show it (``_record_memory_history`` sees allocator events only).
+  On a GPU it is measured (:func:`non_allocator_bytes`); without one it is estimated
+  (:func:`estimated_non_allocator_bytes`) from published measurements: 287,047,680 bytes after CUDA
+  init with lazy module loading (``CUDA_MODULE_LOADING=LAZY``, torch's default since 1.13) and
+  666,632,192 bytes with eager loading (pytorch/pytorch#86509); about 1 GiB during training in field
+  case C9. cuDNN workspaces and reduction staging buffers are allocator requests made inside
+  kernels, freed at once; the recordings show the latter (157 MiB for a max over a 10,000-wide
+  vocabulary in lm-ctx128-fullstep) but a meta capture cannot (oomtune.capture.recorder).
 """
 
 from __future__ import annotations
@@ -22,11 +41,36 @@ from oomtune.exceptions import DeviceError
 from oomtune.units import format_bytes
 
 __all__ = [
+    "CUDA_CONTEXT_LAZY_BYTES",
+    "CUDA_CONTEXT_EAGER_BYTES",
+    "estimated_non_allocator_bytes",
     "non_allocator_bytes",
     "memory_fraction_for_budget",
     "allowed_allocator_bytes",
     "device_peak_bound_bytes",
 ]
+
+
+#: CUDA context after init with lazy module loading (pytorch/pytorch#86509, measured there).
+CUDA_CONTEXT_LAZY_BYTES = 287_047_680
+#: The same with eager module loading (pytorch/pytorch#86509): the estimate used without a reading.
+CUDA_CONTEXT_EAGER_BYTES = 666_632_192
+
+
+def estimated_non_allocator_bytes(measured_bytes: int | None = None) -> int:
+    """Device memory outside the caching allocator to plan for, in bytes: ``measured_bytes`` when a
+    trial measured it on the device (:func:`non_allocator_bytes`), else the CUDA context with eager
+    module loading, :data:`CUDA_CONTEXT_EAGER_BYTES` (above the 287 MB of lazy loading, torch's
+    default, so the estimate errs on the side of a smaller allocator share).
+
+    Raises:
+        ValueError: a negative measurement.
+    """
+    if measured_bytes is None:
+        return CUDA_CONTEXT_EAGER_BYTES
+    if measured_bytes < 0:
+        raise ValueError(f"measured non-allocator memory {measured_bytes} bytes is negative")
+    return measured_bytes
 
 
 def non_allocator_bytes(total_bytes: int, free_bytes: int, reserved_bytes: int) -> int:

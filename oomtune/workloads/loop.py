@@ -83,6 +83,12 @@ class Workload:
         dtype = PRECISIONS[self.precision]
         if dtype is None:
             return contextlib.nullcontext()
+        if self.device.type in ("meta", "cpu"):
+            # Captures and CPU trials stand for a CUDA run: CUDA's autocast policy (op lists,
+            # weight-cast cache), not the CPU's (oomtune.capture.cuda_autocast).
+            from oomtune.capture.cuda_autocast import cuda_autocast
+
+            return cuda_autocast(dtype)
         return torch.autocast(self.device.type, dtype=dtype)
 
     def step(self, batch: Any) -> None:
@@ -153,9 +159,8 @@ def _optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimize
 
 def _precision(cfg: Mapping[str, Any], device: torch.device) -> tuple[str, str | None]:
     asked = cfg_choice(cfg, "precision", "fp32", tuple(PRECISIONS))
-    if asked == "fp32" or torch.amp.is_autocast_available(device.type):
-        return asked, None
-    # The meta device has no autocast: activations are recorded at fp32 (an over-estimate).
+    if asked == "fp32" or device.type in ("meta", "cpu") or torch.amp.is_autocast_available(device.type):
+        return asked, None  # meta/cpu: CUDA's autocast policy is emulated (Workload._autocast)
     return "fp32", f"precision {asked} unavailable on {device.type} (no autocast): ran fp32"
 
 
