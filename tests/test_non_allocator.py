@@ -34,4 +34,20 @@ def test_plan_geometry_on_a_real_device_leaves_the_context_outside_the_fraction(
     assert g["memory_fraction"] == memory_fraction_for_budget(40 * GiB, 80 * GiB, 666_632_192)
     assert g["memory_fraction"] == (40 * GiB - 666_632_192) / (80 * GiB)
     cpu = TargetDevice("cpu", "cpu", None, "cpu", 16 * GiB, True)
-    assert sim_geometry(cpu, 8 * GiB) == {"total_memory_bytes": 8 * GiB, "memory_fraction": 1.0}
+    assert "non_allocator_bytes" not in sim_geometry(cpu, 8 * GiB)   # the virtual GPU has no context
+
+
+def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_not():
+    """Two 32 MiB requests (the forward's and the autograd thread's workspaces, GPU unknown) that
+    stay live: the real-device capture requests exactly two more than the simulated one."""
+    from oomtune.plan.predictor import Predictor
+
+    mlp = {"name": "mlp", "in_features": 8, "hidden": 16, "layers": 1, "num_classes": 4}
+    gpu = TargetDevice("cuda:0", "cuda", 0, "H100", 80 * GiB, False)
+    cpu = TargetDevice("cpu", "cpu", None, "cpu", 16 * GiB, True)
+    real = Predictor.for_search(mlp, gpu, 40 * GiB).stream(4)
+    sim = Predictor.for_search(mlp, cpu, 8 * GiB).stream(4)
+    sizes_real = [n for a, _, n, _ in real if a == "alloc"]
+    sizes_sim = [n for a, _, n, _ in sim if a == "alloc"]
+    assert sizes_real.count(32 * (1 << 20)) == 2 and sizes_sim.count(32 * (1 << 20)) == 0
+    assert len(sizes_real) == len(sizes_sim) + 2

@@ -117,18 +117,13 @@ def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, mo
     assert row.cells[0].peak_allocated_bytes == res.peak_allocated_bytes
 
 
-#: The two cuBLAS workspaces a CUDA step holds (main and autograd threads; 32 MiB each when the
-#: GPU is unknown, oomtune.capture.blas_workspace): whole segments of their own, on top of the rest.
-WORKSPACES = 2 * 32 * MiB
-
-
 @pytest.mark.parametrize("budget, high, expected", [
-    # Hand calculation (beyond the workspaces): at batch 2049 the hidden activation is 2049 * 128 * 4 = 1,049,088 bytes, above
+    # Hand calculation: at batch 2049 the hidden activation is 2049 * 128 * 4 = 1,049,088 bytes, above
     # kSmallSize (1 MiB), so it needs a large-pool segment of at least kLargeBuffer = 20 MiB, which a
     # 6 MiB budget cannot hold; at 2048 it is exactly 1 MiB and stays in the small pool.
-    (WORKSPACES + 6 * MiB, 8192, 2048),
+    (6 * MiB, 8192, 2048),
     # 30 MiB: the boundary lies between grid points (found by bisection; the trials are the oracle).
-    (WORKSPACES + 30 * MiB, 16384, None),
+    (30 * MiB, 16384, None),
 ])
 def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, tmp_path, monkeypatch):
     """The predicted maximum B runs in a live virtual-GPU trial and B + 1 runs out of memory."""

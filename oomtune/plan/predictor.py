@@ -43,8 +43,8 @@ def unbounded_capacity_bytes(stream: Any) -> int:
     return 2 * sum(sizes) + len(sizes) * _SEGMENT_SLACK_BYTES + (1 << 30)
 
 
-def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps: int = PREDICT_STEPS
-                            ) -> tuple[Any, str | None]:
+def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps: int = PREDICT_STEPS,
+                            blas_workspaces: bool = False) -> tuple[Any, str | None]:
     """The request stream of ``steps`` training steps of a workload, captured on meta.
 
     ``model_cfg`` is the ``model`` group, optionally with ``target``: a built-in workload
@@ -52,10 +52,11 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     "pkg.mod:fn"}`` the user's factory (:func:`python_target_workload`). Only storages on the capture
     device are recorded (on meta, Adam's CPU ``step`` counters stay off the virtual GPU, as they
     stay on the host in a CUDA run). Falls back to CPU when an op has no meta kernel (slower; the
-    reason is returned). cuBLAS workspaces are requests of the stream
-    (:mod:`oomtune.capture.blas_workspace`): the main thread's exists before the step (the trial
-    creates it before measuring), the autograd thread's is added at the first backward matmul.
-    ``torch.autocast("cuda")`` and ``precision: bf16|fp16`` follow CUDA's autocast policy.
+    reason is returned). ``torch.autocast("cuda")`` and ``precision: bf16|fp16`` follow CUDA's
+    autocast policy. ``blas_workspaces``: add the cuBLAS workspaces a CUDA run requests
+    (:mod:`oomtune.capture.blas_workspace`): the main thread's exists before the step (a GPU trial
+    creates it before measuring), the autograd thread's comes at the first backward matmul. Off for
+    simulated (CPU) trials, whose virtual GPU sees only the step's own requests.
 
     Returns:
         (AllocationStream, fallback_reason or None)
@@ -76,7 +77,8 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
                 wl.step(next(batches))
 
         try:
-            workspaces = BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+            workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+                          if blas_workspaces else None)
             stream = capture_stream(run, existing=wl.tensors_before_step(), device=device,
                                     blas_workspaces=workspaces)
         except (NotImplementedError, RuntimeError) as exc:
@@ -187,7 +189,8 @@ class Predictor:
 
     Args:
         model_cfg: the ``model`` group (plain dict).
-        geometry: :func:`sim_geometry` of the target device and budget.
+        geometry: :func:`sim_geometry` of the target device and budget. A real device's geometry
+            (it carries ``non_allocator_bytes``) also adds the cuBLAS workspaces to the captures.
         steps: training steps per stream (:data:`PREDICT_STEPS`).
         derive: derive streams from the affine model (False: capture every batch size).
         spot_checks: derived batch sizes that are also captured and compared (>= 1).
@@ -264,7 +267,9 @@ class Predictor:
 
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
-        stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps)
+        stream, reason = capture_training_stream(
+            self.model_cfg, batch_size, steps=self.steps,
+            blas_workspaces="non_allocator_bytes" in self.geometry)
         self.capture_seconds += time.perf_counter() - t0
         if reason:
             self.fallback_reasons.add(reason)
