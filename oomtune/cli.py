@@ -24,6 +24,7 @@ COMMANDS = {
     "simulate": "simulate",
     "show": "show",
     "env": "env",
+    "report": "report",
 }
 
 
@@ -59,6 +60,7 @@ _HELP = {
     "simulate": "replay a torch.cuda.memory._snapshot() pickle under allocator settings",
     "show": "print the trial table of a run directory or a best.yaml",
     "env": "print the export line of a best.yaml",
+    "report": "write the HTML report of a run directory (search or plan)",
 }
 
 

@@ -8,7 +8,46 @@ from typing import Any
 from oomtune.search import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["trial_rows", "trial_table", "progress_line", "describe", "outcome_label"]
+__all__ = ["trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf", "SearchProgress",
+           "plan_recommendation", "plan_compact_table",
+           "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND"]
+
+#: Abbreviations of PYTORCH_CUDA_ALLOC_CONF keys and values for narrow tables and chart legends.
+CONF_ABBREVIATIONS = {
+    "expandable_segments": "es", "garbage_collection_threshold": "gc", "roundup_power2_divisions": "r2",
+    "max_split_size_mb": "ms", "backend": "be", "cudaMallocAsync": "async", "True": "T", "False": "F",
+    "large_segment_size_mb": "ls", "max_non_split_rounding_mb": "nsr",
+}
+
+#: The one-line legend of the search's progress labels (issue 12, item 7).
+SEARCH_LEGEND = ("legend: peak reserved = the caching allocator's peak (torch.cuda.max_memory_reserved); "
+                 "limit = budget x (1 - headroom); ok >limit = ran but above the limit; "
+                 "pred err = (predicted - measured) / measured peak reserved; =#n = measurement reused from trial n")
+
+
+def short_conf(alloc_conf: str | None) -> str:
+    """A PYTORCH_CUDA_ALLOC_CONF string abbreviated for display (:data:`CONF_ABBREVIATIONS`):
+    ``"expandable_segments:True,garbage_collection_threshold:0.8"`` -> ``"es:T gc:0.8"``; ``""`` ->
+    ``"default"``. Keys not in the table stay as they are."""
+    if not alloc_conf or alloc_conf == "(default)":
+        return "default"
+    parts = []
+    for item in alloc_conf.split(","):
+        key, sep, value = item.partition(":")
+        parts.append(CONF_ABBREVIATIONS.get(key, key) + sep + CONF_ABBREVIATIONS.get(value, value))
+    return " ".join(parts)
+
+
+def conf_legend(confs: list[str]) -> str:
+    """The legend line for the abbreviations used in ``confs`` (alloc_conf strings)."""
+    used = []
+    for conf in confs:
+        for item in (conf or "").split(","):
+            key, _, value = item.partition(":")
+            for word in (key, value):
+                if word in CONF_ABBREVIATIONS and word not in used:
+                    used.append(word)
+    return ", ".join(f"{CONF_ABBREVIATIONS[w]}={w}" for w in used)
 
 
 def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
@@ -124,3 +163,173 @@ def progress_line(trial: Any, role: str, index: int | None, total: int | None, b
     if best is not None:  # the leader under the final ranking rule (a description, or a throughput)
         parts.append(f"best {best}" if isinstance(best, str) else f"best {best:.1f}")
     return "  ".join(parts)
+
+
+def plan_recommendation(configurations: list[dict[str, Any]]) -> str | None:
+    """One line from a plan's configurations (plan.yaml ``configurations``: ``alloc_conf``,
+    ``max_batch_size``, ``at_max``): the configuration with the largest fitting batch (ties: the
+    smaller predicted peak reserved) against torch's default allocator, e.g.
+    ``"expandable_segments:True: batch 185 vs 155 with the default allocator, +19%"``. None when
+    no configuration fits any batch."""
+    fitting = [c for c in configurations if c.get("max_batch_size")]
+    if not fitting:
+        return None
+
+    def key(c: dict[str, Any]) -> tuple[int, int]:
+        peak = (c.get("at_max") or {}).get("peak_reserved_bytes") or 0
+        return (c["max_batch_size"], -peak)
+
+    best = max(fitting, key=key)
+    default = next((c for c in configurations if not c.get("alloc_conf")), None)
+    name = best.get("alloc_conf") or "the default allocator"
+    if default is None:
+        return f"{name}: batch {best['max_batch_size']} (the default allocator was not in the space)"
+    base = default.get("max_batch_size")
+    if not base:
+        return f"{name}: batch {best['max_batch_size']}; the default allocator fits no batch of the grid"
+    if best is default or best["max_batch_size"] <= base:
+        return f"the default allocator: batch {base}; no allocator setting fits a larger batch"
+    gain = best["max_batch_size"] / base - 1
+    return f"{name}: batch {best['max_batch_size']} vs {base} with the default allocator, {gain:+.0%}"
+
+
+class SearchProgress:
+    """The search's progress: a live rich bar (spinner, the running trial, search trials done of
+    ``n_trials`` + confirmation, elapsed time and an estimate to the end) on a terminal, and one
+    line per finished trial (:func:`progress_line`) above it; when the console is not a terminal
+    (CI logs) only the per-trial lines. Call :meth:`wrap` on the trial runner to show which trial
+    runs, and :meth:`close` at the end.
+
+    Args:
+        console: a rich Console (its ``is_terminal`` picks the mode).
+        n_trials: the sampler's trials (``search.n_trials``).
+        study: a resumed study: finished search trials and the best so far count from the start.
+    """
+
+    def __init__(self, console: Any, n_trials: int, *, study: Any = None):
+        self.console, self.n_trials, self.count = console, n_trials, 0
+        #: a callable returning the leading FrozenTrial under the final ranking rule (set by the search)
+        self.leader: Any = lambda: None
+        for t in study.get_trials(deepcopy=False) if study is not None else ():  # resumed study
+            if t.user_attrs.get(R.ATTR_ROLE) == "search" and R.ATTR_RESULT in t.user_attrs:
+                self.count += 1
+        self._bar = self._task = None
+        if getattr(console, "is_terminal", False):
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+
+            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                                 MofNCompleteColumn(), TextColumn("elapsed"), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True)
+            total = n_trials + 1 if n_trials else None  # the sampler's trials + the confirmation
+            self._task = self._bar.add_task("starting", total=total, completed=min(self.count, n_trials))
+            self._bar.start()
+
+    def legend(self, *, simulated: bool) -> None:
+        """Print the one-line legend of the labels (and, on the virtual GPU, whose throughput it is)."""
+        self._say(SEARCH_LEGEND)
+        if simulated:
+            self._say("note: virtual GPU: memory figures are simulated; throughput is this CPU's, not a GPU's")
+
+    def running(self, batch_size: int, alloc_conf: str) -> None:
+        """Show the trial that is starting (live bar only)."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"trial: bs={batch_size} {short_conf(alloc_conf)}")
+
+    def wrap(self, runner: Any) -> Any:
+        """``runner`` whose ``run(spec, ...)`` first calls :meth:`running` (other attributes pass through)."""
+        return _ShowingRunner(runner, self)
+
+    def __call__(self, trial: Any, role: str) -> None:
+        """A trial finished (the search's ``on_trial`` callback): print its line with the leader so
+        far, advance the bar."""
+        index = None
+        if role == "search":
+            self.count += 1
+            index = self.count
+        lead = self.leader()
+        best = None
+        if lead is not None:
+            conf = lead.user_attrs.get(R.ATTR_CONF) or "(default)"
+            best = f"bs={lead.params['batch_size']} {conf}" + (f" {lead.value:.1f}/s" if lead.value else "")
+        self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
+        if self._bar is not None and role in ("search", "confirm"):
+            self._bar.update(self._task, advance=1, description=f"{role} done")
+
+    def close(self) -> None:
+        """Stop the live bar (idempotent)."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def _say(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+class _ShowingRunner:
+    """A trial runner that tells a :class:`SearchProgress` which trial starts."""
+
+    def __init__(self, runner: Any, progress: SearchProgress):
+        self._runner, self._progress = runner, progress
+
+    def run(self, spec: Any, *args: Any, **kwargs: Any) -> Any:
+        self._progress.running(spec.batch_size, spec.alloc_conf)
+        return self._runner.run(spec, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+def _compact_mib(n: int | None) -> str:
+    """Bytes as a short MiB figure for narrow tables: ``"966"``; from 10 GiB on ``"12.3G"``."""
+    if n is None:
+        return "-"
+    mib = n / 2**20
+    return f"{mib / 1024:.1f}G" if mib >= 10240 else f"{mib:.0f}"
+
+
+def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, str]:
+    """A plan (plan.yaml mapping) as a rich Table that fits ``width`` columns, and its legend line.
+
+    Rows: configurations abbreviated (:func:`short_conf`); columns: the largest fitting batch, its
+    predicted peak reserved, and as many grid batches as fit (every other one dropped until they do;
+    report.html has them all). Cells: predicted peak reserved in MiB (simulated), ``>N`` above the
+    limit, ``OOM`` when the replay ran out of memory.
+    """
+    from rich import box
+    from rich.table import Table
+
+    confs = plan.get("configurations") or []
+    batches = list(plan.get("batch_sizes") or [])
+    name_w = max([len(short_conf(c.get("alloc_conf"))) for c in confs] + [7])
+    fixed = name_w + 2 + 7 + 10
+    while batches and fixed + 8 * len(batches) > width:
+        batches = batches[::2] if len(batches) > 2 else batches[:1]
+        if len(batches) == 1:
+            break
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), header_style="bold", pad_edge=False,
+                  title="predicted peak reserved, MiB (simulated)")
+    table.add_column("config", no_wrap=True)
+    table.add_column("max bs", justify="right", no_wrap=True)
+    table.add_column("MiB@max", justify="right", no_wrap=True)
+    for b in batches:
+        table.add_column(f"b={b}", justify="right", no_wrap=True)
+    for c in confs:
+        cells = {x["batch_size"]: x for x in c.get("batches") or []}
+        at = (c.get("at_max") or {}).get("peak_reserved_bytes")
+        row = [short_conf(c.get("alloc_conf")), str(c.get("max_batch_size") or "none"), _compact_mib(at)]
+        for b in batches:
+            x = cells.get(b)
+            if x is None:
+                row.append("-")
+            elif not x.get("completes", True):
+                row.append("OOM")
+            elif not x.get("fits"):
+                row.append(">" + _compact_mib(x.get("peak_reserved_bytes")))
+            else:
+                row.append(_compact_mib(x.get("peak_reserved_bytes")))
+        table.add_row(*row)
+    legend = conf_legend([c.get("alloc_conf") or "" for c in confs])
+    legend = (("legend: " + legend + "\n" if legend else "") + "cells: MiB (G: GiB); >N: completes above the limit "
+              "(budget - headroom); OOM: does not fit; default = torch's defaults; full table: report.html")
+    return table, legend

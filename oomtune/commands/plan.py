@@ -11,6 +11,7 @@ directory (``hydra.run.dir``) or ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    if not console.is_terminal:  # logs and CI: do not squeeze the map into 80 columns
-        console = Console(width=max(console.width, 220))
+    if not console.is_terminal:  # logs and CI: 120 columns (the compact map fits them)
+        console = Console(width=120)
     plan(args.overrides, out=args.out, console=console)
     return 0
 
@@ -95,8 +96,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
 
     from oomtune import config as C
     from oomtune.device import resolve_budget, resolve_device
-    from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, plan_table,
-                                          split_simulable, validate_headroom, write_plan)
+    from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, split_simulable,
+                                          validate_headroom, write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry
     from oomtune.search.space import SearchSpace
     from oomtune.units import format_bytes
@@ -128,10 +129,11 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     if skipped:
         say(f"note: skipping {len(skipped)} backend:cudaMallocAsync configuration(s): the virtual GPU "
             "simulates only the native caching allocator (measure them with oomtune search on a GPU)")
-    fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
-                      headroom=headroom)
+    with _capture_progress(console, len(settings)) as on_row:
+        fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
+                          headroom=headroom, on_row=on_row)
     fmap.skipped = skipped
-    console.print(plan_table(fmap))
+    _print_plan(console, say, fmap)
     for reason in fmap.fallback:
         say(f"note: {reason}")
     if predictor.derivation_note:
@@ -141,7 +143,42 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         f"{f', {fmap.derived} more derived' if fmap.derived else ''}), replay "
         f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")
     say(f"wrote {write_plan(fmap, path)}")
+    if path.name == "plan.yaml":
+        from oomtune.report import write_report
+
+        write_report(path.parent, say)
     return fmap
+
+
+def _print_plan(console: Any, say: Any, fmap: Any) -> None:
+    """The compact map (fits 120 columns: configurations abbreviated, with a legend) and the one-line
+    recommendation; the full table goes into report.html."""
+    from oomtune.display import plan_compact_table, plan_recommendation
+
+    data = fmap.to_dict()
+    table, legend = plan_compact_table(data, width=min(120, getattr(console, "width", None) or 120))
+    console.print(table)
+    say(legend)
+    rec = plan_recommendation(data["configurations"])
+    if rec:
+        say(f"recommendation (simulated): {rec}")
+
+
+@contextlib.contextmanager
+def _capture_progress(console: Any, n_configs: int) -> Any:
+    """A live bar over the configurations (capture and replay; elapsed and estimate to the end) on a
+    terminal; nothing otherwise (CI logs get the table). Yields the ``on_row`` callback."""
+    if not getattr(console, "is_terminal", False):
+        yield None
+        return
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                  TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("capturing on meta, replaying configurations", total=n_configs)
+        yield lambda row: bar.update(task, advance=1, description=f"replayed {row.alloc_conf or '(default)'}"[:60])
 
 
 def _printer(console: Any) -> Any:

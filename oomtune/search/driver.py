@@ -197,6 +197,7 @@ class Search:
         samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL)."""
         trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
         trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
+        trial.set_user_attr(R.ATTR_PEAK_RESERVED, R.peak_reserved_label(result))  # readable in optuna-dashboard
         outcome = result.outcome_enum
         if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)

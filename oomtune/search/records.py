@@ -18,6 +18,9 @@ ATTR_CONF = "alloc_conf"      # the exact PYTORCH_CUDA_ALLOC_CONF string
 ATTR_PREDICTED = "predicted_peak_reserved_bytes"
 ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
 ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
+ATTR_PEAK_RESERVED = "peak_reserved"  # "966.00 MiB (simulated)": for people reading the study
+#: The objective's name, shown by optuna-dashboard (``Study.set_metric_names``).
+METRIC_NAME = "throughput (samples/s)"
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,13 @@ def is_feasible_ok(trial: Any) -> bool:
     if trial.user_attrs.get(ATTR_OUTCOME) != Outcome.OK.value:
         return False
     return all(v <= 0 for v in trial.constraints.values())
+
+
+def peak_reserved_label(result: TrialResult) -> str | None:
+    """``"966.00 MiB (simulated)"``: the peak reserved and where it came from, for optuna-dashboard's
+    user-attribute view (the bytes stay in ``user_attrs["result"]``); None without a reading."""
+    from oomtune.units import format_bytes
+
+    if result.peak_reserved_bytes is None:
+        return None
+    return f"{format_bytes(result.peak_reserved_bytes)} ({result.memory_source})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
     study = open_study(url, str(cfg.study_name), p.sampler)
+    with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
+        warnings.simplefilter("ignore")
+        study.set_metric_names([R.METRIC_NAME])  # optuna-dashboard names the objective
     _check_resume(study, p.workload, p.budget_bytes)
     C.save_config(cfg, p.run_dir, overrides)
     (p.run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
@@ -133,10 +137,13 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
                   f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
                   f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
     _say(console, f"objective: {options.objective} ({options.objective_reason})")
-    progress = _Progress(console, options.n_trials if options.objective == "throughput" else 0)
+    from oomtune.display import SearchProgress
+
+    progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
+    progress.legend(simulated=device.simulated)
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     confirm_runner = TrialRunner(launcher="spawn")
-    drive = Search(study, space, options, runner=runner, confirm_runner=confirm_runner,
+    drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),
                    workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
                    predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress,
                    say=lambda text: _say(console, text))
@@ -156,14 +163,21 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         _say(console, f"interrupted: finished trials are saved in {url}; run the same command to resume")
         raise
     finally:
+        progress.close()
         signal.signal(signal.SIGTERM, previous)
         runner.close()
         confirm_runner.close()
     summary = drive.summary(best, best_result, confirmed, baseline)
     from oomtune.search.outputs import write_outputs
 
-    return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
+    path = write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
                          predictor=predictor, space=space, workload=p.workload)
+    from oomtune.report import write_search_report
+
+    write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
+                        budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
+                        space=space)
+    return path
 
 
 def _count(study: Any, role: str) -> int:
@@ -218,29 +232,6 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def _say(console: Any, text: str) -> None:
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # one line, never wrapped
-
-
-class _Progress:
-    """Prints one line per finished trial: trial n of N (sampler trials), outcome, and the leader so
-    far under the final ranking rule (``leader``: a callable returning the leading FrozenTrial)."""
-
-    def __init__(self, console: Any, n_trials: int):
-        self.console, self.n_trials, self.count = console, n_trials, 0
-        self.leader: Any = lambda: None
-
-    def __call__(self, trial: Any, role: str) -> None:
-        from oomtune.display import progress_line
-
-        index = None
-        if role == "search":
-            self.count += 1
-            index = self.count
-        lead = self.leader()
-        best = None
-        if lead is not None:
-            conf = lead.user_attrs.get(R.ATTR_CONF) or "(default)"
-            best = f"bs={lead.params['batch_size']} {conf}" + (f" {lead.value:.1f}/s" if lead.value else "")
-        _say(self.console, progress_line(trial, role, index, self.n_trials if index else None, best))
 
 
 def _frontier_line(planner: Any, predictor: Any) -> str:

@@ -1,0 +1,161 @@
+"""Everything the report shows, read from a run directory's stored artifacts only.
+
+Sources (each optional; a missing file or field leaves its part of the report out, never fails it):
+``run.json`` -> the Optuna storage and study (trials and their ``user_attrs``), ``best.yaml``,
+``plan.yaml`` (``oomtune plan``) or ``frontier.yaml`` (written by ``oomtune search``; same schema), and
+``winner_step.pickle`` (the winner's step in ``torch.cuda.memory._dump_snapshot()`` format).
+The report reads these files, never the search driver's objects, so the driver may change freely.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunData", "gather", "trial_records", "RUN_FILE", "PLAN_FILE", "FRONTIER_FILE", "STEP_FILE"]
+
+RUN_FILE = "run.json"
+PLAN_FILE = "plan.yaml"
+FRONTIER_FILE = "frontier.yaml"
+STEP_FILE = "winner_step.pickle"
+
+
+@dataclass
+class RunData:
+    """A run directory's artifacts as plain data (bytes, seconds; None where not recorded).
+
+    Attributes:
+        run_dir: the directory.
+        study_name / storage: from run.json or best.yaml (None for a plan-only directory).
+        trials: :func:`trial_records` of the study, in trial-number order.
+        best: best.yaml as a mapping, or None.
+        plan: plan.yaml (or frontier.yaml) as a mapping, or None; ``plan_file`` names which.
+        step_file: the winner's step snapshot pickle, or None.
+        notes: why a part could not be read (shown in the report).
+    """
+
+    run_dir: Path
+    study_name: str | None = None
+    storage: str | None = None
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    plan_file: str | None = None
+    step_file: Path | None = None
+    study_attrs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_source(self) -> str | None:
+        """``"device"`` or ``"simulated"`` for the measured trials (None without any)."""
+        sources = {t["memory_source"] for t in self.trials if t.get("memory_source") and t["outcome"] != "predicted_infeasible"}
+        if "device" in sources:
+            return "device"
+        return "simulated" if sources else None
+
+
+def _read_yaml(path: Path, notes: list[str]) -> dict[str, Any] | None:
+    import yaml
+
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        notes.append(f"{path.name} could not be read: {str(exc).splitlines()[0]}")
+        return None
+    if not isinstance(data, dict):
+        notes.append(f"{path.name} is not a mapping; left out")
+        return None
+    return data
+
+
+def _locate_study(run_dir: Path, best: dict[str, Any] | None, notes: list[str]) -> tuple[str | None, str | None]:
+    path = run_dir / RUN_FILE
+    if path.is_file():
+        try:
+            info = json.loads(path.read_text())
+            return str(info["storage"]), str(info["study_name"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):
+            notes.append(f"{RUN_FILE} is corrupt; trials read from best.yaml's study if named there")
+    study = (best or {}).get("study") or {}
+    if study.get("storage") and study.get("study_name"):
+        return str(study["storage"]), str(study["study_name"])
+    return None, None
+
+
+def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
+    """One plain dict per Optuna trial, from its ``user_attrs`` (the stored TrialResult) and times.
+
+    Keys: number, state, role, outcome, batch_size, alloc_conf, throughput (samples/s),
+    peak_reserved_bytes, peak_allocated_bytes, fragmentation, memory_source, predicted_bytes,
+    feasible, start (datetime or None), duration_s, message, advice, reused_from. Missing -> None.
+    """
+    out = []
+    for t in trials:
+        attrs = t.user_attrs
+        res = attrs.get("result") if isinstance(attrs.get("result"), dict) else {}
+        values = list((getattr(t, "constraints", None) or {}).values())
+        outcome = attrs.get("outcome") or res.get("outcome") or ("interrupted" if t.state.name == "FAIL" else
+                                                                  t.state.name.lower())
+        start, end = t.datetime_start, t.datetime_complete
+        out.append({
+            "number": t.number, "state": t.state.name, "role": attrs.get("role") or "",
+            "outcome": outcome, "batch_size": t.params.get("batch_size", res.get("batch_size")),
+            "alloc_conf": attrs.get("alloc_conf", res.get("alloc_conf")) or "",
+            "throughput": res.get("throughput"), "peak_reserved_bytes": res.get("peak_reserved_bytes"),
+            "peak_allocated_bytes": res.get("peak_allocated_bytes"), "fragmentation": res.get("fragmentation"),
+            "memory_source": res.get("memory_source"), "predicted_bytes": attrs.get("predicted_peak_reserved_bytes"),
+            "feasible": (outcome == "ok" and t.state.name == "COMPLETE" and all(v <= 0 for v in values)),
+            "start": start, "duration_s": (end - start).total_seconds() if start and end else None,
+            "message": res.get("message"), "advice": res.get("advice"), "reused_from": attrs.get("reused_from"),
+            "data": {k[len("data."):]: v for k, v in t.params.items() if k.startswith("data.")},
+        })
+    return sorted(out, key=lambda r: r["number"])
+
+
+def gather(run_dir: str | Path) -> RunData:
+    """Read a run directory (``oomtune search`` or ``oomtune plan`` output).
+
+    Raises:
+        ConfigError: ``run_dir`` is not a directory, or holds none of run.json, best.yaml, plan.yaml.
+    """
+    from oomtune.exceptions import ConfigError
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{str(run_dir)!r} is not a directory: give the run directory of oomtune search or plan")
+    data = RunData(run_dir=run_dir)
+    data.best = _read_yaml(run_dir / "best.yaml", data.notes)
+    for name in (PLAN_FILE, FRONTIER_FILE):
+        data.plan = _read_yaml(run_dir / name, data.notes)
+        if data.plan is not None:
+            data.plan_file = name
+            break
+    step = run_dir / STEP_FILE
+    data.step_file = step if step.is_file() else None
+    data.storage, data.study_name = _locate_study(run_dir, data.best, data.notes)
+    if data.storage is None and data.best is None and data.plan is None:
+        raise ConfigError(f"{str(run_dir)!r} holds no {RUN_FILE}, best.yaml or {PLAN_FILE}: "
+                          "give the run directory of oomtune search or oomtune plan")
+    if data.storage is not None:
+        _read_trials(data)
+    return data
+
+
+def _read_trials(data: RunData) -> None:
+    import optuna
+
+    from oomtune.exceptions import OomtuneError
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        from oomtune.search.storage import load_study
+
+        study = load_study(data.storage, data.study_name)
+        data.trials = trial_records(study.get_trials(deepcopy=False))
+        data.study_attrs = dict(study.user_attrs)
+    except (OomtuneError, Exception) as exc:  # noqa: BLE001 - any storage problem: report without trials
+        data.notes.append(f"trials could not be read from {data.storage}: {str(exc).splitlines()[0][:200]}")

@@ -1,0 +1,196 @@
+"""The winner's step as a memory snapshot: synthesised on the virtual GPU in the format of
+``torch.cuda.memory._dump_snapshot()`` (the pickle PyTorch's memory_viz page,
+https://pytorch.org/memory_viz, opens), and read back as the series the report draws.
+
+Format (torch/cuda/memory.py ``_snapshot``; entries as c10/cuda/CUDACachingAllocator.h TraceEntry)::
+
+    {"segments": [...],                 # the state at the end (CachingAllocatorSim.memory_snapshot())
+     "device_traces": [[{"action", "addr", "size", "stream", "time_us", "frames"}, ...]],
+     "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "..."},
+     "oomtune": {"memory_source": "simulated", "alloc_conf": "..."}}   # ignored by memory_viz
+
+Trace entries in the order the native allocator records them: ``segment_alloc``/``segment_map`` (and
+``segment_free``/``segment_unmap`` of a release) inside the malloc call that caused them, before its
+``alloc``; a free writes ``free_requested`` then ``free_completed`` (no cross-stream uses are modelled,
+so nothing is deferred). ``alloc``/``free_*`` sizes are requested sizes (torch records ``orig_size``
+and ``block->requested_size``); segment sizes are the bytes reserved. ``time_us`` is the event's
+ordinal (the virtual GPU has no clock); ``frames`` are empty.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+__all__ = ["synthesise_snapshot", "write_step_snapshot", "step_series"]
+
+_SEGMENT_UP = ("segment_alloc", "segment_map")
+_SEGMENT_DOWN = ("segment_free", "segment_unmap")
+
+
+def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int,
+                        memory_fraction: float = 1.0) -> dict[str, Any]:
+    """Replay ``stream`` (an :class:`oomtune.alloc.stream.AllocationStream`) on a fresh virtual GPU
+    under ``alloc_conf`` and return the snapshot dict described in the module docstring.
+
+    Args:
+        stream: the request stream (keys, requested sizes in bytes, streams).
+        alloc_conf: a PYTORCH_CUDA_ALLOC_CONF string ("" for torch's defaults).
+        total_memory_bytes / memory_fraction: the trial's virtual GPU (``sim_geometry``).
+
+    Raises:
+        SimulatedOutOfMemoryError: the stream does not fit (the winner always ran, so it fits).
+        AllocatorConfigError: a malformed ``alloc_conf``.
+    """
+    from oomtune.alloc.sim import CachingAllocatorSim
+
+    sim = CachingAllocatorSim(alloc_conf or None, total_memory_bytes=int(total_memory_bytes),
+                              memory_fraction=float(memory_fraction), record_segment_events=True)
+    trace: list[dict[str, Any]] = []
+    addr_of: dict[int, tuple[int, int]] = {}
+    seen = 0  # segment events already copied into the trace
+
+    def entry(action: str, addr: int, size: int, stream_id: int) -> None:
+        trace.append({"action": action, "addr": int(addr), "size": int(size), "stream": int(stream_id),
+                      "time_us": len(trace), "frames": []})
+
+    def segments_so_far() -> None:
+        nonlocal seen
+        for e in sim.segment_events[seen:]:
+            entry(str(e["action"]), int(e["addr"]), int(e["size"]), int(e["stream"]))
+        seen = len(sim.segment_events)
+
+    for action, key, size, st in stream:
+        if action == "alloc":
+            addr = sim.malloc(size, st)
+            segments_so_far()
+            addr_of[key] = (addr, size)
+            entry("alloc", addr, size, st)
+        else:
+            found = addr_of.pop(key, None)
+            if found is None:
+                continue
+            sim.free(found[0])
+            segments_so_far()
+            entry("free_requested", found[0], found[1], st)
+            entry("free_completed", found[0], found[1], st)
+    return {"segments": sim.memory_snapshot(), "device_traces": [trace],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf},
+            "oomtune": {"memory_source": "simulated", "alloc_conf": alloc_conf}}
+
+
+def write_step_snapshot(path: str | Path, snapshot: dict[str, Any]) -> Path:
+    """Pickle ``snapshot`` as ``torch.cuda.memory._dump_snapshot`` does (``pickle.dump``; plain
+    containers only, so oomtune's restricted unpickler reads it back). Written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(snapshot, f)
+    tmp.replace(path)
+    return path
+
+
+def step_series(snapshot: dict[str, Any], *, device: int = 0, max_points: int = 1500) -> dict[str, Any]:
+    """Allocated and reserved bytes after each allocation event of one device's trace, and the segments
+    at the moment of peak allocated.
+
+    Allocated rises by ``alloc`` and falls by ``free_completed`` sizes (requested bytes); reserved by
+    ``segment_alloc``/``segment_map`` and ``segment_free``/``segment_unmap``. Segments that existed
+    before the trace began (a device snapshot recorded mid-run) are not known from the trace and are
+    not counted; ``start_reserved_bytes`` says how much the final state holds beyond the trace.
+
+    Returns:
+        ``{"x": [event index], "allocated": [bytes], "reserved": [bytes], "events": n,
+        "peak_allocated_bytes", "peak_reserved_bytes", "peak_index", "at_peak": [{"address",
+        "size", "allocated", "largest_free"}] (segments by address, bytes), "start_reserved_bytes"}``;
+        the series keep at most ``max_points`` points (each bucket's maximum, so peaks survive).
+    """
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    final_reserved = sum(int(s.get("total_size", 0)) for s in snapshot.get("segments", [])
+                         if int(s.get("device", device)) == device)
+    allocated = reserved = 0
+    xs: list[int] = []
+    alloc_series: list[int] = []
+    resv_series: list[int] = []
+    peak_alloc = peak_resv = 0
+    peak_index = 0
+    for i, e in enumerate(trace):
+        a, size = e.get("action"), int(e.get("size") or 0)
+        if a == "alloc":
+            allocated += size
+        elif a == "free_completed":
+            allocated -= size
+        elif a in _SEGMENT_UP:
+            reserved += size
+        elif a in _SEGMENT_DOWN:
+            reserved -= size
+        else:
+            continue
+        if allocated > peak_alloc:
+            peak_alloc, peak_index = allocated, i
+        peak_resv = max(peak_resv, reserved)
+        xs.append(i)
+        alloc_series.append(allocated)
+        resv_series.append(reserved)
+    xs, alloc_series, resv_series = _decimate(xs, alloc_series, resv_series, max_points)
+    return {"x": xs, "allocated": alloc_series, "reserved": resv_series, "events": len(trace),
+            "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_resv, "peak_index": peak_index,
+            "at_peak": _segments_at(trace, peak_index), "start_reserved_bytes": max(0, final_reserved - reserved)}
+
+
+def _decimate(xs: list[int], a: list[int], r: list[int], n: int) -> tuple[list[int], list[int], list[int]]:
+    """At most ``n`` points: per bucket, the point where allocated is largest (reserved: its max)."""
+    if len(xs) <= n:
+        return xs, a, r
+    step = -(-len(xs) // n)
+    ox, oa, orr = [], [], []
+    for lo in range(0, len(xs), step):
+        hi = min(lo + step, len(xs))
+        j = max(range(lo, hi), key=a.__getitem__)
+        ox.append(xs[j])
+        oa.append(a[j])
+        orr.append(max(r[lo:hi]))
+    return ox, oa, orr
+
+
+def _segments_at(trace: list[dict[str, Any]], index: int) -> list[dict[str, int]]:
+    """Segments known from the trace after event ``index``: size, allocated bytes and the largest
+    free gap (bytes). Mapped ranges of an expandable segment count as one segment each."""
+    segments: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    for e in trace[: index + 1]:
+        a, addr, size = e.get("action"), int(e.get("addr") or 0), int(e.get("size") or 0)
+        if a in _SEGMENT_UP:
+            segments[addr] = size
+        elif a in _SEGMENT_DOWN:
+            segments.pop(addr, None)
+        elif a == "alloc":
+            blocks[addr] = size
+        elif a == "free_completed":
+            blocks.pop(addr, None)
+    starts = sorted(segments)
+    out = []
+    live = sorted(blocks.items())
+    j = 0
+    import bisect
+
+    for base in starts:
+        end = base + segments[base]
+        j = bisect.bisect_left(live, (base, -1))
+        used, cursor, gap = 0, base, 0
+        while j < len(live) and live[j][0] < end:
+            addr, size = live[j]
+            gap = max(gap, addr - cursor)
+            cursor = max(cursor, addr + _rounded(size))
+            used += size
+            j += 1
+        gap = max(gap, end - cursor)
+        out.append({"address": base, "size": segments[base], "allocated": used, "largest_free": max(0, gap)})
+    return out
+
+
+def _rounded(size: int) -> int:
+    """The block size the allocator carves for a request (multiple of 512 bytes; round_size)."""
+    return max(512, (size + 511) & -512)
