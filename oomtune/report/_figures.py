@@ -31,10 +31,12 @@ def source_label(memory_source: str | None) -> str:
 def _layout(fig: Any, title: str, x: str, y: str, *, height: int = 460, subtitle: str = "") -> Any:
     fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 16},
                              "subtitle": {"text": subtitle, "font": {"size": 12, "color": "#555"}}},
-                      height=height, margin={"l": 70, "r": 20, "t": 78, "b": 55}, template="plotly_white",
+                      height=height, margin={"l": 70, "r": 20, "t": 78, "b": 55}, template="none",
+                      paper_bgcolor="white", plot_bgcolor="white", font={"family": "Arial, sans-serif"},
                       legend={"font": {"size": 11}}, hoverlabel={"namelength": -1})
-    fig.update_xaxes(title_text=x)
-    fig.update_yaxes(title_text=y)
+    axis = {"gridcolor": "#e5e5e5", "zerolinecolor": "#bbb", "linecolor": "#999", "automargin": True}
+    fig.update_xaxes(title_text=x, **axis)
+    fig.update_yaxes(title_text=y, **axis)
     return fig
 
 
