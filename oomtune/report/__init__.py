@@ -87,7 +87,8 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig = timeline_figure(data)
     if fig is not None:
         figures.append(("timeline", fig, "Baseline: torch's default allocator at the largest batch that fits; "
-                        "search: the sampler's trials; confirm: the winner re-run in a clean process. "
+                        "frontier: probes at a configuration's (calibrated) predicted frontier; search: the "
+                        "sampler's trials; confirm: the winner re-run in a clean process. "
                         "Zero-length bars were never launched (predicted infeasible or reused)."))
     text = render_page(data, figures, step_note=step_note)
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE

@@ -60,9 +60,11 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
                            headroom: float, predictor: Any = None, space: Any = None) -> list[str]:
     """Write frontier.yaml and winner_step.pickle into ``run_dir`` (simulated on the virtual GPU).
 
-    The frontier (plan.yaml's schema) predicts :func:`frontier_settings` at :func:`frontier_batches`;
-    each configuration's ``max_batch_size`` is the largest of those batches that fits (not bisected:
-    ``oomtune plan`` gives the exact one). The winner's step is its captured stream replayed under
+    The frontier (plan.yaml's schema): with the search's predictor, every configuration of ``space``
+    exactly as ``oomtune plan`` computes it (the search's frontier probes already predicted them, so
+    the replays are cached); without one (``search.prune=off``), :func:`frontier_settings` at
+    :func:`frontier_batches`, each configuration's ``max_batch_size`` the largest of those batches
+    that fits (not bisected, to keep captures few). The winner's step is its captured stream replayed under
     its settings (:func:`oomtune.report._step.synthesise_snapshot`).
 
     Args:
@@ -80,7 +82,8 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
         whatever capture or replay raises (the caller reports it in one line and goes on).
     """
     from oomtune.alloc.settings import AllocatorSettings
-    from oomtune.plan.feasibility import FeasibilityMap, PlanCell, PlanRow, limit_bytes_of, write_plan
+    from oomtune.plan.feasibility import (FeasibilityMap, PlanCell, PlanRow, build_plan, grid_batches, limit_bytes_of,
+                                          write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry
     from oomtune.report._data import gather
     from oomtune.report._step import synthesise_snapshot, write_step_snapshot
@@ -94,24 +97,32 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     if predictor is None:
         predictor = Predictor.for_search(workload, device, budget_bytes)
     best = (data.best or {}).get("best") or {}
-    grid = frontier_batches(data.trials, best.get("batch_size"), captured=captured)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
-    rows = []
-    candidates = []
-    for mapping in space.all_settings() if space is not None else ():
-        settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
-        candidates.append(settings.render())
-    for conf in frontier_settings(data.best or {}, data.trials, candidates):
-        settings = AllocatorSettings.parse(conf)
-        cells = [PlanCell.of(predictor.predict_detail(b, settings), limit_bytes) for b in grid]
-        fitting = [c for c in cells if c.fits]
-        rows.append(PlanRow(settings.render(), settings.as_mapping(), cells,
-                            fitting[-1].batch_size if fitting else None, fitting[-1] if fitting else None))
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": "simulated"}
-    fmap = FeasibilityMap(workload=workload, device=dev, geometry=dict(predictor.geometry), batch_sizes=grid,
-                          rows=rows, headroom=float(headroom), limit_bytes=limit_bytes,
-                          fallback=sorted(predictor.fallback_reasons))
+    if captured and space is not None:
+        # The search predicted every configuration's frontier with this predictor (plan's code, same
+        # grid): the whole map is in its cache, so this is plan.yaml's map at no capture cost.
+        grid = grid_batches(space.batch_low, space.batch_high)
+        fmap = build_plan(predictor, space.all_settings(), grid, workload=workload, device=dev,
+                          limit_bytes=limit_bytes, headroom=headroom)
+        rows = fmap.rows
+    else:
+        grid = frontier_batches(data.trials, best.get("batch_size"), captured=captured)
+        candidates = []
+        for mapping in space.all_settings() if space is not None else ():
+            settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
+            candidates.append(settings.render())
+        rows = []
+        for conf in frontier_settings(data.best or {}, data.trials, candidates):
+            settings = AllocatorSettings.parse(conf)
+            cells = [PlanCell.of(predictor.predict_detail(b, settings), limit_bytes) for b in grid]
+            fitting = [c for c in cells if c.fits]
+            rows.append(PlanRow(settings.render(), settings.as_mapping(), cells,
+                                fitting[-1].batch_size if fitting else None, fitting[-1] if fitting else None))
+        fmap = FeasibilityMap(workload=workload, device=dev, geometry=dict(predictor.geometry), batch_sizes=grid,
+                              rows=rows, headroom=float(headroom), limit_bytes=limit_bytes,
+                              fallback=sorted(predictor.fallback_reasons))
     write_plan(fmap, run_dir / FRONTIER_FILE)
     notes = [f"wrote {run_dir / FRONTIER_FILE} (predicted frontier: {len(rows)} configurations x "
              f"{len(grid)} batch sizes, simulated)"]

@@ -14,6 +14,8 @@ from oomtune.units import MiB
 __all__ = ["frontier_figure", "throughput_figure", "timeline_figure", "step_figure", "peak_segments_figure",
            "source_label"]
 
+#: Frontier lines drawn at most (a 24-configuration space would be unreadable; the table has all).
+MAX_LINES = 8
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
             "#7f7f7f", "#d62728"]
 _FAIL_SYMBOLS = {"oom": "x", "oom_fragmentation": "x-open", "fraction_cap": "square-x", "oom_outside_allocator":
@@ -58,6 +60,8 @@ def frontier_figure(data: Any) -> Any:
     if winner is None:
         fits = [r for r in rows if r.get("max_batch_size")]
         winner = max(fits, key=lambda r: r["max_batch_size"])["alloc_conf"] if fits else None
+    total = len(rows)
+    rows = _drawn(rows, winner)
     colors = _colors([r.get("alloc_conf") or "" for r in rows])
     fig = go.Figure()
     budget = (plan.get("device") or {}).get("budget_bytes")
@@ -105,6 +109,8 @@ def frontier_figure(data: Any) -> Any:
     kind = "lines: predicted on the virtual GPU (simulated)"
     if measured:
         kind += f"; diamonds: trials that ran, {source_label(data.memory_source)}"
+    if total > len(rows):
+        kind += f"; {len(rows)} of {total} configurations drawn (the largest batches; all in the feasibility map)"
     fig = _layout(fig, "Memory frontier: peak reserved vs batch size", "batch size", "peak reserved (MiB)",
                   height=520, subtitle=kind)
     if cap:
@@ -113,6 +119,22 @@ def frontier_figure(data: Any) -> Any:
     if xs_all and max(xs_all) / max(1, min(xs_all)) >= 16:
         fig.update_xaxes(type="log")
     return fig
+
+
+def _drawn(rows: list[dict[str, Any]], winner: str | None, limit: int = MAX_LINES) -> list[dict[str, Any]]:
+    """At most ``limit`` configurations to draw: the default, the winner, then the largest fitting
+    batches; a configuration whose predicted curve equals one already drawn (a twin) is skipped."""
+    def curve(r: dict[str, Any]) -> tuple:
+        return tuple((c["batch_size"], c.get("peak_reserved_bytes")) for c in r["batches"])
+
+    first = [r for r in rows if (r.get("alloc_conf") or "") in ("", winner or "")]
+    rest = sorted((r for r in rows if r not in first), key=lambda r: -(r.get("max_batch_size") or 0))
+    out, seen = list(first), {curve(r) for r in first}
+    for r in rest:
+        if len(out) < limit and curve(r) not in seen:
+            out.append(r)
+            seen.add(curve(r))
+    return out
 
 
 def throughput_figure(data: Any) -> Any:

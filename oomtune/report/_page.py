@@ -143,7 +143,7 @@ def _plan_table(data: Any) -> str:
                      *(_cell(by_b[b]) if b in by_b else "-" for b in batches)])
     rec = plan_recommendation(confs)
     head = f"<p class='rec'>{_e(rec)}</p>" if rec and data.plan_file == "plan.yaml" else ""
-    what = "oomtune plan" if data.plan_file == "plan.yaml" else "the search's frontier (configurations it tried)"
+    what = "oomtune plan" if data.plan_file == "plan.yaml" else "the search's predicted frontier"
     return (f"<section id='plan'><h2>Feasibility map {_src('simulated')}</h2>{head}<p class='note'>From {_e(what)}, "
             f"{_e(data.plan_file)}: per batch the predicted peak reserved and fragmentation; &gt;limit: completes "
             "but above budget minus headroom; OOM: does not fit the budget.</p><div class='scroll'>"
