@@ -8,7 +8,7 @@ from typing import Any
 from oomtune.search import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf", "SearchProgress",
+__all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf", "SearchProgress",
            "plan_recommendation", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND"]
 
@@ -222,7 +222,7 @@ class SearchProgress:
                                  MofNCompleteColumn(), TextColumn("elapsed"), TimeElapsedColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True)
             total = n_trials + 1 if n_trials else None  # the sampler's trials + the confirmation
-            self._task = self._bar.add_task("starting", total=total, completed=min(self.count, n_trials))
+            self._task = self._bar.add_task("preparing", total=total, completed=min(self.count, n_trials))
             self._bar.start()
 
     def legend(self, *, simulated: bool) -> None:
@@ -253,8 +253,8 @@ class SearchProgress:
             conf = lead.user_attrs.get(R.ATTR_CONF) or "(default)"
             best = f"bs={lead.params['batch_size']} {conf}" + (f" {lead.value:.1f}/s" if lead.value else "")
         self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
-        if self._bar is not None and role in ("search", "confirm"):
-            self._bar.update(self._task, advance=1, description=f"{role} done")
+        if self._bar is not None and (not self.n_trials or role in ("search", "confirm")):
+            self._bar.update(self._task, advance=1, description=f"{role} done")  # no total: count every trial
 
     def close(self) -> None:
         """Stop the live bar (idempotent)."""
@@ -333,3 +333,13 @@ def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, 
     legend = (("legend: " + legend + "\n" if legend else "") + "cells: MiB (G: GiB); >N: completes above the limit "
               "(budget - headroom); OOM: does not fit; default = torch's defaults; full table: report.html")
     return table, legend
+
+
+def starting(console: Any, text: str = "starting: checking the config, importing torch ...") -> Any:
+    """A context manager: a rich spinner with ``text`` on a terminal (the seconds before the first
+    line are not silent), nothing otherwise."""
+    import contextlib
+
+    if getattr(console, "is_terminal", False):
+        return console.status(text)
+    return contextlib.nullcontext()

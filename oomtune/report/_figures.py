@@ -67,7 +67,7 @@ def frontier_figure(data: Any) -> Any:
     budget = (plan.get("device") or {}).get("budget_bytes")
     limit = (plan.get("limit") or {}).get("limit_bytes")
     cap = 1.6 * budget / MiB if budget else None
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r.get("alloc_conf") or "") == winner):  # the winner on top
         conf = r.get("alloc_conf") or ""
         win = conf == winner
         cells = sorted(r["batches"], key=lambda c: c["batch_size"])
@@ -117,7 +117,8 @@ def frontier_figure(data: Any) -> Any:
         top = max([y for tr in fig.data for y in (tr.y or []) if y is not None and y <= cap] + [budget / MiB])
         fig.update_yaxes(range=[0, top * 1.08])
     if xs_all and max(xs_all) / max(1, min(xs_all)) >= 16:
-        fig.update_xaxes(type="log")
+        ticks = sorted(set(plan.get("batch_sizes") or xs_all))
+        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
     return fig
 
 

@@ -112,7 +112,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported by oomtune
     console = console or _console(stderr=True)
     out = _console(stderr=False) if console.stderr else console
-    p = _Prepared(overrides)
+    from oomtune.display import starting
+
+    with starting(console):  # a spinner on a terminal while the config is checked and torch imported
+        p = _Prepared(overrides)
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
     study = open_study(url, str(cfg.study_name), p.sampler)
