@@ -127,11 +127,14 @@ class Search:
             and t.params.get("batch_size", 0) < cand.batch_size
             for t in self.study.get_trials(deepcopy=False)
         )
+        steps = steps or self.opt.measure_steps
+        # trial.timeout is for a search trial; a confirmation runs more steps and gets as much more time.
+        scale = max(1.0, (self.opt.warmup_steps + steps) / (self.opt.warmup_steps + self.opt.measure_steps))
         return TrialSpec(
             workload=cand.apply_data(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=self.opt.device, budget_bytes=self.opt.budget_bytes,
-            warmup_steps=self.opt.warmup_steps, measure_steps=steps or self.opt.measure_steps,
-            timeout_s=self.opt.trial_timeout_s, smaller_batch_succeeded=smaller_ok,
+            warmup_steps=self.opt.warmup_steps, measure_steps=steps,
+            timeout_s=self.opt.trial_timeout_s * scale, smaller_batch_succeeded=smaller_ok,
             device_memory_bytes=self.opt.device_memory_bytes,
         )
 
@@ -293,7 +296,7 @@ class Search:
         Raises:
             SetupFault: the default allocator fails at the smallest batch with a non-memory error.
         """
-        planner = self.planner = self.plan_frontiers()
+        planner = self.planner = self.planner or self.plan_frontiers()
         default = planner.default
         if not self.opt.baseline and default is not None:
             default.selected = False

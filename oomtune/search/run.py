@@ -155,9 +155,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     try:
         if predictor is not None:
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
-        baseline = drive.run_frontier()
-        if predictor is not None and drive.planner is not None:
+            drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
+        baseline = drive.run_frontier()
         drive.run_search(baseline)
         best, best_result, confirmed = drive.confirm()
     except KeyboardInterrupt:

@@ -1,0 +1,293 @@
+"""Peers side by side (issue 9, item 6): Lightning's BatchSizeFinder (power and binsearch),
+Accelerate's find_executable_batch_size and `oomtune search`, on the same workload and budget, on
+the virtual GPU (every memory figure simulated).
+
+Each peer runs its released package (``pip install -e ".[peers]"``: lightning, accelerate), unchanged,
+in its own process on the CPU, with the virtual GPU (the same ``CachingAllocatorSim`` as oomtune's
+trials: torch's default allocator, a device of ``virtual_device_memory`` with the budget as a memory
+fraction) recording every storage of the whole tuning run. The simulated out-of-memory error is a
+``torch.OutOfMemoryError`` whose text starts "CUDA out of memory", which both peers recognise through
+their own code (Lightning ``is_oom_error``, Accelerate ``should_reduce_batch_size``: checked below
+before anything runs). Between tries the peers empty the CUDA cache (Lightning
+``garbage_collection_cuda``, Accelerate ``clear_device_cache``): ``torch.cuda.empty_cache`` is routed
+to the virtual GPU's ``empty_cache`` for that.
+
+Reported per tool: batch found, allocator settings, whether the answer survives a clean run (an
+oomtune trial in a fresh process for ``trial.confirm_steps`` steps under the same budget), tries
+(batch sizes run: in-process tries for the peers, trial processes for oomtune), wall time.
+
+Run: python experiments/compare_peers.py [--budget 1GiB] [--tools lightning-power,...]
+Writes experiments/results/compare_peers.txt (first lines: the command and the commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "experiments" / "results" / "compare_peers.txt"
+TOOLS = ("lightning-power", "lightning-binsearch", "accelerate", "oomtune")
+WORKLOADS = {"resnet": ["model=resnet"],   # the README main command's workload (ResNet-18, 64x64)
+             "tiny": ["model=resnet", "model.image_size=32", "model.num_classes=10"]}  # smoke test
+LOW, HIGH = 8, 512                        # oomtune's default batch range, given to every tool
+STEPS = 4                                 # steps per try: oomtune's warm-up 1 + measure 3
+
+
+# ------------------------------------------------------------------ in the peer's own process
+def _setup(overrides: list[str], budget: str):
+    """The workload config, the virtual GPU and its context, as an oomtune trial would see them."""
+    from oomtune import config as C
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
+    from oomtune.device import resolve_budget, resolve_device
+    from oomtune.search.run import workload_of
+
+    cfg = C.compose([*overrides, f"budget={budget}", "device=cpu"])
+    device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
+    budget_bytes = resolve_budget(cfg.budget, device)
+    sim = budgeted_sim(AllocatorSettings.parse(""), budget_bytes, device.total_memory_bytes)
+    return workload_of(cfg), sim, VirtualGPU(sim, device="cpu")
+
+
+def _route_empty_cache(sim) -> None:
+    import torch
+
+    torch.cuda.empty_cache = sim.empty_cache  # what the peers call between tries, on the virtual GPU
+
+
+def _check_recognised() -> None:
+    """Both peers must recognise the virtual GPU's out-of-memory error through their own code."""
+    from accelerate.utils.memory import should_reduce_batch_size
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    from oomtune.capture.virtual_gpu import budgeted_sim
+
+    sim = budgeted_sim("", 1 << 20, 1 << 30)
+    try:
+        sim.malloc(2 << 20)
+    except Exception as exc:  # noqa: BLE001 - the simulated torch.OutOfMemoryError
+        if not (is_oom_error(exc) and should_reduce_batch_size(exc)):
+            raise SystemExit(f"a peer does not recognise the simulated OOM: {exc!r}")
+        return
+    raise SystemExit("the virtual GPU did not run out of memory")
+
+
+def run_accelerate(overrides: list[str], budget: str) -> dict:
+    """Accelerate's documented pattern: build everything inside the decorated function; it retries
+    at 0.9x the batch on out-of-memory, starting from the top of the range."""
+    import torch
+    from accelerate.utils import find_executable_batch_size
+
+    from oomtune.workloads import build_workload
+
+    workload, sim, vgpu = _setup(overrides, budget)
+    _route_empty_cache(sim)
+    tries: list[dict] = []
+
+    @find_executable_batch_size(starting_batch_size=HIGH)
+    def train(batch_size: int) -> int:
+        tries.append({"batch": batch_size, "ok": False})
+        torch.manual_seed(0)
+        wl = build_workload({k: v for k, v in workload.items() if k != "target"}, batch_size, "cpu")
+        vgpu.register(wl.tensors_before_step())
+        for _ in range(STEPS):
+            wl.step(next(wl.batches()))
+        tries[-1]["ok"] = True
+        return batch_size
+
+    with vgpu:
+        batch = train()
+    return {"batch": batch, "tries": tries}
+
+
+def run_lightning(overrides: list[str], budget: str, mode: str) -> dict:
+    """Lightning's Tuner.scale_batch_size (BatchSizeFinder) on a LightningModule wrapping the same
+    model, loss and optimizer; ``steps_per_trial`` = the trial's steps, from the range's low end."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.tuner import Tuner
+    from torch.utils.data import DataLoader, Dataset
+
+    from oomtune.workloads import build_workload
+
+    workload, sim, vgpu = _setup(overrides, budget)
+    _route_empty_cache(sim)
+    cfg = {k: v for k, v in workload.items() if k != "target"}
+    proto = build_workload(cfg, 1, "cpu")
+    x1, _ = next(proto.batches())
+    n = HIGH * STEPS
+    host_x = torch.randn(n, *x1.shape[1:])            # host data: outside the virtual GPU
+    host_y = torch.randint(0, int(cfg.get("num_classes", 10)), (n,))
+    tries: list[dict] = []
+
+    class Data(Dataset):
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int):
+            return host_x[i], host_y[i]
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = build_workload(cfg, 1, "cpu").model
+            self.batch_size = LOW
+
+        def train_dataloader(self):
+            tries.append({"batch": self.batch_size})
+            return DataLoader(Data(), batch_size=self.batch_size, shuffle=False)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return proto.optimizer.__class__(self.parameters(), **{k: v for k, v in proto.optimizer.defaults.items()
+                                                                   if k in ("lr", "momentum")})
+
+    import lightning.fabric.utilities.cloud_io as cloud_io
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    load = cloud_io._load
+
+    def host_load(*a, **kw):  # the finder restores its checkpoint into host memory (map_location cpu)
+        with _disable_current_modes():
+            return load(*a, **kw)
+
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    cloud_io._load = torch_io.pl_load = host_load
+    model = Lit()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp)
+        with vgpu:
+            vgpu.register(list(model.parameters()) + list(model.buffers()))
+            batch = Tuner(trainer).scale_batch_size(model, mode=mode, steps_per_trial=STEPS, init_val=LOW,
+                                                    max_trials=25, max_val=HIGH)
+    return {"batch": batch, "tries": tries}
+
+
+# ------------------------------------------------------------------ the parent
+def _peer(tool: str, workload: str, budget: str) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--peer", tool, "--workload", workload, "--budget", budget],
+                          capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"tool": tool, "error": proc.stderr.strip().splitlines()[-1:] or ["?"], "wall_s": wall}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"tool": tool, "batch": out["batch"], "alloc_conf": "", "tries": len(out["tries"]),
+            "tried": [t["batch"] for t in out["tries"]], "wall_s": wall}
+
+
+def _oomtune(workload: str, budget: str, run_dir: Path) -> dict:
+    import yaml
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "oomtune", "search", *WORKLOADS[workload], f"budget={budget}",
+                           "device=cpu", f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"tool": "oomtune", "error": proc.stderr.strip().splitlines()[-1:], "wall_s": wall}
+    best = yaml.safe_load((run_dir / "best.yaml").read_text())
+    return {"tool": "oomtune", "batch": best["best"]["batch_size"], "alloc_conf": best["best"]["alloc_conf"],
+            "tries": best["study"]["launches"], "wall_s": wall, "objective": best["objective"]["name"]}
+
+
+def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Path) -> dict:
+    """The answer in a fresh process for trial.confirm_steps steps under the same budget."""
+    from oomtune import config as C
+    from oomtune.device import resolve_budget, resolve_device
+    from oomtune.search.records import MemoryLimit
+    from oomtune.search.run import workload_of
+    from oomtune.trial.record import TrialSpec
+    from oomtune.trial.runner import TrialRunner
+
+    cfg = C.compose([*WORKLOADS[workload], f"budget={budget}", "device=cpu"])
+    device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
+    budget_bytes = resolve_budget(cfg.budget, device)
+    spec = TrialSpec(workload=workload_of(cfg), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
+                     budget_bytes=budget_bytes, warmup_steps=int(cfg.trial.warmup_steps),
+                     measure_steps=int(cfg.trial.confirm_steps), timeout_s=float(cfg.trial.timeout) * 4,
+                     device_memory_bytes=device.total_memory_bytes)
+    res = TrialRunner(launcher="spawn").run(spec, workdir=work)
+    limit = MemoryLimit(budget_bytes, float(cfg.search.headroom)).limit_bytes
+    return {"outcome": res.outcome, "steps": cfg.trial.confirm_steps, "peak_reserved_bytes": res.peak_reserved_bytes,
+            "within_headroom": res.peak_reserved_bytes is not None and res.peak_reserved_bytes <= limit}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", default="1GiB")
+    ap.add_argument("--workloads", default="resnet")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--peer", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:  # inside one peer's process
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        overrides = WORKLOADS[args.workload]
+        out = (run_accelerate(overrides, args.budget) if args.peer == "accelerate"
+               else run_lightning(overrides, args.budget, args.peer.split("-", 1)[1]))
+        print(json.dumps(out))
+        return
+    _check_recognised()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    import accelerate
+    import lightning
+    import torch
+
+    lines = [f"# command: python experiments/compare_peers.py --budget {args.budget} --workloads {args.workloads} "
+             f"--tools {args.tools}",
+             f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}; "
+             f"{platform.node()} ({os.cpu_count()} CPUs); torch {torch.__version__}, lightning "
+             f"{lightning.__version__}, accelerate {accelerate.__version__}",
+             "# all memory figures are SIMULATED (virtual GPU: CPU training, CachingAllocatorSim); wall times "
+             "are this machine's CPU",
+             "# tries: batch sizes run (peers: in one process; oomtune: trial processes launched); clean run: "
+             "the answer in a fresh process for trial.confirm_steps steps under the same budget", ""]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="oomtune-peers-") as tmp:
+        for workload in args.workloads.split(","):
+            for tool in args.tools.split(","):
+                r = (_oomtune(workload, args.budget, Path(tmp) / f"{workload}-oomtune") if tool == "oomtune"
+                     else _peer(tool, workload, args.budget))
+                r["workload"] = workload
+                if "batch" in r:
+                    r["clean"] = _clean_run(workload, args.budget, r["batch"], r["alloc_conf"],
+                                            Path(tmp) / f"{workload}-{tool}-clean")
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    header = (f"{'workload':<9} {'tool':<20} {'batch':>5}  {'allocator settings':<34} {'clean run':<22} "
+              f"{'peak resv (sim)':>15} {'tries':>5} {'wall s':>7}")
+    lines += [f"budget {args.budget} (simulated), batch range {LOW}..{HIGH}", header, "-" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['workload']:<9} {r['tool']:<20} error: {' '.join(r['error'])}")
+            continue
+        c = r["clean"]
+        clean = c["outcome"] + ("" if c["outcome"] != "ok" else (" (in headroom)" if c["within_headroom"] else " (>headroom)"))
+        peak = "-" if c["peak_reserved_bytes"] is None else f"{c['peak_reserved_bytes'] / 2**20:.0f} MiB"
+        lines.append(f"{r['workload']:<9} {r['tool']:<20} {r['batch']:>5}  {r['alloc_conf'] or '(default)':<34} "
+                     f"{clean:<22} {peak:>15} {r['tries']:>5} {r['wall_s']:>7.1f}")
+    lines += ["", "raw:"] + [json.dumps(r) for r in rows]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
