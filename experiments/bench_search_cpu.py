@@ -1,12 +1,16 @@
-"""CPU demo benchmark: the README's main command, and pruning on vs off.
+"""CPU demo benchmark: the README's main command (three times), and pruning on vs off.
 
-1. `oomtune search` on the embedded defaults (built-in ResNet-18, 64x64, synthetic data, 1 GiB
-   virtual GPU), timed end to end in a fresh run directory. Target: <= 5 minutes on 2 cores.
+1. `oomtune search model=resnet` on the embedded defaults (built-in ResNet-18, 64x64, synthetic data,
+   1 GiB virtual GPU), three times, each in a fresh run directory: the answer must be the same each
+   time (objective batch on the virtual GPU: memory is simulated and deterministic). Per run: the
+   answer, trial processes launched, wall time (target <= 120 s on 2 cores), and the answer's batch
+   against every configuration's predicted and measured frontier (best.yaml ``frontiers``).
 2. The same search with `search.prune=predicted` and with `search.prune=off`, both with the seeded
-   random sampler and no baseline phase (whose probes differ when it starts from the prediction),
-   so that both studies ask for the same 16 candidates: compares launches, wall time and
-   the best configuration. (With TPE the sequence depends on measured throughput, which is noisy on a
-   shared CPU, so the two studies would diverge for reasons unrelated to pruning.)
+   random sampler, objective throughput, no baseline and no frontier probes (whose probes differ
+   when they start from the prediction), so that both studies ask for the same 16 candidates:
+   compares launches, wall time and the best configuration. (With TPE the sequence depends on
+   measured throughput, which is noisy on a shared CPU, so the two studies would diverge for reasons
+   unrelated to pruning.)
 
 Prints a table and writes experiments/results/bench_search_cpu.txt. Run: python experiments/bench_search_cpu.py
 """
@@ -92,29 +96,65 @@ def compare(on_dir: Path, off_dir: Path) -> list[str]:
     ]
 
 
+def frontier_lines(res: dict) -> list[str]:
+    """The answer's batch against each configuration's predicted and measured frontier."""
+    best = res["best"]
+    batch = best["best"]["batch_size"]
+    out = [f"  {'alloc_conf':<62} {'predicted':>9} {'measured':>9}  answer/predicted"]
+    for row in sorted(best.get("frontiers") or [], key=lambda r: -(r["predicted_max_batch"] or 0)):
+        pred, ok, bad = row["predicted_max_batch"], row["measured_max_batch"], row["measured_fail_batch"]
+        measured = "-" if ok is None else (str(ok) if bad == ok + 1 else f">={ok}" if bad is None else f"{ok}..{bad - 1}")
+        ratio = f"{batch / pred:.3f}" if pred else "-"
+        name = (row["alloc_conf"] or "(default)") + (f" (+{len(row['twins'])} same)" if row["twins"] else "")
+        out.append(f"  {name:<62} {str(pred):>9} {measured:>9}  {ratio}")
+    return out
+
+
 def main() -> None:
-    lines = [f"# bench_search_cpu  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    import argparse
+
+    ap = argparse.ArgumentParser(description="README main command x3, and pruning on vs off")
+    ap.add_argument("--skip-pruning", action="store_true", help="only the three main-command runs")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    lines = [f"# command: python experiments/bench_search_cpu.py{' --skip-pruning' if args.skip_pruning else ''}",
+             f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
              f"# machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, "
-             f"python {platform.python_version()}", ""]
+             f"python {platform.python_version()}; memory figures simulated (virtual GPU)", ""]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        main_cmd = run([], tmp / "default")
-        lines += ["## README main command: oomtune search (embedded defaults)", describe(main_cmd),
-                  f"target <= 300 s: {'met' if main_cmd['wall_s'] <= 300 else 'NOT met'}", ""]
-        common = ["search.sampler=random", "search.seed=0", "search.baseline=false", "search.n_trials=16",
-                  "search.batch_size.high=2048"]
-        on = run(common + ["search.prune=predicted"], tmp / "prune_on")
-        off = run(common + ["search.prune=off"], tmp / "prune_off")
-        lines += ["## pruning (random sampler, seed 0, no baseline, batch 8..2048: both studies ask the same "
-                  "16 candidates)",
-                  f"prune=predicted: {describe(on)}", f"prune=off:       {describe(off)}"]
-        lines += compare(tmp / "prune_on", tmp / "prune_off")
-        lines += [f"launches saved by pruning: {off['best']['study']['launches'] - on['best']['study']['launches']}",
-                  ""]
+        runs = [run(["model=resnet"], tmp / f"default-{i}") for i in range(3)]
+        answers = [(r["best"]["best"]["batch_size"], r["best"]["best"]["alloc_conf"]) for r in runs]
+        lines += ["## README main command: oomtune search model=resnet (embedded defaults), three runs"]
+        for i, r in enumerate(runs):
+            lines.append(f"run {i + 1}: {describe(r)}; objective {r['best']['objective']['name']}")
+        lines += [f"same answer in all three runs: {len(set(answers)) == 1} ({answers[0][0]}, "
+                  f"'{answers[0][1] or '(default)'}')",
+                  f"wall target <= 120 s: {'met' if max(r['wall_s'] for r in runs) <= 120 else 'NOT met'} "
+                  f"(max {max(r['wall_s'] for r in runs):.1f} s)",
+                  "answer batch vs each configuration's frontier (run 1; predicted: virtual GPU, as `oomtune plan`):"]
+        lines += frontier_lines(runs[0]) + [""]
+        lines += ["## run 1's output (stderr: progress; stdout: tables and summary)", runs[0]["stderr"].rstrip(),
+                  runs[0]["stdout"].rstrip(), ""]
+        if args.skip_pruning:
+            lines.append("## pruning: skipped (--skip-pruning)")
+        else:
+            common = ["search.sampler=random", "search.seed=0", "search.baseline=false", "search.n_trials=16",
+                      "search.batch_size.high=2048", "search.objective=throughput", "search.frontier_configs=0",
+                      "search.repeats=1"]
+            on = run(common + ["search.prune=predicted"], tmp / "prune_on")
+            off = run(common + ["search.prune=off"], tmp / "prune_off")
+            lines += ["## pruning (random sampler, seed 0, objective throughput, no baseline or frontier probes, "
+                      "batch 8..2048: both studies ask the same 16 candidates)",
+                      f"prune=predicted: {describe(on)}", f"prune=off:       {describe(off)}"]
+            lines += compare(tmp / "prune_on", tmp / "prune_off")
+            lines += [f"launches saved by pruning: "
+                      f"{off['best']['study']['launches'] - on['best']['study']['launches']}", ""]
     text = "\n".join(lines)
-    print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ class SearchOptions:
     repeats: int = 2                  # clean-process measurements per finalist (throughput objective)
     finalists: int = 2                # top candidates re-measured besides the baseline
     device_memory_bytes: int | None = None  # virtual GPU capacity (CPU trials)
+    soak_steps: int = 0               # trial.soak_steps: the virtual-GPU soak (oomtune.trial.soak_check)
+    variable_shapes: bool = False     # the workload has a shape distribution (oomtune.workloads.shapes)
 
 
 @dataclass
@@ -121,7 +123,10 @@ class Search:
         self._confirms: dict[Candidate, int] = {}  # candidate -> trial number it confirms
 
     # ---------------------------------------------------------------- running candidates
-    def _spec(self, cand: Candidate, *, steps: int | None = None) -> TrialSpec:
+    def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False) -> TrialSpec:
+        """The trial of ``cand``. Under a shape distribution every trial is soaked (its answer must
+        survive ``soak_steps`` of the data's shapes); a confirmation is always soaked and runs its
+        live steps at the distribution's worst shape."""
         smaller_ok = any(
             R.result_of(t) is not None and t.user_attrs.get(R.ATTR_OUTCOME) == "ok"
             and t.params.get("batch_size", 0) < cand.batch_size
@@ -136,6 +141,8 @@ class Search:
             warmup_steps=self.opt.warmup_steps, measure_steps=steps,
             timeout_s=self.opt.trial_timeout_s * scale, smaller_batch_succeeded=smaller_ok,
             device_memory_bytes=self.opt.device_memory_bytes,
+            soak_steps=self.opt.soak_steps if (confirm or self.opt.variable_shapes) else 0,
+            shapes="worst" if confirm and self.opt.variable_shapes else "data",
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None) -> TrialResult | None:
@@ -181,7 +188,7 @@ class Search:
             trial.set_user_attr(R.ATTR_PREDICTED, int(predicted))
         if role == "confirm":
             trial.set_user_attr(R.ATTR_CONFIRMS, self._confirms.get(cand))
-            spec = self._spec(cand, steps=self.opt.confirm_steps)
+            spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True)
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
             return self._tell(trial, result)
         known = self._known_infeasible(cand, predicted) if role == "search" else None

@@ -191,7 +191,9 @@ class FrontierPlanner:
         floor = default.predicted if default is not None and default.predicted is not None else 0
         ranked = sorted((c for c in configs if not c.is_default and c.predicted is not None and c.predicted > floor),
                         key=lambda c: (-c.predicted, c.predicted_peak_bytes or 0, c.n_keys))
-        for c in ranked[:max_configs]:
+        # Distinct predicted frontiers first (a tie adds little: its peak already ranked it), then the rest.
+        distinct = [c for i, c in enumerate(ranked) if all(c.predicted != d.predicted for d in ranked[:i])]
+        for c in (distinct + [c for c in ranked if c not in distinct])[:max_configs]:
             c.selected = True
 
     @property
@@ -225,7 +227,7 @@ class FrontierPlanner:
     def calibrated_frontier(self, c: ConfigFrontier) -> int | None:
         """Largest batch strictly between the measured bounds that fits by the calibrated prediction
         (None: none, or no prediction)."""
-        from oomtune.plan.feasibility import largest_fitting
+        from oomtune.plan.feasibility import grid_batches, largest_fitting
 
         lo = c.ok_max if c.ok_max is not None else self.low - 1
         hi = c.bad_min if c.bad_min is not None else self.high + 1
@@ -233,7 +235,10 @@ class FrontierPlanner:
             return None
         if self._fits(c, lo + 1) is None:
             return None
-        return largest_fitting(lambda b: bool(self._fits(c, b)), [lo + 1, hi - 1])
+        # plan's grid inside the bounds (memory need not be monotone in the batch: the same grid
+        # gives the same answer as `oomtune plan` before any measurement)
+        grid = sorted({lo + 1, hi - 1, *(b for b in grid_batches(self.low, self.high) if lo < b < hi)})
+        return largest_fitting(lambda b: bool(self._fits(c, b)), grid)
 
     def _wants_boundary(self, c: ConfigFrontier) -> bool:
         if c.is_default or self.boundary_all:

@@ -32,7 +32,8 @@ def _metrics(res: TrialResult) -> dict[str, Any]:
         "peak_active_bytes": res.peak_active_bytes, "fragmentation": res.fragmentation,
         "device_peak_bytes": res.device_peak_bytes, "num_alloc_retries": res.num_alloc_retries,
         "data_wait_fraction": res.data_wait_fraction, "memory_source": res.memory_source,
-        "steps": res.steps,
+        "steps": res.steps, "soak_passed": res.soak_passed, "soak_steps_run": res.soak_steps_run,
+        "soak_peak_reserved_bytes": res.soak_peak_reserved_bytes,
     }
 
 
@@ -133,18 +134,19 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
 def frontier_table(frontiers: list[Any], best_conf: str) -> Any:
     """Per allocator configuration: the predicted frontier (largest batch within the limit on the
     virtual GPU) and the measured one (``352``: exact; ``>=456``: no failure measured above;
-    ``-``: not probed), the calibration (measured / predicted peak) and the twins folded into it."""
+    ``-``: not probed), the calibration (measured / predicted peak) and how many configurations with
+    the same prediction were folded into it (named in best.yaml ``frontiers``)."""
     from rich.table import Table
 
     table = Table(title="frontiers: largest batch within budget x (1 - headroom)", header_style="bold")
     for name, justify in (("alloc_conf", "left"), ("predicted (sim)", "right"), ("measured", "right"),
-                          ("calibration", "right"), ("same prediction as", "left")):
+                          ("calibration", "right"), ("twins", "right")):
         table.add_column(name, justify=justify, overflow="fold")
     for c in sorted(frontiers, key=lambda c: (-(c.predicted or 0), c.n_keys)):
         cal = c.calibration() if (c.ratios or c.ratio_floor) else None
         table.add_row(c.alloc_conf or "(default)", "-" if c.predicted is None else str(c.predicted),
                       c.measured_text(), "-" if cal is None else f"{cal:.3f}",
-                      ", ".join(c.twins) if c.twins else "",
+                      f"+{len(c.twins)}" if c.twins else "",
                       style="bold green" if c.alloc_conf == best_conf else None)
     return table
 
@@ -159,6 +161,8 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
     lines = [f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: {speed}peak reserved "
              f"{format_bytes(m['peak_reserved_bytes'])} ({src})"
              f"{f', confirmed in a clean process ({confirm_steps} steps)' if best.confirmed else ''}"]
+    if m.get("soak_passed"):
+        lines[0] += f", survived a {m['soak_steps_run']}-step soak ({src})"
     gain = summary.gain or {}
     if baseline is not None and gain.get("objective") == "batch":
         if gain.get("claimed"):

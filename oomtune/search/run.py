@@ -38,7 +38,22 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         objective=objective, objective_reason=reason, frontier_configs=int(s.frontier_configs),
         repeats=int(s.repeats), finalists=int(s.finalists),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
+        soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
     )
+
+
+def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
+    """The workload at its shape distribution's largest shape (what the frontier is predicted at:
+    :func:`oomtune.workloads.shapes.at_shape`); ``workload`` itself when its shapes are fixed or it
+    is not a built-in workload."""
+    if workload.get("target", {}).get("name", "builtin") != "builtin":
+        return workload
+    from oomtune.workloads.shapes import at_shape, shape_distribution, worst_shapes
+
+    cfg = {k: v for k, v in workload.items() if k != "target"}
+    if shape_distribution(cfg).is_fixed:
+        return workload
+    return {**at_shape(cfg, worst_shapes(cfg)[0]), "target": workload["target"]}
 
 
 def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
@@ -130,7 +145,8 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
         from oomtune.plan.predictor import Predictor
 
-        predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
+        # Under a shape distribution the frontier is predicted at the worst (largest) shape.
+        predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes)
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)
@@ -173,6 +189,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     summary = drive.summary(best, best_result, confirmed, baseline)
     from oomtune.search.outputs import write_outputs
 
+    if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
+        from oomtune.plan.predictor import Predictor
+
+        predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
     path = write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
                          predictor=predictor, space=space, workload=p.workload)
     from oomtune.report import write_search_report
