@@ -24,6 +24,8 @@ import random
 import sys
 import time
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
+from _provenance import header  # noqa: E402  (command + commit lines of every results file)
 
 from oomtune.alloc.stream import AllocationStream, replay_stream
 
@@ -139,7 +141,7 @@ def main() -> int:
     text = "\n".join(out) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    Path(args.out).write_text(header() + text)
     return 0
 
 

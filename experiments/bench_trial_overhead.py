@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
+from _provenance import header  # noqa: E402  (command + commit lines of every results file)
 
 import torch
 
@@ -103,7 +105,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out.write_text(header() + text)
     return 0
 
 

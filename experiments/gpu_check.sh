@@ -32,6 +32,13 @@ copy_out() {
     done
 }
 
+# The first lines of every log written here: the exact command and the commit (issue 14 item 8).
+hdr() {
+    printf '# command: bash experiments/gpu_check.sh\n# commit: %s (uncommitted changes: %s)\n' \
+        "$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+        "$(if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then echo yes; else echo no; fi)"
+}
+
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 step_env() {
@@ -60,22 +67,25 @@ EOF
 
 step_pytest() {
     echo "== cuda tests: python -m pytest -m cuda -q (limit 75 s)"
-    timeout -k 5 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$R/gpu_pytest.log"
+    hdr > "$R/gpu_pytest.log"
+    timeout -k 5 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee -a "$R/gpu_pytest.log"
     echo "== cuda tests: rc ${PIPESTATUS[0]} (5 = none collected, 124 = timed out)"
 }
 
 step_validate() {
     echo "== gpu_validate.py (limit 200 s)"
+    hdr > "$R/gpu_validate.log"
     timeout -k 10 190 "$PY" experiments/gpu_validate.py --device "$DEVICE" --out-dir "$R" \
-        --budget-s 165 --child-timeout 70 2>&1 | tee "$R/gpu_validate.log"
+        --budget-s 165 --child-timeout 70 2>&1 | tee -a "$R/gpu_validate.log"
     echo "== gpu_validate: rc ${PIPESTATUS[0]} (1 = a case produced no data, 124 = timed out)"
     if [ -f "$R/gpu_validate.md" ]; then cat "$R/gpu_validate.md"; fi
 }
 
 step_search() {
     echo "== gpu_search.py (limit 215 s)"
+    hdr > "$R/gpu_search.log"
     timeout -k 10 205 "$PY" experiments/gpu_search.py --device "$DEVICE" --out-dir "$R" --timeout 175 \
-        2>&1 | tee "$R/gpu_search.log"
+        2>&1 | tee -a "$R/gpu_search.log"
     echo "== gpu_search: rc ${PIPESTATUS[0]} (1 = no best.yaml or settings check FAIL, 124 = timed out)"
 }
 
@@ -93,6 +103,6 @@ main() {
     echo "== gpu_check done in $((SECONDS - t0)) s"
 }
 
-main 2>&1 | tee "$R/gpu_check.log"
+{ hdr; main 2>&1; } | tee "$R/gpu_check.log"
 copy_out
 exit 0

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
+from _provenance import header, provenance  # noqa: E402  (command + commit of every results file)
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,6 +127,8 @@ def run_search(overrides: list[str], log_path: Path, timeout_s: float) -> dict[s
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
+        log.write(header())
+        log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=search_env(), cwd=REPO,
                                 start_new_session=True)
         try:
@@ -211,17 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_search: oomtune search {' '.join(overrides)}", flush=True)
     run = run_search(overrides, out / "gpu_search_search.log", args.timeout)
     print((out / "gpu_search_search.log").read_text()[-6000:], flush=True)
-    doc: dict[str, Any] = {"overrides": overrides, **run, "notes": []}
+    doc: dict[str, Any] = {**provenance(), "overrides": overrides, **run, "notes": []}
     rows, why = show_rows(run_dir) if (run_dir / "run.json").is_file() else (None, "no run.json")
     if why:
         doc["notes"].append(why)
     doc["trials"], doc["outcomes"] = rows, outcome_counts(rows)
     if rows is not None:
-        (out / "gpu_search_trials.json").write_text(json.dumps(rows, indent=1, default=str))
+        (out / "gpu_search_trials.json").write_text(json.dumps({**provenance(), "trials": rows}, indent=1,
+                                                               default=str))
     best = run_dir / "best.yaml"
     doc["best_yaml"] = best.read_text() if best.is_file() else None
     if best.is_file():
-        shutil.copyfile(best, out / "gpu_search_best.yaml")
+        (out / "gpu_search_best.yaml").write_text(header() + best.read_text())
     try:
         records, why = stored_records(run_dir)
     except Exception as exc:  # a broken study is reported, not raised

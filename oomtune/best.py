@@ -125,11 +125,10 @@ def load_best(path: str | Path) -> BestConfig:
 
     Raises:
         BestFileError: the file is missing, not YAML, not a mapping, of another schema version,
-            missing a required section, or its ``alloc_conf`` is not a valid allocator string.
+            missing a required section, its ``alloc_conf`` is not a valid allocator string, or it
+            contradicts its ``settings`` mapping (the keys that differ are named).
     """
     import yaml
-
-    from oomtune.alloc.settings import AllocatorSettings
 
     path = Path(path)
     if path.is_dir():
@@ -168,11 +167,39 @@ def load_best(path: str | Path) -> BestConfig:
     if data.get("baseline") is not None:
         data["baseline"] = _choice(data["baseline"], f"{path}: baseline")
     config = BestConfig(**data)
-    try:
-        AllocatorSettings.parse(config.best.alloc_conf)
-    except OomtuneError as exc:
-        raise BestFileError(f"{path}: best.alloc_conf is invalid: {exc}") from None
+    for where, choice in (("best", config.best), ("baseline", config.baseline)):
+        if choice is not None:
+            _check_agreement(path, where, choice)
     return config
+
+
+def _check_agreement(path: Path, where: str, choice: Choice) -> None:
+    """``alloc_conf`` must be a valid string and say what ``settings`` says (issue 14 item 9: a
+    hand-edited best.yaml whose two forms disagree would apply one and report the other). An empty
+    ``settings`` mapping is not compared (hand-written files may give only the string).
+
+    Raises:
+        BestFileError: an invalid string or mapping, or the keys that differ with both values.
+    """
+    from oomtune.alloc.settings import AllocatorSettings
+
+    try:
+        conf = AllocatorSettings.parse(choice.alloc_conf)
+    except OomtuneError as exc:
+        raise BestFileError(f"{path}: {where}.alloc_conf is invalid: {exc}") from None
+    if not choice.settings:
+        return
+    if not isinstance(choice.settings, dict):
+        raise BestFileError(f"{path}: {where}.settings must be a mapping, got {choice.settings!r}")
+    try:
+        mapped = AllocatorSettings.from_mapping(choice.settings)
+    except OomtuneError as exc:
+        raise BestFileError(f"{path}: {where}.settings is invalid: {exc}") from None
+    diff = conf.differences(mapped)
+    if diff:
+        said = "; ".join(f"{k}: {a!r} in alloc_conf, {b!r} in settings" for k, (a, b) in sorted(diff.items()))
+        raise BestFileError(f"{path}: {where}.alloc_conf {choice.alloc_conf!r} contradicts {where}.settings ({said}); "
+                            f"edit both to say the same (alloc_conf is what gets exported)")
 
 
 def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> BestConfig:
@@ -181,6 +208,9 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     Call it at the top of a training script, before any CUDA use. The caching allocator reads its
     settings when CUDA initialises (``backend`` already when torch loads), so a later change would be
     silently ignored; this function refuses instead.
+
+    Warns (``UserWarning``) when PYTORCH_NO_CUDA_MEMORY_CACHING is set (any value): torch then runs
+    without its caching allocator and these settings have no effect (pytorch#145661).
 
     Returns:
         The loaded :class:`BestConfig` (use ``.batch_size``).
@@ -209,4 +239,11 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
             )
     for key in ENV_KEYS:
         env[key] = config.best.alloc_conf
+    from oomtune.alloc.caching_env import caching_disabled_reason
+
+    reason = caching_disabled_reason(env)
+    if reason is not None:  # issue 14 item 5: the settings just exported would do nothing
+        import warnings
+
+        warnings.warn(f"apply_best(): {reason}", UserWarning, stacklevel=2)
     return config

@@ -18,7 +18,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["conf_dir", "compose", "run_dir_of", "default_study_name", "to_container"]
+__all__ = ["conf_dir", "compose", "run_dir_of", "default_study_name", "budget_key", "budget_note", "to_container"]
 
 
 def conf_dir() -> Path:
@@ -60,7 +60,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        message = _with_override(_one_line(exc), overrides)
+        message = _unparsable_override(overrides) or _with_override(_one_line(exc), overrides)
         m = re.search(r"Could not override '([\w.]+)'", message)
         if m:
             groups = [o for o in overrides if o.split("=", 1)[0] in ("model", "search", "target")]
@@ -105,6 +105,35 @@ def _unknown_key(dotted: str, config_name: str, groups: Sequence[str] = ()) -> s
     return f"unknown key {dotted!r}: {where} has {', '.join(str(k) for k in node.keys())}"
 
 
+def _unparsable_override(overrides: Sequence[str]) -> str | None:
+    """The first override Hydra's grammar cannot parse, as one line that shows the quoting that
+    works, or None when every override parses (issue 14 item 7).
+
+    ``target.command="python train.py --batch-size {batch_size}"`` typed in bash reaches us as
+    ``target.command=python train.py --batch-size {batch_size}`` (bash removed the quotes), and
+    Hydra reads ``{`` as the start of a dictionary: "mismatched input '{' expecting <EOF>". Any
+    unquoted value with Hydra syntax in it (``{}``, ``[]``, ``=``, ``,``, ``${``) fails the same way;
+    quoting the value inside the shell argument, ``"key='value'"``, makes it one string.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except Exception as exc:  # Hydra's OverrideParseException and ANTLR errors
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            key, sep, value = override.partition("=")
+            if not sep or not value or value[0] in "'\"" or ("'" in value and '"' in value):
+                return None   # not a quoting problem: Hydra's own message says what is wrong
+            inner = "'" if "'" not in value else '"'
+            fixed = f"{key}={inner}{value}{inner}"
+            shell = f'"{fixed}"' if inner == "'" else f"'{fixed}'"
+            return (f"bad override {override!r}: {why} (Hydra parses the value: '{{' starts a dictionary, "
+                    f"'[' a list); quote the value inside the argument: {shell}")
+    return None
+
+
 def _with_override(message: str, overrides: Sequence[str]) -> str:
     """Name the override a parse error is about when Hydra's message only quotes its value."""
     m = re.search(r"input '([^']*)'", message)
@@ -143,13 +172,14 @@ def to_container(cfg: Any) -> Any:
 def default_study_name(cfg: Any) -> str:
     """``<model name>-<8 hex>`` (``python-``/``cmd-`` for those targets): a digest of the workload,
     target, budget, device and search space, so rerunning the same command resumes the same study
-    and a changed one starts a new study."""
+    and a changed one starts a new study. The budget enters as its parsed value (:func:`budget_key`),
+    so ``16GiB``, ``16gib``, ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9)."""
     target = to_container(cfg.target)
     builtin = target.get("name") == "builtin"
     key = {
         "model": to_container(cfg.model) if builtin else None,
         "target": target,
-        "budget": str(cfg.budget),
+        "budget": budget_key(cfg.budget),
         "device": str(cfg.device),
         "batch_size": to_container(cfg.search.batch_size),
         "space": to_container(cfg.search.space),
@@ -157,6 +187,49 @@ def default_study_name(cfg: Any) -> str:
     }
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
+
+
+def budget_key(budget: Any) -> Any:
+    """The budget as :func:`oomtune.device.resolve_budget` reads it, without the device: a number
+    in (0, 1] is a fraction of the device (returned as ``"fraction=F"``), anything else a size in
+    bytes (an int). A value that does not parse is returned as its text (the search refuses it later
+    with a clear line)."""
+    from oomtune.units import MiB, parse_size
+
+    text = str(budget).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and 0 < number <= 1:
+        return f"fraction={number!r}"
+    if number is not None and number < MiB:
+        return text
+    try:
+        return parse_size(text)
+    except ConfigError:
+        return text
+
+
+_DECIMAL_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def budget_note(budget: Any) -> str | None:
+    """A line showing the conversion of a budget given in decimal units (``16GB`` is 16 x 10^9 bytes
+    = 14.90 GiB, not 16 GiB), or None for binary units, plain bytes and fractions. Never raises."""
+    import re
+
+    from oomtune.units import format_bytes
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]+)\s*", str(budget))
+    if m is None or m.group(2).lower() not in _DECIMAL_UNITS:
+        return None
+    unit = m.group(2)
+    nbytes = int(float(m.group(1)) * _DECIMAL_UNITS[unit.lower()])
+    binary = unit[0].upper() + "iB"
+    return (f"note: budget {str(budget).strip()} is in decimal units: {m.group(1)} {unit.upper()} = {nbytes:,} "
+            f"bytes = {format_bytes(nbytes)} (write {m.group(1)}{binary} for {m.group(1)} x 2^"
+            f"{10 * (list(_DECIMAL_UNITS).index(unit.lower()) + 1)} bytes)")
 
 
 def run_dir_of(cfg: Any) -> Path:

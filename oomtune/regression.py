@@ -174,6 +174,29 @@ def _geometry(best: Any) -> dict[str, Any]:
     return {"total_memory_bytes": total, "memory_fraction": min(1.0, budget / total)}
 
 
+def _search_limit(best: Any) -> tuple[int, str]:
+    """The limit the search judged "fits" by (issue 14 item 9): ``budget_bytes * (1 - headroom)``
+    with the headroom best.yaml recorded (:class:`oomtune.search.records.MemoryLimit`; 0 when a
+    file from before the headroom was recorded has none). Returns (limit in bytes, a phrase).
+
+    Raises:
+        BestFileError: a recorded headroom outside [0, 1).
+    """
+    from oomtune.search.records import MemoryLimit
+
+    budget = int(best.device["budget_bytes"])
+    headroom = best.device.get("headroom", 0.0)
+    if headroom is None:
+        headroom = 0.0
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise BestFileError(f"best.yaml device.headroom={headroom!r} must be a fraction in [0, 1)")
+    limit = MemoryLimit(budget, float(headroom)).limit_bytes
+    if not headroom:
+        return limit, f"the {format_bytes(budget)} budget"
+    return limit, (f"the search's limit {format_bytes(limit)} (budget {format_bytes(budget)} minus "
+                   f"{float(headroom):.0%} headroom)")
+
+
 def _workload(best: Any) -> dict[str, Any]:
     """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
     ``{target}`` for target=python|cmd (their model group is not used)."""
@@ -226,17 +249,21 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
                "change": change, "tolerance": tolerance, "fits": pred.fits,
                "fallback": sorted(predictor.fallback_reasons)}
     budget = best.device.get("budget_bytes")
+    limit_bytes, limit_text = _search_limit(best)
+    fits = bool(pred.fits) and pred.peak_reserved_bytes is not None and pred.peak_reserved_bytes <= limit_bytes
+    figures.update(fits=fits, limit_bytes=limit_bytes)
     compare = (f"predicted peak reserved {format_bytes(pred.peak_reserved_bytes)} (simulated) vs recorded "
                f"{format_bytes(recorded)} ({change:+.2%}, tolerance {tolerance:.2%})")
     cases = [
-        CheckCase("fits budget (predicted)", pred.fits,
-                  f"batch {best.best.batch_size} fits the {format_bytes(budget)} budget (simulated)" if pred.fits
-                  else f"batch {best.best.batch_size} no longer fits the {format_bytes(budget)} budget: "
+        CheckCase("fits budget (predicted)", fits,
+                  f"batch {best.best.batch_size} fits {limit_text}: peak reserved "
+                  f"{format_bytes(pred.peak_reserved_bytes)} (simulated)" if fits
+                  else f"batch {best.best.batch_size} no longer fits {limit_text}: "
                        f"needs {format_bytes(pred.peak_reserved_bytes)} reserved (simulated)", elapsed),
         CheckCase("prediction", ok, compare, 0.0),
     ]
     verdict = "PASS" if all(c.passed for c in cases) else "FAIL"
-    tail = "" if pred.fits else f"; does not fit the {format_bytes(budget)} budget"
+    tail = "" if fits else f"; does not fit {limit_text}"
     return CheckReport("predict", cases, f"oomtune check: {verdict} {compare}{tail}", figures)
 
 

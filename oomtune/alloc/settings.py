@@ -299,6 +299,12 @@ class AllocatorSettings:
         """
         return ",".join(f"{k}:{_token(v)}" for k, v in self.as_mapping().items())
 
+    def differences(self, other: AllocatorSettings) -> dict[str, tuple[Any, Any]]:
+        """``{torch key: (self's value, other's value)}`` for every key whose value differs, in
+        torch's units (``max_split_size_mb`` in MiB, None = unlimited); {} when they are equal."""
+        mine, theirs = self._full_mapping(), other._full_mapping()
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
     def inert_keys(self) -> list[str]:
         """Keys set (non-default) that ``backend:cudaMallocAsync`` ignores; [] for the native backend."""
         if self.backend != "cudaMallocAsync":

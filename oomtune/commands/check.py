@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if mode == "predict":
         report = check_predict(best, tolerance=args.tolerance)
     else:
+        from oomtune.alloc.caching_env import check_caching_enabled
+
+        check_caching_enabled()  # a run without the caching allocator measures something else
         report = check_run(best, max_memory_growth=args.max_memory_growth, max_slowdown=args.max_slowdown,
                            device=args.device, steps=args.steps, timeout_s=args.timeout)
     for note in [*(report.figures.get("fallback") or ()), *(report.figures.get("notes") or ())]:

@@ -1,4 +1,8 @@
-"""``oomtune env best.yaml``: print the export line (eval it in a shell or a CI job)."""
+"""``oomtune env best.yaml``: print the export line (eval it in a shell or a CI job).
+
+Warns on stderr when PYTORCH_NO_CUDA_MEMORY_CACHING is set: the exported settings would do nothing
+(:mod:`oomtune.alloc.caching_env`).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from oomtune.best import load_best
 
+    import sys
+
+    from oomtune.alloc.caching_env import caching_disabled_reason
+
     best = load_best(args.best)
+    reason = caching_disabled_reason()
+    if reason is not None:  # stderr, so that eval "$(oomtune env ...)" still gets only the exports
+        print(f"oomtune: warning: {reason}", file=sys.stderr)
     print(best.export_line())
     if args.batch_size:
         print(f"export OOMTUNE_BATCH_SIZE={best.batch_size}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from oomtune.exceptions import BestFileError, ConfigError
 
@@ -48,6 +49,30 @@ def _locate(args: argparse.Namespace) -> tuple[str, str]:
     return str(best.study["storage"]), str(best.study["study_name"])
 
 
+def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, Any]]:
+    """The rows for ``--json``: data, not display strings (issue 14 item 9). ``alloc_conf`` is the
+    exact PYTORCH_CUDA_ALLOC_CONF string ("" for torch's defaults, never "(default)"), ``settings``
+    its keys (``{torch key: value}``, {} for the defaults; None when the string does not parse) and
+    ``data`` the searched data-loader settings (``{"num_workers": 2}``)."""
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.exceptions import AllocatorConfigError
+    from oomtune.search import records as R
+
+    by_number = {t.number: t for t in trials}
+    out = []
+    for row in rows:
+        t = by_number.get(row.get("number"))
+        conf = (t.user_attrs.get(R.ATTR_CONF) if t is not None else None) or ""
+        try:
+            settings: dict[str, Any] | None = AllocatorSettings.parse(conf).as_mapping()
+        except AllocatorConfigError:
+            settings = None
+        data = {k[len("data."):]: v for k, v in sorted((t.params if t is not None else {}).items())
+                if k.startswith("data.")}
+        out.append({**row, "alloc_conf": conf, "settings": settings, "data": data})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -56,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
     url, name = _locate(args)
     study = load_study(url, name)
-    rows = trial_rows(study.get_trials(deepcopy=False))
+    trials = study.get_trials(deepcopy=False)
+    rows = trial_rows(trials)
     if args.json:
-        print(json.dumps(rows, indent=1, default=str))
+        print(json.dumps(json_rows(rows, trials), indent=1, default=str))
         return 0
     console = Console()
     if not console.is_terminal:

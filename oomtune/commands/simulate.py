@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from oomtune.exceptions import ConfigError
@@ -80,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.trace import RECORDED, default_device, devices_with_data
 
     settings = [AllocatorSettings.parse(c) for c in args.conf] if args.conf else [RECORDED]
+    if fraction is None and any(getattr(x, "garbage_collection_threshold", 0) > 0 for x in settings):
+        # torch collects garbage only under a per-process memory fraction (garbage_collect_cached_blocks
+        # runs when set_fraction is true); issue 14 item 9
+        print("oomtune: note: garbage_collection_threshold does nothing without a memory fraction (torch reclaims "
+              "cached blocks only when set_per_process_memory_fraction was called): add --memory-fraction F "
+              "--budget SIZE", file=sys.stderr)
     snapshot = load_snapshot(args.trace)
     device = default_device(snapshot) if args.device is None else args.device
     results = [

@@ -97,6 +97,9 @@ class _Prepared:
     def __init__(self, overrides: Sequence[str]):
         from oomtune.schema import validate
 
+        from oomtune.alloc.caching_env import check_caching_enabled
+
+        check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
         self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
         validate(cfg)
         self.workload = workload_of(cfg)
@@ -156,6 +159,8 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
                   f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
                   f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
     _say(console, f"objective: {options.objective} ({options.objective_reason})")
+    if C.budget_note(cfg.budget):
+        _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once (issue 14 item 9)
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)

@@ -13,7 +13,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError, StudyNotFoundError
 
-__all__ = ["storage_url", "make_storage", "make_sampler", "open_study", "load_study"]
+__all__ = ["storage_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message"]
 
 HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 30
@@ -47,7 +47,54 @@ def make_storage(url: str) -> Any:
                 url, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
             )
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
-        raise ConfigError(f"cannot open storage {url!r}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(storage_error_message(url, exc)) from None
+
+
+# Python module SQLAlchemy imports for a URL -> the package that provides it (pip names).
+_DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "pg8000": "pg8000",
+                    "asyncpg": "asyncpg", "pymysql": "PyMySQL", "MySQLdb": "mysqlclient",
+                    "mysql": "mysql-connector-python", "mariadb": "mariadb", "oracledb": "oracledb",
+                    "cx_Oracle": "cx_Oracle", "pyodbc": "pyodbc", "pymssql": "pymssql"}
+
+
+def storage_error_message(url: str, exc: BaseException) -> str:
+    """One line for a storage that cannot be opened: the file and what to do for a corrupt SQLite
+    file, the package to install for a missing database driver, else the first line of the error.
+
+    Args:
+        url: the storage URL as given.
+        exc: what Optuna/SQLAlchemy raised (its ``__cause__``/``__context__`` are searched for the
+            missing module: SQLAlchemy's ``ModuleNotFoundError`` names it, Optuna's ImportError not).
+    """
+    chain, cur = [], exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    missing = next((e.name for e in chain if isinstance(e, ModuleNotFoundError) and e.name), None)
+    if missing is not None:
+        root = missing.split(".")[0]
+        package = _DRIVER_PACKAGES.get(root, root)
+        scheme = url.split("://", 1)[0]
+        return (f"cannot open storage {_redact(url)!r}: its database driver (Python module {root!r}) is not "
+                f"installed: pip install '{package}' (or name another driver in the URL, {scheme.split('+')[0]}"
+                f"+DRIVER://...)")
+    text = " ".join(str(e) for e in chain)
+    if url.startswith("sqlite:///") and ("file is not a database" in text or "database disk image is malformed" in text):
+        path = url[len("sqlite:///"):]
+        return (f"storage file {path} is not a readable SQLite database (corrupt, or another kind of file): move "
+                f"it away to start a new study there, or set storage= to another file")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"cannot open storage {_redact(url)!r}: {first}"
+
+
+def _redact(url: str) -> str:
+    """The URL with its password replaced by ``***`` (``postgresql://user:***@host/db``)."""
+    head, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    cred, _, host = rest.rpartition("@")
+    user, colon, _ = cred.partition(":")
+    return f"{head}://{user}{':***' if colon else ''}@{host}"
 
 
 def make_sampler(name: str, seed: int | None) -> Any:

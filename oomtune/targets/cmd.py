@@ -412,11 +412,14 @@ class CmdTarget(Target):
     own_process = True
 
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
+        from oomtune.targets._cmd_checks import check_command
+
         target = dict(target_cfg)
         argv, shell = build_command(target, 1)
         cwd = resolve_cwd(target)
         if not shell:
             check_program(argv, cwd)
+        check_command(target.get("command"), argv, shell, cwd)  # issue 14 items 5, 9
 
     def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
             grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:

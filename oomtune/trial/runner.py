@@ -85,7 +85,12 @@ def _cuda_index(device: str) -> int | None:
 def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dict[str, str]:
     """The trial process's environment: ours, plus ``env``, plus the allocator string under both
     variable names (unset when empty) and, for ``cuda:N``, CUDA_VISIBLE_DEVICES naming only that
-    device (the N-th entry of our own CUDA_VISIBLE_DEVICES when set, else N; field case C10)."""
+    device (the N-th entry of our own CUDA_VISIBLE_DEVICES when set, else N; field case C10).
+
+    Raises:
+        ConfigError: ``cuda:N`` not visible, or PYTORCH_NO_CUDA_MEMORY_CACHING in the result
+            (:mod:`oomtune.alloc.caching_env`).
+    """
     out = dict(os.environ)
     out.update(env or {})
     for name in ALLOC_ENV_VARS:
@@ -98,6 +103,9 @@ def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dic
         if "CUDA_VISIBLE_DEVICES" in os.environ and index >= len(visible):
             raise ConfigError(f"{spec.device} is not among CUDA_VISIBLE_DEVICES={visible}")
         out["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    from oomtune.alloc.caching_env import check_caching_enabled
+
+    check_caching_enabled(out, where="the trial environment")  # issue 14 item 5
     return out
 
 
