@@ -300,3 +300,32 @@ def test_item9_python_target_docs_agree_on_dict_and_tuple():
 def test_item9_readme_documents_the_cpu_wheel():
     readme = (REPO / "README.md").read_text()
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
+
+
+@pytest.mark.parametrize("headroom, code", [(0.05, 1), (0.0, 0), (None, 0)])
+def test_item9_check_uses_the_search_limit(headroom, code, tmp_path, capsys):
+    """The tiny MLP needs exactly one kSmallBuffer segment, 2 MiB = 2,097,152 bytes reserved (hand
+    calculation in tests/test_regression_check.py). Budget 2,202,010 bytes (2.1 MiB): with the search's
+    5% headroom the limit is int(2,202,010 x 0.95) = 2,091,909 < 2,097,152, so the batch does not fit;
+    without headroom 2,097,152 <= 2,202,010 fits."""
+    import yaml
+
+    from test_regression_check import MLP
+
+    device = {"kind": "cpu", "name": "virtual GPU (CPU)", "total_memory_bytes": 80 * 2**30,
+              "budget_bytes": 2_202_010, "memory_source": "simulated"}
+    if headroom is not None:
+        device["headroom"] = headroom
+    data = {"schema_version": 1, "workload": {"model": MLP, "target": {"name": "builtin"}}, "device": device,
+            "best": {"batch_size": 8, "alloc_conf": "", "settings": {},
+                     "metrics": {"throughput": 100.0, "peak_reserved_bytes": 2 * 2**20, "memory_source": "simulated"},
+                     "predicted_peak_reserved_bytes": 2 * 2**20}}
+    path = tmp_path / "best.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", str(path), "--mode", "predict"]) == code
+    out = capsys.readouterr().out
+    if code:
+        assert "does not fit the search's limit 1.99 MiB (budget 2.10 MiB minus 5% headroom)" in out  # 2,091,909 / 2^20 = 1.99499
+        assert "FAIL" in out
+    else:
+        assert "PASS" in out

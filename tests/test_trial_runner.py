@@ -46,7 +46,7 @@ def _pid_running(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------ validation before launching
-@pytest.mark.parametrize("conf", ["max_split_size_mb:", "max_split_size_mb:128,", "roundup_power2_divisions:[256:1",
+@pytest.mark.parametrize("conf", ["max_split_size_mb:", "max_split_size_mb:128,,", "roundup_power2_divisions:[256:1",
                                   "expandable_segments:true", "no_such_key:1"])
 def test_invalid_alloc_string_is_rejected_before_launching(tmp_path, conf):
     with pytest.raises(AllocatorConfigError):
