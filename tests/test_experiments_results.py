@@ -70,8 +70,10 @@ def test_every_benchmark_script_writes_the_provenance_header(script):
     text = script.read_text()
     if "results" not in text:
         pytest.skip(f"{script.name} writes no results file")
-    # experiments/_provenance.py's header(), or a helper of the same kind (e.g. _baseline.header)
-    assert re.search(r"\b(?:header|provenance|_provenance_header)\(", text), (
+    # experiments/_provenance.py's header(), a helper of the same kind (_baseline.header), or the
+    # script's own `git rev-parse` next to its command line
+    assert re.search(r"\b(?:header|provenance|_provenance_header)\(", text) or (
+        "rev-parse" in text and "command" in text), (
         f"{script.name} writes into experiments/results/ without a command + commit header "
         "(use experiments/_provenance.py)")
 

@@ -189,25 +189,19 @@ def test_item9_decimal_budget_conversion_is_said():
     assert budget_note("16GiB") is None and budget_note("0.9") is None and budget_note(17179869184) is None
 
 
-def test_item9_search_prints_the_conversion_once(tmp_path, capsys):
+def test_item9_search_prints_the_conversion_once(tmp_path, capsys, monkeypatch):
+    import oomtune.trial.runner as runner_mod
     from oomtune.search.run import search
 
     class Stop(Exception):
         pass
 
-    import oomtune.search.run as run_mod
-
-    out = run_mod._Progress.__init__
-
-    def stop(*a, **k):  # stop right after the header lines: no trial is run
+    def stop(*a, **k):  # stop right after the header lines, when the trial runner is made: no trial runs
         raise Stop
 
-    try:
-        run_mod._Progress.__init__ = stop
-        with pytest.raises(Stop):
-            search(["model=mlp", "budget=16MB", f"hydra.run.dir={tmp_path / 'run'}"])
-    finally:
-        run_mod._Progress.__init__ = out
+    monkeypatch.setattr(runner_mod, "TrialRunner", stop)
+    with pytest.raises(Stop):
+        search(["model=mlp", "budget=16MB", f"hydra.run.dir={tmp_path / 'run'}"])
     text = capsys.readouterr()
     combined = text.out + text.err
     assert combined.count("16 MB = 16,000,000 bytes = 15.26 MiB") == 1, combined   # 16e6 / 2^20 = 15.2588
