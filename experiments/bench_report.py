@@ -2,7 +2,7 @@
 
 Usage::
 
-    python experiments/bench_report.py [--run-dir DIR] [--screenshot docs/report.png]
+    python experiments/bench_report.py [--run-dir DIR] [--screenshot docs/report.png [--screenshot-height 2130]]
                                        [--out experiments/results/bench_report.txt]
 
 Without ``--run-dir`` it first runs the README main command, ``oomtune search model=resnet``, into
@@ -43,7 +43,7 @@ def _time_cli(run_dir: Path, out: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, _child_cpu() - cpu0
 
 
-def _screenshot(report: Path, png: Path) -> str:
+def _screenshot(report: Path, png: Path, max_height: int | None) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     from cdp import Browser, chromium_path
 
@@ -52,7 +52,7 @@ def _screenshot(report: Path, png: Path) -> str:
     with tempfile.TemporaryDirectory() as profile, Browser(Path(profile)) as browser:
         browser.load(report.resolve().as_uri())
         errors = browser.console_errors()
-        browser.screenshot(png)
+        browser.screenshot(png, max_height=max_height)
     return f"screenshot: {png} ({png.stat().st_size} bytes), JavaScript console errors: {len(errors)}"
 
 
@@ -60,6 +60,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, default=None, help="an existing run of the README main command")
     parser.add_argument("--screenshot", type=Path, default=None, help="write a full-page PNG of the report here")
+    parser.add_argument("--screenshot-height", type=int, default=2130,
+                        help="CSS pixels from the top of the page in the screenshot (0: the whole page)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_report.txt")
     args = parser.parse_args()
 
@@ -107,7 +109,7 @@ def main() -> int:
         f"load average at end: {os.getloadavg()[0]:.1f} (wall times on a loaded machine are inflated)",
     ]
     if args.screenshot is not None:
-        lines.append(_screenshot(run_dir / "report.html", args.screenshot))
+        lines.append(_screenshot(run_dir / "report.html", args.screenshot, args.screenshot_height or None))
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -8,7 +8,8 @@ from typing import Any
 from oomtune.search import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf", "SearchProgress",
+__all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
+           "SearchProgress",
            "plan_recommendation", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND"]
 

@@ -128,14 +128,16 @@ class Browser:
                 out.append("log: " + str(p["entry"].get("text")) + " " + str(p["entry"].get("url", "")))
         return out
 
-    def screenshot(self, path: Path, *, full_page: bool = True) -> Path:
-        """Write a PNG of the page (the whole document when ``full_page``)."""
+    def screenshot(self, path: Path, *, full_page: bool = True, max_height: int | None = None) -> Path:
+        """Write a PNG of the page (the whole document when ``full_page``, its top ``max_height``
+        CSS pixels when given)."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
             m = self.call("Page.getLayoutMetrics", session=True)
             size = m.get("cssContentSize") or m["contentSize"]
+            height = size["height"] if max_height is None else min(size["height"], max_height)
             params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": size["width"],
-                                                            "height": size["height"], "scale": 1})
+                                                            "height": height, "scale": 1})
         data = self.call("Page.captureScreenshot", session=True, **params)["data"]
         path.write_bytes(base64.b64decode(data))
         return path

@@ -14,7 +14,8 @@ from typing import Any
 
 from oomtune.report._data import FRONTIER_FILE, PLAN_FILE, STEP_FILE, RunData, gather
 
-__all__ = ["build_report", "write_report", "write_search_report", "REPORT_FILE", "STEP_FILE", "FRONTIER_FILE", "PLAN_FILE", "RunData",
+__all__ = ["build_report", "write_report", "write_search_report", "REPORT_FILE", "STEP_FILE", "FRONTIER_FILE",
+           "PLAN_FILE", "RunData",
            "gather"]
 
 REPORT_FILE = "report.html"
@@ -124,5 +125,6 @@ def write_search_report(run_dir: str | Path, say: Any, **artifacts: Any) -> Path
         for line in write_search_artifacts(Path(run_dir), **artifacts):
             say(line)
     except Exception as exc:  # noqa: BLE001 - the search's answer (best.yaml) is already written
-        say(f"note: frontier and winner's step not written: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        say(f"note: frontier and winner's step not written: {type(exc).__name__}: {first}")
     return write_report(run_dir, say)

@@ -50,7 +50,8 @@ class RunData:
     @property
     def memory_source(self) -> str | None:
         """``"device"`` or ``"simulated"`` for the measured trials (None without any)."""
-        sources = {t["memory_source"] for t in self.trials if t.get("memory_source") and t["outcome"] != "predicted_infeasible"}
+        sources = {t["memory_source"] for t in self.trials
+                   if t.get("memory_source") and t["outcome"] != "predicted_infeasible"}
         if "device" in sources:
             return "device"
         return "simulated" if sources else None
@@ -148,14 +149,12 @@ def gather(run_dir: str | Path) -> RunData:
 def _read_trials(data: RunData) -> None:
     import optuna
 
-    from oomtune.exceptions import OomtuneError
+    from oomtune.search.storage import load_study
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
-        from oomtune.search.storage import load_study
-
         study = load_study(data.storage, data.study_name)
         data.trials = trial_records(study.get_trials(deepcopy=False))
         data.study_attrs = dict(study.user_attrs)
-    except (OomtuneError, Exception) as exc:  # noqa: BLE001 - any storage problem: report without trials
+    except Exception as exc:  # noqa: BLE001 - any storage problem (gone, moved): the report without trials
         data.notes.append(f"trials could not be read from {data.storage}: {str(exc).splitlines()[0][:200]}")

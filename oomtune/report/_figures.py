@@ -105,7 +105,7 @@ def frontier_figure(data: Any) -> Any:
         if value:
             fig.add_hline(y=value / MiB, line={"dash": dash, "color": color, "width": 2},
                           annotation_text=f"{label} {value / MiB:.0f} MiB", annotation_font_color=color,
-                          annotation_position="top left" if label == "budget" else "bottom right")
+                          annotation_position="top left" if label == "budget" else "bottom left")
     kind = "lines: predicted on the virtual GPU (simulated)"
     if measured:
         kind += f"; diamonds: trials that ran, {source_label(data.memory_source)}"

@@ -73,7 +73,8 @@ def _summary(data: Any) -> str:
     if base:
         bm = base.get("metrics") or {}
         rows.append(["baseline (default allocator, largest batch)",
-                     f"batch {_e(base.get('batch_size'))}, {_e(None if bm.get('throughput') is None else round(bm['throughput'], 1))} "
+                     f"batch {_e(base.get('batch_size'))}, "
+                     f"{_e(None if bm.get('throughput') is None else round(bm['throughput'], 1))} "
                      f"samples/s, peak reserved {format_bytes(bm.get('peak_reserved_bytes'))}"])
     if gain:
         rows.append(["gain over the baseline", ", ".join(
