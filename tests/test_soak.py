@@ -170,6 +170,25 @@ def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives
     assert expandable.peak_reserved_bytes <= 100 * MiB
 
 
+def test_skipping_repeated_steps_changes_nothing(monkeypatch):
+    """The soak skips a step that would repeat one exactly (same start state and shape, which
+    returned to its start state); a full replay of every step gives the same figures step by step."""
+    import oomtune.plan.soak as soak_module
+    from oomtune.plan.soak import capture_soak
+
+    streams = capture_soak(VARIABLE_LM, 4, 300, capture_device="meta")
+    for conf, capacity in (("", 1 << 40), ("", 110 * MiB), ("expandable_segments:True", 100 * MiB)):
+        fast = replay_soak(streams, conf, device_memory_bytes=capacity, record_steps=True)
+        with monkeypatch.context() as m:
+            m.setattr(soak_module, "_memo_allowed", lambda sim: False)
+            full = replay_soak(streams, conf, device_memory_bytes=capacity, record_steps=True)
+        assert full.steps_skipped == 0
+        assert fast.per_step == full.per_step
+        assert (fast.passed, fast.failed_step, fast.reserved_bytes, fast.allocated_bytes, fast.peak_reserved_bytes) \
+            == (full.passed, full.failed_step, full.reserved_bytes, full.allocated_bytes, full.peak_reserved_bytes)
+    assert replay_soak(streams, "", device_memory_bytes=1 << 40).steps_skipped > 200   # it does skip
+
+
 # ------------------------------------------------------------------------------- in the trial
 def _clear_alloc_env(monkeypatch):
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

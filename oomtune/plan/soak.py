@@ -19,7 +19,11 @@ after the few measured steps of a trial. The soak looks that far ahead without r
 Step ``k`` of the soak (1-based) is the live trial's step ``k`` (warm-up steps first): the soak's
 first steps reproduce a live virtual-GPU trial's memory exactly (tests/test_soak.py). A fixed-shape
 workload repeats one steady stream; the replay stops early, as passed, once a step leaves the
-allocator in the state it started in (every later step would repeat it exactly).
+allocator in the state it started in (every later step would repeat it exactly). Likewise, with any
+distribution, a step is not replayed when the same shape was replayed before from the same state
+(segments and blocks, as ``memory_snapshot()`` shows them) and left it unchanged: the simulator is
+deterministic, so it would do so again (the usual case once the cache has warmed to every shape;
+not used with ``garbage_collection_threshold``, whose block ages the snapshot does not show).
 
 All sizes are bytes, on the virtual GPU (simulated).
 """
@@ -79,6 +83,8 @@ class SoakResult:
         peak_reserved_bytes / peak_allocated_bytes: peaks over the steps run.
         distinct_shapes: shapes captured.
         converged_at: the step after which a fixed-shape replay repeated itself (None otherwise).
+        steps_skipped: steps not replayed because they would repeat a step exactly (same start
+            state, same shape, and that step ended in the state it started in).
         capture_s / replay_s: wall seconds.
         message: one line saying what happened (None when passed).
         oom_message: the simulated allocator's own OOM message (None when passed).
@@ -99,6 +105,7 @@ class SoakResult:
     peak_allocated_bytes: int
     distinct_shapes: int
     converged_at: int | None = None
+    steps_skipped: int = 0
     capture_s: float = 0.0
     replay_s: float = 0.0
     message: str | None = None
@@ -253,14 +260,26 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
     per_step: list[tuple[int, int, int, int]] = []
     failure: tuple[int, SimulatedOutOfMemoryError] | None = None
     converged_at = previous = None
-    done = 0
+    memo = _memo_allowed(sim)
+    loops: set[tuple[Any, Any]] = set()   # (state, shape) whose step returned to the same state
+    state = None
+    done = skipped = 0
     for k in range(1, steps + 1):
-        stream = streams.first if k == 1 else streams.steady[streams.shapes[k - 1]]
-        try:
-            _replay_step(sim, stream)
-        except SimulatedOutOfMemoryError as exc:
-            failure = (k, exc)
-            break
+        shape = streams.shapes[k - 1]
+        if memo and k > 1 and (state, shape) in loops:
+            skipped += 1   # the step would repeat exactly: same start state, same stream
+        else:
+            stream = streams.first if k == 1 else streams.steady[shape]
+            try:
+                _replay_step(sim, stream)
+            except SimulatedOutOfMemoryError as exc:
+                failure = (k, exc)
+                break
+            if memo:
+                after = _state_key(sim)
+                if after == state:
+                    loops.add((state, shape))
+                state = after
         done = k
         if record_steps:
             st = sim.memory_stats()
@@ -279,7 +298,7 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
         allocated_bytes=sim.allocated_bytes, peak_reserved_bytes=stats["reserved_bytes.all.peak"],
         peak_allocated_bytes=stats["allocated_bytes.all.peak"], distinct_shapes=len(streams.steady),
         converged_at=converged_at, capture_s=streams.capture_s, replay_s=time.perf_counter() - t0,
-        per_step=per_step)
+        steps_skipped=skipped, per_step=per_step)
     if failure is not None:
         k, exc = failure
         result.failed_step, result.shape_at_failure = k, streams.shapes[k - 1]
@@ -289,6 +308,24 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
         result.oom_message = str(exc).splitlines()[0] if str(exc) else None
         result.message = _failure_message(result)
     return result
+
+
+def _memo_allowed(sim: Any) -> bool:
+    """Whether a step's outcome depends only on what :func:`_state_key` sees. Not with
+    ``garbage_collection_threshold``: its cached blocks' ages (``gc_count``) are state the snapshot
+    does not show."""
+    settings = sim.settings
+    if settings is None or isinstance(settings, str):
+        settings = AllocatorSettings.parse(settings or "")
+    return not settings.garbage_collection_threshold   # 0.0 (torch default): off
+
+
+def _state_key(sim: Any) -> tuple:
+    """The allocator's state between steps, from ``memory_snapshot()``: every segment (address,
+    size, stream, pool, expandable) and its blocks (address, size, allocated or free), hashable."""
+    return tuple((seg["address"], seg["total_size"], seg["stream"], seg["segment_type"], seg["is_expandable"],
+                  tuple((b["address"], b["size"], b["state"]) for b in seg["blocks"]))
+                 for seg in sim.memory_snapshot())
 
 
 def _replay_step(sim: Any, stream: Any) -> None:
