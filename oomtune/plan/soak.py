@@ -286,11 +286,11 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
             per_step.append((st["allocated_bytes.all.current"], st["reserved_bytes.all.current"],
                              st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]))
         if streams.fixed and k >= 2 and k < steps:
-            state = sim.memory_snapshot()
-            if state == previous:   # this step started and ended in the same state: all repeat it
+            snapshot = _state_key(sim) if state is None else state
+            if snapshot == previous:   # this step started and ended in the same state: all repeat it
                 converged_at, done = k, steps
                 break
-            previous = state
+            previous = snapshot
     stats = sim.memory_stats()
     result = SoakResult(
         passed=failure is None, steps=steps, steps_run=done, failed_step=None, shape_at_failure=None,
