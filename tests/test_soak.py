@@ -189,6 +189,21 @@ def test_skipping_repeated_steps_changes_nothing(monkeypatch):
     assert replay_soak(streams, "", device_memory_bytes=1 << 40).steps_skipped > 200   # it does skip
 
 
+def test_derived_shape_streams_equal_captured_ones():
+    """Three captures (plus a check) derive the other lengths' streams of the transformer exactly;
+    ResNet's convolution sizes are not polynomial in the image size, so every size is captured."""
+    from oomtune.plan.soak import capture_soak
+
+    derived = capture_soak(SMALL_LM, 4, 100, capture_device="meta")
+    captured = capture_soak(SMALL_LM, 4, 100, capture_device="meta", derive=False)
+    assert len(derived.steady) >= 10 and derived.captured_shapes == 4
+    assert captured.captured_shapes == len(captured.steady)
+    assert derived.steady == captured.steady and derived.first == captured.first
+    multi = {**MULTI_SCALE, "image_size": [32, 40, 48, 56, 64, 72]}
+    resnet = capture_soak(multi, 2, 60, capture_device="meta")
+    assert resnet.captured_shapes == len(resnet.steady) == 6
+
+
 # ------------------------------------------------------------------------------- in the trial
 def _clear_alloc_env(monkeypatch):
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

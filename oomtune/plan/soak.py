@@ -9,7 +9,8 @@ after the few measured steps of a trial. The soak looks that far ahead without r
    (parameters, buffers, the static batch of a fixed-shape workload) through the first step at the
    data's first shape, which creates the optimizer state; then one steady-state step per DISTINCT
    shape of the sequence (a steady step frees everything it allocates: activations, gradients under
-   ``zero_grad(set_to_none=True)``, the batch of a variable-shape workload).
+   ``zero_grad(set_to_none=True)``, the batch of a variable-shape workload). With many shapes, three
+   are captured (plus one check) and the others derived exactly (:mod:`oomtune.plan._soak_derive`).
 2. Replay the first stream, then the steady streams in the data's order (the seeded sequence of
    :meth:`oomtune.workloads.shapes.ShapeDistribution.iter_shapes`, the same one the live trial's
    batches follow), on ONE :class:`oomtune.alloc.CachingAllocatorSim` whose state carries over from
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
+from oomtune.plan._soak_derive import derive_shape_streams
 
 __all__ = ["SoakResult", "SoakStreams", "capture_soak", "replay_soak", "soak", "soak_supported"]
 
@@ -52,6 +54,7 @@ class SoakStreams:
         steady: shape -> ``AllocationStream`` of one steady-state step at that shape.
         fixed: the workload has fixed shapes (enables the early stop).
         shape_key: ``seq_len`` / ``image_size`` / None, for messages.
+        captured_shapes: steady streams captured (the others were derived, :mod:`oomtune.plan._soak_derive`).
         capture_s: wall seconds spent capturing.
         fallback_reason: why capture ran on CPU rather than meta (None on meta).
     """
@@ -62,6 +65,7 @@ class SoakStreams:
     steady: dict[Any, Any]
     fixed: bool
     shape_key: str | None
+    captured_shapes: int = 0
     capture_s: float = 0.0
     fallback_reason: str | None = None
 
@@ -134,7 +138,7 @@ def soak_supported(workload_cfg: Mapping[str, Any]) -> bool:
 
 
 def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *,
-                 capture_device: str = "meta") -> SoakStreams:
+                 capture_device: str = "meta", derive: bool = True) -> SoakStreams:
     """Capture the streams a soak of ``steps`` steps replays (each distinct shape once).
 
     Args:
@@ -146,6 +150,8 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
             kernel) or ``cpu`` (runs each captured step for real; the kernels a virtual-GPU trial on
             the CPU runs, so the soak's first steps equal that trial's memory exactly: the generic
             meta kernels differ from the CPU's, e.g. CPU attention saves other tensors).
+        derive: with many distinct shapes, capture three (plus one check) and derive the others
+            exactly (:mod:`oomtune.plan._soak_derive`; falls back to capturing every shape).
 
     Raises:
         ConfigError: a bad workload config or shape distribution; a non-built-in target; an
@@ -165,7 +171,7 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
     reason = None
     for device in ("meta", "cpu") if capture_device == "meta" else ("cpu",):
         try:
-            out = _capture_on(cfg, batch_size, steps, device)
+            out = _capture_on(cfg, batch_size, steps, device, derive)
         except (NotImplementedError, RuntimeError) as exc:
             if device == "cpu":
                 raise
@@ -177,7 +183,7 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
     raise AssertionError("unreachable")
 
 
-def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str) -> SoakStreams:
+def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
     """Capture on ``device`` (``meta`` or ``cpu``)."""
     from oomtune.capture.recorder import capture_stream
     from oomtune.workloads import build_workload
@@ -189,13 +195,19 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str) -
     # workload's own batch iterator (the distribution's first shape), creating the optimizer state.
     first = capture_stream(lambda: wl.run_steps(1, sync=False), existing=wl.tensors_before_step(),
                            device=device)
-    steady: dict[Any, Any] = {}
-    for shape in dict.fromkeys(shapes[1:] or shapes):   # distinct, in order of first use
+    distinct = list(dict.fromkeys(shapes[1:] or shapes))   # in order of first use
+
+    def capture_shape(shape: Any) -> Any:
         if not dist.is_fixed:
             wl.use_shapes([shape])
-        steady[shape] = _capture_steady(wl, device)
+        return _capture_steady(wl, device)
+
+    if derive:
+        steady, captured = derive_shape_streams(distinct, capture_shape)
+    else:
+        steady, captured = {s: capture_shape(s) for s in distinct}, len(distinct)
     return SoakStreams(batch_size=batch_size, shapes=shapes, first=first, steady=steady,
-                       fixed=dist.is_fixed, shape_key=dist.key)
+                       fixed=dist.is_fixed, shape_key=dist.key, captured_shapes=captured)
 
 
 def _capture_steady(wl: Any, device: str) -> Any:
