@@ -13,10 +13,11 @@ before anything runs). Between tries the peers empty the CUDA cache (Lightning
 to the virtual GPU's ``empty_cache`` for that.
 
 Reported per tool: batch found, allocator settings, whether the answer survives a clean run (an
-oomtune trial in a fresh process for ``trial.confirm_steps`` steps under the same budget), tries
+oomtune trial in a fresh process for ``trial.confirm_steps`` steps under the same budget) and the
+virtual-GPU soak of ``trial.soak_steps`` steps (:mod:`oomtune.trial.soak_check`), tries
 (batch sizes run: in-process tries for the peers, trial processes for oomtune), wall time.
 
-Run: python experiments/compare_peers.py [--budget 1GiB] [--tools lightning-power,...]
+Run: python experiments/compare_peers.py [--budget 1GiB] [--workloads resnet,transformer] [--tools lightning-power,...]
 Writes experiments/results/compare_peers.txt (first lines: the command and the commit).
 """
 
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results" / "compare_peers.txt"
 TOOLS = ("lightning-power", "lightning-binsearch", "accelerate", "oomtune")
 WORKLOADS = {"resnet": ["model=resnet"],   # the README main command's workload (ResNet-18, 64x64)
+             "transformer": ["model=transformer"],  # the built-in decoder LM, seq_len 256
              "tiny": ["model=resnet", "model.image_size=32", "model.num_classes=10"]}  # smoke test
 LOW, HIGH = 8, 512                        # oomtune's default batch range, given to every tool
 STEPS = 4                                 # steps per try: oomtune's warm-up 1 + measure 3
@@ -111,7 +113,8 @@ def run_accelerate(overrides: list[str], budget: str) -> dict:
 
 def run_lightning(overrides: list[str], budget: str, mode: str) -> dict:
     """Lightning's Tuner.scale_batch_size (BatchSizeFinder) on a LightningModule wrapping the same
-    model, loss and optimizer; ``steps_per_trial`` = the trial's steps, from the range's low end."""
+    model, loss and optimizer; ``steps_per_trial`` = the trial's steps, from the range's low end, up
+    to Lightning's own ``max_val`` (8192: with max_val=512 power mode returns 512 without running it)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.tuner import Tuner
@@ -123,11 +126,10 @@ def run_lightning(overrides: list[str], budget: str, mode: str) -> dict:
     _route_empty_cache(sim)
     cfg = {k: v for k, v in workload.items() if k != "target"}
     proto = build_workload(cfg, 1, "cpu")
-    x1, _ = next(proto.batches())
     n = HIGH * STEPS
-    host_x = torch.randn(n, *x1.shape[1:])            # host data: outside the virtual GPU
-    host_y = torch.randint(0, int(cfg.get("num_classes", 10)), (n,))
+    host_x, host_y = proto.spec.make_batch(n, torch.device("cpu"))  # host data: outside the virtual GPU
     tries: list[dict] = []
+    steps_run: list[int] = []
 
     class Data(Dataset):
         def __len__(self) -> int:
@@ -144,12 +146,15 @@ def run_lightning(overrides: list[str], budget: str, mode: str) -> dict:
             self.batch_size = LOW
 
         def train_dataloader(self):
-            tries.append({"batch": self.batch_size})
             return DataLoader(Data(), batch_size=self.batch_size, shuffle=False)
 
+        def on_train_start(self) -> None:  # one per fit the finder runs: a try
+            tries.append({"batch": self.batch_size})
+
         def training_step(self, batch, _):
-            x, y = batch
-            return torch.nn.functional.cross_entropy(self.net(x), y)
+            steps_run.append(self.batch_size)
+            x, y = batch  # the loss of oomtune's step (oomtune.workloads.loop.Workload.step)
+            return torch.nn.functional.cross_entropy(self.net(x).flatten(0, -2).float(), y.flatten())
 
         def configure_optimizers(self):
             return proto.optimizer.__class__(self.parameters(), **{k: v for k, v in proto.optimizer.defaults.items()
@@ -174,8 +179,9 @@ def run_lightning(overrides: list[str], budget: str, mode: str) -> dict:
         with vgpu:
             vgpu.register(list(model.parameters()) + list(model.buffers()))
             batch = Tuner(trainer).scale_batch_size(model, mode=mode, steps_per_trial=STEPS, init_val=LOW,
-                                                    max_trials=25, max_val=HIGH)
-    return {"batch": batch, "tries": tries}
+                                                    max_trials=25)  # Lightning's own max_val (8192)
+    return {"batch": batch, "tries": tries, "steps_run": steps_run,
+            "sim_peak_reserved_bytes": sim.memory_stats()["reserved_bytes.all.peak"]}
 
 
 # ------------------------------------------------------------------ the parent
@@ -220,11 +226,12 @@ def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Pa
     spec = TrialSpec(workload=workload_of(cfg), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
                      budget_bytes=budget_bytes, warmup_steps=int(cfg.trial.warmup_steps),
                      measure_steps=int(cfg.trial.confirm_steps), timeout_s=float(cfg.trial.timeout) * 4,
-                     device_memory_bytes=device.total_memory_bytes)
+                     device_memory_bytes=device.total_memory_bytes, soak_steps=int(cfg.trial.soak_steps))
     res = TrialRunner(launcher="spawn").run(spec, workdir=work)
     limit = MemoryLimit(budget_bytes, float(cfg.search.headroom)).limit_bytes
     return {"outcome": res.outcome, "steps": cfg.trial.confirm_steps, "peak_reserved_bytes": res.peak_reserved_bytes,
-            "within_headroom": res.peak_reserved_bytes is not None and res.peak_reserved_bytes <= limit}
+            "within_headroom": res.peak_reserved_bytes is not None and res.peak_reserved_bytes <= limit,
+            "soak_steps": int(cfg.trial.soak_steps), "soak_passed": res.soak_passed, "message": res.message}
 
 
 def main() -> None:
@@ -258,7 +265,8 @@ def main() -> None:
              "# all memory figures are SIMULATED (virtual GPU: CPU training, CachingAllocatorSim); wall times "
              "are this machine's CPU",
              "# tries: batch sizes run (peers: in one process; oomtune: trial processes launched); clean run: "
-             "the answer in a fresh process for trial.confirm_steps steps under the same budget", ""]
+             "the answer in a fresh process for trial.confirm_steps steps under the same budget, then the "
+             "virtual-GPU soak of trial.soak_steps steps (soak)", ""]
     rows = []
     with tempfile.TemporaryDirectory(prefix="oomtune-peers-") as tmp:
         for workload in args.workloads.split(","):
@@ -272,7 +280,7 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     header = (f"{'workload':<9} {'tool':<20} {'batch':>5}  {'allocator settings':<34} {'clean run':<22} "
-              f"{'peak resv (sim)':>15} {'tries':>5} {'wall s':>7}")
+              f"{'soak':<7} {'peak resv (sim)':>15} {'tries':>5} {'wall s':>7}")
     lines += [f"budget {args.budget} (simulated), batch range {LOW}..{HIGH}", header, "-" * len(header)]
     for r in rows:
         if "error" in r:
@@ -280,9 +288,10 @@ def main() -> None:
             continue
         c = r["clean"]
         clean = c["outcome"] + ("" if c["outcome"] != "ok" else (" (in headroom)" if c["within_headroom"] else " (>headroom)"))
+        soak = {True: "passed", False: "FAILED", None: "-"}[c["soak_passed"]]
         peak = "-" if c["peak_reserved_bytes"] is None else f"{c['peak_reserved_bytes'] / 2**20:.0f} MiB"
         lines.append(f"{r['workload']:<9} {r['tool']:<20} {r['batch']:>5}  {r['alloc_conf'] or '(default)':<34} "
-                     f"{clean:<22} {peak:>15} {r['tries']:>5} {r['wall_s']:>7.1f}")
+                     f"{clean:<22} {soak:<7} {peak:>15} {r['tries']:>5} {r['wall_s']:>7.1f}")
     lines += ["", "raw:"] + [json.dumps(r) for r in rows]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -250,3 +250,63 @@ def test_non_default_settings_must_beat_the_default_by_min_gain(tmp_path):
     search.run_search()
     best, result, confirmed = search.confirm()
     assert best.params == {"batch_size": 79, "expandable_segments": False}
+
+
+class ScriptedThroughput(FakeRunner):
+    """FakeRunner whose confirmation runs (10 steps) measure the scripted throughputs, in order, per
+    (batch, alloc_conf): the measured noise the honest ranking must respect."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = {k: list(v) for k, v in script.items()}
+
+    def run(self, spec, *, workdir):
+        res = super().run(spec, workdir=workdir)
+        key = (spec.batch_size, spec.alloc_conf)
+        if spec.measure_steps == 10 and res.outcome == "ok" and self.script.get(key):
+            res.throughput = self.script[key].pop(0)
+        return res
+
+
+def _two_candidates(tmp_path, script):
+    # Baseline (default) at 76 (see the first test); a search trial of expandable_segments at 90
+    # (900 MiB: feasible). Search-trial throughput = batch, so 90 leads the search phase.
+    runner = ScriptedThroughput(script)
+    search, study, _ = make(tmp_path, runner=runner)
+    search.run_frontier()
+    search._run_batch([search.space.candidate(90, {"expandable_segments": True})], "search")
+    return search, study, runner
+
+
+def test_throughput_gain_within_the_measured_noise_is_not_claimed(tmp_path):
+    # Confirmation runs: expandable@90 measures 100 and 120 (mean 110), the baseline 76 measures 95
+    # and 115 (mean 105): 110 > 105 * 1.02, but the ranges overlap (100 < 115): no gain is claimed
+    # and the default allocator stays the answer, with the ratio of the confirmation means reported.
+    search, study, runner = _two_candidates(tmp_path, {(90, "expandable_segments:True"): [100.0, 120.0],
+                                                       (76, ""): [95.0, 115.0]})
+    best, result, confirmed = search.confirm()
+    assert best.params == {"batch_size": 76, "expandable_segments": False} and confirmed
+    assert search.gain["claimed"] is False and search.gain["throughput_ratio"] == pytest.approx(1.0)
+    assert search.gain["winner"]["mean"] == pytest.approx(105.0)
+
+
+def test_throughput_gain_beyond_the_noise_is_claimed_from_the_confirmation(tmp_path):
+    # expandable@90: 130, 134 (mean 132); baseline: 100, 104 (mean 102): 130 > 104 and 132 > 102 * 1.02.
+    # The gain is the confirmation means' ratio 132 / 102, not the search trials' 90 / 76.
+    search, study, runner = _two_candidates(tmp_path, {(90, "expandable_segments:True"): [130.0, 134.0],
+                                                       (76, ""): [100.0, 104.0]})
+    best, result, confirmed = search.confirm()
+    assert best.params == {"batch_size": 90, "expandable_segments": True} and confirmed
+    assert search.gain["claimed"] is True
+    assert search.gain["throughput_ratio"] == pytest.approx(132.0 / 102.0)
+    assert result.throughput == 134.0  # the winner's last confirmation run
+
+
+def test_batch_at_the_top_of_the_range_is_reported(tmp_path):
+    # high = 64: the default fits all of it (64 x 12 MiB = 768 MiB): the answer is the range's top.
+    search, study, runner = make(tmp_path, high=64)
+    search.opt.objective = "batch"
+    baseline = search.run_frontier()
+    best, result, confirmed = search.confirm()
+    summary = search.summary(best, result, confirmed, baseline)
+    assert best.params["batch_size"] == 64 and summary.at_top_of_range

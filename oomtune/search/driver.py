@@ -479,7 +479,7 @@ class Search:
         if best is None:
             return None, None, False
         base_rep = reps.get(base.number) if base is not None else None
-        claimed = False
+        top, claimed = best, False
         if base_rep is not None and not base_rep.failed and best is not base_rep:
             claimed = K.beats(best, base_rep, self.opt.min_gain)
             if not claimed:
@@ -487,6 +487,7 @@ class Search:
         if base_rep is not None and base_rep.values:
             self.gain = {"objective": "throughput", "throughput_ratio": best.mean / base_rep.mean,
                          "claimed": claimed, "winner": best.to_dict(), "baseline": base_rep.to_dict(),
+                         "candidate": top.to_dict(),  # the fastest survivor, claimed or not
                          "from": f"means of {self.opt.repeats} clean-process runs each"}
         winner_runs = [r for r in runs[best.trial.number] if R.is_feasible_ok(r)]
         return best.trial, R.result_of(winner_runs[-1]), True

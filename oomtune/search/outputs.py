@@ -172,7 +172,7 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
         else:
             lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size}")
     elif baseline is not None and gain.get("objective") == "throughput":
-        w, b = gain["winner"], gain["baseline"]
+        w, b = gain.get("candidate") or gain["winner"], gain["baseline"]
         noise = (f"{w['mean']:.1f} [{min(w['throughputs']):.1f}-{max(w['throughputs']):.1f}] vs "
                  f"{b['mean']:.1f} [{min(b['throughputs']):.1f}-{max(b['throughputs']):.1f}] samples/s, "
                  f"{len(w['throughputs'])} clean runs each")
