@@ -25,6 +25,7 @@ COMMANDS = {
     "show": "show",
     "env": "env",
     "report": "report",
+    "best": "best",
 }
 
 
@@ -61,6 +62,7 @@ _HELP = {
     "show": "print the trial table of a run directory or a best.yaml",
     "env": "print the export line of a best.yaml",
     "report": "write the HTML report of a run directory (search or plan)",
+    "best": "print the best.yaml recorded in a study's storage (any machine)",
 }
 
 

@@ -38,6 +38,9 @@ class SearchConf:
     frontier_configs: int = 2
     repeats: int = 2
     finalists: int = 2
+    workers: int = 1
+    heartbeat_interval: int = 10
+    grace_period: int = 30
     batch_size: BatchRangeConf = field(default_factory=BatchRangeConf)
     space: Dict[str, Any] = field(default_factory=dict)
     data: Dict[str, Any] = field(default_factory=dict)
@@ -98,6 +101,9 @@ def validate(cfg: Any) -> None:
     _check(s.frontier_configs >= 0, "search.frontier_configs", s.frontier_configs, "must be >= 0")
     _check(s.repeats >= 1, "search.repeats", s.repeats, "must be >= 1")
     _check(s.finalists >= 1, "search.finalists", s.finalists, "must be >= 1")
+    _check(s.workers >= 1, "search.workers", s.workers, "must be >= 1 (trials run at once by this process)")
+    _check(s.heartbeat_interval >= 1, "search.heartbeat_interval", s.heartbeat_interval, "must be >= 1 second")
+    _check(s.grace_period >= 1, "search.grace_period", s.grace_period, "must be >= 1 second")
     _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")

@@ -90,4 +90,11 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=200)
     console.print(trial_table(rows, title=f"study {name} ({url})"))
+    from oomtune.search.outputs import recorded_best
+
+    recorded = recorded_best(study)
+    if recorded is not None:  # the answer every worker wrote (oomtune best prints all of it)
+        best = recorded.get("best") or {}
+        console.print(f"best (recorded in the study): batch {best.get('batch_size')}, "
+                      f"{best.get('alloc_conf') or '(default allocator)'}", highlight=False, markup=False)
     return 0

@@ -26,6 +26,9 @@ the one place that launches trials, so concurrent workers can replace it.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +38,7 @@ from oomtune.search import ranking as K
 from oomtune.search import records as R
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.space import Candidate, SearchSpace
+from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
@@ -48,8 +52,11 @@ class SetupFault(RuntimeError):
     """The workload fails even at the smallest batch with the default allocator: not a tuning result."""
 
 
-class _TrialErrored(Exception):
-    """Raised inside the objective so Optuna records an error/crash trial as FAIL."""
+_TrialErrored = TrialErrored  # raised inside the objective so Optuna records an error/crash trial as FAIL
+
+#: For role=confirm: which repetition of the confirmation of one trial (0, 1, ...), so that
+#: repeated clean-process runs of one candidate are distinct candidates for the workers.
+ATTR_REPEAT = "repeat"
 
 
 @dataclass
@@ -78,6 +85,7 @@ class SearchOptions:
     device_memory_bytes: int | None = None  # virtual GPU capacity (CPU trials)
     soak_steps: int = 0               # trial.soak_steps: the virtual-GPU soak (oomtune.trial.soak_check)
     variable_shapes: bool = False     # the workload has a shape distribution (oomtune.workloads.shapes)
+    torch_threads: int | None = None  # per CPU trial (OOMTUNE_TORCH_THREADS) when workers share the CPU
 
 
 @dataclass
@@ -105,12 +113,17 @@ class Search:
     ``confirm_runner`` must use a clean process (spawn). ``predict`` maps a Candidate to a calibrated
     predicted peak reserved in bytes (or None) for pruning; ``predictor`` (a
     :class:`oomtune.plan.predictor.Predictor`) gives the frontiers; ``on_trial`` is called after
-    every trial and ``say`` with one-line messages."""
+    every trial and ``say`` with one-line messages.
+
+    Trials run through an :class:`oomtune.search.workers.Executor` with one worker thread per entry
+    of ``slots`` (the device each worker's trials run on; default one worker on ``options.device``);
+    other processes on the same storage and study share the work (see that module)."""
 
     def __init__(self, study: Any, space: SearchSpace, options: SearchOptions, *, runner: Any,
                  confirm_runner: Any, workdir: Path, predict: Callable[[Candidate], int | None] | None = None,
                  predictor: Any = None, prune_margin: float | None = 0.10,
-                 on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None):
+                 on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None,
+                 slots: Sequence[str] | None = None, poll_s: float = 0.5):
         self.study, self.space, self.opt = study, space, options
         self.runner, self.confirm_runner, self.workdir = runner, confirm_runner, workdir
         self.predict, self.predictor, self.prune_margin = predict, predictor, prune_margin
@@ -121,6 +134,10 @@ class Search:
         self.planner: FrontierPlanner | None = None
         self.gain: dict[str, Any] | None = None
         self._confirms: dict[Candidate, int] = {}  # candidate -> trial number it confirms
+        self._local = threading.local()  # the device of the worker thread running a trial
+        self._batch_low: int | None = None
+        self.executor = Executor(study, list(slots or [options.device]), self._work_on, on_trial=self.on_trial,
+                                 say=self.say, poll_s=poll_s, interrupt=self._kill_trials)
 
     # ---------------------------------------------------------------- running candidates
     def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False) -> TrialSpec:
@@ -137,7 +154,7 @@ class Search:
         scale = max(1.0, (self.opt.warmup_steps + steps) / (self.opt.warmup_steps + self.opt.measure_steps))
         return TrialSpec(
             workload=cand.apply_data(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
-            device=self.opt.device, budget_bytes=self.opt.budget_bytes,
+            device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.warmup_steps, measure_steps=steps,
             timeout_s=self.opt.trial_timeout_s * scale, smaller_batch_succeeded=smaller_ok,
             device_memory_bytes=self.opt.device_memory_bytes,
@@ -187,9 +204,10 @@ class Search:
         if predicted is not None:
             trial.set_user_attr(R.ATTR_PREDICTED, int(predicted))
         if role == "confirm":
-            trial.set_user_attr(R.ATTR_CONFIRMS, self._confirms.get(cand))
+            trial.set_user_attr(R.ATTR_CONFIRMS, trial.user_attrs.get(R.ATTR_CONFIRMS, self._confirms.get(cand)))
             spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True)
-            result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}")
+            result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}",
+                                             **self._trial_env())
             return self._tell(trial, result)
         known = self._known_infeasible(cand, predicted) if role == "search" else None
         earlier = self._reusable(cand) if role == "search" and known is None else None
@@ -199,12 +217,16 @@ class Search:
             result = R.result_of(earlier)
             trial.set_user_attr(R.ATTR_REUSED, earlier.number)
         else:
-            result = self.runner.run(self._spec(cand), workdir=self.workdir / f"trial-{trial.number:04d}")
+            result = self.runner.run(self._spec(cand), workdir=self.workdir / f"trial-{trial.number:04d}",
+                                     **self._trial_env())
         return self._tell(trial, result)
 
     def _tell(self, trial: Any, result: TrialResult) -> float:
         """Store ``result`` on the running Optuna trial and return its objective value (throughput in
-        samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL)."""
+        samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL).
+        A trial killed because this process was interrupted is not a result: KeyboardInterrupt."""
+        if self.executor.interrupted.is_set():
+            raise KeyboardInterrupt
         trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
         trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
         trial.set_user_attr(R.ATTR_PEAK_RESERVED, R.peak_reserved_label(result))  # readable in optuna-dashboard
@@ -214,32 +236,41 @@ class Search:
         trial.set_constraint("memory", R.violation(result, self.limit))
         return float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0
 
-    def _run_one(self, cand: Candidate, role: str) -> Any:
-        """Run ``cand`` as the next trial of the study; returns the FrozenTrial."""
-        self.study.enqueue_trial(cand.optuna_params(), skip_if_exists=False)
-        numbers: list[int] = []
-
-        def objective(trial: Any) -> float:
-            numbers.append(trial.number)
-            self.space.suggest(trial)  # the enqueued parameters
-            return self._evaluate(trial, cand, role)
-
-        self.study.optimize(objective, n_trials=1, catch=(_TrialErrored,), gc_after_trial=False)
-        frozen = self.study.get_trials(deepcopy=False)[numbers[0]] if numbers else None
-        if frozen is not None:
-            self.on_trial(frozen, frozen.user_attrs.get(R.ATTR_ROLE, role))
-        return frozen
-
     def _run_batch(self, cands: list[Candidate], role: str) -> list[Any]:
         """Run independent candidates (one round), one trial each, and return their FrozenTrials in
-        the order given. Sequential here; the only place trials of a round are launched, so a
-        concurrent executor can replace it. ``role`` ``frontier`` stores the default allocator's
-        probes as ``baseline``; ``confirm`` runs in a clean process for ``confirm_steps``."""
-        out = []
+        the order given: the only place trials of a round are launched. They run at once on the
+        workers (:class:`oomtune.search.workers.Executor`; other processes' workers included); a
+        candidate the study already ran in the same role is not run again. ``role`` ``frontier``
+        stores the default allocator's probes as ``baseline``; ``confirm`` runs in a clean process
+        for ``confirm_steps`` (repeats of one candidate are told apart by :data:`ATTR_REPEAT`)."""
+        items, seen = [], Counter()
         for cand in cands:
             this_role = "baseline" if role == "frontier" and cand.alloc_conf == "" else role
-            out.append(self._run_one(cand, this_role))
-        return out
+            attrs: dict[str, Any] = {}
+            if role == "confirm":
+                confirms = self._confirms.get(cand)
+                prior = sum(1 for t in self._finished("confirm") if t.user_attrs.get(R.ATTR_CONFIRMS) == confirms)
+                attrs = {R.ATTR_CONFIRMS: confirms, ATTR_REPEAT: prior + seen[cand]}
+                seen[cand] += 1
+            items.append((cand.optuna_params(), this_role, attrs))
+        return self.executor.run_batch(items)
+
+    def _work_on(self, trial: Any, slot: str) -> float:
+        """Run one claimed trial (of any role; it may come from another process's round) on the
+        worker's device ``slot``: the Executor's evaluate function."""
+        self._local.device = slot
+        role = trial.user_attrs.get(R.ATTR_ROLE, "search")
+        cand = self.space.suggest(trial, batch_low=self._batch_low if role == "search" else None)
+        return self._evaluate(trial, cand, role)
+
+    def _trial_env(self) -> dict[str, Any]:
+        """``env=`` for the runner: torch's thread count when several CPU trials share the cores."""
+        n = self.opt.torch_threads
+        return {} if n is None else {"env": {"OOMTUNE_TORCH_THREADS": str(n)}}
+
+    def _kill_trials(self) -> None:
+        for runner in (self.runner, self.confirm_runner):
+            runner.kill_all()
 
     def _finished(self, *roles: str) -> list[Any]:
         import optuna
@@ -352,19 +383,10 @@ class Search:
         find one that does."""
         if self.opt.objective == "batch":
             return
-        remaining = self.opt.n_trials - len(self._finished("search"))
-        if remaining <= 0:
+        if self.opt.n_trials - len(self._finished("search")) <= 0:
             return
-        low = baseline.params["batch_size"] // 4 if baseline is not None else None
-
-        def objective(trial: Any) -> float:
-            return self._evaluate(trial, self.space.suggest(trial, batch_low=low), "search")
-
-        def callback(study: Any, frozen: Any) -> None:
-            self.on_trial(frozen, "search")
-
-        self.study.optimize(objective, n_trials=remaining, timeout=self.opt.timeout_s,
-                            catch=(_TrialErrored,), callbacks=[callback], gc_after_trial=False)
+        self._batch_low = baseline.params["batch_size"] // 4 if baseline is not None else None
+        self.executor.run_sampler(self.opt.n_trials, "search", self.opt.timeout_s)
 
     # ---------------------------------------------------------------- 3. ranking and confirmation
     def _candidates(self) -> list[Any]:
@@ -436,7 +458,10 @@ class Search:
     def confirm(self, max_candidates: int = 3) -> tuple[Any | None, TrialResult | None, bool]:
         """Confirm the winner in a clean process (see the module docstring); first that passes wins.
 
-        Returns (winner trial, confirmation result or the trial's own, confirmed?)."""
+        Returns (winner trial, confirmation result or the trial's own, confirmed?). First waits for
+        every worker's probe and search trials (other processes' included), so that every process
+        ranks the same trials."""
+        self.executor.drain(PROBE_ROLES)
         ranked = self._ranked()
         if not ranked:
             return None, None, False
@@ -502,7 +527,7 @@ class Search:
         for t in self.study.get_trials(deepcopy=False):
             key = t.user_attrs.get(R.ATTR_OUTCOME)
             if key is None:
-                if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs:
+                if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs and ATTR_DUPLICATE_OF not in t.user_attrs:
                     outcomes["interrupted"] = outcomes.get("interrupted", 0) + 1
                     launched += 1
                 continue

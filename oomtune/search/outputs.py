@@ -4,16 +4,45 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from oomtune import __version__
-from oomtune.best import BestConfig, Choice, write_best
+from oomtune.best import BestConfig, Choice, load_best
 from oomtune.search import records as R
 from oomtune.trial.record import TrialResult
 from oomtune.units import format_bytes
 
-__all__ = ["write_outputs", "versions"]
+__all__ = ["write_outputs", "versions", "write_recorded_best", "recorded_best", "BEST_ATTR"]
+
+#: Study system attribute holding best.yaml's content, recorded once by the first worker to finish.
+BEST_ATTR = "oomtune:best"
+
+
+def write_recorded_best(study: Any, config: BestConfig, path: Path) -> Path:
+    """Record ``config`` as the study's answer unless a worker already recorded one
+    (:func:`oomtune.search.storage.record_once`: exactly one writer wins), then write the recorded
+    answer to ``path`` (atomically). Every worker of a study, on any machine, therefore writes the
+    same best.yaml, and ``oomtune best --storage URL --study NAME`` prints it again."""
+    from oomtune.search.storage import record_once
+
+    return _write_yaml(record_once(study, BEST_ATTR, json.loads(json.dumps(config.to_dict(), default=str))), path)
+
+
+def recorded_best(study: Any) -> dict[str, Any] | None:
+    """The best.yaml content recorded in the study, or None (no worker has finished yet)."""
+    return study._storage.get_study_system_attrs(study._study_id).get(BEST_ATTR)
+
+
+def _write_yaml(data: dict[str, Any], path: Path) -> Path:
+    import yaml
+
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+    return path
 
 
 def versions(device: Any) -> dict[str, Any]:
@@ -111,7 +140,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
                    "at_top_of_range": summary.at_top_of_range},
         frontiers=[c.to_dict() for c in summary.frontiers],
     )
-    path = write_best(config, run_dir / "best.yaml")
+    path = write_recorded_best(study, config, run_dir / "best.yaml")
+    best = load_best(path).best  # the study's recorded choice (another worker's when it was first)
     if summary.frontiers:
         console.print(frontier_table(summary.frontiers, best.alloc_conf))
     for line in summary_lines(summary, best, baseline, simulated=device.simulated,

@@ -16,7 +16,8 @@ from oomtune.exceptions import ConfigError
 from oomtune.search import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.search.space import SearchSpace
-from oomtune.search.storage import make_sampler, open_study, storage_url
+from oomtune.search.storage import again_on_conflict, make_sampler, open_study, storage_url
+from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
 
 __all__ = ["search", "RUN_FILE"]
@@ -39,6 +40,7 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         repeats=int(s.repeats), finalists=int(s.finalists),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
+        torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
     )
 
 
@@ -54,6 +56,29 @@ def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
     if shape_distribution(cfg).is_fixed:
         return workload
     return {**at_shape(cfg, worst_shapes(cfg)[0]), "target": workload["target"]}
+
+
+def _torch_threads(workers: int) -> int | None:
+    """torch threads per CPU trial when ``workers`` trials share this machine's cores (None for one
+    worker: torch's own default)."""
+    import os
+
+    return None if workers <= 1 else max(1, (os.cpu_count() or 1) // workers)
+
+
+def worker_slots(cfg_device: str, device: Any, workers: int) -> list[str]:
+    """The device of each worker thread: on CUDA one trial per GPU at a time, so ``device=cuda``
+    (or ``auto``) with several visible GPUs gives ``cuda:0 .. cuda:k-1`` for ``k = min(workers,
+    visible GPUs)`` (each trial pinned to its GPU by CUDA_VISIBLE_DEVICES, its physical identity
+    recorded: field case C10); ``cuda:N`` is one GPU, so one worker. On the virtual GPU, ``workers``
+    CPU trials (their torch threads split: :func:`_torch_threads`)."""
+    if device.simulated or workers <= 1:
+        return [device.spec] * max(1, workers)
+    if ":" in str(cfg_device):
+        return [device.spec]
+    import torch
+
+    return [f"cuda:{i}" for i in range(min(workers, max(1, torch.cuda.device_count())))]
 
 
 def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
@@ -136,11 +161,12 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         p = _Prepared(overrides)
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
-    study = open_study(url, str(cfg.study_name), p.sampler)
+    study = open_study(url, str(cfg.study_name), p.sampler, heartbeat_interval_s=int(cfg.search.heartbeat_interval),
+                       grace_period_s=int(cfg.search.grace_period), say=lambda line: _say(console, line))
     with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
         warnings.simplefilter("ignore")
-        study.set_metric_names([R.METRIC_NAME])  # optuna-dashboard names the objective
-    _check_resume(study, p.workload, p.budget_bytes)
+        again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))  # optuna-dashboard names the objective
+    again_on_conflict(lambda: _check_resume(study, p.workload, p.budget_bytes))  # other workers start at once
     C.save_config(cfg, p.run_dir, overrides)
     (p.run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
 
@@ -165,11 +191,18 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
     progress.legend(simulated=device.simulated)
+    slots = worker_slots(str(cfg.device), device, int(cfg.search.workers))
+    if len(slots) > 1 or int(cfg.search.workers) > 1:
+        _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
+                      f"{', '.join(sorted(set(slots)))}"
+                      + (f" ({options.torch_threads} torch thread(s) each)" if options.torch_threads else "")
+                      + ("" if len(slots) == int(cfg.search.workers) else
+                         f"; search.workers={cfg.search.workers} capped: one trial per GPU at a time"))
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),
                    workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
-                   predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress,
+                   predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress, slots=slots,
                    say=lambda text: _say(console, text))
     progress.leader = drive.leader
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -192,6 +225,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         runner.close()
         confirm_runner.close()
     summary = drive.summary(best, best_result, confirmed, baseline)
+    # Coordination counters of this process (storage round trips, seconds in them, trials claimed,
+    # duplicates finished without running): experiments/bench_workers.py reads them.
+    (p.run_dir / "workers.json").write_text(json.dumps({"slots": slots, **drive.executor.stats}))
     from oomtune.search.outputs import write_outputs
 
     if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
@@ -216,7 +252,8 @@ def _count(study: Any, role: str) -> int:
 def _resume_line(study: Any) -> str | None:
     counts = {role: _count(study, role) for role in ("baseline", "search", "confirm")}
     interrupted = sum(1 for t in study.get_trials(deepcopy=False)
-                      if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs)
+                      if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs
+                      and ATTR_DUPLICATE_OF not in t.user_attrs)
     if not any(counts.values()) and not interrupted:
         return None
     line = ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())

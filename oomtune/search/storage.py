@@ -13,10 +13,13 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError, StudyNotFoundError
 
-__all__ = ["storage_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message"]
+__all__ = ["storage_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message",
+           "retrying", "record_once", "again_on_conflict", "HEARTBEAT_INTERVAL_S", "GRACE_PERIOD_S", "MAX_RETRIES"]
 
-HEARTBEAT_INTERVAL_S = 10
-GRACE_PERIOD_S = 30
+HEARTBEAT_INTERVAL_S = 10   # a RUNNING trial's worker writes a heartbeat this often (seconds)
+GRACE_PERIOD_S = 30         # ... and its trial is failed (and retried) this long after the last one
+MAX_RETRIES = 3             # re-runs of a trial whose worker stopped (RetryHeartbeatStaleTrialCallback)
+STORAGE_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)  # backoff on a lost storage connection
 
 
 def storage_url(storage: str | None, run_dir: Path) -> str:
@@ -26,8 +29,15 @@ def storage_url(storage: str | None, run_dir: Path) -> str:
     return str(storage)
 
 
-def make_storage(url: str) -> Any:
+def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
+                 grace_period_s: int = GRACE_PERIOD_S) -> Any:
     """An Optuna storage for ``url`` (RDB with heartbeat, or a JournalStorage for ``journal:PATH``).
+
+    RDB storages get Optuna's heartbeat (``heartbeat_interval``, ``grace_period``) and its retry
+    callback (``RetryHeartbeatStaleTrialCallback``, ``RetryFailedTrialCallback`` before Optuna 4.9):
+    a trial whose worker stopped is failed ``grace_period_s`` after its last heartbeat and enqueued
+    again, at most :data:`MAX_RETRIES` times. Connections are checked before use
+    (SQLAlchemy ``pool_pre_ping``), so a dropped connection is replaced, not reused.
 
     Raises:
         ConfigError: the URL is not a storage Optuna can open (one line).
@@ -44,7 +54,8 @@ def make_storage(url: str) -> Any:
         with warnings.catch_warnings():  # heartbeat_interval is marked experimental in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.RDBStorage(
-                url, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
+                url, engine_kwargs=_engine_kwargs(url), heartbeat_interval=int(heartbeat_interval_s),
+                grace_period=int(grace_period_s), **_retry_callback(optuna),
             )
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
         raise ConfigError(storage_error_message(url, exc)) from None
@@ -97,6 +108,102 @@ def _redact(url: str) -> str:
     return f"{head}://{user}{':***' if colon else ''}@{host}"
 
 
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine options: ``pool_pre_ping`` for servers; for SQLite a 60 s busy timeout, so
+    that several writers wait for the lock instead of failing with "database is locked"."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 60}}
+    return {"pool_pre_ping": True}
+
+
+def _retry_callback(optuna: Any) -> dict[str, Any]:
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    if cls is not None:  # Optuna >= 4.9
+        return {"heartbeat_stale_trial_callback": cls(max_retry=MAX_RETRIES)}
+    return {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=MAX_RETRIES)}
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    """A lost or refused storage connection (SQLAlchemy OperationalError/InterfaceError, or the
+    driver's own), as opposed to a programming error."""
+    try:
+        from sqlalchemy import exc as sa_exc
+    except ImportError:  # pragma: no cover - SQLAlchemy comes with Optuna
+        return False
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and bool(getattr(exc, "connection_invalidated", False))
+
+
+def retrying(fn: Any, what: str, *, say: Any = None, delays_s: tuple[float, ...] = STORAGE_RETRY_S) -> Any:
+    """``fn()``, retried with backoff while the storage connection is lost.
+
+    Each retry is announced by ``say`` in one line ("storage connection lost while WHAT: ...;
+    retry 2 in 4 s"); other exceptions propagate at once.
+
+    Raises:
+        The last connection error, after ``len(delays_s)`` retries (about 2 minutes by default).
+    """
+    import time
+
+    for attempt, delay in enumerate((*delays_s, None), start=1):
+        try:
+            return fn()
+        except Exception as exc:
+            if delay is None or not _is_connection_error(exc):
+                raise
+            if say is not None:
+                first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+                say(f"storage connection lost while trying to {what}: {first}; retry {attempt} of "
+                    f"{len(delays_s)} in {delay:g} s")
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def again_on_conflict(fn: Any) -> Any:
+    """``fn()``; once more if a concurrent worker inserted the same row first (SQLAlchemy
+    IntegrityError: Optuna's attribute setters read, then insert or update, so two workers setting
+    the same new study attribute at once collide; the second try updates)."""
+    from sqlalchemy import exc as sa_exc
+
+    try:
+        return fn()
+    except sa_exc.IntegrityError:
+        return fn()
+
+
+def record_once(study: Any, key: str, value: Any) -> Any:
+    """Store ``value`` under the study's system attribute ``key`` unless one is already stored;
+    return the stored value (ours or the earlier one). Exactly one writer wins, on any machine:
+
+    - RDB storages: a plain INSERT into Optuna's ``study_system_attributes`` table, whose unique
+      (study_id, key) constraint lets exactly one concurrent INSERT commit; the losers read the
+      winner's value.
+    - other storages (journal, in-memory): read, then write if absent (safe within one process).
+    """
+    import json
+
+    storage = study._storage
+    stored = storage.get_study_system_attrs(study._study_id).get(key)
+    if stored is not None:
+        return stored
+    engine = getattr(storage, "engine", None)
+    if engine is None:
+        study._storage.set_study_system_attr(study._study_id, key, value)
+        return study._storage.get_study_system_attrs(study._study_id).get(key)
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy import text
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO study_system_attributes (study_id, key, value_json) "
+                              "VALUES (:study_id, :key, :value)"),
+                         {"study_id": study._study_id, "key": key, "value": json.dumps(value)})
+    except sa_exc.IntegrityError:
+        pass  # another process recorded it first
+    return storage.get_study_system_attrs(study._study_id)[key]
+
+
 def make_sampler(name: str, seed: int | None) -> Any:
     """An Optuna sampler by name: tpe (default), random, qmc, gp.
 
@@ -109,7 +216,10 @@ def make_sampler(name: str, seed: int | None) -> Any:
     import optuna
 
     samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=True),
+        # constant_liar: trials still RUNNING (other workers') count as bad, so that workers do not
+        # all sample the same point; without concurrent trials it changes nothing.
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=True,
+                                                  constant_liar=True),
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
         "qmc": lambda: optuna.samplers.QMCSampler(seed=seed),
         "gp": lambda: optuna.samplers.GPSampler(seed=seed),
@@ -123,14 +233,21 @@ def make_sampler(name: str, seed: int | None) -> Any:
         return samplers[name]()
 
 
-def open_study(url: str, study_name: str, sampler: Any) -> Any:
-    """Create the study, or load it when it exists (resume). Fails stale RUNNING trials."""
+def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
+               grace_period_s: int = GRACE_PERIOD_S, say: Any = None) -> Any:
+    """Create the study, or load it when it exists (resume; or join it: other workers on the same
+    storage and study name). Fails stale RUNNING trials. Retries a lost connection (:func:`retrying`)."""
     import optuna
 
-    storage = make_storage(url)
-    study = optuna.create_study(
-        storage=storage, study_name=study_name, sampler=sampler, direction="maximize", load_if_exists=True
-    )
+    storage = make_storage(url, heartbeat_interval_s=heartbeat_interval_s, grace_period_s=grace_period_s)
+    def create() -> Any:
+        try:
+            return optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
+                                       direction="maximize", load_if_exists=True)
+        except optuna.exceptions.DuplicatedStudyError:  # another worker created it just now
+            return optuna.load_study(study_name=study_name, storage=storage, sampler=sampler)
+
+    study = retrying(create, "open the study", say=say)
     import warnings
 
     with warnings.catch_warnings():

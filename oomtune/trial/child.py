@@ -68,6 +68,20 @@ class SettingsMismatchError(RuntimeError):
     """The allocator environment or the settings torch reports differ from the spec (setup fault)."""
 
 
+#: Set by the search when several CPU trials share the machine (``search.workers``): torch's
+#: intra-op threads for this trial, so that concurrent trials do not fight for the cores.
+TORCH_THREADS_ENV = "OOMTUNE_TORCH_THREADS"
+
+
+def _apply_thread_limit(result: TrialResult) -> None:
+    """``torch.set_num_threads`` from :data:`TORCH_THREADS_ENV` (a forked child inherits the fork
+    server's thread count, so the variable is applied here rather than through OMP_NUM_THREADS)."""
+    value = os.environ.get(TORCH_THREADS_ENV, "")
+    if value.isdigit() and int(value) >= 1:
+        torch.set_num_threads(int(value))
+        result.extra["torch_threads"] = int(value)
+
+
 def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialResult:
     """Run one trial in this process and return its record; never raises for trial failures.
 
@@ -88,6 +102,7 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
         alloc_conf=spec.alloc_conf,
     )
     result.extra["pid"] = os.getpid()
+    _apply_thread_limit(result)
     stats: list[Callable[[], dict[str, Any]]] = []  # filled once the memory source exists
     try:
         _check_alloc_env(spec)

@@ -1,0 +1,316 @@
+"""Many trials at once: worker threads that share the work of one study through Optuna's storage.
+
+Work is divided through the study itself, as Optuna's distributed optimisation does: a round of
+candidates is *enqueued* (``Study.enqueue_trial``: WAITING trials) and any worker, in this process
+or in another process or machine pointed at the same storage, *claims* one by moving it from
+WAITING to RUNNING (``Study._pop_waiting_trial_id``: a row-locked state change on PostgreSQL, so
+exactly one claimer wins). The sampler's own trials are asked for (``Study.ask``) by whichever
+worker is free.
+
+No candidate runs twice: every enqueued candidate carries a key (role + parameters + extra
+attributes, :data:`ATTR_KEY`). A round first looks for a trial with its key (one that has a result,
+or is still WAITING/RUNNING) and reuses it; when two processes enqueue the same candidate at once,
+the trial with the lower number runs and the other is finished as FAIL with
+:data:`ATTR_DUPLICATE_OF` (no trial process launched). The baseline's probes are therefore not
+repeated by a second process that computes the same probe.
+
+Faults: each running trial has Optuna's heartbeat (RDB storages); a worker killed mid-trial leaves
+a RUNNING trial that :func:`optuna.storages.fail_stale_trials` (called by every worker while it
+claims work) fails after the grace period, and the storage's retry callback re-enqueues it for the
+next free worker (:func:`oomtune.search.storage.make_storage`). A candidate left without a result
+and without a live trial (e.g. its worker was interrupted) is enqueued again, up to
+:data:`MAX_ATTEMPTS` times. Storage calls that fail on a dropped connection are retried with
+backoff (:func:`oomtune.search.storage.retrying`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from oomtune.search import records as R
+from oomtune.search.storage import retrying
+
+__all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
+
+ATTR_KEY = "oomtune.key"                 # the candidate's identity within its role
+ATTR_DUPLICATE_OF = "oomtune.duplicate_of"
+MAX_ATTEMPTS = 3                         # enqueues of one candidate left without a result
+
+
+class TrialErrored(Exception):
+    """Raised by an evaluate function so that the trial is told FAIL (an error or crash outcome)."""
+
+
+def trial_key(role: str, params: dict[str, Any], attrs: dict[str, Any] | None = None) -> str:
+    """The identity of an enqueued candidate: ``role|params|attrs`` as canonical JSON."""
+    return f"{role}|{json.dumps(params, sort_keys=True)}|{json.dumps(attrs or {}, sort_keys=True)}"
+
+
+def _has_result(t: Any) -> bool:
+    return t.state.name in ("COMPLETE", "FAIL") and R.ATTR_RESULT in t.user_attrs
+
+
+def _live(t: Any) -> bool:
+    return t.state.name in ("WAITING", "RUNNING")
+
+
+class Executor:
+    """Runs the trials of one study on ``len(slots)`` worker threads of this process.
+
+    Args:
+        study: the Optuna study (shared by every worker, here and elsewhere).
+        slots: one entry per worker thread, handed to ``evaluate`` (the device spec the worker's
+            trials run on, e.g. ``"cuda:1"``; ``"cpu"`` for the virtual GPU).
+        evaluate: ``evaluate(trial, slot) -> float`` runs one claimed trial (its role in
+            ``trial.user_attrs[ATTR_ROLE]``, absent for a sampler trial) and returns the objective
+            value; raises :class:`TrialErrored` for a FAIL outcome.
+        on_trial: called with each FrozenTrial this process finished, and its role.
+        say: prints one line (storage retries, retried trials).
+        poll_s: seconds between looks at the study while waiting for other workers.
+        interrupt: called once when the main thread is interrupted (Ctrl-C) while worker threads
+            run, before waiting for them (e.g. ``TrialRunner.kill_all``); :attr:`interrupted` is set
+            first, so an evaluate function can tell a killed trial from a result.
+    """
+
+    def __init__(self, study: Any, slots: Sequence[str], evaluate: Callable[[Any, str], float], *,
+                 on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None,
+                 poll_s: float = 0.5, interrupt: Callable[[], None] | None = None) -> None:
+        if not slots:
+            raise ValueError("an Executor needs at least one slot")
+        self.study, self.slots, self.evaluate = study, list(slots), evaluate
+        self.on_trial = on_trial or (lambda trial, role: None)
+        self.say = say or (lambda line: None)
+        self.poll_s = poll_s
+        self.interrupt = interrupt or (lambda: None)
+        self.interrupted = threading.Event()
+        self._lock = threading.Lock()     # one claim/ask at a time within this process
+        self._last_stale_check = 0.0
+        self._error: BaseException | None = None
+        self.stats = {"storage_calls": 0, "storage_s": 0.0, "claimed": 0, "duplicates": 0}
+
+    # ------------------------------------------------------------------ storage helpers
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return retrying(fn, what, say=self.say)
+        finally:  # best-effort counters (benchmarks read them)
+            self.stats["storage_calls"] += 1
+            self.stats["storage_s"] += time.perf_counter() - started
+
+    def _trials(self) -> list[Any]:
+        return self._call("read trials", lambda: self.study.get_trials(deepcopy=False))
+
+    def _fail_stale(self) -> None:
+        """Fail RUNNING trials whose heartbeat stopped (their retry is enqueued by the storage's
+        callback); at most once per second per process."""
+        now = time.monotonic()
+        if now - self._last_stale_check < 1.0:
+            return
+        self._last_stale_check = now
+        import warnings
+
+        import optuna
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self._call("fail stale trials", lambda: optuna.storages.fail_stale_trials(self.study))
+
+    # ------------------------------------------------------------------ claiming and running
+    def _claim(self) -> Any | None:
+        """A WAITING trial of the study, now RUNNING and ours; None when none is waiting."""
+        import optuna
+
+        self._fail_stale()
+        with self._lock:
+            trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
+            return None if trial_id is None else optuna.Trial(self.study, trial_id)
+
+    def _ask(self, admit: Callable[[], bool], role: str) -> Any | None:
+        """A WAITING trial, else a new trial from the sampler when ``admit()`` (checked under the
+        process's lock, so this process's workers never overshoot it)."""
+        import warnings
+
+        import optuna
+
+        self._fail_stale()
+        with self._lock:
+            trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
+            if trial_id is not None:
+                return optuna.Trial(self.study, trial_id)
+            if not admit():
+                return None
+            with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize"
+                warnings.simplefilter("ignore")
+                trial = self._call("ask the sampler", self.study.ask)
+            self._call("set the role", lambda: trial.set_user_attr(R.ATTR_ROLE, role))  # counted from now on
+            return trial
+
+    def _duplicate_of(self, trial: Any) -> int | None:
+        key = trial.user_attrs.get(ATTR_KEY)
+        if key is None:
+            return None
+        for t in self._trials():
+            if (t.number < trial.number and t.user_attrs.get(ATTR_KEY) == key
+                    and ATTR_DUPLICATE_OF not in t.user_attrs and (_live(t) or _has_result(t))):
+                return t.number
+        return None
+
+    def _run_claimed(self, trial: Any, slot: str) -> None:
+        """Run one claimed trial with a heartbeat and tell Optuna its outcome."""
+        from optuna.storages._heartbeat import get_heartbeat_thread
+        from optuna.trial import TrialState
+
+        self.stats["claimed"] += 1
+        original = self._duplicate_of(trial)
+        if original is not None:
+            self.stats["duplicates"] += 1
+            self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
+            self._call("tell", lambda: self.study.tell(trial, state=TrialState.FAIL))
+            return
+        system_attrs = self._call("read a trial", lambda: self.study._storage.get_trial(trial._trial_id).system_attrs)
+        if "failed_trial" in system_attrs:
+            self.say(f"[trial {trial.number}] retrying trial {system_attrs['failed_trial']} "
+                     "(its worker stopped: heartbeat expired)")
+        state, value = TrialState.FAIL, None
+        try:
+            with get_heartbeat_thread(trial._trial_id, self.study._storage):
+                value = self.evaluate(trial, slot)
+            state = TrialState.COMPLETE
+        except TrialErrored:
+            pass
+        finally:  # also on Ctrl-C: the trial is FAIL without a result ("interrupted")
+            frozen = self._call("tell", lambda: self.study.tell(trial, value, state=state, skip_if_finished=True))
+        self.on_trial(frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search"))
+
+    def _work(self, slot: str, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
+        # This loop is an optimize loop in Optuna's sense: samplers may call Study.stop() from
+        # after_trial (GridSampler, grid exhausted), which Optuna allows only inside one.
+        local = self.study._thread_local
+        was, local.in_optimize_loop = local.in_optimize_loop, True
+        try:
+            while self._error is None and not done():
+                trial = next_trial()
+                if trial is None:
+                    time.sleep(self.poll_s)
+                    continue
+                self._run_claimed(trial, slot)
+        finally:
+            local.in_optimize_loop = was
+
+    def _run_workers(self, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
+        """Every slot works until ``done()``; the first exception of any worker is re-raised here
+        after the others stop (a KeyboardInterrupt in the main thread stops them too)."""
+        if len(self.slots) == 1:
+            self._work(self.slots[0], next_trial, done)
+            return
+        self._error = None
+
+        def body(slot: str) -> None:
+            try:
+                self._work(slot, next_trial, done)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self._error = self._error or exc
+
+        threads = [threading.Thread(target=body, args=(s,), name=f"oomtune-worker-{i}", daemon=True)
+                   for i, s in enumerate(self.slots)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except BaseException as exc:
+            self._error = self._error or exc
+            self.interrupted.set()
+            self.interrupt()
+            for t in threads:
+                t.join()
+            raise
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # ------------------------------------------------------------------ public API
+    def run_batch(self, items: Sequence[tuple[dict[str, Any], str, dict[str, Any]]]) -> list[Any]:
+        """Run a round of independent candidates; returns one FrozenTrial per item, in order.
+
+        Args:
+            items: ``(params, role, extra user attrs)`` per candidate; ``params`` are Optuna
+                parameters (``Candidate.optuna_params()``).
+
+        Returns:
+            per item, the trial holding its result (reused when the study already had one), or
+            the last failed attempt after :data:`MAX_ATTEMPTS` attempts without a result.
+        """
+        keys = [trial_key(role, params, attrs) for params, role, attrs in items]
+        attempts = dict.fromkeys(keys, 0)
+
+        def resolve() -> dict[str, Any]:
+            found: dict[str, Any] = {}
+            trials = self._trials()
+            for (params, role, attrs), key in zip(items, keys):
+                mine = [t for t in trials if t.user_attrs.get(ATTR_KEY) == key
+                        and ATTR_DUPLICATE_OF not in t.user_attrs]
+                done = [t for t in mine if _has_result(t)]
+                if done:
+                    found[key] = min(done, key=lambda t: t.number)
+                elif not any(_live(t) for t in mine):
+                    if attempts[key] >= MAX_ATTEMPTS and mine:
+                        found[key] = max(mine, key=lambda t: t.number)
+                        continue
+                    attempts[key] += 1
+                    user_attrs = {R.ATTR_ROLE: role, ATTR_KEY: key, **attrs}
+                    self._call("enqueue", lambda: self.study.enqueue_trial(params, user_attrs=user_attrs))
+            return found
+
+        state = {"found": resolve(), "at": time.monotonic()}
+
+        def done() -> bool:
+            with self._lock:
+                if len(state["found"]) < len(set(keys)) and time.monotonic() - state["at"] >= self.poll_s / 2:
+                    state["found"], state["at"] = resolve(), time.monotonic()
+                return len(state["found"]) >= len(set(keys))
+
+        self._run_workers(self._claim, done)
+        state["found"] = resolve()
+        return [state["found"][k] for k in keys]
+
+    def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> None:
+        """Sampler trials until the study holds ``n_trials`` of ``role`` (finished with a result,
+        or running), counting every process's; WAITING trials of any role are run first.
+
+        With several processes the count is read before each ask, so the study may end with up
+        to (processes - 1) more trials than ``n_trials``; within a process it never overshoots."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.study._stop_flag = False  # set by Study.stop() (e.g. GridSampler: grid exhausted)
+
+        def counted() -> int:
+            return sum(1 for t in self._trials()
+                       if t.user_attrs.get(R.ATTR_ROLE) == role and ATTR_KEY not in t.user_attrs
+                       and (_has_result(t) or t.state.name == "RUNNING"))
+
+        def admit() -> bool:
+            return (counted() < n_trials and not self.study._stop_flag
+                    and (deadline is None or time.monotonic() < deadline))
+
+        def done() -> bool:
+            if self.study._stop_flag or (deadline is not None and time.monotonic() >= deadline):
+                return True
+            return counted() >= n_trials and not self._any_waiting()
+
+        self._run_workers(lambda: self._ask(admit, role), done)
+
+    def _any_waiting(self) -> bool:
+        return any(t.state.name == "WAITING" for t in self._trials())
+
+    def drain(self, roles: Sequence[str] = ("baseline", "search")) -> None:
+        """Work until no trial of ``roles`` is WAITING or RUNNING anywhere (every process's
+        trials have finished), so that every process ranks the same finished trials."""
+
+        def done() -> bool:
+            return not any(_live(t) and t.user_attrs.get(R.ATTR_ROLE, "search") in roles for t in self._trials())
+
+        self._run_workers(self._claim, done)

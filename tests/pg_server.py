@@ -1,0 +1,135 @@
+"""A throwaway PostgreSQL server for tests and benchmarks (issue 10).
+
+Uses the operating system's PostgreSQL server binaries (Debian/Ubuntu package ``postgresql``, which
+``.ci/run`` installs when missing): ``initdb`` creates a cluster in a temporary directory,
+``pg_ctl`` starts it on 127.0.0.1 at a free port (trust authentication, fsync off: a test cluster),
+and :meth:`PgServer.stop` removes it. PostgreSQL refuses to run as root, so under root the binaries
+run as the unprivileged ``postgres`` user (created by the package) through ``runuser``, and the
+cluster directory is handed to that user.
+
+:func:`start_or_skip` is what tests call: it skips with the reason when no server can be started,
+except under CI (``CI=true``), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+__all__ = ["PgServer", "PgUnavailable", "find_bin_dir", "start_or_skip"]
+
+
+class PgUnavailable(RuntimeError):
+    """No PostgreSQL server can be started here (the reason is the message)."""
+
+
+def find_bin_dir() -> Path:
+    """The directory holding initdb and pg_ctl: on PATH, else the newest /usr/lib/postgresql/*/bin.
+
+    Raises:
+        PgUnavailable: no server binaries.
+    """
+    initdb = shutil.which("initdb")
+    if initdb:
+        return Path(initdb).parent
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    if not found:
+        raise PgUnavailable("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
+    return Path(found[-1]).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PgServer:
+    """One PostgreSQL cluster on 127.0.0.1:``port`` with superuser ``oomtune`` (trust auth)."""
+
+    def __init__(self) -> None:
+        self.bin = find_bin_dir()
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="oomtune-pg-"))
+        self.data = self.dir / "data"
+        self._prefix: list[str] = []
+        if os.geteuid() == 0:
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                raise PgUnavailable("running as root and there is no 'postgres' user to run the server as") from None
+            if shutil.which("runuser") is None:
+                raise PgUnavailable("running as root and runuser is missing (util-linux)")
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self._prefix = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*self._prefix, *argv], capture_output=True, text=True, timeout=120)
+
+    def start(self) -> "PgServer":
+        """initdb + pg_ctl start (waits until the server accepts connections).
+
+        Raises:
+            PgUnavailable: either step failed (its stderr in the message).
+        """
+        r = self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "oomtune",
+                      "--no-sync", "-E", "UTF8")
+        if r.returncode != 0:
+            raise PgUnavailable(f"initdb failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        opts = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        r = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l",
+                      str(self.dir / "server.log"), "-w", "-t", "60", "start")
+        if r.returncode != 0:
+            log = (self.dir / "server.log").read_text(errors="replace")[-400:] if (self.dir / "server.log").exists() else ""
+            raise PgUnavailable(f"pg_ctl start failed: {(r.stderr or r.stdout).strip()[-300:]} {log}")
+        return self
+
+    def url(self, database: str = "postgres") -> str:
+        """SQLAlchemy URL of ``database`` (psycopg2 driver)."""
+        return f"postgresql+psycopg2://oomtune@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str | None = None) -> str:
+        """``CREATE DATABASE`` (a fresh one per test); returns its URL."""
+        import psycopg2
+
+        name = name or f"t_{uuid.uuid4().hex[:12]}"
+        conn = psycopg2.connect(host="127.0.0.1", port=self.port, user="oomtune", dbname="postgres")
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        conn.close()
+        return self.url(name)
+
+    def stop(self) -> None:
+        """Stop the server (immediate) and delete the cluster."""
+        if self.data.exists():
+            self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_or_skip() -> PgServer:
+    """A started :class:`PgServer`; ``pytest.skip`` with the reason when impossible, but
+    ``pytest.fail`` under CI (``CI=true``), where the server must start."""
+    import pytest
+
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        reason = "psycopg2 is not installed (pip install -e '.[dev]')"
+    else:
+        try:
+            return PgServer().start()
+        except PgUnavailable as exc:
+            reason = str(exc)
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"PostgreSQL test server could not start under CI: {reason}")
+    pytest.skip(f"no PostgreSQL test server: {reason}")

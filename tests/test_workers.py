@@ -1,0 +1,175 @@
+"""Workers sharing a study (oomtune.search.workers) and the storage helpers they rely on (issue 10).
+
+The Executor is driven here with a fake evaluate function on SQLite studies; the searches of
+several processes on a real PostgreSQL server are in test_workers_pg.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import optuna
+import pytest
+
+from oomtune.search import records as R
+from oomtune.search.storage import make_storage, record_once, retrying
+from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY, Executor, TrialErrored, trial_key
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+def _study(tmp_path, name="s"):
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval_s=1, grace_period_s=2)
+    return optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+
+
+class _Recorder:
+    """evaluate(trial, slot): suggests x, stores a result, counts concurrent calls."""
+
+    def __init__(self, sleep_s=0.0, fail_x=None):
+        self.calls, self.slots, self.live, self.max_live = [], [], 0, 0
+        self.sleep_s, self.fail_x = sleep_s, fail_x
+        self.lock = threading.Lock()
+
+    def __call__(self, trial, slot):
+        x = trial.suggest_int("x", 0, 100)
+        with self.lock:
+            self.calls.append(x)
+            self.slots.append(slot)
+            self.live += 1
+            self.max_live = max(self.max_live, self.live)
+        try:
+            time.sleep(self.sleep_s)
+            trial.set_user_attr(R.ATTR_RESULT, {"x": x})
+            if x == self.fail_x:
+                raise TrialErrored("boom")
+            return float(x)
+        finally:
+            with self.lock:
+                self.live -= 1
+
+
+def test_run_batch_returns_one_trial_per_candidate_in_order_and_runs_them_at_once(tmp_path):
+    study = _study(tmp_path)
+    ev = _Recorder(sleep_s=0.3)
+    ex = Executor(study, ["cpu"] * 3, ev, poll_s=0.05)
+    out = ex.run_batch([({"x": x}, "baseline", {}) for x in (5, 7, 9)])
+    assert [t.params["x"] for t in out] == [5, 7, 9]
+    assert [t.value for t in out] == [5.0, 7.0, 9.0]
+    assert sorted(ev.calls) == [5, 7, 9]
+    assert ev.max_live >= 2  # 3 slots, 3 candidates of 0.3 s each: they overlapped
+
+
+def test_a_candidate_already_run_is_not_run_again(tmp_path):
+    study = _study(tmp_path)
+    ev = _Recorder()
+    ex = Executor(study, ["cpu"], ev, poll_s=0.05)
+    first = ex.run_batch([({"x": 3}, "baseline", {})])[0]
+    again = ex.run_batch([({"x": 3}, "baseline", {}), ({"x": 4}, "baseline", {})])
+    assert ev.calls == [3, 4]                   # x=3 ran once
+    assert again[0].number == first.number      # the same trial is returned
+    confirm = ex.run_batch([({"x": 3}, "confirm", {"c": 1})])[0]   # another role: a new trial
+    assert ev.calls == [3, 4, 3] and confirm.number != first.number
+
+
+def test_a_candidate_enqueued_twice_by_two_processes_runs_once(tmp_path):
+    # Two processes computed the same round and both enqueued it before either claimed it: the
+    # lower-numbered trial runs, the other is finished as a duplicate without running.
+    study = _study(tmp_path)
+    key = trial_key("baseline", {"x": 11})
+    for _ in range(2):
+        study.enqueue_trial({"x": 11}, user_attrs={R.ATTR_ROLE: "baseline", ATTR_KEY: key})
+    ev = _Recorder()
+    out = Executor(study, ["cpu", "cpu"], ev, poll_s=0.05).run_batch([({"x": 11}, "baseline", {})])
+    assert ev.calls == [11]
+    trials = study.get_trials(deepcopy=False)
+    assert out[0].number == 0 and trials[0].state.name == "COMPLETE"
+    assert trials[1].state.name == "FAIL" and trials[1].user_attrs[ATTR_DUPLICATE_OF] == 0
+
+
+def test_failed_candidates_keep_their_result_and_are_not_retried(tmp_path):
+    study = _study(tmp_path)
+    ev = _Recorder(fail_x=2)
+    out = Executor(study, ["cpu"], ev, poll_s=0.05).run_batch([({"x": 2}, "search", {})])
+    assert out[0].state.name == "FAIL" and out[0].user_attrs[R.ATTR_RESULT] == {"x": 2}
+    assert ev.calls == [2]
+
+
+def test_a_trial_left_running_by_a_dead_worker_is_retried_by_another(tmp_path):
+    # A worker claimed trial 0 and died (no heartbeat after the first): after the grace period any
+    # worker fails it, Optuna's retry callback enqueues a copy, and the copy runs.
+    study = _study(tmp_path)
+    key = trial_key("baseline", {"x": 8})
+    study.enqueue_trial({"x": 8}, user_attrs={R.ATTR_ROLE: "baseline", ATTR_KEY: key})
+    dead = study._pop_waiting_trial_id()
+    study._storage.record_heartbeat(dead)
+    lines = []
+    ev = _Recorder()
+    out = Executor(study, ["cpu"], ev, poll_s=0.1, say=lines.append).run_batch([({"x": 8}, "baseline", {})])
+    assert ev.calls == [8]
+    assert study.get_trials(deepcopy=False)[0].state.name == "FAIL"
+    retried = out[0]
+    assert retried.number != 0 and retried.system_attrs["failed_trial"] == 0
+    assert any("retrying trial 0" in line for line in lines)
+
+
+def test_sampler_trials_stop_at_n_trials_with_several_workers(tmp_path):
+    study = _study(tmp_path)
+    ev = _Recorder(sleep_s=0.05)
+    Executor(study, ["cpu"] * 3, ev, poll_s=0.05).run_sampler(7, "search")
+    done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == "search"]
+    assert len(done) == 7 and all(t.state.name == "COMPLETE" for t in done)
+
+
+def test_each_worker_uses_its_slot(tmp_path):
+    study = _study(tmp_path)
+    ev = _Recorder(sleep_s=0.2)
+    Executor(study, ["cuda:0", "cuda:1"], ev, poll_s=0.05).run_batch(
+        [({"x": x}, "baseline", {}) for x in range(4)])
+    assert set(ev.slots) <= {"cuda:0", "cuda:1"} and len(ev.slots) == 4
+
+
+def test_record_once_keeps_the_first_value(tmp_path):
+    study = _study(tmp_path)
+    assert record_once(study, "oomtune:best", {"batch": 1}) == {"batch": 1}
+    assert record_once(study, "oomtune:best", {"batch": 2}) == {"batch": 1}
+    other = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert record_once(other, "oomtune:best", {"batch": 3}) == {"batch": 1}
+
+
+def test_record_once_from_many_threads_has_one_winner(tmp_path):
+    study = _study(tmp_path)
+    got = []
+
+    def write(i):
+        s = optuna.load_study(study_name="s", storage=make_storage(f"sqlite:///{tmp_path / 'study.db'}"))
+        got.append(record_once(s, "k", {"writer": i}))
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6 and all(g == got[0] for g in got)
+
+
+def test_retrying_says_so_and_retries_only_connection_errors():
+    from sqlalchemy.exc import OperationalError
+
+    calls, lines = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
+        return "ok"
+
+    assert retrying(flaky, "read trials", say=lines.append, delays_s=(0.0, 0.0, 0.0)) == "ok"
+    assert len(calls) == 3 and len(lines) == 2
+    assert "storage connection lost while trying to read trials: " in lines[0] and "retry 1 of 3" in lines[0]
+    with pytest.raises(ValueError):
+        retrying(lambda: (_ for _ in ()).throw(ValueError("a bug")), "x", delays_s=(0.0,))
+    with pytest.raises(OperationalError):
+        retrying(lambda: flaky() if False else (_ for _ in ()).throw(
+            OperationalError("x", {}, Exception("down"))), "x", delays_s=(0.0,))

@@ -1,0 +1,139 @@
+"""Several `oomtune search` processes sharing one study on a real PostgreSQL server (issue 10).
+
+The server is a throwaway cluster (tests/pg_server.py: the OS package's initdb/pg_ctl on 127.0.0.1,
+run as the ``postgres`` user under root). These tests skip when it cannot start, except under CI.
+
+The target is tests/data/sleep_trial.py: each trial sleeps, "runs out of memory" above batch 48,
+and reports throughput = batch, so the right answer is known by hand: batch 48 under the default
+allocator (no setting changes the throughput; the default wins ties, search.min_gain).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pg_server import start_or_skip  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
+
+
+@pytest.fixture(scope="module")
+def pg():
+    server = start_or_skip()
+    yield server
+    server.stop()
+
+
+def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
+    return ["target=cmd", f"target.command='{sys.executable} {SCRIPT} {{batch_size}}'", "device=cpu",
+            "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
+            "search.heartbeat_interval=1", "search.grace_period=2", "trial.timeout=120",
+            f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def _start(url: str, study: str, run_dir: Path, *extra: str, sleep_s: float = 0.5) -> subprocess.Popen:
+    env = {**os.environ, "OOMTUNE_TEST_SLEEP_S": str(sleep_s), "PYTHONPATH": str(REPO)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir.parent / f"{run_dir.name}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "oomtune", "search", *_overrides(url, study, run_dir, *extra)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(procs: list[subprocess.Popen], run_dirs: list[Path]) -> None:
+    for p, d in zip(procs, run_dirs):
+        rc = p.wait(timeout=600)
+        assert rc == 0, (d.parent / f"{d.name}.log").read_text()[-3000:]
+
+
+def _study(url: str, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=url)
+
+
+def _best(run_dir: Path) -> tuple[int, str]:
+    from oomtune.best import load_best
+
+    best = load_best(run_dir / "best.yaml").best
+    return best.batch_size, best.alloc_conf
+
+
+def _launched(study, role: str) -> list:
+    """Trials of ``role`` that ran a trial process and hold its result."""
+    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("role") == role
+            and "result" in t.user_attrs and "reused_from" not in t.user_attrs
+            and t.user_attrs.get("outcome") != "predicted_infeasible"]
+
+
+def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(pg, tmp_path):
+    url = pg.create_database()
+    single = tmp_path / "single"
+    _wait([_start(url, "one", single)], [single])
+    dirs = [tmp_path / f"w{i}" for i in range(3)]
+    _wait([_start(url, "three", d) for d in dirs], dirs)
+
+    assert _best(single) == (48, "")                       # by hand: see the module docstring
+    assert all(_best(d) == (48, "") for d in dirs)
+    texts = {(d / "best.yaml").read_text() for d in dirs}
+    assert len(texts) == 1                                   # one answer, written identically by all
+    printed = subprocess.run([sys.executable, "-m", "oomtune", "best", "--storage", url, "--study", "three"],
+                             cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert printed.returncode == 0 and printed.stdout == texts.pop()
+
+    one, three = _study(url, "one"), _study(url, "three")
+    probes_one = sorted(t.params["batch_size"] for t in _launched(one, "baseline"))
+    probes_three = sorted(t.params["batch_size"] for t in _launched(three, "baseline"))
+    assert probes_three == probes_one == [8, 16, 32, 48, 52, 56, 64]   # each probe launched once
+    assert len(_launched(three, "confirm")) == 1
+    assert len(_launched(three, "search")) >= 4
+    workdirs = [p for d in dirs for p in (d / "trials").glob("trial-*")]
+    assert len({p.name for p in workdirs}) == len(workdirs)  # no trial ran in two workers
+
+
+def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
+    import optuna
+
+    url = pg.create_database()
+    dirs = [tmp_path / f"w{i}" for i in range(3)]
+    procs = [_start(url, "kill", d, sleep_s=1.5) for d in dirs]
+    victim, killed_trial, finished_before = procs[0], None, set()
+    deadline = time.monotonic() + 300
+    while killed_trial is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            study = _study(url, "kill")
+        except KeyError:  # not created yet
+            continue
+        mine = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")}
+        for t in study.get_trials(deepcopy=False):
+            if t.number in mine and t.state.name == "RUNNING":
+                finished_before = {u.number for u in study.get_trials(deepcopy=False)
+                                   if "result" in u.user_attrs and u.state.is_finished()}
+                os.killpg(victim.pid, signal.SIGKILL)            # the worker and its trial process
+                killed_trial = t.number
+                break
+    assert killed_trial is not None, "worker 0 never ran a trial"
+    victim.wait(timeout=30)
+    _wait(procs[1:], dirs[1:])
+
+    study = _study(url, "kill")
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert trials[killed_trial].state is optuna.trial.TrialState.FAIL          # heartbeat expired
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_trial]
+    assert retries and any("result" in t.user_attrs for t in retries)        # another worker re-ran it
+    assert all("result" in trials[n].user_attrs for n in finished_before)     # nothing finished was lost
+    assert not [t for t in trials.values() if t.state.name in ("RUNNING", "WAITING")]
+    assert _best(dirs[1]) == _best(dirs[2]) == (48, "")
+    probes = sorted(t.params["batch_size"] for t in _launched(study, "baseline"))
+    assert probes == [8, 16, 32, 48, 52, 56, 64]
