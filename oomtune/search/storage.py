@@ -187,7 +187,8 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     stored = storage.get_study_system_attrs(study._study_id).get(key)
     if stored is not None:
         return stored
-    engine = getattr(storage, "engine", None)
+    backend = getattr(storage, "_backend", storage)  # studies wrap an RDBStorage in _CachedStorage
+    engine = getattr(backend, "engine", None)
     if engine is None:
         study._storage.set_study_system_attr(study._study_id, key, value)
         return study._storage.get_study_system_attrs(study._study_id).get(key)

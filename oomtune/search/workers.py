@@ -11,7 +11,8 @@ No candidate runs twice: every enqueued candidate carries a key (role + paramete
 attributes, :data:`ATTR_KEY`). A round first looks for a trial with its key (one that has a result,
 or is still WAITING/RUNNING) and reuses it; when two processes enqueue the same candidate at once,
 the trial with the lower number runs and the other is finished as FAIL with
-:data:`ATTR_DUPLICATE_OF` (no trial process launched). The baseline's probes are therefore not
+:data:`ATTR_DUPLICATE_OF` (no trial process launched); so is a copy claimed after another copy
+already has a result. The baseline's probes are therefore not
 repeated by a second process that computes the same probe.
 
 Faults: each running trial has Optuna's heartbeat (RDB storages); a worker killed mid-trial leaves
@@ -152,9 +153,10 @@ class Executor:
         key = trial.user_attrs.get(ATTR_KEY)
         if key is None:
             return None
-        for t in self._trials():
-            if (t.number < trial.number and t.user_attrs.get(ATTR_KEY) == key
-                    and ATTR_DUPLICATE_OF not in t.user_attrs and (_live(t) or _has_result(t))):
+        for t in self._trials():  # another copy has a result, or is live and older: it runs, not us
+            if (t.number != trial.number and t.user_attrs.get(ATTR_KEY) == key
+                    and ATTR_DUPLICATE_OF not in t.user_attrs
+                    and (_has_result(t) or (_live(t) and t.number < trial.number))):
                 return t.number
         return None
 
@@ -246,9 +248,13 @@ class Executor:
             the last failed attempt after :data:`MAX_ATTEMPTS` attempts without a result.
         """
         keys = [trial_key(role, params, attrs) for params, role, attrs in items]
+        wanted = set(keys)
         attempts = dict.fromkeys(keys, 0)
 
-        def resolve() -> dict[str, Any]:
+        def resolve() -> tuple[dict[str, Any], bool]:
+            """(key -> trial with its result, whether a WAITING trial of a resolved key is left: a
+            copy enqueued twice, e.g. by a retry and a re-enqueue, which a worker must finish as a
+            duplicate so that none is left behind)."""
             found: dict[str, Any] = {}
             trials = self._trials()
             for (params, role, attrs), key in zip(items, keys):
@@ -264,18 +270,20 @@ class Executor:
                     attempts[key] += 1
                     user_attrs = {R.ATTR_ROLE: role, ATTR_KEY: key, **attrs}
                     self._call("enqueue", lambda: self.study.enqueue_trial(params, user_attrs=user_attrs))
-            return found
+            leftover = any(t.state.name == "WAITING" and t.user_attrs.get(ATTR_KEY) in found for t in trials)
+            return found, leftover
 
-        state = {"found": resolve(), "at": time.monotonic()}
+        state: dict[str, Any] = {"at": time.monotonic()}
+        state["found"], state["leftover"] = resolve()
 
         def done() -> bool:
             with self._lock:
-                if len(state["found"]) < len(set(keys)) and time.monotonic() - state["at"] >= self.poll_s / 2:
-                    state["found"], state["at"] = resolve(), time.monotonic()
-                return len(state["found"]) >= len(set(keys))
+                if (len(state["found"]) < len(wanted) or state["leftover"]) \
+                        and time.monotonic() - state["at"] >= self.poll_s / 2:
+                    (state["found"], state["leftover"]), state["at"] = resolve(), time.monotonic()
+                return len(state["found"]) >= len(wanted) and not state["leftover"]
 
         self._run_workers(self._claim, done)
-        state["found"] = resolve()
         return [state["found"][k] for k in keys]
 
     def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> None:
