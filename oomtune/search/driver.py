@@ -20,8 +20,10 @@ candidate (:mod:`oomtune.trial.runner`) -> TrialResult -> told to Optuna -> best
    a gain claimed only beyond the measured spread. The answer is always a configuration that ran
    (field case C6) and passed its confirmation (C7).
 
-Every batch of trials goes through :meth:`Search._run_batch` (one trial per candidate, in order):
-the one place that launches trials, so concurrent workers can replace it.
+Every batch of trials goes through :meth:`Search._run_batch` (one trial per candidate, results in
+order), the sampler's trials through :meth:`Search.run_search`: both run on the workers of an
+:class:`oomtune.search.workers.Executor` (``search.workers`` threads here, plus every other process
+on the same storage and study), which claim the study's WAITING trials.
 """
 
 from __future__ import annotations
