@@ -107,7 +107,7 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
 
     url = pg.create_database()
     dirs = [tmp_path / f"w{i}" for i in range(3)]
-    procs = [_start(url, "kill", d, sleep_s=1.5) for d in dirs]
+    procs = [_start(url, "kill", d, sleep_s=3.0) for d in dirs]
     victim, killed_trial, finished_before = procs[0], None, set()
     deadline = time.monotonic() + 300
     while killed_trial is None and time.monotonic() < deadline:
@@ -116,7 +116,9 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
             study = _study(url, "kill")
         except KeyError:  # not created yet
             continue
-        mine = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")}
+        # worker 0's trials that started less than 1.5 s ago: mid-trial (each sleeps 3 s) when killed
+        mine = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")
+                if time.time() - p.stat().st_mtime < 1.5}
         for t in study.get_trials(deepcopy=False):
             if t.number in mine and t.state.name == "RUNNING":
                 finished_before = {u.number for u in study.get_trials(deepcopy=False)
