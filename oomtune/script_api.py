@@ -35,6 +35,9 @@ __all__ = ["report", "capture_hook", "launched", "CaptureHook", "RESULT_FILE_ENV
 RESULT_FILE_ENV = "OOMTUNE_RESULT_FILE"
 #: The trial's device-memory budget in bytes (unset when the trial has none).
 BUDGET_ENV = "OOMTUNE_BUDGET_BYTES"
+#: The virtual GPU's capacity in bytes (``virtual_device_memory``) for a CPU trial; the budget is a
+#: memory fraction of it, as on CUDA (unset: the budget is the capacity).
+DEVICE_MEMORY_ENV = "OOMTUNE_DEVICE_MEMORY_BYTES"
 #: The trial's batch size (also substituted for ``{batch_size}`` in the command).
 BATCH_SIZE_ENV = "OOMTUNE_BATCH_SIZE"
 #: ``"cpu"`` or ``"cuda"`` (the one device made visible to the script).
@@ -185,12 +188,15 @@ class CaptureHook:
     def _start(self, tensors: list[Any]) -> None:
         from oomtune.alloc.settings import AllocatorSettings
         from oomtune.alloc.sim import CachingAllocatorSim
-        from oomtune.capture.virtual_gpu import VirtualGPU
+        from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
 
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
         budget = os.environ.get(BUDGET_ENV)
-        capacity = int(budget) if budget else _UNBOUNDED_SIM_BYTES
-        self.sim = CachingAllocatorSim(AllocatorSettings.parse(conf), total_memory_bytes=capacity)
+        device = os.environ.get(DEVICE_MEMORY_ENV)
+        if budget:  # the budget as a memory fraction of the virtual device, as a builtin CPU trial
+            self.sim = budgeted_sim(AllocatorSettings.parse(conf), int(budget), int(device) if device else None)
+        else:
+            self.sim = CachingAllocatorSim(AllocatorSettings.parse(conf), total_memory_bytes=_UNBOUNDED_SIM_BYTES)
         self._pid = os.getpid()
         self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu")
         _ACTIVE.append(self)
@@ -232,7 +238,8 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> Cap
     budgeted GPU would.
 
     Active only when oomtune launched the script (``OOMTUNE_RESULT_FILE``) and CUDA is unavailable:
-    a ``CachingAllocatorSim`` of capacity ``OOMTUNE_BUDGET_BYTES`` (unbounded without a budget) under
+    a ``CachingAllocatorSim`` of ``OOMTUNE_DEVICE_MEMORY_BYTES`` with ``OOMTUNE_BUDGET_BYTES`` as its
+    memory fraction (:func:`oomtune.capture.virtual_gpu.budgeted_sim`; unbounded without a budget) under
     the settings in ``PYTORCH_CUDA_ALLOC_CONF`` receives every CPU storage the script creates on this
     thread from now on (``VirtualGPU``, :mod:`oomtune.capture.virtual_gpu`), after the storages of
     ``model`` (parameters, buffers), ``optimizer`` (existing state) and ``tensors``. A simulated OOM

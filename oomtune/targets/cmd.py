@@ -9,6 +9,7 @@ alone. These variables are in its environment:
   unset when empty; torch reads the first set and which one first differs between versions);
 - ``OOMTUNE_BATCH_SIZE``, ``OOMTUNE_DEVICE`` (``cpu`` or ``cuda``: for ``cuda:N`` only device N is
   made visible, field case C10), ``OOMTUNE_BUDGET_BYTES`` (unset without a budget),
+  ``OOMTUNE_DEVICE_MEMORY_BYTES`` (CPU: the virtual GPU's size, the budget a fraction of it),
   ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``;
 - ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
   :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`).
@@ -50,7 +51,7 @@ from typing import Any, Callable
 from oomtune.classify import classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, RESULT_FILE_ENV
+from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, RESULT_FILE_ENV
 from oomtune.trial._base import Target
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
@@ -177,6 +178,9 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
     })
     if spec.budget_bytes is not None:
         out[BUDGET_ENV] = str(int(spec.budget_bytes))
+    out.pop(DEVICE_MEMORY_ENV, None)
+    if spec.device_memory_bytes is not None and not spec.device.startswith("cuda"):
+        out[DEVICE_MEMORY_ENV] = str(int(spec.device_memory_bytes))  # the virtual GPU's size (capture_hook)
     return out
 
 
