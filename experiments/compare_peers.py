@@ -267,7 +267,7 @@ def main() -> None:
              "# tries: batch sizes run (peers: in one process; oomtune: trial processes launched); clean run: "
              "the answer in a fresh process for trial.confirm_steps steps under the same budget, then the "
              "virtual-GPU soak of trial.soak_steps steps (soak)", ""]
-    rows = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="oomtune-peers-") as tmp:
         for workload in args.workloads.split(","):
             for tool in args.tools.split(","):
@@ -279,23 +279,28 @@ def main() -> None:
                                             Path(tmp) / f"{workload}-{tool}-clean")
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+                write_results(Path(args.out), lines, rows, args.budget)  # after each tool: a partial run leaves a file
+    print(Path(args.out).read_text())
+
+
+def write_results(path: Path, head: list[str], rows: list[dict], budget: str) -> None:
+    """The results file: ``head`` (command, commit, notes), the table, then the raw JSON rows."""
     header = (f"{'workload':<9} {'tool':<20} {'batch':>5}  {'allocator settings':<34} {'clean run':<22} "
               f"{'soak':<7} {'peak resv (sim)':>15} {'tries':>5} {'wall s':>7}")
-    lines += [f"budget {args.budget} (simulated), batch range {LOW}..{HIGH}", header, "-" * len(header)]
+    lines = head + [f"budget {budget} (simulated), batch range {LOW}..{HIGH}", header, "-" * len(header)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['workload']:<9} {r['tool']:<20} error: {' '.join(r['error'])}")
             continue
         c = r["clean"]
         clean = c["outcome"] + ("" if c["outcome"] != "ok" else (" (in headroom)" if c["within_headroom"] else " (>headroom)"))
-        soak = {True: "passed", False: "FAILED", None: "-"}[c["soak_passed"]]
+        soak = {True: "passed", False: "FAILED", None: "-"}[c.get("soak_passed")]
         peak = "-" if c["peak_reserved_bytes"] is None else f"{c['peak_reserved_bytes'] / 2**20:.0f} MiB"
         lines.append(f"{r['workload']:<9} {r['tool']:<20} {r['batch']:>5}  {r['alloc_conf'] or '(default)':<34} "
                      f"{clean:<22} {soak:<7} {peak:>15} {r['tries']:>5} {r['wall_s']:>7.1f}")
     lines += ["", "raw:"] + [json.dumps(r) for r in rows]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
