@@ -193,3 +193,6 @@ def test_multi_device_default_is_a_device_with_events():
     r = replay_snapshot(snap)
     assert r.device == 1 and r.devices_with_data == [1] and r.exact
     assert r.recorded_segment_events == [["segment_alloc", 2 * MiB, 0]]
+    empty = replay_snapshot(snap, device=2)
+    assert empty.recorded_segment_events == [] and empty.devices_with_data == [1]
+    assert any("device 2 holds no trace entries or segments; devices with data: 1" in n for n in empty.notes)

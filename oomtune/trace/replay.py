@@ -286,13 +286,17 @@ def replay_snapshot(
         if total_memory_bytes is not None or infer_device_limit(trace, state.reserved_bytes, groups, walk) == limit:
             break
     seconds = time.perf_counter() - started
+    held = devices_with_data(snapshot)
+    if device not in held:
+        notes.append(f"device {device} holds no trace entries or segments; devices with data: "
+                     f"{', '.join(map(str, held)) or 'none'} (--device)")
     if not exact:
         notes.append("the starting state could not be reproduced exactly under these settings"
                       + ("" if settings_source != "given" or not snapshot.get("allocator_settings")
                          else " (the trace was recorded under its own allocator_settings)")
                       + ": the replay is approximate")
     return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-                   snapshot, groups, limit, total, budget_source, device, devices_with_data(snapshot), notes,
+                   snapshot, groups, limit, total, budget_source, device, held, notes,
                    walk[1])
 
 
