@@ -1,65 +1,41 @@
-"""Benchmark: how fast the virtual GPU (CachingAllocatorSim) replays allocation streams.
+"""Benchmark: how fast the virtual GPU (CachingAllocatorSim) replays, old code vs new, one run.
 
-Measures replayed events per second (one core; process CPU time and wall clock) for
-  (a) a ResNet-50 training step at batch 32 (224x224, SGD with momentum), captured on the meta
-      device with oomtune.capture (falls back to a synthetic stream when capture is unavailable),
-      under default, expandable_segments and max_split_size_mb:256 settings;
-  (b) a synthetic 1,000,000-event stream (seeded; sizes log-uniform 512 B .. 256 MiB, ~600 live);
-and prints a cProfile breakdown of (b) (top functions by own time).
-Writes everything to experiments/results/bench_replay.txt.
+Measures replayed events per second on one core (process CPU time, best of ``--repeat``) for
+  (a) a synthetic ``--events`` stream (seeded; sizes log-uniform 512 B .. 256 MiB, ~600 live),
+      under default and expandable_segments:True settings (``replay_stream``);
+  (b) every real trace in ``--traces`` (``oomtune.trace.replay_snapshot`` with its defaults: the
+      recorded settings, the starting state rebuilt; events = trace entries replayed);
+for the new code (this checkout) and the old code (``--old``, default: main before issue 13's
+replay changes), each in its own process, alternating; checks that both give byte-identical
+results (a SHA-256 of every replay's JSON result) and reports the ratio new/old of the rates.
+Target (issue 13): >= 2 M events/s. All figures are simulated (virtual GPU).
 
-Run: python experiments/bench_replay.py [--events 1000000] [--out PATH]
+Run: python experiments/bench_replay.py [--old REF] [--events 1000000] [--repeat 3]
+     [--traces ../shared/traces] [--out experiments/results/bench_replay.txt]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import datetime
-import io
-import os
-import platform
-import pstats
-import random
+import json
+import subprocess
 import sys
-import time
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import header  # noqa: E402  (command + commit lines of every results file)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+
+#: main after issue 11's simulator fixes, before issue 13's replay changes.
+DEFAULT_OLD = "a53bb9e"
+
+# Runs inside the child process (the tree under test is first on sys.path).
+CHILD = r"""
+import hashlib, json, random, sys, time
+from pathlib import Path
 from oomtune.alloc.stream import AllocationStream, replay_stream
+args = json.loads(sys.argv[1])
 
-GiB = 1 << 30
-TOTAL = 80 * GiB
-
-
-def capture_resnet50(batch: int = 32) -> tuple[AllocationStream, str]:
-    """One training step of torchvision's resnet50 on the meta device, as a request stream."""
-    try:
-        import torch
-        import torchvision
-
-        from oomtune.capture.recorder import capture_stream
-    except ImportError as exc:  # pragma: no cover - depends on the checkout
-        return synthetic(2800, seed=50, live_target=160), f"synthetic (capture unavailable: {exc})"
-    model = torchvision.models.resnet50().to("meta")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.empty(batch, 3, 224, 224, device="meta")
-    y = torch.zeros(batch, dtype=torch.long, device="meta")
-
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    existing = [*model.parameters(), *model.buffers(), x, y]
-    stream = capture_stream(step, existing=existing, device="meta")
-    return stream, f"captured on meta (oomtune.capture), batch {batch}"
-
-
-def synthetic(n_events: int, seed: int = 0, live_target: int = 600) -> AllocationStream:
-    """A seeded random stream: sizes log-uniform in [512 B, 256 MiB], live set around live_target."""
+def synthetic(n_events, seed=0, live_target=600):
     rng = random.Random(seed)
     stream, live, key = AllocationStream(), [], 0
     while len(stream) < n_events:
@@ -71,78 +47,84 @@ def synthetic(n_events: int, seed: int = 0, live_target: int = 600) -> Allocatio
             live.append(key)
     return stream
 
+def digest(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-def rate(stream: AllocationStream, settings: str | None, repeat: int) -> tuple[float, float, object]:
-    """Best-of-``repeat`` events/s for a full replay of ``stream``: by CPU time of this process
-    (robust on a shared machine) and by wall clock."""
-    best_cpu = best_wall = float("inf")
-    result = None
+def best_of(fn, repeat):
+    best, result = float("inf"), None
     for _ in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        result = replay_stream(stream, settings, total_memory_bytes=TOTAL)
-        best_cpu = min(best_cpu, time.process_time() - c0)
-        best_wall = min(best_wall, time.perf_counter() - w0)
-    return len(stream) / best_cpu, len(stream) / best_wall, result
+        c0 = time.process_time()
+        result = fn()
+        best = min(best, time.process_time() - c0)
+    return best, result
 
-
-def profile(stream: AllocationStream, top: int = 14) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    replay_stream(stream, None, total_memory_bytes=TOTAL)
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    return "\n".join(lines[:top + 8])
-
-
-def machine() -> str:
-    cpu = platform.processor() or ""
+out = {}
+big = synthetic(args["events"])
+for conf in (None, "expandable_segments:True"):
+    secs, r = best_of(lambda: replay_stream(big, conf, total_memory_bytes=80 << 30), args["repeat"])
+    out[f"synthetic {len(big):,} events, {conf or 'default'}"] = {
+        "events": len(big), "seconds": secs, "digest": digest(r.to_dict())}
+from oomtune.trace import load_snapshot, replay_snapshot
+for path in args["traces"]:
+    snap = load_snapshot(path)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"date {datetime.datetime.now().isoformat(timespec='seconds')}; nproc {os.cpu_count()}; "
-            f"cpu {cpu}; python {platform.python_version()} ({platform.python_implementation()}); "
-            f"{platform.platform()}")
+        secs, r = best_of(lambda: replay_snapshot(snap), args["repeat"])
+    except Exception as exc:
+        out[Path(path).name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        continue
+    d = r.to_dict()
+    d.pop("replay_seconds", None)
+    out[Path(path).name] = {"events": r.events_replayed, "seconds": secs, "digest": digest(d)}
+print(json.dumps(out))
+"""
+
+
+def run_child(tree: Path, payload: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], env=child_env(tree),
+                          cwd=tree, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"replay benchmark failed in {tree}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code to compare with")
     ap.add_argument("--events", type=int, default=1_000_000)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_replay.txt"))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces")
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_replay.txt")
     args = ap.parse_args()
-    out = ["# bench_replay: CachingAllocatorSim replay speed (one core; best of N; events/s by process "
-           "CPU time, wall clock in parentheses; the machine is shared)",
-           f"# {machine()}", ""]
-    t0 = time.perf_counter()
-    resnet, how = capture_resnet50()
-    out.append(f"(a) ResNet-50 training step, batch 32: {len(resnet)} events, {how} "
-               f"({time.perf_counter() - t0:.1f} s to capture); peak live requested "
-               f"{resnet.peak_live_bytes() / GiB:.2f} GiB")
-    for settings in (None, "expandable_segments:True", "max_split_size_mb:256"):
-        ev, wall, r = rate(resnet, settings, repeat=20)
-        out.append(f"    settings {settings or 'default':<26} {ev:>10,.0f} events/s cpu ({wall:>9,.0f} wall)  "
-                   f"peak allocated "
-                   f"{r.peak_allocated_bytes / GiB:.3f} GiB, peak reserved {r.peak_reserved_bytes / GiB:.3f} GiB")
-    t0 = time.perf_counter()
-    big = synthetic(args.events)
-    out.append(f"(b) synthetic stream: {len(big):,} events (built in {time.perf_counter() - t0:.1f} s)")
-    for settings in (None, "expandable_segments:True"):
-        ev, wall, r = rate(big, settings, repeat=2)
-        out.append(f"    settings {settings or 'default':<26} {ev:>10,.0f} events/s cpu ({wall:>9,.0f} wall)  "
-                   f"peak reserved "
-                   f"{r.peak_reserved_bytes / GiB:.2f} GiB, fragmentation {r.fragmentation:.3f}")
-    out += ["", "(c) cProfile of (b), default settings, 200k events (profiler overhead inflates times):",
-            profile(synthetic(200_000, seed=1))]
-    text = "\n".join(out) + "\n"
+    payload = {"events": args.events, "repeat": args.repeat,
+               "traces": [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]}
+    trees = {"new": ROOT, "old": old_tree(args.old)}
+    res: dict[str, dict] = {"new": {}, "old": {}}
+    for name in ("old", "new", "old", "new"):   # alternate; keep each workload's best
+        for work, r in run_child(trees[name], payload).items():
+            prev = res[name].get(work)
+            if prev is None or ("seconds" in r and r["seconds"] < prev.get("seconds", float("inf"))):
+                res[name][work] = r
+    lines = header("bench_replay.py", sys.argv[1:], args.old)
+    lines += ["# events/s by process CPU time of one replay (best of --repeat x 2 processes; one core); "
+              "virtual GPU (simulated); byte-identical = same SHA-256 of the JSON results", "",
+              f"{'workload':<58} {'events':>9} {'new ev/s':>11} {'old ev/s':>11} {'new/old':>8}  identical"]
+    all_same = True
+    for work, new in res["new"].items():
+        old = res["old"].get(work, {})
+        if "error" in new or "error" in old:
+            lines.append(f"{work:<58} error: new {new.get('error', 'ok')}; old {old.get('error', 'ok')}")
+            continue
+        rn, ro = new["events"] / new["seconds"], old["events"] / old["seconds"]
+        same = new["digest"] == old["digest"]
+        all_same &= same
+        lines.append(f"{work:<58} {new['events']:>9,} {rn:>11,.0f} {ro:>11,.0f} {rn / ro:>7.2f}x  "
+                     f"{'yes' if same else 'NO'}")
+    lines += ["", f"target >= 2,000,000 events/s; results byte-identical to old: {'yes' if all_same else 'NO'}"]
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(header() + text)
-    return 0
+    return 0 if all_same else 1
 
 
 if __name__ == "__main__":

@@ -173,3 +173,32 @@ def test_plan_with_derived_streams_equals_plan_capturing_every_batch(monkeypatch
     assert maps[True][1].derived_batches, "nothing was derived: the test does not exercise derivation"
     assert maps[True][0].captures < maps[False][0].captures
     assert {c["max_batch_size"] for c in with_d["configurations"]} - set(grid), "no bisection happened"
+
+
+# -- garbage_collection_threshold: replays shared only where the threshold provably never acts ----------
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_gc_threshold_predictions_equal_fresh_replays(monkeypatch, fraction):
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.alloc.stream import replay_stream
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = WORKLOADS["resnet"]
+    geometry = {"total_memory_bytes": 340 << 20, "memory_fraction": fraction}
+    pred = P.Predictor(cfg, geometry)
+    shared = 0
+    for b in (4, 32, 64, 128):
+        for conf in ("", "garbage_collection_threshold:0.6", "garbage_collection_threshold:0.95"):
+            got = pred.predict_detail(b, conf)
+            stream = pred.stream(b)
+            bounded = replay_stream(stream, conf, **geometry)
+            peaks = bounded if not bounded.oom else replay_stream(
+                stream, conf, total_memory_bytes=max(P.unbounded_capacity_bytes(stream), 340 << 20))
+            assert (got.fits, got.num_alloc_retries, got.peak_reserved_bytes, got.peak_allocated_bytes,
+                    got.fragmentation) == (not bounded.oom, bounded.num_alloc_retries,
+                                           peaks.peak_reserved_bytes, peaks.peak_allocated_bytes,
+                                           peaks.fragmentation), (b, conf)
+            key = AllocatorSettings.parse(conf).render()
+            shared += conf != "" and pred._replays[(b, key)][0] is pred._replays[(b, "")][0]
+    # 170 MiB at 0.5 x 340 MiB: batch 4 (152 MiB) peaks below 0.95 x 170 MiB, so it is shared
+    assert shared >= 1

@@ -248,22 +248,31 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
                               non_allocator_bytes=non_allocator_bytes, memory_fraction=memory_fraction)
     malloc, free = sim.malloc, sim.free
     addr_of: dict[int, int] = {}
+    pop = addr_of.pop
     oom_index: int | None = None
     oom_message: str | None = None
-    n = 0
-    for n, (a, k, s, st) in enumerate(zip(stream.actions, stream.keys, stream.sizes, stream.streams), 1):
-        if a == 0:
-            try:
-                addr_of[k] = malloc(s, st)
-            except SimulatedOutOfMemoryError as exc:
-                if oom_index is None:
-                    oom_index, oom_message = n - 1, str(exc)
-                if stop_on_oom:
-                    break
-        else:
-            addr = addr_of.pop(k, None)
-            if addr is not None:
-                free(addr)
+    events = zip(stream.actions, stream.keys, stream.sizes, stream.streams)
+    done = 0   # events fed before the current pass over ``events``
+    n = 0      # events fed in the current pass
+    while True:  # one pass per simulated OOM that does not stop the replay
+        try:
+            for n, (a, k, s, st) in enumerate(events, 1):   # the hot loop: one call per event
+                if a:
+                    addr = pop(k, None)
+                    if addr is not None:
+                        free(addr)
+                else:
+                    addr_of[k] = malloc(s, st)
+        except SimulatedOutOfMemoryError as exc:
+            if oom_index is None:
+                oom_index, oom_message = done + n - 1, str(exc)
+            done += n
+            n = 0
+            if stop_on_oom:
+                break
+            continue
+        break
+    n += done
     stats = sim.memory_stats()
     peak_reserved, peak_active = stats["reserved_bytes.all.peak"], stats["active_bytes.all.peak"]
     return ReplayResult(

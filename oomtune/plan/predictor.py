@@ -14,6 +14,7 @@ event by event (a spot check), and any difference turns derivation off for that 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -203,6 +204,7 @@ class Predictor:
         self._captured: dict[int, Any] = {}
         self._capture_reasons: dict[int, str | None] = {}
         self._cache: dict[tuple[int, str], Prediction] = {}
+        self._replays: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._model: AffineStreamModel | None = None
         self.derive = derive
         self.spot_checks = max(1, int(spot_checks))
@@ -301,7 +303,6 @@ class Predictor:
             AllocatorConfigError: malformed settings. ConfigError: a bad workload config, or settings
                 the virtual GPU cannot simulate (``backend:cudaMallocAsync``, see :func:`simulable`).
         """
-        from oomtune.alloc.stream import replay_stream
         from oomtune.exceptions import ConfigError
 
         if isinstance(settings, str):
@@ -313,11 +314,7 @@ class Predictor:
         if key not in self._cache:
             stream = self.stream(batch_size)
             t0 = time.perf_counter()
-            bounded = replay_stream(stream, settings, **self.geometry)
-            peaks = bounded
-            if bounded.oom:
-                capacity = max(unbounded_capacity_bytes(stream), int(self.geometry["total_memory_bytes"]))
-                peaks = replay_stream(stream, settings, total_memory_bytes=capacity)
+            bounded, peaks = self._replay(stream, batch_size, settings, key[1])
             self.replay_seconds += time.perf_counter() - t0
             self.replays += 1
             self._cache[key] = Prediction(
@@ -331,6 +328,43 @@ class Predictor:
             pred = Prediction(**{**pred.__dict__, "calibrated_peak_reserved_bytes":
                                  int(math.ceil(pred.peak_reserved_bytes * self.calibration))})
         return pred
+
+    def _replay(self, stream: Any, batch_size: int, settings: AllocatorSettings, rendered: str
+                ) -> tuple[Any, Any]:
+        """(replay under the trial's limits, replay without a limit when that one ran out of memory,
+        else the same) for ``stream`` under ``settings``; cached by (batch size, settings).
+
+        A garbage_collection_threshold T reuses the replays under the same settings without it when
+        they prove it idle (exact, issue 13): ``garbage_collect_cached_blocks`` returns at once while
+        reserved memory <= T x allowed (:meth:`CachingAllocatorSim._garbage_collect`), and reserved
+        memory never exceeds its peak, so when the replay without T peaked at or below that, the
+        replay with T makes the same calls with the same results; and a replay without a limit has
+        no fraction, so T never acts in it (torch: garbage collection only under a memory fraction).
+        """
+        from oomtune.alloc.sim import CachingAllocatorSim
+        from oomtune.alloc.stream import replay_stream
+
+        bounded = peaks = None
+        threshold = settings.garbage_collection_threshold
+        base = None
+        if threshold:
+            plain = dataclasses.replace(settings, garbage_collection_threshold=0.0)
+            base = self._replays.get((batch_size, plain.render()))
+        if base is not None:
+            allowed = CachingAllocatorSim(**self.geometry).allowed_bytes   # None: no fraction, no gc
+            if allowed is None or base[0].peak_reserved_bytes <= int(threshold * allowed):
+                bounded = base[0]
+        if bounded is None:
+            bounded = replay_stream(stream, settings, **self.geometry)
+        peaks = bounded
+        if bounded.oom:
+            if base is not None and base[1].oom is False and base[1] is not base[0]:
+                peaks = base[1]
+            else:
+                capacity = max(unbounded_capacity_bytes(stream), int(self.geometry["total_memory_bytes"]))
+                peaks = replay_stream(stream, settings, total_memory_bytes=capacity)
+        self._replays[(batch_size, rendered)] = (bounded, peaks)
+        return bounded, peaks
 
     def predict(self, candidate: Any) -> int | None:
         """Calibrated predicted peak reserved of a search Candidate (``batch_size``, ``settings``), in
