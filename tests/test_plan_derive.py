@@ -101,7 +101,7 @@ GEOMETRY = {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
 def _fake_capture(monkeypatch, make):
     calls = []
 
-    def capture(model_cfg, batch_size, *, steps=P.PREDICT_STEPS):
+    def capture(model_cfg, batch_size, **kwargs):
         calls.append(batch_size)
         return make(batch_size), None
 
