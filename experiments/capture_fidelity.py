@@ -145,6 +145,9 @@ class Workload:
     workspace_bytes: int
     workspaces_existing: tuple[str, ...]
     empty_cache_first: bool = False
+    warmup: int = 0                      # steps run (and replayed) before the recorded one
+    compile: bool = False                # torch.compile the model (on meta)
+    zero_grad: bool = True               # False: gradients accumulate across steps
     notes: list[str] = field(default_factory=list)
 
 
@@ -172,8 +175,18 @@ WORKLOADS = {
     "lm-ctx128-fullstep, no cuBLAS workspaces (old capture)": Workload(
         "lm-ctx128-fullstep", _COURSE_27B, 4, 128, course_loss, "lazy", None, 0, ()),
 }
+_SMALL = dict(vocab=50_257, d_model=768, layers=12, heads=12, d_ff=3072, style="reference",
+              rope_len=64)
+WORKLOADS["lm-step-small"] = Workload(
+    "lm-step-small", _SMALL, 1, 64, reference_loss, "out_of_place", None, DEFAULT_WORKSPACE_BYTES,
+    ("forward", "backward"), warmup=10, compile=True, zero_grad=False)
+WORKLOADS["lm-step-small, eager (no torch.compile)"] = Workload(
+    "lm-step-small", _SMALL, 1, 64, reference_loss, "out_of_place", None, DEFAULT_WORKSPACE_BYTES,
+    ("forward", "backward"), warmup=10, compile=False, zero_grad=False)
+
 #: The recordings compared by default (the "old capture" rows are shown with --with-old).
-MAIN = ("lm-ctx128-fullstep", "lm-ctx128-fullstep-emptycache", "lm-medium-ctx512-training")
+MAIN = ("lm-ctx128-fullstep", "lm-ctx128-fullstep-emptycache", "lm-medium-ctx512-training",
+        "lm-step-small")
 
 
 def capture(wl: Workload) -> tuple[PhaseSink, float]:
@@ -188,7 +201,8 @@ def capture(wl: Workload) -> tuple[PhaseSink, float]:
             opt: torch.optim.Optimizer = LazyAdamW(model.parameters())
         else:
             opt = OutOfPlaceAdamW(model.parameters())
-            opt.init_state()
+            if not wl.warmup:
+                opt.init_state()  # the state earlier (unrecorded, unreplayed) steps left
     sink = PhaseSink()
     ws = BlasWorkspaces(wl.workspace_bytes, wl.workspaces_existing) if wl.workspace_bytes else None
     rec = StorageRecorder(sink, device="meta", blas_workspaces=ws)
@@ -199,24 +213,29 @@ def capture(wl: Workload) -> tuple[PhaseSink, float]:
     for _ in range(ws.n_existing if ws else 0):
         rec.add_workspace(ws.size_bytes)
 
-    def step() -> None:
+    fwd = torch.compile(model) if wl.compile else model
+
+    def step(recorded: bool = True) -> None:
         if wl.empty_cache_first:
             sink.mark("empty_cache")
-        opt.zero_grad(set_to_none=True)
-        sink.phase = "forward"
+        if wl.zero_grad:
+            opt.zero_grad(set_to_none=True)
+        sink.phase = "forward" if recorded else "warmup"
         # the user's own spelling; emulate_cuda_autocast (below) gives it CUDA's policy on meta
         ctx = torch.autocast("cuda", dtype=wl.autocast_dtype) if wl.autocast_dtype else _null()
         with ctx:
-            logits = model(ids)
-            sink.phase = "loss"
+            logits = fwd(ids)
+            sink.phase = "loss" if recorded else "warmup"
             loss = wl.loss(logits, targets)
-        sink.phase = "backward"
+        sink.phase = "backward" if recorded else "warmup"
         loss.backward()
-        sink.phase = "optimizer"
+        sink.phase = "optimizer" if recorded else "warmup"
         opt.step()
         sink.phase = "after"
 
     with emulate_cuda_autocast(), rec:
+        for _ in range(wl.warmup):
+            step(recorded=False)
         step()
     return sink, time.perf_counter() - t0
 
@@ -244,7 +263,7 @@ def replay(sink: PhaseSink, settings: str = "") -> dict[str, Any]:
             size_of[key] = size
             live += size
             peak_live = max(peak_live, live)
-            if phase != "existing":
+            if phase not in ("existing", "warmup"):
                 phases[phase] += 1
                 sizes.append(size)
         elif ev[0] == "free":

@@ -229,8 +229,9 @@ class LazyAdamW(torch.optim.Optimizer):
 
 
 class OutOfPlaceAdamW(torch.optim.Optimizer):
-    """AdamW written with out-of-place tensor expressions: new ``m``/``v`` each step (the old ones
-    are released), decay and update through temporaries."""
+    """AdamW written with out-of-place tensor expressions: new ``m``/``v`` each step, the old ones
+    released when the next parameter's update rebinds the loop variables; decay and update through
+    temporaries (14 requests per parameter, as lm-medium-ctx512-training records)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,  # noqa: ANN001
                  weight_decay: float = 0.1) -> None:
@@ -250,11 +251,17 @@ class OutOfPlaceAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g, st = p.grad, self.state[p]
+                if not st:  # first step: the state is created lazily
+                    st.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
                 st["t"] += 1
                 t = st["t"]
                 p.sub_(p * (lr * wd))
-                m = st["m"] = torch.lerp(st["m"], g, 1 - b1)
-                v = st["v"] = torch.lerp(st["v"], g * g, 1 - b2)
-                denom = (v / (1 - b2 ** t)).sqrt() + eps
-                upd = (m / (1 - b1 ** t)) * lr / denom
-                p.add_(upd.neg())
+                # the old m and v stay referenced by these loop variables until the next
+                # parameter's rebinding (the recordings free them at the next parameter's update)
+                m_old = st["m"]
+                st["m"] = m_old * b1 + g * (1 - b1)
+                v_old = st["v"]
+                st["v"] = v_old * b2 + g * g * (1 - b2)
+                denom = (st["v"] / (1 - b2 ** t)).sqrt() + eps
+                upd = st["m"] / (1 - b1 ** t) * lr / denom
+                p.sub_(upd)
