@@ -269,9 +269,8 @@ class Predictor:
 
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
-        stream, reason = capture_training_stream(
-            self.model_cfg, batch_size, steps=self.steps,
-            blas_workspaces="non_allocator_bytes" in self.geometry)
+        real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
+        stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
         self.capture_seconds += time.perf_counter() - t0
         if reason:
             self.fallback_reasons.add(reason)
