@@ -155,8 +155,8 @@ def main() -> None:
     args = ap.parse_args()
     from pg_server import PgServer
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    command = "python experiments/bench_workers.py " + " ".join(sys.argv[1:])
+    sys.path.insert(0, str(REPO / "experiments"))
+    from _provenance import header
     pg = PgServer().start()
     try:
         with tempfile.TemporaryDirectory(prefix="oomtune-bench-workers-") as tmp:
@@ -165,7 +165,7 @@ def main() -> None:
             sq = sqlite_check(max(int(w) for w in args.workers.split(",")), args.trials, args.sleep, Path(tmp))
     finally:
         pg.stop()
-    lines = [f"# command: {command.strip()}", f"# commit: {commit}",
+    lines = [*header().splitlines(),
              f"# machine: {os.cpu_count()} CPUs; trials run on the CPU (device=cpu), each sleeps {args.sleep:g} s "
              "and reports; storage: PostgreSQL (throwaway server on 127.0.0.1, fsync off)", "",
              f"scaling: {args.trials} sampler trials, one `oomtune search` with search.workers=N",
