@@ -173,3 +173,36 @@ def test_retrying_says_so_and_retries_only_connection_errors():
     with pytest.raises(OperationalError):
         retrying(lambda: flaky() if False else (_ for _ in ()).throw(
             OperationalError("x", {}, Exception("down"))), "x", delays_s=(0.0,))
+
+
+def test_oomtune_best_prints_the_recorded_answer_or_says_there_is_none(tmp_path, capsys):
+    import yaml
+
+    from oomtune.cli import main
+    from oomtune.search.outputs import BEST_ATTR
+
+    study = _study(tmp_path, name="b")
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    assert main(["best", "--storage", url, "--study", "b"]) == 1
+    assert "no recorded answer yet" in capsys.readouterr().err
+    record_once(study, BEST_ATTR, {"schema_version": 1, "best": {"batch_size": 48, "alloc_conf": ""}})
+    assert main(["best", "--storage", url, "--study", "b"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["best"]["batch_size"] == 48
+    assert main(["best", "--storage", url, "--study", "b", "-o", str(tmp_path / "best.yaml")]) == 0
+    assert yaml.safe_load((tmp_path / "best.yaml").read_text())["best"] == {"batch_size": 48, "alloc_conf": ""}
+
+
+def test_worker_slots_one_trial_per_gpu(monkeypatch):
+    import torch
+
+    from oomtune.device import TargetDevice
+    from oomtune.search.run import worker_slots
+
+    cpu = TargetDevice("cpu", "cpu", None, "virtual GPU (CPU)", 1 << 30, True)
+    assert worker_slots("cpu", cpu, 3) == ["cpu", "cpu", "cpu"]
+    gpu = TargetDevice("cuda:0", "cuda", 0, "GPU", 1 << 34, False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert worker_slots("cuda", gpu, 8) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]   # capped at 4 GPUs
+    assert worker_slots("auto", gpu, 2) == ["cuda:0", "cuda:1"]
+    assert worker_slots("cuda:2", TargetDevice("cuda:2", "cuda", 2, "GPU", 1 << 34, False), 4) == ["cuda:2"]
+    assert worker_slots("cuda", gpu, 1) == ["cuda:0"]
