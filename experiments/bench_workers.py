@@ -48,6 +48,7 @@ def _search(url: str, study: str, run_dir: Path, sleep_s: float, *extra: str) ->
     argv = [sys.executable, "-m", "oomtune", "search", "target=cmd",
             f"target.command='{sys.executable} {SCRIPT} {{batch_size}}'", "device=cpu",
             "search.batch_size.low=8", "search.batch_size.high=64", "trial.timeout=300",
+            "search.objective=throughput",  # the sampler phase runs (auto is batch on the virtual GPU)
             f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]
     log = open(run_dir / "search.log", "wb")
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
