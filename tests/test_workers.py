@@ -206,3 +206,22 @@ def test_worker_slots_one_trial_per_gpu(monkeypatch):
     assert worker_slots("auto", gpu, 2) == ["cuda:0", "cuda:1"]
     assert worker_slots("cuda:2", TargetDevice("cuda:2", "cuda", 2, "GPU", 1 << 34, False), 4) == ["cuda:2"]
     assert worker_slots("cuda", gpu, 1) == ["cuda:0"]
+
+
+def test_workers_starting_at_once_on_a_new_database_all_open_it(tmp_path):
+    # Optuna creates the schema on first use; concurrent first opens used to fail with
+    # "UNIQUE constraint failed: alembic_version.version_num" in all but one worker.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from oomtune.search.storage import open_study, make_sampler; "
+            "open_study(sys.argv[1], 'x', make_sampler('random', 0)); print('opened')")
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]
+    assert all(out.strip() == "opened" for out, _ in outs)

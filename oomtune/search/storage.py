@@ -53,10 +53,10 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
 
         with warnings.catch_warnings():  # heartbeat_interval is marked experimental in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
+            return _first_open(lambda: optuna.storages.RDBStorage(
                 url, engine_kwargs=_engine_kwargs(url), heartbeat_interval=int(heartbeat_interval_s),
                 grace_period=int(grace_period_s), **_retry_callback(optuna),
-            )
+            ))
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
         raise ConfigError(storage_error_message(url, exc)) from None
 
@@ -106,6 +106,27 @@ def _redact(url: str) -> str:
     cred, _, host = rest.rpartition("@")
     user, colon, _ = cred.partition(":")
     return f"{head}://{user}{':***' if colon else ''}@{host}"
+
+
+def _first_open(open_rdb: Any, attempts: int = 6) -> Any:
+    """``open_rdb()``, tried again when several workers create a new database's tables at once:
+    Optuna's RDBStorage creates its schema and stamps alembic_version on first use, and the losers
+    of that race get an IntegrityError (UNIQUE alembic_version) or "table ... already exists" /
+    "database is locked" (OperationalError). Measured with 3 processes on one new SQLite file
+    (experiments/bench_workers.py); the same race exists on a new PostgreSQL database."""
+    import random
+    import time
+
+    from sqlalchemy import exc as sa_exc
+
+    for attempt in range(attempts):
+        try:
+            return open_rdb()
+        except (sa_exc.IntegrityError, sa_exc.OperationalError, sa_exc.ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 + random.random() * (attempt + 1))  # let the winner finish its schema
+    raise AssertionError("unreachable")
 
 
 def _engine_kwargs(url: str) -> dict[str, Any]:
