@@ -58,6 +58,15 @@ def test_token_file_documents_padded_per_batch(tmp_path):
     assert worst_shapes(cfg) == [4]
 
 
+def test_token_file_path_is_made_absolute_for_trials(tmp_path):
+    from oomtune.targets import resolve_workload
+
+    cfg = {"name": "transformer", "seq_len": {"tokens": "data/train.bin", "eos_token": 0, "max": 8}}
+    out = resolve_workload(cfg, cwd=tmp_path)
+    assert out["seq_len"]["tokens"] == str((tmp_path / "data/train.bin").resolve())
+    assert cfg["seq_len"]["tokens"] == "data/train.bin"   # the input is not changed
+
+
 def test_multi_scale_images_and_bad_spellings():
     dist = shape_distribution(MULTI_SCALE)
     seq = dist.sequence(8, 200)

@@ -113,8 +113,8 @@ def is_file_entry(where: str) -> bool:
 
 def resolve_workload(workload: Mapping[str, Any], *, cwd: Path | None = None) -> dict[str, Any]:
     """A copy of a trial workload (``model`` keys + ``target``) with every user path made absolute:
-    the target (:func:`resolve_target`) and ``data.path`` of a built-in workload, relative to ``cwd``
-    (default ``os.getcwd()``)."""
+    the target (:func:`resolve_target`), ``data.path`` and ``seq_len.tokens`` of a built-in workload,
+    relative to ``cwd`` (default ``os.getcwd()``)."""
     out = dict(workload)
     if isinstance(workload.get("target"), Mapping):
         out["target"] = resolve_target(workload["target"], cwd=cwd)
@@ -122,6 +122,10 @@ def resolve_workload(workload: Mapping[str, Any], *, cwd: Path | None = None) ->
     if isinstance(data, Mapping) and isinstance(data.get("path"), str) and data["path"]:
         base = Path(cwd) if cwd is not None else Path(os.getcwd())
         out["data"] = {**data, "path": _absolute(data["path"], base)}
+    seq_len = workload.get("seq_len")   # a token file's document lengths (oomtune.workloads.shapes)
+    if isinstance(seq_len, Mapping) and isinstance(seq_len.get("tokens"), str) and seq_len["tokens"]:
+        base = Path(cwd) if cwd is not None else Path(os.getcwd())
+        out["seq_len"] = {**seq_len, "tokens": _absolute(seq_len["tokens"], base)}
     return out
 
 
