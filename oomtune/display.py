@@ -10,7 +10,7 @@ from oomtune.units import format_bytes
 
 __all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
            "SearchProgress",
-           "plan_recommendation", "plan_compact_table",
+           "plan_recommendation", "recommended_configuration", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND"]
 
 #: Abbreviations of PYTORCH_CUDA_ALLOC_CONF keys and values for narrow tables and chart legends.
@@ -166,12 +166,9 @@ def progress_line(trial: Any, role: str, index: int | None, total: int | None, b
     return "  ".join(parts)
 
 
-def plan_recommendation(configurations: list[dict[str, Any]]) -> str | None:
-    """One line from a plan's configurations (plan.yaml ``configurations``: ``alloc_conf``,
-    ``max_batch_size``, ``at_max``): the configuration with the largest fitting batch (ties: the
-    smaller predicted peak reserved) against torch's default allocator, e.g.
-    ``"expandable_segments:True: batch 185 vs 155 with the default allocator, +19%"``. None when
-    no configuration fits any batch."""
+def recommended_configuration(configurations: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The plan's pick: the configuration with the largest fitting batch, ties broken by the smaller
+    predicted peak reserved there; None when none fits any batch."""
     fitting = [c for c in configurations if c.get("max_batch_size")]
     if not fitting:
         return None
@@ -180,7 +177,18 @@ def plan_recommendation(configurations: list[dict[str, Any]]) -> str | None:
         peak = (c.get("at_max") or {}).get("peak_reserved_bytes") or 0
         return (c["max_batch_size"], -peak)
 
-    best = max(fitting, key=key)
+    return max(fitting, key=key)
+
+
+def plan_recommendation(configurations: list[dict[str, Any]]) -> str | None:
+    """One line from a plan's configurations (plan.yaml ``configurations``: ``alloc_conf``,
+    ``max_batch_size``, ``at_max``): the configuration with the largest fitting batch (ties: the
+    smaller predicted peak reserved) against torch's default allocator, e.g.
+    ``"expandable_segments:True: batch 185 vs 155 with the default allocator, +19%"``. None when
+    no configuration fits any batch."""
+    best = recommended_configuration(configurations)
+    if best is None:
+        return None
     default = next((c for c in configurations if not c.get("alloc_conf")), None)
     name = best.get("alloc_conf") or "the default allocator"
     if default is None:

@@ -180,3 +180,14 @@ def test_plan_prints_a_compact_map_and_a_recommendation_and_writes_the_report(tm
     assert any(line.startswith("cells: MiB") for line in lines)
     text = (run / "report.html").read_text()
     assert 'id="fig-frontier"' in text and "Feasibility map" in text and "b=64" in text
+
+
+def test_search_report_for_a_command_target_says_why_there_is_no_frontier(run_dir):
+    from oomtune.report import write_search_report
+
+    lines = []
+    path = write_search_report(run_dir, lines.append, workload={"target": {"name": "cmd"}}, device=None,
+                               budget_bytes=1 << 30, headroom=0.05)
+    assert path == run_dir / "report.html" and path.is_file()
+    assert lines[0].startswith("report: no predicted frontier or winner's step for target=cmd")
+    assert lines[-1].startswith(f"wrote {run_dir / 'report.html'}")

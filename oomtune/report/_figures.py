@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomtune.display import short_conf
+from oomtune.display import recommended_configuration, short_conf
 from oomtune.units import MiB
 
 __all__ = ["frontier_figure", "throughput_figure", "timeline_figure", "step_figure", "peak_segments_figure",
@@ -57,9 +57,10 @@ def frontier_figure(data: Any) -> Any:
     if not rows:
         return None
     winner = ((data.best or {}).get("best") or {}).get("alloc_conf")
+    tag = " (winner)" if winner is not None else " (recommended)"
     if winner is None:
-        fits = [r for r in rows if r.get("max_batch_size")]
-        winner = max(fits, key=lambda r: r["max_batch_size"])["alloc_conf"] if fits else None
+        pick = recommended_configuration(rows)
+        winner = None if pick is None else pick.get("alloc_conf") or ""
     total = len(rows)
     rows = _drawn(rows, winner)
     colors = _colors([r.get("alloc_conf") or "" for r in rows])
@@ -76,7 +77,7 @@ def frontier_figure(data: Any) -> Any:
         symbols = ["circle" if c.get("fits") else ("x" if not c.get("completes", True) else "circle-open")
                    for c in cells]
         fig.add_trace(go.Scatter(
-            x=xs, y=ys, mode="lines+markers", name=short_conf(conf) + (" (winner)" if win else ""),
+            x=xs, y=ys, mode="lines+markers", name=short_conf(conf) + (tag if win else ""),
             line={"width": 4 if win else 1.5, "color": colors[conf]}, opacity=1.0 if win else 0.75,
             marker={"symbol": symbols, "size": 8 if win else 6}, legendgroup=conf,
             hovertemplate=f"{conf or '(default)'}<br>batch %{{x}}<br>predicted peak reserved %{{y:.1f}} MiB"
@@ -110,7 +111,8 @@ def frontier_figure(data: Any) -> Any:
     if measured:
         kind += f"; diamonds: trials that ran, {source_label(data.memory_source)}"
     if total > len(rows):
-        kind += f"; {len(rows)} of {total} configurations drawn (the largest batches; all in the feasibility map)"
+        kind += (f"; {len(rows)} of {total} configurations drawn (the largest batches, identical predictions once; "
+                 "all in the feasibility map)")
     fig = _layout(fig, "Memory frontier: peak reserved vs batch size", "batch size", "peak reserved (MiB)",
                   height=520, subtitle=kind)
     if cap:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from oomtune.display import conf_legend, plan_recommendation, short_conf
+from oomtune.display import conf_legend, plan_recommendation
 from oomtune.report._advice import advice_for
 from oomtune.units import format_bytes
 
@@ -142,8 +142,7 @@ def _plan_table(data: Any) -> str:
         by_b = {c["batch_size"]: c for c in r.get("batches") or []}
         rows.append([_conf(r.get('alloc_conf')), _e(r.get("max_batch_size") or "none"),
                      *(_cell(by_b[b]) if b in by_b else "-" for b in batches)])
-    rec = plan_recommendation(confs)
-    head = f"<p class='rec'>{_e(rec)}</p>" if rec and data.plan_file == "plan.yaml" else ""
+    head = ""  # a plan's recommendation has its own section above
     what = "oomtune plan" if data.plan_file == "plan.yaml" else "the search's predicted frontier"
     return (f"<section id='plan'><h2>Feasibility map {_src('simulated')}</h2>{head}<p class='note'>From {_e(what)}, "
             f"{_e(data.plan_file)}: per batch the predicted peak reserved and fragmentation; &gt;limit: completes "

@@ -234,14 +234,15 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         from oomtune.plan.predictor import Predictor
 
         predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
-    path = write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
-                         predictor=predictor, space=space, workload=p.workload)
     from oomtune.report import write_search_report
 
-    write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
-                        budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
-                        space=space)
-    return path
+    try:
+        return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
+                             predictor=predictor, space=space, workload=p.workload)
+    finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
+        write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
+                            budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
+                            space=space)
 
 
 def _count(study: Any, role: str) -> int:
