@@ -85,7 +85,7 @@ def main() -> int:
         size = out.stat().st_size
         from plotly.offline import get_plotlyjs
 
-        from oomtune.report import build_report
+        from oomtune.htmlreport import build_report
 
         cold0 = time.perf_counter()
         build_report(run_dir, out)

@@ -48,7 +48,7 @@ def _trial(number, role, batch, conf, outcome, thr, peak_mib, start_s, dur_s, t0
 def make_run_dir(root: Path) -> Path:
     """Write the run directory under ``root`` and return it."""
     from oomtune.alloc.stream import AllocationStream
-    from oomtune.report._step import synthesise_snapshot, write_step_snapshot
+    from oomtune.htmlreport._step import synthesise_snapshot, write_step_snapshot
 
     run = root / "run"
     run.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The HTML report (oomtune/report/) on a hand-made run directory (tests/report_run.py), the winner's
+"""The HTML report (oomtune/htmlreport/) on a hand-made run directory (tests/report_run.py), the winner's
 step snapshot, and the human output of display.py used by plan and search."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from oomtune.cli import main
-from oomtune.report import build_report
-from oomtune.report._data import gather
-from oomtune.report._step import step_series
+from oomtune.htmlreport import build_report
+from oomtune.htmlreport._data import gather
+from oomtune.htmlreport._step import step_series
 from oomtune.trace.snapshot import TRACE_ACTIONS, load_snapshot
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -183,7 +183,7 @@ def test_plan_prints_a_compact_map_and_a_recommendation_and_writes_the_report(tm
 
 
 def test_search_report_for_a_command_target_says_why_there_is_no_frontier(run_dir):
-    from oomtune.report import write_search_report
+    from oomtune.htmlreport import write_search_report
 
     lines = []
     path = write_search_report(run_dir, lines.append, workload={"target": {"name": "cmd"}}, device=None,
@@ -191,3 +191,10 @@ def test_search_report_for_a_command_target_says_why_there_is_no_frontier(run_di
     assert path == run_dir / "report.html" and path.is_file()
     assert lines[0].startswith("report: no predicted frontier or winner's step for target=cmd")
     assert lines[-1].startswith(f"wrote {run_dir / 'report.html'}")
+
+
+def test_importing_the_html_report_keeps_oomtune_report_the_scripts_function():
+    import oomtune
+    import oomtune.htmlreport  # noqa: F401
+
+    assert callable(oomtune.report) and oomtune.report.__module__ == "oomtune.script_api"

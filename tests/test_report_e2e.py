@@ -44,17 +44,23 @@ def test_search_writes_report_frontier_and_winner_step(search_run):
     from oomtune.trace.replay import replay_snapshot
     from oomtune.trace.snapshot import load_snapshot
 
-    best = yaml.safe_load((search_run / "best.yaml").read_text())["best"]
+    from oomtune.capture.virtual_gpu import budget_geometry
+
+    record = yaml.safe_load((search_run / "best.yaml").read_text())
+    best, device = record["best"], record["device"]
     text = (search_run / "report.html").read_text()
     assert 'id="fig-frontier"' in text and 'id="fig-step"' in text and 'id="fig-timeline"' in text
     frontier = yaml.safe_load((search_run / "frontier.yaml").read_text())
     confs = [c["alloc_conf"] for c in frontier["configurations"]]
     assert "" in confs and best["alloc_conf"] in confs
     # the pickle loads through the restricted unpickler and replays to the same segments under the
-    # winner's settings on the trial's virtual GPU (capacity = budget on CPU)
+    # winner's settings on the trial's virtual GPU (the device's memory, the budget as a fraction)
     snap = load_snapshot(search_run / "winner_step.pickle")
     assert snap["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == best["alloc_conf"]
-    result = replay_snapshot(snap, best["alloc_conf"], total_memory_bytes=192 << 20)
+    geometry = budget_geometry(device["budget_bytes"], device["total_memory_bytes"])
+    fraction = geometry["memory_fraction"]
+    result = replay_snapshot(snap, best["alloc_conf"], total_memory_bytes=geometry["total_memory_bytes"],
+                             memory_fraction=None if fraction == 1.0 else fraction)
     assert result.first_divergence is None and not result.oom
     assert result.simulated_final_reserved_bytes == result.recorded_final_reserved_bytes
 
@@ -108,7 +114,7 @@ def test_report_renders_in_headless_chromium(which, request, tmp_path):
     run_dir = request.getfixturevalue("search_run") if which == "search" else make_run_dir(tmp_path / "hm")
     report = run_dir / "report.html"
     if which == "handmade":
-        from oomtune.report import build_report
+        from oomtune.htmlreport import build_report
 
         build_report(run_dir)
     with Browser(tmp_path / "profile") as browser:

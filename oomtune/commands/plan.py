@@ -144,7 +144,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")
     say(f"wrote {write_plan(fmap, path)}")
     if path.name == "plan.yaml":
-        from oomtune.report import write_report
+        from oomtune.htmlreport import write_report
 
         write_report(path.parent, say)
     return fmap

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from oomtune.report import build_report
+    from oomtune.htmlreport import build_report
 
     t0 = time.perf_counter()
     path = build_report(args.run_dir, args.out)

@@ -234,7 +234,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         from oomtune.plan.predictor import Predictor
 
         predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
-    from oomtune.report import write_search_report
+    from oomtune.htmlreport import write_search_report
 
     try:
         return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,

@@ -4,7 +4,8 @@
 One self-contained file (plotly.js embedded, works offline) showing the memory frontier, throughput
 against batch, the trial timeline, the winner's memory over one step and at its peak, the best.yaml
 summary and what to do per failure class. Built only from stored artifacts (see :mod:`._data`).
-Not to be confused with :mod:`oomtune.script_api` (``oomtune.report()`` called by a user's script).
+Named apart from :func:`oomtune.report` (:mod:`oomtune.script_api`, called by a user's script): a subpackage
+``oomtune.report`` would replace that function as an attribute of ``oomtune`` once imported.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oomtune.report._data import FRONTIER_FILE, PLAN_FILE, STEP_FILE, RunData, gather
+from oomtune.htmlreport._data import FRONTIER_FILE, PLAN_FILE, STEP_FILE, RunData, gather
 
 __all__ = ["build_report", "write_report", "write_search_report", "REPORT_FILE", "STEP_FILE", "FRONTIER_FILE",
            "PLAN_FILE", "RunData",
@@ -22,8 +23,8 @@ REPORT_FILE = "report.html"
 
 
 def _step_parts(data: RunData) -> tuple[list[tuple[str, Any, str]], str | None]:
-    from oomtune.report._figures import peak_segments_figure, step_figure
-    from oomtune.report._step import step_series
+    from oomtune.htmlreport._figures import peak_segments_figure, step_figure
+    from oomtune.htmlreport._step import step_series
 
     if data.step_file is None:
         return [], None
@@ -68,8 +69,8 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ConfigError: not a run directory (:func:`gather`), or ``out`` cannot be written.
     """
     from oomtune.exceptions import ConfigError
-    from oomtune.report._figures import frontier_figure, throughput_figure, timeline_figure
-    from oomtune.report._page import render_page
+    from oomtune.htmlreport._figures import frontier_figure, throughput_figure, timeline_figure
+    from oomtune.htmlreport._page import render_page
 
     data = gather(run_dir)
     figures: list[tuple[str, Any, str]] = []
@@ -117,9 +118,9 @@ def write_report(run_dir: str | Path, say: Any) -> Path | None:
 
 def write_search_report(run_dir: str | Path, say: Any, **artifacts: Any) -> Path | None:
     """End of ``oomtune search``: the frontier and the winner's step
-    (:func:`oomtune.report._artifacts.write_search_artifacts`, keyword arguments passed on), then
+    (:func:`oomtune.htmlreport._artifacts.write_search_artifacts`, keyword arguments passed on), then
     report.html. Each problem is one ``note:`` line through ``say``; nothing here fails the search."""
-    from oomtune.report._artifacts import write_search_artifacts
+    from oomtune.htmlreport._artifacts import write_search_artifacts
 
     try:
         for line in write_search_artifacts(Path(run_dir), **artifacts):

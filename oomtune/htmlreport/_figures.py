@@ -1,4 +1,4 @@
-"""The report's plotly figures. Each takes :class:`oomtune.report._data.RunData` (or a series) and
+"""The report's plotly figures. Each takes :class:`oomtune.htmlreport._data.RunData` (or a series) and
 returns a ``plotly.graph_objects.Figure``, or None when the run has nothing to draw. Memory is
 displayed in MiB (bytes internally); every title says where its figures came from: simulated on the
 virtual GPU, or measured on the device. SVG traces only (no WebGL), so charts render headless.

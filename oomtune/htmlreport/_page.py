@@ -7,7 +7,7 @@ import html
 from typing import Any
 
 from oomtune.display import conf_legend, plan_recommendation
-from oomtune.report._advice import advice_for
+from oomtune.htmlreport._advice import advice_for
 from oomtune.units import format_bytes
 
 __all__ = ["render_page"]

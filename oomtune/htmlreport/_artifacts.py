@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oomtune.report._data import FRONTIER_FILE, STEP_FILE
+from oomtune.htmlreport._data import FRONTIER_FILE, STEP_FILE
 
 __all__ = ["write_search_artifacts", "frontier_settings", "MAX_FRONTIER_CONFIGS"]
 
@@ -65,7 +65,7 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     the replays are cached); without one (``search.prune=off``), :func:`frontier_settings` at
     :func:`frontier_batches`, each configuration's ``max_batch_size`` the largest of those batches
     that fits (not bisected, to keep captures few). The winner's step is its captured stream replayed under
-    its settings (:func:`oomtune.report._step.synthesise_snapshot`).
+    its settings (:func:`oomtune.htmlreport._step.synthesise_snapshot`).
 
     Args:
         workload: the trial workload mapping (built-in model or ``target=python``; a ``cmd`` target
@@ -85,8 +85,8 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     from oomtune.plan.feasibility import (FeasibilityMap, PlanCell, PlanRow, build_plan, grid_batches, limit_bytes_of,
                                           write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry
-    from oomtune.report._data import gather
-    from oomtune.report._step import synthesise_snapshot, write_step_snapshot
+    from oomtune.htmlreport._data import gather
+    from oomtune.htmlreport._step import synthesise_snapshot, write_step_snapshot
 
     target = (workload.get("target") or {}).get("name", "builtin")
     if target not in ("builtin", "python"):
