@@ -103,7 +103,8 @@ def frontier_lines(res: dict) -> list[str]:
     out = [f"  {'alloc_conf':<62} {'predicted':>9} {'measured':>9}  answer/predicted"]
     for row in sorted(best.get("frontiers") or [], key=lambda r: -(r["predicted_max_batch"] or 0)):
         pred, ok, bad = row["predicted_max_batch"], row["measured_max_batch"], row["measured_fail_batch"]
-        measured = "-" if ok is None else (str(ok) if bad == ok + 1 else f">={ok}" if bad is None else f"{ok}..{bad - 1}")
+        measured = (("-" if bad is None else f"<{bad}") if ok is None
+                    else str(ok) if bad == ok + 1 else f">={ok}" if bad is None else f"{ok}..{bad - 1}")
         ratio = f"{batch / pred:.3f}" if pred else "-"
         name = (row["alloc_conf"] or "(default)") + (f" (+{len(row['twins'])} same)" if row["twins"] else "")
         out.append(f"  {name:<62} {str(pred):>9} {measured:>9}  {ratio}")
