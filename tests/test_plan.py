@@ -156,7 +156,8 @@ def test_plan_yaml_has_every_configuration_of_the_default_space(tmp_path, monkey
     assert len(data["configurations"]) == 2 * 3 * 2 * 2
     assert data["memory_source"] == "simulated" and data["batch_sizes"] == [8, 32]
     assert data["device"]["budget_bytes"] == 1 << 30
-    assert data["geometry"] == {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
+    # the virtual GPU is virtual_device_memory (80 GiB) with the 1 GiB budget as its memory fraction
+    assert data["geometry"] == {"total_memory_bytes": 80 << 30, "memory_fraction": 1 / 80}
     # the tiny MLP's tensors all fit one 2 MiB small-pool segment (kSmallBuffer) at batch 8
     assert all(c["batches"][0]["peak_reserved_bytes"] == 2 * MiB for c in data["configurations"])
     text = capsys.readouterr().out
