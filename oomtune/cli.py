@@ -82,3 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("oomtune: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``oomtune show --json | head``): not an error of ours. Point stdout
+        # at devnull so the interpreter's final flush does not raise again (Python docs, "Note on
+        # SIGPIPE").
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

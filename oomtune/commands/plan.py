@@ -162,6 +162,10 @@ def _print_plan(console: Any, say: Any, fmap: Any) -> None:
     rec = plan_recommendation(data["configurations"])
     if rec:
         say(f"recommendation (simulated): {rec}")
+        high = max((c.get("max_batch_size") or 0 for c in data["configurations"]), default=0)
+        if high and high >= max(data.get("batch_sizes") or [0]) > 0:
+            say(f"note: batch {high} is the top of the searched range: a larger batch was not tried; "
+                "raise search.batch_size.high")
 
 
 @contextlib.contextmanager

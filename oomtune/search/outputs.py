@@ -151,8 +151,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
         console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",
                       highlight=False, markup=False)
-    console.print(f"trial processes: {summary.launches} launched, {summary.launches_saved} saved by "
-                  f"prediction or reuse", highlight=False, markup=False)
+    console.print(f"trial processes (whole study, every session of it): {summary.launches} launched, "
+                  f"{summary.launches_saved} saved by prediction or reuse", highlight=False, markup=False)
     if device.simulated:
         console.print("note: trials trained on the CPU; memory figures come from the virtual GPU "
                       "(simulated) and throughput is the CPU's, so allocator settings change memory "

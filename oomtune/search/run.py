@@ -251,7 +251,8 @@ def _count(study: Any, role: str) -> int:
 
 
 def _resume_line(study: Any) -> str | None:
-    counts = {role: _count(study, role) for role in ("baseline", "search", "confirm")}
+    counts = {role: _count(study, role) for role in ("baseline", "frontier", "search", "confirm")}
+    counts = {role: n for role, n in counts.items() if n} or counts
     interrupted = sum(1 for t in study.get_trials(deepcopy=False)
                       if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs
                       and ATTR_DUPLICATE_OF not in t.user_attrs)
