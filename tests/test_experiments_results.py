@@ -40,12 +40,21 @@ def _head(path: Path) -> str:
     return "\n".join(text.splitlines()[:HEAD_LINES])
 
 
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+
 def _is_commit(ref: str) -> bool | None:
-    """True/False when git can tell whether ``ref`` is a commit here; None without git history."""
+    """True/False when git can tell whether ``ref`` is a commit of the checked-out history (an
+    ancestor of HEAD, so that a clean clone of main has it: a commit that exists only on a local
+    branch, e.g. one rebased away, is not); None without git history or in a shallow clone."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         return None
-    proc = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}^{{commit}}"], capture_output=True)
-    return proc.returncode == 0
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        return None
+    if _git("cat-file", "-e", f"{ref}^{{commit}}").returncode != 0:
+        return False
+    return _git("merge-base", "--is-ancestor", ref, "HEAD").returncode == 0
 
 
 def test_there_are_results_files():
@@ -62,7 +71,7 @@ def test_results_file_names_its_command_and_commit(path):
     commit = COMMIT_RE.search(head)
     assert commit, f"{path.name}: no 'commit <hash>' in its first {HEAD_LINES} lines"
     if _is_commit(commit.group(1)) is False:
-        pytest.fail(f"{path.name}: commit {commit.group(1)} is not a commit of this repository")
+        pytest.fail(f"{path.name}: commit {commit.group(1)} is not a commit of this branch's history (rebased away? re-run the command at HEAD)")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
