@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from oomtune.exceptions import ConfigError, DeviceError
 from oomtune.units import MiB, format_bytes, parse_size
 
-__all__ = ["TargetDevice", "resolve_device", "resolve_budget"]
+__all__ = ["TargetDevice", "resolve_device", "resolve_budget", "parse_budget", "check_device_spec"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,8 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
         DeviceError: CUDA asked for but unavailable, or an index that does not exist.
         ConfigError: an unrecognised device string.
     """
-    spec = str(spec).strip().lower()
+    spec = check_device_spec(spec)
     m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", spec)
-    if not m or (m.group(1) != "cuda" and m.group(2) is not None):
-        raise ConfigError(f"invalid device {spec!r}: expected auto, cpu, cuda or cuda:N")
     import torch
 
     kind = m.group(1)
@@ -73,12 +71,14 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
     return TargetDevice(f"cuda:{index}", "cuda", index, props.name, int(props.total_memory), False)
 
 
-def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
-    """The memory budget in bytes: a size (``16GiB``) or a fraction of the device (``0.9``).
+def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
+    """The budget's syntax, checked without a device (so bad input is refused before torch is
+    imported): ``("fraction", F)`` for a number in (0, 1] (a fraction of the device), ``("bytes", N)``
+    for a size (``16GiB``, ``1.5GB``, or a plain byte count of at least 1 MiB).
 
     Raises:
-        ConfigError: not a size or fraction.
-        DeviceError: above the device's total memory.
+        ConfigError: not a finite positive size or fraction, or a bare number in (1, 1 MiB)
+            (ambiguous: neither a fraction nor a plausible byte count).
     """
     text = str(budget).strip()
     try:
@@ -90,14 +90,42 @@ def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
     if number is not None and number <= 0:
         raise ConfigError(f"budget {text!r} must be > 0")
     if number is not None and number <= 1:
-        budget_bytes = int(number * device.total_memory_bytes)
-    elif number is not None and number < MiB:
+        return "fraction", number
+    if number is not None and number < MiB:
         raise ConfigError(
             f"budget {text!r} is ambiguous: give a fraction of the device in (0, 1] (e.g. 0.9) "
             "or a size with a unit (e.g. 16GiB)"
         )
-    else:
-        budget_bytes = parse_size(text)
+    budget_bytes = parse_size(text)
+    if budget_bytes <= 0:
+        raise ConfigError(f"budget {text!r} must be > 0")
+    return "bytes", budget_bytes
+
+
+def check_device_spec(spec: str) -> str:
+    """``auto | cpu | cuda | cuda:N`` checked for syntax only (no torch import); returns it
+    normalised (stripped, lower case).
+
+    Raises:
+        ConfigError: an unrecognised device string.
+    """
+    spec = str(spec).strip().lower()
+    m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", spec)
+    if not m or (m.group(1) != "cuda" and m.group(2) is not None):
+        raise ConfigError(f"invalid device {spec!r}: expected auto, cpu, cuda or cuda:N")
+    return spec
+
+
+def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
+    """The memory budget in bytes: a size (``16GiB``) or a fraction of the device (``0.9``).
+
+    Raises:
+        ConfigError: not a size or fraction (:func:`parse_budget`).
+        DeviceError: above the device's total memory.
+    """
+    text = str(budget).strip()
+    kind, value = parse_budget(text)
+    budget_bytes = int(value * device.total_memory_bytes) if kind == "fraction" else int(value)
     if budget_bytes <= 0:
         raise ConfigError(f"budget {text!r} must be > 0")
     if budget_bytes > device.total_memory_bytes:

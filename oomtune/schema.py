@@ -116,3 +116,23 @@ def validate(cfg: Any) -> None:
                    or hasattr(values, "__len__"), f"search.{key}.{name}", values, "must be a list of candidates")
     run_dir = str(cfg.hydra.run.dir) if "hydra" in cfg else "x"
     _check(run_dir.strip() != "", "hydra.run.dir", run_dir, "must not be empty")
+    check_device_and_budget(cfg)
+
+
+def check_device_and_budget(cfg: Any) -> None:
+    """The syntax of ``device``, ``budget`` and ``virtual_device_memory``, checked without torch
+    (importing it takes seconds): bad input exits at once, before anything else runs. Whether the
+    device exists and the budget fits it is checked later (:func:`oomtune.device.resolve_device`,
+    :func:`oomtune.device.resolve_budget`).
+
+    Raises:
+        ConfigError: the first malformed value, in one line.
+    """
+    from oomtune.device import check_device_spec, parse_budget
+    from oomtune.units import parse_size
+
+    check_device_spec(cfg.device)
+    parse_budget(cfg.budget)
+    vdm = cfg.get("virtual_device_memory")
+    if vdm is not None:
+        _check(parse_size(vdm) > 0, "virtual_device_memory", vdm, "must be > 0")

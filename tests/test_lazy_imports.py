@@ -109,3 +109,23 @@ def test_simulator_oom_is_torch_oom_once_torch_is_imported():
                        "print(isinstance(e, torch.OutOfMemoryError), isinstance(oom(), torch.OutOfMemoryError))")
     assert r["out"].split() == ["True", "False", "True"]
     assert r["loaded"] == ["torch"]
+
+
+@pytest.mark.parametrize("command", ["search", "plan"])
+@pytest.mark.parametrize("override, says", [
+    ("budget=abc", "invalid size 'abc'"),
+    ("budget=2.5", "is ambiguous"),                 # neither a fraction in (0, 1] nor a byte count
+    ("device=tpu", "invalid device 'tpu'"),
+    ("virtual_device_memory=0GiB", "must be > 0"),
+])
+def test_bad_budget_or_device_exits_2_before_torch(command, override, says):
+    # The fresh-user pass: `oomtune search budget=abc` imported torch (seconds) before its one-line
+    # error. Syntax is checked first now: exit 2, one line, torch never imported (no trial, no study).
+    code = ("import sys\nfrom oomtune.cli import main\n"
+            f"print('rc', main([{command!r}, {override!r}]))\n"
+            "print('torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=str(ROOT))
+    assert proc.stdout.split() == ["rc", "2", "False"], proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: ") and says in proc.stderr

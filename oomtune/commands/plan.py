@@ -104,9 +104,12 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
 
     console = console or Console()
     cfg = C.compose(list(overrides) + C.env_overrides())
+    from oomtune.schema import check_device_and_budget
+
+    check_device_and_budget(cfg)   # before torch is imported (by the workload check): bad input exits at once
+    headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
     _validate_workload(workload)
-    headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)

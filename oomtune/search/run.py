@@ -126,11 +126,11 @@ class _Prepared:
 
         check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
         self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
-        validate(cfg)
-        self.workload = workload_of(cfg)
+        validate(cfg)   # also budget= and device= syntax: bad values exit before torch is imported
+        self.space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+        self.workload = workload_of(cfg)   # builds the model on meta: imports torch
         self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
         self.budget_bytes = resolve_budget(cfg.budget, self.device)
-        self.space = SearchSpace.from_config(cfg.search)
         if self.device.simulated and "cudaMallocAsync" in self.space.choices.get("backend", []):
             raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
                               "(device=cpu) models the native allocator only")
