@@ -48,8 +48,10 @@ def _old_result(tree: Path, path: Path) -> tuple[bool, str]:
     if proc.returncode != 0:
         return False, "refused: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:100]
     r = json.loads(proc.stdout)
-    exact = (r["first_divergence"] is None and not r["oom"]
-             and r["peak_reserved_bytes"] == r["recorded_peak_reserved_bytes"]
+    oom = r.get("simulated_oom", r.get("oom"))   # --json keys before / after the simulated_ prefix
+    peak = r.get("simulated_peak_reserved_bytes", r.get("peak_reserved_bytes"))
+    exact = (r["first_divergence"] is None and not oom
+             and peak == r["recorded_peak_reserved_bytes"]
              and r["simulated_final_reserved_bytes"] == r["recorded_final_reserved_bytes"])
     why = "exact" if exact else (
         f"segment allocs {len(r['simulated_segment_allocs'])}/{len(r['recorded_segment_allocs'])}, final "

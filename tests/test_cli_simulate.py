@@ -63,14 +63,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_json_hand_computed(synthetic, capsys):
     assert main(["simulate", str(synthetic), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["peak_allocated_bytes"] == 10 * MiB      # 5 MiB + 5 MiB (the 512 B block freed first)
-    assert out["peak_reserved_bytes"] == 22 * MiB       # 2 MiB small + 20 MiB large segment
+    assert out["simulated_peak_allocated_bytes"] == 10 * MiB      # 5 MiB + 5 MiB (the 512 B block freed first)
+    assert out["simulated_peak_reserved_bytes"] == 22 * MiB       # 2 MiB small + 20 MiB large segment
     assert out["recorded_peak_reserved_bytes"] == 22 * MiB
     assert out["recorded_segment_allocs"] == [2 * MiB, 20 * MiB]
     assert out["simulated_segment_allocs"] == [2 * MiB, 20 * MiB]
     assert out["first_divergence"] is None and out["exact"] is True
-    assert out["oom"] is False and out["num_alloc_retries"] == 0
-    assert out["fragmentation"] == pytest.approx(1 - 10 / 22)
+    assert out["simulated_oom"] is False and out["simulated_num_alloc_retries"] == 0
+    assert out["simulated_fragmentation"] == pytest.approx(1 - 10 / 22)
     assert out["settings"] == ""
     assert out["events_replayed"] == 6
 
@@ -79,8 +79,8 @@ def test_budget_too_small_is_oom(synthetic, capsys):
     # 16 MiB cannot hold the 2 MiB small segment (still in use) plus a 20 MiB segment.
     assert main(["simulate", str(synthetic), "--budget", "16MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["oom"] is True
-    assert out["oom_at"]["event_index"] == 3 and out["oom_at"]["requested_bytes"] == 5 * MiB
+    assert out["simulated_oom"] is True
+    assert out["simulated_oom_at"]["event_index"] == 3 and out["simulated_oom_at"]["requested_bytes"] == 5 * MiB
 
 
 def test_text_output_labels(synthetic, capsys):
@@ -167,7 +167,7 @@ def test_ambiguous_release_decided_by_the_device_limit(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["device_limit"]["low_bytes"] == 20 * MiB and r["device_limit"]["high_bytes"] == 22 * MiB - 1
     assert r["total_memory_bytes"] == 20 * MiB and r["budget_source"] == "inferred from the trace"
-    assert r["exact"] and r["num_alloc_retries"] == 1
+    assert r["exact"] and r["simulated_num_alloc_retries"] == 1
     # --budget overrides: on 1 TiB the allocator never releases, so the recorded release is missing.
     assert main(["simulate", str(path), "--json", "--budget", "1TiB"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -189,8 +189,44 @@ def test_memory_fraction_caps_the_replay_and_needs_a_budget(tmp_path, capsys):
     path = tmp_path / "one.pickle"
     path.write_bytes(pickle.dumps(snap))
     assert main(["simulate", str(path), "--budget", "100MiB", "--memory-fraction", "0.3", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["oom"] is True
+    assert json.loads(capsys.readouterr().out)["simulated_oom"] is True
     assert main(["simulate", str(path), "--budget", "100MiB", "--memory-fraction", "0.5", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["oom"] is False
+    assert json.loads(capsys.readouterr().out)["simulated_oom"] is False
     assert main(["simulate", str(path), "--memory-fraction", "0.5"]) == 2
     assert "needs --budget" in capsys.readouterr().err
+
+
+def test_json_keys_name_their_source(synthetic, capsys):
+    # Every memory figure of --json says where it comes from: simulated_* (the virtual GPU's replay)
+    # or recorded_* (the snapshot, i.e. the device); budget_bytes / total_memory_bytes are inputs.
+    assert main(["simulate", str(synthetic), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    figures = {k for k in out if k.endswith("_bytes") or k in ("fragmentation", "oom", "oom_at", "num_alloc_retries")}
+    assert {k for k in figures if not k.startswith(("simulated_", "recorded_"))} == {"budget_bytes",
+                                                                                     "total_memory_bytes"}
+    # The trace allocates both segments itself (no segment before recording began), so the starting
+    # state is empty; neither segment is released, so both replays end with 2 + 20 MiB reserved.
+    assert out["recorded_initial_reserved_bytes"] == 0 and out["recorded_initial_live_bytes"] == 0
+    assert out["simulated_final_reserved_bytes"] == out["recorded_final_reserved_bytes"] == 22 * MiB
+    assert out["simulated_peak_active_bytes"] == 10 * MiB   # the two 5 MiB blocks live together
+    assert "peak_reserved_bytes" not in out and "oom" not in out   # the old, unlabelled names are gone
+
+
+@pytest.mark.parametrize("recorded, args, line", [
+    (None, [], "Settings: torch defaults (the snapshot records no allocator settings)"),
+    (None, ["--conf", "expandable_segments:True"], "Settings: expandable_segments:True (given with --conf)"),
+    (None, ["--conf", ""], "Settings: torch defaults (given with --conf)"),
+    ({"max_split_size": 200 * MiB}, [], "Settings: max_split_size_mb:200 (recorded in the snapshot)"),
+    # 5 MiB is below torch's 20 MiB minimum for max_split_size_mb: not representable
+    ({"max_split_size": 5 * MiB}, [],
+     "Settings: torch defaults (the snapshot's allocator settings cannot be used: see the Notice below)"),
+])
+def test_settings_line_names_the_settings_once(tmp_path, capsys, recorded, args, line):
+    snap = synthetic_snapshot()
+    if recorded is not None:
+        snap["allocator_settings"] = recorded
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["simulate", str(path), *args]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if x.startswith("Settings:")] == [line]

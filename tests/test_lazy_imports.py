@@ -58,7 +58,7 @@ def test_simulate_with_an_oom_imports_no_torch():
     # A budget below the trace's starting state: the simulated OOM is raised and caught torch-free.
     r = _modules_after(f"from oomtune.cli import main\nmain(['simulate', {str(TRACE)!r}, '--json', "
                        f"'--budget', '1MiB'])")
-    assert json.loads(r["out"])["oom"] is True
+    assert json.loads(r["out"])["simulated_oom"] is True
     assert r["loaded"] == []
 
 

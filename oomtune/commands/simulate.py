@@ -8,7 +8,18 @@ torch's defaults), ``--budget`` a capacity. Output labels every figure ``(simula
 ``(recorded on device)`` and says which rule decided who made each recorded release.
 
 ``--json`` prints one JSON object for one ``--conf`` (or none), and a JSON list of such objects, in
-``--conf`` order, for several.
+``--conf`` order, for several (:func:`json_record`). Its keys say where each figure comes from:
+``simulated_*`` from the virtual GPU's replay (``simulated_peak_allocated_bytes``,
+``simulated_peak_reserved_bytes``, ``simulated_peak_active_bytes``, ``simulated_final_reserved_bytes``,
+``simulated_fragmentation``, ``simulated_num_alloc_retries``, ``simulated_oom``, ``simulated_oom_at``,
+``simulated_segment_events`` / ``_allocs`` / ``_frees``, ``simulated_ooms``), ``recorded_*`` from the
+snapshot, i.e. what the device did (``recorded_peak_reserved_bytes``,
+``recorded_final_reserved_bytes``, ``recorded_initial_reserved_bytes``, ``recorded_initial_live_bytes``:
+the state when recording began, rebuilt from the snapshot; ``recorded_segment_*``, ``recorded_ooms``,
+``recorded_allocator_settings``); the other keys describe the replay (``settings``,
+``settings_source``, ``budget_bytes``, ``total_memory_bytes``, ``budget_source``, ``device_limit``,
+``events_replayed``, ``first_divergence``, ``divergence``, ``exact``, ``releases``, ``notes``, ...).
+Sizes in bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from typing import Any
 from oomtune.exceptions import ConfigError
 from oomtune.units import format_bytes, parse_size
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "json_record", "JSON_RENAMED"]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,6 +61,30 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON (an object; a list for several --conf)")
     p.set_defaults(func=run)
     return p
+
+
+#: :class:`oomtune.trace.SnapshotReplay` fields renamed in ``--json`` so that every figure names its
+#: source (the other fields keep their names, already ``simulated_*``, ``recorded_*`` or neither).
+JSON_RENAMED = {
+    "peak_allocated_bytes": "simulated_peak_allocated_bytes",
+    "peak_reserved_bytes": "simulated_peak_reserved_bytes",
+    "peak_active_bytes": "simulated_peak_active_bytes",
+    "fragmentation": "simulated_fragmentation",
+    "num_alloc_retries": "simulated_num_alloc_retries",
+    "oom": "simulated_oom",
+    "oom_at": "simulated_oom_at",
+    "initial_reserved_bytes": "recorded_initial_reserved_bytes",
+    "initial_live_bytes": "recorded_initial_live_bytes",
+}
+
+
+def json_record(result: Any, *, budget_bytes: int | None, trace: str) -> dict[str, Any]:
+    """One replay as ``--json`` prints it: :meth:`SnapshotReplay.to_dict` with the keys of
+    :data:`JSON_RENAMED` renamed (``simulated_`` / ``recorded_`` say where a figure comes from; see
+    the module docstring), plus ``budget_bytes`` (``--budget``, None when not given) and ``trace``
+    (the path)."""
+    out = {JSON_RENAMED.get(k, k): v for k, v in result.to_dict().items()}
+    return dict(out, budget_bytes=budget_bytes, trace=trace)
 
 
 def _budget(text: str | None) -> int | None:
@@ -95,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         for s in settings
     ]
     if args.json:
-        objs = [dict(r.to_dict(), budget_bytes=budget, trace=str(args.trace)) for r in results]
+        objs = [json_record(r, budget_bytes=budget, trace=str(args.trace)) for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, sort_keys=True))
         return 0
     from rich.console import Console
@@ -154,6 +189,22 @@ def _settings_label(text: str) -> str:
     return text if text else "(torch defaults)"
 
 
+#: Where the replay's settings came from (``SnapshotReplay.settings_source``), in words.
+_SETTINGS_SOURCES = {"recorded": "recorded in the snapshot", "given": "given with --conf"}
+
+
+def _settings_line(r: Any) -> str:
+    """``Settings: expandable_segments:True (recorded in the snapshot)``; torch's defaults are named
+    once: ``Settings: torch defaults (the snapshot records no allocator settings)``."""
+    name = r.settings or "torch defaults"
+    source = _SETTINGS_SOURCES.get(r.settings_source)
+    if source is None:  # "torch defaults (none recorded)": none recorded, or unusable (a Notice says why)
+        unusable = any(n.startswith("the recorded allocator_settings cannot be used") for n in r.notes)
+        source = ("the snapshot records no allocator settings" if not unusable
+                  else "the snapshot's allocator settings cannot be used: see the Notice below")
+    return f"Settings: {name} ({source})"
+
+
 def _mib_list(sizes: list[int], show: int = 24) -> str:
     if not sizes:
         return "none"
@@ -196,7 +247,7 @@ def _divergence_text(r: Any) -> str:
 def _print_one(console: Any, r: Any) -> None:
     frag = "-" if r.fragmentation is None else f"{100 * r.fragmentation:.2f}%"
     lines = [
-        f"Settings: {_settings_label(r.settings)} ({r.settings_source})",
+        _settings_line(r),
         f"Starting state (recorded on device): {format_bytes(r.initial_reserved_bytes)} reserved, "
         f"{format_bytes(r.initial_live_bytes)} live" + ("" if r.initial_state_exact else " (rebuilt approximately)"),
         f"Events replayed: {r.events_replayed:,} in {r.replay_seconds:.3f} s",
