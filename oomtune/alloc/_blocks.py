@@ -64,24 +64,29 @@ class Block:
     ``requested`` is the size asked for by the last allocation (kept after free, as in C++);
     ``gc_base`` is the pool's get_free_block call count when the block entered the free set;
     ``es`` is the owning :class:`ExpandableSegment` or None; ``mapped`` is False only for the
-    unmapped address space of an expandable segment.
+    unmapped address space of an expandable segment. The constructor takes ``addr``, ``size``
+    (bytes), ``stream`` and ``small`` (pool), and optionally ``prev``, ``next``, ``requested``,
+    ``es`` and ``gc_base`` (so a split in the simulator's hot path sets every field in one call);
+    a new block is free (not allocated) and mapped.
     """
 
     __slots__ = ("addr", "size", "requested", "stream", "small", "allocated", "prev", "next",
                  "mapped", "es", "gc_base")
 
-    def __init__(self, addr: int, size: int, stream: int, small: bool) -> None:
+    def __init__(self, addr: int, size: int, stream: int, small: bool, prev: Block | None = None,
+                 next: Block | None = None, requested: int = 0, es: ExpandableSegment | None = None,
+                 gc_base: int = 0) -> None:
         self.addr = addr
         self.size = size
-        self.requested = 0
+        self.requested = requested
         self.stream = stream
         self.small = small
         self.allocated = False
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        self.prev = prev
+        self.next = next
         self.mapped = True
-        self.es: ExpandableSegment | None = None
-        self.gc_base = 0
+        self.es = es
+        self.gc_base = gc_base
 
     def key(self) -> int:
         """The packed free-set key ``stream << 112 | size << 56 | addr``."""

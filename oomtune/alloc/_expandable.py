@@ -179,15 +179,19 @@ class ExpandableMixin:
     def _pick_expandable(self, keys: list[int], i: int, stream: int) -> tuple[int, int]:
         """get_free_block's expandable rule: among blocks of expandable segments, move on to the
         next block while its expandable size (size + following unmapped range) is smaller."""
-        free = self._free
-
-        def grow(b: Block) -> int:
-            n = b.next
-            return b.size + (n.size if n is not None and not n.mapped else 0)
-
-        while i + 1 < len(keys) and keys[i + 1] >> STREAM_SHIFT == stream:
-            cur, nxt = free[keys[i] & ADDR_MASK], free[keys[i + 1] & ADDR_MASK]
-            if cur.es is None or grow(nxt) >= grow(cur):
+        free, n = self._free, len(keys) - 1
+        while i < n:
+            k1 = keys[i + 1]
+            if k1 >> STREAM_SHIFT != stream:
+                break
+            cur = free[keys[i] & ADDR_MASK]
+            if cur.es is None:
+                break
+            nxt = free[k1 & ADDR_MASK]
+            b = nxt.next             # expandable size: the block + the unmapped range after it
+            grow_next = nxt.size + (b.size if b is not None and not b.mapped else 0)
+            b = cur.next
+            if grow_next >= cur.size + (b.size if b is not None and not b.mapped else 0):
                 break
             i += 1
         return i, keys[i]

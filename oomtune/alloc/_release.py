@@ -13,6 +13,8 @@ from oomtune.alloc._stats import RESERVED_BYTES, SEGMENT, dec
 
 __all__ = ["ReleaseMixin"]
 
+assert (SEGMENT, RESERVED_BYTES) == (3, 15)   # the literal stat offsets used below
+
 
 
 class ReleaseMixin:
@@ -22,18 +24,21 @@ class ReleaseMixin:
     def _remove_free(self, block: Block) -> None:
         """Take a free mapped block out of its pool's sorted key list and the address map."""
         keys = (self._small if block.small else self._large).keys
-        del keys[bisect_left(keys, block.key())]
-        del self._free[block.addr]
+        addr = block.addr
+        del keys[bisect_left(keys, (block.stream << STREAM_SHIFT) | (block.size << SIZE_SHIFT) | addr)]
+        del self._free[addr]
 
     def _release_block(self, block: Block, index: int) -> None:
         """``release_block``: cudaFree a whole free segment (never an expandable one)."""
         self._remove_free(block)
         size = block.size
         self._total_alloc -= size
-        st, t = self._st, 2 - block.small      # type 1 small, 2 large
-        for lst in (st[0], st[t]):
-            dec(lst, SEGMENT, 1)
-            dec(lst, RESERVED_BYTES, size)
+        st = self._st
+        for lst in (st[0], st[2 - block.small]):   # segment (3), reserved_bytes (15): current, freed
+            lst[3] -= 1
+            lst[5] += 1
+            lst[15] -= size
+            lst[17] += size
         if size >= self._max_split:
             dec(self._over_segs, 0, 1)
         self.num_device_free += 1

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from oomtune.alloc._blocks import SIZE_SHIFT, STREAM_SHIFT, Block, Pool
+from oomtune.alloc._blocks import Block
 
 __all__ = ["SplitMixin"]
 
 
 class SplitMixin:
-    """``alloc_found_block`` (splitting) and ``free_block`` / ``try_merge_blocks`` (merging)."""
+    """``free_block`` / ``try_merge_blocks`` (merging) and the inactive_split stats of
+    ``alloc_found_block`` (the split itself is inlined in ``CachingAllocatorSim.malloc``).
 
-    def _free_split(self, block: Block, prev: Block | None, nxt: Block | None) -> None:
+    ``la`` / ``lt`` below are the stat lists of the aggregate type and of the block's pool."""
+
+    def _free_split(self, block: Block, prev: Block | None, nxt: Block | None, la: list[int],
+                    lt: list[int]) -> None:
         """The rest of ``free_block`` for a block that shares its segment: merge with free
         neighbours (``try_merge_blocks``), cache it, and update the inactive_split stats."""
         if block.es is not None:
@@ -29,35 +33,35 @@ class SplitMixin:
         keys, free = pool.keys, self._free
         net_n = net_b = 0
         if prev is not None and not prev.allocated:
-            del keys[bisect_left(keys, (prev.stream << STREAM_SHIFT) | (prev.size << SIZE_SHIFT) | prev.addr)]
+            psize = prev.size
+            del keys[bisect_left(keys, (prev.stream << 112) | (psize << 56) | prev.addr)]
             del free[prev.addr]
             block.addr = prev.addr
             block.prev = pp = prev.prev
             if pp is not None:
                 pp.next = block
-            block.size += prev.size
-            net_n -= 1
-            net_b -= prev.size
+            block.size += psize
+            net_n = -1
+            net_b = -psize
         if nxt is not None and not nxt.allocated:
-            del keys[bisect_left(keys, (nxt.stream << STREAM_SHIFT) | (nxt.size << SIZE_SHIFT) | nxt.addr)]
+            nsize = nxt.size
+            del keys[bisect_left(keys, (nxt.stream << 112) | (nsize << 56) | nxt.addr)]
             del free[nxt.addr]
             block.next = nn = nxt.next
             if nn is not None:
                 nn.prev = block
-            block.size += nxt.size
+            block.size += nsize
             net_n -= 1
-            net_b -= nxt.size
+            net_b -= nsize
         size = block.size
-        insort(keys, (block.stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | block.addr)
-        free[block.addr] = block
+        addr = block.addr
+        insort(keys, (block.stream << 112) | (size << 56) | addr)
+        free[addr] = block
         block.gc_base = pool.gc_calls
         if block.prev is not None or block.next is not None:
             net_n += 1
             net_b += size
-        pa, pt = self._hot
-        # Unrolled on purpose (same steps for offsets 9 and 21): a loop over the two offsets made a
-        # malloc/free replay ~9% slower (150k events, measured when this mixin was split out).
-        for lst in (pa, pt[block.small]):   # inactive_split (9), inactive_split_bytes (21)
+        for lst in (la, lt):   # inactive_split (9), inactive_split_bytes (21)
             if net_n > 0:
                 c = lst[9] + net_n
                 lst[9] = c
@@ -75,43 +79,28 @@ class SplitMixin:
                 lst[21] += net_b
                 lst[23] -= net_b
 
+    def _new_inactive(self, lt: list[int], remaining: int) -> None:
+        """A whole segment was split: one new inactive split block of ``remaining`` bytes."""
+        for lst in (self._st[0], lt):
+            c = lst[21] + remaining
+            lst[21] = c
+            if c > lst[22]:
+                lst[22] = c
+            c = lst[9] + 1
+            lst[9] = c
+            if c > lst[10]:
+                lst[10] = c
 
-    def _split(self, block: Block, size: int, remaining: int, split: bool, pool: Pool) -> None:
-        """The splitting part of ``alloc_found_block``: cut ``remaining`` bytes off into a new free
-        block when ``split``, and keep inactive_split(_bytes) right for blocks of split segments."""
-        pa, pt = self._hot
-        lists = (pa, pt[block.small])
-        was_split = block.prev is not None or block.next is not None
-        if split:
-            rest = Block(block.addr + size, remaining, block.stream, block.small)
-            rest.requested, rest.es = block.requested, block.es
-            nxt = block.next
-            rest.prev, rest.next = block, nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(pool.keys, (rest.stream << STREAM_SHIFT) | (remaining << SIZE_SHIFT) | rest.addr)
-            self._free[rest.addr] = rest
-            rest.gc_base = pool.gc_calls
-            if block.es is None:
-                for lst in lists:
-                    if was_split:              # an inactive split block shrinks by size
-                        lst[21] -= size
-                        lst[23] += size
-                    else:                      # a new inactive split block of remaining bytes
-                        c = lst[21] + remaining
-                        lst[21] = c
-                        if c > lst[22]:
-                            lst[22] = c
-                        c = lst[9] + 1
-                        lst[9] = c
-                        if c > lst[10]:
-                            lst[10] = c
-        elif block.es is None:                 # an inactive split block becomes active
-            size = block.size
-            for lst in lists:
-                lst[21] -= size
-                lst[23] += size
-                lst[9] -= 1
-                lst[11] += 1
+    def _shrink_inactive(self, lt: list[int], size: int) -> None:
+        """An inactive split block was split again: inactive_split_bytes shrinks by ``size``."""
+        for lst in (self._st[0], lt):
+            lst[21] -= size
+            lst[23] += size
+
+    def _activate_inactive(self, lt: list[int], size: int) -> None:
+        """An inactive split block of ``size`` bytes was taken whole: it becomes active."""
+        for lst in (self._st[0], lt):
+            lst[21] -= size
+            lst[23] += size
+            lst[9] -= 1
+            lst[11] += 1

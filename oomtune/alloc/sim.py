@@ -29,8 +29,9 @@ torch. Deviations: garbage collection and release_available_cached_blocks skip e
 ``throw_on_cudamalloc_oom`` keys of recent torch are not modelled.
 
 Speed: free blocks live in sorted lists of packed integer keys (bisect), blocks in dicts by address,
-stats in flat int lists updated inline; a replay runs at roughly 0.4-0.5 M events/s on one core of
-a 2020s Xeon (see experiments/bench_replay.py).
+stats in flat int lists updated inline; :meth:`malloc` splits and :meth:`free` caches whole segments
+inline (no helper call on the common path). Replay rates on one core are measured by
+experiments/bench_replay.py (experiments/results/bench_replay.txt).
 """
 
 from __future__ import annotations
@@ -40,19 +41,18 @@ from typing import Any
 
 from oomtune.alloc import _stats
 from oomtune.alloc._blocks import (ADDR_MASK, FIELD_MASK, SIZE_MAX, SIZE_SHIFT, STREAM_SHIFT, Block,
-                                   Pool, get_allocation_size, round_size)
+                                   Pool, round_size)
 from oomtune.alloc._config import read_settings
 from oomtune.alloc._expandable import ExpandableMixin
 from oomtune.alloc._release import ReleaseMixin
+from oomtune.alloc._segments import ADDRESS_BASE, SegmentMixin
 from oomtune.alloc._snapshot import build_snapshot
 from oomtune.alloc._split import SplitMixin
-from oomtune.alloc.oom_message import SimulatedOutOfMemoryError, build_oom_message
+from oomtune.alloc.oom_message import SimulatedOutOfMemoryError
 from oomtune.exceptions import ConfigError
 
 __all__ = ["CachingAllocatorSim", "SimulatedOutOfMemoryError", "ADDRESS_BASE"]
 
-ADDRESS_BASE = 0x7F0000000000      # first simulated segment address
-_ALIGN = 2 << 20                   # segments start on 2 MiB boundaries
 inc, dec = _stats.inc, _stats.dec
 # Stat offsets in a type's list (see _stats): the hot paths below use them as literals:
 # 0 allocation, 3 segment, 9 inactive_split, 12 allocated_bytes, 15 reserved_bytes,
@@ -67,7 +67,7 @@ def _round_half_away(x: float) -> int:
     return int(x + 0.49999999999999994) if x < 4503599627370496.0 else int(x)
 
 
-class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
+class CachingAllocatorSim(SegmentMixin, SplitMixin, ReleaseMixin, ExpandableMixin):
     """A simulated CUDA device with PyTorch's native caching allocator (``DeviceCachingAllocator``).
 
     Args:
@@ -111,7 +111,6 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
         self._allowed: int | None = None        # allowed_memory_maximum when a fraction was set
         self._gc_on = False
         self._st = _stats.new_stats()          # [all, small_pool, large_pool] stat lists
-        self._hot = (self._st[0], (self._st[2], self._st[1]))   # (all, pool lists by `small`)
         self._over_allocs, self._over_segs = [0, 0, 0], [0, 0, 0]
         self.num_alloc_retries = self.num_ooms = self.num_sync_all_streams = 0
         self.num_device_alloc = self.num_device_free = 0
@@ -146,50 +145,84 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
             size = round_size(size_bytes, self._divs)
         index = self._calls
         self._calls = index + 1
-        small = size <= 1048576
-        pool = self._small if small else self._large
+        if size <= 1048576:
+            small, pool, lt = True, self._small, self._st[1]
+        else:
+            small, pool, lt = False, self._large, self._st[2]
         if self._gc_on:
             pool.gc_calls += 1
         keys = pool.keys
         block = None
-        i = bisect_left(keys, (stream << STREAM_SHIFT) | (size << SIZE_SHIFT))
-        if i < len(keys) and keys[i] >> STREAM_SHIFT == stream:          # get_free_block
+        i = bisect_left(keys, (stream << 112) | (size << 56))       # get_free_block
+        try:
             k = keys[i]
+        except IndexError:
+            k = (stream + 1) << 112                                      # no candidate
+        if k >> 112 == stream:
             if self._expandable:
                 i, k = self._pick_expandable(keys, i, stream)
-            bsize, ms = (k >> SIZE_SHIFT) & FIELD_MASK, self._max_split
-            if (bsize < ms) if size < ms else (bsize < size + self._max_non_split):
+            ms = self._max_split
+            if ms == SIZE_MAX or ((k >> 56) & FIELD_MASK < ms if size < ms
+                                  else (k >> 56) & FIELD_MASK < size + self._max_non_split):
                 del keys[i]
                 block = self._free.pop(k & ADDR_MASK)
         if block is None:
             block = self._alloc_slow(size, stream, pool, small, size_bytes, index)
-        remaining = block.size - size                                      # should_split
+        bsize = block.size
+        remaining = bsize - size                                           # should_split
         if small or self._expandable:
             split = remaining >= 512
         else:
-            split = size < self._max_split and remaining > 1048576
-        if split or block.prev is not None or block.next is not None:
-            self._split(block, size, remaining, split, pool)
+            split = remaining > 1048576 and size < self._max_split
+        if split:
+            block.size = bsize = size
+            addr = block.addr
+            raddr = addr + size
+            nxt = block.next
+            rest = Block(raddr, remaining, stream, small, block, nxt, block.requested, block.es, pool.gc_calls)
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            insort(keys, (stream << 112) | (remaining << 56) | raddr)
+            self._free[raddr] = rest
+            if block.es is None:
+                if nxt is not None or block.prev is not None:  # was split: an inactive block shrinks
+                    self._shrink_inactive(lt, size)
+                else:                                            # a new inactive split block
+                    self._new_inactive(lt, remaining)
+        else:
+            addr = block.addr
+            if (block.prev is not None or block.next is not None) and block.es is None:
+                self._activate_inactive(lt, bsize)                # an inactive split block becomes active
         block.allocated = True                                             # alloc_found_block
         block.requested = size_bytes
-        addr = block.addr
         self._active[addr] = block
-        size = block.size
-        pa, pt = self._hot
-        for lst in (pa, pt[small]):   # allocation (0), allocated_bytes (12), requested_bytes (24)
-            c = lst[0] + 1
-            lst[0] = c
-            if c > lst[1]:
-                lst[1] = c
-            c = lst[12] + size
-            lst[12] = c
-            if c > lst[13]:
-                lst[13] = c
-            c = lst[24] + size_bytes
-            lst[24] = c
-            if c > lst[25]:
-                lst[25] = c
-        if size >= self._max_split:
+        la = self._st[0]   # allocation (0), allocated_bytes (12), requested_bytes (24): all, then pool
+        c = la[0] + 1
+        la[0] = c
+        if c > la[1]:
+            la[1] = c
+        c = la[12] + bsize
+        la[12] = c
+        if c > la[13]:
+            la[13] = c
+        c = la[24] + size_bytes
+        la[24] = c
+        if c > la[25]:
+            la[25] = c
+        c = lt[0] + 1
+        lt[0] = c
+        if c > lt[1]:
+            lt[1] = c
+        c = lt[12] + bsize
+        lt[12] = c
+        if c > lt[13]:
+            lt[13] = c
+        c = lt[24] + size_bytes
+        lt[24] = c
+        if c > lt[25]:
+            lt[25] = c
+        if bsize >= self._max_split:
             inc(self._over_allocs, 0, 1)
         return addr
 
@@ -209,25 +242,31 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
             raise ConfigError(f"free of an address that is not allocated on the virtual GPU: {addr!r}")
         self._calls += 1
         block.allocated = False
-        size, req, small = block.size, block.requested, block.small
-        pa, pt = self._hot
-        for lst in (pa, pt[small]):   # allocation, allocated_bytes, requested_bytes: current/freed
-            lst[0] -= 1
-            lst[2] += 1
-            lst[12] -= size
-            lst[14] += size
-            lst[24] -= req
-            lst[26] += req
+        size, req = block.size, block.requested
+        small = block.small
+        la, lt = self._st[0], self._st[2 - small]
+        la[0] -= 1                    # allocation, allocated_bytes, requested_bytes: current, freed
+        la[2] += 1
+        la[12] -= size
+        la[14] += size
+        la[24] -= req
+        la[26] += req
+        lt[0] -= 1
+        lt[2] += 1
+        lt[12] -= size
+        lt[14] += size
+        lt[24] -= req
+        lt[26] += req
         if size >= self._max_split:
             dec(self._over_allocs, 0, 1)
         prev, nxt = block.prev, block.next
         if prev is None and nxt is None:          # a whole segment: nothing to merge or count
             pool = self._small if small else self._large
-            insort(pool.keys, (block.stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | addr)
+            insort(pool.keys, (block.stream << 112) | (size << 56) | addr)
             self._free[addr] = block
             block.gc_base = pool.gc_calls
         else:
-            self._free_split(block, prev, nxt)
+            self._free_split(block, prev, nxt, la, lt)
 
     def would_reuse_cached(self, size_bytes: int, stream: int = 0) -> bool:
         """True when a ``malloc(size_bytes, stream)`` now would be served by a cached free block
@@ -320,72 +359,3 @@ class CachingAllocatorSim(SplitMixin, ReleaseMixin, ExpandableMixin):
     def allowed_bytes(self) -> int | None:
         """``allowed_memory_maximum`` in bytes, or None when no fraction was set."""
         return self._allowed
-
-    # -- internals -------------------------------------------------------------------------------
-    def _device_free(self) -> int:
-        return self._total - self._non_alloc - self._total_alloc
-
-    def _reserve_address(self, size: int, align: int = _ALIGN) -> int:
-        addr = -(-self._next_addr // align) * align
-        self._next_addr = -(-(addr + size) // _ALIGN) * _ALIGN
-        if self._next_addr >= 1 << SIZE_SHIFT:
-            raise ConfigError("the virtual GPU ran out of simulated address space")
-        return addr
-
-    def _insert_free(self, block: Block) -> None:
-        """``insert_into_blocks``: add a free mapped block to its pool, stamping its gc age base."""
-        pool = self._small if block.small else self._large
-        insort(pool.keys, block.key())
-        self._free[block.addr] = block
-        block.gc_base = pool.gc_calls
-
-    def _alloc_slow(self, size: int, stream: int, pool: Pool, small: bool, orig: int, index: int) -> Block:
-        """The part of ``malloc`` after a failed get_free_block: gc, alloc_block and its retries."""
-        alloc_size = get_allocation_size(size, self._large_seg)
-        if self._gc_on:
-            self._garbage_collect(index)
-        args = (size, alloc_size, stream, pool, small)
-        block = (self._alloc_block(*args, False, index)
-                 or (self._release_available(size, stream, pool, index) and self._alloc_block(*args, False, index))
-                 or (self._release_cached(index) and self._alloc_block(*args, True, index)))
-        if not block:
-            raise self._oom(alloc_size, orig)
-        return block
-
-    def _alloc_block(self, size: int, alloc_size: int, stream: int, pool: Pool, small: bool,
-                     retry: bool, index: int) -> Block | None:
-        """``alloc_block``: a new segment of ``alloc_size`` bytes (or mapped expandable pages)."""
-        if retry:
-            self.num_alloc_retries += 1
-        if self._allowed is not None and self._total_alloc + alloc_size > self._allowed:
-            return None
-        if self._expandable:
-            return self._try_allocate_expandable(stream, pool, size, index)
-        if alloc_size > self._device_free():
-            return None
-        block = Block(self._reserve_address(alloc_size), alloc_size, stream, small)
-        self._total_alloc += alloc_size
-        pa, pt = self._hot
-        for lst in (pa, pt[small]):
-            inc(lst, 3, 1)               # segment
-            inc(lst, 15, alloc_size)     # reserved_bytes
-        if alloc_size >= self._max_split:
-            inc(self._over_segs, 0, 1)
-        self.num_device_alloc += 1
-        if self._record:
-            self.segment_events.append({"action": "segment_alloc", "addr": block.addr,
-                                        "size": alloc_size, "stream": stream, "index": index})
-        return block
-
-    def _oom(self, alloc_size: int, orig: int) -> SimulatedOutOfMemoryError:
-        """Count the OOM and build the exception with the native message (after the retries)."""
-        self.num_ooms += 1
-        free, allocated, reserved = self._device_free(), self.allocated_bytes, self._total_alloc
-        msg = build_oom_message(alloc_size_bytes=alloc_size, device_index=self.device_index,
-                                total_bytes=self._total, free_bytes=free, allocated_bytes=allocated,
-                                reserved_bytes=reserved, allowed_bytes=self._allowed,
-                                process_bytes=self._non_alloc + reserved)
-        return SimulatedOutOfMemoryError(
-            msg, requested_bytes=alloc_size, request_size_bytes=orig, allocated_bytes=allocated,
-            reserved_bytes=reserved, free_bytes=free, total_bytes=self._total,
-            allowed_bytes=self._allowed, device_index=self.device_index)

@@ -173,41 +173,46 @@ def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int],
 
     sim, addr_map = run.sim, run.addr_map
     check_cache = check_cache or {}
-    pos = 0
-    for i, e in enumerate(trace):
-        act = e["action"]
-        if act == "alloc":
-            try:
-                addr_map[e["addr"]] = sim.malloc(e["size"], e.get("stream", 0))
-            except SimulatedOutOfMemoryError:
+    malloc, free, seg_events = sim.malloc, sim.free, sim.segment_events
+    pos = replayed = 0
+    try:
+        for i, e in enumerate(trace):
+            act = e["action"]
+            if act == "alloc":
+                try:
+                    addr_map[e["addr"]] = malloc(e["size"], e.get("stream", 0))
+                except SimulatedOutOfMemoryError:
+                    run.collect(pos)
+                    run.events.append(("oom", e["size"], pos))
+                    return {"event_index": i, "requested_bytes": e["size"], "phase": "replay"}
+                replayed += 1
+                if len(seg_events) > run.seen:   # run.collect(pos), inlined: most requests make none
+                    run.collect(pos)
+                pos += 1
+            elif act == "free_completed":
+                addr = addr_map.pop(e["addr"], None)
+                if addr is not None:  # None: a block placed nowhere in the starting state
+                    free(addr)
+                    replayed += 1
+                pos += 1
+            elif act == "oom":
+                try:
+                    addr = malloc(e["size"], e.get("stream", 0))
+                except SimulatedOutOfMemoryError:
+                    run.collect(pos)
+                    run.events.append(("oom", e["size"], pos))
+                else:  # the simulator found room where the device did not: a divergence, shown as such
+                    run.collect(pos)
+                    free(addr)
+                replayed += 1
+                pos += 1
+            elif i in explicit_starts or (i in check_cache and sim.would_reuse_cached(*check_cache[i])):
+                if i not in explicit_starts:
+                    run.by_cache.add(i)
+                sim.empty_cache()
                 run.collect(pos)
-                run.events.append(("oom", e["size"], pos))
-                return {"event_index": i, "requested_bytes": e["size"], "phase": "replay"}
-            run.replayed += 1
-            run.collect(pos)
-            pos += 1
-        elif act == "free_completed":
-            addr = addr_map.pop(e["addr"], None)
-            if addr is not None:  # None: a block placed nowhere in the starting state
-                sim.free(addr)
-                run.replayed += 1
-            pos += 1
-        elif act == "oom":
-            try:
-                addr = sim.malloc(e["size"], e.get("stream", 0))
-            except SimulatedOutOfMemoryError:
-                run.collect(pos)
-                run.events.append(("oom", e["size"], pos))
-            else:  # the simulator found room where the device did not: a divergence, shown as such
-                run.collect(pos)
-                sim.free(addr)
-            run.replayed += 1
-            pos += 1
-        elif i in explicit_starts or (i in check_cache and sim.would_reuse_cached(*check_cache[i])):
-            if i not in explicit_starts:
-                run.by_cache.add(i)
-            sim.empty_cache()
-            run.collect(pos)
+    finally:
+        run.replayed += replayed
     return None
 
 
