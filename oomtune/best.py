@@ -7,7 +7,8 @@ Schema (version 1)::
     workload: {model: {...}, target: {...}}
     device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
     versions: {oomtune, torch, cuda, driver, optuna}
-    best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes}
+    best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
+           trial_number, metrics_trial_number}
     baseline: {batch_size, alloc_conf, metrics} | null
     gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
@@ -16,7 +17,11 @@ Schema (version 1)::
     frontiers: [{alloc_conf, predicted_max_batch, measured_max_batch, measured_fail_batch,
                  calibration, probed, twins}]
 
-Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF.
+Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF. Trial numbers are
+the study's (``oomtune show``): ``trial_number`` is the trial that won the ranking (its batch size and
+settings), ``metrics_trial_number`` the trial whose measurement ``metrics`` holds: the clean-process
+confirmation when ``confirmed``, else the same trial. Files written before ``metrics_trial_number``
+existed read as None there (their metrics are the confirmation's when ``confirmed``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 from oomtune.exceptions import BestFileError, OomtuneError
 
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
-           "CudaAlreadyInitializedError"]
+           "CudaAlreadyInitializedError", "trials_text"]
 
 SCHEMA_VERSION = 1
 ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -46,7 +51,9 @@ class Choice:
     """One measured configuration: a batch size under allocator settings, and what it measured.
 
     ``metrics`` holds throughput (samples/s), step_time_s, peak_allocated_bytes, peak_reserved_bytes,
-    fragmentation, device_peak_bytes and memory_source ("device" | "simulated")."""
+    fragmentation, device_peak_bytes and memory_source ("device" | "simulated"). ``trial_number``:
+    the study's trial that was chosen; ``metrics_trial_number``: the trial that measured ``metrics``
+    (its clean-process confirmation when ``confirmed``; None in files from before it was recorded)."""
 
     batch_size: int
     alloc_conf: str
@@ -55,6 +62,27 @@ class Choice:
     confirmed: bool = False
     predicted_peak_reserved_bytes: int | None = None
     trial_number: int | None = None
+    metrics_trial_number: int | None = None
+
+    def trials_text(self) -> str | None:
+        """Which trials this choice comes from, in words (:func:`trials_text`)."""
+        return trials_text(dataclasses.asdict(self))
+
+
+def trials_text(choice: dict[str, Any]) -> str | None:
+    """Which trials a best.yaml choice (the ``best`` or ``baseline`` mapping) comes from, for people:
+    ``"trial 1, figures from trial 5 (its clean-process confirmation)"``, ``"trial 0"`` (figures
+    from the trial itself), ``"trial 1, figures from its clean-process confirmation"`` (a file from
+    before ``metrics_trial_number``); None when no trial is named (a hand-written file)."""
+    chosen, measured = choice.get("trial_number"), choice.get("metrics_trial_number")
+    confirmed = bool(choice.get("confirmed"))
+    if chosen is None:
+        return None if measured is None else f"figures from trial {measured}"
+    if measured is None:
+        return f"trial {chosen}" + (", figures from its clean-process confirmation" if confirmed else "")
+    if measured == chosen:
+        return f"trial {chosen}"
+    return f"trial {chosen}, figures from trial {measured}" + (" (its clean-process confirmation)" if confirmed else "")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from oomtune.units import format_bytes
 __all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
            "SearchProgress",
            "plan_recommendation", "recommended_configuration", "plan_compact_table",
-           "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND"]
+           "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND", "trial_table_legend", "throughput_label",
+           "fold_note", "FOLD_LEGEND", "legend_lines"]
 
 #: Abbreviations of PYTORCH_CUDA_ALLOC_CONF keys and values for narrow tables and chart legends.
 CONF_ABBREVIATIONS = {
@@ -20,10 +21,47 @@ CONF_ABBREVIATIONS = {
     "large_segment_size_mb": "ls", "max_non_split_rounding_mb": "nsr",
 }
 
-#: The one-line legend of the search's progress labels (issue 12, item 7).
-SEARCH_LEGEND = ("legend: peak reserved = the caching allocator's peak (torch.cuda.max_memory_reserved); "
-                 "limit = budget x (1 - headroom); ok >limit = ran but above the limit; "
-                 "pred err = (predicted - measured) / measured peak reserved; =#n = measurement reused from trial n")
+#: The legend of the search's per-trial lines, one line each (fits 100 columns; issue 12 item 7 and
+#: the fresh-user pass: labels out of the rows, into these lines).
+SEARCH_LEGEND = (
+    "legend: [trial n] role  bs=batch  allocator settings  outcome  peak reserved  samples/s  best #n",
+    "  peak reserved: torch.cuda.max_memory_reserved; (sim) simulated on the virtual GPU, (dev) device",
+    "  N/s: samples per second; (CPU) this CPU's throughput, not a GPU's; (dev) measured on the device",
+    "  ok >limit: ran, but peaked above the limit = budget x (1 - headroom); =#n: reused from trial n",
+    "  best #n: the trial leading so far (under the objective)",
+)
+
+#: Short source labels of measured figures: memory (``TrialResult.memory_source``) and throughput
+#: (a trial on the virtual GPU trains on the CPU: its samples/s are the CPU's).
+MEMORY_LABEL = {"simulated": "sim", "device": "dev"}
+
+
+#: What ``+N`` means where configurations with identical predictions are folded (plan's map, the
+#: search's frontier table): the same wording in both.
+FOLD_LEGEND = "+N: N more configurations with the same prediction at every batch, folded into this row"
+
+
+def fold_note(configurations: list[dict[str, Any]]) -> str | None:
+    """One line naming the folded configurations of a plan (plan.yaml ``configurations`` with
+    ``twin_of``), abbreviated: ``"folded: es:T gc:0.8 = es:T; r2:4 ms:64 = ms:64"``; None when none
+    was folded."""
+    pairs = [f"{short_conf(c.get('alloc_conf'))} = {short_conf(c['twin_of'])}"
+             for c in configurations if c.get("twin_of") is not None]
+    return ("folded: " + "; ".join(pairs)) if pairs else None
+
+
+def legend_lines(prefix: str, text: str, width: int = 100) -> list[str]:
+    """``prefix + text`` wrapped at word boundaries into lines of at most ``width`` columns, the
+    continuation lines indented by two spaces."""
+    import textwrap
+
+    return textwrap.wrap(prefix + text, width=width, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def throughput_label(memory_source: str | None) -> str:
+    """``"CPU"`` for a trial on the virtual GPU (simulated memory: it trained on the CPU), else
+    ``"dev"`` (measured on the device)."""
+    return "CPU" if memory_source == "simulated" else "dev"
 
 
 def short_conf(alloc_conf: str | None) -> str:
@@ -97,36 +135,65 @@ def _fmt(v: Any, spec: str = "") -> str:
     return format(v, spec) if spec else str(v)
 
 
+def _mib(n: int | None) -> str:
+    """Bytes as MiB with one decimal for the trial table (its header names the unit)."""
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
 def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_number: int | None = None) -> Any:
-    """A rich Table of :func:`trial_rows`. Memory columns carry (sim)/(dev) per row."""
+    """A rich Table of :func:`trial_rows` that fits 100 columns: allocator settings abbreviated
+    (:func:`short_conf`; :func:`trial_table_legend` names the abbreviations), memory in MiB.
+    Every measured column names its source in the header when all rows share it (``(sim)``:
+    simulated on the virtual GPU, ``(dev)``: the device; samples/s ``(CPU)`` on the virtual GPU),
+    else per cell. ``best_number``: the chosen trial, in bold."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, show_lines=False, header_style="bold")
+    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+                  collapse_padding=True, show_edge=False)
     sources = {r["memory_source"] for r in rows if r["outcome"] not in ("interrupted", "running")}
-    shared = ""  # when every row has the same source, say it once in the header
+    shared = None  # when every row has the same source, say it once in the header
     if len(sources) == 1:
-        shared = " (sim)" if sources == {"simulated"} else " (dev)"
-    for name, justify in (("#", "right"), ("role", "left"), ("batch", "right"), ("alloc_conf", "left"),
-                          ("outcome", "left"), ("samples/s", "right"), ("peak alloc" + shared, "right"),
-                          ("peak resv" + shared, "right"), ("frag", "right"), ("pred err", "right")):
-        table.add_column(name, justify=justify, overflow="fold",
-                         no_wrap=name not in ("alloc_conf", "outcome"), min_width=4 if name == "role" else None)
+        shared = next(iter(sources))
+    mem = f" ({MEMORY_LABEL.get(shared, shared)})" if shared else ""
+    speed = f" ({throughput_label(shared)})" if shared else ""
+    for name, justify in (("#", "right"), ("role", "left"), ("batch", "right"), ("config", "left"),
+                          ("outcome", "left"), (f"peak resv\nMiB{mem}", "right"), (f"peak alloc\nMiB{mem}", "right"),
+                          (f"frag\n{mem.strip()}", "right"), ("pred\nerr", "right"), (f"samples/s\n{speed.strip()}", "right")):
+        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("config", "outcome"),
+                         max_width=12 if name == "config" else None)  # "es:T gc:0.8" per line
     for r in rows:
-        src = "" if shared else (" (sim)" if r["memory_source"] == "simulated" else " (dev)")
+        conf = short_conf(r["alloc_conf"].split(" ")[0]) + "".join(" " + x for x in r["alloc_conf"].split(" ")[1:])
         if r["outcome"] in ("interrupted", "running"):
-            table.add_row(str(r["number"]), r["role"], str(r["batch_size"]), r["alloc_conf"] or "(default)",
-                          r["outcome"], "-", "-", "-", "-", "-", style="dim")
+            table.add_row(str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome"],
+                          "-", "-", "-", "-", "-", style="dim")
             continue
-        outcome = r["outcome_label"]
-        style = "bold green" if r["number"] == best_number else None
+        m = "" if shared else f" {MEMORY_LABEL.get(r['memory_source'], r['memory_source'])}"
+        t = "" if shared else f" {throughput_label(r['memory_source'])}"
         table.add_row(
-            str(r["number"]), r["role"], str(r["batch_size"]), r["alloc_conf"] or "(default)", outcome,
-            _fmt(r["throughput"], ".1f"),
-            f"{format_bytes(r['peak_allocated_bytes'])}{src}" if r["peak_allocated_bytes"] is not None else "-",
-            f"{format_bytes(r['peak_reserved_bytes'])}{src}" if r["peak_reserved_bytes"] is not None else "-",
-            _fmt(r["fragmentation"], ".1%"), _fmt(r["prediction_error"], "+.1%"), style=style,
+            str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome_label"],
+            _mib(r["peak_reserved_bytes"]) + (m if r["peak_reserved_bytes"] is not None else ""),
+            _mib(r["peak_allocated_bytes"]) + (m if r["peak_allocated_bytes"] is not None else ""),
+            _fmt(r["fragmentation"], ".1%") + (m if r["fragmentation"] is not None else ""),
+            _fmt(r["prediction_error"], "+.1%"),
+            _fmt(r["throughput"], ".1f") + (t if r["throughput"] is not None else ""),
+            style="bold green" if r["number"] == best_number else None,
         )
     return table
+
+
+def trial_table_legend(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines under :func:`trial_table`: what its columns and source labels mean, and the
+    abbreviations its config column uses (each line under 100 columns)."""
+    confs = [r["alloc_conf"].split(" ")[0] for r in rows]
+    lines = ["peak resv / alloc: peak reserved / allocated; frag: 1 - peak active / peak reserved",
+             "pred err: (predicted - measured) / measured peak reserved; ok >limit: ran, above the limit",
+             "(sim): simulated on the virtual GPU; (dev): measured on the device; "
+             "(CPU): this CPU's samples/s"]
+    used = conf_legend(confs)
+    if used:
+        lines += legend_lines("config: ", used + "; default = torch's defaults")
+    return lines
 
 
 def describe(trial: Any) -> str:
@@ -148,28 +215,35 @@ def outcome_label(trial: Any, res: Any) -> str:
 
 
 def progress_line(trial: Any, role: str, index: int | None, total: int | None, best: float | str | None) -> str:
-    """``[trial 7] search 3/12  bs=128  expandable_segments:True  ok  812.3 samples/s  peak reserved
-    1.21 GiB (simulated)  best 812.3``: one line per finished trial (never wrapped)."""
+    """``[trial 7] search 3/12  bs=128  es:T  ok  1.21 GiB (sim)  812.3/s (CPU)  best #7``: one
+    line per finished trial, under 100 columns for the usual settings (allocator settings
+    abbreviated: :func:`short_conf`; the labels are explained once by :data:`SEARCH_LEGEND`). A failed
+    trial's message follows on a second, indented line."""
     res = R.result_of(trial)
     where = f"[trial {trial.number}] {role}" + (f" {index}/{total}" if index is not None and total else "")
     if res is None:
         return f"{where}  {trial.state.name.lower()}"
-    parts = [f"{where:<24} bs={res.batch_size:<5} {describe(trial):<40} {outcome_label(trial, res)}"]
-    if res.throughput is not None:
-        parts.append(f"{res.throughput:.1f} samples/s")
+    conf = short_conf(trial.user_attrs.get(R.ATTR_CONF))
+    loader = [f"{k[len('data.'):]}={v}" for k, v in sorted(trial.params.items()) if k.startswith("data.")]
+    conf = " ".join([conf, *loader])
+    parts = [f"{where:<23} bs={res.batch_size:<5} {conf:<11} {outcome_label(trial, res):<9}"]
     if res.peak_reserved_bytes is not None:
-        parts.append(f"peak reserved {format_bytes(res.peak_reserved_bytes)} ({res.memory_source})")
-    if res.outcome != "ok" and res.message:
-        parts.append(" ".join(res.message.split()))
-    if best is not None:  # the leader under the final ranking rule (a description, or a throughput)
+        parts.append(f"{format_bytes(res.peak_reserved_bytes)} ({MEMORY_LABEL.get(res.memory_source, res.memory_source)})")
+    if res.throughput is not None:
+        parts.append(f"{res.throughput:.1f}/s ({throughput_label(res.memory_source)})")
+    if best is not None:  # the leader under the final ranking rule (a trial number, or a description)
         parts.append(f"best {best}" if isinstance(best, str) else f"best {best:.1f}")
-    return "  ".join(parts)
+    line = "  ".join(parts)
+    if res.outcome != "ok" and res.message:
+        line += "\n    " + " ".join(res.message.split())
+    return line
 
 
 def recommended_configuration(configurations: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The plan's pick: the configuration with the largest fitting batch, ties broken by the smaller
-    predicted peak reserved there; None when none fits any batch."""
-    fitting = [c for c in configurations if c.get("max_batch_size")]
+    predicted peak reserved there (twins folded into another, ``twin_of``, are never picked: their
+    representative is); None when none fits any batch."""
+    fitting = [c for c in configurations if c.get("max_batch_size") and c.get("twin_of") is None]
     if not fitting:
         return None
 
@@ -234,9 +308,15 @@ class SearchProgress:
             self._task = self._bar.add_task("preparing", total=total, completed=min(self.count, n_trials))
             self._bar.start()
 
-    def legend(self, *, simulated: bool) -> None:
-        """Print the one-line legend of the labels (and, on the virtual GPU, whose throughput it is)."""
-        self._say(SEARCH_LEGEND)
+    def legend(self, *, simulated: bool, confs: list[str] = ()) -> None:
+        """Print the legend of the per-trial lines (:data:`SEARCH_LEGEND`), the abbreviations of the
+        allocator settings ``confs`` (alloc_conf strings) and, on the virtual GPU, whose throughput it
+        is."""
+        for line in SEARCH_LEGEND:
+            self._say(line)
+        used = conf_legend(list(confs))
+        for line in legend_lines("  settings: ", used) if used else ():
+            self._say(line)
         if simulated:
             self._say("note: virtual GPU: memory figures are simulated; throughput is this CPU's, not a GPU's")
 
@@ -257,10 +337,7 @@ class SearchProgress:
             self.count += 1
             index = self.count
         lead = self.leader()
-        best = None
-        if lead is not None:
-            conf = lead.user_attrs.get(R.ATTR_CONF) or "(default)"
-            best = f"bs={lead.params['batch_size']} {conf}" + (f" {lead.value:.1f}/s" if lead.value else "")
+        best = None if lead is None else f"#{lead.number}"
         self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
         if self._bar is not None and (not self.n_trials or role in ("search", "confirm")):
             self._bar.update(self._task, advance=1, description=f"{role} done")  # no total: count every trial
@@ -300,17 +377,22 @@ def _compact_mib(n: int | None) -> str:
 def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, str]:
     """A plan (plan.yaml mapping) as a rich Table that fits ``width`` columns, and its legend line.
 
-    Rows: configurations abbreviated (:func:`short_conf`); columns: the largest fitting batch, its
-    predicted peak reserved, and as many grid batches as fit (every other one dropped until they do;
-    report.html has them all). Cells: predicted peak reserved in MiB (simulated), ``>N`` above the
-    limit, ``OOM`` when the replay ran out of memory.
+    Rows: configurations abbreviated (:func:`short_conf`), twins folded (a configuration with
+    ``twin_of`` is left out; its representative reads ``es:T +1``, :data:`FOLD_LEGEND`); columns: the
+    largest fitting batch, its predicted peak reserved, and as many grid batches as fit (every other
+    one dropped until they do; report.html has them all). Cells: predicted peak reserved in MiB
+    (simulated), ``>N`` above the limit, ``OOM`` when the replay ran out of memory.
     """
     from rich import box
     from rich.table import Table
 
-    confs = plan.get("configurations") or []
+    every = plan.get("configurations") or []
+    confs = [c for c in every if c.get("twin_of") is None]
+
+    def name(c: dict[str, Any]) -> str:
+        return short_conf(c.get("alloc_conf")) + (f" +{len(c['twins'])}" if c.get("twins") else "")
     batches = list(plan.get("batch_sizes") or [])
-    name_w = max([len(short_conf(c.get("alloc_conf"))) for c in confs] + [7])
+    name_w = max([len(name(c)) for c in confs] + [7])
     fixed = name_w + 2 + 7 + 10
     while batches and fixed + 8 * len(batches) > width:
         batches = batches[::2] if len(batches) > 2 else batches[:1]
@@ -326,7 +408,7 @@ def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, 
     for c in confs:
         cells = {x["batch_size"]: x for x in c.get("batches") or []}
         at = (c.get("at_max") or {}).get("peak_reserved_bytes")
-        row = [short_conf(c.get("alloc_conf")), str(c.get("max_batch_size") or "none"), _compact_mib(at)]
+        row = [name(c), str(c.get("max_batch_size") or "none"), _compact_mib(at)]
         for b in batches:
             x = cells.get(b)
             if x is None:
@@ -338,9 +420,12 @@ def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, 
             else:
                 row.append(_compact_mib(x.get("peak_reserved_bytes")))
         table.add_row(*row)
-    legend = conf_legend([c.get("alloc_conf") or "" for c in confs])
+    legend = conf_legend([c.get("alloc_conf") or "" for c in every])
     legend = (("legend: " + legend + "\n" if legend else "") + "cells: MiB (G: GiB); >N: completes above the limit "
               "(budget - headroom); OOM: does not fit; default = torch's defaults; full table: report.html")
+    folded = fold_note(every)
+    if folded:
+        legend += "\n" + FOLD_LEGEND + "\n" + folded
     return table, legend
 
 

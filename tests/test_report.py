@@ -165,7 +165,7 @@ def test_search_progress_prints_one_line_per_trial_without_a_terminal():
         progress(study.trials[0], "search")
         progress.close()
         text = out.getvalue()
-        assert "[trial 0] search 1/3" in text and "pred err" in text and "throughput is this CPU's" in text
+        assert "[trial 0] search 1/3" in text and "ok >limit" in text and "throughput is this CPU's" in text
         assert ("eta" in text) is terminal  # the live bar only on a terminal
 
 

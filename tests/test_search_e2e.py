@@ -37,6 +37,7 @@ def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, caps
     assert R.is_feasible_ok(winner) and winner.params["batch_size"] == best.batch_size
     confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_CONFIRMS) == winner.number][-1]
     measured = R.result_of(confirm)
+    assert best.best.metrics_trial_number == confirm.number != winner.number   # the figures' own trial
     assert best.best.confirmed and best.best.metrics["throughput"] == measured.throughput > 0
     assert best.best.metrics["peak_reserved_bytes"] == measured.peak_reserved_bytes
     assert best.best.metrics["memory_source"] == "simulated" and best.device["memory_source"] == "simulated"

@@ -44,3 +44,6 @@ def test_default_search_reaches_the_predicted_frontier(tmp_path):
         for conf in [row["alloc_conf"], *row["twins"]]:
             reported[conf] = row["predicted_max_batch"]
     assert reported == plan_max
+    # ... and both fold the same twins into the same configurations (plan.yaml twin_of, best.yaml twins).
+    plan_twins = {c["alloc_conf"]: c["twin_of"] for c in fmap.to_dict()["configurations"] if c["twin_of"] is not None}
+    assert plan_twins == {t: row["alloc_conf"] for row in best.frontiers for t in row["twins"]}

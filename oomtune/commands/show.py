@@ -76,7 +76,7 @@ def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, A
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from oomtune.display import trial_rows, trial_table
+    from oomtune.display import trial_rows, trial_table, trial_table_legend
     from oomtune.search.storage import load_study
 
     url, name = _locate(args)
@@ -89,12 +89,18 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)
-    console.print(trial_table(rows, title=f"study {name} ({url})"))
     from oomtune.search.outputs import recorded_best
 
     recorded = recorded_best(study)
+    best = (recorded or {}).get("best") or {}
+    console.print(trial_table(rows, title=f"study {name} ({url})", best_number=best.get("trial_number")))
+    for line in trial_table_legend(rows):
+        console.print(line, highlight=False, markup=False)
     if recorded is not None:  # the answer every worker wrote (oomtune best prints all of it)
-        best = recorded.get("best") or {}
+        from oomtune.best import trials_text
+
+        trials = trials_text(best)
         console.print(f"best (recorded in the study): batch {best.get('batch_size')}, "
-                      f"{best.get('alloc_conf') or '(default allocator)'}", highlight=False, markup=False)
+                      f"{best.get('alloc_conf') or '(default allocator)'}" + (f"; {trials}" if trials else ""),
+                      highlight=False, markup=False)
     return 0

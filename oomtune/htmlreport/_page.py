@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from oomtune.best import trials_text
 from oomtune.display import conf_legend, plan_recommendation
 from oomtune.htmlreport._advice import advice_for
 from oomtune.units import format_bytes
@@ -60,22 +61,27 @@ def _summary(data: Any) -> str:
     b = best.get("best") or {}
     m = b.get("metrics") or {}
     dev = best.get("device") or {}
+    where = "CPU" if m.get("memory_source") == "simulated" else "device"   # a virtual-GPU trial ran on the CPU
     rows = [["batch size", _e(b.get("batch_size"))],
             ["PYTORCH_CUDA_ALLOC_CONF", f"<code>{_e(b.get('alloc_conf') or '(default)')}</code>"],
-            ["throughput", _e(None if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s")
+            ["throughput", _e(None if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s ({where})")
              + (" (confirmed in a clean process)" if b.get("confirmed") else "")],
             ["peak reserved / allocated", f"{format_bytes(m.get('peak_reserved_bytes'))} / "
              f"{format_bytes(m.get('peak_allocated_bytes'))} {_src(m.get('memory_source'))}"],
             ["fragmentation (1 - peak active / peak reserved)", _pct(m.get("fragmentation"))],
             ["device, budget", f"{_e(dev.get('name'))}, budget {format_bytes(dev.get('budget_bytes'))}, "
              f"headroom {_pct(dev.get('headroom'))}"]]
+    trials = trials_text(b)
+    if trials:
+        rows.insert(2, ["from the study's trials", _e(trials)])
     base, gain = best.get("baseline") or {}, best.get("gain") or {}
     if base:
         bm = base.get("metrics") or {}
         rows.append(["baseline (default allocator, largest batch)",
                      f"batch {_e(base.get('batch_size'))}, "
                      f"{_e(None if bm.get('throughput') is None else round(bm['throughput'], 1))} "
-                     f"samples/s, peak reserved {format_bytes(bm.get('peak_reserved_bytes'))}"])
+                     f"samples/s ({where}), peak reserved {format_bytes(bm.get('peak_reserved_bytes'))} "
+                     f"{_src(bm.get('memory_source'))}" + (f"; {_e(trials_text(base))}" if trials_text(base) else "")])
     if gain:
         rows.append(["gain over the baseline", ", ".join(
             f"{label} x{gain[k]:.2f}" for k, label in (("throughput_ratio", "throughput"), ("batch_size_ratio", "batch"),

@@ -35,7 +35,13 @@ plan.yaml (schema 1)::
       - {alloc_conf, settings, max_batch_size (null: not even the smallest),
          at_max: {peak_reserved_bytes, peak_allocated_bytes, fragmentation} | null,
          batches: [{batch_size, fits, completes, peak_reserved_bytes, peak_allocated_bytes,
-                    fragmentation, num_alloc_retries}]}
+                    fragmentation, num_alloc_retries}],
+         twins: [alloc_conf strings predicted identical, folded into this one],
+         twin_of: alloc_conf this one is folded into | null}
+
+Configurations with identical predictions (:func:`twin_key`) are *twins*: ``oomtune plan`` shows
+them once and the search probes them once (:mod:`oomtune.search.frontier`), represented by the one
+with the fewest keys set (:func:`fold_rank`).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from oomtune.units import format_bytes
 
 __all__ = ["PlanCell", "PlanRow", "FeasibilityMap", "grid_batches", "largest_fitting", "frontier_row", "build_plan",
            "write_plan", "plan_table", "check_writable", "validate_headroom", "limit_bytes_of", "split_simulable",
-           "PLAN_SCHEMA_VERSION"]
+           "PLAN_SCHEMA_VERSION", "twin_key", "fold_rank", "fold_twins"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -130,6 +136,34 @@ class PlanRow:
     at_max: PlanCell | None
 
 
+def twin_key(row: PlanRow) -> tuple:
+    """What makes two configurations *twins* (identical predictions: shown once by ``oomtune plan``,
+    probed once by the search): the same largest fitting batch, the same predicted peak reserved and
+    allocated there, and the same predicted peak reserved at every grid batch."""
+    at = row.at_max
+    return (row.max_batch_size, None if at is None else (at.peak_reserved_bytes, at.peak_allocated_bytes),
+            tuple((c.batch_size, c.peak_reserved_bytes) for c in row.cells))
+
+
+def fold_rank(alloc_conf: str) -> tuple[int, int]:
+    """Which twin stands for the others: the fewest keys set, then the shortest string (the first
+    listed on a tie)."""
+    return (0 if not alloc_conf else alloc_conf.count(",") + 1, len(alloc_conf))
+
+
+def fold_twins(rows: Sequence[PlanRow]) -> dict[str, str]:
+    """``{alloc_conf of a folded row: alloc_conf of the row it is folded into}`` over the rows with
+    identical predictions (:func:`twin_key`); representatives (:func:`fold_rank`) are not keys."""
+    groups: dict[tuple, list[PlanRow]] = {}
+    for row in rows:
+        groups.setdefault(twin_key(row), []).append(row)
+    folded = {}
+    for members in groups.values():
+        rep = min(members, key=lambda r: fold_rank(r.alloc_conf))
+        folded.update({r.alloc_conf: rep.alloc_conf for r in members if r is not rep})
+    return folded
+
+
 @dataclass
 class FeasibilityMap:
     """The whole plan: rows per configuration, the grid, where and how long it took."""
@@ -152,6 +186,7 @@ class FeasibilityMap:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan.yaml mapping (see the module docstring)."""
+        folded = fold_twins(self.rows)
         return {
             "schema_version": PLAN_SCHEMA_VERSION, "kind": "plan",
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -166,7 +201,9 @@ class FeasibilityMap:
             "configurations": [
                 {"alloc_conf": r.alloc_conf, "settings": r.settings, "max_batch_size": r.max_batch_size,
                  "at_max": None if r.at_max is None else _cell_figures(r.at_max),
-                 "batches": [asdict(c) for c in r.cells]}
+                 "batches": [asdict(c) for c in r.cells],
+                 "twins": [x.alloc_conf for x in self.rows if folded.get(x.alloc_conf) == r.alloc_conf],
+                 "twin_of": folded.get(r.alloc_conf)}
                 for r in self.rows
             ],
         }

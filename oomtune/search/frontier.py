@@ -133,7 +133,7 @@ def predicted_frontiers(predictor: Any, settings_list: Sequence[dict[str, Any]],
         ConfigError: a bad workload (capture fails). AllocatorConfigError: an invalid combination.
     """
     from oomtune.alloc.settings import AllocatorSettings
-    from oomtune.plan.feasibility import frontier_row, grid_batches, split_simulable
+    from oomtune.plan.feasibility import frontier_row, grid_batches, split_simulable, twin_key
 
     grid = grid_batches(low, high)
     out: list[ConfigFrontier] = []
@@ -148,8 +148,7 @@ def predicted_frontiers(predictor: Any, settings_list: Sequence[dict[str, Any]],
         at = row.at_max
         cf = ConfigFrontier(dict(mapping), conf, row.max_batch_size,
                             None if at is None else at.peak_reserved_bytes)
-        key = (row.max_batch_size, None if at is None else (at.peak_reserved_bytes, at.peak_allocated_bytes),
-               tuple((c.batch_size, c.peak_reserved_bytes) for c in row.cells))
+        key = twin_key(row)   # the rule oomtune plan folds its rows by
         rep = groups.get(key)
         if rep is None:
             groups[key] = cf

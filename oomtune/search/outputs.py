@@ -66,13 +66,27 @@ def _metrics(res: TrialResult) -> dict[str, Any]:
     }
 
 
-def _choice(trial: Any, res: TrialResult, confirmed: bool) -> Choice:
+def _choice(trial: Any, res: TrialResult, confirmed: bool, measured_in: int | None) -> Choice:
     settings = {k: v for k, v in trial.params.items()
                 if k != "batch_size" and not k.startswith("data.") and v is not None}
     return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=trial.user_attrs.get(R.ATTR_CONF, ""),
                   settings=settings, metrics=_metrics(res), confirmed=confirmed,
                   predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
-                  trial_number=trial.number)
+                  trial_number=trial.number, metrics_trial_number=measured_in)
+
+
+def measured_in(trials: list[Any], winner: Any, result: TrialResult | None, confirmed: bool) -> int | None:
+    """The number of the trial whose measurement ``result`` is: ``winner`` itself when not
+    confirmed, else the confirmation trial of ``winner`` (role ``confirm``, ``confirms`` = its number)
+    that stored exactly ``result`` (with several clean runs, the one the search kept). None when no
+    stored trial matches (not expected)."""
+    if not confirmed:
+        return winner.number
+    for t in reversed(trials):
+        if (t.user_attrs.get(R.ATTR_ROLE) == "confirm" and t.user_attrs.get(R.ATTR_CONFIRMS) == winner.number
+                and R.result_of(t) == result):
+            return t.number
+    return None
 
 
 def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -101,22 +115,26 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     Raises:
         oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
     """
-    from oomtune.display import trial_rows, trial_table
+    from oomtune.display import trial_rows, trial_table, trial_table_legend
     from oomtune.search.driver import SetupFault
 
-    rows = trial_rows(study.get_trials(deepcopy=False))
+    trials = study.get_trials(deepcopy=False)
+    rows = trial_rows(trials)
     (run_dir / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
     best_no = summary.best.number if summary.best is not None else None
     console.print(trial_table(rows, title=f"study {study.study_name}", best_number=best_no))
+    for line in trial_table_legend(rows):
+        console.print(line, highlight=False, markup=False)
     if summary.best is None:
         raise SetupFault(
             "no configuration ran within the budget: every trial ran out of memory or failed "
             f"(see {run_dir / 'trials.json'}); lower search.batch_size.low or raise budget"
         )
-    best = _choice(summary.best, summary.best_result, summary.confirmed)
+    best = _choice(summary.best, summary.best_result, summary.confirmed,
+                   measured_in(trials, summary.best, summary.best_result, summary.confirmed))
     baseline = None
     if summary.baseline is not None:
-        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False)
+        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number)
     gain = summary.gain  # confirmation figures against the baseline's (oomtune.search.driver)
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
@@ -143,7 +161,9 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     path = write_recorded_best(study, config, run_dir / "best.yaml")
     best = load_best(path).best  # the study's recorded choice (another worker's when it was first)
     if summary.frontiers:
-        console.print(frontier_table(summary.frontiers, best.alloc_conf))
+        console.print(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated))
+        for line in frontier_legend(summary.frontiers):
+            console.print(line, highlight=False, markup=False)
     for line in summary_lines(summary, best, baseline, simulated=device.simulated,
                               confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high)):
         console.print(line, highlight=False, markup=False)
@@ -161,24 +181,46 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     return path
 
 
-def frontier_table(frontiers: list[Any], best_conf: str) -> Any:
-    """Per allocator configuration: the predicted frontier (largest batch within the limit on the
-    virtual GPU) and the measured one (``352``: exact; ``>=456``: no failure measured above;
-    ``-``: not probed), the calibration (measured / predicted peak) and how many configurations with
-    the same prediction were folded into it (named in best.yaml ``frontiers``)."""
+def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = True) -> Any:
+    """Per allocator configuration (abbreviated: :func:`oomtune.display.short_conf`): the predicted
+    frontier (largest batch within the limit on the virtual GPU) and the measured one (``352``:
+    exact; ``>=456``: no failure measured above; ``<456``: failed there; ``-``: not probed), measured
+    on the virtual GPU (``simulated``) or the device, the calibration (measured / predicted peak) and
+    ``+N`` for the N configurations predicted identical that were folded into the row
+    (:func:`frontier_legend` explains; named in best.yaml ``frontiers``)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="frontiers: largest batch within budget x (1 - headroom)", header_style="bold")
-    for name, justify in (("alloc_conf", "left"), ("predicted (sim)", "right"), ("measured", "right"),
-                          ("calibration", "right"), ("twins", "right")):
+    from oomtune.display import short_conf
+
+    table = Table(title="frontiers: largest batch within budget x (1 - headroom)", header_style="bold",
+                  box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True, show_edge=False)
+    measured = "measured\n(sim)" if simulated else "measured\n(dev)"
+    for name, justify in (("config", "left"), ("predicted\n(sim)", "right"), (measured, "right"),
+                          ("calibration", "right"), ("same\nprediction", "right")):
         table.add_column(name, justify=justify, overflow="fold")
     for c in sorted(frontiers, key=lambda c: (-(c.predicted or 0), c.n_keys)):
         cal = c.calibration() if (c.ratios or c.ratio_floor) else None
-        table.add_row(c.alloc_conf or "(default)", "-" if c.predicted is None else str(c.predicted),
+        table.add_row(short_conf(c.alloc_conf), "-" if c.predicted is None else str(c.predicted),
                       c.measured_text(), "-" if cal is None else f"{cal:.3f}",
                       f"+{len(c.twins)}" if c.twins else "",
                       style="bold green" if c.alloc_conf == best_conf else None)
     return table
+
+
+def frontier_legend(frontiers: list[Any]) -> list[str]:
+    """The lines under :func:`frontier_table`: the source labels, the ``same prediction`` column,
+    and the abbreviations used."""
+    from oomtune.display import FOLD_LEGEND, conf_legend, legend_lines
+
+    lines = ["predicted (sim): on the virtual GPU, before any trial; calibration: measured / predicted peak",
+             "measured: found by the trials, (sim) on the virtual GPU or (dev) on the device; <N: failed at N"]
+    if any(c.twins for c in frontiers):
+        lines += [FOLD_LEGEND, "  (not probed; named in best.yaml frontiers[].twins)"]
+    used = conf_legend([c.alloc_conf for c in frontiers] + [t for c in frontiers for t in c.twins])
+    if used:
+        lines += legend_lines("config: ", used + "; default = torch's defaults")
+    return lines
 
 
 def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simulated: bool,
@@ -187,12 +229,18 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
     only beyond the noise), the objective that decided, and a note when the batch is the range's top."""
     m = best.metrics
     src = m["memory_source"]
-    speed = "" if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s{' (CPU)' if simulated else ''}, "
-    lines = [f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}: {speed}peak reserved "
-             f"{format_bytes(m['peak_reserved_bytes'])} ({src})"
-             f"{f', confirmed in a clean process ({confirm_steps} steps)' if best.confirmed else ''}"]
+    speed = "" if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s ({'CPU' if simulated else 'device'}), "
+    figures = f"{speed}peak reserved {format_bytes(m['peak_reserved_bytes'])} ({src})"
+    head = f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}"
+    if best.trial_number is not None:
+        head += f" (trial {best.trial_number})"
+    if best.confirmed:  # the figures are the clean-process confirmation's, a trial of its own
+        by = "" if best.metrics_trial_number is None else f" by trial {best.metrics_trial_number}"
+        lines = [f"{head}; confirmed{by} in a clean process ({confirm_steps} steps): {figures}"]
+    else:
+        lines = [f"{head}: {figures}"]
     if m.get("soak_passed"):
-        lines[0] += f", survived a {m['soak_steps_run']}-step soak ({src})"
+        lines[0] += f"; survived a {m['soak_steps_run']}-step soak ({src})"
     gain = summary.gain or {}
     if baseline is not None and gain.get("objective") == "batch":
         if gain.get("claimed"):

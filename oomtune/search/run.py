@@ -190,7 +190,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
-    progress.legend(simulated=device.simulated)
+    progress.legend(simulated=device.simulated, confs=_rendered(space))
     slots = worker_slots(str(cfg.device), device, int(cfg.search.workers))
     if len(slots) > 1 or int(cfg.search.workers) > 1:
         _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
@@ -243,6 +243,14 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
                             budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
                             space=space)
+
+
+def _rendered(space: SearchSpace) -> list[str]:
+    """Every configuration of the space as its PYTORCH_CUDA_ALLOC_CONF string (for the legend)."""
+    from oomtune.alloc.settings import AllocatorSettings
+
+    return [AllocatorSettings.from_mapping({k: v for k, v in m.items() if v is not None}).render()
+            for m in space.all_settings()]
 
 
 def _count(study: Any, role: str) -> int:
