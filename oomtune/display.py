@@ -161,7 +161,7 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
                           ("outcome", "left"), (f"peak resv\nMiB{mem}", "right"), (f"peak alloc\nMiB{mem}", "right"),
                           (f"frag\n{mem.strip()}", "right"), ("pred\nerr", "right"), (f"samples/s\n{speed.strip()}", "right")):
         table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("config", "outcome"),
-                         max_width=12 if name == "config" else None)  # "es:T gc:0.8" per line
+                         max_width={"config": 12, "outcome": 13}.get(name))  # "es:T gc:0.8" per line
     for r in rows:
         conf = short_conf(r["alloc_conf"].split(" ")[0]) + "".join(" " + x for x in r["alloc_conf"].split(" ")[1:])
         if r["outcome"] in ("interrupted", "running"):
@@ -170,8 +170,8 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
             continue
         m = "" if shared else f" {MEMORY_LABEL.get(r['memory_source'], r['memory_source'])}"
         t = "" if shared else f" {throughput_label(r['memory_source'])}"
-        table.add_row(
-            str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome_label"],
+        table.add_row(  # outcomes wrap between words: "predicted_infeasible" reads "predicted infeasible"
+            str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome_label"].replace("_", " "),
             _mib(r["peak_reserved_bytes"]) + (m if r["peak_reserved_bytes"] is not None else ""),
             _mib(r["peak_allocated_bytes"]) + (m if r["peak_allocated_bytes"] is not None else ""),
             _fmt(r["fragmentation"], ".1%") + (m if r["fragmentation"] is not None else ""),

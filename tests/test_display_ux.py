@@ -92,6 +92,8 @@ def _readme_rows(study):
             (222, ES_GC + ",max_split_size_mb:64,roundup_power2_divisions:4", "search", 99.9, 972, 960.0, 0.012, True)]:
         _trial(study, batch=batch, conf=conf, role=role, throughput=speed, reserved=resv * MiB,
                allocated=int(alloc * MiB), frag=frag, feasible=ok, predicted=resv * MiB)
+    _trial(study, batch=230, conf=ES_GC + ",max_split_size_mb:256,roundup_power2_divisions:4", role="search",
+           outcome="predicted_infeasible", feasible=False)   # the longest outcome name
     return trial_rows(study.trials)
 
 
@@ -106,6 +108,9 @@ def test_trial_table_fits_100_columns_without_folding_a_number(study):
     assert any(x.split()[:4] == ["0", "baseline", "352", "default"] and "966.0" in x and "727.1" in x
                and "24.7%" in x and "145.8" in x for x in lines)
     assert "ok >limit" in text
+    # The longest outcome wraps between its words, on the row of trial 7 and the line below it.
+    row7 = next(i for i, x in enumerate(lines) if x.split()[:3] == ["7", "search", "230"])
+    assert "predicted" in lines[row7] and "infeasible" in lines[row7 + 1]
     # The sources, said once in the headers (every row is simulated): memory (sim), samples/s (CPU).
     assert text.count("MiB (sim)") == 2 and "(CPU)" in text
     legend = trial_table_legend(rows)

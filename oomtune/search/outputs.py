@@ -231,7 +231,7 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
     src = m["memory_source"]
     speed = "" if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s ({'CPU' if simulated else 'device'}), "
     figures = f"{speed}peak reserved {format_bytes(m['peak_reserved_bytes'])} ({src})"
-    head = f"best: batch {best.batch_size}, {best.alloc_conf or '(default allocator)'}"
+    head = f"best: batch {best.batch_size}, {best.alloc_conf or 'the default allocator'}"
     if best.trial_number is not None:
         head += f" (trial {best.trial_number})"
     if best.confirmed:  # the figures are the clean-process confirmation's, a trial of its own
