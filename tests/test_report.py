@@ -37,6 +37,9 @@ def test_report_is_one_offline_file_with_every_section(run_dir, tmp_path):
     assert text.count("simulated on the virtual GPU") >= 4
     # the summary of best.yaml, the gain, the verdict, advice per failure class that occurred
     assert "Recommended: batch 96 with" in text and "throughput x1.30" in text and "not input-bound" in text
+    # best.yaml names trial 2 and no metrics_trial_number (an older file), confirmed: its figures are
+    # the confirmation's; the throughput of a simulated run is the CPU's
+    assert "trial 2, figures from its clean-process confirmation" in text and "128.0 samples/s (CPU)" in text
     for outcome in ("oom", "oom_fragmentation", "predicted_infeasible"):
         assert f"<b>{outcome}</b>" in text
     assert "https://pytorch.org/memory_viz" in text and "optuna-dashboard sqlite:///" in text

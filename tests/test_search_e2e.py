@@ -46,7 +46,9 @@ def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, caps
     assert best.study["outcomes"].get("ok", 0) >= 3
     capsys.readouterr()
     assert main(["show", str(run_dir)]) == 0
-    assert "baseline" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "baseline" in shown
+    assert f"trial {winner.number}, figures from trial {confirm.number} (its clean-process confirmation)" in shown
     assert main(["env", str(run_dir / "best.yaml")]) == 0
     assert capsys.readouterr().out.startswith("export PYTORCH_CUDA_ALLOC_CONF=")
 
