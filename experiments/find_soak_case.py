@@ -46,8 +46,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--capture", default="cpu", choices=("cpu", "meta"))
-    ap.add_argument("--out", default="experiments/results/find_soak_case.txt")
+    ap.add_argument("--out", default=None, help="results file (default: experiments/results/find_soak_case.txt "
+                    "for --capture meta, find_soak_case_cpu.txt for --capture cpu)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = f"experiments/results/find_soak_case{'' if args.capture == 'meta' else '_cpu'}.txt"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# command: python experiments/find_soak_case.py --steps {args.steps} --capture {args.capture}",
              f"# commit: {commit}", "# all figures simulated (virtual GPU of a CPU trial: 80 GiB device, the budget as memory fraction)",
