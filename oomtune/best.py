@@ -63,6 +63,7 @@ class Choice:
     predicted_peak_reserved_bytes: int | None = None
     trial_number: int | None = None
     metrics_trial_number: int | None = None
+    predicted_steps: int | None = None   # training steps that prediction replayed (None: 2, before 0.3)
 
     def trials_text(self) -> str | None:
         """Which trials this choice comes from, in words (:func:`trials_text`)."""
@@ -143,6 +144,9 @@ def _choice(data: Any, where: str) -> Choice:
         raise BestFileError(f"{where}.batch_size must be a positive integer, got {choice.batch_size!r}")
     if not isinstance(choice.alloc_conf, str):
         raise BestFileError(f"{where}.alloc_conf must be a string, got {choice.alloc_conf!r}")
+    steps = choice.predicted_steps
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise BestFileError(f"{where}.predicted_steps must be a positive integer or absent, got {steps!r}")
     return choice
 
 

@@ -222,7 +222,7 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
             device section. ConfigError: the workload cannot be built by the current code, or a bad
             tolerance. ``target: cmd`` workloads cannot be traced (ConfigError).
     """
-    from oomtune.plan.predictor import Predictor
+    from oomtune.plan.predictor import PREDICT_STEPS, Predictor
 
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.plan.predictor import simulable
@@ -240,7 +240,8 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
     if workload["target"].get("name") not in ("builtin", "python"):
         raise ConfigError(f"--mode predict cannot trace target {workload['target'].get('name')!r}: use --mode run")
     t0 = time.perf_counter()
-    predictor = Predictor(workload, _geometry(best))
+    # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
+    predictor = Predictor(workload, _geometry(best), steps=best.best.predicted_steps or PREDICT_STEPS)
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)

@@ -72,10 +72,11 @@ def test_bisection_finds_the_exact_largest_fitting_batch(limit, expected):
 
 # -- agreement with live virtual-GPU trials --------------------------------------------------------
 def _trial(workload, batch, budget, alloc_conf=""):
-    """A virtual-GPU trial in this process, 2 steps like the predictor (warm-up 1 + measure 1)."""
+    """A virtual-GPU trial in this process, the config's steps (trial.warmup_steps 1 + measure_steps 3),
+    which the plan captures (oomtune.plan.predictor.trial_steps)."""
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") == alloc_conf == ""
     return run_child(TrialSpec(workload=workload, batch_size=batch, alloc_conf=alloc_conf, device="cpu",
-                               budget_bytes=budget, warmup_steps=1, measure_steps=1,
+                               budget_bytes=budget, warmup_steps=1, measure_steps=3,
                                device_memory_bytes=80 << 30))  # the search's virtual GPU (virtual_device_memory)
 
 
@@ -109,12 +110,36 @@ def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, mo
                  "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")
     row = next(r for r in fmap.rows if r.alloc_conf == "expandable_segments:True")
     spec = TrialSpec(workload=fmap.workload, batch_size=4, alloc_conf=row.alloc_conf, device="cpu",
-                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120,
+                     budget_bytes=1 << 30, warmup_steps=1, measure_steps=3, timeout_s=120,
                      device_memory_bytes=fmap.geometry["total_memory_bytes"])
     res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
     assert res.outcome == "ok", res.message
     assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes
     assert row.cells[0].peak_allocated_bytes == res.peak_allocated_bytes
+
+
+def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_path, monkeypatch):
+    """garbage_collection_threshold frees cached blocks by age, so the allocator's state keeps changing
+    after the second step: ResNet-18 64x64 at batch 456 under a 1 GiB budget peaked at 988 MiB in its
+    4th step in the README's search (above the 972.8 MiB limit), while a 2-step capture put it within.
+    The plan captures the trial's warmup_steps + measure_steps (1 + 3 by default), so its cell is the
+    spawned trial's measured peak, to the byte, and both say it is above the limit."""
+    from oomtune.trial.runner import TrialRunner
+
+    _clear_alloc_env(monkeypatch)
+    conf = "garbage_collection_threshold:0.8"
+    fmap = _plan(tmp_path, "model=resnet", "budget=1GiB", "+plan.batch_sizes=[456]",
+                 "search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
+                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[0.8]")
+    row = next(r for r in fmap.rows if r.alloc_conf == conf)
+    spec = TrialSpec(workload=fmap.workload, batch_size=456, alloc_conf=conf, device="cpu", budget_bytes=1 << 30,
+                     warmup_steps=1, measure_steps=3, timeout_s=300,
+                     device_memory_bytes=fmap.geometry["total_memory_bytes"])
+    res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
+    assert res.outcome == "ok", res.message
+    limit = int((1 << 30) * 0.95)   # budget x (1 - search.headroom 0.05)
+    assert res.peak_reserved_bytes > limit and not row.cells[0].fits
+    assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes
 
 
 @pytest.mark.parametrize("budget, high, expected", [

@@ -187,3 +187,42 @@ def test_verify_effective_reports_a_mismatch():
         child._verify_effective(_spec(alloc_conf="roundup_power2_divisions:4"), r,
                                 dict(snap, PYTORCH_CUDA_ALLOC_CONF="roundup_power2_divisions:4",
                                      roundup_power2_divisions={str(1 << i): 0 for i in range(16)}))
+
+
+# ------------------------------------------------------------------ stop once above the limit
+def test_trial_stops_after_the_first_step_above_the_limit(clean_alloc_env):
+    # Every block of the tiny MLP is < 1 MiB, so the small pool holds it in 2 MiB segments
+    # (kSmallBuffer): after step 1 peak reserved is >= 2 MiB, above a 1 MiB limit. The peak can
+    # only grow, so the remaining steps are not run (and no soak).
+    r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=1 * MiB, soak_steps=10))
+    assert r.outcome == "ok", r.message
+    assert r.steps == 1
+    stop = r.extra["stopped_over_limit"]
+    assert stop["step"] == 1 and stop["limit_bytes"] == 1 * MiB
+    assert stop["used_bytes"] >= 2 * MiB and r.peak_reserved_bytes >= stop["used_bytes"]
+    assert r.throughput is None              # stopped in the warm-up: no measured step
+    assert r.soak_passed is None             # above the limit: not soaked
+
+
+def test_trial_stopped_in_the_measured_steps_times_what_ran(clean_alloc_env):
+    r = child.run_child(_spec(warmup_steps=0, measure_steps=3, limit_bytes=1 * MiB))
+    assert r.steps == 1 and r.extra["stopped_over_limit"]["step"] == 1
+    assert r.throughput is not None and r.throughput > 0   # one measured step
+
+
+def test_trial_within_the_limit_runs_every_step(clean_alloc_env):
+    # 64 MiB is far above the 2 MiB small segment (and a 20 MiB large one, were one needed)
+    r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=64 * MiB))
+    assert r.outcome == "ok" and r.steps == 4
+    assert "stopped_over_limit" not in r.extra
+
+
+def test_a_stopped_trial_violates_the_memory_constraint():
+    from oomtune.search.records import MemoryLimit, violation
+    from oomtune.trial.record import TrialResult
+
+    limit = MemoryLimit(10 * MiB, 0.0)
+    # a reading of 12 MiB at the stop, whatever the record's other figures say: (12 - 10) / 10
+    res = TrialResult(outcome="ok", peak_reserved_bytes=None,
+                      extra={"stopped_over_limit": {"step": 1, "used_bytes": 12 * MiB, "limit_bytes": 10 * MiB}})
+    assert violation(res, limit) == pytest.approx(0.2)

@@ -98,7 +98,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     from oomtune.device import resolve_budget, resolve_device
     from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, split_simulable,
                                           validate_headroom, write_plan)
-    from oomtune.plan.predictor import Predictor, sim_geometry
+    from oomtune.plan.predictor import Predictor, sim_geometry, trial_steps
     from oomtune.search.space import SearchSpace
     from oomtune.units import format_bytes
 
@@ -122,7 +122,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         raise ConfigError("every configuration of search.space uses backend:cudaMallocAsync, which the virtual "
                           "GPU cannot simulate: add native to search.space.backend to plan")
     path = check_writable(out if out is not None else C.run_dir_of(cfg) / "plan.yaml", "--out")
-    predictor = Predictor(workload, sim_geometry(device, budget_bytes))
+    predictor = Predictor(workload, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial))
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source}
     say = _printer(console)

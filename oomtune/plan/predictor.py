@@ -3,8 +3,13 @@
 A trial process on the virtual GPU registers the workload's parameters, buffers and static batch,
 then runs its steps while every new storage is fed to a :class:`CachingAllocatorSim`. The predictor
 does the same on the meta device (no compute, no memory): the same request stream in the same order,
-replayed under each allocator setting. ``PREDICT_STEPS`` steps are captured: the first creates the
-optimizer state, the second is the steady state, and later steps repeat the second's stream.
+replayed under each allocator setting. As many steps are captured as the trial runs
+(``trial.warmup_steps + trial.measure_steps``, :func:`trial_steps`; ``PREDICT_STEPS`` without a
+config): the first creates the optimizer state, the later ones are the steady state, and the
+allocator's state after them can still differ (a ``garbage_collection_threshold`` frees cached
+blocks by age, so a later step can peak higher: ResNet-18 at batch 456 under
+``garbage_collection_threshold:0.8`` peaks at 988 MiB in step 4, above what 2 steps show), so the
+prediction is the peak of exactly the steps the trial measures.
 
 Most batch sizes are not captured at all (issue 13): once three captures agree on an affine model of
 every request's size in the batch size (:class:`oomtune.plan.derive.AffineStreamModel`), the streams
@@ -23,12 +28,19 @@ from typing import Any
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.plan.derive import MIN_FIT_CAPTURES, AffineStreamModel
 
-__all__ = ["PREDICT_STEPS", "Prediction", "Predictor", "capture_training_stream", "python_target_workload",
+__all__ = ["PREDICT_STEPS", "Prediction", "trial_steps", "Predictor", "capture_training_stream", "python_target_workload",
            "sim_geometry", "unbounded_capacity_bytes", "simulable"]
 
 #: Training steps captured per prediction (optimizer-state creation + one steady-state step).
 PREDICT_STEPS = 2
 _SEGMENT_SLACK_BYTES = 20 << 20  # the most a request's segment exceeds it (kLargeBuffer rounding)
+
+
+def trial_steps(trial_cfg: Any) -> int:
+    """Steps a trial runs before its memory is read: ``warmup_steps + measure_steps`` of the
+    ``trial`` config group (at least 1), the steps a prediction must capture to equal the trial's
+    peak (a trial stopped above the limit ran fewer, and is above the limit either way)."""
+    return max(1, int(trial_cfg.warmup_steps) + int(trial_cfg.measure_steps))
 
 
 def unbounded_capacity_bytes(stream: Any) -> int:
@@ -218,10 +230,12 @@ class Predictor:
         self.replays = 0
 
     @classmethod
-    def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int) -> "Predictor":
+    def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
+                   steps: int = PREDICT_STEPS) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
-        ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``."""
-        return cls(workload, sim_geometry(device, budget_bytes))
+        ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
+        trial's ``steps`` (:func:`trial_steps`)."""
+        return cls(workload, sim_geometry(device, budget_bytes), steps=steps)
 
     @property
     def captures(self) -> int:

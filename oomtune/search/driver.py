@@ -162,6 +162,8 @@ class Search:
             device_memory_bytes=self.opt.device_memory_bytes,
             soak_steps=self.opt.soak_steps if (confirm or self.opt.variable_shapes) else 0,
             shapes="worst" if confirm and self.opt.variable_shapes else "data",
+            # a search trial stops once above the limit; a confirmation runs every step (its record is the answer's)
+            limit_bytes=None if confirm else self.limit.limit_bytes,
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None) -> TrialResult | None:
@@ -320,7 +322,9 @@ class Search:
         ratio = floor = None
         used = R.used_bytes(res)
         if raw is not None and raw[0] > 0:
-            if res.outcome == Outcome.OK.value and used:
+            if res.outcome == Outcome.OK.value and used and res.extra.get("stopped_over_limit"):
+                floor = used / raw[0]  # stopped early: its full peak is at least this
+            elif res.outcome == Outcome.OK.value and used:
                 ratio = used / raw[0]
             elif res.outcome_enum.is_memory:
                 floor = self.opt.budget_bytes / raw[0]  # it needed more than the whole budget

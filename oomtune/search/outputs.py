@@ -140,6 +140,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
         # workload and compares against exactly this number.
         best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf)
+        best.predicted_steps = predictor.steps
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

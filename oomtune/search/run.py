@@ -172,10 +172,11 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
 
     predictor = None
     if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
-        from oomtune.plan.predictor import Predictor
+        from oomtune.plan.predictor import Predictor, trial_steps
 
         # Under a shape distribution the frontier is predicted at the worst (largest) shape.
-        predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes)
+        predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes,
+                                         steps=trial_steps(cfg.trial))
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)
@@ -231,9 +232,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.search.outputs import write_outputs
 
     if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
-        from oomtune.plan.predictor import Predictor
+        from oomtune.plan.predictor import Predictor, trial_steps
 
-        predictor = Predictor.for_search(p.workload, device, p.budget_bytes)
+        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, steps=trial_steps(cfg.trial))
     from oomtune.htmlreport import write_search_report
 
     try:

@@ -192,7 +192,9 @@ def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[
     with VirtualGPU(sim, device="cpu") as vgpu:
         vgpu.register(workload.tensors_before_step())
         hook()
-        _timed_steps(spec, workload, result)
+        _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"])
+    if result.extra.get("stopped_over_limit"):
+        return
     # The soak on a virtual GPU like this one, captured on the CPU: its first steps are the ones just run.
     run_soak(spec, result, new_sim, capture_device="cpu")
 
@@ -228,13 +230,16 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     try:
         with sampler:
             hook()
-            _timed_steps(spec, workload, result)
+            _timed_steps(spec, workload, result,
+                         lambda: torch.cuda.max_memory_reserved(dev) + (result.non_allocator_bytes or 0))
     finally:
         reading = getattr(sampler, "result", None)
         if reading is not None:
             result.device_peak_bytes = reading.peak_used_bytes
             result.gpu_utilization = reading.mean_utilization_percent
             result.extra["device_peak_source"] = reading.peak_source
+    if result.extra.get("stopped_over_limit"):
+        return
     # The soak predicts the device's future on a virtual GPU of the device's geometry (meta capture).
     run_soak(spec, result, lambda: _device_like_sim(spec, total, result), capture_device="meta")
 
@@ -300,14 +305,43 @@ def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | No
         )
 
 
-def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult) -> None:
+def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
+                 used_bytes: Callable[[], int] | None = None) -> None:
     """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
-    time, throughput (samples/s) and data-wait fraction of the measured steps."""
+    time, throughput (samples/s) and data-wait fraction of the measured steps.
+
+    With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes: the peak reserved, plus
+    the non-allocator memory on CUDA), the steps run one at a time and stop after the first whose
+    reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
+    the trial is above the limit whatever the remaining steps would do, and they would only cost
+    time. ``result.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
+    and the reading; throughput covers the measured steps run (None before any)."""
     result.extra["first_step_at"] = time.time()
-    if spec.warmup_steps:
-        workload.run_steps(spec.warmup_steps, sync=True)
-    timings = workload.run_steps(spec.measure_steps, sync=True)
-    result.steps = spec.warmup_steps + spec.measure_steps
+    watch = spec.limit_bytes is not None and used_bytes is not None
+    if not watch:
+        if spec.warmup_steps:
+            workload.run_steps(spec.warmup_steps, sync=True)
+        timings = workload.run_steps(spec.measure_steps, sync=True)
+        result.steps = spec.warmup_steps + spec.measure_steps
+    else:
+        timings, done = None, 0
+        for i in range(spec.warmup_steps + spec.measure_steps):
+            step = workload.run_steps(1, sync=True)
+            done += 1
+            if i >= spec.warmup_steps:
+                if timings is None:
+                    timings = step
+                else:
+                    timings.step_s += step.step_s
+                    timings.data_wait_s += step.data_wait_s
+            reading = int(used_bytes())
+            if reading > spec.limit_bytes and done < spec.warmup_steps + spec.measure_steps:
+                result.extra["stopped_over_limit"] = {"step": done, "used_bytes": reading,
+                                                      "limit_bytes": spec.limit_bytes}
+                break
+        result.steps = done
+        if timings is None:  # stopped during warm-up: nothing was timed
+            return
     result.step_time_s = timings.mean_step_s
     result.throughput = timings.samples_per_s
     result.data_wait_fraction = timings.data_wait_fraction

@@ -51,6 +51,12 @@ class TrialSpec:
         shapes: the live steps' shapes: ``data`` (the shape distribution's seeded order) or
             ``worst`` (every live step at the distribution's largest shape; the soak still follows
             the data order): a confirmation meets the worst case.
+        limit_bytes: the search's memory limit (budget x (1 - headroom)), bytes. After each step,
+            once the memory used so far (peak reserved, plus the non-allocator memory on CUDA: a
+            lower bound of what :func:`oomtune.search.records.used_bytes` reports) exceeds it,
+            the trial stops: its peak can only grow, so it is above the limit whatever the
+            remaining steps do (``TrialResult.extra["stopped_over_limit"]`` names the step; no
+            soak). None: every step runs.
     """
 
     workload: dict[str, Any]
@@ -66,6 +72,7 @@ class TrialSpec:
     device_memory_bytes: int | None = None
     soak_steps: int = 0
     shapes: str = "data"
+    limit_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
