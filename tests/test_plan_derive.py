@@ -202,3 +202,53 @@ def test_gc_threshold_predictions_equal_fresh_replays(monkeypatch, fraction):
             shared += conf != "" and pred._replays[(b, key)][0] is pred._replays[(b, "")][0]
     # 170 MiB at 0.5 x 340 MiB: batch 4 (152 MiB) peaks below 0.95 x 170 MiB, so it is shared
     assert shared >= 1
+
+
+# -- steps 3.. repeat step 2 (repeat_steady_step) ---------------------------------------------------------
+def test_repeat_steady_step_by_hand():
+    from oomtune.plan.derive import repeat_steady_step
+
+    s = AllocationStream()
+    s.append_alloc(1, 4096)        # step 1: the parameter (stays)
+    s.append_alloc(2, 512)         # step 2: an activation, freed inside the step
+    s.append_free(2)
+    out = repeat_steady_step(s, 1, 2)
+    # step 2's keys {2} shifted past every key in use: shift = max key 2 + 1 - min step key 2 = 1
+    assert list(out) == [("alloc", 1, 4096, 0), ("alloc", 2, 512, 0), ("free", 2, 512, 0),
+                         ("alloc", 3, 512, 0), ("free", 3, 512, 0), ("alloc", 4, 512, 0), ("free", 4, 512, 0)]
+    assert list(s) == [("alloc", 1, 4096, 0), ("alloc", 2, 512, 0), ("free", 2, 512, 0)]   # not modified
+    assert repeat_steady_step(s, 1, 0) is s
+
+
+def test_repeat_steady_step_refuses_a_step_that_is_not_self_contained():
+    from oomtune.plan.derive import repeat_steady_step
+
+    frees_earlier = AllocationStream([("alloc", 1, 4096), ("alloc", 2, 512), ("free", 1)])
+    assert repeat_steady_step(frees_earlier, 1, 2) is None     # step 2 frees step 1's allocation
+    leaves_live = AllocationStream([("alloc", 1, 4096), ("alloc", 2, 512)])
+    assert repeat_steady_step(leaves_live, 1, 2) is None       # step 2's allocation outlives it
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_four_steps_from_two_captured_equal_four_captured(name, monkeypatch):
+    """The reference: capturing all 4 steps on meta (repetition switched off)."""
+    import oomtune.plan.derive as D
+
+    repeated, _ = P.capture_training_stream(WORKLOADS[name], 8, steps=4)
+    monkeypatch.setattr(D, "repeat_steady_step", lambda stream, start, times: None)
+    captured, _ = P.capture_training_stream(WORKLOADS[name], 8, steps=4)
+    assert len(repeated) == len(captured)
+    assert repeated.actions == captured.actions
+    assert repeated.sizes == captured.sizes
+    assert repeated.streams == captured.streams
+    # the same pairing of frees with allocations (keys may be numbered differently)
+    def pairing(s):
+        at = {}
+        out = []
+        for i, (a, k) in enumerate(zip(s.actions, s.keys)):
+            if a == 0:
+                at[k] = i
+            else:
+                out.append(at.pop(k))
+        return out
+    assert pairing(repeated) == pairing(captured)

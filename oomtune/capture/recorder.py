@@ -281,8 +281,10 @@ def capture_stream(
     stream: int = 0,
     blas_workspaces: Any = None,
     cuda_autocast: bool = True,
+    calls: int = 1,
+    step_ends: list[int] | None = None,
 ) -> Any:
-    """Run ``step_fn()`` once under a :class:`StorageRecorder` and return its request stream.
+    """Run ``step_fn()`` (``calls`` times) under a :class:`StorageRecorder` and return its request stream.
 
     ``existing`` tensors (parameters, buffers, optimizer state, inputs) are registered first as
     allocations, so the stream starts with them. Returns an ``oomtune.alloc.stream.AllocationStream``
@@ -290,7 +292,8 @@ def capture_stream(
     :class:`StorageRecorder`. ``blas_workspaces``: a ``BlasWorkspaces``; its ``n_existing``
     workspaces are registered after ``existing``, others are added at the first BLAS op of their
     handle. ``cuda_autocast``: ``torch.autocast("cuda", ...)`` inside ``step_fn`` follows CUDA's
-    policy (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`).
+    policy (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`). ``step_ends``: a list to
+    which the number of events recorded so far is appended after each call (the step boundaries).
     """
     import contextlib
 
@@ -302,5 +305,8 @@ def capture_stream(
     for _ in range(getattr(blas_workspaces, "n_existing", 0)):
         rec.add_workspace(blas_workspaces.size_bytes)
     with (emulate_cuda_autocast() if cuda_autocast else contextlib.nullcontext()), rec:
-        step_fn()
+        for _ in range(calls):
+            step_fn()
+            if step_ends is not None:
+                step_ends.append(len(sink.events))
     return sink.to_stream()

@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AffineStreamModel", "MIN_FIT_CAPTURES"]
+__all__ = ["AffineStreamModel", "MIN_FIT_CAPTURES", "repeat_steady_step"]
 
 #: Captures a fit needs: two determine every slope and offset, the third checks them.
 MIN_FIT_CAPTURES = 3
@@ -103,3 +103,49 @@ class AffineStreamModel:
                 del live[k]
         out._live = live
         return out
+
+
+def repeat_steady_step(stream: Any, start: int, times: int) -> Any | None:
+    """``stream`` followed by ``times`` more copies of its last step ``stream[start:]`` (the steady
+    state), each copy's keys shifted past every key in use, so that a stream of ``k`` captured steps
+    stands for ``k + times`` steps without running them on meta (issue 13: the predictor captures
+    2 steps and replays the trial's ``warmup + measure``).
+
+    A fixed-shape training step after the first makes the same requests in the same order (the same
+    operators on the same shapes; the optimizer state exists from step 1 on), so step 3 repeats step
+    2. That holds only for a *self-contained* step: it frees nothing an earlier step allocated and
+    leaves nothing of its own allocated (activations, gradients under ``zero_grad(set_to_none=
+    True)`` and temporaries all die inside it), which is checked here; the caller checks that the
+    workload's shapes are fixed.
+
+    Returns:
+        the longer AllocationStream, or None when the last step is not self-contained (capture the
+        steps instead).
+    """
+    from oomtune.alloc.stream import ALLOC, AllocationStream
+
+    if times <= 0:
+        return stream
+    acts, keys = stream.actions, stream.keys
+    own: set[int] = set()
+    for i in range(start, len(acts)):
+        if acts[i] == ALLOC:
+            own.add(keys[i])
+        elif keys[i] in own:
+            own.discard(keys[i])
+        else:
+            return None   # it frees an allocation of an earlier step
+    if own or start >= len(acts):
+        return None       # an allocation of the step outlives it (or an empty step)
+    shift = max(keys) + 1 - min(keys[start:])
+    out = AllocationStream()
+    out.actions, out.keys = array("b", acts), array("q", keys)
+    out.sizes, out.streams = array("q", stream.sizes), array("q", stream.streams)
+    step_keys = keys[start:]
+    for r in range(1, times + 1):
+        out.actions.extend(acts[start:])
+        out.keys.extend(array("q", [k + r * shift for k in step_keys]))
+        out.sizes.extend(stream.sizes[start:])
+        out.streams.extend(stream.streams[start:])
+    out._live = dict(stream._live)   # every copy frees what it allocates: the live set is the stream's
+    return out

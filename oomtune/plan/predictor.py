@@ -71,6 +71,11 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     creates it before measuring), the autograd thread's comes at the first backward matmul. Off for
     simulated (CPU) trials, whose virtual GPU sees only the step's own requests.
 
+    A built-in workload of fixed shapes captures at most 2 steps: steps 3, 4, ... repeat step 2's
+    requests (:func:`oomtune.plan.derive.repeat_steady_step`, which checks that step 2 is
+    self-contained, else every step is captured); tests/test_plan_derive.py compares the result
+    with a capture of every step.
+
     Returns:
         (AllocationStream, fallback_reason or None)
 
@@ -79,21 +84,30 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     """
     from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
     from oomtune.capture.recorder import capture_stream
+    from oomtune.plan.derive import repeat_steady_step
 
     reason = None
     for device in ("meta", "cpu"):
         wl = _build(model_cfg, batch_size, device)
+        shapes = getattr(getattr(wl, "spec", None), "shapes", None)
+        repeat = steps > 2 and not _is_python_target(model_cfg) and bool(getattr(shapes, "is_fixed", False))
 
-        def run() -> None:
+        def capture(calls: int, ends: list[int]) -> Any:
             batches = wl.batches()
-            for _ in range(steps):
-                wl.step(next(batches))
-
-        try:
             workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
                           if blas_workspaces else None)
-            stream = capture_stream(run, existing=wl.tensors_before_step(), device=device,
-                                    blas_workspaces=workspaces)
+            return capture_stream(lambda: wl.step(next(batches)), existing=wl.tensors_before_step(),
+                                  device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends)
+
+        try:
+            ends: list[int] = []
+            stream = capture(2 if repeat else steps, ends)
+            if repeat:
+                longer = repeat_steady_step(stream, ends[0], steps - 2)
+                if longer is None:   # step 2 is not self-contained: capture every step, afresh
+                    wl = _build(model_cfg, batch_size, device)
+                    longer = capture(steps, [])
+                stream = longer
         except (NotImplementedError, RuntimeError) as exc:
             if device == "cpu":
                 raise
@@ -103,6 +117,12 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
             reason = wl.fallback_reason if reason is None else f"{reason}; {wl.fallback_reason}"
         return stream, reason
     raise AssertionError("unreachable")
+
+
+def _is_python_target(model_cfg: dict[str, Any]) -> bool:
+    from oomtune.targets import target_name
+
+    return target_name(model_cfg) == "python"
 
 
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
