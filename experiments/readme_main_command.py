@@ -1,13 +1,16 @@
 """Run the README's main command, ``oomtune search model=resnet``, in a fresh directory and keep its
 whole output: experiments/results/readme_main_command.log (the README quotes its trial lines).
 
-Usage: ``python experiments/readme_main_command.py [--out experiments/results/readme_main_command.log]``.
+Usage: ``python experiments/readme_main_command.py [--out experiments/results/readme_main_command.log]
+[--keep DIR]`` (``--keep``: run in the new directory DIR and keep it, e.g. for
+``experiments/bench_report.py --run-dir DIR/runs/<study>``).
 About 2 minutes on a 2-core CPU (the virtual GPU); the figures in the log are simulated there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import subprocess
@@ -23,9 +26,17 @@ from _provenance import REPO, header  # noqa: E402  (command + commit lines of e
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "readme_main_command.log")
+    ap.add_argument("--keep", type=Path, default=None, help="run in this new directory and keep it")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    with tempfile.TemporaryDirectory(prefix="oomtune-readme-") as tmp:
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        ap.error(f"--keep {args.keep}: the directory must be new or empty (a fresh directory is the point)")
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="oomtune-readme-"))
+        else:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "oomtune", "search", "model=resnet"], cwd=tmp, env=env,
                               capture_output=True, text=True)
