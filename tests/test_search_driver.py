@@ -310,3 +310,49 @@ def test_batch_at_the_top_of_the_range_is_reported(tmp_path):
     best, result, confirmed = search.confirm()
     summary = search.summary(best, result, confirmed, baseline)
     assert best.params["batch_size"] == 64 and summary.at_top_of_range
+
+
+class StoppingRunner(FakeRunner):
+    """A trial with a limit stops once above it (TrialSpec.limit_bytes): here its first step reads
+    10 MiB less than its full peak, so a trial whose first step is already above the limit reports
+    that reading and stops."""
+
+    def run(self, spec, *, workdir):
+        self.limits = getattr(self, "limits", []) + [(spec.measure_steps, spec.limit_bytes)]
+        res = super().run(spec, workdir=workdir)
+        first = (res.peak_reserved_bytes or 0) - 10 * MiB
+        if res.outcome == "ok" and spec.limit_bytes is not None and first > spec.limit_bytes:
+            res.peak_reserved_bytes = res.peak_allocated_bytes = first
+            res.extra["stopped_over_limit"] = {"step": 1, "used_bytes": first, "limit_bytes": spec.limit_bytes}
+        return res
+
+
+def test_a_trial_stopped_above_the_limit_bounds_the_calibration_from_below(tmp_path):
+    # As test_frontier_probes_are_calibrated_by_the_measured_peak (limit 950 MiB, predicted 9 MiB and
+    # measured 10 MiB per sample under expandable_segments), but 99 stops after a first step reading
+    # 980 MiB: its full peak is at least that, so 980/891 is a floor of the ratio, not a ratio.
+    # Calibrated: largest b with 9 MiB * b * 980/891 <= 950 MiB -> 95 (940.4 MiB; 96 -> 950.3 MiB).
+    # 95 (950 MiB, first step 940 MiB: runs every step) ok; 96 (960 MiB, first 950 MiB: not above) over.
+    runner = StoppingRunner()
+    search, study, _ = make(tmp_path, n_trials=0, runner=runner)
+    search.predictor = FakePredictor(per_expandable=9 * MiB)
+    search.run_frontier()
+    assert [c[0] for c in runner.calls if c[1]] == [105, 99, 95, 96]
+    row = next(c for c in search.planner.configs if c.alloc_conf)
+    assert row.measured_text() == "95"
+    assert row.ratios == [pytest.approx(10 / 9), pytest.approx(10 / 9)]   # 95 and 96 ran every step
+    assert row.ratio_floor == pytest.approx(980 / 891)
+    stopped = next(t for t in study.trials if t.params["batch_size"] == 99)
+    assert stopped.constraints["memory"] == pytest.approx((980 - 950) / 950, rel=1e-3)
+
+
+def test_probes_carry_the_limit_and_the_confirmation_runs_every_step(tmp_path):
+    runner = StoppingRunner()
+    search, study, _ = make(tmp_path, n_trials=0, runner=runner)
+    search.predictor = FakePredictor()
+    search.run_frontier()
+    search.confirm()
+    limit = int(BUDGET * 0.95)
+    assert {lim for steps, lim in runner.limits if steps == 3} == {limit}   # probes (measure_steps 3)
+    confirms = [lim for steps, lim in runner.limits if steps == 10]        # confirmations (confirm_steps 10)
+    assert confirms and set(confirms) == {None}
