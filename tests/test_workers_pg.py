@@ -116,39 +116,89 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
             study = _study(url, "kill")
         except KeyError:  # not created yet
             continue
-        # worker 0's trials that started less than 1.5 s ago: mid-trial (each sleeps 3 s) when killed
-        mine = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")
-                if time.time() - p.stat().st_mtime < 1.5}
-        for t in study.get_trials(deepcopy=False):
-            if t.number in mine and t.state.name == "RUNNING":
-                finished_before = {u.number for u in study.get_trials(deepcopy=False)
-                                   if "result" in u.user_attrs and u.state.is_finished()}
-                os.killpg(victim.pid, signal.SIGKILL)            # the worker and its trial process
-                killed_trial = t.number
-                break
+        # worker 0's trial processes started less than 1.5 s ago (stdout.txt is created at the
+        # launch; the trial prints nothing) and not ended (no result.json): each sleeps 3 s, so
+        # the kill comes mid-trial, before any result can be stored
+        running = set()
+        for p in (dirs[0] / "trials").glob("trial-*"):
+            try:
+                young = time.time() - (p / "stdout.txt").stat().st_mtime < 1.5
+            except FileNotFoundError:
+                continue
+            if young and not (p / "result.json").exists():
+                running.add(int(p.name.split("-")[1]))
+        trials = study.get_trials(deepcopy=False)
+        mid = [t for t in trials if t.number in running and t.state.name == "RUNNING"]
+        if mid:
+            finished_before = {u.number for u in trials if "result" in u.user_attrs and u.state.is_finished()}
+            os.killpg(victim.pid, signal.SIGKILL)            # the worker and its trial process
+            killed_trial = mid[0].number
     assert killed_trial is not None, "worker 0 never ran a trial"
     victim.wait(timeout=30)
     _wait(procs[1:], dirs[1:])
 
     study = _study(url, "kill")
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-    assert trials[killed_trial].state is optuna.trial.TrialState.FAIL          # heartbeat expired
+    killed = trials[killed_trial]
+    assert killed.state is optuna.trial.TrialState.FAIL and "result" not in killed.user_attrs
     retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_trial]
     assert retries                                                           # its retry was enqueued
-    # ... and another worker ran the killed candidate to a result: the retry itself, or (when the
-    # search had queued the same candidate again meanwhile) the copy with the same key that ran
-    # first, which the retry then defers to as a duplicate instead of launching it twice.
-    from oomtune.search.workers import ATTR_KEY
+    # Another worker ran the killed candidate to a result after the kill: the retry itself or, when
+    # a round enqueued the same candidate again between the failure and the retry's enqueue (two
+    # steps of Optuna's fail_stale_trials), the copy with the same key claimed first, to which the
+    # other defers as a duplicate (oomtune.search.workers: no candidate is launched twice). A
+    # sampler trial's retry carries its parameters.
+    from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY
 
-    key = trials[killed_trial].user_attrs.get(ATTR_KEY)
-    reran = [t for t in trials.values() if t.number != killed_trial and "result" in t.user_attrs
-             and (t in retries or (key is not None and t.user_attrs.get(ATTR_KEY) == key))]
-    assert reran, "the killed trial's candidate never ran to a result in another worker"
+    key = killed.user_attrs.get(ATTR_KEY)
+    same = [t for t in trials.values() if t.number != killed_trial
+            and (t in retries or (key is not None and t.user_attrs.get(ATTR_KEY) == key))]
+    reran = [t for t in same if "result" in t.user_attrs and t.datetime_start >= killed.datetime_complete]
+    assert reran and all(t.params == killed.params for t in reran), "the killed candidate never re-ran"
+    assert all(t.state.is_finished() and ("result" in t.user_attrs or ATTR_DUPLICATE_OF in t.user_attrs)
+               for t in retries)                                             # no retry left behind
     assert all("result" in trials[n].user_attrs for n in finished_before)     # nothing finished was lost
     assert not [t for t in trials.values() if t.state.name in ("RUNNING", "WAITING")]
     assert _best(dirs[1]) == _best(dirs[2]) == (48, "")
     probes = sorted(t.params["batch_size"] for t in _launched(study, "baseline"))
     assert probes == [8, 16, 32, 48, 52, 56, 64]
+
+
+def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_once(pg):
+    # On PostgreSQL the Executor's threads claim (WAITING -> RUNNING, a row read FOR UPDATE) and
+    # ask the sampler at once, without a process-wide lock: still each enqueued candidate runs in
+    # one thread only, and the sampler phase ends at exactly n_trials.
+    import threading
+
+    import optuna
+
+    from oomtune.search import records as R
+    from oomtune.search.storage import make_storage
+    from oomtune.search.workers import Executor, _claims_row_locked
+
+    url = pg.create_database()
+    study = optuna.create_study(storage=make_storage(url, heartbeat_interval_s=1, grace_period_s=2),
+                                study_name="threads", direction="maximize")
+    assert _claims_row_locked(study)                      # the concurrent path is the one tested
+    ran, lock = [], threading.Lock()
+
+    def evaluate(trial, slot):
+        x = trial.suggest_int("x", 0, 10**6)
+        with lock:
+            ran.append(trial.number)
+        time.sleep(0.05)
+        trial.set_user_attr(R.ATTR_RESULT, {"x": x})
+        return float(x)
+
+    ex = Executor(study, ["cpu"] * 8, evaluate, poll_s=0.05)
+    out = ex.run_batch([({"x": x}, "baseline", {}) for x in range(16)])
+    assert [t.params["x"] for t in out] == list(range(16))
+    assert len(ran) == 16 and len(set(ran)) == 16        # no trial claimed by two threads
+    ran.clear()
+    ex.run_sampler(24, "search")
+    search = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == "search"]
+    assert len(search) == 24 and all(t.state.name == "COMPLETE" for t in search)
+    assert sorted(ran) == sorted(t.number for t in search)  # each asked trial evaluated once
 
 
 def test_record_once_on_postgresql_has_exactly_one_winner(pg):

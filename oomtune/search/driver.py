@@ -142,14 +142,15 @@ class Search:
                                  say=self.say, poll_s=poll_s, interrupt=self._kill_trials)
 
     # ---------------------------------------------------------------- running candidates
-    def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False) -> TrialSpec:
+    def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False,
+              trials: Sequence[Any] | None = None) -> TrialSpec:
         """The trial of ``cand``. Under a shape distribution every trial is soaked (its answer must
         survive ``soak_steps`` of the data's shapes); a confirmation is always soaked and runs its
-        live steps at the distribution's worst shape."""
+        live steps at the distribution's worst shape. ``trials``: the study's trials, when just read."""
         smaller_ok = any(
             R.result_of(t) is not None and t.user_attrs.get(R.ATTR_OUTCOME) == "ok"
             and t.params.get("batch_size", 0) < cand.batch_size
-            for t in self.study.get_trials(deepcopy=False)
+            for t in (self.study.get_trials(deepcopy=False) if trials is None else trials)
         )
         steps = steps or self.opt.measure_steps
         # trial.timeout is for a search trial; a confirmation runs more steps and gets as much more time.
@@ -166,11 +167,12 @@ class Search:
             limit_bytes=None if confirm else self.limit.limit_bytes,
         )
 
-    def _known_infeasible(self, cand: Candidate, predicted: int | None) -> TrialResult | None:
+    def _known_infeasible(self, cand: Candidate, predicted: int | None,
+                          trials: Sequence[Any] | None = None) -> TrialResult | None:
         """A result that makes ``cand`` infeasible without running it: a smaller batch already ran out
         of memory under the same settings, or ``predicted`` (peak reserved, bytes) is over the limit by
         more than the prune margin."""
-        for t in self.study.get_trials(deepcopy=False):
+        for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
             res = R.result_of(t)
             if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm":
                 continue
@@ -191,9 +193,9 @@ class Search:
         return TrialResult(outcome=Outcome.PREDICTED_INFEASIBLE.value, memory_source="simulated",
                            batch_size=cand.batch_size, alloc_conf=cand.alloc_conf, message=why)
 
-    def _reusable(self, cand: Candidate) -> Any | None:
+    def _reusable(self, cand: Candidate, trials: Sequence[Any] | None = None) -> Any | None:
         """An earlier launched trial of exactly this candidate (TPE may suggest a point twice)."""
-        for t in self.study.get_trials(deepcopy=False):
+        for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
             if (R.result_of(t) is not None and t.user_attrs.get(R.ATTR_ROLE) != "confirm"
                     and R.ATTR_REUSED not in t.user_attrs
                     and t.user_attrs.get(R.ATTR_OUTCOME) != Outcome.PREDICTED_INFEASIBLE.value
@@ -202,7 +204,8 @@ class Search:
         return None
 
     def _evaluate(self, trial: Any, cand: Candidate, role: str) -> float:
-        trial.set_user_attr(R.ATTR_ROLE, role)
+        if trial.user_attrs.get(R.ATTR_ROLE) != role:  # set at enqueue / by the Executor's ask
+            trial.set_user_attr(R.ATTR_ROLE, role)
         trial.set_user_attr(R.ATTR_CONF, cand.alloc_conf)
         predicted = self.predict(cand) if self.predict is not None else None
         if predicted is not None:
@@ -213,15 +216,16 @@ class Search:
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}",
                                              **self._trial_env())
             return self._tell(trial, result)
-        known = self._known_infeasible(cand, predicted) if role == "search" else None
-        earlier = self._reusable(cand) if role == "search" and known is None else None
+        trials = self.study.get_trials(deepcopy=False)  # one read for the three checks below
+        known = self._known_infeasible(cand, predicted, trials) if role == "search" else None
+        earlier = self._reusable(cand, trials) if role == "search" and known is None else None
         if known is not None:
             result = known
         elif earlier is not None:
             result = R.result_of(earlier)
             trial.set_user_attr(R.ATTR_REUSED, earlier.number)
         else:
-            result = self.runner.run(self._spec(cand), workdir=self.workdir / f"trial-{trial.number:04d}",
+            result = self.runner.run(self._spec(cand, trials=trials), workdir=self.workdir / f"trial-{trial.number:04d}",
                                      **self._trial_env())
         return self._tell(trial, result)
 

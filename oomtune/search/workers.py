@@ -5,7 +5,9 @@ candidates is *enqueued* (``Study.enqueue_trial``: WAITING trials) and any worke
 or in another process or machine pointed at the same storage, *claims* one by moving it from
 WAITING to RUNNING (``Study._pop_waiting_trial_id``: a row-locked state change on PostgreSQL, so
 exactly one claimer wins). The sampler's own trials are asked for (``Study.ask``) by whichever
-worker is free.
+worker is free. The worker threads of one process claim and ask at once where the storage
+row-locks the claim (PostgreSQL, MySQL); on SQLite, which does not, one at a time
+(:func:`_claims_row_locked`). Between two trials a worker reads the study once.
 
 No candidate runs twice: every enqueued candidate carries a key (role + parameters + extra
 attributes, :data:`ATTR_KEY`). A round first looks for a trial with its key (one that has a result,
@@ -26,6 +28,7 @@ backoff (:func:`oomtune.search.storage.retrying`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -58,6 +61,28 @@ def _live(t: Any) -> bool:
     return t.state.name in ("WAITING", "RUNNING")
 
 
+def _count_sampler(trials: Sequence[Any], role: str) -> int:
+    """Sampler trials of ``role`` in ``trials`` (finished with a result, or running; a RUNNING
+    trial without role or key is one the sampler just created, its role not yet set)."""
+    return sum(1 for t in trials if ATTR_KEY not in t.user_attrs
+               and ((t.user_attrs.get(R.ATTR_ROLE) == role and (_has_result(t) or t.state.name == "RUNNING"))
+                    or (R.ATTR_ROLE not in t.user_attrs and t.state.name == "RUNNING")))
+
+
+_DONE = object()  # a worker's next_trial: the phase is over
+
+
+def _claims_row_locked(study: Any) -> bool:
+    """Whether the study's storage makes a claim atomic between threads: Optuna's
+    ``RDBStorage.set_trial_state_values`` reads the trial ``FOR UPDATE``, a row lock on PostgreSQL
+    and MySQL; SQLite ignores it (and Python's sqlite3 runs the read outside the write's
+    transaction), so two threads can both move one WAITING trial to RUNNING: measured, a
+    candidate ran 2-3 times (tests/test_workers.py). Other storages: claims stay serialized."""
+    backend = getattr(study._storage, "_backend", study._storage)
+    engine = getattr(backend, "engine", None)
+    return engine is not None and engine.dialect.name in ("postgresql", "mysql")
+
+
 class Executor:
     """Runs the trials of one study on ``len(slots)`` worker threads of this process.
 
@@ -87,7 +112,12 @@ class Executor:
         self.poll_s = poll_s
         self.interrupt = interrupt or (lambda: None)
         self.interrupted = threading.Event()
-        self._lock = threading.Lock()     # one claim/ask at a time within this process
+        self._lock = threading.Lock()     # counting of the sampler's trials within this process
+        self._reserved = 0                # sampler trials being asked for now (this process)
+        # claims (WAITING -> RUNNING, also inside Optuna's ask) one at a time within this process,
+        # except where the storage row-locks them (see _claims_row_locked)
+        self._claim_lock = contextlib.nullcontext() if _claims_row_locked(study) else threading.Lock()
+        self._asked: set[int] = set()     # numbers of the sampler trials this process asked for
         self._last_stale_check = 0.0
         self._error: BaseException | None = None
         self.stats = {"storage_calls": 0, "storage_s": 0.0, "claimed": 0, "duplicates": 0}
@@ -125,29 +155,53 @@ class Executor:
         import optuna
 
         self._fail_stale()
-        with self._lock:
+        with self._claim_lock:
             trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
-            return None if trial_id is None else optuna.Trial(self.study, trial_id)
+        return None if trial_id is None else optuna.Trial(self.study, trial_id)
 
-    def _ask(self, admit: Callable[[], bool], role: str) -> Any | None:
-        """A WAITING trial, else a new trial from the sampler when ``admit()`` (checked under the
-        process's lock, so this process's workers never overshoot it)."""
+    def _next_sampler_trial(self, n_trials: int, role: str, stopped: Callable[[], bool]) -> Any:
+        """The next trial of the sampler phase: a WAITING trial (claimed), else a new trial from the
+        sampler while the study holds fewer than ``n_trials`` of ``role``; None when there is
+        nothing to do now; :data:`_DONE` when the phase is over (``n_trials`` reached and nothing
+        WAITING). One read of the study per call.
+
+        The process's lock covers only counting: a trial this process is asking for (or asked for
+        after the read) counts although the read does not show it, so this process's workers never
+        overshoot ``n_trials``; the storage calls (Optuna's ``ask``: claim, create, sample) run
+        outside it, several at once (Optuna's RDB storage and samplers allow concurrent ``ask``, as
+        ``Study.optimize(n_jobs=N)`` does)."""
         import warnings
 
         import optuna
 
         self._fail_stale()
-        with self._lock:
-            trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
+        trials = self._trials()
+        if any(t.state.name == "WAITING" for t in trials):
+            with self._claim_lock:
+                trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
             if trial_id is not None:
                 return optuna.Trial(self.study, trial_id)
-            if not admit():
-                return None
-            with warnings.catch_warnings():  # "heartbeat is supposed to be used with optimize"
+        with self._lock:
+            present = {t.number for t in trials}
+            counted = _count_sampler(trials, role) + self._reserved + sum(1 for n in self._asked if n not in present)
+            if counted >= n_trials or stopped():
+                finished = _count_sampler(trials, role) >= n_trials or stopped()
+                return _DONE if finished and not any(t.state.name == "WAITING" for t in trials) else None
+            self._reserved += 1
+        trial = None
+        try:
+            with warnings.catch_warnings(), self._claim_lock:  # "heartbeat ... used with optimize"
                 warnings.simplefilter("ignore")
                 trial = self._call("ask the sampler", self.study.ask)
-            self._call("set the role", lambda: trial.set_user_attr(R.ATTR_ROLE, role))  # counted from now on
-            return trial
+        finally:
+            with self._lock:
+                self._reserved -= 1
+                if trial is not None:
+                    self._asked.add(trial.number)
+        if trial.user_attrs.get(R.ATTR_ROLE) is None and ATTR_KEY not in trial.user_attrs:
+            # counted as ``role`` from its creation on (RUNNING, no role, no key: a sampler trial)
+            self._call("set the role", lambda: trial.set_user_attr(R.ATTR_ROLE, role))
+        return trial
 
     def _duplicate_of(self, trial: Any) -> int | None:
         key = trial.user_attrs.get(ATTR_KEY)
@@ -172,7 +226,10 @@ class Executor:
             self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
             self._call("tell", lambda: self.study.tell(trial, state=TrialState.FAIL))
             return
-        system_attrs = self._call("read a trial", lambda: self.study._storage.get_trial(trial._trial_id).system_attrs)
+        # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
+        cached = getattr(trial, "_cached_frozen_trial", None)
+        system_attrs = cached.system_attrs if cached is not None else self._call(
+            "read a trial", lambda: self.study._storage.get_trial(trial._trial_id).system_attrs)
         if "failed_trial" in system_attrs:
             self.say(f"[trial {trial.number}] retrying trial {system_attrs['failed_trial']} "
                      "(its worker stopped: heartbeat expired)")
@@ -195,6 +252,8 @@ class Executor:
         try:
             while self._error is None and not done():
                 trial = next_trial()
+                if trial is _DONE:
+                    break
                 if trial is None:
                     time.sleep(self.poll_s)
                     continue
@@ -294,25 +353,13 @@ class Executor:
         to (processes - 1) more trials than ``n_trials``; within a process it never overshoots."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.study._stop_flag = False  # set by Study.stop() (e.g. GridSampler: grid exhausted)
+        self._asked.clear()
 
-        def counted() -> int:
-            return sum(1 for t in self._trials()
-                       if t.user_attrs.get(R.ATTR_ROLE) == role and ATTR_KEY not in t.user_attrs
-                       and (_has_result(t) or t.state.name == "RUNNING"))
+        def stopped() -> bool:
+            return self.study._stop_flag or (deadline is not None and time.monotonic() >= deadline)
 
-        def admit() -> bool:
-            return (counted() < n_trials and not self.study._stop_flag
-                    and (deadline is None or time.monotonic() < deadline))
-
-        def done() -> bool:
-            if self.study._stop_flag or (deadline is not None and time.monotonic() >= deadline):
-                return True
-            return counted() >= n_trials and not self._any_waiting()
-
-        self._run_workers(lambda: self._ask(admit, role), done)
-
-    def _any_waiting(self) -> bool:
-        return any(t.state.name == "WAITING" for t in self._trials())
+        # the phase's end is decided by _next_sampler_trial from its own read of the study
+        self._run_workers(lambda: self._next_sampler_trial(n_trials, role, stopped), stopped)
 
     def drain(self, roles: Sequence[str] = ("baseline", "search")) -> None:
         """Work until no trial of ``roles`` is WAITING or RUNNING anywhere (every process's

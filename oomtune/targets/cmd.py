@@ -53,6 +53,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, RESULT_FILE_ENV
 from oomtune.trial._base import Target
+from oomtune.trial.procwait import exited_within
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
 __all__ = ["run_cmd_trial", "build_command", "substitute_batch_size", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
@@ -283,8 +284,10 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
     """Wait; past ``timeout_s`` SIGTERM the group, then SIGKILL after ``grace_s``. (returncode, timed_out)."""
+    if exited_within(proc, timeout_s):
+        return proc.wait(), False
     try:
-        return proc.wait(timeout=timeout_s), False
+        return proc.wait(timeout=0), False
     except subprocess.TimeoutExpired:
         pass
     _kill_group(proc.pid, signal.SIGTERM)
@@ -300,6 +303,12 @@ def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> bool:
     asynchronously); re-sends SIGKILL while waiting. True when the group is gone."""
     from oomtune.trial.runner import group_alive
 
+    try:
+        os.killpg(pgid, 0)   # no process left in the group at all: nothing to scan /proc for
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
     deadline = time.monotonic() + timeout_s
     while group_alive(pgid):
         if time.monotonic() > deadline:

@@ -38,6 +38,7 @@ from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
+from oomtune.trial.procwait import exited_within
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "LAUNCHERS", "ALLOC_ENV_VARS"]
 
@@ -117,10 +118,9 @@ class _Spawned:
         self._proc = proc
 
     def wait(self, timeout: float | None) -> int | None:
-        try:
-            return self._proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        if timeout is not None and not exited_within(self._proc, timeout):  # no polling (procwait)
             return None
+        return self._proc.wait()
 
 
 class TrialRunner:
