@@ -72,6 +72,32 @@ def test_rebuild_real_trace_matches_readme():
     assert state.unplaced_blocks == ()
 
 
+def test_rebuild_places_each_pre_trace_block_in_the_segment_that_holds_its_address():
+    # Three starting segments (S0 2 MiB small, L0 and L1 20 MiB large), blocks freed in the trace
+    # without an alloc: inside S0, at L0's first byte, inside L1, in the gap after L0 and below S0.
+    S0_SMALL = S0 + 4 * MiB
+    trace = [*free(S0_SMALL + 512, 512), *free(L0, 3 * MiB), *free(L1 + 4 * MiB, 2 * MiB),
+             *free(L0 + 20 * MiB, 512), *free(S0_SMALL - 512, 512)]
+    snap = {"segments": [seg(S0_SMALL, 2 * MiB, "small", [(2 * MiB, "inactive")]),
+                         seg(L0, 20 * MiB, "large", [(20 * MiB, "inactive")]),
+                         seg(L1, 20 * MiB, "large", [(20 * MiB, "inactive")])],
+            "device_traces": [trace]}
+    state = rebuild_initial_state(snap)
+    assert [(s.address, [(b.offset_bytes, b.size_bytes) for b in s.live_blocks]) for s in state.segments] == [
+        (S0_SMALL, [(512, 512)]), (L0, [(0, 3 * MiB)]), (L1, [(4 * MiB, 2 * MiB)])]
+    assert state.unplaced_blocks == (S0_SMALL - 512, L0 + 20 * MiB)
+
+
+def test_rebuild_overlapping_segments_place_a_block_in_the_lowest():
+    # An inconsistent snapshot: the trace frees a 20 MiB segment at L0 + 2 MiB that overlaps the final
+    # L0. A block at L0 + 4 MiB lies in both; it goes to the lower one (L0), as a scan in address order.
+    trace = [ev("segment_free", L0 + 2 * MiB, 20 * MiB), *free(L0 + 4 * MiB, 2 * MiB)]
+    snap = {"segments": [seg(L0, 20 * MiB, "large", [(20 * MiB, "inactive")])], "device_traces": [trace]}
+    state = rebuild_initial_state(snap)
+    assert [(s.address, [(b.offset_bytes, b.size_bytes) for b in s.live_blocks]) for s in state.segments] == [
+        (L0, [(4 * MiB, 2 * MiB)]), (L0 + 2 * MiB, [])]
+
+
 def test_no_trace_for_device():
     with pytest.raises(SnapshotError, match="no trace for device 3"):
         rebuild_initial_state({"segments": [], "device_traces": [[]]}, device=3)
