@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from oomtune.alloc._blocks import Block
+from oomtune.alloc._blocks import SIZE_SHIFT, STREAM_SHIFT, Block
 
 __all__ = ["SplitMixin"]
+
+assert (STREAM_SHIFT, SIZE_SHIFT) == (112, 56)   # the packed key's shifts, literals below
 
 
 class SplitMixin:

@@ -59,6 +59,7 @@ inc, dec = _stats.inc, _stats.dec
 # 21 inactive_split_bytes, 24 requested_bytes; +1 peak, +2 freed.
 assert (_stats.ALLOCATION, _stats.INACTIVE_SPLIT, _stats.ALLOCATED_BYTES, _stats.INACTIVE_SPLIT_BYTES,
         _stats.REQUESTED_BYTES) == (0, 9, 12, 21, 24)
+assert (STREAM_SHIFT, SIZE_SHIFT) == (112, 56)   # the key shifts, literals in the hot paths too
 
 
 def _round_half_away(x: float) -> int:
