@@ -9,7 +9,7 @@ Schema (version 1)::
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
            trial_number, metrics_trial_number}
-    baseline: {batch_size, alloc_conf, metrics} | null
+    baseline: {batch_size, alloc_conf, metrics, trial_number, metrics_trial_number} | null
     gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
     diagnosis: {input_bound, reason, advice} | null
