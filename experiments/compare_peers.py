@@ -10,7 +10,13 @@ fraction) recording every storage of the whole tuning run. The simulated out-of-
 their own code (Lightning ``is_oom_error``, Accelerate ``should_reduce_batch_size``: checked below
 before anything runs). Between tries the peers empty the CUDA cache (Lightning
 ``garbage_collection_cuda``, Accelerate ``clear_device_cache``): ``torch.cuda.empty_cache`` is routed
-to the virtual GPU's ``empty_cache`` for that.
+to the virtual GPU's ``empty_cache`` for that, and Accelerate's ``clear_device_cache`` is told CUDA is
+available (on a CPU it would otherwise skip ``empty_cache``: it checks ``is_cuda_available()``; only
+that name in ``accelerate.utils.memory`` is changed). A try that runs out of memory inside
+``backward()`` returns its memory when its exception is released, as on CUDA (the virtual GPU drops
+the failed graph's tasks from the CPU autograd queue: :mod:`oomtune.capture.virtual_gpu`); before
+that fix every Accelerate try after the first failed one ran out of memory (889 MiB of the failed
+batch-512 graph stayed allocated).
 
 Reported per tool: batch found, allocator settings, whether the answer survives a clean run (an
 oomtune trial in a fresh process for ``trial.confirm_steps`` steps under the same budget) and the
@@ -64,6 +70,11 @@ def _route_empty_cache(sim) -> None:
     import torch
 
     torch.cuda.empty_cache = sim.empty_cache  # what the peers call between tries, on the virtual GPU
+    try:
+        import accelerate.utils.memory as acc_memory
+    except ImportError:  # Lightning's process needs no accelerate
+        return
+    acc_memory.is_cuda_available = lambda: True  # clear_device_cache: gc.collect(), then empty_cache as on CUDA
 
 
 def _check_recognised() -> None:

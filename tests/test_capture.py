@@ -364,6 +364,40 @@ def test_virtual_gpu_with_real_simulator_oom_inside_step():
     assert sim.memory_stats()["num_ooms"] == 1
 
 
+def test_oom_inside_backward_returns_the_failed_graphs_memory():
+    # After an OOM inside backward() and the exception released, allocated memory returns to what
+    # it was before the step (issue 9 item 6: Accelerate's in-process retries). loss = s2 + s3 over
+    # two heads of h: AddBackward queues both SumBackward tasks; the first head's MmBackward fails
+    # at its first gradient, leaving the other head's task in the CPU engine's ready queue, whose
+    # Node chain holds h. On CUDA the device thread drops that task at once; so must we.
+    # W1 = 1024x1024 fp32 = 4 MiB, W2 = W3 = 16x1024 = 64 KiB each, x = h = 8x1024 = 32 KiB.
+    # Forward peak: W's + x + h + y (512 B) + sums = 4 MiB + 192 KiB + ~520 B, under the capacity
+    # of 4 MiB + 208 KiB; backward needs W's + x + h + loss + seed + a 32 KiB (grad h) or 64 KiB
+    # (grad W) gradient = 4 MiB + 224 KiB + 8 B: over it.
+    lin1 = nn.Linear(1024, 1024, bias=False, device="meta")
+    lin2 = nn.Linear(1024, 16, bias=False, device="meta")
+    lin3 = nn.Linear(1024, 16, bias=False, device="meta")
+    x = torch.randn(8, 1024, device="meta")
+    sim = BudgetSim((4 << 20) + (208 << 10))
+
+    def step():
+        h = lin1(x)
+        (lin2(h).sum() + lin3(h).sum()).backward()
+
+    with VirtualGPU(sim) as vgpu:
+        vgpu.register([lin1.weight, lin2.weight, lin3.weight, x])
+        before = sum(sim.live.values())
+        try:
+            step()
+        except torch.OutOfMemoryError:
+            pass  # the exception and its frames are released at the end of this block
+        after = sum(sim.live.values())
+    assert before == 4194304 + 2 * 65536 + 32768
+    assert vgpu.n_mallocs > 4       # the step ran (h, heads, sums, seed) before failing
+    assert after == before          # h and the seed are freed with the failed graph
+    assert sim.errors == []
+
+
 # -- the virtual GPU's geometry (issue 9, item 3) ----------------------------------------------------
 def test_virtual_gpu_budget_is_a_memory_fraction_of_the_device():
     from oomtune.capture.virtual_gpu import budget_geometry

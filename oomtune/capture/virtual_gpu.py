@@ -15,6 +15,16 @@ the size of the budget: :func:`budget_geometry` and :func:`budgeted_sim`. The di
 ``garbage_collection_threshold``, which acts only under a fraction (``DeviceCachingAllocator::
 garbage_collect_cached_blocks`` is called only when ``set_fraction`` is true) and then relative to
 the allowed memory (``allowed_memory_maximum``), i.e. the budget.
+
+A simulated out-of-memory error raised inside ``backward()`` of a CPU run leaves the failed
+graph's pending ``NodeTask`` objects (each holding its ``Node`` and the ``InputBuffer`` of gradients
+flowing into it) in the calling thread's CPU ready queue (``local_ready_queue`` in
+torch/csrc/autograd/engine.cpp, kept for the thread's next backward), so that memory stays live
+until that thread runs another backward. On CUDA the backward runs on the device's autograd
+thread, which keeps popping its queue and drops the tasks of a failed graph at once ("GraphTask
+for function is no longer valid, skipping execution"). Inside the context the virtual GPU does
+the same: when the engine returns with an error it runs one empty backward on the calling thread,
+outside the recorder, which pops and drops the stale tasks (:func:`_drop_failed_backward_tasks`).
 """
 
 from __future__ import annotations
@@ -72,6 +82,38 @@ def budgeted_sim(settings: Any, budget_bytes: int | None, device_memory_bytes: i
     return sim
 
 
+def _drop_failed_backward_tasks() -> None:
+    """Pop the tasks a failed backward left in this thread's CPU ready queue (none: no effect).
+
+    One backward of a one-element leaf, outside every dispatch mode (nothing is recorded): the CPU
+    engine drives it on this thread's ``local_ready_queue`` and drops the tasks whose ``GraphTask``
+    has failed or expired, releasing their gradient buffers as CUDA's device thread would.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.enable_grad():
+        torch.zeros((), requires_grad=True).backward()
+
+
+class _EngineOnFailure:
+    """Stands in for ``torch.autograd.Variable._execution_engine`` inside a :class:`VirtualGPU`:
+    every call is the engine's; a ``run_backward`` that raises first drops the failed graph's queued
+    tasks (:func:`_drop_failed_backward_tasks`), then re-raises."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._engine.run_backward(*args, **kwargs)
+        except BaseException:
+            _drop_failed_backward_tasks()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 class _SimSink:
     """Forwards recorded requests to a simulator, keeping ``key -> address``."""
 
@@ -127,7 +169,8 @@ class VirtualGPU:
         RuntimeError: the context is entered a second time (one recording per instance).
 
     :meth:`register` may be called before entering or inside the context. Storages recorded before
-    an OOM and released during the unwinding are freed in the simulator;
+    an OOM and released during the unwinding are freed in the simulator (after an OOM inside
+    ``backward()``, the failed graph's queued gradients too, as on CUDA: see the module docstring);
     releases after the context exits are ignored, so ``sim`` keeps the state at exit. Releases from
     other threads (a DataLoader pin-memory thread dropping its last reference) are serialised by the
     recorder's lock; tensors created on other threads are not recorded (dispatch modes are
@@ -196,10 +239,17 @@ class VirtualGPU:
         self._autocast = emulate_cuda_autocast()
         self._autocast.__enter__()
         self.recorder.__enter__()
+        from torch.autograd.variable import Variable
+
+        self._engine = Variable._execution_engine
+        Variable._execution_engine = _EngineOnFailure(self._engine)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._exited = True
+        from torch.autograd.variable import Variable
+
+        Variable._execution_engine = self._engine
         try:
             self.recorder.__exit__(*exc)
         finally:
