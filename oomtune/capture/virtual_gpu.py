@@ -97,8 +97,10 @@ def _drop_failed_backward_tasks() -> None:
 
 class _EngineOnFailure:
     """Stands in for ``torch.autograd.Variable._execution_engine`` inside a :class:`VirtualGPU`:
-    every call is the engine's; a ``run_backward`` that raises first drops the failed graph's queued
-    tasks (:func:`_drop_failed_backward_tasks`), then re-raises."""
+    every call is the engine's; an outermost ``run_backward`` that raises first drops the failed
+    graph's queued tasks (:func:`_drop_failed_backward_tasks`), then re-raises. A reentrant one
+    (checkpoint recomputation, ``_current_graph_task_id() != -1``) only re-raises: a backward run
+    there would execute the outer graph's pending tasks."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
@@ -107,8 +109,9 @@ class _EngineOnFailure:
         try:
             return self._engine.run_backward(*args, **kwargs)
         except BaseException:
-            _drop_failed_backward_tasks()
-            raise
+            if torch._C._current_graph_task_id() == -1:  # outermost backward: nothing else queued
+                _drop_failed_backward_tasks()
+            raise  # a reentrant backward's error unwinds to the outer one, which drops the tasks
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
