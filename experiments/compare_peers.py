@@ -269,7 +269,7 @@ def main() -> None:
     import torch
 
     lines = [f"# command: python experiments/compare_peers.py --budget {args.budget} --workloads {args.workloads} "
-             f"--tools {args.tools}",
+             f"--tools {args.tools}" + ("" if Path(args.out).resolve() == RESULTS else f" --out {args.out}"),
              f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}; "
              f"{platform.node()} ({os.cpu_count()} CPUs); torch {torch.__version__}, lightning "
              f"{lightning.__version__}, accelerate {accelerate.__version__}",
