@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -200,6 +201,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
                       + ("" if len(slots) == int(cfg.search.workers) else
                          f"; search.workers={cfg.search.workers} capped: one trial per GPU at a time"))
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
+    # The fork server imports torch once (~3 s) while this process predicts the frontiers: on two
+    # cores or more they overlap (the first trial waits for it, as it would anyway).
+    if p.workload["target"]["name"] in ("builtin", "python"):   # a cmd target runs its own processes
+        threading.Thread(target=runner.start_fork_server, name="oomtune-forkserver-start", daemon=True).start()
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),
                    workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
