@@ -272,7 +272,8 @@ def main() -> None:
              f"--tools {args.tools}" + ("" if Path(args.out).resolve() == RESULTS else f" --out {args.out}"),
              f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}; "
              f"{platform.node()} ({os.cpu_count()} CPUs); torch {torch.__version__}, lightning "
-             f"{lightning.__version__}, accelerate {accelerate.__version__}",
+             f"{lightning.__version__}, accelerate {accelerate.__version__}; load average "
+             f"{os.getloadavg()[0]:.1f} at start (each tool's in its raw row: load_at_start)",
              "# all memory figures are SIMULATED (virtual GPU: CPU training, CachingAllocatorSim); wall times "
              "are this machine's CPU",
              "# tries: batch sizes run (peers: in one process; oomtune: trial processes launched); clean run: "
@@ -282,9 +283,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="oomtune-peers-") as tmp:
         for workload in args.workloads.split(","):
             for tool in args.tools.split(","):
+                load = round(os.getloadavg()[0], 1)
                 r = (_oomtune(workload, args.budget, Path(tmp) / f"{workload}-oomtune") if tool == "oomtune"
                      else _peer(tool, workload, args.budget))
-                r["workload"] = workload
+                r["workload"], r["load_at_start"] = workload, load
                 if "batch" in r:
                     r["clean"] = _clean_run(workload, args.budget, r["batch"], r["alloc_conf"],
                                             Path(tmp) / f"{workload}-{tool}-clean")
