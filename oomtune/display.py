@@ -28,6 +28,7 @@ SEARCH_LEGEND = (
     "  peak reserved: torch.cuda.max_memory_reserved; (sim) simulated on the virtual GPU, (dev) device",
     "  N/s: samples per second; (CPU) this CPU's throughput, not a GPU's; (dev) measured on the device",
     "  ok >limit: ran, but peaked above the limit = budget x (1 - headroom); =#n: reused from trial n",
+    "  >limit@n: stopped after step n, the first above the limit (peaks can only grow)",
     "  best #n: the trial leading so far (under the objective)",
 )
 
@@ -188,6 +189,7 @@ def trial_table_legend(rows: list[dict[str, Any]]) -> list[str]:
     confs = [r["alloc_conf"].split(" ")[0] for r in rows]
     lines = ["peak resv / alloc: peak reserved / allocated; frag: 1 - peak active / peak reserved",
              "pred err: (predicted - measured) / measured peak reserved; ok >limit: ran, above the limit",
+             ">limit@n: stopped after step n, the first above the limit: peaks and frag of n steps",
              "(sim): simulated on the virtual GPU; (dev): measured on the device; "
              "(CPU): this CPU's samples/s"]
     used = conf_legend(confs)
@@ -205,11 +207,15 @@ def describe(trial: Any) -> str:
 
 
 def outcome_label(trial: Any, res: Any) -> str:
-    """``ok``, ``ok >limit`` (ran but its peak exceeded budget x (1 - headroom)), or the outcome;
-    ``=#n`` marks a measurement reused from trial n."""
+    """``ok``, ``ok >limit`` (ran but its peak exceeded budget x (1 - headroom); ``ok >limit@n``: it
+    stopped after step n, the first above the limit, so its figures are those of n steps), or the
+    outcome; ``=#n`` marks a measurement reused from trial n."""
     label = res.outcome
     if res.outcome == "ok" and not R.is_feasible_ok(trial):
         label = "ok >limit"
+        stopped = (res.extra or {}).get("stopped_over_limit")
+        if stopped:   # the trial stopped after this step (TrialSpec.limit_bytes): figures of that many steps
+            label += f"@{stopped['step']}"
     reused = trial.user_attrs.get(R.ATTR_REUSED)
     return label if reused is None else f"{label} =#{reused}"
 

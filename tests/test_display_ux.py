@@ -21,10 +21,11 @@ GC = "garbage_collection_threshold:0.8"
 
 
 def _trial(study, *, batch, conf, role, outcome="ok", throughput=None, reserved=None, allocated=None,
-           frag=None, source="simulated", message=None, feasible=True, predicted=None, confirms=None):
+           frag=None, source="simulated", message=None, feasible=True, predicted=None, confirms=None,
+           extra=None):
     result = {"outcome": outcome, "batch_size": batch, "alloc_conf": conf, "throughput": throughput,
               "peak_reserved_bytes": reserved, "peak_allocated_bytes": allocated, "fragmentation": frag,
-              "memory_source": source, "message": message}
+              "memory_source": source, "message": message, "extra": extra or {}}
     attrs = {R.ATTR_ROLE: role, R.ATTR_OUTCOME: outcome, R.ATTR_CONF: conf, R.ATTR_RESULT: result}
     if predicted is not None:
         attrs[R.ATTR_PREDICTED] = predicted
@@ -256,3 +257,16 @@ def test_summary_line_names_both_trials_and_the_sources():
     assert line == ("best: batch 493, expandable_segments:True (trial 1); confirmed by trial 5 in a clean process "
                     "(10 steps): 132.2 samples/s (CPU), peak reserved 972.00 MiB (simulated); survived a "
                     "2000-step soak (simulated)")
+
+
+def test_a_trial_stopped_above_the_limit_says_after_which_step(study):
+    from oomtune.display import SEARCH_LEGEND, outcome_label, progress_line
+
+    stop = {"stopped_over_limit": {"step": 1, "used_bytes": 1012 * MiB, "limit_bytes": 972 * MiB}}
+    t = _trial(study, batch=353, conf="", role="baseline", reserved=1012 * MiB, feasible=False, extra=stop)
+    assert outcome_label(t, R.result_of(t)) == "ok >limit@1"
+    line = progress_line(t, "baseline", None, None, "#1")
+    assert "ok >limit@1" in line and len(line) <= 100
+    assert any(">limit@n: stopped after step n" in legend for legend in SEARCH_LEGEND)
+    ran = _trial(study, batch=354, conf="", role="baseline", reserved=1014 * MiB, feasible=False)
+    assert outcome_label(ran, R.result_of(ran)) == "ok >limit"   # ran every step

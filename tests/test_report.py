@@ -94,6 +94,33 @@ def test_step_snapshot_replays_to_the_same_segments(run_dir):
     assert result.simulated_final_reserved_bytes == result.recorded_final_reserved_bytes == 22 * MiB
 
 
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64,roundup_power2_divisions:4",
+                                  "garbage_collection_threshold:0.8,expandable_segments:True"])
+def test_step_snapshot_records_its_settings_as_torch_does(conf):
+    """torch's _snapshot() layout (THCPModule_memorySnapshot): max_split_size in bytes, -1 when
+    unlimited; roundup_power2_divisions per interval start in MiB; read back as the same settings,
+    so `oomtune simulate winner_step.pickle` replays under the winner's settings by default."""
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.htmlreport._step import torch_allocator_settings
+    from oomtune.trace.recorded import recorded_settings
+
+    rec = torch_allocator_settings(conf)
+    assert rec["PYTORCH_CUDA_ALLOC_CONF"] == conf
+    assert rec["max_split_size"] == (64 * MiB if "max_split" in conf else -1)
+    assert rec["expandable_segments"] is ("expandable_segments:True" in conf)
+    assert set(rec["roundup_power2_divisions"]) == {str(1 << i) for i in range(16)}
+    assert set(rec["roundup_power2_divisions"].values()) == ({4} if "roundup" in conf else {0})
+    settings, note = recorded_settings({"allocator_settings": rec})
+    assert note is None and settings.render() == AllocatorSettings.parse(conf).render()
+
+
+def test_simulate_labels_a_virtual_gpu_snapshot_as_such(run_dir, capsys):
+    # winner_step.pickle carries oomtune: {memory_source: simulated}: its figures are not a device's
+    assert main(["simulate", str(run_dir / "winner_step.pickle")]) == 0
+    out = capsys.readouterr().out
+    assert "(recorded on the virtual GPU)" in out and "recorded on device" not in out
+
+
 def test_cli_report_writes_and_rejects_a_non_run_dir(run_dir, tmp_path, capsys):
     assert main(["report", str(run_dir), "--out", str(tmp_path / "x.html")]) == 0
     assert "wrote" in capsys.readouterr().out and (tmp_path / "x.html").stat().st_size > 1_000_000

@@ -356,3 +356,15 @@ def test_probes_carry_the_limit_and_the_confirmation_runs_every_step(tmp_path):
     assert {lim for steps, lim in runner.limits if steps == 3} == {limit}   # probes (measure_steps 3)
     confirms = [lim for steps, lim in runner.limits if steps == 10]        # confirmations (confirm_steps 10)
     assert confirms and set(confirms) == {None}
+
+
+def test_frontier_line_says_when_nothing_is_predicted_to_fit():
+    from types import SimpleNamespace
+
+    from oomtune.search.frontier import ConfigFrontier, FrontierPlanner
+    from oomtune.search.run import _frontier_line
+
+    planner = FrontierPlanner([ConfigFrontier({}, "", None, selected=True)], 8, 512, 950 * MiB, peak=None)
+    line = _frontier_line(planner, SimpleNamespace(capture_seconds=1.0, replay_seconds=0.5))
+    assert line.endswith("probing: (default) (none predicted to fit: from batch 8)")
+    assert "None" not in line

@@ -150,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if r0.releases:
         console.print(f"Recorded releases: {_releases_text(r0.releases)}")
     if len(results) == 1:
-        _print_one(console, results[0])
+        _print_one(console, results[0], _recorded_on(snapshot))
     else:
-        _print_table(console, results)
+        _print_table(console, results, _recorded_on(snapshot))
     return 0
 
 
@@ -235,26 +235,34 @@ def _event_text(ev: list | None) -> str:
     return f"{action} {format_bytes(size)} at request #{pos}"
 
 
-def _divergence_text(r: Any) -> str:
+def _recorded_on(snapshot: dict[str, Any]) -> str:
+    """Where the snapshot's own figures come from: a device, or oomtune's virtual GPU (a
+    ``winner_step.pickle`` carries ``oomtune: {memory_source: simulated}``)."""
+    meta = snapshot.get("oomtune")
+    simulated = isinstance(meta, dict) and meta.get("memory_source") == "simulated"
+    return "recorded on the virtual GPU" if simulated else "recorded on device"
+
+
+def _divergence_text(r: Any, rec: str = "recorded on device") -> str:
     d = r.divergence
     if d is None:
         return (f"none: all {len(r.recorded_segment_events)} segment events (alloc/free/map/unmap, oom) "
                 "identical in order, size and request")
-    return (f"segment event #{d['index']}: recorded on device {_event_text(d['recorded'])}, "
+    return (f"segment event #{d['index']}: {rec} {_event_text(d['recorded'])}, "
             f"simulated {_event_text(d['simulated'])}")
 
 
-def _print_one(console: Any, r: Any) -> None:
+def _print_one(console: Any, r: Any, rec: str = "recorded on device") -> None:
     frag = "-" if r.fragmentation is None else f"{100 * r.fragmentation:.2f}%"
     lines = [
         _settings_line(r),
-        f"Starting state (recorded on device): {format_bytes(r.initial_reserved_bytes)} reserved, "
+        f"Starting state ({rec}): {format_bytes(r.initial_reserved_bytes)} reserved, "
         f"{format_bytes(r.initial_live_bytes)} live" + ("" if r.initial_state_exact else " (rebuilt approximately)"),
         f"Events replayed: {r.events_replayed:,} in {r.replay_seconds:.3f} s",
         f"Peak allocated (simulated): {format_bytes(r.peak_allocated_bytes)}",
-        f"Peak reserved (simulated): {format_bytes(r.peak_reserved_bytes)}; (recorded on device): "
+        f"Peak reserved (simulated): {format_bytes(r.peak_reserved_bytes)}; ({rec}): "
         f"{format_bytes(r.recorded_peak_reserved_bytes)}; difference {_reserved_diff(r)}",
-        f"Final reserved (simulated): {format_bytes(r.simulated_final_reserved_bytes)}; (recorded on device): "
+        f"Final reserved (simulated): {format_bytes(r.simulated_final_reserved_bytes)}; ({rec}): "
         f"{format_bytes(r.recorded_final_reserved_bytes)}",
         f"Fragmentation (simulated, 1 - peak active / peak reserved): {frag}",
         f"Alloc retries (simulated): {r.num_alloc_retries}",
@@ -262,11 +270,11 @@ def _print_one(console: Any, r: Any) -> None:
     ]
     if r.recorded_segment_events or r.simulated_segment_events:
         lines += [
-            f"Segment allocs (recorded on device): {len(r.recorded_segment_allocs)}: {_mib_list(r.recorded_segment_allocs)}",
+            f"Segment allocs ({rec}): {len(r.recorded_segment_allocs)}: {_mib_list(r.recorded_segment_allocs)}",
             f"Segment allocs (simulated): {len(r.simulated_segment_allocs)}: {_mib_list(r.simulated_segment_allocs)}",
-            f"Segment releases: (recorded on device) {r.recorded_segment_frees}, (simulated) {r.simulated_segment_frees}",
-            f"OOM entries: (recorded on device) {r.recorded_ooms}, (simulated) {r.simulated_ooms}",
-            f"First difference: {_divergence_text(r)}",
+            f"Segment releases: ({rec}) {r.recorded_segment_frees}, (simulated) {r.simulated_segment_frees}",
+            f"OOM entries: ({rec}) {r.recorded_ooms}, (simulated) {r.simulated_ooms}",
+            f"First difference: {_divergence_text(r, rec)}",
         ]
     for line in lines:
         console.print(line)
@@ -274,10 +282,10 @@ def _print_one(console: Any, r: Any) -> None:
         console.print(f"Notice: {note}")
 
 
-def _print_table(console: Any, results: list[Any]) -> None:
+def _print_table(console: Any, results: list[Any], rec: str = "recorded on device") -> None:
     from rich.table import Table
 
-    table = Table(title="Replay under each setting (simulated; recorded on device where marked)")
+    table = Table(title=f"Replay under each setting (simulated; {rec} where marked)")
     for col in ("settings", "peak allocated (sim)", "peak reserved (sim)", "vs recorded peak reserved",
                 "fragmentation (sim)", "retries (sim)", "OOM (sim)", "segment allocs sim / recorded",
                 "first divergence"):
@@ -292,7 +300,7 @@ def _print_table(console: Any, results: list[Any]) -> None:
             "none" if r.first_divergence is None else f"#{r.first_divergence}",
         )
     console.print(table)
-    console.print(f"Recorded on device: peak reserved {format_bytes(results[0].recorded_peak_reserved_bytes)}, "
+    console.print(f"{rec[0].upper()}{rec[1:]}: peak reserved {format_bytes(results[0].recorded_peak_reserved_bytes)}, "
                   f"final reserved {format_bytes(results[0].recorded_final_reserved_bytes)}")
     for r in results:
         for note in r.notes:

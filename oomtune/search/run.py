@@ -318,7 +318,9 @@ def _say(console: Any, text: str) -> None:
 def _frontier_line(planner: Any, predictor: Any) -> str:
     """One line: how long the frontier prediction took and what it says."""
     probed = [c for c in planner.configs if c.selected]
-    parts = [f"{c.alloc_conf or '(default)'} {c.predicted}" for c in probed]
+    parts = [f"{c.alloc_conf or '(default)'} "
+             + (str(c.predicted) if c.predicted is not None else
+                f"(none predicted to fit: from batch {planner.low})") for c in probed]
     return (f"predicted frontiers of {sum(1 + len(c.twins) for c in planner.configs)} configurations "
             f"(simulated; capture {predictor.capture_seconds:.1f} s, replay {predictor.replay_seconds:.1f} s); "
             f"probing: {', '.join(parts)}")
