@@ -215,7 +215,8 @@ def frontier_legend(frontiers: list[Any]) -> list[str]:
     from oomtune.display import FOLD_LEGEND, conf_legend, legend_lines
 
     lines = ["predicted (sim): on the virtual GPU, before any trial; calibration: measured / predicted peak",
-             "measured: found by the trials, (sim) on the virtual GPU or (dev) on the device; <N: failed at N"]
+             "measured: found by the trials, (sim) on the virtual GPU or (dev) on the device",
+             "  N: exact (N fits, N+1 not); >=N: N fits, none above tried; <N: failed at N; A..B: between"]
     if any(c.twins for c in frontiers):
         lines += [FOLD_LEGEND, "  (not probed; named in best.yaml frontiers[].twins)"]
     used = conf_legend([c.alloc_conf for c in frontiers] + [t for c in frontiers for t in c.twins])
