@@ -304,7 +304,8 @@ def _console(*, stderr: bool) -> Any:
     console = Console(stderr=stderr)
     if console.is_terminal:
         return console
-    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0") or 0) or 200, soft_wrap=False)
+    # soft_wrap: a text line stays one line in a log (greppable); tables keep their own layout
+    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0") or 0) or 200, soft_wrap=True)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
