@@ -368,3 +368,45 @@ def test_frontier_line_says_when_nothing_is_predicted_to_fit():
     line = _frontier_line(planner, SimpleNamespace(capture_seconds=1.0, replay_seconds=0.5))
     assert line.endswith("probing: (default) (none predicted to fit: from batch 8)")
     assert "None" not in line
+
+
+def _per_sample(conf):
+    """10 MiB/sample with expandable_segments, 11 with roundup_power2_divisions:4, else 12."""
+    if "expandable_segments:True" in conf:
+        return 10 * MiB
+    return 11 * MiB if "roundup_power2_divisions:4" in conf else 12 * MiB
+
+
+class ThreeWayRunner(FakeRunner):
+    def run(self, spec, *, workdir):
+        self.calls.append((spec.batch_size, spec.alloc_conf, spec.measure_steps))
+        peak = spec.batch_size * _per_sample(spec.alloc_conf)
+        if peak > spec.budget_bytes:
+            return TrialResult(outcome="oom", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                               message="CUDA out of memory")
+        return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                           throughput=float(spec.batch_size), peak_reserved_bytes=peak, peak_allocated_bytes=peak,
+                           memory_source="simulated")
+
+
+class ThreeWayPredictor(FakePredictor):
+    def peak(self, batch, conf):
+        return batch * _per_sample(conf)
+
+
+def test_batch_objective_with_one_worker_probes_one_at_a_time_and_skips_what_cannot_win(tmp_path):
+    # limit 950 MiB. Predicted frontiers: default 950 // 12 = 79, roundup_power2_divisions:4 950 // 11 =
+    # 86, expandable_segments 95 (with r2:4 too: the same prediction, folded). One probe at a time:
+    # default@79 ok, its boundary default@80 (960 MiB, over the limit), expandable@95 ok, then r2:4's
+    # frontier 86 cannot beat the leader's measured 95: never launched; expandable's boundary 96 over.
+    # In rounds, r2:4@86 would have run with the first round.
+    runner = ThreeWayRunner()
+    search, study, _ = make(tmp_path, runner=runner,
+                            space={"expandable_segments": [False, True], "roundup_power2_divisions": [None, 4]})
+    search.opt.objective = "batch"
+    search.predictor = ThreeWayPredictor()
+    search.run_frontier()
+    assert [c[:2] for c in runner.calls] == [(79, ""), (80, ""), (95, "expandable_segments:True"),
+                                             (96, "expandable_segments:True")]
+    r2 = next(c for c in search.planner.configs if c.alloc_conf == "roundup_power2_divisions:4")
+    assert r2.selected and r2.predicted == 86 and r2.probes == 0

@@ -351,10 +351,16 @@ class Search:
         for t in self._finished(*PROBE_ROLES):  # a resumed study: what is known already
             self._learn(planner, t, probe=t.user_attrs.get(R.ATTR_ROLE) != "search")
         self._recalibrate(planner)
+        # One worker and the batch objective: one probe at a time, the planner deciding again after
+        # each (a configuration whose calibrated frontier cannot beat the leader's measured batch is
+        # then never launched); several workers, or throughput (every frontier counts), run rounds.
+        one_by_one = len(self.executor.slots) == 1 and not planner.boundary_all
         while True:
             round_ = planner.next_round()
             if not round_:
                 break
+            if one_by_one:
+                round_ = round_[:1]
             cands = [self.space.candidate(batch, c.params) for c, batch in round_]
             for (c, batch), trial in zip(round_, self._run_batch(cands, "frontier")):
                 self._learn(planner, trial, probe=True)
