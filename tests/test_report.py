@@ -101,10 +101,9 @@ def test_step_snapshot_records_its_settings_as_torch_does(conf):
     unlimited; roundup_power2_divisions per interval start in MiB; read back as the same settings,
     so `oomtune simulate winner_step.pickle` replays under the winner's settings by default."""
     from oomtune.alloc.settings import AllocatorSettings
-    from oomtune.htmlreport._step import torch_allocator_settings
-    from oomtune.trace.recorded import recorded_settings
+    from oomtune.trace.recorded import recorded_settings, snapshot_settings
 
-    rec = torch_allocator_settings(conf)
+    rec = snapshot_settings(conf)
     assert rec["PYTORCH_CUDA_ALLOC_CONF"] == conf
     assert rec["max_split_size"] == (64 * MiB if "max_split" in conf else -1)
     assert rec["expandable_segments"] is ("expandable_segments:True" in conf)

@@ -6,7 +6,7 @@ Format (torch/cuda/memory.py ``_snapshot``; entries as c10/cuda/CUDACachingAlloc
 
     {"segments": [...],                 # the state at the end (CachingAllocatorSim.memory_snapshot())
      "device_traces": [[{"action", "addr", "size", "stream", "time_us", "frames"}, ...]],
-     "allocator_settings": {...},     # torch's layout (torch_allocator_settings): the winner's settings
+     "allocator_settings": {...},     # torch's layout (oomtune.trace.recorded.snapshot_settings)
      "oomtune": {"memory_source": "simulated", "alloc_conf": "..."}}   # ignored by memory_viz
 
 Trace entries in the order the native allocator records them: ``segment_alloc``/``segment_map`` (and
@@ -44,6 +44,7 @@ def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int
         AllocatorConfigError: a malformed ``alloc_conf``.
     """
     from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.trace.recorded import snapshot_settings
 
     sim = CachingAllocatorSim(alloc_conf or None, total_memory_bytes=int(total_memory_bytes),
                               memory_fraction=float(memory_fraction), record_segment_events=True)
@@ -76,32 +77,8 @@ def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int
             entry("free_requested", found[0], found[1], st)
             entry("free_completed", found[0], found[1], st)
     return {"segments": sim.memory_snapshot(), "device_traces": [trace],
-            "allocator_settings": torch_allocator_settings(alloc_conf),
+            "allocator_settings": snapshot_settings(alloc_conf),
             "oomtune": {"memory_source": "simulated", "alloc_conf": alloc_conf}}
-
-
-def torch_allocator_settings(alloc_conf: str) -> dict[str, Any]:
-    """A snapshot's ``allocator_settings`` entry for ``alloc_conf``, in the layout
-    ``torch.cuda.memory._snapshot()`` writes (``THCPModule_memorySnapshot`` in
-    torch/csrc/cuda/Module.cpp): ``max_split_size`` in bytes (-1: unlimited, SIZE_MAX read as
-    int64), ``garbage_collection_threshold``, ``expandable_segments``, ``roundup_power2_divisions``
-    (interval start in MiB, "1" ... "32768", -> division count) and the text, so that ``oomtune
-    simulate`` replays a winner's step under the winner's settings by default
-    (:func:`oomtune.trace.recorded.recorded_settings` reads exactly these keys).
-
-    Raises:
-        AllocatorConfigError: a malformed ``alloc_conf``.
-    """
-    from oomtune.alloc.settings import AllocatorSettings
-
-    st = AllocatorSettings.parse(alloc_conf)
-    return {
-        "PYTORCH_CUDA_ALLOC_CONF": alloc_conf,
-        "max_split_size": -1 if st.max_split_size_bytes is None else int(st.max_split_size_bytes),
-        "garbage_collection_threshold": float(st.garbage_collection_threshold or 0.0),
-        "expandable_segments": bool(st.expandable_segments),
-        "roundup_power2_divisions": {str(1 << i): int(d) for i, d in enumerate(st.roundup_power2_divisions)},
-    }
 
 
 def write_step_snapshot(path: str | Path, snapshot: dict[str, Any]) -> Path:

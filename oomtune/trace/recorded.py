@@ -17,7 +17,7 @@ from typing import Any
 
 from oomtune.exceptions import AllocatorConfigError
 
-__all__ = ["recorded_settings"]
+__all__ = ["recorded_settings", "snapshot_settings"]
 
 _INTERVAL_STARTS_MIB = tuple(1 << i for i in range(16))   # 1, 2, 4, ... 32768: division_index order
 
@@ -63,3 +63,25 @@ def recorded_settings(snapshot: dict[str, Any]) -> tuple[Any, str | None]:
         return dataclasses.replace(AllocatorSettings(), **fields), None
     except (AllocatorConfigError, TypeError, ValueError) as exc:
         return None, f"the recorded allocator_settings cannot be used ({exc}); replayed under torch's defaults"
+
+
+def snapshot_settings(alloc_conf: str) -> dict[str, Any]:
+    """The inverse of :func:`recorded_settings`: the ``allocator_settings`` entry a snapshot taken
+    under ``alloc_conf`` carries, in the layout ``THCPModule_memorySnapshot`` writes (see the module
+    docstring; ``max_split_size`` -1 when unlimited), so that a snapshot oomtune writes (the
+    winner's step) replays under its own settings by default.
+
+    Raises:
+        AllocatorConfigError: a malformed ``alloc_conf``.
+    """
+    from oomtune.alloc.settings import AllocatorSettings
+
+    st = AllocatorSettings.parse(alloc_conf)
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": alloc_conf,
+        "max_split_size": -1 if st.max_split_size_bytes is None else int(st.max_split_size_bytes),
+        "garbage_collection_threshold": float(st.garbage_collection_threshold or 0.0),
+        "expandable_segments": bool(st.expandable_segments),
+        "roundup_power2_divisions": {str(mib): int(d) for mib, d in
+                                     zip(_INTERVAL_STARTS_MIB, st.roundup_power2_divisions)},
+    }

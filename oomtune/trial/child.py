@@ -310,38 +310,34 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
     time, throughput (samples/s) and data-wait fraction of the measured steps.
 
-    With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes: the peak reserved, plus
-    the non-allocator memory on CUDA), the steps run one at a time and stop after the first whose
+    Steps run one at a time. With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes:
+    the peak reserved, plus the non-allocator memory on CUDA), they stop after the first whose
     reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
     the trial is above the limit whatever the remaining steps would do, and they would only cost
     time. ``result.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
     and the reading; throughput covers the measured steps run (None before any)."""
     result.extra["first_step_at"] = time.time()
     watch = spec.limit_bytes is not None and used_bytes is not None
-    if not watch:
-        if spec.warmup_steps:
-            workload.run_steps(spec.warmup_steps, sync=True)
-        timings = workload.run_steps(spec.measure_steps, sync=True)
-        result.steps = spec.warmup_steps + spec.measure_steps
-    else:
-        timings, done = None, 0
-        for i in range(spec.warmup_steps + spec.measure_steps):
-            step = workload.run_steps(1, sync=True)
-            done += 1
-            if i >= spec.warmup_steps:
-                if timings is None:
-                    timings = step
-                else:
-                    timings.step_s += step.step_s
-                    timings.data_wait_s += step.data_wait_s
+    total = spec.warmup_steps + spec.measure_steps
+    timings, done = None, 0
+    while done < total:
+        step = workload.run_steps(1, sync=True)
+        done += 1
+        if done > spec.warmup_steps:
+            if timings is None:
+                timings = step
+            else:
+                timings.step_s += step.step_s
+                timings.data_wait_s += step.data_wait_s
+        if watch and done < total:
             reading = int(used_bytes())
-            if reading > spec.limit_bytes and done < spec.warmup_steps + spec.measure_steps:
+            if reading > spec.limit_bytes:
                 result.extra["stopped_over_limit"] = {"step": done, "used_bytes": reading,
                                                       "limit_bytes": spec.limit_bytes}
                 break
-        result.steps = done
-        if timings is None:  # stopped during warm-up: nothing was timed
-            return
+    result.steps = done
+    if timings is None:  # no measured step (stopped during warm-up, or measure_steps 0)
+        return
     result.step_time_s = timings.mean_step_s
     result.throughput = timings.samples_per_s
     result.data_wait_fraction = timings.data_wait_fraction
