@@ -230,3 +230,21 @@ def test_settings_line_names_the_settings_once(tmp_path, capsys, recorded, args,
     assert main(["simulate", str(path), *args]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [x for x in out if x.startswith("Settings:")] == [line]
+
+
+def test_points_to_the_device_that_recorded_the_oom(capsys):
+    # The DataParallel trace was dumped after an out-of-memory error on device 1 (../shared/traces
+    # README); its device 1 trace holds the one `oom` entry, device 0's holds none. The default
+    # replay (device 0, the first with entries) must say where the error is.
+    gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
+    assert main(["simulate", str(gnn)]) == 0
+    out = capsys.readouterr().out
+    assert "replaying device 0" in out
+    assert "Note: device 1 recorded an out-of-memory error that this replay does not show: add --device 1" in out
+    assert "OOM (simulated): no\n" in out
+    assert main(["simulate", str(gnn), "--device", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Note: device" not in out
+    # the device's own error is reproduced, not reported as "no" OOM with no word about it
+    assert "OOM (simulated): no OOM the device did not have; the device's 1 out-of-memory error(s) reproduced" in out
+    assert "OOM entries: (recorded on device) 1, (simulated) 1" in out

@@ -143,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
     held = devices_with_data(snapshot)
     console.print(f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
                   f"replaying device {device} ({entries:,} entries)")
+    oom_devices = [d for d, t in enumerate(traces) if d != device and any(e.get("action") == "oom" for e in t)]
+    if oom_devices:
+        others = ", ".join(map(str, oom_devices))
+        console.print(f"Note: device {others} recorded an out-of-memory error that this replay does not show: "
+                      f"add --device {oom_devices[0]} to replay it")
     r0 = results[0]
     console.print(f"Budget: {_budget_text(r0)}"
                   + (f", memory fraction {fraction} (limit {format_bytes(round(fraction * r0.total_memory_bytes))})"
@@ -214,6 +219,9 @@ def _mib_list(sizes: list[int], show: int = 24) -> str:
 
 def _oom_text(r: Any) -> str:
     if not r.oom:
+        if r.recorded_ooms and r.simulated_ooms == r.recorded_ooms:
+            return (f"no OOM the device did not have; the device's {r.recorded_ooms} out-of-memory "
+                    "error(s) reproduced (OOM entries below)")
         return "no"
     at = r.oom_at or {}
     where = ("while rebuilding the starting state" if at.get("phase") == "initial_state"
