@@ -90,7 +90,12 @@ class SegmentMixin:
     def _oom(self, alloc_size: int, orig: int) -> SimulatedOutOfMemoryError:
         """Count the OOM and build the exception with the native message (after the retries)."""
         self.num_ooms += 1
-        free, allocated, reserved = self._device_free(), self.allocated_bytes, self._total_alloc
+        return self._oom_error(alloc_size, orig, self._device_free(), self.allocated_bytes, self._total_alloc)
+
+    def _oom_error(self, alloc_size: int, orig: int, free: int, allocated: int,
+                   reserved: int) -> SimulatedOutOfMemoryError:
+        """The OOM exception for a segment of ``alloc_size`` bytes (request of ``orig`` bytes) when
+        the device had ``free`` bytes free and ``allocated`` / ``reserved`` bytes in use."""
         msg = build_oom_message(alloc_size_bytes=alloc_size, device_index=self.device_index,
                                 total_bytes=self._total, free_bytes=free, allocated_bytes=allocated,
                                 reserved_bytes=reserved, allowed_bytes=self._allowed,

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomtune.alloc._compiled import replay_compiled
 from oomtune.alloc.oom_message import SimulatedOutOfMemoryError
 from oomtune.alloc.sim import CachingAllocatorSim
 from oomtune.exceptions import ConfigError
@@ -246,6 +247,11 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
     """
     sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes,
                               non_allocator_bytes=non_allocator_bytes, memory_fraction=memory_fraction)
+    fast = replay_compiled(stream, sim, stop_on_oom)   # the C++ core when built (same results)
+    if fast is not None:
+        oom_index, n = fast["oom_index"], fast["events"]
+        oom_message = None if fast["oom"] is None else str(sim._oom_error(*fast["oom"]))
+        return _result(sim, oom_index, oom_message, n)
     malloc, free = sim.malloc, sim.free
     addr_of: dict[int, int] = {}
     pop = addr_of.pop
@@ -272,7 +278,11 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
                 break
             continue
         break
-    n += done
+    return _result(sim, oom_index, oom_message, n + done)
+
+
+def _result(sim: CachingAllocatorSim, oom_index: int | None, oom_message: str | None, n: int) -> ReplayResult:
+    """The :class:`ReplayResult` of a finished replay on ``sim`` (``n`` events fed)."""
     stats = sim.memory_stats()
     peak_reserved, peak_active = stats["reserved_bytes.all.peak"], stats["active_bytes.all.peak"]
     return ReplayResult(

@@ -1,0 +1,63 @@
+"""Build script for the optional compiled replay core (everything else is in pyproject.toml).
+
+``oomtune.alloc._fastcore`` (oomtune/alloc/_fastcore.pyx + _fastcore.hpp, C++) makes the virtual
+GPU's ``replay_stream`` several times faster. It is optional: when Cython or a C++ compiler is
+missing, or the compile fails, the install goes on without it and oomtune uses the pure-Python
+simulator (the same results; see oomtune/alloc/_compiled.py). Set OOMTUNE_NO_EXTENSION=1 to skip it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that warns instead of failing: the extension is an accelerator, not a need."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any compiler/toolchain failure
+            print(f"warning: oomtune's compiled replay core was not built ({exc}); "
+                  "the pure-Python simulator will be used", file=sys.stderr)
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            print(f"warning: {ext.name} was not built ({exc}); the pure-Python simulator will be used",
+                  file=sys.stderr)
+
+
+def _extensions() -> list:
+    if os.environ.get("OOMTUNE_NO_EXTENSION") == "1":
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        print("warning: Cython is not installed: oomtune's compiled replay core is not built",
+              file=sys.stderr)
+        return []
+    from setuptools import Extension
+
+    ext = Extension("oomtune.alloc._fastcore", ["oomtune/alloc/_fastcore.pyx"], language="c++",
+                    include_dirs=["oomtune/alloc"], extra_compile_args=["-O2", "-std=c++14"],
+                    optional=True)
+    try:
+        return cythonize([ext], language_level=3, quiet=True)
+    except Exception as exc:  # noqa: BLE001 - a Cython error must not break the install
+        print(f"warning: cythonize failed ({exc}): the compiled replay core is not built", file=sys.stderr)
+        return []
+
+
+setup(
+    packages=find_packages(include=["oomtune", "oomtune.*"]) + ["oomtune.conf"],
+    package_dir={"oomtune.conf": "conf"},
+    package_data={"oomtune.conf": ["*.yaml", "*/*.yaml"]},
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
+)
