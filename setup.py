@@ -10,9 +10,23 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithConf(build_py):
+    """``build_py`` that installs the Hydra configs (conf/ at the repository root) as oomtune/conf.
+
+    Copied rather than mapped as a package so that editable installs stay a plain path entry (the
+    source tree's conf/ is found there: oomtune.config.conf_dir)."""
+
+    def run(self) -> None:
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            self.copy_tree("conf", str(Path(self.build_lib) / "oomtune" / "conf"))
 
 
 class OptionalBuildExt(build_ext):
@@ -55,9 +69,7 @@ def _extensions() -> list:
 
 
 setup(
-    packages=find_packages(include=["oomtune", "oomtune.*"]) + ["oomtune.conf"],
-    package_dir={"oomtune.conf": "conf"},
-    package_data={"oomtune.conf": ["*.yaml", "*/*.yaml"]},
+    packages=find_packages(include=["oomtune", "oomtune.*"]),
     ext_modules=_extensions(),
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithConf},
 )
