@@ -70,6 +70,9 @@ def _extensions() -> list:
 
 setup(
     packages=find_packages(include=["oomtune", "oomtune.*"]),
+    # {"": "."}: an editable install is then a plain .pth entry for the repository root (as with
+    # hatchling before), not an import hook that a stray oomtune/ directory on sys.path would shadow
+    package_dir={"": "."},
     ext_modules=_extensions(),
     cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithConf},
 )
