@@ -1,14 +1,19 @@
-"""Benchmark: how fast the virtual GPU (CachingAllocatorSim) replays, old code vs new, one run.
+"""Benchmark: how fast the virtual GPU replays: compiled core vs pure Python vs old code, one run.
 
 Measures replayed events per second on one core (process CPU time, best of ``--repeat``) for
   (a) a synthetic ``--events`` stream (seeded; sizes log-uniform 512 B .. 256 MiB, ~600 live),
       under default and expandable_segments:True settings (``replay_stream``);
-  (b) every real trace in ``--traces`` (``oomtune.trace.replay_snapshot`` with its defaults: the
-      recorded settings, the starting state rebuilt; events = trace entries replayed);
-for the new code (this checkout) and the old code (``--old``, default: main before issue 13's
-replay changes), each in its own process, alternating; checks that both give byte-identical
-results (a SHA-256 of every replay's JSON result) and reports the ratio new/old of the rates.
-Target (issue 13): >= 2 M events/s. All figures are simulated (virtual GPU).
+  (b) every real trace in ``--traces``, twice: "requests" = the trace's allocation requests (alloc /
+      free_completed of the replayed device, keyed by address) as an ``AllocationStream`` through
+      ``replay_stream`` under the recorded settings on a 1 TiB device (the simulator's own rate);
+      "replay_snapshot" = ``oomtune.trace.replay_snapshot`` with its defaults, end to end (the
+      starting state rebuilt, releases classified, segment events compared; the per-request
+      simulator calls there still run in Python), events = trace entries replayed;
+for three codes, each in its own processes, alternating: "compiled" (this checkout with its compiled
+core, oomtune.alloc._fastcore, which must be built: ``pip install -e .``), "pure" (this checkout with
+OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before issue 13's replay changes). Checks
+that all three give byte-identical results (a SHA-256 of every replay's JSON result) and reports the
+rate ratios. Target (issue 13): >= 2 M events/s. All figures are simulated (virtual GPU).
 
 Run: python experiments/bench_replay.py [--old REF] [--events 1000000] [--repeat 3]
      [--traces ../shared/traces] [--out experiments/results/bench_replay.txt]
@@ -27,6 +32,7 @@ from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
 
 #: main after issue 11's simulator fixes, before issue 13's replay changes.
 DEFAULT_OLD = "a53bb9e"
+CODES = ("compiled", "pure", "old")
 
 # Runs inside the child process (the tree under test is first on sys.path).
 CHILD = r"""
@@ -34,6 +40,11 @@ import hashlib, json, random, sys, time
 from pathlib import Path
 from oomtune.alloc.stream import AllocationStream, replay_stream
 args = json.loads(sys.argv[1])
+if args["need_compiled"]:
+    from oomtune.alloc import _compiled
+    if not _compiled.enabled():
+        sys.exit("the compiled core oomtune.alloc._fastcore is not built in this checkout: run "
+                 "pip install -e . (or python setup.py build_ext --inplace) first")
 
 def synthetic(n_events, seed=0, live_target=600):
     rng = random.Random(seed)
@@ -45,6 +56,20 @@ def synthetic(n_events, seed=0, live_target=600):
             key += 1
             stream.append_alloc(key, int(2 ** rng.uniform(9, 28)), 0)
             live.append(key)
+    return stream
+
+def requests(snap):
+    from oomtune.trace.initial_state import device_trace
+    from oomtune.trace.replay import default_device
+    trace, _ = device_trace(snap, default_device(snap))
+    stream, live = AllocationStream(), set()
+    for e in trace:
+        if e["action"] == "alloc" and e["addr"] not in live:
+            stream.append_alloc(e["addr"], e["size"], e.get("stream", 0))
+            live.add(e["addr"])
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            stream.append_free(e["addr"], e.get("stream", 0))
+            live.discard(e["addr"])
     return stream
 
 def digest(obj):
@@ -65,23 +90,31 @@ for conf in (None, "expandable_segments:True"):
     out[f"synthetic {len(big):,} events, {conf or 'default'}"] = {
         "events": len(big), "seconds": secs, "digest": digest(r.to_dict())}
 from oomtune.trace import load_snapshot, replay_snapshot
+from oomtune.trace.recorded import recorded_settings
 for path in args["traces"]:
     snap = load_snapshot(path)
+    name = Path(path).name
+    stream, settings = requests(snap), recorded_settings(snap)[0]
+    secs, r = best_of(lambda: replay_stream(stream, settings, total_memory_bytes=1 << 40), 3 * args["repeat"])
+    out[f"{name} requests"] = {"events": len(stream), "seconds": secs, "digest": digest(r.to_dict())}
     try:
         secs, r = best_of(lambda: replay_snapshot(snap), args["repeat"])
     except Exception as exc:
-        out[Path(path).name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        out[f"{name} replay_snapshot"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         continue
     d = r.to_dict()
     d.pop("replay_seconds", None)
-    out[Path(path).name] = {"events": r.events_replayed, "seconds": secs, "digest": digest(d)}
+    out[f"{name} replay_snapshot"] = {"events": r.events_replayed, "seconds": secs, "digest": digest(d)}
 print(json.dumps(out))
 """
 
 
-def run_child(tree: Path, payload: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], env=child_env(tree),
-                          cwd=tree, capture_output=True, text=True)
+def run_child(tree: Path, pure: bool, payload: dict) -> dict:
+    env = child_env(tree)
+    env["OOMTUNE_PURE_PYTHON"] = "1" if pure else "0"
+    payload = dict(payload, need_compiled=not pure and tree == ROOT)
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], env=env, cwd=tree,
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"replay benchmark failed in {tree}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,29 +130,36 @@ def main() -> int:
     args = ap.parse_args()
     payload = {"events": args.events, "repeat": args.repeat,
                "traces": [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]}
-    trees = {"new": ROOT, "old": old_tree(args.old)}
-    res: dict[str, dict] = {"new": {}, "old": {}}
-    for name in ("old", "new", "old", "new"):   # alternate; keep each workload's best
-        for work, r in run_child(trees[name], payload).items():
-            prev = res[name].get(work)
-            if prev is None or ("seconds" in r and r["seconds"] < prev.get("seconds", float("inf"))):
-                res[name][work] = r
+    runs = {"compiled": (ROOT, False), "pure": (ROOT, True), "old": (old_tree(args.old), True)}
+    res: dict[str, dict] = {code: {} for code in CODES}
+    for _ in range(2):   # alternate; keep each workload's best
+        for code in CODES:
+            for work, r in run_child(*runs[code], payload).items():
+                prev = res[code].get(work)
+                if prev is None or ("seconds" in r and r["seconds"] < prev.get("seconds", float("inf"))):
+                    res[code][work] = r
     lines = header("bench_replay.py", sys.argv[1:], args.old)
-    lines += ["# events/s by process CPU time of one replay (best of --repeat x 2 processes; one core); "
-              "virtual GPU (simulated); byte-identical = same SHA-256 of the JSON results", "",
-              f"{'workload':<58} {'events':>9} {'new ev/s':>11} {'old ev/s':>11} {'new/old':>8}  identical"]
+    lines += ["# events/s by process CPU time of one replay (best of --repeat, x3 for the short request "
+              "streams, x 2 processes; one core); virtual GPU (simulated); compiled = the C++ core "
+              "(oomtune.alloc._fastcore), pure = OOMTUNE_PURE_PYTHON=1, old = --old; identical = the "
+              "same SHA-256 of the JSON results for all three", "",
+              f"{'workload':<58} {'events':>9} {'compiled':>11} {'pure':>11} {'old':>11} {'c/pure':>7} "
+              f"{'c/old':>7}  identical"]
     all_same = True
-    for work, new in res["new"].items():
-        old = res["old"].get(work, {})
-        if "error" in new or "error" in old:
-            lines.append(f"{work:<58} error: new {new.get('error', 'ok')}; old {old.get('error', 'ok')}")
+    for work, comp in res["compiled"].items():
+        pure, old = res["pure"].get(work, {}), res["old"].get(work, {})
+        if "error" in comp or "error" in pure or "error" in old:
+            lines.append(f"{work:<58} error: compiled {comp.get('error', 'ok')}; pure {pure.get('error', 'ok')}; "
+                         f"old {old.get('error', 'ok')}")
+            all_same = False
             continue
-        rn, ro = new["events"] / new["seconds"], old["events"] / old["seconds"]
-        same = new["digest"] == old["digest"]
+        rc, rp, ro = (r["events"] / r["seconds"] for r in (comp, pure, old))
+        same = comp["digest"] == pure["digest"] == old["digest"]
         all_same &= same
-        lines.append(f"{work:<58} {new['events']:>9,} {rn:>11,.0f} {ro:>11,.0f} {rn / ro:>7.2f}x  "
-                     f"{'yes' if same else 'NO'}")
-    lines += ["", f"target >= 2,000,000 events/s; results byte-identical to old: {'yes' if all_same else 'NO'}"]
+        lines.append(f"{work:<58} {comp['events']:>9,} {rc:>11,.0f} {rp:>11,.0f} {ro:>11,.0f} {rc / rp:>6.1f}x "
+                     f"{rc / ro:>6.1f}x  {'yes' if same else 'NO'}")
+    lines += ["", f"target >= 2,000,000 events/s; results byte-identical (compiled, pure, old): "
+              f"{'yes' if all_same else 'NO'}"]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
