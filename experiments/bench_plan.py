@@ -3,12 +3,17 @@ of the default search space, 16 GiB budget on the virtual GPU (CPU only; every f
 
 Usage: ``python experiments/bench_plan.py [--old REF] [--repeat 1] [--out experiments/results/bench_plan.txt]``
 
-Runs the plan in fresh processes, alternating: the new code (this checkout, streams derived where
-the affine model holds), the new code capturing every batch size (``derive=False``, today's
-behaviour on today's simulator: its feasibility map must be identical), and the old code
-(``--old``, default: main before issue 13). Reports, per variant, the wall time of the whole process
-(``python -c`` that imports oomtune's plan and runs it: what a user waits for, torch import
-included), the time inside ``plan()``, split into capture and replay, and the ratios old/new.
+Runs ``oomtune plan`` (the console script's ``main``, as a user runs it) in fresh processes,
+alternating: the new code (this checkout: streams derived where the affine model holds, captures and
+replays spread over the cores by forked workers), the new code in one process (``workers=1``), the
+new code capturing every batch size (``derive=False``, today's behaviour on today's simulator: its
+feasibility map must be identical), and the old code (``--old``, default: main before issue 13).
+Reports, per variant, the wall time of the whole process (``python -c`` that runs the command: what
+a user waits for, torch import and interpreter exit included), the time inside ``plan()``, split
+into capture (wall time of the captures), derive (deriving streams from the affine model), replay
+(wall time of the replays; with workers the parallel phase's wall time is split over capture /
+derive / replay in proportion to the workers' seconds in each) and other (``plan()`` minus those:
+config, torch import, writing plan.yaml and report.html), and the ratios against the old code.
 Target (issue 13): the whole plan <= 5 s on 2 cores.
 """
 
@@ -32,37 +37,50 @@ OVERRIDES = ["model=resnet", "model.depth=50", "model.image_size=224", "model.nu
 
 # Runs inside the child process (the tree under test is first on sys.path).
 CHILD = r"""
-import io, json, sys, tempfile, time
+import contextlib, io, json, sys, tempfile, time
 from pathlib import Path
-derive = sys.argv[1] == "1"
+derive, one_process = sys.argv[1] == "1", sys.argv[3] == "1"
 overrides = json.loads(sys.argv[2])
-from rich.console import Console
-from oomtune.commands.plan import plan
+import oomtune.cli
+import oomtune.commands.plan as C
 import oomtune.plan.predictor as P
 if not derive and "derive" in (P.Predictor.__init__.__kwdefaults__ or {}):
     P.Predictor.__init__.__kwdefaults__["derive"] = False
-console = Console(file=io.StringIO(), width=240, color_system=None)
-with tempfile.TemporaryDirectory() as tmp:
+if one_process:
+    import oomtune.plan.parallel as W
+    W.default_workers = lambda: 1
+inner, out = {}, io.StringIO()
+plan = C.plan
+def timed_plan(*args, **kwargs):   # the time inside plan() and its map, as the command runs it
     t0 = time.perf_counter()
-    fmap = plan([*overrides, f"hydra.run.dir={tmp}/run"], out=Path(tmp) / "plan.yaml", console=console)
-    wall = time.perf_counter() - t0
-    configs = fmap.to_dict()["configurations"]
-print(json.dumps({"plan_s": wall, "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
-                  "captures": fmap.captures, "derived": getattr(fmap, "derived", 0), "replays": fmap.replays,
-                  "configurations": configs, "table": console.file.getvalue()}))
+    inner["fmap"] = plan(*args, **kwargs)
+    inner["plan_s"] = time.perf_counter() - t0
+    return inner["fmap"]
+C.plan = timed_plan
+with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.redirect_stdout(out):
+        rc = oomtune.cli.main(["plan", *overrides, f"hydra.run.dir={tmp}/run", "--out", f"{tmp}/plan.yaml"])
+    assert rc == 0, out.getvalue()
+fmap = inner["fmap"]
+print(json.dumps({"plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
+                  "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
+                  "derived": getattr(fmap, "derived", 0), "replays": fmap.replays,
+                  "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
 """
+FIELDS = ("process_s", "plan_s", "capture_s", "derive_s", "replay_s", "other_s")
 
 
-def run_variant(tree: Path, derive: bool) -> dict:
+def run_variant(tree: Path, derive: bool, one_process: bool = False) -> dict:
     env = child_env(tree)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, "1" if derive else "0", json.dumps(OVERRIDES)],
-                          env=env, cwd=tree, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", CHILD, "1" if derive else "0", json.dumps(OVERRIDES),
+                           "1" if one_process else "0"], env=env, cwd=tree, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"plan failed in {tree} (derive={derive}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["process_s"] = wall
+    out["other_s"] = out["plan_s"] - out["capture_s"] - out["derive_s"] - out["replay_s"]
     return out
 
 
@@ -72,18 +90,19 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_plan.txt")
     args = parser.parse_args()
-    variants = {"new (derived streams)": (ROOT, True), "new, every batch captured": (ROOT, False),
-                f"old ({args.old})": (old_tree(args.old), False)}
+    variants = {"new (derived streams, workers)": (ROOT, True, False),
+                "new, one process": (ROOT, True, True),
+                "new, every batch captured": (ROOT, False, False),
+                f"old ({args.old})": (old_tree(args.old), False, False)}
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     for _ in range(args.repeat):
-        for name, (tree, derive) in variants.items():
-            runs[name].append(run_variant(tree, derive))
+        for name, (tree, derive, one_process) in variants.items():
+            runs[name].append(run_variant(tree, derive, one_process))
             print(f"{name}: {runs[name][-1]['process_s']:.2f} s", flush=True)
-    med = {k: {f: statistics.median(r[f] for r in v) for f in ("process_s", "plan_s", "capture_s", "replay_s")}
-           for k, v in runs.items()}
+    med = {k: {f: statistics.median(r[f] for r in v) for f in FIELDS} for k, v in runs.items()}
     names = list(variants)
-    new, full, old = names
-    identical = runs[new][0]["configurations"] == runs[full][0]["configurations"]
+    new, single, full, old = names
+    identical = all(r["configurations"] == runs[full][0]["configurations"] for r in runs[new] + runs[single])
     same_as_old = runs[new][0]["configurations"] == runs[old][0]["configurations"]
     lines = header("bench_plan.py", sys.argv[1:], args.old)
     lines += [
@@ -91,21 +110,29 @@ def main() -> int:
         f"{len(runs[new][0]['configurations'])} allocator configurations; median of {args.repeat} fresh "
         f"process(es) per variant, variants alternating; OMP_NUM_THREADS=1",
         f"# overrides: {' '.join(OVERRIDES)}", "",
-        f"{'variant':<34} {'process':>8} {'plan()':>8} {'capture':>8} {'replay':>8}  captures derived replays",
+        f"{'variant':<34} {'process':>8} {'plan()':>8} {'capture':>8} {'derive':>8} {'replay':>8} {'other':>8}"
+        "  captures derived replays",
     ]
     for k in names:
         r, m = runs[k][0], med[k]
-        lines.append(f"{k:<34} {m['process_s']:7.2f}s {m['plan_s']:7.2f}s {m['capture_s']:7.2f}s "
-                     f"{m['replay_s']:7.2f}s  {r['captures']:>8} {r['derived']:>7} {r['replays']:>7}")
-    lines += ["", "ratios old/new (same run): " + ", ".join(
-        f"{f.replace('_s', '')} {med[old][f] / med[new][f]:.1f}x" for f in ("process_s", "plan_s", "capture_s", "replay_s")),
-        "ratios every-batch-captured/new: " + ", ".join(
-        f"{f.replace('_s', '')} {med[full][f] / med[new][f]:.1f}x" for f in ("process_s", "plan_s", "capture_s", "replay_s")),
-        f"target: whole plan process <= 5 s on 2 cores: new {med[new]['process_s']:.2f} s",
-        f"feasibility map with derived streams identical to capturing every batch size (same simulator): "
-        f"{'yes' if identical else 'NO'}",
-        f"identical to the old code's map: {'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",
-        "", "table as printed (new):", runs[new][0]["table"]]
+        lines.append(f"{k:<34} " + " ".join(f"{m[f]:7.2f}s" for f in FIELDS)
+                     + f"  {r['captures']:>8} {r['derived']:>7} {r['replays']:>7}")
+
+    def ratios(slow: str) -> str:
+        return ", ".join(f"{f.replace('_s', '')} {med[slow][f] / med[new][f]:.1f}x" for f in FIELDS
+                         if f != "derive_s" and med[new][f] > 0)
+
+    lines += ["", "(process: the whole `python -c` running the command; other = plan() - capture - derive - replay: "
+              "config, torch import, plan.yaml, report.html; process - plan(): interpreter start and exit)",
+              f"ratios old/new (same run): {ratios(old)}",
+              f"ratios one-process/new: {ratios(single)}",
+              f"ratios every-batch-captured/new: {ratios(full)}",
+              f"target: whole plan process <= 5 s on 2 cores: new {med[new]['process_s']:.2f} s",
+              "feasibility map with derived streams (with workers and in one process) identical to capturing "
+              f"every batch size (same simulator): {'yes' if identical else 'NO'}",
+              "identical to the old code's map: "
+              f"{'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",
+              "", "table as printed (new):", runs[new][0]["table"]]
     text = "\n".join(lines)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")

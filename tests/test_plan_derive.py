@@ -113,10 +113,11 @@ def test_predictor_captures_anchors_and_one_spot_check_then_derives(monkeypatch)
     calls = _fake_capture(monkeypatch, _stream)
     pred = P.Predictor({"name": "fake"}, GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
-    assert calls == [8, 128, 32]                      # smallest, largest, median
+    # smallest, largest, median; then 16, the smallest other size (the first a plan asks): the spot check
+    assert calls == [8, 128, 32, 16]
     for b in (16, 64, 100, 17):
         assert pred.stream(b) == _stream(b)
-    assert calls == [8, 128, 32, 16]                  # 16: the spot check; 64, 100, 17 derived
+    assert calls == [8, 128, 32, 16]                  # 16 was captured by prepare; 64, 100, 17 derived
     assert pred.spot_checked == [16] and pred.derived_batches == [64, 100, 17]
     assert pred.captures == 4 and pred.derivation_note is None
     pred.stream(256)                                  # outside the captured range: captured

@@ -27,7 +27,7 @@ plan.yaml (schema 1)::
     geometry: {total_memory_bytes, memory_fraction}     # the virtual GPU replays ran on
     memory_source: simulated
     batch_sizes: [8, 16, ...]                           # the grid
-    timing: {capture_s, replay_s, total_s, captures, replays}
+    timing: {capture_s, derive_s, replay_s, total_s, captures, derived, replays}
     limit: {headroom, limit_bytes}                      # fits: completes and peak <= limit_bytes
     fallback: [reasons the capture did not run as asked (CPU fallback, precision)]
     skipped: [alloc_conf strings the virtual GPU cannot simulate (cudaMallocAsync)]
@@ -179,6 +179,7 @@ class FeasibilityMap:
     captures: int = 0
     replays: int = 0
     derived: int = 0   # batch sizes whose stream was derived, not captured (issue 13)
+    derive_s: float = 0.0   # seconds deriving streams from the affine model (issue 13)
     fallback: list[str] = field(default_factory=list)
     headroom: float = 0.0
     limit_bytes: int | None = None
@@ -192,7 +193,8 @@ class FeasibilityMap:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "workload": self.workload, "device": self.device, "geometry": self.geometry,
             "memory_source": "simulated", "batch_sizes": list(self.batch_sizes),
-            "timing": {"capture_s": round(self.capture_s, 3), "replay_s": round(self.replay_s, 3),
+            "timing": {"capture_s": round(self.capture_s, 3), "derive_s": round(self.derive_s, 3),
+                       "replay_s": round(self.replay_s, 3),
                        "total_s": round(self.total_s, 3), "captures": self.captures,
                        "derived": self.derived, "replays": self.replays},
             "limit": {"headroom": self.headroom, "limit_bytes": self.limit_bytes},
@@ -327,17 +329,70 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
     rows: list[PlanRow] = []
     if hasattr(predictor, "prepare"):  # capture the anchors of the derived streams (Predictor.prepare)
         predictor.prepare(grid)
-    for mapping in kept:
-        rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
-        if on_row is not None:
-            on_row(rows[-1])
+    if int(getattr(predictor, "workers", 1)) > 1 and hasattr(predictor, "fork_mark") and len(kept) > 1:
+        rows = _rows_forked(predictor, kept, grid, limit_bytes, on_row)
+    else:
+        for mapping in kept:
+            rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
+            if on_row is not None:
+                on_row(rows[-1])
     return FeasibilityMap(
         workload=workload, device=device, geometry=dict(predictor.geometry), batch_sizes=list(grid),
         rows=rows, capture_s=predictor.capture_seconds, replay_s=predictor.replay_seconds,
+        derive_s=getattr(predictor, "derive_seconds", 0.0),
         total_s=time.perf_counter() - t0, captures=getattr(predictor, "captures", len(predictor._streams)),
         derived=len(getattr(predictor, "derived_batches", ())), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
         headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,
     )
+
+
+def replay_groups(mappings: Sequence[dict[str, Any]]) -> list[list[int]]:
+    """Indexes of ``mappings`` grouped by everything but ``garbage_collection_threshold``, in order of
+    first appearance: a configuration with a threshold reuses the replays of the same one without it
+    (:meth:`oomtune.plan.predictor.Predictor._replay`), so a group is computed in one process."""
+    groups: dict[tuple, list[int]] = {}
+    for i, mapping in enumerate(mappings):
+        key = tuple(sorted((k, repr(v)) for k, v in mapping.items() if k != "garbage_collection_threshold"))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _rows_forked(predictor: Any, kept: Sequence[dict[str, Any]], grid: Sequence[int], limit_bytes: int | None,
+                 on_row: Callable[[PlanRow], None] | None) -> list[PlanRow]:
+    """:func:`frontier_row` of every mapping, the groups of :func:`replay_groups` spread over
+    ``predictor.workers`` forked processes (:func:`oomtune.plan.parallel.fork_imap`); each group runs
+    the same calls as in one process. The workers' predictions, streams and counters are merged into
+    ``predictor``; the phase's wall time is split over capture / derive / replay in proportion to the
+    seconds the workers spent in each. ``on_row`` is called in order."""
+    from oomtune.plan.parallel import fork_imap
+
+    groups = replay_groups(kept)
+
+    def work(group: list[int]) -> tuple[list[PlanRow], dict[str, Any]]:
+        mark = predictor.fork_mark()
+        rows = [frontier_row(predictor, kept[i], grid, limit_bytes) for i in group]
+        return rows, predictor.fork_delta(mark)
+
+    t0 = time.perf_counter()
+    done: dict[int, PlanRow] = {}
+    shown = 0
+    spent = {"capture_s": 0.0, "derive_s": 0.0, "replay_s": 0.0}
+    for group, (rows, delta) in zip(groups, fork_imap(work, groups, predictor.workers)):
+        predictor.merge_delta(delta)
+        for key in spent:
+            spent[key] += delta[key]
+        done.update(zip(group, rows))
+        while shown in done:   # progress in the order of the configurations
+            if on_row is not None:
+                on_row(done[shown])
+            shown += 1
+    wall = time.perf_counter() - t0
+    total = sum(spent.values())
+    if total > 0:
+        predictor.capture_seconds += wall * spent["capture_s"] / total
+        predictor.derive_seconds += wall * spent["derive_s"] / total
+        predictor.replay_seconds += wall * spent["replay_s"] / total
+    return [done[i] for i in range(len(kept))]
 
 
 def check_writable(path: str | Path, label: str) -> Path:

@@ -227,10 +227,13 @@ class Predictor:
         steps: training steps per stream (:data:`PREDICT_STEPS`).
         derive: derive streams from the affine model (False: capture every batch size).
         spot_checks: derived batch sizes that are also captured and compared (>= 1).
+        workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
+            build_plan`'s replays (forked, :mod:`oomtune.plan.parallel`); 1: all in this process.
+            The results are the same either way, only where they are computed changes.
     """
 
     def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
-                 derive: bool = True, spot_checks: int = 1):
+                 derive: bool = True, spot_checks: int = 1, workers: int = 1):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
@@ -246,8 +249,11 @@ class Predictor:
         self.fallback_reasons: set[str] = set()
         self.calibration = 1.0
         self.capture_seconds = 0.0
+        self.derive_seconds = 0.0
         self.replay_seconds = 0.0
         self.replays = 0
+        self.workers = max(1, int(workers))
+        self._precaptured: dict[int, tuple[Any, str | None]] = {}
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
@@ -265,7 +271,11 @@ class Predictor:
     def prepare(self, batch_sizes: Any) -> None:
         """Capture the batch sizes that anchor the affine model for ``batch_sizes`` (all that will be
         asked): the smallest, the largest and the median, so that every other one is derived by
-        interpolation. Does nothing when derivation is off or fewer than three distinct sizes come.
+        interpolation; then the spot checks, the smallest other sizes (the ones a plan asks first,
+        grid in ascending order). With ``workers > 1`` these captures run in forked processes at
+        once (:func:`oomtune.plan.parallel.fork_map`) and are then taken in the same order as one
+        process takes them, so the model, the checks and the notes are the same. Does nothing when
+        derivation is off or fewer than three distinct sizes come.
 
         Raises:
             ConfigError: as :func:`capture_training_stream`.
@@ -273,7 +283,19 @@ class Predictor:
         sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
             return
-        for b in (sizes[0], sizes[-1], sizes[len(sizes) // 2]):
+        anchors = list(dict.fromkeys((sizes[0], sizes[-1], sizes[len(sizes) // 2])))
+        spots = [b for b in sizes if b not in anchors][:max(0, self.spot_checks - len(self.spot_checked))]
+        wanted = [b for b in anchors + spots if b not in self._streams]
+        if self.workers > 1 and len(wanted) > 1:
+            from oomtune.plan.parallel import fork_map
+
+            t0 = time.perf_counter()
+            real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
+            got = fork_map(lambda b: capture_training_stream(self.model_cfg, b, steps=self.steps, **real_gpu),
+                           wanted, self.workers)
+            self._precaptured.update(zip(wanted, got))
+            self.capture_seconds += time.perf_counter() - t0   # the wall time of the parallel captures
+        for b in anchors + spots:
             self.stream(b)
 
     def stream(self, batch_size: int) -> Any:
@@ -290,7 +312,9 @@ class Predictor:
         model = self._model if self.derive else None
         if model is None or not model.covers(batch_size):
             return self._capture(batch_size)
+        t0 = time.perf_counter()
         derived = model.derive(batch_size)
+        self.derive_seconds += time.perf_counter() - t0
         if len(self.spot_checked) < self.spot_checks:
             captured = self._capture(batch_size)
             self.spot_checked.append(batch_size)
@@ -303,9 +327,12 @@ class Predictor:
 
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
-        real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
-        stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
-        self.capture_seconds += time.perf_counter() - t0
+        if batch_size in self._precaptured:   # captured by prepare()'s workers (timed there)
+            stream, reason = self._precaptured.pop(batch_size)
+        else:
+            real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
+            stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+            self.capture_seconds += time.perf_counter() - t0
         if reason:
             self.fallback_reasons.add(reason)
         self._streams[batch_size] = self._captured[batch_size] = stream
@@ -318,6 +345,40 @@ class Predictor:
                 if self._model is None:
                     self._derivation_off("request sizes are not affine in the batch size")
         return stream
+
+    def fork_mark(self) -> tuple:
+        """What this predictor holds now, for :meth:`fork_delta` in a forked worker."""
+        return (set(self._cache), set(self._streams), set(self.derived_batches), self.replays,
+                self.capture_seconds, self.derive_seconds, self.replay_seconds)
+
+    def fork_delta(self, mark: tuple) -> dict[str, Any]:
+        """What a forked worker added since ``mark`` (:meth:`fork_mark`), picklable, for
+        :meth:`merge_delta` in the parent: predictions and replays, streams captured or derived,
+        counters and seconds."""
+        cache, streams, derived, replays, cap_s, der_s, rep_s = mark
+        return {"cache": {k: v for k, v in self._cache.items() if k not in cache},
+                "replayed": {k: v for k, v in self._replays.items() if (k[0], k[1]) not in cache},
+                "streams": {b: s for b, s in self._streams.items() if b not in streams},
+                "captured": [b for b in self._captured if b not in streams],
+                "reasons": {b: self._capture_reasons[b] for b in self._captured if b not in streams},
+                "derived": [b for b in self.derived_batches if b not in derived],
+                "fallback": set(self.fallback_reasons), "replays": self.replays - replays,
+                "capture_s": self.capture_seconds - cap_s, "derive_s": self.derive_seconds - der_s,
+                "replay_s": self.replay_seconds - rep_s}
+
+    def merge_delta(self, delta: dict[str, Any]) -> None:
+        """Take in a forked worker's :meth:`fork_delta` (the caller accounts for the seconds).
+        A batch size two workers both derived or captured counts once."""
+        self._cache.update(delta["cache"])
+        self._replays.update(delta["replayed"])
+        for b, s in delta["streams"].items():
+            self._streams.setdefault(b, s)
+        for b in delta["captured"]:
+            self._captured.setdefault(b, self._streams[b])
+            self._capture_reasons.setdefault(b, delta["reasons"][b])
+        self.derived_batches.extend(b for b in delta["derived"] if b not in self.derived_batches)
+        self.fallback_reasons |= delta["fallback"]
+        self.replays += delta["replays"]
 
     def _derivation_off(self, why: str) -> None:
         self._model = None
