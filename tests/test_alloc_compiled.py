@@ -148,3 +148,88 @@ def test_declines_what_it_does_not_cover(monkeypatch):
 def test_empty_stream(monkeypatch):
     pure, fast = both(AllocationStream(), None, monkeypatch, total_memory_bytes=1 << 30)
     assert fast == pure and pure["events_replayed"] == 0
+
+
+# -- the per-call API (make_simulator -> _fastcore.FastSim) -------------------------------------------
+
+def _outcome(fn, *args):
+    """(result, None) or (None, (exception type, message, its figures)) of one simulator call."""
+    try:
+        return fn(*args), None
+    except Exception as exc:   # noqa: BLE001 - compared, not handled
+        figures = {k: v for k, v in vars(exc).items() if not k.startswith("_")}
+        return None, (type(exc).__name__, str(exc), figures)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_per_call_api_identical(settings):
+    """Random malloc / free / empty_cache / would_reuse_cached / fraction / peak resets on the Python
+    simulator and on FastSim: every return value, error, segment event, stats dict and snapshot."""
+    from oomtune.alloc._compiled import make_simulator
+    from oomtune.alloc.sim import CachingAllocatorSim
+
+    kw = {"total_memory_bytes": 6 << 30, "non_allocator_bytes": 300 << 20, "device_index": 1,
+          "record_segment_events": True}
+    for seed in range(3):
+        rng = random.Random(seed)
+        py, fast = CachingAllocatorSim(settings, **kw), make_simulator(settings, **kw)
+        assert type(fast).__name__ == "FastSim"
+        live: list[int] = []
+        ooms = 0
+        for step in range(3000):
+            r = rng.random()
+            if r < 0.5 or not live:
+                size = rng.choice([0, rng.randrange(1, 4096), int(2 ** rng.uniform(9, 31))])
+                args = (size, rng.randrange(2))
+                out = _outcome(py.malloc, *args)
+                assert _outcome(fast.malloc, *args) == out, (step, args)
+                if out[1] is None:
+                    live.append(out[0])
+                else:
+                    ooms += 1
+            elif r < 0.93:
+                addr = live.pop(rng.randrange(len(live)))
+                assert _outcome(fast.free, addr) == _outcome(py.free, addr)
+            elif r < 0.95:
+                args = (int(2 ** rng.uniform(9, 30)), rng.randrange(2))
+                assert fast.would_reuse_cached(*args) == py.would_reuse_cached(*args)
+            elif r < 0.96:
+                fast.empty_cache()
+                py.empty_cache()
+            elif r < 0.97:
+                frac = rng.choice([0.5, 0.8, 1.0, 1.5])
+                assert _outcome(fast.set_per_process_memory_fraction, frac) == \
+                    _outcome(py.set_per_process_memory_fraction, frac)
+            elif r < 0.98:
+                fast.reset_peak_memory_stats()
+                py.reset_peak_memory_stats()
+            else:
+                assert fast.memory_snapshot() == py.memory_snapshot()
+            assert fast.segment_events == py.segment_events
+        assert fast.memory_stats() == py.memory_stats()
+        assert fast.memory_snapshot() == py.memory_snapshot()
+        for name in ("allocated_bytes", "reserved_bytes", "device_free_bytes", "total_memory_bytes",
+                     "expandable_segments", "allowed_bytes", "num_ooms", "num_alloc_retries",
+                     "num_sync_all_streams", "num_device_alloc", "num_device_free"):
+            assert getattr(fast, name) == getattr(py, name), name
+        assert ooms > 0 and py.num_device_free > 0
+    for bad in (-1, 12345):   # a negative size; a free of an unknown address: the same ConfigError
+        fn = "malloc" if bad < 0 else "free"
+        assert _outcome(getattr(fast, fn), bad) == _outcome(getattr(py, fn), bad)
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
+def test_replay_snapshot_identical(path, monkeypatch):
+    """``oomtune simulate``'s replay (trace.replay_snapshot) gives the same result on both paths."""
+    from oomtune.trace import load_snapshot, replay_snapshot
+
+    snap = load_snapshot(path)
+    results = []
+    for pure in ("1", "0"):
+        monkeypatch.setenv("OOMTUNE_PURE_PYTHON", pure)
+        for kw in ({}, {"settings": "expandable_segments:True"}, {"settings": "max_split_size_mb:64",
+                                                                   "memory_fraction": 0.9}):
+            d = replay_snapshot(snap, **kw).to_dict()
+            d.pop("replay_seconds")
+            results.append(d)
+    assert results[:3] == results[3:]

@@ -7,7 +7,8 @@ Lowest layer of oomtune: imports only :mod:`oomtune.exceptions` and :mod:`oomtun
 - Lazily (imported on first use, listed in ``__all__`` once their module exists):
   :class:`CachingAllocatorSim` (sim.py), :class:`SimulatedOutOfMemoryError` and
   :func:`build_oom_message` (oom_message.py), :class:`AllocationStream` and :func:`replay_stream`
-  (stream.py).
+  (stream.py), :func:`make_simulator` (_compiled.py: the compiled simulator when built, else
+  ``CachingAllocatorSim``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _LAZY = {
     "build_oom_message": "oomtune.alloc.oom_message",
     "AllocationStream": "oomtune.alloc.stream",
     "replay_stream": "oomtune.alloc.stream",
+    "make_simulator": "oomtune.alloc._compiled",
 }
 
 __all__ = [

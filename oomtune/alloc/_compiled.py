@@ -19,7 +19,7 @@ try:
 except ImportError:   # not built: the pure-Python simulator does everything
     _fastcore = None
 
-__all__ = ["available", "enabled", "replay_compiled"]
+__all__ = ["available", "enabled", "replay_compiled", "make_simulator"]
 
 
 def available() -> bool:
@@ -43,11 +43,7 @@ def replay_compiled(stream: Any, sim: Any, stop_on_oom: bool) -> dict[str, Any] 
     """
     if not enabled():
         return None
-    cfg = {"max_split": sim._max_split, "non_split": sim._max_non_split, "large_segment": sim._large_seg,
-           "total": sim._total, "non_alloc": sim._non_alloc, "allowed": sim._allowed,
-           "gc": float(sim._gc_threshold), "gc_on": sim._gc_on, "expandable": sim._expandable,
-           "divs": sim._divs}
-    out = _fastcore.replay_arrays(stream.actions, stream.keys, stream.sizes, stream.streams, cfg,
+    out = _fastcore.replay_arrays(stream.actions, stream.keys, stream.sizes, stream.streams, _cfg(sim),
                                   bool(stop_on_oom))
     if out is None:
         return None
@@ -57,3 +53,31 @@ def replay_compiled(stream: Any, sim: Any, stop_on_oom: bool) -> dict[str, Any] 
         setattr(sim, name, value)
     sim._total_alloc = out["total_alloc"]
     return out
+
+
+def _cfg(sim: Any) -> dict[str, Any]:
+    """The settings of a Python simulator as the compiled core takes them."""
+    return {"max_split": sim._max_split, "non_split": sim._max_non_split, "large_segment": sim._large_seg,
+            "total": sim._total, "non_alloc": sim._non_alloc, "allowed": sim._allowed,
+            "gc": float(sim._gc_threshold), "gc_on": sim._gc_on, "expandable": sim._expandable,
+            "divs": sim._divs}
+
+
+def make_simulator(settings: Any = None, **kwargs: Any) -> Any:
+    """A virtual GPU with :class:`~oomtune.alloc.sim.CachingAllocatorSim`'s public API: the
+    compiled one (``_fastcore.FastSim``) when :func:`enabled`, else a ``CachingAllocatorSim``.
+
+    Takes ``CachingAllocatorSim``'s arguments and raises its errors. Both give the same results
+    (malloc/free addresses, ``segment_events``, ``memory_stats``, ``memory_snapshot``, OOM errors;
+    tests/test_alloc_compiled.py). Callers that reach into the Python simulator's internals must
+    construct ``CachingAllocatorSim`` themselves.
+    """
+    from oomtune.alloc.sim import CachingAllocatorSim
+
+    ref = CachingAllocatorSim(settings, **kwargs)
+    if not enabled():
+        return ref
+    try:
+        return _fastcore.FastSim(ref, _cfg(ref), bool(kwargs.get("record_segment_events", False)))
+    except ValueError:   # a setting beyond the core's range: the Python simulator
+        return ref

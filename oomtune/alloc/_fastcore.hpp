@@ -55,6 +55,9 @@ struct UKeyLess {
     }
 };
 struct Seg { i64 base, page; };
+// a segment event (CachingAllocatorSim.segment_events): action 0 segment_alloc, 1 segment_free,
+// 2 segment_map, 3 segment_unmap; index = the malloc/free call that caused it
+struct SegEvent { int action; i64 addr, size, stream, index; };
 struct Pool {
     bool small;
     std::set<Key, KeyLess> blocks;        // free mapped blocks
@@ -86,8 +89,15 @@ public:
     i64 num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free;
     i64 total_alloc, next_addr;
     int status;
-    // the first OOM: alloc_size, request size, free, allocated, reserved (bytes)
+    // the latest OOM (last_oom) and the first of a replay (oom): alloc_size, request size, free,
+    // allocated, reserved (bytes)
     i64 oom_alloc_size, oom_orig, oom_free, oom_allocated, oom_reserved;
+    i64 last_oom[5];
+    // the per-call API (api_*): calls made so far, the current call's index, segment events
+    i64 calls, index;
+    bool record;
+    std::vector<SegEvent> events;
+    std::unordered_map<i64, int32_t> active;   // addr -> allocated block
     Pool pools[2];   // 0 small, 1 large
     std::vector<Block> blocks;
     std::vector<int32_t> spare;   // indices of dead blocks for reuse
@@ -97,7 +107,9 @@ public:
              allowed(-1), gc_threshold(0.0), gc_on(false), expandable(false), has_divs(false),
              num_alloc_retries(0), num_ooms(0), num_sync_all_streams(0), num_device_alloc(0),
              num_device_free(0), total_alloc(0), next_addr(ADDRESS_BASE), status(OK),
-             oom_alloc_size(0), oom_orig(0), oom_free(0), oom_allocated(0), oom_reserved(0) {
+             oom_alloc_size(0), oom_orig(0), oom_free(0), oom_allocated(0), oom_reserved(0),
+             calls(0), index(0), record(false) {
+        for (int i = 0; i < 5; ++i) last_oom[i] = 0;
         for (int t = 0; t < 3; ++t) {
             for (int i = 0; i < NSTAT3; ++i) st[t][i] = 0;
             over_allocs[t] = over_segs[t] = 0;
@@ -322,15 +334,13 @@ public:
             id = alloc_block(size, alloc_size, stream, pool, small, true);
         }
         if (status != OK) return -1;
-        if (id < 0) {   // SegmentMixin._oom: the first one is reported
+        if (id < 0) {   // SegmentMixin._oom
             num_ooms += 1;
-            if (num_ooms == 1) {
-                oom_alloc_size = alloc_size;
-                oom_orig = orig;
-                oom_free = device_free();
-                oom_allocated = st[0][ALLOCATED];
-                oom_reserved = total_alloc;
-            }
+            last_oom[0] = alloc_size;
+            last_oom[1] = orig;
+            last_oom[2] = device_free();
+            last_oom[3] = st[0][ALLOCATED];
+            last_oom[4] = total_alloc;
         }
         return id;
     }
@@ -348,6 +358,7 @@ public:
         }
         if (alloc_size >= max_split) inc(over_segs, 0, 1);
         num_device_alloc += 1;
+        if (record) events.push_back(SegEvent{0, addr, alloc_size, stream, index});
         return id;
     }
 
@@ -363,6 +374,7 @@ public:
         }
         if (size >= max_split) dec(over_segs, 0, 1);
         num_device_free += 1;
+        if (record) events.push_back(SegEvent{1, b.addr, size, b.stream, index});
     }
     bool release_available(i64 size, i64 stream, Pool& pool) {
         i64 ms = max_split;
@@ -533,6 +545,7 @@ public:
         inc(st[0], RESERVED, mapped);
         inc(st[t.small ? 1 : 2], RESERVED, mapped);
         num_device_alloc += 1;
+        if (record) events.push_back(SegEvent{2, start, mapped, t.stream, index});
         return true;
     }
     int32_t try_allocate_expandable(i64 stream, Pool& pool, i64 size) {
@@ -585,6 +598,60 @@ public:
         dec(st[0], RESERVED, length);
         dec(st[b.small ? 1 : 2], RESERVED, length);
         num_device_free += 1;
+        if (record) events.push_back(SegEvent{3, start, length, b.stream, index});
+    }
+
+    // -- the per-call API of CachingAllocatorSim (FastSim in _fastcore.pyx) ------------------
+    // api_malloc: the block index; -1 for 0 bytes (address 0), -2 OOM, -3 negative size,
+    // -4 declined (the simulated address space ran out)
+    int32_t api_malloc(i64 size_bytes, i64 stream) {
+        if (size_bytes <= 0) return size_bytes == 0 ? -1 : -3;
+        index = calls;
+        calls += 1;
+        int32_t id = malloc(size_bytes, stream);
+        if (status != OK) return -4;
+        if (id >= 0) active[blocks[id].addr] = id;
+        return id;
+    }
+    // api_free: 0 done (or address 0), -1 not an allocated address
+    int api_free(i64 addr) {
+        auto it = active.find(addr);
+        if (it == active.end()) return addr == 0 ? 0 : -1;
+        int32_t id = it->second;
+        active.erase(it);
+        calls += 1;
+        free(id);
+        return 0;
+    }
+    bool would_reuse_cached(i64 size_bytes, i64 stream) {   // CachingAllocatorSim.would_reuse_cached
+        if (size_bytes <= 0) return false;
+        i64 size = round_size(size_bytes);
+        Pool& pool = pools[size <= 1048576 ? 0 : 1];
+        auto it = pool.blocks.lower_bound(Key{stream, size, 0, 0});
+        if (it == pool.blocks.end() || it->stream != stream) return false;
+        if (expandable) it = pick_expandable(pool, it, stream);
+        i64 bs = it->size, ms = max_split;
+        return size < ms ? bs < ms : bs < size + non_split;
+    }
+    void empty_cache() {   // CachingAllocatorSim.empty_cache
+        index = calls;
+        release_cached();
+    }
+    void reset_peaks() {
+        for (int t = 0; t < 3; ++t)
+            for (int i = 0; i < NSTAT3; i += 3) st[t][i + 1] = st[t][i];
+        over_allocs[1] = over_allocs[0];
+        over_segs[1] = over_segs[0];
+    }
+    // every live block (free, allocated, unmapped) for memory_snapshot
+    std::vector<int32_t> live_blocks() const {
+        std::vector<int32_t> out;
+        for (int p = 0; p < 2; ++p) {
+            for (const Key& k : pools[p].blocks) out.push_back(k.id);
+            for (const UKey& k : pools[p].unmapped) out.push_back(k.id);
+        }
+        for (const auto& kv : active) out.push_back(kv.second);
+        return out;
     }
 
     // -- replay_stream's loop ----------------------------------------------------------------
@@ -606,7 +673,14 @@ public:
                 int32_t id = malloc(sizes[i], streams[i]);
                 if (status != OK) return i + 1;
                 if (id == -2) {
-                    if (*oom_index < 0) *oom_index = i;
+                    if (*oom_index < 0) {
+                        *oom_index = i;
+                        oom_alloc_size = last_oom[0];
+                        oom_orig = last_oom[1];
+                        oom_free = last_oom[2];
+                        oom_allocated = last_oom[3];
+                        oom_reserved = last_oom[4];
+                    }
                     if (stop_on_oom) return i + 1;
                     continue;
                 }

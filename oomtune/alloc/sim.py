@@ -30,7 +30,10 @@ torch. Deviations: garbage collection and release_available_cached_blocks skip e
 
 Speed: free blocks live in sorted lists of packed integer keys (bisect), blocks in dicts by address,
 stats in flat int lists updated inline; :meth:`malloc` splits and :meth:`free` caches whole segments
-inline (no helper call on the common path). Replay rates on one core are measured by
+inline (no helper call on the common path). This class is the reference implementation: the
+optional compiled core (_fastcore.pyx / _fastcore.hpp, a C++ port selected by _compiled.py) runs
+``replay_stream`` and :func:`oomtune.alloc.make_simulator`'s simulator with the same results
+(tests/test_alloc_compiled.py). Replay rates on one core are measured by
 experiments/bench_replay.py (experiments/results/bench_replay.txt).
 """
 

@@ -127,10 +127,10 @@ def default_device(snapshot: dict[str, Any]) -> int:
 
 
 def _make_sim(settings: Any, total_memory_bytes: int, device: int, memory_fraction: float | None) -> Any:
-    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.alloc import make_simulator   # the compiled virtual GPU when built (same results)
 
-    sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes, device_index=device,
-                              record_segment_events=True)
+    sim = make_simulator(settings, total_memory_bytes=total_memory_bytes, device_index=device,
+                         record_segment_events=True)
     if memory_fraction is not None:
         sim.set_per_process_memory_fraction(memory_fraction)
     return sim
