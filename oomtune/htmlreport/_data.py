@@ -63,7 +63,8 @@ def _read_yaml(path: Path, notes: list[str]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
+        # libyaml's parser where installed (same objects, ~8x faster: issue 13, plan's report)
+        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         notes.append(f"{path.name} could not be read: {str(exc).splitlines()[0]}")
         return None
