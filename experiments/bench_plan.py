@@ -6,7 +6,8 @@ Usage: ``python experiments/bench_plan.py [--old REF] [--repeat 1] [--out experi
 Runs ``oomtune plan`` (the console script's ``main``, as a user runs it) in fresh processes,
 alternating: the new code (this checkout: streams derived where the affine model holds, captures and
 replays spread over the cores by forked workers), the new code in one process (``workers=1``), the
-new code capturing every batch size (``derive=False``, today's behaviour on today's simulator: its
+new code with the pure-Python simulator (``OOMTUNE_PURE_PYTHON=1``: the replays without the compiled
+core, which a checkout without a built extension also runs), the new code capturing every batch size (``derive=False``, today's behaviour on today's simulator: its
 feasibility map must be identical), and the old code (``--old``, default: main before issue 13).
 Reports, per variant, the wall time of the whole process (``python -c`` that runs the command: what
 a user waits for, torch import and interpreter exit included), the time inside ``plan()``, split
@@ -62,7 +63,12 @@ with tempfile.TemporaryDirectory() as tmp:
         rc = oomtune.cli.main(["plan", *overrides, f"hydra.run.dir={tmp}/run", "--out", f"{tmp}/plan.yaml"])
     assert rc == 0, out.getvalue()
 fmap = inner["fmap"]
-print(json.dumps({"plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
+try:
+    from oomtune.alloc import _compiled
+    core = "compiled" if _compiled.enabled() else "pure Python"
+except ImportError:
+    core = "pure Python"
+print(json.dumps({"core": core, "plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
                   "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
                   "derived": getattr(fmap, "derived", 0), "replays": fmap.replays,
                   "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
@@ -70,8 +76,10 @@ print(json.dumps({"plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "repla
 FIELDS = ("process_s", "plan_s", "capture_s", "derive_s", "replay_s", "other_s")
 
 
-def run_variant(tree: Path, derive: bool, one_process: bool = False) -> dict:
+def run_variant(tree: Path, derive: bool, one_process: bool = False, pure_python: bool = False) -> dict:
     env = child_env(tree)
+    if pure_python:
+        env["OOMTUNE_PURE_PYTHON"] = "1"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CHILD, "1" if derive else "0", json.dumps(OVERRIDES),
                            "1" if one_process else "0"], env=env, cwd=tree, capture_output=True, text=True)
@@ -90,19 +98,21 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_plan.txt")
     args = parser.parse_args()
-    variants = {"new (derived streams, workers)": (ROOT, True, False),
-                "new, one process": (ROOT, True, True),
-                "new, every batch captured": (ROOT, False, False),
-                f"old ({args.old})": (old_tree(args.old), False, False)}
+    variants = {"new (derived streams, workers)": (ROOT, True, False, False),
+                "new, one process": (ROOT, True, True, False),
+                "new, pure-Python replay": (ROOT, True, False, True),
+                "new, every batch captured": (ROOT, False, False, False),
+                f"old ({args.old})": (old_tree(args.old), False, False, False)}
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     for _ in range(args.repeat):
-        for name, (tree, derive, one_process) in variants.items():
-            runs[name].append(run_variant(tree, derive, one_process))
+        for name, (tree, derive, one_process, pure) in variants.items():
+            runs[name].append(run_variant(tree, derive, one_process, pure))
             print(f"{name}: {runs[name][-1]['process_s']:.2f} s", flush=True)
     med = {k: {f: statistics.median(r[f] for r in v) for f in FIELDS} for k, v in runs.items()}
     names = list(variants)
-    new, single, full, old = names
-    identical = all(r["configurations"] == runs[full][0]["configurations"] for r in runs[new] + runs[single])
+    new, single, pure, full, old = names
+    identical = all(r["configurations"] == runs[full][0]["configurations"]
+                    for r in runs[new] + runs[single] + runs[pure])
     same_as_old = runs[new][0]["configurations"] == runs[old][0]["configurations"]
     lines = header("bench_plan.py", sys.argv[1:], args.old)
     lines += [
@@ -111,12 +121,12 @@ def main() -> int:
         f"process(es) per variant, variants alternating; OMP_NUM_THREADS=1",
         f"# overrides: {' '.join(OVERRIDES)}", "",
         f"{'variant':<34} {'process':>8} {'plan()':>8} {'capture':>8} {'derive':>8} {'replay':>8} {'other':>8}"
-        "  captures derived replays",
+        "  captures derived replays  replay core",
     ]
     for k in names:
         r, m = runs[k][0], med[k]
         lines.append(f"{k:<34} " + " ".join(f"{m[f]:7.2f}s" for f in FIELDS)
-                     + f"  {r['captures']:>8} {r['derived']:>7} {r['replays']:>7}")
+                     + f"  {r['captures']:>8} {r['derived']:>7} {r['replays']:>7}  {r.get('core', 'pure Python')}")
 
     def ratios(slow: str) -> str:
         return ", ".join(f"{f.replace('_s', '')} {med[slow][f] / med[new][f]:.1f}x" for f in FIELDS
@@ -126,9 +136,11 @@ def main() -> int:
               "config, torch import, plan.yaml, report.html; process - plan(): interpreter start and exit)",
               f"ratios old/new (same run): {ratios(old)}",
               f"ratios one-process/new: {ratios(single)}",
+              f"ratios pure-Python-replay/new: {ratios(pure)}",
               f"ratios every-batch-captured/new: {ratios(full)}",
               f"target: whole plan process <= 5 s on 2 cores: new {med[new]['process_s']:.2f} s",
-              "feasibility map with derived streams (with workers and in one process) identical to capturing "
+              "feasibility map with derived streams (with workers, in one process, pure-Python replay) identical to "
+              "capturing "
               f"every batch size (same simulator): {'yes' if identical else 'NO'}",
               "identical to the old code's map: "
               f"{'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",

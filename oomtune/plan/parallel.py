@@ -8,8 +8,8 @@ copy-on-write, so nothing is imported twice and only the results travel back, pi
 the results in the order of the inputs. Each piece runs the same code as in one process, so the
 results are the same: only where they are computed changes.
 
-Without ``fork`` (Windows, macOS's default is spawn but fork exists), with one worker or one piece,
-everything runs in the calling process.
+Off Linux (:func:`default_workers`), with one worker or one piece, everything runs in the calling
+process.
 """
 
 from __future__ import annotations
@@ -28,17 +28,14 @@ _JOB: tuple[Callable[[Any], Any], Sequence[Any]] | None = None   # what forked w
 
 def default_workers() -> int:
     """Worker processes for the plan: the CPU cores this process may run on
-    (``os.sched_getaffinity``, else ``os.cpu_count()``), at most :data:`MAX_WORKERS`; 1 where
-    ``fork`` is not available."""
-    import multiprocessing
+    (``os.sched_getaffinity``), at most :data:`MAX_WORKERS`; 1 off Linux (macOS has ``fork`` but
+    its system libraries are not safe to use in a forked child of a process with threads, hence
+    Python's ``spawn`` default there)."""
+    import sys
 
-    if "fork" not in multiprocessing.get_all_start_methods():
+    if not sys.platform.startswith("linux"):
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_WORKERS))
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
 def _run(index: int) -> Any:
