@@ -13,7 +13,7 @@ import pytest
 from oomtune.alloc.stream import AllocationStream
 from oomtune.plan import predictor as P
 from oomtune.plan.feasibility import build_plan, grid_batches, replay_groups
-from oomtune.plan.parallel import default_workers, fork_imap, fork_map
+from oomtune.plan.parallel import default_workers, fork_map
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs the fork start method")
 GEOMETRY = {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
@@ -26,57 +26,100 @@ def _stream(b: int) -> AllocationStream:
 
 
 # -- fork_map ----------------------------------------------------------------------------------------
+def _two_processes():
+    """A barrier that the first two items pass only together: taken by two different processes."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork").Barrier(2, timeout=120)
+
+
 @needs_fork
-def test_fork_map_keeps_the_order_and_runs_in_other_processes():
-    offset = 1000  # a closure: fn reaches the workers by inheritance, not by pickling
+def test_fork_map_keeps_the_order_and_uses_a_child():
+    offset = 1000  # a closure: fn reaches the child by inheritance, not by pickling
+    barrier = _two_processes()
 
     def work(x):
+        if x < 2:
+            barrier.wait()
         return x * x + offset, os.getpid()
 
     got = fork_map(work, list(range(7)), 2)
     assert [v for v, _ in got] == [1000, 1001, 1004, 1009, 1016, 1025, 1036]
-    assert os.getpid() not in {pid for _, pid in got}
-
-
-def test_fork_map_with_one_worker_runs_here():
-    got = fork_map(lambda x: (x + 1, os.getpid()), [1, 2, 3], 1)
-    assert got == [(2, os.getpid()), (3, os.getpid()), (4, os.getpid())]
+    assert len({pid for _, pid in got}) == 2 and os.getpid() in {pid for _, pid in got}
 
 
 @needs_fork
-def test_fork_map_raises_the_workers_exception():
-    from oomtune.exceptions import ConfigError
+def test_fork_map_reports_every_result_once():
+    barrier = _two_processes()
+    seen = []
 
     def work(x):
-        if x == 2:
-            raise ConfigError("batch 2 is bad")
-        return x
+        if x < 2:
+            barrier.wait()
+        return 10 * x
 
-    with pytest.raises(ConfigError, match="batch 2 is bad"):
-        fork_map(work, [1, 2, 3], 2)
+    assert fork_map(work, [0, 1, 2, 3], 2, on_result=lambda i, r: seen.append((i, r))) == [0, 10, 20, 30]
+    assert sorted(seen) == [(0, 0), (1, 10), (2, 20), (3, 30)]
+
+
+def test_fork_map_with_one_worker_runs_here_in_order():
+    seen = []
+    got = fork_map(lambda x: (x + 1, os.getpid()), [1, 2, 3], 1, on_result=lambda i, r: seen.append(i))
+    assert got == [(2, os.getpid()), (3, os.getpid()), (4, os.getpid())] and seen == [0, 1, 2]
 
 
 @needs_fork
-def test_fork_imap_inside_a_worker_runs_in_that_worker():
+def test_fork_map_raises_the_exception_of_the_first_failing_item():
+    from oomtune.exceptions import ConfigError
+
+    barrier = _two_processes()
+
+    def work(x):
+        if x < 2:
+            barrier.wait()
+        if x in (1, 3):
+            raise ConfigError(f"batch {x} is bad")
+        return x
+
+    with pytest.raises(ConfigError, match="batch 1 is bad"):
+        fork_map(work, [0, 1, 2, 3], 2)
+
+
+@needs_fork
+def test_fork_map_says_when_a_child_dies():
+    barrier = _two_processes()
+    parent = os.getpid()
+
+    def work(x):
+        barrier.wait()
+        if os.getpid() != parent:
+            os._exit(3)   # the child dies without sending its results
+        return x
+
+    with pytest.raises(RuntimeError, match="ended without its results"):
+        fork_map(work, [0, 1], 2)
+
+
+@needs_fork
+def test_fork_map_inside_fork_map_runs_in_place():
+    barrier = _two_processes()
+
     def inner(x):
         return os.getpid()
 
     def outer(x):
+        barrier.wait()
         return os.getpid(), fork_map(inner, [x, x], 2)
 
-    for pid, inner_pids in fork_map(outer, [1, 2], 2):
+    got = fork_map(outer, [1, 2], 2)
+    assert len({pid for pid, _ in got}) == 2
+    for pid, inner_pids in got:
         assert inner_pids == [pid, pid]
 
 
 def test_default_workers_is_between_one_and_the_cores():
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert 1 <= default_workers() <= max(1, cores)
-
-
-def test_fork_imap_is_lazy_with_one_worker():
-    seen = []
-    it = fork_imap(lambda x: seen.append(x) or x, [1, 2, 3], 1)
-    assert seen == [] and next(it) == 1 and seen == [1]
 
 
 # -- replay groups -------------------------------------------------------------------------------------

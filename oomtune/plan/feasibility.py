@@ -360,38 +360,45 @@ def replay_groups(mappings: Sequence[dict[str, Any]]) -> list[list[int]]:
 def _rows_forked(predictor: Any, kept: Sequence[dict[str, Any]], grid: Sequence[int], limit_bytes: int | None,
                  on_row: Callable[[PlanRow], None] | None) -> list[PlanRow]:
     """:func:`frontier_row` of every mapping, the groups of :func:`replay_groups` spread over
-    ``predictor.workers`` forked processes (:func:`oomtune.plan.parallel.fork_imap`); each group runs
-    the same calls as in one process. The workers' predictions, streams and counters are merged into
-    ``predictor``; the phase's wall time is split over capture / derive / replay in proportion to the
-    seconds the workers spent in each. ``on_row`` is called in order."""
-    from oomtune.plan.parallel import fork_imap
+    ``predictor.workers`` processes (:func:`oomtune.plan.parallel.fork_map`: this one and forked
+    children); each group runs the same calls as in one process. The children's predictions,
+    streams and counters are merged into ``predictor``; the phase's wall time is split over capture /
+    derive / replay in proportion to the seconds spent in each. ``on_row`` is called in order."""
+    import os
+
+    from oomtune.plan.parallel import fork_map
 
     groups = replay_groups(kept)
 
-    def work(group: list[int]) -> tuple[list[PlanRow], dict[str, Any]]:
+    def work(group: list[int]) -> tuple[int, list[PlanRow], dict[str, Any]]:
         mark = predictor.fork_mark()
         rows = [frontier_row(predictor, kept[i], grid, limit_bytes) for i in group]
-        return rows, predictor.fork_delta(mark)
+        return os.getpid(), rows, predictor.fork_delta(mark)
 
-    t0 = time.perf_counter()
     done: dict[int, PlanRow] = {}
     shown = 0
-    spent = {"capture_s": 0.0, "derive_s": 0.0, "replay_s": 0.0}
-    for group, (rows, delta) in zip(groups, fork_imap(work, groups, predictor.workers)):
-        predictor.merge_delta(delta)
-        for key in spent:
-            spent[key] += delta[key]
-        done.update(zip(group, rows))
+
+    def arrived(index: int, result: tuple[int, list[PlanRow], dict[str, Any]]) -> None:
+        nonlocal shown
+        done.update(zip(groups[index], result[1]))
         while shown in done:   # progress in the order of the configurations
             if on_row is not None:
                 on_row(done[shown])
             shown += 1
+
+    before = (predictor.capture_seconds, predictor.derive_seconds, predictor.replay_seconds)
+    t0 = time.perf_counter()
+    results = fork_map(work, groups, predictor.workers, on_result=arrived)
     wall = time.perf_counter() - t0
-    total = sum(spent.values())
-    if total > 0:
-        predictor.capture_seconds += wall * spent["capture_s"] / total
-        predictor.derive_seconds += wall * spent["derive_s"] / total
-        predictor.replay_seconds += wall * spent["replay_s"] / total
+    spent = [0.0, 0.0, 0.0]
+    for pid, _, delta in results:
+        if pid != os.getpid():   # a child's work (this process's own is in predictor already)
+            predictor.merge_delta(delta)
+        for k, key in enumerate(("capture_s", "derive_s", "replay_s")):
+            spent[k] += delta[key]
+    if sum(spent) > 0:
+        predictor.capture_seconds, predictor.derive_seconds, predictor.replay_seconds = (
+            b + wall * x / sum(spent) for b, x in zip(before, spent))
     return [done[i] for i in range(len(kept))]
 
 
