@@ -1,8 +1,10 @@
 """Selecting the compiled replay core (``oomtune.alloc._fastcore``) or the pure-Python simulator.
 
 The C++ core (built by ``pip install`` from _fastcore.pyx / _fastcore.hpp when a compiler and Cython
-are there) replays a whole :class:`~oomtune.alloc.stream.AllocationStream` with the same results as
-:class:`~oomtune.alloc.sim.CachingAllocatorSim` (tests/test_alloc_compiled.py). It covers every
+are there) replays a whole :class:`~oomtune.alloc.stream.AllocationStream` (:func:`replay_compiled`,
+for ``replay_stream``) and serves :class:`~oomtune.alloc.sim.CachingAllocatorSim`'s public API call
+by call (:func:`make_simulator`), with the same results as the Python simulator
+(tests/test_alloc_compiled.py). It covers every
 setting the simulator models and every stream; it declines (and the Python simulator runs) only for
 a negative size, settings beyond 2**62 bytes other than "unlimited", or the simulated address space
 running out, where the Python simulator raises its own error. Set ``OOMTUNE_PURE_PYTHON=1`` to use
