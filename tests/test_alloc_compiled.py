@@ -162,12 +162,13 @@ def _outcome(fn, *args):
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_per_call_api_identical(settings):
+def test_per_call_api_identical(settings, monkeypatch):
     """Random malloc / free / empty_cache / would_reuse_cached / fraction / peak resets on the Python
     simulator and on FastSim: every return value, error, segment event, stats dict and snapshot."""
     from oomtune.alloc._compiled import make_simulator
     from oomtune.alloc.sim import CachingAllocatorSim
 
+    monkeypatch.delenv("OOMTUNE_PURE_PYTHON", raising=False)
     kw = {"total_memory_bytes": 6 << 30, "non_allocator_bytes": 300 << 20, "device_index": 1,
           "record_segment_events": True}
     for seed in range(3):
