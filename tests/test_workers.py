@@ -225,3 +225,77 @@ def test_workers_starting_at_once_on_a_new_database_all_open_it(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]
     assert all(out.strip() == "opened" for out, _ in outs)
+
+
+_CLAIMER = """
+import json, sys, time
+import optuna
+from oomtune.search.storage import make_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+url, start_at = sys.argv[1], float(sys.argv[2])
+study = optuna.load_study(study_name="race", storage=make_storage(url))
+while time.time() < start_at:
+    time.sleep(0.001)
+claimed = []
+while True:
+    trial_id = study._pop_waiting_trial_id()   # what every worker's claim calls
+    if trial_id is None:
+        break
+    claimed.append(trial_id)
+print(json.dumps(claimed))
+"""
+
+
+def test_sqlite_claims_are_atomic_across_processes(tmp_path):
+    # 4 processes claim (WAITING -> RUNNING) the 40 WAITING trials of one SQLite file at once: each
+    # trial must be claimed exactly once. Before every SQLite transaction began with BEGIN
+    # IMMEDIATE (storage._begin_immediate), claims read the state outside the write's transaction
+    # and 4 processes made 71-81 claims of 60 trials (3 runs), so candidates ran twice.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    study = optuna.create_study(storage=make_storage(url), study_name="race")
+    for x in range(40):
+        study.enqueue_trial({"x": x}, skip_if_exists=False)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    start_at = time.time() + 4.0   # after every process has imported optuna and opened the study
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, url, str(start_at)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]
+    claims = [trial_id for out, _ in outs for trial_id in json.loads(out)]
+    assert sorted(claims) == sorted(t._trial_id for t in study.get_trials())   # each one, once
+
+
+def test_seeded_sampler_draws_depend_on_the_trial_not_the_process(tmp_path):
+    # Two processes sharing a study each build the sampler from the same search.seed. Their trials
+    # must get distinct candidates (a plain RandomSampler(seed=0) in each drew the same sequence:
+    # the same candidate launched twice), and a trial's draw must not depend on which process
+    # asked, so one process reproduces a run with the same seed.
+    from oomtune.search.storage import make_sampler
+
+    shared = _study(tmp_path, "shared")
+    a = optuna.load_study(study_name="shared", storage=shared._storage, sampler=make_sampler("random", 0))
+    b = optuna.load_study(study_name="shared", storage=shared._storage, sampler=make_sampler("random", 0))
+    drawn = {}
+    for study in (a, b, b, a):   # trial numbers 0..3, asked alternately by the two "processes"
+        trial = study.ask()
+        drawn[trial.number] = trial.suggest_int("x", 0, 10**9)
+        study.tell(trial, 1.0)
+    assert len(set(drawn.values())) == 4
+
+    alone = optuna.create_study(sampler=make_sampler("random", 0))   # one process, same seed
+    again = {}
+    for _ in range(4):
+        trial = alone.ask()
+        again[trial.number] = trial.suggest_int("x", 0, 10**9)
+        alone.tell(trial, 1.0)
+    assert again == drawn
+
+    plain = [optuna.samplers.RandomSampler(seed=0) for _ in range(2)]   # the old samplers: the same draw
+    first = [optuna.create_study(sampler=s).ask().suggest_int("x", 0, 10**9) for s in plain]
+    assert first[0] == first[1]

@@ -174,12 +174,12 @@ def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_o
 
     from oomtune.search import records as R
     from oomtune.search.storage import make_storage
-    from oomtune.search.workers import Executor, _claims_row_locked
+    from oomtune.search.workers import Executor, claims_row_locked
 
     url = pg.create_database()
     study = optuna.create_study(storage=make_storage(url, heartbeat_interval_s=1, grace_period_s=2),
                                 study_name="threads", direction="maximize")
-    assert _claims_row_locked(study)                      # the concurrent path is the one tested
+    assert claims_row_locked(study)                      # the concurrent path is the one tested
     ran, lock = [], threading.Lock()
 
     def evaluate(trial, slot):

@@ -40,6 +40,7 @@ from oomtune.search import ranking as K
 from oomtune.search import records as R
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.space import Candidate, SearchSpace
+from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import format_bytes
@@ -126,7 +127,7 @@ class Search:
                  predictor: Any = None, prune_margin: float | None = 0.10,
                  on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None,
                  slots: Sequence[str] | None = None, poll_s: float = 0.5):
-        self.study, self.space, self.opt = study, space, options
+        self.space, self.opt = space, options
         self.runner, self.confirm_runner, self.workdir = runner, confirm_runner, workdir
         self.predict, self.predictor, self.prune_margin = predict, predictor, prune_margin
         self.on_trial = on_trial or (lambda trial, role: None)
@@ -140,6 +141,12 @@ class Search:
         self._batch_low: int | None = None
         self.executor = Executor(study, list(slots or [options.device]), self._work_on, on_trial=self.on_trial,
                                  say=self.say, poll_s=poll_s, interrupt=self._kill_trials)
+
+    @property
+    def study(self) -> Any:
+        """The study, as the calling worker thread's own Study object (its own storage cache, so
+        that workers do not wait for each other's reads: :meth:`Executor.study_here`)."""
+        return self.executor.study_here()
 
     # ---------------------------------------------------------------- running candidates
     def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False,
@@ -203,20 +210,31 @@ class Search:
                 return t
         return None
 
-    def _evaluate(self, trial: Any, cand: Candidate, role: str) -> float:
+    def _describe(self, trial: Any, cand: Candidate, role: str) -> int | None:
+        """Store what the trial is (role, allocator string, prediction, confirmed trial) before it
+        runs; returns the calibrated predicted peak reserved (bytes) or None."""
+        attrs: dict[str, Any] = {R.ATTR_CONF: cand.alloc_conf}
         if trial.user_attrs.get(R.ATTR_ROLE) != role:  # set at enqueue / by the Executor's ask
-            trial.set_user_attr(R.ATTR_ROLE, role)
-        trial.set_user_attr(R.ATTR_CONF, cand.alloc_conf)
+            attrs[R.ATTR_ROLE] = role
         predicted = self.predict(cand) if self.predict is not None else None
         if predicted is not None:
-            trial.set_user_attr(R.ATTR_PREDICTED, int(predicted))
+            attrs[R.ATTR_PREDICTED] = int(predicted)
         if role == "confirm":
-            trial.set_user_attr(R.ATTR_CONFIRMS, trial.user_attrs.get(R.ATTR_CONFIRMS, self._confirms.get(cand)))
+            attrs[R.ATTR_CONFIRMS] = trial.user_attrs.get(R.ATTR_CONFIRMS, self._confirms.get(cand))
+        set_trial_attrs(trial, attrs)
+        return predicted
+
+    def _evaluate(self, trial: Any, cand: Candidate, role: str, predicted: int | None) -> float:
+        if role == "confirm":
             spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True)
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}",
                                              **self._trial_env())
             return self._tell(trial, result)
-        trials = self.study.get_trials(deepcopy=False)  # one read for the three checks below
+        # one read for the three checks below: the worker's read made right before it created this
+        # trial (a sampler trial), else a new one
+        trials = self.executor.last_read()
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False)
         known = self._known_infeasible(cand, predicted, trials) if role == "search" else None
         earlier = self._reusable(cand, trials) if role == "search" and known is None else None
         if known is not None:
@@ -235,13 +253,14 @@ class Search:
         A trial killed because this process was interrupted is not a result: KeyboardInterrupt."""
         if self.executor.interrupted.is_set():
             raise KeyboardInterrupt
-        trial.set_user_attr(R.ATTR_RESULT, result.to_dict())
-        trial.set_user_attr(R.ATTR_OUTCOME, result.outcome)
-        trial.set_user_attr(R.ATTR_PEAK_RESERVED, R.peak_reserved_label(result))  # readable in optuna-dashboard
         outcome = result.outcome_enum
+        # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
+        # memory constraint: one storage round trip
+        set_trial_attrs(trial, {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome,
+                                R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result)},
+                        {} if outcome.is_fault else {"memory": R.violation(result, self.limit)})
         if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)
-        trial.set_constraint("memory", R.violation(result, self.limit))
         return float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0
 
     def _run_batch(self, cands: list[Candidate], role: str) -> list[Any]:
@@ -268,8 +287,10 @@ class Search:
         worker's device ``slot``: the Executor's evaluate function."""
         self._local.device = slot
         role = trial.user_attrs.get(R.ATTR_ROLE, "search")
-        cand = self.space.suggest(trial, batch_low=self._batch_low if role == "search" else None)
-        return self._evaluate(trial, cand, role)
+        with one_transaction(trial):  # one storage round trip: the candidate's parameters and what it is
+            cand = self.space.suggest(trial, batch_low=self._batch_low if role == "search" else None)
+            predicted = self._describe(trial, cand, role)
+        return self._evaluate(trial, cand, role, predicted)
 
     def _trial_env(self) -> dict[str, Any]:
         """``env=`` for the runner: torch's thread count when several CPU trials share the cores."""

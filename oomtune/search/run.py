@@ -231,8 +231,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         runner.close()
         confirm_runner.close()
     summary = drive.summary(best, best_result, confirmed, baseline)
-    # Coordination counters of this process (storage round trips, seconds in them, trials claimed,
-    # duplicates finished without running): experiments/bench_workers.py reads them.
+    # Coordination counters of this process (the Executor's own storage calls and seconds in them;
+    # the trial's writes are not counted here, experiments/bench_workers.py counts the database's
+    # transactions), trials claimed, duplicates finished without running.
     (p.run_dir / "workers.json").write_text(json.dumps({"slots": slots, **drive.executor.stats}))
     from oomtune.search.outputs import write_outputs
 

@@ -53,10 +53,13 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
 
         with warnings.catch_warnings():  # heartbeat_interval is marked experimental in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return _first_open(lambda: optuna.storages.RDBStorage(
+            storage = _first_open(lambda: optuna.storages.RDBStorage(
                 url, engine_kwargs=_engine_kwargs(url), heartbeat_interval=int(heartbeat_interval_s),
                 grace_period=int(grace_period_s), **_retry_callback(optuna),
             ))
+        if url.startswith("sqlite"):
+            _begin_immediate(storage.engine)
+        return storage
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
         raise ConfigError(storage_error_message(url, exc)) from None
 
@@ -131,10 +134,32 @@ def _first_open(open_rdb: Any, attempts: int = 6) -> Any:
 
 def _engine_kwargs(url: str) -> dict[str, Any]:
     """SQLAlchemy engine options: ``pool_pre_ping`` for servers; for SQLite a 60 s busy timeout, so
-    that several writers wait for the lock instead of failing with "database is locked"."""
+    that several writers wait for the lock instead of failing with "database is locked", and the
+    driver's own transaction handling off (``isolation_level=None``: :func:`_begin_immediate`
+    begins every transaction)."""
     if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 60}}
+        return {"connect_args": {"timeout": 60, "isolation_level": None}}
     return {"pool_pre_ping": True}
+
+
+def _begin_immediate(engine: Any) -> None:
+    """Begin every transaction on ``engine`` (SQLite) with ``BEGIN IMMEDIATE``, which takes the
+    database's write lock at once, so a transaction that reads and then writes is atomic across
+    threads and processes.
+
+    Why: Optuna's RDB storage makes its read-then-write steps atomic with ``SELECT ... FOR
+    UPDATE`` (a trial's WAITING -> RUNNING claim, failing a stale trial). SQLite has no row locks,
+    and Python's sqlite3 begins a transaction only at the first write, so the read ran outside it:
+    measured, 4 processes claiming 60 WAITING trials of one SQLite file made 71-81 claims
+    (tests/test_workers.py::test_sqlite_claims_are_atomic_across_processes). With the write lock
+    taken at BEGIN, the second claimer reads RUNNING and moves on. SQLAlchemy's documented recipe
+    for pysqlite transactions ("Serializable isolation / Savepoints / Transactional DDL"); readers
+    then wait for the lock too (busy timeout: :func:`_engine_kwargs`)."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def _retry_callback(optuna: Any) -> dict[str, Any]:
@@ -229,6 +254,10 @@ def record_once(study: Any, key: str, value: Any) -> Any:
 def make_sampler(name: str, seed: int | None) -> Any:
     """An Optuna sampler by name: tpe (default), random, qmc, gp.
 
+    With a seed, the tpe, random and gp samplers draw each trial's values from its own seed,
+    ``(seed, trial number)`` (:class:`oomtune.search.seeding.TrialSeeded`): processes sharing one
+    study then draw distinct candidates, and one process draws the same ones on every run.
+
     Constraints reach the samplers through ``Trial.set_constraint`` (Optuna >= 5), so infeasible
     trials (OOM) inform TPE/GP instead of being discarded as FAIL.
 
@@ -240,11 +269,11 @@ def make_sampler(name: str, seed: int | None) -> Any:
     samplers = {
         # constant_liar: trials still RUNNING (other workers') count as bad, so that workers do not
         # all sample the same point; without concurrent trials it changes nothing.
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=True,
-                                                  constant_liar=True),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-        "qmc": lambda: optuna.samplers.QMCSampler(seed=seed),
-        "gp": lambda: optuna.samplers.GPSampler(seed=seed),
+        "tpe": lambda s: optuna.samplers.TPESampler(seed=s, n_startup_trials=4, multivariate=True,
+                                                    constant_liar=True),
+        "random": lambda s: optuna.samplers.RandomSampler(seed=s),
+        "qmc": lambda s: optuna.samplers.QMCSampler(seed=s),
+        "gp": lambda s: optuna.samplers.GPSampler(seed=s),
     }
     if name not in samplers:
         raise ConfigError(f"unknown sampler {name!r}: choose one of {', '.join(sorted(samplers))}")
@@ -252,7 +281,11 @@ def make_sampler(name: str, seed: int | None) -> Any:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
-        return samplers[name]()
+        if seed is None or name == "qmc":  # QMC's points are numbered by the study, not drawn
+            return samplers[name](seed)
+        from oomtune.search.seeding import TrialSeeded
+
+        return TrialSeeded(samplers[name], seed)   # processes sharing the study draw distinct candidates
 
 
 def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,

@@ -4,10 +4,14 @@ Work is divided through the study itself, as Optuna's distributed optimisation d
 candidates is *enqueued* (``Study.enqueue_trial``: WAITING trials) and any worker, in this process
 or in another process or machine pointed at the same storage, *claims* one by moving it from
 WAITING to RUNNING (``Study._pop_waiting_trial_id``: a row-locked state change on PostgreSQL, so
-exactly one claimer wins). The sampler's own trials are asked for (``Study.ask``) by whichever
-worker is free. The worker threads of one process claim and ask at once where the storage
-row-locks the claim (PostgreSQL, MySQL); on SQLite, which does not, one at a time
-(:func:`_claims_row_locked`). Between two trials a worker reads the study once.
+exactly one claimer wins; on SQLite every transaction takes the database's write lock at its
+start, :func:`oomtune.search.storage.make_storage`). The sampler's own trials are asked for by
+whichever worker is free (:func:`ask_new`: Optuna's ``Study.ask``, the new trial created with its
+role). The worker threads of one process claim and ask at once where the storage row-locks the
+claim (PostgreSQL, MySQL); on SQLite, which runs one writer at a time anyway, they take turns
+(:func:`claims_row_locked`). Between two trials a worker reads the study once; each worker thread
+has its own Study object (:meth:`Executor.study_here`), so workers do not wait for each other's
+reads inside Optuna's per-Study cache.
 
 No candidate runs twice: every enqueued candidate carries a key (role + parameters + extra
 attributes, :data:`ATTR_KEY`). A round first looks for a trial with its key (one that has a result,
@@ -29,18 +33,17 @@ backoff (:func:`oomtune.search.storage.retrying`).
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 from oomtune.search import records as R
+from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_row_locked, count_sampler,
+                                   has_result, is_live, trial_key)
 from oomtune.search.storage import retrying
 
 __all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
 
-ATTR_KEY = "oomtune.key"                 # the candidate's identity within its role
-ATTR_DUPLICATE_OF = "oomtune.duplicate_of"
 MAX_ATTEMPTS = 3                         # enqueues of one candidate left without a result
 
 
@@ -48,39 +51,7 @@ class TrialErrored(Exception):
     """Raised by an evaluate function so that the trial is told FAIL (an error or crash outcome)."""
 
 
-def trial_key(role: str, params: dict[str, Any], attrs: dict[str, Any] | None = None) -> str:
-    """The identity of an enqueued candidate: ``role|params|attrs`` as canonical JSON."""
-    return f"{role}|{json.dumps(params, sort_keys=True)}|{json.dumps(attrs or {}, sort_keys=True)}"
-
-
-def _has_result(t: Any) -> bool:
-    return t.state.name in ("COMPLETE", "FAIL") and R.ATTR_RESULT in t.user_attrs
-
-
-def _live(t: Any) -> bool:
-    return t.state.name in ("WAITING", "RUNNING")
-
-
-def _count_sampler(trials: Sequence[Any], role: str) -> int:
-    """Sampler trials of ``role`` in ``trials`` (finished with a result, or running; a RUNNING
-    trial without role or key is one the sampler just created, its role not yet set)."""
-    return sum(1 for t in trials if ATTR_KEY not in t.user_attrs
-               and ((t.user_attrs.get(R.ATTR_ROLE) == role and (_has_result(t) or t.state.name == "RUNNING"))
-                    or (R.ATTR_ROLE not in t.user_attrs and t.state.name == "RUNNING")))
-
-
 _DONE = object()  # a worker's next_trial: the phase is over
-
-
-def _claims_row_locked(study: Any) -> bool:
-    """Whether the study's storage makes a claim atomic between threads: Optuna's
-    ``RDBStorage.set_trial_state_values`` reads the trial ``FOR UPDATE``, a row lock on PostgreSQL
-    and MySQL; SQLite ignores it (and Python's sqlite3 runs the read outside the write's
-    transaction), so two threads can both move one WAITING trial to RUNNING: measured, a
-    candidate ran 2-3 times (tests/test_workers.py). Other storages: claims stay serialized."""
-    backend = getattr(study._storage, "_backend", study._storage)
-    engine = getattr(backend, "engine", None)
-    return engine is not None and engine.dialect.name in ("postgresql", "mysql")
 
 
 class Executor:
@@ -101,6 +72,10 @@ class Executor:
             first, so an evaluate function can tell a killed trial from a result.
     """
 
+    #: one Study object per worker thread (:meth:`study_here`); experiments/bench_workers.py turns
+    #: it off to measure the workers sharing one
+    own_studies = True
+
     def __init__(self, study: Any, slots: Sequence[str], evaluate: Callable[[Any, str], float], *,
                  on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None,
                  poll_s: float = 0.5, interrupt: Callable[[], None] | None = None) -> None:
@@ -113,26 +88,81 @@ class Executor:
         self.interrupt = interrupt or (lambda: None)
         self.interrupted = threading.Event()
         self._lock = threading.Lock()     # counting of the sampler's trials within this process
+        self._changed = threading.Condition(self._lock)  # an ask or a trial of this process ended
+        self._generation = 0              # ... counted here, so that a waiting worker wakes at once
         self._reserved = 0                # sampler trials being asked for now (this process)
+        self._tls = threading.local()     # per worker thread: its study object, its last read
+        self._studies = [study]           # every study object of this process's workers
+        self._slot_studies: dict[int, Any] = {}  # worker index -> its study object (study_here)
         # claims (WAITING -> RUNNING, also inside Optuna's ask) one at a time within this process,
-        # except where the storage row-locks them (see _claims_row_locked)
-        self._claim_lock = contextlib.nullcontext() if _claims_row_locked(study) else threading.Lock()
+        # except where the storage row-locks them (see claims_row_locked)
+        self._claim_lock = contextlib.nullcontext() if claims_row_locked(study) else threading.Lock()
         self._asked: set[int] = set()     # numbers of the sampler trials this process asked for
         self._last_stale_check = 0.0
         self._error: BaseException | None = None
         self.stats = {"storage_calls": 0, "storage_s": 0.0, "claimed": 0, "duplicates": 0}
 
     # ------------------------------------------------------------------ storage helpers
+    def study_here(self) -> Any:
+        """The study object of the calling worker thread, else the shared one.
+
+        Optuna wraps an RDB storage in one cache per Study object (``_CachedStorage``) whose lock is
+        held during its database round trips (reading the unfinished trials, setting a parameter),
+        so worker threads sharing one Study wait for each other's queries. Each worker thread of a
+        process with several slots therefore works on its own Study object: the same study (name,
+        storage engine and connection pool, sampler), its own cache and lock. Measured with 8
+        workers on PostgreSQL (experiments/bench_workers.py): see the "one Study per worker" row."""
+        return getattr(self._tls, "study", None) or self.study
+
+    def last_read(self) -> list[Any] | None:
+        """The study's trials as this worker thread read them right before it created the trial it
+        is running (a sampler trial), or None (a claimed WAITING trial: no read was made for it).
+        Lets the evaluate function skip a second read of the study."""
+        return getattr(self._tls, "trials", None)
+
+    def _own_study(self) -> Any:
+        """A Study object for this worker thread (see :meth:`study_here`); the shared one for a
+        single worker or a storage without Optuna's per-Study cache (journal, in-memory)."""
+        import optuna
+        from optuna.storages._cached_storage import _CachedStorage
+
+        storage = self.study._storage
+        if len(self.slots) == 1 or not isinstance(storage, _CachedStorage) or not self.own_studies:
+            return self.study
+        own = self._call("open the study", lambda: optuna.Study(
+            study_name=self.study.study_name, storage=storage._backend, sampler=self.study.sampler,
+            pruner=self.study.pruner))
+        with self._lock:
+            self._studies.append(own)
+        return own
+
+    def _slot_study(self, index: int) -> Any:
+        """Worker ``index``'s Study object, made on first use and kept for the later phases."""
+        with self._lock:
+            study = self._slot_studies.get(index)
+        if study is None:
+            study = self._own_study()
+            with self._lock:
+                self._slot_studies[index] = study
+        return study
+
+    def _notify(self) -> None:
+        """Wake this process's waiting workers: an ask or a trial ended."""
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         try:
             return retrying(fn, what, say=self.say)
-        finally:  # best-effort counters (benchmarks read them)
+        finally:  # best-effort counters (workers.json)
             self.stats["storage_calls"] += 1
             self.stats["storage_s"] += time.perf_counter() - started
 
     def _trials(self) -> list[Any]:
-        return self._call("read trials", lambda: self.study.get_trials(deepcopy=False))
+        study = self.study_here()
+        return self._call("read trials", lambda: study.get_trials(deepcopy=False))
 
     def _fail_stale(self) -> None:
         """Fail RUNNING trials whose heartbeat stopped (their retry is enqueued by the storage's
@@ -147,7 +177,8 @@ class Executor:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            self._call("fail stale trials", lambda: optuna.storages.fail_stale_trials(self.study))
+            study = self.study_here()
+            self._call("fail stale trials", lambda: optuna.storages.fail_stale_trials(study))
 
     # ------------------------------------------------------------------ claiming and running
     def _claim(self) -> Any | None:
@@ -155,9 +186,11 @@ class Executor:
         import optuna
 
         self._fail_stale()
+        study = self.study_here()
+        self._tls.trials = None
         with self._claim_lock:
-            trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
-        return None if trial_id is None else optuna.Trial(self.study, trial_id)
+            trial_id = self._call("claim a trial", study._pop_waiting_trial_id)
+        return None if trial_id is None else optuna.Trial(study, trial_id)
 
     def _next_sampler_trial(self, n_trials: int, role: str, stopped: Callable[[], bool]) -> Any:
         """The next trial of the sampler phase: a WAITING trial (claimed), else a new trial from the
@@ -167,40 +200,41 @@ class Executor:
 
         The process's lock covers only counting: a trial this process is asking for (or asked for
         after the read) counts although the read does not show it, so this process's workers never
-        overshoot ``n_trials``; the storage calls (Optuna's ``ask``: claim, create, sample) run
-        outside it, several at once (Optuna's RDB storage and samplers allow concurrent ``ask``, as
-        ``Study.optimize(n_jobs=N)`` does)."""
-        import warnings
-
+        overshoot ``n_trials``; the storage calls (claim, create, sample) run outside it, several at
+        once (Optuna's RDB storage and samplers allow concurrent ``ask``, as
+        ``Study.optimize(n_jobs=N)`` does). A read can show a trial another worker of this process
+        is still asking for while that ask is also counted as reserved: the caller then waits for
+        that ask to end (:meth:`_work`), not for a poll interval."""
         import optuna
 
         self._fail_stale()
+        study = self.study_here()
+        self._tls.trials = None
         trials = self._trials()
         if any(t.state.name == "WAITING" for t in trials):
             with self._claim_lock:
-                trial_id = self._call("claim a trial", self.study._pop_waiting_trial_id)
+                trial_id = self._call("claim a trial", study._pop_waiting_trial_id)
             if trial_id is not None:
-                return optuna.Trial(self.study, trial_id)
+                return optuna.Trial(study, trial_id)
         with self._lock:
             present = {t.number for t in trials}
-            counted = _count_sampler(trials, role) + self._reserved + sum(1 for n in self._asked if n not in present)
+            counted = count_sampler(trials, role) + self._reserved + sum(1 for n in self._asked if n not in present)
             if counted >= n_trials or stopped():
-                finished = _count_sampler(trials, role) >= n_trials or stopped()
+                finished = count_sampler(trials, role) >= n_trials or stopped()
                 return _DONE if finished and not any(t.state.name == "WAITING" for t in trials) else None
             self._reserved += 1
         trial = None
         try:
-            with warnings.catch_warnings(), self._claim_lock:  # "heartbeat ... used with optimize"
-                warnings.simplefilter("ignore")
-                trial = self._call("ask the sampler", self.study.ask)
+            with self._claim_lock:
+                trial = self._call("ask the sampler", lambda: ask_new(study, role))
         finally:
-            with self._lock:
+            with self._changed:
                 self._reserved -= 1
                 if trial is not None:
                     self._asked.add(trial.number)
-        if trial.user_attrs.get(R.ATTR_ROLE) is None and ATTR_KEY not in trial.user_attrs:
-            # counted as ``role`` from its creation on (RUNNING, no role, no key: a sampler trial)
-            self._call("set the role", lambda: trial.set_user_attr(R.ATTR_ROLE, role))
+                self._generation += 1
+                self._changed.notify_all()
+        self._tls.trials = trials
         return trial
 
     def _duplicate_of(self, trial: Any) -> int | None:
@@ -210,7 +244,7 @@ class Executor:
         for t in self._trials():  # another copy has a result, or is live and older: it runs, not us
             if (t.number != trial.number and t.user_attrs.get(ATTR_KEY) == key
                     and ATTR_DUPLICATE_OF not in t.user_attrs
-                    and (_has_result(t) or (_live(t) and t.number < trial.number))):
+                    and (has_result(t) or (is_live(t) and t.number < trial.number))):
                 return t.number
         return None
 
@@ -224,59 +258,69 @@ class Executor:
         if original is not None:
             self.stats["duplicates"] += 1
             self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
-            self._call("tell", lambda: self.study.tell(trial, state=TrialState.FAIL))
+            self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL))
+            self._notify()
             return
         # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
         cached = getattr(trial, "_cached_frozen_trial", None)
         system_attrs = cached.system_attrs if cached is not None else self._call(
-            "read a trial", lambda: self.study._storage.get_trial(trial._trial_id).system_attrs)
+            "read a trial", lambda: trial.study._storage.get_trial(trial._trial_id).system_attrs)
         if "failed_trial" in system_attrs:
             self.say(f"[trial {trial.number}] retrying trial {system_attrs['failed_trial']} "
                      "(its worker stopped: heartbeat expired)")
         state, value = TrialState.FAIL, None
         try:
-            with get_heartbeat_thread(trial._trial_id, self.study._storage):
+            with get_heartbeat_thread(trial._trial_id, trial.study._storage):
                 value = self.evaluate(trial, slot)
             state = TrialState.COMPLETE
         except TrialErrored:
             pass
         finally:  # also on Ctrl-C: the trial is FAIL without a result ("interrupted")
-            frozen = self._call("tell", lambda: self.study.tell(trial, value, state=state, skip_if_finished=True))
+            frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
+            self._notify()
         self.on_trial(frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search"))
 
-    def _work(self, slot: str, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
+    def _work(self, index: int, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
+        slot, study = self.slots[index], self._slot_study(index)
+        self._tls.study, self._tls.trials = study, None
         # This loop is an optimize loop in Optuna's sense: samplers may call Study.stop() from
         # after_trial (GridSampler, grid exhausted), which Optuna allows only inside one.
-        local = self.study._thread_local
+        local = study._thread_local
         was, local.in_optimize_loop = local.in_optimize_loop, True
         try:
             while self._error is None and not done():
+                with self._changed:
+                    generation = self._generation
                 trial = next_trial()
                 if trial is _DONE:
                     break
-                if trial is None:
-                    time.sleep(self.poll_s)
+                if trial is None:  # nothing to do now: until this process's next ask or trial ends
+                    with self._changed:
+                        self._changed.wait_for(lambda: self._generation != generation, self.poll_s)
                     continue
                 self._run_claimed(trial, slot)
         finally:
             local.in_optimize_loop = was
+            self._tls.study = self._tls.trials = None
 
     def _run_workers(self, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
         """Every slot works until ``done()``; the first exception of any worker is re-raised here
         after the others stop (a KeyboardInterrupt in the main thread stops them too)."""
         if len(self.slots) == 1:
-            self._work(self.slots[0], next_trial, done)
+            self._work(0, next_trial, done)
             return
         self._error = None
+        for index in range(len(self.slots)):  # every worker's Study object ready before any starts
+            self._slot_study(index)
 
-        def body(slot: str) -> None:
+        def body(index: int) -> None:
             try:
-                self._work(slot, next_trial, done)
+                self._work(index, next_trial, done)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 self._error = self._error or exc
 
-        threads = [threading.Thread(target=body, args=(s,), name=f"oomtune-worker-{i}", daemon=True)
-                   for i, s in enumerate(self.slots)]
+        threads = [threading.Thread(target=body, args=(i,), name=f"oomtune-worker-{i}", daemon=True)
+                   for i in range(len(self.slots))]
         for t in threads:
             t.start()
         try:
@@ -319,16 +363,17 @@ class Executor:
             for (params, role, attrs), key in zip(items, keys):
                 mine = [t for t in trials if t.user_attrs.get(ATTR_KEY) == key
                         and ATTR_DUPLICATE_OF not in t.user_attrs]
-                done = [t for t in mine if _has_result(t)]
+                done = [t for t in mine if has_result(t)]
                 if done:
                     found[key] = min(done, key=lambda t: t.number)
-                elif not any(_live(t) for t in mine):
+                elif not any(is_live(t) for t in mine):
                     if attempts[key] >= MAX_ATTEMPTS and mine:
                         found[key] = max(mine, key=lambda t: t.number)
                         continue
                     attempts[key] += 1
                     user_attrs = {R.ATTR_ROLE: role, ATTR_KEY: key, **attrs}
-                    self._call("enqueue", lambda: self.study.enqueue_trial(params, user_attrs=user_attrs))
+                    study = self.study_here()
+                    self._call("enqueue", lambda: study.enqueue_trial(params, user_attrs=user_attrs))
             leftover = any(t.state.name == "WAITING" and t.user_attrs.get(ATTR_KEY) in found for t in trials)
             return found, leftover
 
@@ -352,11 +397,13 @@ class Executor:
         With several processes the count is read before each ask, so the study may end with up
         to (processes - 1) more trials than ``n_trials``; within a process it never overshoots."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.study._stop_flag = False  # set by Study.stop() (e.g. GridSampler: grid exhausted)
+        for study in self._studies:  # set by Study.stop() (e.g. GridSampler: grid exhausted)
+            study._stop_flag = False
         self._asked.clear()
 
         def stopped() -> bool:
-            return self.study._stop_flag or (deadline is not None and time.monotonic() >= deadline)
+            return (any(study._stop_flag for study in self._studies)
+                    or (deadline is not None and time.monotonic() >= deadline))
 
         # the phase's end is decided by _next_sampler_trial from its own read of the study
         self._run_workers(lambda: self._next_sampler_trial(n_trials, role, stopped), stopped)
@@ -366,6 +413,6 @@ class Executor:
         trials have finished), so that every process ranks the same finished trials."""
 
         def done() -> bool:
-            return not any(_live(t) and t.user_attrs.get(R.ATTR_ROLE, "search") in roles for t in self._trials())
+            return not any(is_live(t) and t.user_attrs.get(R.ATTR_ROLE, "search") in roles for t in self._trials())
 
         self._run_workers(self._claim, done)
