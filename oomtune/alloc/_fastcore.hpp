@@ -14,6 +14,10 @@
 // stop with status DECLINED (the caller then replays with the Python simulator): a negative size,
 // running out of simulated address space, and expandable-segment states the Python code would
 // reject with an exception.
+//
+// Keeping the two in step: a change to the Python simulator's behaviour must be ported here (the
+// identity tests fail until it is); after editing this file or _fastcore.pyx, rebuild with
+// `pip install -e .` (or `python setup.py build_ext --inplace`).
 #pragma once
 #include <cstdint>
 #include <iterator>
