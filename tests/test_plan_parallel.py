@@ -12,7 +12,8 @@ import pytest
 
 from oomtune.alloc.stream import AllocationStream
 from oomtune.plan import predictor as P
-from oomtune.plan.feasibility import build_plan, grid_batches, replay_groups
+from oomtune.plan._spread import replay_groups
+from oomtune.plan.feasibility import build_plan, grid_batches
 from oomtune.plan.parallel import default_workers, fork_map
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs the fork start method")

@@ -329,8 +329,10 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
     rows: list[PlanRow] = []
     if hasattr(predictor, "prepare"):  # capture the anchors of the derived streams (Predictor.prepare)
         predictor.prepare(grid)
-    if int(getattr(predictor, "workers", 1)) > 1 and hasattr(predictor, "fork_mark") and len(kept) > 1:
-        rows = _rows_forked(predictor, kept, grid, limit_bytes, on_row)
+    if int(getattr(predictor, "workers", 1)) > 1 and len(kept) > 1:   # spread over processes
+        from oomtune.plan._spread import rows_forked
+
+        rows = rows_forked(predictor, kept, grid, limit_bytes, on_row, frontier_row)
     else:
         for mapping in kept:
             rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
@@ -344,62 +346,6 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         derived=len(getattr(predictor, "derived_batches", ())), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
         headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,
     )
-
-
-def replay_groups(mappings: Sequence[dict[str, Any]]) -> list[list[int]]:
-    """Indexes of ``mappings`` grouped by everything but ``garbage_collection_threshold``, in order of
-    first appearance: a configuration with a threshold reuses the replays of the same one without it
-    (:meth:`oomtune.plan.predictor.Predictor._replay`), so a group is computed in one process."""
-    groups: dict[tuple, list[int]] = {}
-    for i, mapping in enumerate(mappings):
-        key = tuple(sorted((k, repr(v)) for k, v in mapping.items() if k != "garbage_collection_threshold"))
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
-
-
-def _rows_forked(predictor: Any, kept: Sequence[dict[str, Any]], grid: Sequence[int], limit_bytes: int | None,
-                 on_row: Callable[[PlanRow], None] | None) -> list[PlanRow]:
-    """:func:`frontier_row` of every mapping, the groups of :func:`replay_groups` spread over
-    ``predictor.workers`` processes (:func:`oomtune.plan.parallel.fork_map`: this one and forked
-    children); each group runs the same calls as in one process. The children's predictions,
-    streams and counters are merged into ``predictor``; the phase's wall time is split over capture /
-    derive / replay in proportion to the seconds spent in each. ``on_row`` is called in order."""
-    import os
-
-    from oomtune.plan.parallel import fork_map
-
-    groups = replay_groups(kept)
-
-    def work(group: list[int]) -> tuple[int, list[PlanRow], dict[str, Any]]:
-        mark = predictor.fork_mark()
-        rows = [frontier_row(predictor, kept[i], grid, limit_bytes) for i in group]
-        return os.getpid(), rows, predictor.fork_delta(mark)
-
-    done: dict[int, PlanRow] = {}
-    shown = 0
-
-    def arrived(index: int, result: tuple[int, list[PlanRow], dict[str, Any]]) -> None:
-        nonlocal shown
-        done.update(zip(groups[index], result[1]))
-        while shown in done:   # progress in the order of the configurations
-            if on_row is not None:
-                on_row(done[shown])
-            shown += 1
-
-    before = (predictor.capture_seconds, predictor.derive_seconds, predictor.replay_seconds)
-    t0 = time.perf_counter()
-    results = fork_map(work, groups, predictor.workers, on_result=arrived)
-    wall = time.perf_counter() - t0
-    spent = [0.0, 0.0, 0.0]
-    for pid, _, delta in results:
-        if pid != os.getpid():   # a child's work (this process's own is in predictor already)
-            predictor.merge_delta(delta)
-        for k, key in enumerate(("capture_s", "derive_s", "replay_s")):
-            spent[k] += delta[key]
-    if sum(spent) > 0:
-        predictor.capture_seconds, predictor.derive_seconds, predictor.replay_seconds = (
-            b + wall * x / sum(spent) for b, x in zip(before, spent))
-    return [done[i] for i in range(len(kept))]
 
 
 def check_writable(path: str | Path, label: str) -> Path:

@@ -346,40 +346,6 @@ class Predictor:
                     self._derivation_off("request sizes are not affine in the batch size")
         return stream
 
-    def fork_mark(self) -> tuple:
-        """What this predictor holds now, for :meth:`fork_delta` in a forked worker."""
-        return (set(self._cache), set(self._streams), set(self.derived_batches), self.replays,
-                self.capture_seconds, self.derive_seconds, self.replay_seconds)
-
-    def fork_delta(self, mark: tuple) -> dict[str, Any]:
-        """What a forked worker added since ``mark`` (:meth:`fork_mark`), picklable, for
-        :meth:`merge_delta` in the parent: predictions and replays, streams captured or derived,
-        counters and seconds."""
-        cache, streams, derived, replays, cap_s, der_s, rep_s = mark
-        return {"cache": {k: v for k, v in self._cache.items() if k not in cache},
-                "replayed": {k: v for k, v in self._replays.items() if (k[0], k[1]) not in cache},
-                "streams": {b: s for b, s in self._streams.items() if b not in streams},
-                "captured": [b for b in self._captured if b not in streams],
-                "reasons": {b: self._capture_reasons[b] for b in self._captured if b not in streams},
-                "derived": [b for b in self.derived_batches if b not in derived],
-                "fallback": set(self.fallback_reasons), "replays": self.replays - replays,
-                "capture_s": self.capture_seconds - cap_s, "derive_s": self.derive_seconds - der_s,
-                "replay_s": self.replay_seconds - rep_s}
-
-    def merge_delta(self, delta: dict[str, Any]) -> None:
-        """Take in a forked worker's :meth:`fork_delta` (the caller accounts for the seconds).
-        A batch size two workers both derived or captured counts once."""
-        self._cache.update(delta["cache"])
-        self._replays.update(delta["replayed"])
-        for b, s in delta["streams"].items():
-            self._streams.setdefault(b, s)
-        for b in delta["captured"]:
-            self._captured.setdefault(b, self._streams[b])
-            self._capture_reasons.setdefault(b, delta["reasons"][b])
-        self.derived_batches.extend(b for b in delta["derived"] if b not in self.derived_batches)
-        self.fallback_reasons |= delta["fallback"]
-        self.replays += delta["replays"]
-
     def _derivation_off(self, why: str) -> None:
         self._model = None
         self.derive = False
