@@ -426,8 +426,8 @@ class Search:
         self.executor.run_sampler(self.opt.n_trials, "search", self.opt.timeout_s)
 
     # ---------------------------------------------------------------- 3. ranking and confirmation
-    def _candidates(self) -> list[Any]:
-        return [t for t in self.study.get_trials(deepcopy=False)
+    def _candidates(self, trials: Sequence[Any] | None = None) -> list[Any]:
+        return [t for t in (self.study.get_trials(deepcopy=False) if trials is None else trials)
                 if t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and R.is_feasible_ok(t)
                 and R.ATTR_REUSED not in t.user_attrs]
 
@@ -450,8 +450,10 @@ class Search:
         return ranked
 
     def leader(self) -> Any | None:
-        """The leader so far under the final ranking rule (the progress line's "best")."""
-        trials = self._candidates()
+        """The leader so far under the final ranking rule (the progress line's "best"); in a worker
+        reporting a trial, from the worker's read of the study made after that trial finished
+        (:meth:`Executor.last_read`)."""
+        trials = self._candidates(self.executor.last_read())
         if not trials:
             return None
         if self.opt.objective == "batch":

@@ -4,9 +4,9 @@ process grew from 70 ms to 470 ms, spent mostly in storage calls; experiments/be
 
 Optuna's Trial API opens, checks and commits one transaction per value (``set_user_attr``,
 ``set_constraint``, and ``set_trial_param`` for each suggested parameter). The helpers here write
-the same rows through the same Optuna storage methods (``RDBStorage._set_trial_attr_without_commit``,
-``_set_trial_param_without_commit``), several in one session; for other storages (journal,
-in-memory) they fall back to the Trial API unchanged.
+the same rows, with the same checks, through Optuna's own storage method and tables
+(``RDBStorage._set_trial_attr_without_commit``, ``TrialParamModel``; see :func:`_write`), several
+in one session; for other storages (journal, in-memory) they fall back to the Trial API unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["set_trial_attrs", "one_transaction"]
 def _rdb(trial: Any) -> Any:
     """The trial's RDBStorage when it has the methods used here, else None."""
     backend = getattr(trial.storage, "_backend", None)   # a study wraps its RDBStorage in a cache
-    needed = ("_set_trial_attr_without_commit", "_set_trial_param_without_commit", "scoped_session")
+    needed = ("_set_trial_attr_without_commit", "check_trial_is_updatable", "scoped_session")
     if backend is None or not all(hasattr(backend, name) for name in needed) or _constraint_key() is None:
         return None
     return backend
@@ -92,9 +92,9 @@ def one_transaction(trial: Any) -> Iterator[None]:
     ends, instead of one transaction each (Optuna's ``Trial._suggest`` calls
     ``storage.set_trial_param`` per parameter; the search space has one parameter per allocator key
     and data-loader setting plus the batch size). Each value is sampled, checked and cached by
-    Optuna as usual; what is written is what Optuna would write
-    (``RDBStorage._set_trial_param_without_commit``, including its check against the study's
-    earlier distribution of the name). Other storages: nothing changes.
+    Optuna as usual; what is written is what Optuna would write (the rows and checks of
+    ``RDBStorage._set_trial_param_without_commit``: :func:`_write`). Other storages: nothing
+    changes.
 
     Raises:
         Optuna's errors for an incompatible distribution or a finished trial, when the block ends.
@@ -115,20 +115,53 @@ def one_transaction(trial: Any) -> Iterator[None]:
 
 def _write(backend: Any, params: list[tuple], attrs: list[tuple]) -> None:
     """``params`` ``(trial_id, name, internal value, distribution, known distribution)`` and
-    ``attrs`` ``(trial_id, user attrs, system attrs)`` in one session of ``backend``."""
+    ``attrs`` ``(trial_id, user attrs, system attrs)`` in one session of ``backend``.
+
+    The attributes go through Optuna's own ``_set_trial_attr_without_commit`` (an upsert per
+    database dialect). The parameters are the rows ``RDBStorage._set_trial_param_without_commit``
+    adds, inserted in one statement through Optuna's table (``TrialParamModel``) after the same
+    checks: the trial is not finished (read once per trial, not once per parameter) and each
+    distribution is compatible with the one the study already has for the name (from Optuna's
+    per-Study cache, else the same query Optuna makes)."""
     if not params and not attrs:
         return
+    from optuna.distributions import check_distribution_compatibility, distribution_to_json
     from optuna.storages._rdb import models
     from optuna.storages._rdb.storage import _create_scoped_session
+    from sqlalchemy import insert
 
     with _create_scoped_session(backend.scoped_session) as session:
+        studies = {}
+        for trial_id in sorted({p[0] for p in params}):
+            trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
+            backend.check_trial_is_updatable(trial_id, trial.state)
+            studies[trial_id] = trial.study_id
+        rows = []
         for trial_id, name, value, distribution, known in params:
-            backend._set_trial_param_without_commit(session, trial_id, name, value, distribution, known)
+            known = known if known is not None else _stored_distribution(session, studies[trial_id], name)
+            if known is not None:
+                check_distribution_compatibility(known, distribution)
+            rows.append({"trial_id": trial_id, "param_name": name, "param_value": value,
+                         "distribution_json": distribution_to_json(distribution)})
+        if rows:
+            session.execute(insert(models.TrialParamModel), rows)
         for trial_id, user_attrs, system_attrs in attrs:
             for key, value in user_attrs.items():
                 backend._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, key, value)
             for key, value in system_attrs.items():
                 backend._set_trial_attr_without_commit(session, models.TrialSystemAttributeModel, trial_id, key, value)
+
+
+def _stored_distribution(session: Any, study_id: int, name: str) -> Any:
+    """The distribution of parameter ``name`` in any trial of the study, or None (the query of
+    ``RDBStorage._set_trial_param_without_commit``)."""
+    from optuna.distributions import json_to_distribution
+    from optuna.storages._rdb import models
+
+    record = (session.query(models.TrialParamModel).join(models.TrialModel)
+              .filter(models.TrialModel.study_id == study_id)
+              .filter(models.TrialParamModel.param_name == name).first())
+    return None if record is None else json_to_distribution(record.distribution_json)
 
 
 def _known_distribution(storage: Any, trial_id: int, name: str) -> Any:

@@ -115,9 +115,11 @@ class Executor:
         return getattr(self._tls, "study", None) or self.study
 
     def last_read(self) -> list[Any] | None:
-        """The study's trials as this worker thread read them right before it created the trial it
-        is running (a sampler trial), or None (a claimed WAITING trial: no read was made for it).
-        Lets the evaluate function skip a second read of the study."""
+        """The study's trials as this worker thread read them last, when it looked for its next
+        sampler trial: inside ``evaluate``, right before the trial was created or claimed; inside
+        ``on_trial``, after the reported trial had finished. None where no such read was made (a
+        round's trials, claimed without a read of the whole study). Lets ``evaluate`` and
+        ``on_trial`` skip reads of their own."""
         return getattr(self._tls, "trials", None)
 
     def _own_study(self) -> Any:
@@ -210,7 +212,7 @@ class Executor:
         self._fail_stale()
         study = self.study_here()
         self._tls.trials = None
-        trials = self._trials()
+        trials = self._tls.trials = self._trials()
         if any(t.state.name == "WAITING" for t in trials):
             with self._claim_lock:
                 trial_id = self._call("claim a trial", study._pop_waiting_trial_id)
@@ -234,7 +236,6 @@ class Executor:
                     self._asked.add(trial.number)
                 self._generation += 1
                 self._changed.notify_all()
-        self._tls.trials = trials
         return trial
 
     def _duplicate_of(self, trial: Any) -> int | None:
@@ -248,8 +249,9 @@ class Executor:
                 return t.number
         return None
 
-    def _run_claimed(self, trial: Any, slot: str) -> None:
-        """Run one claimed trial with a heartbeat and tell Optuna its outcome."""
+    def _run_claimed(self, trial: Any, slot: str) -> tuple[Any, str] | None:
+        """Run one claimed trial with a heartbeat and tell Optuna its outcome; returns what to
+        report (``on_trial``'s arguments), None for a duplicate finished without running."""
         from optuna.storages._heartbeat import get_heartbeat_thread
         from optuna.trial import TrialState
 
@@ -260,7 +262,7 @@ class Executor:
             self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
             self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL))
             self._notify()
-            return
+            return None
         # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
         cached = getattr(trial, "_cached_frozen_trial", None)
         system_attrs = cached.system_attrs if cached is not None else self._call(
@@ -278,7 +280,7 @@ class Executor:
         finally:  # also on Ctrl-C: the trial is FAIL without a result ("interrupted")
             frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
             self._notify()
-        self.on_trial(frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search"))
+        return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
 
     def _work(self, index: int, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
         slot, study = self.slots[index], self._slot_study(index)
@@ -287,21 +289,33 @@ class Executor:
         # after_trial (GridSampler, grid exhausted), which Optuna allows only inside one.
         local = study._thread_local
         was, local.in_optimize_loop = local.in_optimize_loop, True
+        # A finished trial is reported (on_trial) after the worker has taken its next one: the
+        # read of the study made for that (last_read) then already holds the finished trial, so
+        # the report (e.g. the progress line's leader) needs no read of its own.
+        report = None
         try:
             while self._error is None and not done():
                 with self._changed:
                     generation = self._generation
                 trial = next_trial()
+                if report is not None:
+                    report, finished = None, report
+                    self.on_trial(*finished)
                 if trial is _DONE:
                     break
                 if trial is None:  # nothing to do now: until this process's next ask or trial ends
                     with self._changed:
                         self._changed.wait_for(lambda: self._generation != generation, self.poll_s)
                     continue
-                self._run_claimed(trial, slot)
+                report = self._run_claimed(trial, slot)
         finally:
             local.in_optimize_loop = was
-            self._tls.study = self._tls.trials = None
+            self._tls.trials = None
+            try:
+                if report is not None:
+                    self.on_trial(*report)
+            finally:
+                self._tls.study = None
 
     def _run_workers(self, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
         """Every slot works until ``done()``; the first exception of any worker is re-raised here
