@@ -7,8 +7,8 @@ Measures replayed events per second on one core (process CPU time, best of ``--r
       free_completed of the replayed device, keyed by address) as an ``AllocationStream`` through
       ``replay_stream`` under the recorded settings on a 1 TiB device (the simulator's own rate);
       "replay_snapshot" = ``oomtune.trace.replay_snapshot`` with its defaults, end to end (the
-      starting state rebuilt, releases classified, segment events compared; the per-request
-      simulator calls there still run in Python), events = trace entries replayed;
+      starting state rebuilt, releases classified, segment events compared, all in Python; one
+      simulator call per request, which the compiled core serves), events = trace entries replayed;
 for three codes, each in its own processes, alternating: "compiled" (this checkout with its compiled
 core, oomtune.alloc._fastcore, which must be built: ``pip install -e .``), "pure" (this checkout with
 OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before issue 13's replay changes). Checks
