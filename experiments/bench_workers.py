@@ -15,9 +15,10 @@ Starts a throwaway PostgreSQL server (tests/pg_server.py: the OS package's initd
    (``pg_stat_database``: every Optuna storage call is one, setup of the study included, divided by
    the trials) and the time a trial spends in the study beyond its process's own wall time (claim,
    parameters, attributes, tell).
-2. Variants at the largest N, in one run, alternating (--repeats each): the workers as built; the
-   workers of a process taking turns for claims and asks (``claims_row_locked`` False, what SQLite
-   does); all workers on one shared Study object (``Executor.own_studies`` False: Optuna's
+2. Variants at the largest N, in one run, alternating (--repeats each): the workers as built
+   (claiming at once up to the core count, in turns above it); the workers of a process claiming
+   and asking at once whatever their number (``claims_at_once`` = ``claims_row_locked``); taking
+   turns for claims and asks (``claims_at_once`` False, what SQLite does); all workers on one shared Study object (``Executor.own_studies`` False: Optuna's
    per-Study cache holds its lock during database reads). Same trial phase and overhead figures.
 3. Faults. Three ``oomtune search`` processes (one worker each) share a study with
    ``search.heartbeat_interval=1 search.grace_period=2``; when worker 0 runs a trial its process
@@ -51,7 +52,9 @@ SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 # Variants of the workers, set in the search process before it starts (no product option exists).
 VARIANTS = {
     "as built": "",
-    "taking turns": "import oomtune.search.workers as W; W.claims_row_locked = lambda study: False",
+    "claiming at once": "import oomtune.search.workers as W, oomtune.search.claims as C; "
+                        "W.claims_at_once = lambda study, n: C.claims_row_locked(study)",
+    "taking turns": "import oomtune.search.workers as W; W.claims_at_once = lambda study, n: False",
     "one shared Study": "import oomtune.search.workers as W; W.Executor.own_studies = False",
 }
 

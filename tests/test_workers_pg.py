@@ -10,6 +10,8 @@ allocator (no setting changes the throughput; the default wins ties, search.min_
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import subprocess
@@ -164,22 +166,28 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
     assert probes == [8, 16, 32, 48, 52, 56, 64]
 
 
-def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_once(pg):
+def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_once(pg, monkeypatch):
     # On PostgreSQL the Executor's threads claim (WAITING -> RUNNING, a row read FOR UPDATE) and
     # ask the sampler at once, without a process-wide lock: still each enqueued candidate runs in
-    # one thread only, and the sampler phase ends at exactly n_trials.
+    # one thread only, and the sampler phase ends at exactly n_trials. (8 threads exceed this
+    # machine's cores, where the Executor takes turns by default: claims_at_once is forced here.)
     import threading
 
     import optuna
 
+    from oomtune.search import claims as C
     from oomtune.search import records as R
+    from oomtune.search import workers as W
     from oomtune.search.storage import make_storage
-    from oomtune.search.workers import Executor, claims_row_locked
+    from oomtune.search.workers import Executor
 
     url = pg.create_database()
     study = optuna.create_study(storage=make_storage(url, heartbeat_interval_s=1, grace_period_s=2),
                                 study_name="threads", direction="maximize")
-    assert claims_row_locked(study)                      # the concurrent path is the one tested
+    assert C.claims_row_locked(study)
+    monkeypatch.setattr(W, "claims_at_once", lambda study, n: C.claims_row_locked(study))
+    ex0 = Executor(study, ["cpu"] * 8, lambda trial, slot: 0.0)
+    assert isinstance(ex0._claim_lock, contextlib.nullcontext)  # the concurrent path is the one tested
     ran, lock = [], threading.Lock()
 
     def evaluate(trial, slot):
@@ -223,3 +231,19 @@ def test_record_once_on_postgresql_has_exactly_one_winner(pg):
     for t in threads:
         t.join()
     assert len(got) == 8 and all(g == got[0] for g in got)
+
+
+def test_worker_threads_take_turns_above_the_core_count(pg, monkeypatch, tmp_path):
+    # claims_at_once: at once on a row-locking storage up to the CPU cores the process may use,
+    # in turns above (and always on SQLite, which locks the whole file per transaction).
+    import optuna
+
+    from oomtune.search import claims as C
+    from oomtune.search.storage import make_storage
+
+    pg_study = optuna.create_study(storage=make_storage(pg.create_database()), study_name="cores")
+    lite = optuna.create_study(storage=make_storage(f"sqlite:///{tmp_path}/cores.db"), study_name="cores")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert C.claims_at_once(pg_study, 1) and C.claims_at_once(pg_study, 2)
+    assert not C.claims_at_once(pg_study, 3) and not C.claims_at_once(pg_study, 8)
+    assert not C.claims_at_once(lite, 1)

@@ -8,9 +8,9 @@ exactly one claimer wins; on SQLite every transaction takes the database's write
 start, :func:`oomtune.search.storage.make_storage`). The sampler's own trials are asked for by
 whichever worker is free (:func:`ask_new`: Optuna's ``Study.ask``, the new trial created with its
 role). The worker threads of one process claim and ask at once where the storage row-locks the
-claim (PostgreSQL, MySQL); on SQLite, which runs one writer at a time anyway, they take turns
-(:func:`claims_row_locked`). Between two trials a worker reads the study once; each worker thread
-has its own Study object (:meth:`Executor.study_here`), so workers do not wait for each other's
+claim (PostgreSQL, MySQL) and they are no more than the CPU cores; on SQLite, which runs one
+writer at a time anyway, and above the core count, they take turns (:func:`claims_at_once`).
+Between two trials a worker reads the study once; each worker thread has its own Study object (:meth:`Executor.study_here`), so workers do not wait for each other's
 reads inside Optuna's per-Study cache.
 
 No candidate runs twice: every enqueued candidate carries a key (role + parameters + extra
@@ -38,7 +38,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from oomtune.search import records as R
-from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_row_locked, count_sampler,
+from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_at_once, count_sampler,
                                    has_result, is_live, trial_key)
 from oomtune.search.storage import retrying
 
@@ -95,8 +95,8 @@ class Executor:
         self._studies = [study]           # every study object of this process's workers
         self._slot_studies: dict[int, Any] = {}  # worker index -> its study object (study_here)
         # claims (WAITING -> RUNNING, also inside Optuna's ask) one at a time within this process,
-        # except where the storage row-locks them (see claims_row_locked)
-        self._claim_lock = contextlib.nullcontext() if claims_row_locked(study) else threading.Lock()
+        # except where the storage row-locks them and there are no more workers than cores
+        self._claim_lock = contextlib.nullcontext() if claims_at_once(study, len(slots)) else threading.Lock()
         self._asked: set[int] = set()     # numbers of the sampler trials this process asked for
         self._last_stale_check = 0.0
         self._error: BaseException | None = None
