@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["default_workers", "fork_map", "MAX_WORKERS"]
+__all__ = ["default_workers", "usable_cores", "fork_map", "MAX_WORKERS"]
 
 #: Processes at most, whatever the core count (each child holds a copy-on-write image of the plan).
 MAX_WORKERS = 8
@@ -39,7 +39,15 @@ def default_workers() -> int:
     to use in a forked child of a process with threads, hence Python's ``spawn`` default there)."""
     if not sys.platform.startswith("linux"):
         return 1
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    return max(1, min(usable_cores(), MAX_WORKERS))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: ``os.sched_getaffinity`` where it exists (a container
+    or ``taskset`` may allow fewer than the machine has), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,

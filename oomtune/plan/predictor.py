@@ -290,9 +290,7 @@ class Predictor:
             from oomtune.plan.parallel import fork_map
 
             t0 = time.perf_counter()
-            real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
-            got = fork_map(lambda b: capture_training_stream(self.model_cfg, b, steps=self.steps, **real_gpu),
-                           wanted, self.workers)
+            got = fork_map(self._capture_raw, wanted, self.workers)
             self._precaptured.update(zip(wanted, got))
             self.capture_seconds += time.perf_counter() - t0   # the wall time of the parallel captures
         for b in anchors + spots:
@@ -325,13 +323,18 @@ class Predictor:
         self.derived_batches.append(batch_size)
         return derived
 
+    def _capture_raw(self, batch_size: int) -> tuple[Any, str | None]:
+        """(stream, fallback reason) of one capture at ``batch_size``: :func:`capture_training_stream`
+        with cuBLAS workspaces where the geometry is a real GPU's (it has ``non_allocator_bytes``)."""
+        real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
+        return capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
         if batch_size in self._precaptured:   # captured by prepare()'s workers (timed there)
             stream, reason = self._precaptured.pop(batch_size)
         else:
-            real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
-            stream, reason = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+            stream, reason = self._capture_raw(batch_size)
             self.capture_seconds += time.perf_counter() - t0
         if reason:
             self.fallback_reasons.add(reason)

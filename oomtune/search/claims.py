@@ -59,10 +59,9 @@ def claims_at_once(study: Any, workers: int) -> bool:
     claims only queue for the cores and the GIL while holding database locks: on the 2-core
     machine, 8 workers on PostgreSQL reached 0.88-0.89 of linear taking turns and 0.84-0.85
     claiming at once (3 runs each, alternating, quiet machine; experiments/bench_workers.py)."""
-    import os
+    from oomtune.plan.parallel import usable_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return claims_row_locked(study) and workers <= cores
+    return claims_row_locked(study) and workers <= usable_cores()
 
 
 def ask_new(study: Any, role: str) -> Any:
