@@ -60,6 +60,7 @@ def _extensions() -> list:
 
     ext = Extension("oomtune.alloc._fastcore", ["oomtune/alloc/_fastcore.pyx"], language="c++",
                     include_dirs=["oomtune/alloc"], extra_compile_args=["-O2", "-std=c++14"],
+                    depends=["oomtune/alloc/_fastcore.hpp", "oomtune/alloc/_fasttrace.pxi"],
                     optional=True)
     try:
         return cythonize([ext], language_level=3, quiet=True)

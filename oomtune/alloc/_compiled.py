@@ -21,7 +21,7 @@ try:
 except ImportError:   # not built: the pure-Python simulator does everything
     _fastcore = None
 
-__all__ = ["available", "enabled", "replay_compiled", "make_simulator"]
+__all__ = ["available", "enabled", "replay_compiled", "make_simulator", "trace_replay", "is_compiled"]
 
 
 def available() -> bool:
@@ -83,3 +83,22 @@ def make_simulator(settings: Any = None, **kwargs: Any) -> Any:
         return _fastcore.FastSim(ref, _cfg(ref), bool(kwargs.get("record_segment_events", False)))
     except ValueError:   # a setting beyond the core's range: the Python simulator
         return ref
+
+
+def is_compiled(sim: Any) -> bool:
+    """True when ``sim`` is the compiled simulator (``_fastcore.FastSim``)."""
+    return _fastcore is not None and isinstance(sim, _fastcore.FastSim)
+
+
+def trace_replay(trace: list[dict], final: list[dict]) -> Any:
+    """The compiled analysis of one device's trace (``_fastcore.TraceReplay``: starting state,
+    recorded reserved walk, release runs, recorded segment events, and the replay on a FastSim),
+    or None when the core is disabled or declines the trace (a value it does not take: a missing
+    or non-int address, size or stream, a value outside [0, 2**56), an unknown segment_type); the
+    caller then runs the Python path of :mod:`oomtune.trace`, which raises its own errors."""
+    if not enabled():
+        return None
+    try:
+        return _fastcore.TraceReplay(trace, final)
+    except (ValueError, LookupError, TypeError, AttributeError, OverflowError):
+        return None

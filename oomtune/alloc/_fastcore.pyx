@@ -304,3 +304,6 @@ cdef class FastSim:
     @property
     def num_device_free(self):
         return self.core.num_device_free
+
+
+include "_fasttrace.pxi"

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Release", "DeviceLimit", "classify_releases", "infer_device_limit", "recorded_reserved_walk"]
+__all__ = ["Release", "DeviceLimit", "classify_releases", "classify_runs", "infer_device_limit", "limit_from",
+           "oom_points", "recorded_reserved_walk", "release_runs"]
 
 _GROW = ("segment_alloc", "segment_map")
 _SHRINK = ("segment_free", "segment_unmap")
@@ -99,6 +100,62 @@ def _frames_verdict(entries: list[dict]) -> bool | None:
     return None
 
 
+def release_runs(trace: list[dict], before: list[int]) -> list[tuple[int, int, int, int, bool, tuple[int, int] | None]]:
+    """Every run of consecutive segment releases in ``trace``, before classification.
+
+    ``before``: reserved bytes before each entry (:func:`recorded_reserved_walk`). One tuple per run:
+    ``(first, last, reserved_before_bytes, needed_bytes, followed, request)``: ``followed`` is True
+    when a segment_alloc/segment_map/oom comes before the next request entry (``needed_bytes`` its
+    size, else 0); ``request``: ``(size_bytes, stream)`` of the next ``alloc`` entry, or None. The
+    compiled core computes the same tuples (``_fastcore.TraceReplay.release_runs``).
+    """
+    out = []
+    i, n = 0, len(trace)
+    next_alloc: tuple[int, int] | None = None
+    alloc_at = -1   # index of the next alloc entry after the last run (n: none); each entry scanned once
+    while i < n:
+        if trace[i]["action"] not in _SHRINK:
+            i += 1
+            continue
+        j = i
+        while j + 1 < n and trace[j + 1]["action"] in _SHRINK:
+            j += 1
+        needed, followed = 0, False
+        for k in range(j + 1, n):
+            later = trace[k]
+            act = later["action"]
+            if act in _GROW or act == "oom":
+                needed, followed = later["size"], True
+                break
+            if act in _REQUESTS:
+                break
+        if alloc_at <= j:
+            alloc_at, next_alloc = j + 1, None
+            while alloc_at < n and trace[alloc_at]["action"] != "alloc":
+                alloc_at += 1
+            if alloc_at < n:
+                next_alloc = (trace[alloc_at]["size"], trace[alloc_at].get("stream", 0))
+        out.append((i, j, before[i], needed, followed, next_alloc))
+        i = j + 1
+    return out
+
+
+def classify_runs(trace: list[dict], runs: list[tuple], peak: int) -> list[Release]:
+    """:class:`Release` of each run from :func:`release_runs` (rules 1-3 of the module docstring);
+    ``peak``: the recorded peak reserved bytes."""
+    out = []
+    for i, j, reserved_before, needed, followed, request in runs:
+        verdict = _frames_verdict(trace[i:j + 1])
+        if verdict is not None:
+            explicit, rule = verdict, "frames"
+        elif not followed:
+            explicit, rule = True, "request stream"
+        else:
+            explicit, rule = reserved_before + needed <= peak, "device limit"
+        out.append(Release(i, j, explicit, rule, reserved_before, needed, request))
+    return out
+
+
 def classify_releases(trace: list[dict], initial_reserved: int,
                       walk: tuple[list[int], int] | None = None) -> list[Release]:
     """Every run of consecutive segment releases in ``trace``, classified (module docstring).
@@ -109,37 +166,13 @@ def classify_releases(trace: list[dict], initial_reserved: int,
         walk: :func:`recorded_reserved_walk`'s result when the caller has it (else computed).
     """
     before, peak = walk or recorded_reserved_walk(trace, initial_reserved)
-    out: list[Release] = []
-    i, n = 0, len(trace)
-    while i < n:
-        if trace[i]["action"] not in _SHRINK:
-            i += 1
-            continue
-        j = i
-        while j + 1 < n and trace[j + 1]["action"] in _SHRINK:
-            j += 1
-        needed, followed = 0, False
-        for later in trace[j + 1:]:
-            act = later["action"]
-            if act in _GROW:
-                needed, followed = later["size"], True
-                break
-            if act == "oom":
-                needed, followed = later["size"], True
-                break
-            if act in _REQUESTS:
-                break
-        request = next(((e["size"], e.get("stream", 0)) for e in trace[j + 1:] if e["action"] == "alloc"), None)
-        verdict = _frames_verdict(trace[i:j + 1])
-        if verdict is not None:
-            explicit, rule = verdict, "frames"
-        elif not followed:
-            explicit, rule = True, "request stream"
-        else:
-            explicit, rule = before[i] + needed <= peak, "device limit"
-        out.append(Release(i, j, explicit, rule, before[i], needed, request))
-        i = j + 1
-    return out
+    return classify_runs(trace, release_runs(trace, before), peak)
+
+
+def oom_points(trace: list[dict], before: list[int]) -> list[int]:
+    """``reserved + device_free`` (bytes) at each ``oom`` entry that records an int ``device_free``."""
+    return [before[i] + e["device_free"] for i, e in enumerate(trace)
+            if e["action"] == "oom" and isinstance(e.get("device_free"), int)]
 
 
 def infer_device_limit(trace: list[dict], initial_reserved: int, releases: list[Release],
@@ -149,8 +182,13 @@ def infer_device_limit(trace: list[dict], initial_reserved: int, releases: list[
     ``walk``: :func:`recorded_reserved_walk`'s result when the caller has it (else computed).
     """
     before, peak = walk or recorded_reserved_walk(trace, initial_reserved)
+    return limit_from(peak, releases, oom_points(trace, before))
+
+
+def limit_from(peak: int, releases: list[Release], points: list[int]) -> DeviceLimit | None:
+    """:func:`infer_device_limit` from its parts: the recorded ``peak`` reserved bytes, the classified
+    ``releases`` and the :func:`oom_points`."""
     high: int | None = None
-    exact: int | None = None
     sources = ["at least the peak reserved (the device held it)"]
     for r in releases:
         if not r.explicit and r.needed_bytes:
@@ -159,10 +197,7 @@ def infer_device_limit(trace: list[dict], initial_reserved: int, releases: list[
                 high = bound
     if high is not None:
         sources.append("below reserved + needed at the allocator's releases")
-    for i, e in enumerate(trace):
-        if e["action"] == "oom" and isinstance(e.get("device_free"), int):
-            point = before[i] + e["device_free"]
-            exact = point if exact is None else min(exact, point)
+    exact = min(points) if points else None
     if exact is not None:
         sources.append("reserved + device_free at the oom entry")
     if high is None and exact is None:

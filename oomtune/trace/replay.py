@@ -31,8 +31,8 @@ from oomtune.trace.compare import (SEGMENT_ACTIONS, divergence_detail, first_div
                                    recorded_events)
 from oomtune.trace.initial_state import (InitialBlock, InitialSegment, InitialState, device_trace,
                                          rebuild_initial_state, seed_initial_state)
-from oomtune.trace.releases import (DeviceLimit, Release, classify_releases, infer_device_limit,
-                                    recorded_reserved_walk)
+from oomtune.trace.releases import (DeviceLimit, Release, classify_runs, limit_from, oom_points,
+                                    recorded_reserved_walk, release_runs)
 
 __all__ = [
     "InitialBlock", "InitialSegment", "InitialState", "SnapshotReplay", "DEFAULT_TOTAL_MEMORY_BYTES",
@@ -143,13 +143,55 @@ def _render(settings: Any) -> str:
     return render() if callable(render) else str(settings)
 
 
+class _Analysis:
+    """What the replay needs from the trace before running it: the starting state's reserved and
+    live bytes, the recorded peak, the runs of releases, the oom entries' limits, the recorded
+    segment events. Computed by the compiled core when it is enabled and takes the trace
+    (``oomtune.alloc._compiled.trace_replay``, same results), else by the Python functions of
+    :mod:`oomtune.trace.initial_state` / :mod:`oomtune.trace.releases` / :mod:`oomtune.trace.compare`.
+    """
+
+    def __init__(self, snapshot: dict[str, Any], device: int, trace: list[dict], final: list[dict]) -> None:
+        from oomtune.alloc._compiled import trace_replay
+
+        self.snapshot, self.device, self.trace = snapshot, device, trace
+        self.fast = trace_replay(trace, final)
+        self._state: InitialState | None = None
+        if self.fast is None:
+            state = self.state
+            self.reserved_bytes, self.live_bytes = state.reserved_bytes, state.live_bytes
+            before, self.peak = recorded_reserved_walk(trace, self.reserved_bytes)
+            self.runs, self.oom_points = release_runs(trace, before), oom_points(trace, before)
+        else:
+            fast = self.fast
+            self.reserved_bytes, self.live_bytes, self.peak = fast.reserved_bytes, fast.live_bytes, fast.peak
+            self.runs, self.oom_points = fast.release_runs(), fast.oom_points()
+
+    @property
+    def state(self) -> InitialState:
+        """The starting state as :func:`rebuild_initial_state` gives it (computed when first asked)."""
+        if self._state is None:
+            self._state = rebuild_initial_state(self.snapshot, self.device)
+        return self._state
+
+    def tally(self, events: list[list[Any]]) -> tuple[list[int], int, int]:
+        """:func:`_tally` (in the compiled core when it analysed the trace)."""
+        return self.fast.tally(events) if self.fast is not None else _tally(events)
+
+    def recorded_events(self) -> list[list[Any]]:
+        """:func:`oomtune.trace.compare.recorded_events` of the trace, each event a list."""
+        if self.fast is not None:
+            return self.fast.recorded_events()
+        return [list(e) for e in recorded_events(self.trace)]
+
+
 class _Run:
     """Mutable replay state: the simulator, the address map and the simulated events so far."""
 
     def __init__(self, sim: Any, addr_map: dict[int, int]) -> None:
         self.sim, self.addr_map = sim, addr_map
         self.seen = len(sim.segment_events)  # events of the synthetic prefix are not compared
-        self.events: list[tuple[str, int, int]] = []
+        self.events: list[list[Any]] = []   # [action, size, position]
         self.replayed = 0
         self.by_cache: set[int] = set()   # releases found to be the program's by the cached-block rule
 
@@ -157,7 +199,7 @@ class _Run:
         """Attribute the simulator's new segment events to request ``position``."""
         new = self.sim.segment_events
         if len(new) > self.seen:
-            self.events.extend((ev["action"], ev["size"], position) for ev in new[self.seen:])
+            self.events.extend([ev["action"], ev["size"], position] for ev in new[self.seen:])
             self.seen = len(new)
 
 
@@ -183,7 +225,7 @@ def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int],
                     addr_map[e["addr"]] = malloc(e["size"], e.get("stream", 0))
                 except SimulatedOutOfMemoryError:
                     run.collect(pos)
-                    run.events.append(("oom", e["size"], pos))
+                    run.events.append(["oom", e["size"], pos])
                     return {"event_index": i, "requested_bytes": e["size"], "phase": "replay"}
                 replayed += 1
                 if len(seg_events) > run.seen:   # run.collect(pos), inlined: most requests make none
@@ -200,7 +242,7 @@ def _replay_events(run: _Run, trace: list[dict], explicit_starts: set[int],
                     addr = malloc(e["size"], e.get("stream", 0))
                 except SimulatedOutOfMemoryError:
                     run.collect(pos)
-                    run.events.append(("oom", e["size"], pos))
+                    run.events.append(["oom", e["size"], pos])
                 else:  # the simulator found room where the device did not: a divergence, shown as such
                     run.collect(pos)
                     free(addr)
@@ -260,7 +302,7 @@ def replay_snapshot(
     notes: list[str] = []
     device = default_device(snapshot) if device is None else device
     trace, final = device_trace(snapshot, device)
-    state = rebuild_initial_state(snapshot, device)
+    facts = _Analysis(snapshot, device, trace, final)
     if isinstance(settings, str) and settings == RECORDED:
         settings, note = recorded_settings(snapshot)
         settings_source = "recorded" if snapshot.get("allocator_settings") and note is None else \
@@ -271,10 +313,9 @@ def replay_snapshot(
         settings_source = "given"
         if isinstance(settings, str):
             settings = AllocatorSettings.parse(settings)
-    walk = recorded_reserved_walk(trace, state.reserved_bytes)
-    groups = classify_releases(trace, state.reserved_bytes, walk)
+    groups = classify_runs(trace, facts.runs, facts.peak)
     while True:  # at most twice: again when the cached-block rule changed what bounds the limit
-        limit = infer_device_limit(trace, state.reserved_bytes, groups, walk)
+        limit = limit_from(facts.peak, groups, facts.oom_points)
         if total_memory_bytes is not None:
             total, budget_source = total_memory_bytes, "given"
         elif limit is not None:
@@ -282,13 +323,13 @@ def replay_snapshot(
         else:
             total, budget_source = DEFAULT_TOTAL_MEMORY_BYTES, "default"
         started = time.perf_counter()
-        run, oom_at, exact, retries0 = _run_replay(settings, total, device, memory_fraction, state, trace,
+        run, oom_at, exact, retries0 = _run_replay(settings, total, device, memory_fraction, facts, trace,
                                                    groups, releases)
         if not run.by_cache:
             break
         groups = [dataclasses.replace(g, explicit=True, rule="cached block") if g.first in run.by_cache else g
                   for g in groups]
-        if total_memory_bytes is not None or infer_device_limit(trace, state.reserved_bytes, groups, walk) == limit:
+        if total_memory_bytes is not None or limit_from(facts.peak, groups, facts.oom_points) == limit:
             break
     seconds = time.perf_counter() - started
     held = devices_with_data(snapshot)
@@ -300,23 +341,29 @@ def replay_snapshot(
                       + ("" if settings_source != "given" or not snapshot.get("allocator_settings")
                          else " (the trace was recorded under its own allocator_settings)")
                       + ": the replay is approximate")
-    return _result(run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-                   snapshot, groups, limit, total, budget_source, device, held, notes,
-                   walk[1])
+    return _result(run, facts, final, oom_at, retries0, seconds, exact, settings, settings_source,
+                   snapshot, groups, limit, total, budget_source, device, held, notes)
 
 
-def _run_replay(settings: Any, total: int, device: int, memory_fraction: float | None, state: InitialState,
+def _run_replay(settings: Any, total: int, device: int, memory_fraction: float | None, facts: _Analysis,
                 trace: list[dict], groups: list[Release], releases: str) -> tuple[_Run, Any, bool, int]:
-    """Seed a fresh simulator with ``state`` and replay ``trace``: (run, oom_at, exact, retries0)."""
+    """Seed a fresh simulator with the starting state and replay ``trace``: (run, oom_at, exact,
+    retries0); on the compiled simulator the whole loop runs in the core (``TraceReplay.replay``)."""
+    from oomtune.alloc._compiled import is_compiled
     from oomtune.alloc.sim import SimulatedOutOfMemoryError
 
     sim = _make_sim(settings, total, device, memory_fraction)
     explicit = {g.first for g in groups if releases == "all" or (releases == "auto" and g.explicit)}
     check_cache = {g.first: g.request for g in groups if releases == "auto" and not g.explicit
                    and g.rule == "device limit" and g.request is not None}
+    if facts.fast is not None and is_compiled(sim):
+        events, oom_at, replayed, by_cache, exact, retries0 = facts.fast.replay(sim, explicit, check_cache)
+        run = _Run(sim, {})
+        run.events, run.replayed, run.by_cache = events, replayed, set(by_cache)
+        return run, oom_at, exact, retries0
     oom_at = None
     try:
-        addr_map, exact = seed_initial_state(sim, state)
+        addr_map, exact = seed_initial_state(sim, facts.state)
     except SimulatedOutOfMemoryError as exc:
         addr_map, exact = {}, False
         oom_at = {"event_index": None, "requested_bytes": getattr(exc, "requested_bytes", None),
@@ -341,11 +388,27 @@ def _limit_dict(limit: DeviceLimit | None) -> dict[str, Any] | None:
             "sources": list(limit.sources)}
 
 
-def _result(run: _Run, trace, final, state, oom_at, retries0, seconds, exact, settings, settings_source,
-            snapshot, groups, limit, total, budget_source, device, devices, notes, rec_peak) -> SnapshotReplay:
+def _tally(events: list[list[Any]]) -> tuple[list[int], int, int]:
+    """Of ``[action, size, position]`` segment events: the sizes of segment_alloc/segment_map, the
+    number of segment_free/segment_unmap, the number of oom (one pass)."""
+    grown, shrunk, ooms = [], 0, 0
+    for action, size, _ in events:
+        if action in _GROW:
+            grown.append(size)
+        elif action == "oom":
+            ooms += 1
+        else:
+            shrunk += 1
+    return grown, shrunk, ooms
+
+
+def _result(run: _Run, facts: _Analysis, final, oom_at, retries0, seconds, exact, settings, settings_source,
+            snapshot, groups, limit, total, budget_source, device, devices, notes) -> SnapshotReplay:
     stats = run.sim.memory_stats()
-    recorded = recorded_events(trace)
-    simulated = run.events
+    recorded, simulated = facts.recorded_events(), run.events   # lists [action, size, position]
+    rec_grown, rec_shrunk, rec_ooms = facts.tally(recorded)
+    sim_grown, sim_shrunk, sim_ooms = facts.tally(simulated)
+    same = recorded == simulated
     peak_reserved = stats["reserved_bytes.all.peak"]
     peak_active = stats["active_bytes.all.peak"]
     return SnapshotReplay(
@@ -357,23 +420,23 @@ def _result(run: _Run, trace, final, state, oom_at, retries0, seconds, exact, se
         oom=oom_at is not None,
         oom_at=oom_at,
         events_replayed=run.replayed,
-        recorded_segment_events=[list(e) for e in recorded],
-        simulated_segment_events=[list(e) for e in simulated],
-        recorded_segment_allocs=[s for a, s, _ in recorded if a in _GROW],
-        simulated_segment_allocs=[s for a, s, _ in simulated if a in _GROW],
-        recorded_segment_frees=sum(1 for a, _, _ in recorded if a in _SHRINK),
-        simulated_segment_frees=sum(1 for a, _, _ in simulated if a in _SHRINK),
-        recorded_ooms=sum(1 for a, _, _ in recorded if a == "oom"),
-        simulated_ooms=sum(1 for a, _, _ in simulated if a == "oom"),
-        recorded_peak_reserved_bytes=rec_peak,
+        recorded_segment_events=recorded,
+        simulated_segment_events=simulated,
+        recorded_segment_allocs=rec_grown,
+        simulated_segment_allocs=sim_grown,
+        recorded_segment_frees=rec_shrunk,
+        simulated_segment_frees=sim_shrunk,
+        recorded_ooms=rec_ooms,
+        simulated_ooms=sim_ooms,
+        recorded_peak_reserved_bytes=facts.peak,
         recorded_final_reserved_bytes=sum(s["total_size"] for s in final),
         simulated_final_reserved_bytes=stats["reserved_bytes.all.current"],
-        first_divergence=first_divergence(recorded, simulated),
-        divergence=divergence_detail(recorded, simulated),
+        first_divergence=None if same else first_divergence(recorded, simulated),
+        divergence=None if same else divergence_detail(recorded, simulated),
         releases=_release_dicts(groups),
         replay_seconds=seconds,
-        initial_reserved_bytes=state.reserved_bytes,
-        initial_live_bytes=state.live_bytes,
+        initial_reserved_bytes=facts.reserved_bytes,
+        initial_live_bytes=facts.live_bytes,
         initial_state_exact=exact,
         settings=_render(settings),
         settings_source=settings_source,
