@@ -7,8 +7,10 @@ Measures replayed events per second on one core (process CPU time, best of ``--r
       free_completed of the replayed device, keyed by address) as an ``AllocationStream`` through
       ``replay_stream`` under the recorded settings on a 1 TiB device (the simulator's own rate);
       "replay_snapshot" = ``oomtune.trace.replay_snapshot`` with its defaults, end to end (the
-      starting state rebuilt, releases classified, segment events compared, all in Python; one
-      simulator call per request, which the compiled core serves), events = trace entries replayed;
+      trace read, the starting state rebuilt and seeded, releases classified, every request
+      replayed, segment events compared: in the compiled core, ``_fastcore.TraceReplay``, for
+      "compiled"; in Python for "pure" and "old"), events = trace entries replayed (the seeding
+      of the starting state is work on top: its segment count is listed below the table);
 for three codes, each in its own processes, alternating: "compiled" (this checkout with its compiled
 core, oomtune.alloc._fastcore, which must be built: ``pip install -e .``), "pure" (this checkout with
 OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before issue 13's replay changes). Checks
@@ -89,7 +91,7 @@ for conf in (None, "expandable_segments:True"):
     secs, r = best_of(lambda: replay_stream(big, conf, total_memory_bytes=80 << 30), args["repeat"])
     out[f"synthetic {len(big):,} events, {conf or 'default'}"] = {
         "events": len(big), "seconds": secs, "digest": digest(r.to_dict())}
-from oomtune.trace import load_snapshot, replay_snapshot
+from oomtune.trace import load_snapshot, rebuild_initial_state, replay_snapshot
 from oomtune.trace.recorded import recorded_settings
 for path in args["traces"]:
     snap = load_snapshot(path)
@@ -104,7 +106,9 @@ for path in args["traces"]:
         continue
     d = r.to_dict()
     d.pop("replay_seconds", None)
-    out[f"{name} replay_snapshot"] = {"events": r.events_replayed, "seconds": secs, "digest": digest(d)}
+    out[f"{name} replay_snapshot"] = {"events": r.events_replayed, "seconds": secs, "digest": digest(d),
+                                      "entries": len(snap["device_traces"][r.device]),
+                                      "start_segments": len(rebuild_initial_state(snap, r.device).segments)}
 print(json.dumps(out))
 """
 
@@ -158,6 +162,10 @@ def main() -> int:
         all_same &= same
         lines.append(f"{work:<58} {comp['events']:>9,} {rc:>11,.0f} {rp:>11,.0f} {ro:>11,.0f} {rc / rp:>6.1f}x "
                      f"{rc / ro:>6.1f}x  {'yes' if same else 'NO'}")
+    lines += ["", "replay_snapshot rows: trace entries read / segments of the starting state seeded before "
+              "the first event:"]
+    lines += [f"  {work.split()[0]}: {r['entries']:,} entries, {r['start_segments']:,} starting segments"
+              for work, r in res["compiled"].items() if "start_segments" in r]
     lines += ["", f"target >= 2,000,000 events/s; results byte-identical (compiled, pure, old): "
               f"{'yes' if all_same else 'NO'}"]
     text = "\n".join(lines) + "\n"

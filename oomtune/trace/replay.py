@@ -18,6 +18,12 @@ Steps:
    ``empty_cache()``. Releases of the allocator itself are left to the simulator.
 5. Every recorded segment_alloc/free/map/unmap and oom is compared with the simulator's, in order,
    size and position (:mod:`oomtune.trace.compare`); the first difference of any kind is reported.
+
+When the compiled core is built, steps 1, 3 and 4 and the per-entry work of 2 and 5 run in C++
+(``oomtune.alloc._fastcore.TraceReplay``, oomtune/alloc/_fasttrace.pxi) on the compiled simulator;
+the Python functions named above stay the reference, and tests/test_trace_compiled.py checks that
+both give the same :class:`SnapshotReplay` on every shared trace, truncated traces and synthetic
+snapshots. A trace the core does not take (a value beyond its range) runs in Python.
 """
 
 from __future__ import annotations
