@@ -82,27 +82,58 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
 
 
 def _unknown_key(dotted: str, config_name: str, groups: Sequence[str] = ()) -> str | None:
-    """'search.data.bogus' -> "unknown key 'search.data.bogus': search.data has num_workers, ...";
-    None when the parent is not a mapping of the base config."""
+    """The one line for an override of a key the config lacks (Hydra's "Could not override"):
+    'serch.n_trials' -> "unknown config key 'serch.n_trials'; did you mean 'search.n_trials'?";
+    with no close key, the keys where the path leaves the config: 'search.data.bogus' ->
+    "unknown config key 'search.data.bogus': search.data has num_workers, ..."; None when the
+    config cannot be composed (Hydra's own message stays)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import DictConfig, OmegaConf
 
-    parent, _, key = dotted.rpartition(".")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            base = hydra_compose(config_name, overrides=list(groups))
-        node = OmegaConf.select(base, parent) if parent else base
+            base = hydra_compose(config_name, overrides=list(groups), return_hydra_config=True)
+        close, where, keys = _closest_key(dotted, base)
     except Exception:  # best effort: keep Hydra's own message
         return None
     finally:
         GlobalHydra.instance().clear()
-    if not isinstance(node, DictConfig):
+    if close is not None:
+        return f"unknown config key {dotted!r}; did you mean {close!r}?"
+    if not keys:  # the path runs through a value (budget.x): Hydra's message says so
         return None
-    where = parent or "the config"
-    return f"unknown key {dotted!r}: {where} has {', '.join(str(k) for k in node.keys())}"
+    return f"unknown config key {dotted!r}: {where or 'the config'} has {', '.join(keys)}"
+
+
+def _closest_key(dotted: str, base: Any) -> tuple[str | None, str, list[str]]:
+    """Walk ``dotted`` down the composed config ``base``, taking at each level the key of that
+    mapping closest to the typed one (:func:`difflib.get_close_matches`, its default cutoff 0.6).
+
+    Returns:
+        ``(suggestion, where, keys)``: the existing dotted key (``serch.n_trials`` ->
+        ``search.n_trials``), or None when some level has no close key; then ``where`` is the path
+        of that level (``""`` for the top) and ``keys`` its keys (the top level without ``hydra``;
+        none when the path runs through a value).
+    """
+    import difflib
+
+    from omegaconf import DictConfig
+
+    node, path, parts = base, [], dotted.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None, ".".join(path), []
+        keys = [str(k) for k in node.keys()]
+        match = part if part in keys else next(iter(difflib.get_close_matches(part, keys, n=1)), None)
+        if match is None:
+            return None, ".".join(path), [k for k in keys if path or k != "hydra"]
+        path.append(match)
+        if i < len(parts) - 1:
+            node = node.get(match)  # a mapping (or a value the next part cannot be in); leaves unread
+    suggestion = ".".join(path)
+    return (suggestion if suggestion != dotted else None), suggestion, []
 
 
 def _unparsable_override(overrides: Sequence[str]) -> str | None:

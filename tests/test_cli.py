@@ -49,6 +49,23 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("override, line", [
+    ("serch.n_trials=3", "oomtune: error: unknown config key 'serch.n_trials'; did you mean 'search.n_trials'?"),
+    ("search.n_trialz=3", "oomtune: error: unknown config key 'search.n_trialz'; did you mean 'search.n_trials'?"),
+    ("trial.confirm_step=3", "oomtune: error: unknown config key 'trial.confirm_step'; did you mean 'trial.confirm_steps'?"),
+    ("hydra.run.dri=x", "oomtune: error: unknown config key 'hydra.run.dri'; did you mean 'hydra.run.dir'?"),
+    ("serch.data.bogus=1", "oomtune: error: unknown config key 'serch.data.bogus': search.data has num_workers, "
+                           "pin_memory, prefetch_factor"),
+])
+def test_typo_in_a_key_names_the_closest_key_before_any_trial(override, line, tmp_path, capsys):
+    # conf/config.yaml has search.n_trials, trial.confirm_steps, search.data.{num_workers,pin_memory,
+    # prefetch_factor}; Hydra's run node has hydra.run.dir
+    run_dir = tmp_path / "run"
+    assert main(["search", "model=resnet", override, f"hydra.run.dir={run_dir}"]) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert not run_dir.exists()  # refused while composing the config: no study, no trial
+
+
 def test_bad_input_writes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["search", "device=cpu", "trial.timeout=-1", f"hydra.run.dir={run_dir}"]) == 2

@@ -33,7 +33,8 @@ def test_study_name_is_stable_and_config_dependent():
 
 @pytest.mark.parametrize("override, needle", [
     ("model=nope", "Available options in 'model': mlp, resnet, transformer"),
-    ("nosuchkey=1", "unknown key 'nosuchkey': the config has model, search"),
+    ("nosuchkey=1", "unknown config key 'nosuchkey': the config has model, search"),
+    ("serch.n_trials=3", "unknown config key 'serch.n_trials'; did you mean 'search.n_trials'?"),
     ("search.data.bogus=[1]", "search.data has num_workers, pin_memory, prefetch_factor"),
     ("budget", "Error parsing override"),
 ])
