@@ -8,7 +8,7 @@ from typing import Any
 from oomtune.search import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["starting", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
+__all__ = ["starting", "device_words", "wrapped", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
            "SearchProgress",
            "plan_recommendation", "recommended_configuration", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND", "trial_table_legend", "throughput_label",
@@ -53,10 +53,27 @@ def fold_note(configurations: list[dict[str, Any]]) -> str | None:
 
 def legend_lines(prefix: str, text: str, width: int = 100) -> list[str]:
     """``prefix + text`` wrapped at word boundaries into lines of at most ``width`` columns, the
-    continuation lines indented by two spaces."""
+    continuation lines indented by two spaces (:func:`wrapped`)."""
+    return wrapped(prefix + text, width)
+
+
+def wrapped(text: str, width: int = 100) -> list[str]:
+    """``text`` wrapped at spaces into lines of at most ``width`` columns (characters), the
+    continuation lines indented by two spaces. Nothing is lost but the spaces at the breaks: a
+    word longer than the line (a path, a URL) stays whole on a line of its own, and words are not
+    split at hyphens."""
     import textwrap
 
-    return textwrap.wrap(prefix + text, width=width, subsequent_indent="  ", break_on_hyphens=False)
+    return textwrap.wrap(text, width=width, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False) or [text]
+
+
+def device_words(device: Any) -> str:
+    """A :class:`oomtune.device.TargetDevice` in words for the opening lines: ``"virtual GPU on the
+    CPU (memory simulated)"`` or ``"NVIDIA H200 on cuda:0 (memory measured)"``."""
+    if device.simulated:
+        return "virtual GPU on the CPU (memory simulated)"
+    return f"{device.name} on {device.spec} (memory measured)"
 
 
 def throughput_label(memory_source: str | None) -> str:

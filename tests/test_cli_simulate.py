@@ -54,6 +54,11 @@ def synthetic(tmp_path) -> Path:
     return path
 
 
+def unwrapped(out: str) -> str:
+    """The text output with each wrapped line joined again (continuations start with two spaces)."""
+    return out.replace("\n  ", " ")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "oomtune", "simulate", *args], capture_output=True,
@@ -95,8 +100,29 @@ def test_text_output_labels(synthetic, capsys):
 def test_several_confs_print_a_table(synthetic, capsys):
     assert main(["simulate", str(synthetic), "--conf", "", "--conf", "expandable_segments:True"]) == 0
     out = capsys.readouterr().out
-    assert "(torch defaults)" in out and "expandable_segments:True" in out
-    assert "peak reserved" in out  # the table's column header
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("default ", "es:T "))}
+    # torch's defaults: 10 MiB allocated at peak, 22 MiB reserved as recorded (the module docstring)
+    assert rows["default"][1:5] == ["10.00", "MiB", "22.00", "MiB"]
+    assert "config: es=expandable_segments, T=True; default = torch's defaults" in out
+    assert "peak alloc / resv: peak allocated / reserved" in out  # the headers' legend
+
+
+@pytest.mark.parametrize("confs", [["", "expandable_segments:True"],
+                                   ["", "expandable_segments:True", "max_split_size_mb:64,roundup_power2_divisions:4"]])
+def test_output_fits_100_columns_at_word_boundaries(confs, monkeypatch, capsys):
+    # the DataParallel trace's device 1: long Budget, OOM and Segment allocs lines (../shared/traces README)
+    gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
+    monkeypatch.setenv("COLUMNS", "100")
+    for args in ([], [a for c in confs for a in ("--conf", c)]):
+        assert main(["simulate", str(gnn), "--device", "1", *args]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert lines and max(len(line) for line in lines) <= 100 and "\u2026" not in out  # nothing cut with "…"
+        if not args:  # one setting: a long line continues, indented, at a space: nothing lost
+            assert ("OOM (simulated): no OOM the device did not have; the device's 1 out-of-memory error(s) "
+                    "reproduced (OOM entries below)\n") in unwrapped(out)
+        else:  # the recorded OOM reproduced under each setting: said below the table, per setting
+            assert out.count("OOM (sim), ") == len(confs)
 
 
 def test_several_confs_json_is_a_list(synthetic, capsys):
@@ -154,7 +180,7 @@ def test_ambiguous_release_decided_by_the_device_limit(tmp_path, capsys):
     path = tmp_path / "ec.pickle"
     path.write_bytes(pickle.dumps(snap))
     assert main(["simulate", str(path)]) == 0
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     # The release is followed by a new 2 MiB segment before the next request, and reserved 20 MiB +
     # 2 MiB needed > the 20 MiB peak the device ever held: a device of 20 MiB up to 22 MiB - 1 B
     # would have released it itself (release_cached_blocks before the retry). The trace cannot tell

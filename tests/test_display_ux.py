@@ -270,3 +270,33 @@ def test_a_trial_stopped_above_the_limit_says_after_which_step(study):
     assert any(">limit@n: stopped after step n" in legend for legend in SEARCH_LEGEND)
     ran = _trial(study, batch=354, conf="", role="baseline", reserved=1014 * MiB, feasible=False)
     assert outcome_label(ran, R.result_of(ran)) == "ok >limit"   # ran every step
+
+
+def test_long_summary_lines_wrap_at_spaces_to_100_columns_losing_nothing():
+    from oomtune.display import wrapped
+
+    # the two summary lines of experiments/results/readme_main_command.log above 100 columns (203, 119)
+    best = ("best: batch 493, expandable_segments:True (trial 2); confirmed by trial 4 in a clean process "
+            "(10 steps): 161.2 samples/s (CPU), peak reserved 972.00 MiB (simulated); survived a 2000-step "
+            "soak (simulated)")
+    gain = ("vs the default allocator at its largest batch (352): 1.40x batch (493 vs 352) within the same "
+            "budget (simulated memory)")
+    for line in (best, gain):
+        parts = wrapped(line)
+        assert len(parts) > 1 and max(map(len, parts)) <= 100
+        assert all(p.startswith("  ") for p in parts[1:])            # continuations indented
+        assert " ".join(p.strip() for p in parts) == line            # only the spaces at the breaks go
+    assert wrapped(gain) == [gain[:100], "  (simulated memory)"]      # "... same budget" is exactly 100
+    path = "wrote /tmp/" + "d" * 110 + "/best.yaml"
+    assert wrapped(path) == ["wrote", "  " + path[len("wrote "):]]   # a path longer than a line stays whole
+    assert wrapped("short") == ["short"] and wrapped("") == [""]
+
+
+def test_device_words_read_without_doubled_parentheses():
+    from oomtune.device import TargetDevice
+    from oomtune.display import device_words
+
+    cpu = TargetDevice("cpu", "cpu", None, "virtual GPU (CPU)", 80 << 30, True)
+    gpu = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 141 << 30, False)
+    assert device_words(cpu) == "virtual GPU on the CPU (memory simulated)"
+    assert device_words(gpu) == "NVIDIA H200 on cuda:0 (memory measured)"

@@ -135,7 +135,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source}
     say = _printer(console)
-    say(f"oomtune plan: {workload['name']} on the virtual GPU ({device.name}, budget {format_bytes(budget_bytes)}, "
+    sized = "" if device.simulated else f"{device.name}'s capacity, "   # not "(virtual GPU (CPU), ..."
+    say(f"oomtune plan: {workload['name']} on the virtual GPU ({sized}budget {format_bytes(budget_bytes)}, "
         f"limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), {len(settings)} allocator "
         f"configurations x batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)")
     if skipped:

@@ -119,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
     if fraction is None and any(getattr(x, "garbage_collection_threshold", 0) > 0 for x in settings):
         # torch collects garbage only under a per-process memory fraction (garbage_collect_cached_blocks
         # runs when set_fraction is true); issue 14 item 9
-        print("oomtune: note: garbage_collection_threshold does nothing without a memory fraction (torch reclaims "
-              "cached blocks only when set_per_process_memory_fraction was called): add --memory-fraction F "
-              "--budget SIZE", file=sys.stderr)
+        from oomtune.display import wrapped
+
+        for part in wrapped("oomtune: note: garbage_collection_threshold does nothing without a memory fraction "
+                            "(torch reclaims cached blocks only when set_per_process_memory_fraction was "
+                            "called): add --memory-fraction F --budget SIZE"):
+            print(part, file=sys.stderr)
     snapshot = load_snapshot(args.trace)
     device = default_device(snapshot) if args.device is None else args.device
     results = [
@@ -136,24 +139,26 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True)
-    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        console = Console(highlight=False, soft_wrap=True, width=200)
+    if not console.is_terminal:  # piped or captured: COLUMNS when set, else not squeezed into 80 columns
+        import os
+
+        console = Console(highlight=False, soft_wrap=True, width=int(os.environ.get("COLUMNS", "0") or 0) or 200)
     traces = snapshot["device_traces"]
     entries = len(traces[device]) if device < len(traces) else 0
     held = devices_with_data(snapshot)
-    console.print(f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
+    _say(console, f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
                   f"replaying device {device} ({entries:,} entries)")
     oom_devices = [d for d, t in enumerate(traces) if d != device and any(e.get("action") == "oom" for e in t)]
     if oom_devices:
         others = ", ".join(map(str, oom_devices))
-        console.print(f"Note: device {others} recorded an out-of-memory error that this replay does not show: "
+        _say(console, f"Note: device {others} recorded an out-of-memory error that this replay does not show: "
                       f"add --device {oom_devices[0]} to replay it")
     r0 = results[0]
-    console.print(f"Budget: {_budget_text(r0)}"
+    _say(console, f"Budget: {_budget_text(r0)}"
                   + (f", memory fraction {fraction} (limit {format_bytes(round(fraction * r0.total_memory_bytes))})"
                      if fraction is not None else ""))
     if r0.releases:
-        console.print(f"Recorded releases: {_releases_text(r0.releases)}")
+        _say(console, f"Recorded releases: {_releases_text(r0.releases)}")
     if len(results) == 1:
         _print_one(console, results[0], _recorded_on(snapshot))
     else:
@@ -284,32 +289,51 @@ def _print_one(console: Any, r: Any, rec: str = "recorded on device") -> None:
             f"OOM entries: ({rec}) {r.recorded_ooms}, (simulated) {r.simulated_ooms}",
             f"First difference: {_divergence_text(r, rec)}",
         ]
-    for line in lines:
-        console.print(line)
-    for note in r.notes:
-        console.print(f"Notice: {note}")
+    for line in lines + [f"Notice: {note}" for note in r.notes]:
+        _say(console, line)
 
 
 def _print_table(console: Any, results: list[Any], rec: str = "recorded on device") -> None:
+    """One row per setting, within 100 columns: settings abbreviated (:func:`oomtune.display.short_conf`),
+    two-line headers, legend lines below; an OOM is ``yes`` in the row and described on a line of
+    its own under the table (so is a reproduced recorded OOM)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"Replay under each setting (simulated; {rec} where marked)")
-    for col in ("settings", "peak allocated (sim)", "peak reserved (sim)", "vs recorded peak reserved",
-                "fragmentation (sim)", "retries (sim)", "OOM (sim)", "segment allocs sim / recorded",
-                "first divergence"):
-        table.add_column(col, no_wrap=(col == "settings"))
+    from oomtune.display import conf_legend, short_conf
+
+    table = Table(title=f"Replay under each setting (simulated; {rec} where marked)", header_style="bold",
+                  box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True, show_edge=False)
+    for name in ("config", "peak alloc\n(sim)", "peak resv\n(sim)", "resv vs\nrecorded", "frag\n(sim)",
+                 "retries\n(sim)", "segments\nsim / rec", "first\ndiff", "OOM\n(sim)"):
+        table.add_column(name, justify="left" if name == "config" else "right", overflow="fold",
+                         no_wrap=name != "config")
     for r in results:
         table.add_row(
-            _settings_label(r.settings), format_bytes(r.peak_allocated_bytes),
-            format_bytes(r.peak_reserved_bytes), _reserved_diff(r),
-            "-" if r.fragmentation is None else f"{100 * r.fragmentation:.2f}%",
-            str(r.num_alloc_retries), _oom_text(r),
-            f"{len(r.simulated_segment_allocs)} / {len(r.recorded_segment_allocs)}",
-            "none" if r.first_divergence is None else f"#{r.first_divergence}",
+            short_conf(r.settings), format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
+            _reserved_diff(r), "-" if r.fragmentation is None else f"{100 * r.fragmentation:.2f}%",
+            str(r.num_alloc_retries), f"{len(r.simulated_segment_allocs)} / {len(r.recorded_segment_allocs)}",
+            "none" if r.first_divergence is None else f"#{r.first_divergence}", "yes" if r.oom else "no",
         )
     console.print(table)
-    console.print(f"{rec[0].upper()}{rec[1:]}: peak reserved {format_bytes(results[0].recorded_peak_reserved_bytes)}, "
-                  f"final reserved {format_bytes(results[0].recorded_final_reserved_bytes)}")
-    for r in results:
-        for note in r.notes:
-            console.print(f"Notice ({_settings_label(r.settings)}): {note}")
+    lines = ["peak alloc / resv: peak allocated / reserved; resv vs recorded: simulated - recorded peak reserved",
+             "frag: 1 - peak active / peak reserved; retries: cudaMalloc retries after freeing the cache",
+             "segments: segment allocations, simulated / recorded; first diff: first segment event that "
+             "differs (none: all identical)"]
+    used = conf_legend([r.settings for r in results])
+    lines.append("config: " + (used + "; " if used else "") + "default = torch's defaults")
+    lines += [f"OOM (sim), {short_conf(r.settings)}: {_oom_text(r)}" for r in results
+              if r.oom or r.recorded_ooms]
+    lines.append(f"{rec[0].upper()}{rec[1:]}: peak reserved {format_bytes(results[0].recorded_peak_reserved_bytes)}, "
+                 f"final reserved {format_bytes(results[0].recorded_final_reserved_bytes)}")
+    lines += [f"Notice ({_settings_label(r.settings)}): {note}" for r in results for note in r.notes]
+    for line in lines:
+        _say(console, line)
+
+
+def _say(console: Any, text: str) -> None:
+    """Print ``text`` wrapped at spaces to 100 columns (:func:`oomtune.display.wrapped`)."""
+    from oomtune.display import wrapped
+
+    for part in wrapped(text):
+        console.print(part)

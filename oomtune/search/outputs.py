@@ -165,19 +165,21 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         console.print(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated))
         for line in frontier_legend(summary.frontiers):
             console.print(line, highlight=False, markup=False)
-    for line in summary_lines(summary, best, baseline, simulated=device.simulated,
-                              confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high)):
-        console.print(line, highlight=False, markup=False)
+    from oomtune.display import wrapped
+
+    lines = summary_lines(summary, best, baseline, simulated=device.simulated,
+                          confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high))
     if summary.verdict is not None and summary.verdict.input_bound:
-        console.print(f"input-bound: {summary.verdict.reason}", highlight=False, markup=False)
-        console.print(f"advice: {summary.verdict.advice} (a bigger batch will not help)",
-                      highlight=False, markup=False)
-    console.print(f"trial processes (whole study, every session of it): {summary.launches} launched, "
-                  f"{summary.launches_saved} saved by prediction or reuse", highlight=False, markup=False)
+        lines += [f"input-bound: {summary.verdict.reason}",
+                  f"advice: {summary.verdict.advice} (a bigger batch will not help)"]
+    lines.append(f"trial processes (whole study, every session of it): {summary.launches} launched, "
+                 f"{summary.launches_saved} saved by prediction or reuse")
     if device.simulated:
-        console.print("note: trials trained on the CPU; memory figures come from the virtual GPU "
-                      "(simulated) and throughput is the CPU's, so allocator settings change memory "
-                      "here, not speed", highlight=False, markup=False)
+        lines.append("note: trials trained on the CPU; memory figures come from the virtual GPU (simulated) "
+                     "and throughput is the CPU's, so allocator settings change memory here, not speed")
+    for line in lines:  # wrapped to 100 columns at spaces (the paths written below stay whole)
+        for part in wrapped(line):
+            console.print(part, highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)
     return path
 

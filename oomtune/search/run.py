@@ -183,10 +183,14 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     done = _resume_line(study)
     if done:
         _say(console, done)
-    _say(console, f"device {device.name} ({device.memory_source} memory), budget "
-                  f"{format_bytes(p.budget_bytes)}, headroom {options.headroom:.0%}, "
-                  f"{len(space.all_settings())} allocator configurations x batch {space.batch_low}..{space.batch_high}")
-    _say(console, f"objective: {options.objective} ({options.objective_reason})")
+    from oomtune.display import device_words, wrapped
+
+    for line in (f"device: {device_words(device)}, budget {format_bytes(p.budget_bytes)}, headroom "
+                 f"{options.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
+                 f"{space.batch_low}..{space.batch_high}",
+                 f"objective: {options.objective} ({options.objective_reason})"):
+        for part in wrapped(line):   # 100 columns at spaces
+            _say(console, part)
     if C.budget_note(cfg.budget):
         _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once (issue 14 item 9)
     from oomtune.display import SearchProgress
