@@ -66,6 +66,27 @@ def test_typo_in_a_key_names_the_closest_key_before_any_trial(override, line, tm
     assert not run_dir.exists()  # refused while composing the config: no study, no trial
 
 
+@pytest.mark.parametrize("built, pure, status", [
+    (True, None, "compiled (oomtune.alloc._fastcore), in use"),
+    (True, "1", "compiled, but disabled by OOMTUNE_PURE_PYTHON=1: the pure-Python simulator runs (slower)"),
+    (False, None, "not built: the pure-Python simulator runs (slower)"),
+])
+def test_env_without_best_yaml_says_which_replay_core_runs(built, pure, status, monkeypatch, capsys):
+    from oomtune.alloc import _compiled
+
+    monkeypatch.setattr(_compiled, "_fastcore", object() if built else None)
+    if pure is None:
+        monkeypatch.delenv("OOMTUNE_PURE_PYTHON", raising=False)
+    else:
+        monkeypatch.setenv("OOMTUNE_PURE_PYTHON", pure)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out.replace("\n  ", " ")   # one wrapped line joined again
+    line = next(x for x in out.splitlines() if x.startswith("replay core: "))
+    assert line.startswith(f"replay core: {status}")
+    assert ("OOMTUNE_PURE_PYTHON=1" in out) == (pure == "1")   # the allocator variables line
+    assert main(["env", "--batch-size"]) == 2                    # --batch-size needs a best.yaml
+
+
 def test_bad_input_writes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["search", "device=cpu", "trial.timeout=-1", f"hydra.run.dir={run_dir}"]) == 2

@@ -72,6 +72,10 @@ def test_env_and_load_best_import_no_torch(tmp_path):
     assert r["loaded"] == []
     r = _modules_after(f"import oomtune\nprint(oomtune.load_best({str(best)!r}).batch_size)")
     assert r["out"].strip() == "32" and r["loaded"] == []
+    # without a best.yaml: the installation, the replay core in use; torch's version from its metadata
+    r = _modules_after("from oomtune.cli import main\nmain(['env'])")
+    assert "replay core: " in r["out"] and "torch: " in r["out"] and "(not imported)" in r["out"]
+    assert r["loaded"] == []
 
 
 def test_show_imports_no_torch(tmp_path):

@@ -1,4 +1,6 @@
 """``oomtune env best.yaml``: print the export line (eval it in a shell or a CI job).
+``oomtune env`` without a best.yaml: print this installation's environment (versions, the replay
+core in use, the allocator variables set), torch not imported.
 
 Warns on stderr when PYTORCH_NO_CUDA_MEMORY_CACHING is set: the exported settings would do nothing
 (:mod:`oomtune.alloc.caching_env`).
@@ -8,25 +10,76 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "replay_core_status"]
+
+#: Environment variables that change what the caching allocator (or oomtune's replay) does.
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+                       "OOMTUNE_PURE_PYTHON")
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("env", help="print the export line of a best.yaml",
+    p = sub.add_parser("env", help="print the export line of a best.yaml (no argument: this installation)",
                        description="Print `export PYTORCH_CUDA_ALLOC_CONF=... PYTORCH_ALLOC_CONF=...`; "
-                       "use as: eval \"$(oomtune env runs/NAME/best.yaml)\"")
-    p.add_argument("best", help="best.yaml or a run directory")
+                       "use as: eval \"$(oomtune env runs/NAME/best.yaml)\". Without a best.yaml: print "
+                       "oomtune's environment (versions, whether the compiled replay core is in use, the "
+                       "allocator variables set).")
+    p.add_argument("best", nargs="?", default=None, help="best.yaml or a run directory")
     p.add_argument("--batch-size", action="store_true", help="also export OOMTUNE_BATCH_SIZE")
     p.set_defaults(func=run)
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from oomtune.best import load_best
+def replay_core_status() -> str:
+    """Which simulator replays traces here (:mod:`oomtune.alloc._compiled`), in words."""
+    from oomtune.alloc import _compiled
 
+    if _compiled.enabled():
+        return "compiled (oomtune.alloc._fastcore), in use"
+    if _compiled.available():
+        return "compiled, but disabled by OOMTUNE_PURE_PYTHON=1: the pure-Python simulator runs (slower)"
+    return ("not built: the pure-Python simulator runs (slower); build it with a C++ compiler and Cython "
+            "installed: pip install . (or python setup.py build_ext --inplace in a checkout)")
+
+
+def _environment_lines() -> list[str]:
+    """``name: value`` lines of this installation, without importing torch (its version comes from
+    the installed package's metadata)."""
+    import os
+    import platform
+    from importlib import metadata
+
+    from oomtune import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    lines = [f"oomtune: {__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})",
+             f"python: {platform.python_version()} ({platform.python_implementation()})",
+             f"torch: {installed('torch')} (not imported)",
+             f"replay core: {replay_core_status()}"]
+    set_here = [f"{k}={os.environ[k]}" for k in ALLOCATOR_VARIABLES if k in os.environ]
+    lines.append("allocator variables: " + (" ".join(set_here) if set_here else "none set"))
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
     import sys
 
     from oomtune.alloc.caching_env import caching_disabled_reason
+    from oomtune.display import wrapped
+
+    if args.best is None:
+        if args.batch_size:
+            from oomtune.exceptions import ConfigError
+
+            raise ConfigError("--batch-size needs a best.yaml (oomtune env BEST.yaml --batch-size)")
+        for line in _environment_lines():
+            print("\n".join(wrapped(line)))
+        return 0
+    from oomtune.best import load_best
 
     best = load_best(args.best)
     reason = caching_disabled_reason()
