@@ -34,9 +34,12 @@ message says why); the memory checks still apply. On a CUDA best.yaml the defaul
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -351,7 +354,8 @@ def _is_memory(outcome: str) -> bool:
 
 def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH,
               max_slowdown: float | None = None, device: str | None = None, steps: int = 10,
-              timeout_s: float = 600.0, workdir: Path | None = None, runner: Any = None) -> CheckReport:
+              timeout_s: float = 600.0, workdir: Path | None = None, runner: Any = None,
+              say: Callable[[str], None] | None = None) -> CheckReport:
     """Run the recorded configuration as a trial and compare with best.yaml's metrics.
 
     Args:
@@ -362,6 +366,7 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
         steps: measured steps (after 1 warm-up step).
         workdir: the trial's directory (default a temporary one).
         runner: a ``TrialRunner`` (default ``TrialRunner(launcher="spawn")``: a clean process).
+        say: called with progress lines (what runs, each step done, the end; :func:`_watch_steps`).
 
     Raises:
         ConfigError: bad limits or steps, incomparable memory sources. DeviceError: no such device or
@@ -381,9 +386,52 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
                      device_memory_bytes=_geometry(best)["total_memory_bytes"])
     runner = runner or TrialRunner(launcher="spawn")
+    say = say or (lambda text: None)
+    conf = best.best.alloc_conf or "the default allocator"
+    say(f"running batch {spec.batch_size}, {conf} on {spec.device} in a clean process: {spec.warmup_steps} "
+        f"warm-up + {steps} measured steps (timeout {timeout_s:g} s); starting: importing torch ...")
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="oomtune-check-") as tmp:
-        res = runner.run(spec, workdir=Path(workdir) if workdir is not None else Path(tmp))
+        where = Path(workdir) if workdir is not None else Path(tmp)
+        with _watch_steps(where, spec.warmup_steps, started, say):
+            res = runner.run(spec, workdir=where)
+    say(f"trial finished after {time.monotonic() - started:.1f} s: {res.outcome}")
     return evaluate_run(best, res, max_memory_growth=max_memory_growth, max_slowdown=max_slowdown)
+
+
+@contextlib.contextmanager
+def _watch_steps(workdir: Path, warmup_steps: int, started: float, say: Callable[[str], None],
+                 interval_s: float = 0.5) -> Iterator[None]:
+    """While the block runs, read the trial's progress record (``workdir/progress.json``,
+    :func:`oomtune.trial.record.read_progress`) every ``interval_s`` seconds and ``say`` one line per
+    change: ``step 3/11 done, 12.4 s`` (``step 1/11 done, warm-up, 6.0 s`` for a warm-up step),
+    seconds since ``started`` (``time.monotonic()``)."""
+    from oomtune.trial.record import PROGRESS_FILE, read_progress
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        last = None
+        while True:
+            done = stop.wait(interval_s)
+            now = read_progress(workdir / PROGRESS_FILE)
+            if now is not None and now != last:
+                last, elapsed = now, time.monotonic() - started
+                if now[0] == 0:
+                    say(f"ready after {elapsed:.1f} s: {now[1]} steps to run")
+                else:
+                    say(f"step {now[0]}/{now[1]} done{', warm-up' if now[0] <= warmup_steps else ''}, "
+                        f"{elapsed:.1f} s")
+            if done:
+                return
+
+    thread = threading.Thread(target=watch, name="oomtune-check-steps", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def write_junit(report: CheckReport, path: str | Path) -> Path:

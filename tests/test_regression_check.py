@@ -312,6 +312,58 @@ def test_run_mode_cli_prints_the_note(tmp_path, capsys, monkeypatch):
     assert "throughput" not in out.splitlines()[-1]   # the summary reports what was checked
 
 
+class _SteppingRunner(_FakeRunner):
+    """A finished trial as :class:`_FakeRunner`, leaving the progress record a real child leaves
+    after its last step (1 warm-up + 10 measured steps, oomtune.trial.child)."""
+
+    def run(self, spec, workdir):
+        from oomtune.trial.record import PROGRESS_FILE, write_progress
+
+        write_progress(workdir / PROGRESS_FILE, 11, 11)
+        return super().run(spec, workdir)
+
+
+def test_run_mode_cli_shows_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    import oomtune.trial.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "TrialRunner",
+                        lambda **k: _SteppingRunner(throughput=1.0, peak_reserved_bytes=TWO_MIB))
+    assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "run"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.replace("\n  ", " ").splitlines()   # wrapped lines joined again
+    assert err[0] == ("running batch 8, the default allocator on cpu in a clean process: 1 warm-up + 10 "
+                      "measured steps (timeout 600 s); starting: importing torch ...")
+    assert err[1].startswith("step 11/11 done, ") and err[2].startswith("trial finished after ")
+    assert err[2].endswith(" s: ok") and len(err) == 3
+    assert "step 11/11" not in captured.out and "running batch" not in captured.out  # stdout: notes, summary
+
+
+def test_step_watcher_says_each_step_once(tmp_path):
+    import time
+
+    from oomtune.regression import _watch_steps
+    from oomtune.trial.record import PROGRESS_FILE, write_progress
+
+    lines = []
+
+    def wait_for(n):
+        deadline = time.monotonic() + 10
+        while len(lines) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    with _watch_steps(tmp_path, 1, time.monotonic(), lines.append, interval_s=0.01):
+        wait_for(0)
+        time.sleep(0.05)                     # no record yet: nothing said
+        assert lines == []
+        for done, n in ((0, 1), (1, 2), (2, 3)):
+            write_progress(tmp_path / PROGRESS_FILE, done, 3)
+            wait_for(n)
+        time.sleep(0.05)                     # the same record again: nothing new
+    assert [line.rsplit(", ", 1)[0] if line.startswith("step") else line.split(" after")[0] for line in lines] == [
+        "ready", "step 1/3 done, warm-up", "step 2/3 done"]
+    assert lines[0].endswith(": 3 steps to run") and lines[2].endswith(" s")
+
+
 def test_predict_mode_refuses_cuda_malloc_async_with_advice(tmp_path, capsys):
     path = write_best(tmp_path / "best.yaml", alloc_conf="backend:cudaMallocAsync")
     assert main(["check", str(path), "--mode", "predict"]) == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from oomtune.exceptions import AllocatorConfigError, ConfigError
-from oomtune.trial.record import TrialSpec
+from oomtune.trial.record import PROGRESS_FILE, TrialSpec, read_progress
 from oomtune.trial.runner import TrialRunner, child_environment, group_alive, run_trial
 from oomtune.units import MiB
 
@@ -135,6 +135,8 @@ def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner):
     # the forked child set the variables itself, after the server imported torch without them
     assert forked.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert forked.extra["torch_alloc_conf"] == "expandable_segments:True"
+    # both launchers leave the progress record: 1 warm-up + 2 measured steps, all done
+    assert read_progress(tmp_path / "fork" / PROGRESS_FILE) == read_progress(tmp_path / "spawn" / PROGRESS_FILE) == (3, 3)
 
 
 def test_fork_server_is_fork_safe(fork_runner):

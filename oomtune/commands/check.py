@@ -7,6 +7,9 @@ XML report with one testcase per check. Flags and the JUnit path are validated b
 ``--max-slowdown`` defaults to 0.10 for a best.yaml measured on a CUDA device; for one measured on
 the virtual GPU (CPU) the slowdown is not checked unless ``--max-slowdown`` is given (CPU step times
 on shared machines swing ~3x), and a note says so; the memory checks apply either way.
+
+``--mode run`` prints progress on stderr while the trial runs: what runs, a line per step done (from
+the trial's progress record), and the trial's end.
 """
 
 from __future__ import annotations
@@ -70,10 +73,21 @@ def run(args: argparse.Namespace) -> int:
 
         check_caching_enabled()  # a run without the caching allocator measures something else
         report = check_run(best, max_memory_growth=args.max_memory_growth, max_slowdown=args.max_slowdown,
-                           device=args.device, steps=args.steps, timeout_s=args.timeout)
+                           device=args.device, steps=args.steps, timeout_s=args.timeout, say=_progress)
     for note in [*(report.figures.get("fallback") or ()), *(report.figures.get("notes") or ())]:
         print(f"note: {note}")
     print(report.summary)
     if args.junit is not None:
         write_junit(report, args.junit)
     return report.exit_code
+
+
+def _progress(text: str) -> None:
+    """A progress line of the run mode on stderr (stdout keeps the notes and the summary), wrapped
+    to 100 columns."""
+    import sys
+
+    from oomtune.display import wrapped
+
+    for part in wrapped(text):
+        print(part, file=sys.stderr, flush=True)

@@ -52,7 +52,8 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
-from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, DeviceInfo, TrialResult, TrialSpec
+from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, DeviceInfo,
+                                  TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
 __all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
@@ -320,9 +321,11 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     watch = spec.limit_bytes is not None and used_bytes is not None
     total = spec.warmup_steps + spec.measure_steps
     timings, done = None, 0
+    _progress(0, total)
     while done < total:
         step = workload.run_steps(1, sync=True)
         done += 1
+        _progress(done, total)
         if done > spec.warmup_steps:
             if timings is None:
                 timings = step
@@ -407,6 +410,16 @@ def _process_start_time() -> float:
         return time.time()
 
 
+#: Where :func:`main` records the steps done (``PROGRESS_FILE`` next to RESULT.json); None in-process
+#: (:func:`run_child` called directly). One trial per process, so one path per process.
+_progress_path: Path | None = None
+
+
+def _progress(done: int, total: int) -> None:
+    if _progress_path is not None:
+        write_progress(_progress_path, done, total)
+
+
 def cpu_device_info() -> DeviceInfo:
     """The host CPU as a :class:`DeviceInfo` (no memory figures: they are simulated)."""
     return DeviceInfo(kind="cpu", name=platform.processor() or platform.machine() or None)
@@ -421,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m oomtune.trial.child SPEC.json RESULT.json", file=sys.stderr)
         return 2
+    global _progress_path
+    _progress_path = Path(args[1]).with_name(PROGRESS_FILE)
     try:
         spec = TrialSpec.from_json(Path(args[0]).read_text())
     except (OSError, ValueError, TypeError) as exc:

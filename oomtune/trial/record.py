@@ -15,7 +15,8 @@ from typing import Any
 
 from oomtune.outcome import Outcome
 
-__all__ = ["TrialSpec", "TrialResult", "DeviceInfo", "MEMORY_SOURCE_DEVICE", "MEMORY_SOURCE_SIMULATED"]
+__all__ = ["TrialSpec", "TrialResult", "DeviceInfo", "MEMORY_SOURCE_DEVICE", "MEMORY_SOURCE_SIMULATED",
+           "PROGRESS_FILE", "write_progress", "read_progress"]
 
 #: ``TrialResult.memory_source`` for figures read from the real CUDA device.
 MEMORY_SOURCE_DEVICE = "device"
@@ -213,3 +214,29 @@ class TrialResult:
         tmp = Path(str(path) + ".tmp")
         tmp.write_text(self.to_json())
         tmp.replace(path)
+
+
+#: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N}``
+#: (warm-up and measured steps), rewritten after each step so that a parent can show how far it got.
+PROGRESS_FILE = "progress.json"
+
+
+def write_progress(path: str | Path, steps_done: int, steps_total: int) -> None:
+    """Replace the progress record at ``path`` (atomically). A failed write is ignored: progress
+    is for display, and a trial must not fail over it."""
+    tmp = Path(str(path) + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"steps_done": steps_done, "steps_total": steps_total}))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def read_progress(path: str | Path) -> tuple[int, int] | None:
+    """``(steps_done, steps_total)`` from the progress record at ``path``; None when there is none
+    yet (the trial is still starting) or it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return int(data["steps_done"]), int(data["steps_total"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

@@ -37,7 +37,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
-from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
+from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult, TrialSpec
 from oomtune.trial.procwait import exited_within
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "LAUNCHERS", "ALLOC_ENV_VARS"]
@@ -225,6 +225,7 @@ class TrialRunner:
         paths = {"dir": workdir, "spec": workdir / "spec.json", "result": workdir / "result.json",
                  "stdout": workdir / "stdout.txt", "stderr": workdir / "stderr.txt"}
         paths["result"].unlink(missing_ok=True)
+        (workdir / PROGRESS_FILE).unlink(missing_ok=True)   # a previous trial's steps are not this one's
         paths["spec"].write_text(spec.to_json())
         launched_at = time.time()
         try:
