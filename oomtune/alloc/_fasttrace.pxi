@@ -409,6 +409,8 @@ cdef class TraceReplay:
 
         for x in explicit:
             expl.insert(x)
+        amap.reserve(self.act.size() // 2 + self.seg_addr.size() * 2)   # no rehashing on the way
+        core.active.reserve(self.act.size() // 2 + self.seg_addr.size() * 2)
         oom_at, events, by_cache = None, [], []
         try:
             exact = self._seed(sim, amap)
