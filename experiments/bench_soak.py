@@ -9,7 +9,8 @@ and the others derived), replay time of
 ``--steps`` steps under the default allocator and ``expandable_segments:True`` on an 80 GiB virtual
 GPU with an 8 GiB budget (memory fraction 0.1), with the soak's skipping of repeated steps and without it
 (every step replayed: the events/s of the simulator itself). All memory is simulated; times are
-wall seconds on this machine (say whether it was loaded).
+wall seconds on this machine (say whether it was loaded). The soak runs on the compiled core when it is built
+(``OOMTUNE_PURE_PYTHON=1``: the pure-Python simulator); the header says which.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import oomtune.plan.soak as soak_module
+from oomtune.alloc import _compiled
 from oomtune.plan.soak import capture_soak, replay_soak
 
 GiB = 1 << 30
@@ -41,6 +43,8 @@ def main() -> int:
              f"# commit: {commit}",
              f"# machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
              "# memory: simulated (virtual GPU: 80 GiB device, 8 GiB budget as memory fraction 0.1)",
+             "# simulator: " + ("compiled core (oomtune.alloc._fastcore.FastSim)" if _compiled.enabled() else
+                                "pure Python (CachingAllocatorSim: OOMTUNE_PURE_PYTHON=1 or the core not built)"),
              ""]
     fraction = 8 * GiB / (80 * GiB)
     original = soak_module._memo_allowed

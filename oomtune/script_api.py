@@ -167,7 +167,7 @@ class CaptureHook:
     """The virtual GPU for a user's script on a machine without CUDA (see :func:`capture_hook`).
 
     Attributes:
-        sim: the ``CachingAllocatorSim`` (None when inactive).
+        sim: the virtual GPU (``make_simulator``'s: ``CachingAllocatorSim``'s API; None when inactive).
         active: True while storages are being sent to the simulator.
         reason: why the hook is inactive (None when active).
 
@@ -187,7 +187,7 @@ class CaptureHook:
 
     def _start(self, tensors: list[Any]) -> None:
         from oomtune.alloc.settings import AllocatorSettings
-        from oomtune.alloc.sim import CachingAllocatorSim
+        from oomtune.alloc._compiled import make_simulator
         from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
 
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
@@ -196,7 +196,7 @@ class CaptureHook:
         if budget:  # the budget as a memory fraction of the virtual device, as a builtin CPU trial
             self.sim = budgeted_sim(AllocatorSettings.parse(conf), int(budget), int(device) if device else None)
         else:
-            self.sim = CachingAllocatorSim(AllocatorSettings.parse(conf), total_memory_bytes=_UNBOUNDED_SIM_BYTES)
+            self.sim = make_simulator(AllocatorSettings.parse(conf), total_memory_bytes=_UNBOUNDED_SIM_BYTES)
         self._pid = os.getpid()
         self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu")
         _ACTIVE.append(self)

@@ -234,3 +234,20 @@ def test_replay_snapshot_identical(path, monkeypatch):
             d.pop("replay_seconds")
             results.append(d)
     assert results[:3] == results[3:]
+
+
+@pytest.mark.parametrize("settings", [None, "expandable_segments:True", "max_split_size_mb:64",
+                                      "garbage_collection_threshold:0.6"])
+def test_report_step_snapshot_identical(settings, monkeypatch):
+    """The report's winner step (htmlreport._step.synthesise_snapshot: per-call malloc/free with
+    segment events, then memory_snapshot) is the same on FastSim and on the Python simulator."""
+    from oomtune.htmlreport._step import synthesise_snapshot
+
+    stream = synthetic(3000, seed=7, n_streams=2, live_target=40)
+    out = []
+    for pure in ("1", "0"):
+        monkeypatch.setenv("OOMTUNE_PURE_PYTHON", pure)
+        out.append(synthesise_snapshot(stream, settings or "", total_memory_bytes=80 << 30, memory_fraction=0.5))
+    assert out[0] == out[1]
+    assert any(e["action"] == ("segment_map" if settings and "expandable" in settings else "segment_alloc")
+               for e in out[1]["device_traces"][0])

@@ -254,3 +254,39 @@ def test_trial_fails_on_the_soak_with_step_and_reason(monkeypatch):
 # With CPU capture (a CPU trial soaks the kernels it ran) the same model at batch 4 fails its soak
 # on a 76 MiB virtual GPU (experiments/results/find_soak_case.txt records the scan).
 CPU_CASE_BUDGET = 76 * MiB
+
+
+# ------------------------------------------------------------------------------- compiled core
+def test_soak_runs_on_the_compiled_core_with_the_python_simulators_results(monkeypatch):
+    """The soak's virtual GPU is ``make_simulator``'s: the compiled core when built (issue 13). Every
+    figure of the soak (per step, at the failure, the OOM message) is the pure-Python simulator's:
+    a passing and a failing (fragmentation) case, expandable segments, a memory fraction with
+    garbage collection, max_split_size, and the trial's own virtual GPU (``budgeted_sim``)."""
+    import dataclasses
+
+    from oomtune.alloc import _compiled
+    from oomtune.capture.virtual_gpu import budgeted_sim
+    from oomtune.plan.soak import capture_soak
+
+    if not _compiled.available():
+        pytest.skip("the compiled core oomtune.alloc._fastcore is not built")
+    streams = capture_soak(VARIABLE_LM, 4, 300, capture_device="meta")
+    cases = [("", {"device_memory_bytes": 1 << 40}), ("", {"device_memory_bytes": 100 * MiB}),
+             ("expandable_segments:True", {"device_memory_bytes": 100 * MiB}),
+             ("garbage_collection_threshold:0.6", {"device_memory_bytes": 400 * MiB, "memory_fraction": 0.25}),
+             ("max_split_size_mb:20", {"device_memory_bytes": 110 * MiB, "non_allocator_bytes": 5 * MiB}),
+             ("", {"new_sim": lambda: budgeted_sim("", 100 * MiB, 1 << 30)})]
+    failed = 0
+    for conf, kw in cases:
+        got = {}
+        for pure in ("1", "0"):
+            monkeypatch.setenv("OOMTUNE_PURE_PYTHON", pure)
+            kind = type(kw["new_sim"]() if "new_sim" in kw else _compiled.make_simulator(
+                conf, total_memory_bytes=kw["device_memory_bytes"])).__name__
+            assert kind == ("CachingAllocatorSim" if pure == "1" else "FastSim")
+            d = dataclasses.asdict(replay_soak(streams, conf, record_steps=True, **kw))
+            d.pop("replay_s")
+            got[pure] = d
+        assert got["0"] == got["1"], conf
+        failed += not got["0"]["passed"]
+    assert failed >= 2   # the 100 MiB default cases run out of memory (see the test above)

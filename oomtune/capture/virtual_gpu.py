@@ -66,17 +66,18 @@ def budget_geometry(budget_bytes: int | None, device_memory_bytes: int | None) -
 
 
 def budgeted_sim(settings: Any, budget_bytes: int | None, device_memory_bytes: int | None) -> Any:
-    """A ``CachingAllocatorSim`` of :func:`budget_geometry`, its fraction always set (as a CUDA
+    """A virtual GPU (:func:`oomtune.alloc._compiled.make_simulator`: the compiled core when built, else
+    a ``CachingAllocatorSim``; same results) of :func:`budget_geometry`, its fraction always set (as a CUDA
     trial calls ``set_per_process_memory_fraction`` when it has a budget), so that
     ``garbage_collection_threshold`` acts as on the device.
 
     Raises:
         ValueError: as :func:`budget_geometry`. AllocatorConfigError: malformed settings.
     """
-    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.alloc._compiled import make_simulator
 
     geometry = budget_geometry(budget_bytes, device_memory_bytes)
-    sim = CachingAllocatorSim(settings, total_memory_bytes=geometry["total_memory_bytes"])
+    sim = make_simulator(settings, total_memory_bytes=geometry["total_memory_bytes"])
     if budget_bytes is not None:
         sim.set_per_process_memory_fraction(geometry["memory_fraction"])
     return sim
@@ -153,7 +154,7 @@ class VirtualGPU:
     Args:
         sim: an object with ``malloc(size_bytes, stream=0) -> int`` (raising
             ``SimulatedOutOfMemoryError``, a ``torch.OutOfMemoryError``) and ``free(addr)``:
-            ``oomtune.alloc.sim.CachingAllocatorSim``.
+            ``oomtune.alloc.sim.CachingAllocatorSim`` or ``oomtune.alloc._compiled.make_simulator()``'s.
         device: the device type whose storages stand for GPU memory (``"meta"`` or ``"cpu"``);
             tensors on other devices (e.g. Adam's CPU ``step`` counters during a meta run) are not
             sent. Default ``None``: the device of the first tensor given to :meth:`register`, or

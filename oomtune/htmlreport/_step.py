@@ -43,11 +43,11 @@ def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int
         SimulatedOutOfMemoryError: the stream does not fit (the winner always ran, so it fits).
         AllocatorConfigError: a malformed ``alloc_conf``.
     """
-    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.alloc._compiled import make_simulator
     from oomtune.trace.recorded import snapshot_settings
 
-    sim = CachingAllocatorSim(alloc_conf or None, total_memory_bytes=int(total_memory_bytes),
-                              memory_fraction=float(memory_fraction), record_segment_events=True)
+    sim = make_simulator(alloc_conf or None, total_memory_bytes=int(total_memory_bytes),
+                         memory_fraction=float(memory_fraction), record_segment_events=True)
     trace: list[dict[str, Any]] = []
     addr_of: dict[int, tuple[int, int]] = {}
     seen = 0  # segment events already copied into the trace

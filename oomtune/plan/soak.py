@@ -13,7 +13,8 @@ after the few measured steps of a trial. The soak looks that far ahead without r
    are captured (plus one check) and the others derived exactly (:mod:`oomtune.plan._soak_derive`).
 2. Replay the first stream, then the steady streams in the data's order (the seeded sequence of
    :meth:`oomtune.workloads.shapes.ShapeDistribution.iter_shapes`, the same one the live trial's
-   batches follow), on ONE :class:`oomtune.alloc.CachingAllocatorSim` whose state carries over from
+   batches follow), on ONE virtual GPU (:func:`oomtune.alloc._compiled.make_simulator`: the compiled
+   core when built, else :class:`oomtune.alloc.CachingAllocatorSim`; same results) whose state carries over from
    step to step: the parameters and the optimizer state stay allocated, the cached free segments
    and their splits persist, so fragmentation builds up as it would on the device.
 
@@ -245,8 +246,8 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
         device_memory_bytes: the simulated device's capacity in bytes.
         memory_fraction: ``set_per_process_memory_fraction`` (1.0: never set), as the trial applies it.
         non_allocator_bytes: device memory outside the allocator, in bytes.
-        new_sim: instead of the three figures and ``settings``: a function returning a fresh
-            ``CachingAllocatorSim`` (the trial passes the one its own steps ran on, e.g.
+        new_sim: instead of the three figures and ``settings``: a function returning a fresh virtual
+            GPU with ``CachingAllocatorSim``'s public API (the trial passes the one its own steps ran on, e.g.
             :func:`oomtune.capture.virtual_gpu.budgeted_sim`).
         record_steps: fill ``SoakResult.per_step``.
 
@@ -255,7 +256,7 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
             ``device_memory_bytes`` nor ``new_sim``.
     """
     from oomtune.alloc.oom_message import SimulatedOutOfMemoryError
-    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.alloc._compiled import make_simulator
     from oomtune.exceptions import ConfigError
 
     if new_sim is not None:
@@ -263,8 +264,8 @@ def replay_soak(streams: SoakStreams, settings: AllocatorSettings | str | None =
     elif device_memory_bytes is None:
         raise ConfigError("replay_soak needs device_memory_bytes or new_sim")
     else:
-        sim = CachingAllocatorSim(settings, total_memory_bytes=device_memory_bytes,
-                                  non_allocator_bytes=non_allocator_bytes)
+        sim = make_simulator(settings, total_memory_bytes=device_memory_bytes,
+                             non_allocator_bytes=non_allocator_bytes)
         if memory_fraction != 1.0:
             sim.set_per_process_memory_fraction(memory_fraction)
     steps = len(streams.shapes)
@@ -382,7 +383,7 @@ def soak(workload_cfg: Mapping[str, Any], batch_size: int, settings: AllocatorSe
         settings: allocator settings (object, string or None).
         device_memory_bytes / memory_fraction / non_allocator_bytes: the virtual GPU, as the trial's
             (or ``new_sim``, see :func:`replay_soak`).
-        new_sim: a function returning a fresh ``CachingAllocatorSim`` (replaces the figures).
+        new_sim: a function returning a fresh virtual GPU (replaces the figures; see :func:`replay_soak`).
         steps: soak length in steps (step 1 is the live trial's first, warm-up, step).
         capture_device: ``meta`` or ``cpu`` (see :func:`capture_soak`).
         record_steps: keep per-step figures in ``SoakResult.per_step``.

@@ -248,10 +248,10 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
 def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> Any:
     """A virtual GPU with the CUDA trial's geometry: the device's capacity, the non-allocator memory
     measured, the memory fraction applied (for the soak)."""
-    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.alloc._compiled import make_simulator
 
-    sim = CachingAllocatorSim(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=total_bytes,
-                              non_allocator_bytes=min(result.non_allocator_bytes or 0, total_bytes))
+    sim = make_simulator(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=total_bytes,
+                         non_allocator_bytes=min(result.non_allocator_bytes or 0, total_bytes))
     if "memory_fraction" in result.extra:
         sim.set_per_process_memory_fraction(result.extra["memory_fraction"])
     return sim
