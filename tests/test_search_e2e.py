@@ -61,18 +61,30 @@ def _finished(storage: str, name: str) -> list:
     return study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
 
 
+def _running(proc: subprocess.Popen, err_path) -> bool:
+    """True while ``proc`` runs; fails the test at once, with its stderr, if it has ended (a search
+    that crashes must not look like a hang of the waiting loops below)."""
+    if proc.poll() is None:
+        return True
+    pytest.fail(f"the search exited early with status {proc.returncode}:\n{err_path.read_text()[-4000:]}")
+
+
 def test_interrupted_search_resumes_from_its_storage(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "oomtune", "search", *TINY, "search.n_trials=6", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:   # files: no pipe to fill while waiting
+        proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, text=True)
     deadline = time.time() + 600  # frontier predictions come first: slow on a loaded machine
-    while time.time() < deadline and not (run_dir / "run.json").exists():
+    while time.time() < deadline and not (run_dir / "run.json").exists() and _running(proc, err_path):
         time.sleep(0.2)
     info = json.loads((run_dir / "run.json").read_text())
-    while time.time() < deadline and len(_finished(info["storage"], info["study_name"])) < 3:
+    while time.time() < deadline and len(_finished(info["storage"], info["study_name"])) < 3 \
+            and _running(proc, err_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    err = err_path.read_text()
     assert proc.returncode == 130, err
     assert "resume" in err
     before = {t.number: t.params for t in _finished(info["storage"], info["study_name"])}

@@ -245,6 +245,8 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
     Raises:
         ConfigError / AllocatorConfigError: bad device figures or settings.
     """
+    # A CachingAllocatorSim, not make_simulator's FastSim: replay_compiled reads this simulator's
+    # settings and writes its statistics (private attributes), and the fallback replays on it.
     sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes,
                               non_allocator_bytes=non_allocator_bytes, memory_fraction=memory_fraction)
     fast = replay_compiled(stream, sim, stop_on_oom)   # the C++ core when built (same results)
