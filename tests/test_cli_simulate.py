@@ -274,3 +274,30 @@ def test_points_to_the_device_that_recorded_the_oom(capsys):
     # the device's own error is reproduced, not reported as "no" OOM with no word about it
     assert "OOM (simulated): no OOM the device did not have; the device's 1 out-of-memory error(s) reproduced" in out
     assert "OOM entries: (recorded on device) 1, (simulated) 1" in out
+
+
+@pytest.mark.parametrize("pure", ["0", "1"])   # the compiled path and the reference Python path
+@pytest.mark.parametrize("change, message", [
+    # each used to end in a traceback (TypeError in _frames_verdict, devices_with_data, the
+    # simulator's malloc, _block_addresses; OverflowError in the compiled simulator; TypeError or
+    # ValueError in json.dumps): now the loader names the value
+    (lambda s: s["device_traces"][0].append(ev("segment_free", L1, 20 * MiB) | {"frames": [{"name": None}]}),
+     "device_traces[0][11] has frames[0] with name=None, expected a string"),
+    (lambda s: s["segments"][1].update(device=None), "segments[1] has device=None, expected an integer"),
+    (lambda s: s["device_traces"][0][3].update(stream=None), "device_traces[0][3] has stream=None"),
+    (lambda s: s["segments"][1]["blocks"][0].update(address=None), "segments[1].blocks[0] has address=None"),
+    (lambda s: s["device_traces"][0][3].update(size=1 << 63), "has size=9223372036854775808, beyond the 64-bit"),
+    (lambda s: s.update(allocator_settings={"PYTORCH_CUDA_ALLOC_CONF": b""}), "holds a value of type bytes"),
+])
+def test_values_that_crashed_the_replay_exit_2_one_line(tmp_path, monkeypatch, pure, change, message):
+    monkeypatch.setenv("OOMTUNE_PURE_PYTHON", pure)
+    snap = synthetic_snapshot()
+    change(snap)
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    for args in ([], ["--json"]):
+        proc = run_cli(str(path), *args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: "), proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+

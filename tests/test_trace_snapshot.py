@@ -122,3 +122,70 @@ def test_minimal_snapshot_accepted_and_dump_snapshot_format(tmp_path):
         path.write_bytes(pickle.dumps(snap, protocol=protocol))
         assert load_snapshot(path) == snap
     validate_snapshot(snap)
+
+
+# Hostile or odd values that used to pass validation and then crash the replay with a traceback
+# (or, for values of 2**63 and more, crash only the compiled simulator). torch writes addresses,
+# sizes and streams as int64_t and never None (torch/csrc/cuda/memory_snapshot.cpp), segment_type
+# "small" or "large", frames as lists of {"name": str, ...}.
+def _entry(**kw) -> dict:
+    return {"action": "alloc", "addr": 4096, "size": 512, "stream": 0} | kw
+
+
+def _segment(**kw) -> dict:
+    return {"device": 0, "address": 1 << 30, "total_size": 2 << 20, "stream": 0, "segment_type": "small",
+            "blocks": [{"address": 1 << 30, "size": 2 << 20, "state": "inactive"}]} | kw
+
+
+def _release(frames) -> dict:
+    return {"action": "segment_free", "addr": 1 << 30, "size": 2 << 20, "stream": 0, "frames": frames}
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"segments": [], "device_traces": [[_entry(stream=None)]]}, r"\[0\]\[0\] has stream=None, expected an integer"),
+    ({"segments": [], "device_traces": [[{"action": "oom", "size": 512, "device_free": 0, "stream": None}]]},
+     "has stream=None"),
+    ({"segments": [], "device_traces": [[_entry(size=1 << 63)]]}, "size=9223372036854775808, beyond the 64-bit"),
+    ({"segments": [], "device_traces": [[_entry(addr=1 << 64)]]}, "addr=18446744073709551616, beyond"),
+    ({"segments": [], "device_traces": [[_entry(stream=1 << 70)]]}, "stream=1180591620717411303424, beyond"),
+    ({"segments": [_segment(device=None)], "device_traces": []}, r"segments\[0\] has device=None"),
+    ({"segments": [_segment(stream=None)], "device_traces": []}, r"segments\[0\] has stream=None"),
+    ({"segments": [_segment(address=1 << 63)], "device_traces": []}, "address=9223372036854775808, beyond"),
+    ({"segments": [_segment(segment_type="huge")], "device_traces": []}, "segment_type='huge', expected 'small'"),
+    ({"segments": [_segment(blocks=[{"address": None, "size": 2 << 20, "state": "inactive"}])],
+      "device_traces": []}, r"blocks\[0\] has address=None"),
+    ({"segments": [], "device_traces": [[_release(5)]]}, "frames of type int, expected a list"),
+    ({"segments": [], "device_traces": [[_release({"name": "empty_cache"})]]}, "frames of type dict"),
+    ({"segments": [], "device_traces": [[_release([[{"name": "x"}]])]]}, r"frames\[0\] of type list"),
+    ({"segments": [], "device_traces": [[_release([{"name": None}])]]}, r"frames\[0\] with name=None"),
+    ({"segments": [], "device_traces": [[_release([{"name": 5}])]]}, r"frames\[0\] with name=5"),
+    (_minimal() | {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": b"x"}}, "holds a value of type bytes"),
+    (_minimal() | {"allocator_settings": {"x": {1, 2}}}, "holds a value of type set"),
+    (_minimal() | {"allocator_settings": {("a", 1): 1}}, r"has the key \('a', 1\), expected string keys"),
+    (_minimal() | {"allocator_settings": {"garbage_collection_threshold": float("nan")}}, "holds nan, expected a finite"),
+    (_minimal() | {"allocator_settings": {"roundup_power2_divisions": {"1": float("inf")}}}, "holds inf"),
+    (_minimal() | {"allocator_settings": {"x": [[[[1]]]]}}, "nests deeper than allocator settings do"),
+])
+def test_values_torch_never_writes_are_refused(obj, message):
+    with pytest.raises(SnapshotError, match=message):
+        loads_snapshot(pickle.dumps(obj))
+
+
+def test_cyclic_allocator_settings_refused_without_recursion_error():
+    settings: dict = {}
+    settings["self"] = settings   # pickle keeps the cycle (memo), json.dumps would raise ValueError
+    with pytest.raises(SnapshotError, match="nests deeper than allocator settings do"):
+        loads_snapshot(pickle.dumps(_minimal() | {"allocator_settings": settings}))
+
+
+def test_values_replay_does_not_read_may_be_none_or_absent():
+    # an oom entry's addr (device_free instead), time_us, requested_size: never read by replay;
+    # frames of entries other than releases are not inspected; stream and device may be absent.
+    seg = _segment(blocks=[{"address": 1 << 30, "size": 2 << 20, "requested_size": None, "state": "inactive"}])
+    del seg["stream"], seg["device"]
+    trace = [{"action": "oom", "addr": None, "size": 512, "device_free": 0, "stream": 0},
+             _entry(time_us=None, frames=5), {"action": "free_completed", "addr": 4096, "size": 512},
+             _release([{"filename": "no name"}, {"name": "empty_cache"}]), _entry(size=(1 << 63) - 1)]
+    snap = {"segments": [seg], "device_traces": [trace], "allocator_settings": {
+        "roundup_power2_divisions": {"1": 0}, "PYTORCH_CUDA_ALLOC_CONF": "", "garbage_collection_threshold": 0.0}}
+    assert loads_snapshot(pickle.dumps(snap)) == snap

@@ -21,6 +21,7 @@ writes ``segment_pool_id`` as a tuple, also a plain opcode (TUPLE2).
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,15 @@ from typing import Any
 from oomtune.exceptions import SnapshotError
 
 __all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "devices_with_data", "TRACE_ACTIONS"]
+
+#: Exclusive upper bound of every integer in a snapshot: torch/csrc/cuda/memory_snapshot.cpp writes
+#: addresses, sizes and streams as int64_t (``(int64_t)te.size_``, ``int64_t(te.stream_)``).
+INT64_END = 1 << 63
+#: Actions whose ``frames`` the replay reads (releases.classify_runs looks for empty_cache there).
+_RELEASE_ACTIONS = frozenset({"segment_free", "segment_unmap"})
+#: Nesting depth allowed inside ``allocator_settings`` (torch writes one level of dict inside it,
+#: ``roundup_power2_divisions``); deeper data cannot be settings and would not print as JSON.
+_SETTINGS_DEPTH = 3
 
 #: Trace actions written by torch's allocator (TraceEntry::Action in
 #: c10/cuda/CUDACachingAllocator.h); other action strings are kept but ignored by replay.
@@ -112,14 +122,23 @@ def _fail(source: str, where: str, problem: str) -> SnapshotError:
     return SnapshotError(f"{source} is not a valid memory snapshot: {where} {problem}")
 
 
-def _check_int(source: str, where: str, entry: dict, key: str, *, required: bool = True) -> None:
+def _check_int(source: str, where: str, entry: dict, key: str, *, required: bool = True,
+               none_ok: bool = False) -> None:
+    """``entry[key]`` is an int in [0, 2**63) (``time_us`` may be negative). ``required=False``: the
+    key may be absent; ``none_ok``: it may also hold None (an ``oom`` entry's ``addr``, ``time_us``,
+    ``requested_size``, which replay never reads). A None where replay reads the value (a stream,
+    a device, a block address) is refused: replay would take it for a stream or an address."""
+    if key not in entry and not required:
+        return
     value = entry.get(key)
-    if value is None and not required:
+    if value is None and none_ok:
         return
     if type(value) is not int:  # bool is an int subclass and is refused too
         raise _fail(source, where, f"has {key}={value!r}, expected an integer")
     if value < 0 and key != "time_us":
         raise _fail(source, where, f"has {key}={value}, expected >= 0")
+    if not -INT64_END <= value < INT64_END:
+        raise _fail(source, where, f"has {key}={value}, beyond the 64-bit integers torch writes (expected < 2**63)")
 
 
 def _check_segment(source: str, i: int, seg: Any) -> None:
@@ -132,6 +151,9 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
         _check_int(source, where, seg, key, required=False)
     if not isinstance(seg.get("segment_type", "large"), str):
         raise _fail(source, where, "has a non-string segment_type")
+    if seg.get("segment_type", "large") not in ("small", "large"):
+        # memory_snapshot.cpp writes segment.is_large ? "large" : "small"
+        raise _fail(source, where, f"has segment_type={seg['segment_type']!r}, expected 'small' or 'large'")
     blocks = seg.get("blocks")
     if not isinstance(blocks, list):
         raise _fail(source, where, "has no 'blocks' list")
@@ -142,7 +164,7 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
             raise _fail(source, bwhere, f"is a {type(block).__name__}, expected a dict")
         _check_int(source, bwhere, block, "size")
         _check_int(source, bwhere, block, "address", required=False)
-        _check_int(source, bwhere, block, "requested_size", required=False)
+        _check_int(source, bwhere, block, "requested_size", required=False, none_ok=True)
         if not isinstance(block.get("state"), str):
             raise _fail(source, bwhere, "has no string 'state'")
         total += block["size"]
@@ -155,13 +177,16 @@ def _check_trace(source: str, d: int, trace: Any) -> None:
         raise _fail(source, f"device_traces[{d}]", f"is a {type(trace).__name__}, expected a list")
     # Fast pass over well-formed entries (the same checks as _check_entry, without building the
     # message's location); the first entry it doubts goes through _check_entry for the verdict.
+    end = INT64_END
+    releases = _RELEASE_ACTIONS
     for i, entry in enumerate(trace):
         if type(entry) is dict:
             get = entry.get
-            addr, size, stream, time_us = get("addr"), get("size"), get("stream"), get("time_us")
-            if (type(get("action")) is str and type(addr) is int and addr >= 0 and type(size) is int
-                    and size >= 0 and (stream is None or (type(stream) is int and stream >= 0))
-                    and (time_us is None or type(time_us) is int)):
+            action, addr, size, stream, time_us = get("action"), get("addr"), get("size"), get("stream"), get("time_us")
+            if (type(action) is str and type(addr) is int and 0 <= addr < end and type(size) is int
+                    and 0 <= size < end and (type(stream) is int and 0 <= stream < end or "stream" not in entry)
+                    and (time_us is None or type(time_us) is int and -end <= time_us < end)
+                    and (action not in releases or get("frames") is None)):
                 continue
         _check_entry(source, d, i, entry)
 
@@ -176,25 +201,70 @@ def _check_entry(source: str, d: int, i: int, entry: Any) -> None:
         # An out-of-memory entry carries the device's free memory instead of an address
         # (torch/csrc/cuda/memory_snapshot.cpp writes ``device_free`` for TraceEntry::OOM).
         _check_int(source, where, entry, "size")
-        _check_int(source, where, entry, "device_free", required="addr" not in entry)
-        _check_int(source, where, entry, "addr", required=False)
+        _check_int(source, where, entry, "device_free", required="addr" not in entry, none_ok="addr" in entry)
+        _check_int(source, where, entry, "addr", required=False, none_ok=True)
         _check_int(source, where, entry, "stream", required=False)
-        _check_int(source, where, entry, "time_us", required=False)
+        _check_int(source, where, entry, "time_us", required=False, none_ok=True)
         return
     for key in ("addr", "size"):
         _check_int(source, where, entry, key)
     _check_int(source, where, entry, "stream", required=False)
-    _check_int(source, where, entry, "time_us", required=False)
+    _check_int(source, where, entry, "time_us", required=False, none_ok=True)
+    if entry["action"] in _RELEASE_ACTIONS:
+        _check_frames(source, where, entry.get("frames"))
+
+
+def _check_frames(source: str, where: str, frames: Any) -> None:
+    """A release's ``frames`` (read to tell an empty_cache from the allocator's own release): None,
+    or a list of frame dicts whose ``name`` is a string, as torch's ivalue_symbolize writes them."""
+    if frames is None:
+        return
+    if not isinstance(frames, list):
+        raise _fail(source, where, f"has frames of type {type(frames).__name__}, expected a list of frame dicts")
+    for k, frame in enumerate(frames):
+        if not isinstance(frame, dict):
+            raise _fail(source, where, f"has frames[{k}] of type {type(frame).__name__}, expected a dict")
+        if not isinstance(frame.get("name", ""), str):
+            raise _fail(source, where, f"has frames[{k}] with name={frame['name']!r}, expected a string")
+
+
+def _check_plain(source: str, where: str, value: Any, depth: int) -> None:
+    """``value`` is plain data that prints as JSON (``--json`` shows ``allocator_settings``): None,
+    bool, int, finite float, str, or a list or dict (string keys) of such, at most ``depth`` levels
+    deep (a set, bytes or a tuple key would stop ``json.dumps``; a cycle or deep nesting would
+    exhaust its recursion)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _fail(source, where, f"holds {value}, expected a finite number (torch writes no NaN or infinity)")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if depth > 0 and isinstance(value, list):
+        for k, item in enumerate(value):
+            _check_plain(source, f"{where}[{k}]", item, depth - 1)
+        return
+    if depth > 0 and isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _fail(source, where, f"has the key {key!r}, expected string keys")
+            _check_plain(source, f"{where}[{key!r}]", item, depth - 1)
+        return
+    if isinstance(value, (list, dict)):
+        raise _fail(source, where, "nests deeper than allocator settings do (a cycle, or not settings at all)")
+    raise _fail(source, where, f"holds a value of type {type(value).__name__}, expected numbers, strings, "
+                "or lists and dicts of them")
 
 
 def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     """Check that ``obj`` has the structure of ``torch.cuda.memory._snapshot()``'s result.
 
-    Checked: a dict with a ``segments`` list of dicts (int address/total_size >= 0, a ``blocks`` list
-    whose sizes sum to total_size, string block states) and a ``device_traces`` list of lists of dicts
-    (string action, int addr/size >= 0, int stream/time_us when present; an ``oom`` entry has an int
-    ``device_free`` in place of ``addr``, as a snapshot dumped after an out-of-memory error holds).
-    Frames are not inspected.
+    Checked: a dict with a ``segments`` list of dicts (int address/total_size >= 0, int device/stream
+    when present, segment_type "small" or "large", a ``blocks`` list whose sizes sum to total_size,
+    string block states, int block addresses when present) and a ``device_traces`` list of lists of
+    dicts (string action, int addr/size >= 0, int stream/time_us when present; an ``oom`` entry has an
+    int ``device_free`` in place of ``addr``, as a snapshot dumped after an out-of-memory error holds).
+    Every integer is below 2**63 (torch writes int64_t); a stream, device or block address, when its
+    key is there, is an int, not None. ``frames`` are inspected only on segment_free/segment_unmap
+    entries, the only ones replay reads (a list of dicts with string names);
+    ``allocator_settings``, when present, is a dict of plain data (printed by ``--json``).
 
     Raises:
         SnapshotError: naming the first offending entry.
@@ -221,6 +291,8 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     settings = obj.get("allocator_settings")
     if settings is not None and not isinstance(settings, dict):
         raise _fail(source, "'allocator_settings'", "is not a dict")
+    if settings is not None:
+        _check_plain(source, "'allocator_settings'", settings, _SETTINGS_DEPTH)
 
 
 def devices_with_data(snapshot: dict[str, Any]) -> list[int]:
