@@ -301,3 +301,16 @@ def test_values_that_crashed_the_replay_exit_2_one_line(tmp_path, monkeypatch, p
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: "), proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
 
+
+def test_recorded_divisions_that_are_not_numbers_give_a_notice(tmp_path, capsys):
+    # int("abc") used to raise ValueError out of recorded_settings; such settings cannot be used,
+    # so the replay runs under torch's defaults and says why (as for other unusable settings).
+    snap = synthetic_snapshot() | {"allocator_settings": {"roundup_power2_divisions": {"1": "abc", "2": 4}}}
+    path = tmp_path / "divs.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["simulate", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"] == "" and out["settings_source"] == "torch defaults (none recorded)"
+    assert out["notes"] == ["the recorded allocator_settings cannot be used (roundup_power2_divisions holds "
+                            "{'1': 'abc'}, expected whole numbers); replayed under torch's defaults"]
+    assert out["exact"] is True   # the synthetic trace replays exactly under torch's defaults

@@ -53,7 +53,12 @@ def recorded_settings(snapshot: dict[str, Any]) -> tuple[Any, str | None]:
         fields["expandable_segments"] = rec["expandable_segments"]
     divs = rec.get("roundup_power2_divisions")
     if isinstance(divs, dict):
-        fields["roundup_power2_divisions"] = tuple(int(divs.get(str(k), 0) or 0) for k in _INTERVAL_STARTS_MIB)
+        try:
+            fields["roundup_power2_divisions"] = tuple(int(divs.get(str(k), 0) or 0) for k in _INTERVAL_STARTS_MIB)
+        except (TypeError, ValueError, OverflowError):   # "abc", [4], NaN, infinity: not a count
+            bad = {k: v for k, v in divs.items() if type(v) is not int}
+            return None, (f"the recorded allocator_settings cannot be used (roundup_power2_divisions holds "
+                          f"{bad!r}, expected whole numbers); replayed under torch's defaults")
     for key, name in (("max_non_split_rounding_size", "max_non_split_rounding_bytes"),
                       ("large_segment_size", "large_segment_size_bytes")):
         value = _int(rec.get(key))
