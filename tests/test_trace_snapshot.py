@@ -152,6 +152,10 @@ def _release(frames) -> dict:
     ({"segments": [_segment(stream=None)], "device_traces": []}, r"segments\[0\] has stream=None"),
     ({"segments": [_segment(address=1 << 63)], "device_traces": []}, "address=9223372036854775808, beyond"),
     ({"segments": [_segment(segment_type="huge")], "device_traces": []}, "segment_type='huge', expected 'small'"),
+    # a small-pool segment is kSmallBuffer = 2 MiB; replay would rebuild a 2**50-byte one in 2**30 requests
+    ({"segments": [_segment(total_size=1 << 50, blocks=[])], "device_traces": []},
+     r"segments\[0\] is a small-pool segment of 1125899906842624 bytes, expected 2097152"),
+    ({"segments": [_segment(total_size=4 << 20, blocks=[])], "device_traces": []}, "small-pool segment of 4194304"),
     ({"segments": [_segment(blocks=[{"address": None, "size": 2 << 20, "state": "inactive"}])],
       "device_traces": []}, r"blocks\[0\] has address=None"),
     ({"segments": [], "device_traces": [[_release(5)]]}, "frames of type int, expected a list"),
@@ -186,6 +190,8 @@ def test_values_replay_does_not_read_may_be_none_or_absent():
     trace = [{"action": "oom", "addr": None, "size": 512, "device_free": 0, "stream": 0},
              _entry(time_us=None, frames=5), {"action": "free_completed", "addr": 4096, "size": 512},
              _release([{"filename": "no name"}, {"name": "empty_cache"}]), _entry(size=(1 << 63) - 1)]
-    snap = {"segments": [seg], "device_traces": [trace], "allocator_settings": {
+    # an expandable small-pool range is any number of 2 MiB pages (6 MiB in the DataParallel trace)
+    expandable = _segment(is_expandable=True, address=1 << 31, total_size=6 << 20, blocks=[])
+    snap = {"segments": [seg, expandable], "device_traces": [trace], "allocator_settings": {
         "roundup_power2_divisions": {"1": 0}, "PYTORCH_CUDA_ALLOC_CONF": "", "garbage_collection_threshold": 0.0}}
     assert loads_snapshot(pickle.dumps(snap)) == snap

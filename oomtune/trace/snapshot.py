@@ -33,6 +33,8 @@ __all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "devices_with
 #: Exclusive upper bound of every integer in a snapshot: torch/csrc/cuda/memory_snapshot.cpp writes
 #: addresses, sizes and streams as int64_t (``(int64_t)te.size_``, ``int64_t(te.stream_)``).
 INT64_END = 1 << 63
+#: kSmallBuffer (c10/cuda/CUDACachingAllocator.cpp): the size of every non-expandable small-pool segment.
+_SMALL_BUFFER = 2 << 20
 #: Actions whose ``frames`` the replay reads (releases.classify_runs looks for empty_cache there).
 _RELEASE_ACTIONS = frozenset({"segment_free", "segment_unmap"})
 #: Nesting depth allowed inside ``allocator_settings`` (torch writes one level of dict inside it,
@@ -154,6 +156,11 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
     if seg.get("segment_type", "large") not in ("small", "large"):
         # memory_snapshot.cpp writes segment.is_large ? "large" : "small"
         raise _fail(source, where, f"has segment_type={seg['segment_type']!r}, expected 'small' or 'large'")
+    if seg.get("segment_type") == "small" and not seg.get("is_expandable", False) and seg["total_size"] != _SMALL_BUFFER:
+        # get_allocation_size: every small-pool cudaMalloc is kSmallBuffer; replay rebuilds a small
+        # segment 1 MiB request at a time, so a huge one (2**50 B: 2**30 requests) never ends.
+        raise _fail(source, where, f"is a small-pool segment of {seg['total_size']} bytes, expected "
+                    f"{_SMALL_BUFFER} (torch's small-pool segments are 2 MiB unless expandable)")
     blocks = seg.get("blocks")
     if not isinstance(blocks, list):
         raise _fail(source, where, "has no 'blocks' list")
@@ -257,7 +264,8 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     """Check that ``obj`` has the structure of ``torch.cuda.memory._snapshot()``'s result.
 
     Checked: a dict with a ``segments`` list of dicts (int address/total_size >= 0, int device/stream
-    when present, segment_type "small" or "large", a ``blocks`` list whose sizes sum to total_size,
+    when present, segment_type "small" or "large", a small one of 2 MiB unless expandable, a
+    ``blocks`` list whose sizes sum to total_size,
     string block states, int block addresses when present) and a ``device_traces`` list of lists of
     dicts (string action, int addr/size >= 0, int stream/time_us when present; an ``oom`` entry has an
     int ``device_free`` in place of ``addr``, as a snapshot dumped after an out-of-memory error holds).
