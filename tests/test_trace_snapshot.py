@@ -195,3 +195,14 @@ def test_values_replay_does_not_read_may_be_none_or_absent():
     snap = {"segments": [seg, expandable], "device_traces": [trace], "allocator_settings": {
         "roundup_power2_divisions": {"1": 0}, "PYTORCH_CUDA_ALLOC_CONF": "", "garbage_collection_threshold": 0.0}}
     assert loads_snapshot(pickle.dumps(snap)) == snap
+
+
+def test_one_trace_list_shared_by_many_devices_is_refused():
+    # 2,000 memo references to one 1,000-entry list: a 10 kB pickle whose every pass (validation,
+    # the per-device oom scan) would cost 2,000 times one trace; torch writes one list per device.
+    trace = [{"action": "alloc", "addr": 4096 + 512 * k, "size": 512, "stream": 0} for k in range(1000)]
+    with pytest.raises(SnapshotError, match=r"device_traces\[1\] is the same list object as device_traces\[0\]"):
+        loads_snapshot(pickle.dumps({"segments": [], "device_traces": [trace] * 2000}))
+    # empty traces shared by devices that recorded nothing cost nothing and stay accepted
+    snap = {"segments": [], "device_traces": [trace] + [[]] * 3}
+    assert loads_snapshot(pickle.dumps(snap)) == snap

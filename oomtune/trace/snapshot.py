@@ -269,7 +269,7 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     string block states, int block addresses when present) and a ``device_traces`` list of lists of
     dicts (string action, int addr/size >= 0, int stream/time_us when present; an ``oom`` entry has an
     int ``device_free`` in place of ``addr``, as a snapshot dumped after an out-of-memory error holds).
-    Every integer is below 2**63 (torch writes int64_t); a stream, device or block address, when its
+    Each non-empty device trace is its own list. Every integer is below 2**63 (torch writes int64_t); a stream, device or block address, when its
     key is there, is an int, not None. ``frames`` are inspected only on segment_free/segment_unmap
     entries, the only ones replay reads (a list of dicts with string names);
     ``allocator_settings``, when present, is a dict of plain data (printed by ``--json``).
@@ -294,7 +294,15 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
         raise _fail(source, "'device_traces'", "is not a list")
     for i, seg in enumerate(obj["segments"]):
         _check_segment(source, i, seg)
+    first_at: dict[int, int] = {}   # id of a non-empty trace list -> its first device
     for d, trace in enumerate(obj["device_traces"]):
+        if isinstance(trace, list) and trace:
+            # torch builds one list per device; a pickle can make one list the trace of every
+            # device (a 2-byte memo reference each), which would multiply the work of every pass
+            seen = first_at.setdefault(id(trace), d)
+            if seen != d:
+                raise _fail(source, f"device_traces[{d}]", f"is the same list object as device_traces[{seen}] "
+                            "(a snapshot holds one trace per device)")
         _check_trace(source, d, trace)
     settings = obj.get("allocator_settings")
     if settings is not None and not isinstance(settings, dict):
