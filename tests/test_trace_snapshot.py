@@ -206,3 +206,28 @@ def test_one_trace_list_shared_by_many_devices_is_refused():
     # empty traces shared by devices that recorded nothing cost nothing and stay accepted
     snap = {"segments": [], "device_traces": [trace] + [[]] * 3}
     assert loads_snapshot(pickle.dumps(snap)) == snap
+
+
+@pytest.mark.skipif(not Path("/dev/zero").is_char_device(), reason="no /dev/zero")
+def test_a_device_is_refused_before_reading():
+    # reading /dev/zero never ends: it used to fill memory and end in a MemoryError traceback
+    with pytest.raises(SnapshotError, match="snapshot path /dev/zero is a device, not a pickle file"):
+        load_snapshot("/dev/zero")
+
+
+def test_a_file_too_large_for_memory_is_one_error(tmp_path, monkeypatch):
+    path = tmp_path / "huge.pickle"
+    path.write_bytes(pickle.dumps(_minimal()))
+
+    def no_memory(self):
+        raise MemoryError
+
+    monkeypatch.setattr(Path, "read_bytes", no_memory)
+    with pytest.raises(SnapshotError, match="huge.pickle does not fit in this machine's memory"):
+        load_snapshot(path)
+    monkeypatch.undo()
+    from oomtune.trace import snapshot as module
+
+    monkeypatch.setattr(module._RefusingUnpickler, "load", no_memory)
+    with pytest.raises(SnapshotError, match="does not fit in this machine's memory once unpickled"):
+        load_snapshot(path)

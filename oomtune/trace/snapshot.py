@@ -84,14 +84,18 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
         by :func:`validate_snapshot`.
 
     Raises:
-        SnapshotError: the file is missing, empty, truncated, not a pickle, references any global
-            (refused unexecuted), or is not a snapshot.
+        SnapshotError: the file is missing, a device (/dev/zero), empty, truncated, too large for
+            memory, not a pickle, references any global (refused unexecuted), or is not a snapshot.
     """
     p = Path(path)
+    if p.is_char_device() or p.is_block_device():   # /dev/zero would be read until memory runs out
+        raise SnapshotError(f"snapshot path {p} is a device, not a pickle file")
     try:
         data = p.read_bytes()
     except FileNotFoundError:
         raise SnapshotError(f"snapshot file {p} does not exist") from None
+    except MemoryError:
+        raise SnapshotError(f"snapshot file {p} does not fit in this machine's memory") from None
     except IsADirectoryError:
         raise SnapshotError(f"snapshot path {p} is a directory, not a pickle file") from None
     except OSError as exc:
@@ -111,6 +115,8 @@ def loads_snapshot(data: bytes, *, source: str = "<bytes>") -> dict[str, Any]:
         raise SnapshotError(f"{source} is truncated: the pickle ends before its STOP opcode") from None
     except RecursionError:
         raise SnapshotError(f"{source} is not a memory snapshot: nesting too deep") from None
+    except MemoryError:
+        raise SnapshotError(f"{source} does not fit in this machine's memory once unpickled") from None
     except Exception as exc:  # UnpicklingError, ValueError, KeyError, IndexError, ...: all malformed
         raise SnapshotError(
             f"{source} is not a valid pickle ({type(exc).__name__}: {exc}); expected the output of "
