@@ -223,3 +223,54 @@ def test_overlapping_segments_and_unplaced_blocks_identical(monkeypatch):
     assert analysis_compiled(snap, 0) == python
     compiled, pure = both(snap, monkeypatch)
     assert compiled == pure
+
+
+def _fresh(value):
+    """An equal string that is a new object (not the interned or memoised one)."""
+    return "".join(list(value)) if isinstance(value, str) else value
+
+
+def _fresh_copy(obj):
+    """``obj`` with every dict key and string value a new object: the compiled core matches keys and
+    actions by the identity of the first entry's objects first, and must fall back to equality."""
+    if isinstance(obj, dict):
+        return {_fresh(k): _fresh_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fresh_copy(v) for v in obj]
+    return _fresh(obj)
+
+
+@pytest.mark.parametrize("path", TRACES[:3], ids=lambda p: p.stem)
+def test_fresh_string_objects_give_the_same_analysis(path, real, monkeypatch):
+    """Keys and action/state strings as distinct objects per entry (more than the 16 the identity
+    cache remembers), and a first entry whose keys differ from the rest: same analysis and replay."""
+    snap = real[path.name]
+    device = default_device(snap)
+    fresh = _fresh_copy({"segments": snap["segments"], "device_traces": snap["device_traces"],
+                         "allocator_settings": snap.get("allocator_settings")})
+    fresh["device_traces"][device].insert(0, {"action": "snapshot"})   # no addr/size/stream keys
+    expected = analysis_python(fresh, device)
+    assert analysis_compiled(fresh, device) == expected
+    compiled, pure = both(fresh, monkeypatch)
+    assert isinstance(pure, dict) and compiled == pure
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: s["device_traces"][0][0].pop("addr"),                            # an alloc without addr
+    lambda s: s["device_traces"][0].__setitem__(0, ["alloc"]),                # an entry not a dict
+    lambda s: s["segments"][0]["blocks"][0].__setitem__("state", 7),          # a state not a str
+    lambda s: s["segments"][0]["blocks"].__setitem__(0, ("active_allocated",)),  # a block not a dict
+    lambda s: s["segments"][0].pop("blocks"),                                 # a segment without blocks
+], ids=["no-addr", "entry-not-dict", "state-not-str", "block-not-dict", "no-blocks"])
+def test_malformed_values_are_declined_and_the_python_path_decides(damage, monkeypatch):
+    """Values the validated loader would refuse, handed to replay_snapshot directly: the compiled
+    core declines them (None) and the caller gets exactly what the Python path gives."""
+    snap = synthetic(0, None)
+    trace = snap["device_traces"][0]
+    first_alloc = next(i for i, e in enumerate(trace) if e["action"] == "alloc")
+    snap["device_traces"][0] = trace[first_alloc:]
+    assert snap["segments"] and snap["segments"][0]["blocks"]
+    damage(snap)
+    assert _compiled.trace_replay(*device_trace(snap, 0)) is None
+    compiled, pure = both(snap, monkeypatch)
+    assert compiled == pure

@@ -12,6 +12,8 @@
 # value outside [0, 2**56), a segment_type other than "small"/"large") makes the constructor raise
 # _Declined, and the caller runs the Python path.
 
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.object cimport PyObject
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
 from libcpp.map cimport map as cppmap
@@ -80,6 +82,90 @@ cdef inline int64_t _val(object v) except -1:
     return x
 
 
+cdef extern from "Python.h":
+    bint PyLong_Check(PyObject* o)
+
+
+cdef inline int64_t _pval(PyObject* v) except -1:
+    """_val of a borrowed reference (NULL: the key is missing, a KeyError on the Python path)."""
+    cdef long long x
+    if v == NULL:
+        raise _Declined("missing")
+    if not PyLong_Check(v):
+        raise _Declined("not an int")
+    x = <object>v   # Cython's conversion (digit fast paths); OverflowError beyond int64
+    if x < 0 or x >= _VMAX:
+        raise _Declined("out of range")
+    return x
+
+
+cdef inline int64_t _pval_or0(PyObject* v) except -1:
+    """_pval, with a missing key read as 0 (``e.get("stream", 0)``)."""
+    return 0 if v == NULL else _pval(v)
+
+
+cdef tuple _own_keys(object sample, tuple names):
+    """``names`` as the ``sample`` dict's own key objects where it has them: an unpickled snapshot
+    holds one string object per key (pickle's memo), so lookups with those match by identity
+    instead of comparing characters. Any dict still finds its keys by value."""
+    if type(sample) is not dict:
+        return names
+    out = list(names)
+    cdef Py_ssize_t j
+    for key in <dict>sample:
+        for j in range(len(names)):
+            if type(key) is str and key == names[j]:
+                out[j] = key
+    return tuple(out)
+
+
+cdef inline PyObject* _get(object d, object key) except? NULL:
+    """``d[key]`` as a borrowed reference, NULL when missing; _Declined when ``d`` is not a dict."""
+    if type(d) is not dict:
+        raise _Declined("not a dict")
+    return PyDict_GetItemWithError(d, key)
+
+
+cdef class _Codes:
+    """Values -> small ints, remembered by object identity: an unpickled trace holds one string
+    object per action name or block state (pickle's memo), so nearly every entry is found without
+    hashing; a value first seen is classified by ``classify`` and remembered while it lives.
+    ``classify`` raising (a value of the wrong type) declines the trace."""
+
+    cdef PyObject* objs[16]
+    cdef int codes[16]
+    cdef int n
+    cdef list keep   # the remembered values, kept alive while the cache holds their addresses
+    cdef object classify
+
+    def __cinit__(self, classify):
+        self.n = 0
+        self.keep = []
+        self.classify = classify
+
+    cdef inline int code(self, PyObject* value) except -1:
+        cdef int k, c
+        if value == NULL:
+            raise _Declined("missing")
+        for k in range(self.n):
+            if self.objs[k] == value:
+                return self.codes[k]
+        c = self.classify(<object>value)
+        if self.n < 16:
+            self.keep.append(<object>value)
+            self.objs[self.n], self.codes[self.n] = value, c
+            self.n += 1
+        return c
+
+
+def _action_code(action):
+    return _ACTION_CODES.get(action, A_OTHER)   # TypeError (declined) when unhashable
+
+
+def _is_active(state):
+    return 1 if state.startswith("active") else 0   # AttributeError / TypeError (declined): not a str
+
+
 cdef inline int _pool_small(object name) except -1:
     if name == "small":
         return 1
@@ -118,36 +204,40 @@ cdef class TraceReplay:
         self._walk()
 
     cdef _columns(self, list trace):
-        """One pass over the entries: action code, addr, size, stream, device_free."""
+        """One pass over the entries: action code, addr, size, stream, device_free (the values read
+        through borrowed references: no reference counting or KeyError per field)."""
         cdef Py_ssize_t n = len(trace), i
-        cdef dict e
+        cdef object e
+        cdef PyObject* df
         cdef int code
+        cdef _Codes codes = _Codes(_action_code)
+        k_action, k_addr, k_size, k_stream, k_df = _own_keys(
+            trace[0] if n else None, ("action", "addr", "size", "stream", "device_free"))
         self.act.resize(n)
         self.addr.resize(n)
         self.size.resize(n)
         self.stream.resize(n)
         self.dfree.resize(n)
         self.has_df.resize(n)
-        cdef dict codes = _ACTION_CODES
         for i in range(n):
             e = trace[i]
-            code = codes.get(e["action"], A_OTHER)
+            code = codes.code(_get(e, k_action))
             self.act[i] = code
             self.addr[i] = self.size[i] = self.stream[i] = self.dfree[i] = 0
             self.has_df[i] = 0
             if code == A_OTHER:
                 continue
             if code == A_FREE_REQ or code == A_FREE_DONE:   # size read only where needed (_pre_trace)
-                self.addr[i] = _val(e["addr"])
+                self.addr[i] = _pval(PyDict_GetItemWithError(e, k_addr))
                 continue
-            self.size[i] = _val(e["size"])
-            self.stream[i] = _val(e.get("stream", 0))
+            self.size[i] = _pval(PyDict_GetItemWithError(e, k_size))
+            self.stream[i] = _pval_or0(PyDict_GetItemWithError(e, k_stream))
             if code == A_OOM:
-                df = e.get("device_free")
-                if isinstance(df, int):
-                    self.dfree[i], self.has_df[i] = _val(df), 1
+                df = PyDict_GetItemWithError(e, k_df)
+                if df != NULL and PyLong_Check(df):
+                    self.dfree[i], self.has_df[i] = _pval(df), 1
             else:
-                self.addr[i] = _val(e["addr"])
+                self.addr[i] = _pval(PyDict_GetItemWithError(e, k_addr))
 
     cdef _starting_state(self, list final):
         """initial_state._starting_segments + _undo_mappings + _pre_trace_blocks + placement."""
@@ -158,18 +248,24 @@ cdef class TraceReplay:
         cdef Py_ssize_t n = self.act.size(), i
         cdef int64_t a, lo, hi, size
         cdef dict s, block
-        cdef str state
+        cdef PyObject* v
+        cdef PyObject* pool
+        k_exp, k_addr, k_total, k_type, k_stream, k_blocks = _own_keys(
+            final[0] if final else None,
+            ("is_expandable", "address", "total_size", "segment_type", "stream", "blocks"))
         for s in final:
-            if s.get("is_expandable", False):
-                sp.a = _val(s["address"])
-                sp.b = sp.a + _val(s["total_size"])
-                sp.small = _pool_small(s.get("segment_type", "large"))
-                sp.stream = _val(s.get("stream", 0))
+            v = _get(s, k_exp)
+            pool = _get(s, k_type)
+            if v != NULL and <object>v:
+                sp.a = _pval(_get(s, k_addr))
+                sp.b = sp.a + _pval(_get(s, k_total))
+                sp.small = _pool_small("large" if pool == NULL else <object>pool)
+                sp.stream = _pval_or0(_get(s, k_stream))
                 spans.push_back(sp)
             else:
-                info.size, info.stream = _val(s["total_size"]), _val(s.get("stream", 0))
-                info.small, info.expandable = _pool_small(s.get("segment_type", "large")), 0
-                segs[_val(s["address"])] = info
+                info.size, info.stream = _pval(_get(s, k_total)), _pval_or0(_get(s, k_stream))
+                info.small, info.expandable = _pool_small("large" if pool == NULL else <object>pool), 0
+                segs[_pval(_get(s, k_addr))] = info
         sort_spans(spans)
         for i in range(n - 1, -1, -1):   # the trace walked backwards
             if self.act[i] == A_SEG_ALLOC:
@@ -187,6 +283,7 @@ cdef class TraceReplay:
         cdef unordered_set[int64_t] live, pending
         cdef cppmap[int64_t, int64_t] blocks
         cdef int code
+        live.reserve(n // 2 + 1)   # no rehashing on the way
         for i in range(n):
             code = self.act[i]
             a = self.addr[i]
@@ -202,14 +299,24 @@ cdef class TraceReplay:
                     pending.erase(a)
             elif code == A_FREE_DONE:
                 live.erase(a)
+        cdef _Codes active = _Codes(_is_active)
+        sample = None
+        for s in final:
+            if type(s) is dict and (<dict>s).get("blocks"):
+                sample = (<dict>s)["blocks"][0]
+                break
+        kb_addr, kb_state, kb_size = _own_keys(sample, ("address", "state", "size"))
         for s in final:   # _block_addresses: old snapshots lack block addresses (in order)
-            a = _val(s["address"])
-            for block in s["blocks"]:
-                if "address" in block:
-                    a = _val(block["address"])
-                state = block["state"]   # TypeError (declined) when not a str
-                size = _val(block["size"])
-                if state.startswith("active") and not live.count(a):
+            a = _pval(_get(s, k_addr))
+            v = _get(s, k_blocks)
+            if v == NULL:
+                raise _Declined("no blocks")
+            for block in <object>v:
+                v = _get(block, kb_addr)
+                if v != NULL:
+                    a = _pval(v)
+                size = _pval(_get(block, kb_size))
+                if active.code(_get(block, kb_state)) and not live.count(a):
                     blocks[a] = size
                 a += size
         self._place(segs, blocks)
