@@ -29,6 +29,91 @@ namespace oomcore {
 
 typedef int64_t i64;
 
+// A hash map from int64 keys to V with open addressing (linear probing; a removed key leaves a
+// tombstone; the table is a power of two, rebuilt once live keys and tombstones fill half of it).
+// For the address maps on the replay's hot path (live blocks by address, recorded -> simulated
+// addresses): std::unordered_map allocates a node per insert. Any int64 is a key (the slot states
+// are kept apart from the keys). Iteration order is the table's: callers must not depend on it.
+template <class V>
+struct AddrMap {
+    std::vector<i64> keys;
+    std::vector<V> vals;
+    std::vector<unsigned char> state;   // 0 empty, 1 full, 2 tombstone
+    size_t used = 0, live = 0;           // used = full + tombstones
+    int shift = 60;
+
+    AddrMap() { rebuild(16); }
+    size_t slot(i64 k) const { return (size_t)(((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> shift); }
+    size_t size() const { return live; }
+    void clear() { rebuild(16); }
+    void reserve(size_t n) {   // room for n live keys without a rebuild
+        size_t cap = keys.size();
+        while (cap < 2 * n + 2) cap *= 2;
+        if (cap != keys.size()) rebuild(cap);
+    }
+    void rebuild(size_t cap) {   // cap: a power of two >= 16
+        std::vector<i64> ok;
+        std::vector<V> ov;
+        std::vector<unsigned char> os;
+        ok.swap(keys);
+        ov.swap(vals);
+        os.swap(state);
+        keys.assign(cap, 0);
+        vals.assign(cap, V());
+        state.assign(cap, 0);
+        shift = 64;
+        for (size_t c = cap; c > 1; c >>= 1) --shift;
+        used = live = 0;
+        for (size_t i = 0; i < os.size(); ++i)
+            if (os[i] == 1) set(ok[i], ov[i]);
+    }
+    V* find(i64 k) {   // the value of k, or nullptr
+        size_t m = keys.size() - 1;
+        for (size_t i = slot(k);; i = (i + 1) & m) {
+            if (state[i] == 0) return nullptr;
+            if (state[i] == 1 && keys[i] == k) return &vals[i];
+        }
+    }
+    void set(i64 k, V v) {   // map[k] = v
+        size_t m = keys.size() - 1, tomb = SIZE_MAX, i = slot(k);
+        for (;; i = (i + 1) & m) {
+            if (state[i] == 0) break;
+            if (state[i] == 1 && keys[i] == k) { vals[i] = v; return; }
+            if (state[i] == 2 && tomb == SIZE_MAX) tomb = i;
+        }
+        if (tomb != SIZE_MAX) {
+            i = tomb;
+        } else {
+            ++used;
+        }
+        keys[i] = k;
+        vals[i] = v;
+        state[i] = 1;
+        ++live;
+        if (2 * used > keys.size()) {
+            size_t cap = 16;
+            while (cap < 4 * live) cap *= 2;
+            rebuild(cap);
+        }
+    }
+    bool pop(i64 k, V& out) {   // remove k, its value in out; false when absent
+        size_t m = keys.size() - 1;
+        for (size_t i = slot(k);; i = (i + 1) & m) {
+            if (state[i] == 0) return false;
+            if (state[i] == 1 && keys[i] == k) {
+                out = vals[i];
+                state[i] = 2;
+                --live;
+                return true;
+            }
+        }
+    }
+    template <class F> void for_each(F f) const {
+        for (size_t i = 0; i < keys.size(); ++i)
+            if (state[i] == 1) f(keys[i], vals[i]);
+    }
+};
+
 static const i64 K_MIN_BLOCK = 512, K_SMALL_SIZE = 1 << 20, K_SMALL_BUFFER = 2 << 20;
 static const i64 K_MIN_LARGE_ALLOC = 10 << 20, K_ROUND_LARGE = 2 << 20, ALIGN = 2 << 20;
 static const i64 ADDRESS_BASE = 0x7F0000000000LL, ADDRESS_END = (i64)1 << 56;
@@ -101,7 +186,7 @@ public:
     i64 calls, index;
     bool record;
     std::vector<SegEvent> events;
-    std::unordered_map<i64, int32_t> active;   // addr -> allocated block
+    AddrMap<int32_t> active;   // addr -> allocated block
     Pool pools[2];   // 0 small, 1 large
     std::vector<Block> blocks;
     std::vector<int32_t> spare;   // indices of dead blocks for reuse
@@ -614,15 +699,13 @@ public:
         calls += 1;
         int32_t id = malloc(size_bytes, stream);
         if (status != OK) return -4;
-        if (id >= 0) active[blocks[id].addr] = id;
+        if (id >= 0) active.set(blocks[id].addr, id);
         return id;
     }
     // api_free: 0 done (or address 0), -1 not an allocated address
     int api_free(i64 addr) {
-        auto it = active.find(addr);
-        if (it == active.end()) return addr == 0 ? 0 : -1;
-        int32_t id = it->second;
-        active.erase(it);
+        int32_t id;
+        if (!active.pop(addr, id)) return addr == 0 ? 0 : -1;
         calls += 1;
         free(id);
         return 0;
@@ -654,7 +737,7 @@ public:
             for (const Key& k : pools[p].blocks) out.push_back(k.id);
             for (const UKey& k : pools[p].unmapped) out.push_back(k.id);
         }
-        for (const auto& kv : active) out.push_back(kv.second);
+        active.for_each([&out](i64, int32_t id) { out.push_back(id); });
         return out;
     }
 
@@ -662,17 +745,13 @@ public:
     // Returns the number of events fed; *oom_index = index of the first OOM (-1 none).
     i64 replay(const signed char* actions, const long long* keys, const long long* sizes,
                const long long* streams, i64 n, bool stop_on_oom, i64* oom_index) {
-        std::unordered_map<i64, int32_t> live;
+        AddrMap<int32_t> live;
         live.reserve(1024);
         *oom_index = -1;
         for (i64 i = 0; i < n; ++i) {
             if (actions[i]) {
-                auto it = live.find(keys[i]);
-                if (it != live.end()) {
-                    int32_t id = it->second;
-                    live.erase(it);
-                    if (id >= 0) free(id);
-                }
+                int32_t id;
+                if (live.pop(keys[i], id) && id >= 0) free(id);
             } else {
                 int32_t id = malloc(sizes[i], streams[i]);
                 if (status != OK) return i + 1;
@@ -688,7 +767,7 @@ public:
                     if (stop_on_oom) return i + 1;
                     continue;
                 }
-                live[keys[i]] = id;
+                live.set(keys[i], id);
             }
         }
         return n;

@@ -14,10 +14,17 @@ expandable_segments, large_segment_size) and any number of CUDA streams. Only
 from libc.stdint cimport int32_t, int64_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
-from libcpp.unordered_map cimport unordered_map
 
 cdef extern from "_fastcore.hpp" namespace "oomcore":
     cdef int64_t UNLIMITED
+    cdef cppclass AddrMap[V]:
+        AddrMap() except +
+        size_t size()
+        void clear() except +
+        void reserve(size_t n) except +
+        V* find(int64_t k)
+        void set(int64_t k, V v) except +
+        cbool pop(int64_t k, V& out)
     cdef int DECLINED
     cdef struct Block:
         int64_t addr, size, requested, stream
@@ -42,7 +49,7 @@ cdef extern from "_fastcore.hpp" namespace "oomcore":
         cbool record
         vector[SegEvent] events
         vector[Block] blocks
-        unordered_map[int64_t, int32_t] active
+        AddrMap[int32_t] active
         int64_t stat(int t, int i)
         void set_div(int i, int64_t v)
         int32_t api_malloc(int64_t size_bytes, int64_t stream) except +

@@ -14,11 +14,9 @@
 
 from cpython.dict cimport PyDict_GetItemWithError
 from cpython.object cimport PyObject
-from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
 from libcpp.map cimport map as cppmap
 from libcpp.utility cimport pair
-from cython.operator cimport dereference as deref, preincrement as inc
 
 cdef extern from *:
     """
@@ -280,25 +278,26 @@ cdef class TraceReplay:
             info.size, info.stream, info.small, info.expandable = sp.b - sp.a, sp.stream, sp.small, 1
             segs[sp.a] = info
         # _pre_trace_blocks
-        cdef unordered_set[int64_t] live, pending
+        cdef AddrMap[char] live, pending   # sets: the value is unused
+        cdef char dropped
         cdef cppmap[int64_t, int64_t] blocks
         cdef int code
-        live.reserve(n // 2 + 1)   # no rehashing on the way
+        live.reserve(n // 2 + 1)   # no rebuilds on the way
         for i in range(n):
             code = self.act[i]
             a = self.addr[i]
             if code == A_ALLOC:
-                live.insert(a)
-            elif (code == A_FREE_REQ or code == A_FREE_DONE) and not live.count(a):
-                if not pending.count(a) and not blocks.count(a):
+                live.set(a, 1)
+            elif (code == A_FREE_REQ or code == A_FREE_DONE) and live.find(a) == NULL:
+                if pending.find(a) == NULL and not blocks.count(a):
                     size = _val(self._trace[i]["size"])
                     blocks[a] = max(<int64_t>512, (size + 511) // 512 * 512)
                 if code == A_FREE_REQ:
-                    pending.insert(a)
+                    pending.set(a, 1)
                 else:
-                    pending.erase(a)
+                    pending.pop(a, dropped)
             elif code == A_FREE_DONE:
-                live.erase(a)
+                live.pop(a, dropped)
         cdef _Codes active = _Codes(_is_active)
         sample = None
         for s in final:
@@ -316,7 +315,7 @@ cdef class TraceReplay:
                 if v != NULL:
                     a = _pval(v)
                 size = _pval(_get(block, kb_size))
-                if active.code(_get(block, kb_state)) and not live.count(a):
+                if active.code(_get(block, kb_state)) and live.find(a) == NULL:
                     blocks[a] = size
                 a += size
         self._place(segs, blocks)
@@ -505,8 +504,7 @@ cdef class TraceReplay:
             ConfigError: as FastSim.free / malloc.
         """
         cdef Core* core = sim.core
-        cdef unordered_map[int64_t, int64_t] amap
-        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef AddrMap[int64_t] amap
         cdef unordered_set[int64_t] expl
         cdef Py_ssize_t n = self.act.size(), i, pos = 0, replayed = 0
         cdef int code
@@ -541,16 +539,13 @@ cdef class TraceReplay:
                     events.append(["oom", self.size[i], pos])
                     return (events, {"event_index": i, "requested_bytes": self.size[i], "phase": "replay"},
                             replayed, by_cache, exact, retries0)
-                amap[self.addr[i]] = got
+                amap.set(self.addr[i], got)
                 replayed += 1
                 if core.events.size():
                     _collect(core, events, pos)
                 pos += 1
             elif code == A_FREE_DONE:
-                it = amap.find(self.addr[i])
-                if it != amap.end():
-                    got = deref(it).second
-                    amap.erase(it)
+                if amap.pop(self.addr[i], got):
                     _free(sim, got)
                     replayed += 1
                 pos += 1
@@ -570,7 +565,7 @@ cdef class TraceReplay:
                 _collect(core, events, pos)
         return events, None, replayed, by_cache, exact, retries0
 
-    cdef bint _seed(self, FastSim sim, unordered_map[int64_t, int64_t]& amap) except -1:
+    cdef bint _seed(self, FastSim sim, AddrMap[int64_t]& amap) except -1:
         """initial_state.seed_initial_state (see there); True when the layout is exact."""
         cdef Py_ssize_t k, j, m = self.seg_addr.size()
         cdef bint exact = True, expandable = sim.core.expandable, has_base
@@ -614,7 +609,7 @@ cdef class TraceReplay:
                 if rec < 0:
                     gaps.push_back(got)
                 else:
-                    amap[rec] = got
+                    amap.set(rec, got)
         for got in gaps:
             _free(sim, got)
         return exact and not self.unplaced
