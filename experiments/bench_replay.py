@@ -9,8 +9,11 @@ Measures replayed events per second on one core (process CPU time, best of ``--r
       "replay_snapshot" = ``oomtune.trace.replay_snapshot`` with its defaults, end to end (the
       trace read, the starting state rebuilt and seeded, releases classified, every request
       replayed, segment events compared: in the compiled core, ``_fastcore.TraceReplay``, for
-      "compiled"; in Python for "pure" and "old"), events = trace entries replayed (the seeding
-      of the starting state is work on top: its segment count is listed below the table);
+      "compiled"; in Python for "pure" and "old"), events = the requests replayed (the alloc,
+      free_completed and oom entries given to the simulator, ``events_replayed``); below the
+      table, the same replay's rate in trace entries read (what shared/traces/README.md counts
+      as a trace's events) and the segments of the starting state, seeded before the first
+      request (work on top of the requests);
 for three codes, each in its own processes, alternating: "compiled" (this checkout with its compiled
 core, oomtune.alloc._fastcore, which must be built: ``pip install -e .``), "pure" (this checkout with
 OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before issue 13's replay changes). Checks
@@ -150,6 +153,7 @@ def main() -> int:
               f"{'workload':<58} {'events':>9} {'compiled':>11} {'pure':>11} {'old':>11} {'c/pure':>7} "
               f"{'c/old':>7}  identical"]
     all_same = True
+    rates: dict[str, list[float]] = {"stream": [], "snapshot": [], "entries": []}
     for work, comp in res["compiled"].items():
         pure, old = res["pure"].get(work, {}), res["old"].get(work, {})
         if "error" in comp or "error" in pure or "error" in old:
@@ -158,16 +162,29 @@ def main() -> int:
             all_same = False
             continue
         rc, rp, ro = (r["events"] / r["seconds"] for r in (comp, pure, old))
+        if "entries" in comp:
+            rates["snapshot"].append(rc)
+            rates["entries"].append(comp["entries"] / comp["seconds"])
+        else:
+            rates["stream"].append(rc)
         same = comp["digest"] == pure["digest"] == old["digest"]
         all_same &= same
         lines.append(f"{work:<58} {comp['events']:>9,} {rc:>11,.0f} {rp:>11,.0f} {ro:>11,.0f} {rc / rp:>6.1f}x "
                      f"{rc / ro:>6.1f}x  {'yes' if same else 'NO'}")
-    lines += ["", "replay_snapshot rows: trace entries read / segments of the starting state seeded before "
-              "the first event:"]
-    lines += [f"  {work.split()[0]}: {r['entries']:,} entries, {r['start_segments']:,} starting segments"
+    lines += ["", "replay_snapshot rows, compiled: trace entries read (the unit shared/traces/README.md counts "
+              "as events), the rate in entries/s, and the segments of the starting state seeded before the "
+              "first event:"]
+    lines += [f"  {work.split()[0]}: {r['entries']:,} entries, {r['entries'] / r['seconds']:,.0f} entries/s, "
+              f"{r['start_segments']:,} starting segments"
               for work, r in res["compiled"].items() if "start_segments" in r]
-    lines += ["", f"target >= 2,000,000 events/s; results byte-identical (compiled, pure, old): "
-              f"{'yes' if all_same else 'NO'}"]
+
+    def span(v: list[float]) -> str:
+        return f"{min(v) / 1e6:.2f}-{max(v) / 1e6:.2f} M" if v else "n/a"
+
+    lines += ["", "target >= 2,000,000 events/s, compiled: the simulator on streams (synthetic and the traces' "
+              f"requests) {span(rates['stream'])} events/s; replay_snapshot end to end {span(rates['snapshot'])} "
+              f"requests replayed/s, {span(rates['entries'])} trace entries/s",
+              f"results byte-identical (compiled, pure, old): {'yes' if all_same else 'NO'}"]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
