@@ -184,6 +184,17 @@ def _one_line(exc: BaseException) -> str:
     if cause is not None and "Error merging override" in first:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return f"bad override: {first.replace('Error merging override ', '')}: {detail}"
+    missing = re.search(r"Could not find '([\w/.-]+)/([^'/]+)'", first)
+    avail = re.search(r"Available options in '[^']+':\s*(.*?)\s*(?:Config search path|$)", str(exc), re.S)
+    if missing and avail:   # a config group option that does not exist: name it, the choices, the closest
+        import difflib
+
+        group, option = missing.groups()
+        choices = avail.group(1).split()
+        close = difflib.get_close_matches(option, choices, n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        return (f"bad override {group}={option}: there is no {option!r} in the config group {group!r}; "
+                f"choose one of {', '.join(choices)}{hint}")
     if "Could not find" in first or "Could not override" in first or "Key '" in first:
         rest = " ".join(ln.strip() for ln in text[1:] if ln.strip()).split("Config search path")[0]
         rest = re.sub(r"(Available options in '\w+':) (.*)", lambda m: m.group(1) + " " + ", ".join(m.group(2).split()), rest)

@@ -15,7 +15,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["search", "model=nope"], "Could not find 'model/nope'"),
+    (["search", "model=nope"], "there is no 'nope' in the config group 'model'"),
     (["search", "budget=1PiB", "device=cpu"], "invalid size"),
     (["search", "budget=100GiB", "device=cpu", "virtual_device_memory=80GiB"], "above"),
     (["search", "device=cpu", "search.space.max_split_size_mb=[5]"], "max_split_size_mb"),
@@ -130,3 +130,17 @@ def test_help_and_version_through_python_m():
     assert run_cli("--version").stdout.startswith("oomtune ")
     bad = run_cli("nosuchcommand")
     assert bad.returncode == 2
+
+
+def test_show_on_a_plan_only_directory_says_no_search_ran(tmp_path, capsys):
+    """`oomtune plan` writes plan.yaml and report.html into the run directory; `show` there names
+    what the directory holds instead of calling it no run directory (fresh-user pass)."""
+    (tmp_path / "plan.yaml").write_text("schema_version: 1\n")
+    assert main(["show", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "holds a plan (plan.yaml) but no search yet" in err and "report.html" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["show", str(empty)]) == 2
+    assert "is not an oomtune run directory" in capsys.readouterr().err

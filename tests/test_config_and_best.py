@@ -32,7 +32,9 @@ def test_study_name_is_stable_and_config_dependent():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("model=nope", "Available options in 'model': mlp, resnet, transformer"),
+    ("model=nope", "there is no 'nope' in the config group 'model'; choose one of mlp, resnet, transformer"),
+    ("model=resnt", "choose one of mlp, resnet, transformer (did you mean model=resnet?)"),
+    ("target=pyhton", "choose one of builtin, cmd, python (did you mean target=python?)"),
     ("nosuchkey=1", "unknown config key 'nosuchkey': the config has model, search"),
     ("serch.n_trials=3", "unknown config key 'serch.n_trials'; did you mean 'search.n_trials'?"),
     ("search.data.bogus=[1]", "search.data has num_workers, pin_memory, prefetch_factor"),

@@ -196,7 +196,7 @@ def test_plan_writes_into_the_run_dir_by_default(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["model=nope"], "model/nope"),
+    (["model=nope"], "bad override model=nope"),
     (["budget=lots"], "invalid size"),
     (["budget=100GiB", "virtual_device_memory=80GiB"], "above"),
     (["search.space.garbage_collection_threshold=[1.5]"], "garbage_collection_threshold"),
@@ -208,6 +208,9 @@ def test_plan_writes_into_the_run_dir_by_default(tmp_path):
     (["search.headroom=1"], "search.headroom=1"),
     (["search.headroom=-0.1"], "search.headroom=-0.1"),
     (["search.headroom=abc"], "search.headroom"),
+    # keys the plan itself does not read are checked as the search checks them (same overrides)
+    (["search.objective=fast"], "search.objective='fast': must be auto, throughput or batch"),
+    (["trial.measure_steps=0"], "trial.measure_steps=0: must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     code = main(["plan", "device=cpu", f"hydra.run.dir={tmp_path}/run", *args])

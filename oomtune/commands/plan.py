@@ -110,9 +110,11 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
 
     console = console or Console()
     cfg = C.compose(list(overrides) + C.env_overrides())
-    from oomtune.schema import check_device_and_budget
+    from oomtune.schema import validate
 
-    check_device_and_budget(cfg)   # before torch is imported (by the workload check): bad input exits at once
+    # every typed key as the search checks it (a plan is run with the search's overrides), before
+    # torch is imported by the workload check: bad input exits at once
+    validate(cfg)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
     _validate_workload(workload)

@@ -40,6 +40,9 @@ def _locate(args: argparse.Namespace) -> tuple[str, str]:
             raise BestFileError(f"{path / RUN_FILE} is corrupt: expected {{\"storage\": ..., "
                                 f"\"study_name\": ...}}") from None
     if path.is_dir() and not (path / "best.yaml").exists():
+        if (path / "plan.yaml").is_file():   # `oomtune plan` wrote here; no search has run yet
+            raise ConfigError(f"{path} holds a plan (plan.yaml) but no search yet: its map is in "
+                              f"{path / 'report.html'}; run `oomtune search` with the same overrides for trials")
         raise ConfigError(f"{path} is not an oomtune run directory (no {RUN_FILE} or best.yaml)")
     from oomtune.best import load_best
 

@@ -326,7 +326,7 @@ def _print_table(console: Any, results: list[Any], rec: str = "recorded on devic
               if r.oom or r.recorded_ooms]
     lines.append(f"{rec[0].upper()}{rec[1:]}: peak reserved {format_bytes(results[0].recorded_peak_reserved_bytes)}, "
                  f"final reserved {format_bytes(results[0].recorded_final_reserved_bytes)}")
-    lines += [f"Notice ({_settings_label(r.settings)}): {note}" for r in results for note in r.notes]
+    lines += [f"Notice ({r.settings or 'torch defaults'}): {note}" for r in results for note in r.notes]
     for line in lines:
         _say(console, line)
 
