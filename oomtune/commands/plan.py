@@ -94,7 +94,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         the :class:`oomtune.plan.feasibility.FeasibilityMap`.
 
     Raises:
-        ConfigError: bad override, unknown model, bad batch grid, ``search.headroom`` outside [0, 1),
+        ConfigError: bad override, unknown model, bad batch grid, a typed key out of range
+        (:func:`oomtune.schema.validate`, as the search checks them; ``search.headroom`` in [0, 1)),
         only cudaMallocAsync configurations. AllocatorConfigError: a malformed allocator value in
         search.space. DeviceError: a budget above the device. All before anything is captured or written.
     """
