@@ -68,18 +68,6 @@ cdef int64_t _VMAX = 1LL << 56
 cdef int64_t _MiB = 1 << 20
 
 
-cdef inline int64_t _val(object v) except -1:
-    """A trace value as int64 in [0, 2**56); _Declined for anything else (a bool is taken as an
-    int, as Python's arithmetic does); OverflowError beyond int64."""
-    cdef long long x
-    if not isinstance(v, int):
-        raise _Declined("not an int")
-    x = v
-    if x < 0 or x >= _VMAX:
-        raise _Declined("out of range")
-    return x
-
-
 cdef extern from "Python.h":
     bint PyLong_Check(PyObject* o)
 
@@ -100,6 +88,12 @@ cdef inline int64_t _pval(PyObject* v) except -1:
 cdef inline int64_t _pval_or0(PyObject* v) except -1:
     """_pval, with a missing key read as 0 (``e.get("stream", 0)``)."""
     return 0 if v == NULL else _pval(v)
+
+
+cdef inline int64_t _val(object v) except -1:
+    """A trace value as int64 in [0, 2**56); _Declined for anything else (a bool is taken as an
+    int, as Python's arithmetic does); OverflowError beyond int64 (the checks of _pval)."""
+    return _pval(<PyObject*>v)
 
 
 cdef tuple _own_keys(object sample, tuple names):
