@@ -36,8 +36,35 @@ class TargetDevice:
         return "simulated" if self.simulated else "device"
 
 
+def cuda_surely_absent() -> bool:
+    """Whether ``torch.cuda.is_available()`` is certainly False, told without importing torch (about
+    4 s on a 2-core machine): the installed torch is a CPU-only build (its version's local part is
+    ``+cpu``), or it is a CUDA build and NVML reports no NVIDIA driver (:func:`oomtune.gpu.nvml.
+    no_driver`: without libnvidia-ml there is no libcuda either) or no GPU at all. A ROCm build
+    (``+rocm``: NVML does not see AMD GPUs), a torch without package metadata and any other NVML
+    state answer False: torch decides (``device=auto`` then imports it).
+    """
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return False
+    local = version.partition("+")[2]
+    if local == "cpu":
+        return True
+    if local.startswith("rocm") or "hip" in local:
+        return False
+    from oomtune.gpu import nvml
+
+    if nvml.no_driver():
+        return True
+    return nvml.nvml_available() and nvml.device_count() == 0
+
+
 def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> TargetDevice:
-    """Resolve ``auto | cpu | cuda | cuda:N``.
+    """Resolve ``auto | cpu | cuda | cuda:N``. ``auto`` is CPU (the virtual GPU) without importing
+    torch when :func:`cuda_surely_absent`, else ``cuda`` when ``torch.cuda.is_available()``.
 
     Raises:
         DeviceError: CUDA asked for but unavailable, or an index that does not exist.
@@ -45,9 +72,12 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
     """
     spec = check_device_spec(spec)
     m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", spec)
-    import torch
-
     kind = m.group(1)
+    if kind == "auto" and cuda_surely_absent():
+        kind = "cpu"
+    if kind != "cpu":   # device=cpu needs no torch (a plan from the stream cache imports none)
+        import torch
+
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":

@@ -168,7 +168,7 @@ def _geometry(best: Any) -> dict[str, Any]:
     if not isinstance(budget, int) or budget <= 0:
         raise BestFileError(f"best.yaml device.budget_bytes must be a positive integer, got {budget!r}")
     if dev.get("memory_source") == "simulated" or dev.get("kind") == "cpu":
-        from oomtune.capture.virtual_gpu import budget_geometry
+        from oomtune.alloc.geometry import budget_geometry
 
         size = total if isinstance(total, int) and total >= budget else None  # None: older best.yaml
         return budget_geometry(budget, size)

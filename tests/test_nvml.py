@@ -245,3 +245,58 @@ def test_sampler_thread_device_fallback(monkeypatch):
     with nvml.MemorySampler(0, interval_s=0.005) as sampler:
         _wait_for(fake, "mem", 4)
     assert (sampler.result.peak_used_bytes, sampler.result.peak_source) == (8 * GiB, "device")
+
+
+# -- device=auto without importing torch (oomtune.device.cuda_surely_absent, issue 13) -------------------
+
+
+class _InitFails:
+    """A pynvml whose nvmlInit raises the named NVMLError subclass (pynvml names them so)."""
+
+    def __init__(self, name):
+        self.error = type(name, (Exception,), {})
+
+    def nvmlInit(self):
+        raise self.error("nvmlInit failed")
+
+
+class _NoGpu(FakeNvml):
+    def nvmlDeviceGetCount(self):
+        return 0
+
+
+@pytest.mark.parametrize("torch_version, fake, absent", [
+    ("2.14.1+cpu", FakeNvml(), True),                      # a CPU-only build never has CUDA
+    ("2.14.1+cu130", _InitFails("NVMLError_LibraryNotFound"), True),   # no driver installed
+    ("2.14.1+cu130", _InitFails("NVMLError_DriverNotLoaded"), True),   # driver not loaded
+    ("2.14.1+cu130", _NoGpu(), True),                      # NVML works and counts no GPU
+    ("2.14.1+cu130", FakeNvml(), False),                   # GPUs: torch decides
+    ("2.14.1+cu130", _InitFails("NVMLError_Unknown"), False),   # unknown NVML failure: torch decides
+    ("2.14.1+rocm6.2", _InitFails("NVMLError_LibraryNotFound"), False),   # AMD GPUs: NVML cannot tell
+    ("2.14.1", _InitFails("NVMLError_LibraryNotFound"), True),  # PyPI's plain CUDA build, no driver
+])
+def test_cuda_surely_absent_decides_only_what_is_certain(torch_version, fake, absent, monkeypatch):
+    from importlib import metadata
+
+    from oomtune import device
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: torch_version if d == "torch" else real(d))
+    monkeypatch.setattr(nvml, "_import_pynvml", lambda: fake)
+    assert device.cuda_surely_absent() is absent
+
+
+def test_device_auto_and_cpu_resolve_without_importing_torch_where_no_driver_is_installed():
+    code = ("import sys\nfrom oomtune.device import resolve_device, cuda_surely_absent\n"
+            "assert resolve_device('cpu', virtual_device_memory='8GiB').kind == 'cpu'\n"
+            "after_cpu = 'torch' in sys.modules\nabsent = cuda_surely_absent()\n"
+            "kind = resolve_device('auto').kind\n"
+            "print(after_cpu, absent, kind, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    after_cpu, absent, kind, after_auto = out.stdout.split()
+    assert after_cpu == "False"   # device=cpu never needs torch
+    if absent == "True":          # no driver here (CI): auto is the virtual GPU, still without torch
+        assert (kind, after_auto) == ("cpu", "False")
+    else:                         # a driver: torch decided
+        assert after_auto == "True"

@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides")
     p.add_argument("--out", type=Path, default=None, help="plan.yaml path (default: <run dir>/plan.yaml)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="capture every stream afresh instead of reading the stream cache "
+                        "($OOMTUNE_CACHE_DIR, default ~/.cache/oomtune/streams; entries are refreshed)")
     p.set_defaults(func=run)
     return p
 
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # logs and CI: 120 columns (the compact map fits them)
         console = Console(width=120)
-    plan(args.overrides, out=args.out, console=console)
+    plan(args.overrides, out=args.out, console=console, cache=not args.no_cache)
     # The process ends next: move every object to the permanent generation so that the interpreter's
     # shutdown does not walk the ~10^6 objects of torch & co. with the cyclic collector (0.5-1 s of
     # the plan's wall time, issue 13). Nothing here is needed any more.
@@ -66,8 +69,10 @@ def _explicit_batches(cfg: Any) -> list[int] | None:
     return value
 
 
-def _validate_workload(workload: dict[str, Any]) -> None:
-    """Built-in: :func:`validate_workload_config`; python target: the entry must load.
+def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
+    """Built-in: :func:`validate_workload_config` (skipped when ``cache``, a :class:`oomtune.plan.
+    stream_cache.StreamCache`, records that the same config passed under the same versions and code:
+    the check imports torch); python target: the entry must load.
 
     Raises:
         ConfigError: unknown model, bad model key, unloadable entry, a cmd target.
@@ -82,13 +87,21 @@ def _validate_workload(workload: dict[str, Any]) -> None:
                           "a training command cannot be traced without running it")
     validate_target(target)
     if name == "builtin":
+        if cache is not None and cache.validated(workload):
+            return
         from oomtune.workloads import validate_workload_config
 
         validate_workload_config(workload)
+        if cache is not None:
+            cache.mark_validated(workload)
 
 
-def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) -> Any:
+def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, cache: bool = True) -> Any:
     """Compose the config, predict the map, print it and write plan.yaml.
+
+    ``cache``: read and write captured streams in the stream cache (:func:`oomtune.plan.stream_cache.
+    default_cache`; a plan whose captures are all there does not import torch); False: capture
+    everything afresh (and refresh the entries).
 
     Returns:
         the :class:`oomtune.plan.feasibility.FeasibilityMap`.
@@ -118,7 +131,12 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     validate(cfg)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
-    _validate_workload(workload)
+    from oomtune.plan.stream_cache import cacheable, default_cache
+
+    store = default_cache()
+    if store is not None and not cacheable(workload):
+        store = None
+    _validate_workload(workload, store if cache else None)
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
@@ -134,7 +152,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
     from oomtune.plan.parallel import default_workers
 
     predictor = Predictor(workload, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial),
-                          workers=default_workers())
+                          workers=default_workers(), cache=store, read_cache=cache)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source}
     say = _printer(console)
@@ -154,8 +172,11 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None) 
         say(f"note: {reason}")
     if predictor.derivation_note:
         say(f"note: {predictor.derivation_note}")
-    say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on "
-        f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}"
+    source = f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}"
+    if fmap.cached:
+        source = (f"{source}, all read from the stream cache {predictor.cache.directory}" if fmap.cached == fmap.captures
+                  else f"{source}, {fmap.cached} of them read from the stream cache")
+    say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on {source}"
         f"{f', {fmap.derived} more derived' if fmap.derived else ''}), replay "
         f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")
     say(f"wrote {write_plan(fmap, path)}")

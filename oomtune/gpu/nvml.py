@@ -26,13 +26,13 @@ from oomtune.exceptions import DeviceError
 from oomtune.trial.record import DeviceInfo
 
 __all__ = [
-    "query", "nvml_available", "device_count", "device_identity", "physical_index_for",
+    "query", "nvml_available", "no_driver", "device_count", "device_identity", "physical_index_for",
     "process_tree", "process_used_bytes", "memory_info", "utilization_percent",
     "MemoryReading", "SamplerResult", "MemorySampler",
 ]
 
 _LOCK = threading.RLock()
-_STATE: dict[str, Any] = {"lib": None, "tried": False, "atexit": False}
+_STATE: dict[str, Any] = {"lib": None, "tried": False, "atexit": False, "error": None}
 
 
 def _import_pynvml() -> ModuleType:
@@ -48,11 +48,13 @@ def _init() -> ModuleType | None:
     with _LOCK:
         if not _STATE["tried"]:
             _STATE["tried"] = True
+            _STATE["error"] = None
             try:
                 lib = _import_pynvml()
                 lib.nvmlInit()
-            except Exception:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+            except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
                 lib = None
+                _STATE["error"] = type(exc).__name__
             _STATE["lib"] = lib
             if lib is not None and not _STATE["atexit"]:
                 atexit.register(_shutdown)
@@ -94,6 +96,15 @@ def query(func: str, *args: Any, default: Any = None) -> Any:
 def nvml_available() -> bool:
     """True when the NVML library loaded and initialised (a driver is present)."""
     return _init() is not None
+
+
+def no_driver() -> bool:
+    """True when NVML's own answer is that no NVIDIA driver is installed or loaded: ``nvmlInit``
+    raised ``NVMLError_LibraryNotFound`` (libnvidia-ml, which every NVIDIA driver installs beside
+    libcuda, is absent) or ``NVMLError_DriverNotLoaded``. False when NVML works, when the bindings
+    are not installed, or on any other failure (then nothing is known)."""
+    _init()
+    return _STATE["error"] in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
 
 
 def _text(value: Any) -> str | None:

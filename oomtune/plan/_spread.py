@@ -34,19 +34,20 @@ def replay_groups(mappings: Sequence[dict[str, Any]]) -> list[list[int]]:
 def mark(predictor: Any) -> tuple:
     """What ``predictor`` holds now, for :func:`delta`."""
     return (set(predictor._cache), set(predictor._streams), set(predictor.derived_batches), predictor.replays,
-            *(getattr(predictor, name) for name in _SECONDS))
+            set(predictor.cached_batches), *(getattr(predictor, name) for name in _SECONDS))
 
 
 def delta(predictor: Any, since: tuple) -> dict[str, Any]:
     """What ``predictor`` gained since ``since`` (:func:`mark`), picklable, for :func:`merge`:
     predictions and replays, streams captured or derived, counters and seconds."""
-    cache, streams, derived, replays, *seconds = since
+    cache, streams, derived, replays, cached, *seconds = since
     out = {"cache": {k: v for k, v in predictor._cache.items() if k not in cache},
            "replayed": {k: v for k, v in predictor._replays.items() if k not in cache},
            "streams": {b: s for b, s in predictor._streams.items() if b not in streams},
            "captured": [b for b in predictor._captured if b not in streams],
            "reasons": {b: predictor._capture_reasons[b] for b in predictor._captured if b not in streams},
            "derived": [b for b in predictor.derived_batches if b not in derived],
+           "cached": [b for b in predictor.cached_batches if b not in cached],
            "fallback": set(predictor.fallback_reasons), "replays": predictor.replays - replays}
     out.update({name: getattr(predictor, name) - s for name, s in zip(_SECONDS, seconds)})
     return out
@@ -63,6 +64,7 @@ def merge(predictor: Any, gained: dict[str, Any]) -> None:
         predictor._captured.setdefault(b, predictor._streams[b])
         predictor._capture_reasons.setdefault(b, gained["reasons"][b])
     predictor.derived_batches.extend(b for b in gained["derived"] if b not in predictor.derived_batches)
+    predictor.cached_batches.extend(b for b in gained["cached"] if b not in predictor.cached_batches)
     predictor.fallback_reasons |= gained["fallback"]
     predictor.replays += gained["replays"]
 

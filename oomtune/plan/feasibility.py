@@ -27,7 +27,7 @@ plan.yaml (schema 1)::
     geometry: {total_memory_bytes, memory_fraction}     # the virtual GPU replays ran on
     memory_source: simulated
     batch_sizes: [8, 16, ...]                           # the grid
-    timing: {capture_s, derive_s, replay_s, total_s, captures, derived, replays}
+    timing: {capture_s, derive_s, replay_s, total_s, captures, derived, cached, replays}  # cached: captures read from the stream cache
     limit: {headroom, limit_bytes}                      # fits: completes and peak <= limit_bytes
     fallback: [reasons the capture did not run as asked (CPU fallback, precision)]
     skipped: [alloc_conf strings the virtual GPU cannot simulate (cudaMallocAsync)]
@@ -180,6 +180,7 @@ class FeasibilityMap:
     replays: int = 0
     derived: int = 0   # batch sizes whose stream was derived, not captured (issue 13)
     derive_s: float = 0.0   # seconds deriving streams from the affine model (issue 13)
+    cached: int = 0   # of the captures, those read from the stream cache (oomtune.plan.stream_cache)
     fallback: list[str] = field(default_factory=list)
     headroom: float = 0.0
     limit_bytes: int | None = None
@@ -196,7 +197,7 @@ class FeasibilityMap:
             "timing": {"capture_s": round(self.capture_s, 3), "derive_s": round(self.derive_s, 3),
                        "replay_s": round(self.replay_s, 3),
                        "total_s": round(self.total_s, 3), "captures": self.captures,
-                       "derived": self.derived, "replays": self.replays},
+                       "derived": self.derived, "cached": self.cached, "replays": self.replays},
             "limit": {"headroom": self.headroom, "limit_bytes": self.limit_bytes},
             "fallback": sorted(self.fallback),
             "skipped": list(self.skipped),
@@ -343,7 +344,8 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         rows=rows, capture_s=predictor.capture_seconds, replay_s=predictor.replay_seconds,
         derive_s=getattr(predictor, "derive_seconds", 0.0),
         total_s=time.perf_counter() - t0, captures=getattr(predictor, "captures", len(predictor._streams)),
-        derived=len(getattr(predictor, "derived_batches", ())), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
+        derived=len(getattr(predictor, "derived_batches", ())),
+        cached=len(set(getattr(predictor, "cached_batches", ())) & set(getattr(predictor, "_captured", ()))), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
         headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,
     )
 

@@ -175,12 +175,12 @@ def simulable(settings: AllocatorSettings) -> bool:
 def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
     """The virtual GPU a trial on ``device`` sees: the device's capacity (on CPU the virtual GPU's,
     ``virtual_device_memory``) with the budget as a memory fraction, as the trial applies it
-    (:func:`oomtune.capture.virtual_gpu.budget_geometry`). On a real device the trial's fraction is
+    (:func:`oomtune.alloc.geometry.budget_geometry`). On a real device the trial's fraction is
     ``(budget - non_allocator) / total`` (field case C9, :func:`oomtune.trial.budget.
     memory_fraction_for_budget`); with no device reading at plan time the memory outside the
     allocator is estimated (:func:`oomtune.trial.budget.estimated_non_allocator_bytes`)."""
     if device.simulated:
-        from oomtune.capture.virtual_gpu import budget_geometry
+        from oomtune.alloc.geometry import budget_geometry
 
         return budget_geometry(budget_bytes, device.total_memory_bytes)
     from oomtune.trial.budget import estimated_non_allocator_bytes
@@ -230,10 +230,15 @@ class Predictor:
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
             build_plan`'s replays (forked, :mod:`oomtune.plan.parallel`); 1: all in this process.
             The results are the same either way, only where they are computed changes.
+        cache: a :class:`oomtune.plan.stream_cache.StreamCache`: captures of a cacheable workload
+            (:func:`~oomtune.plan.stream_cache.cacheable`) are read from it when there and written to
+            it when made; ``cached_batches`` lists the batch sizes it served. None: always capture.
+        read_cache: False: capture every stream even when ``cache`` holds it (and write it there).
     """
 
     def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
-                 derive: bool = True, spot_checks: int = 1, workers: int = 1):
+                 derive: bool = True, spot_checks: int = 1, workers: int = 1, cache: Any = None,
+                 read_cache: bool = True):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
@@ -254,6 +259,11 @@ class Predictor:
         self.replays = 0
         self.workers = max(1, int(workers))
         self._precaptured: dict[int, tuple[Any, str | None]] = {}
+        from oomtune.plan.stream_cache import cacheable
+
+        self.cache = cache if cache is not None and cacheable(model_cfg) else None
+        self.cached_batches: list[int] = []
+        self.read_cache = bool(read_cache)
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
@@ -265,7 +275,8 @@ class Predictor:
 
     @property
     def captures(self) -> int:
-        """Batch sizes captured on the meta device (spot checks included)."""
+        """Batch sizes captured on the meta device (spot checks included; those read from the stream
+        cache count too: ``cached_batches``)."""
         return len(self._captured)
 
     def prepare(self, batch_sizes: Any) -> None:
@@ -285,7 +296,14 @@ class Predictor:
             return
         anchors = list(dict.fromkeys((sizes[0], sizes[-1], sizes[len(sizes) // 2])))
         spots = [b for b in sizes if b not in anchors][:max(0, self.spot_checks - len(self.spot_checked))]
-        wanted = [b for b in anchors + spots if b not in self._streams]
+        wanted = [b for b in anchors + spots if b not in self._streams and b not in self._precaptured]
+        t0 = time.perf_counter()
+        for b in wanted:
+            hit = self._from_cache(b)
+            if hit is not None:
+                self._precaptured[b] = hit
+        self.capture_seconds += time.perf_counter() - t0
+        wanted = [b for b in wanted if b not in self._precaptured]
         if self.workers > 1 and len(wanted) > 1:
             from oomtune.plan.parallel import fork_map
 
@@ -323,18 +341,38 @@ class Predictor:
         self.derived_batches.append(batch_size)
         return derived
 
+    def _blas_workspaces(self) -> bool:
+        return "non_allocator_bytes" in self.geometry   # a real GPU's geometry
+
+    def _from_cache(self, batch_size: int) -> tuple[Any, str | None] | None:
+        """(stream, fallback reason) of ``batch_size`` from ``self.cache``, or None (no cache, a miss).
+        Called in this process only, so ``cached_batches`` sees every hit."""
+        if self.cache is None or not self.read_cache:
+            return None
+        hit = self.cache.get(*self.cache.capture_key(self.model_cfg, batch_size, self.steps,
+                                                     self._blas_workspaces()))
+        if hit is not None:
+            self.cached_batches.append(batch_size)
+        return hit
+
     def _capture_raw(self, batch_size: int) -> tuple[Any, str | None]:
         """(stream, fallback reason) of one capture at ``batch_size``: :func:`capture_training_stream`
-        with cuBLAS workspaces where the geometry is a real GPU's (it has ``non_allocator_bytes``)."""
-        real_gpu = {"blas_workspaces": True} if "non_allocator_bytes" in self.geometry else {}
-        return capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+        with cuBLAS workspaces where the geometry is a real GPU's (it has ``non_allocator_bytes``);
+        stored in ``self.cache`` when there is one (also from a forked worker)."""
+        real_gpu = {"blas_workspaces": True} if self._blas_workspaces() else {}
+        got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+        if self.cache is not None:
+            self.cache.put(*self.cache.capture_key(self.model_cfg, batch_size, self.steps, self._blas_workspaces()),
+                           *got)
+        return got
 
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
-        if batch_size in self._precaptured:   # captured by prepare()'s workers (timed there)
+        if batch_size in self._precaptured:   # read from the cache or captured by prepare()'s workers (timed there)
             stream, reason = self._precaptured.pop(batch_size)
         else:
-            stream, reason = self._capture_raw(batch_size)
+            got = self._from_cache(batch_size)
+            stream, reason = got if got is not None else self._capture_raw(batch_size)
             self.capture_seconds += time.perf_counter() - t0
         if reason:
             self.fallback_reasons.add(reason)

@@ -1,0 +1,211 @@
+"""An on-disk cache of captured allocation streams, so that a repeated plan need not import torch.
+
+Capturing a training step on the meta device needs torch (and, for the vision models, torchvision,
+which imports ``torch._dynamo``): about 5 s of imports on a 2-core machine before the first request
+is recorded (issue 13). A captured stream is a pure function of what went into it, so it is kept:
+
+* **the key** is the SHA-256 of everything the capture depends on: the ``model`` group (plain
+  dict, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
+  ``CUBLAS_WORKSPACE_CONFIG``; the installed torch and torchvision versions (package metadata, no
+  import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
+  files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
+  change to any of them is another key, so an entry is never stale, only unused.
+* **an entry** is ``<key>.json`` (the key's material, and the capture's fallback reason) and
+  ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s binary format, whose
+  loader validates every event). Both are written to temporary names and renamed into place, the
+  stream last; an entry whose files are missing, unreadable, of another key or invalid is a miss
+  (and is written again after the capture), never an error.
+* **not cached**: ``target: python`` workloads (the user's code can change under the same config)
+  and workloads reading real data (their checks look at files that can change).
+
+Where: ``$OOMTUNE_CACHE_DIR`` (``off`` turns the cache off), else ``$XDG_CACHE_HOME/oomtune/streams``,
+else ``~/.cache/oomtune/streams`` (the XDG base-directory convention, as pip and torch's inductor
+cache keep theirs). ``oomtune plan --no-cache`` captures afresh (and refreshes the entries).
+
+Exactness: a stream loaded from the cache equals the capture it was saved from, event by event
+(tests/test_stream_cache.py compares a plan from a warm cache with one that captured everything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_fingerprint"]
+
+#: Environment variable naming the cache directory; ``off`` (or ``0``, ``none``) turns it off.
+CACHE_ENV = "OOMTUNE_CACHE_DIR"
+_OFF = {"off", "0", "none", "false", "no"}
+_FORMAT = 1
+#: Package directories / modules (relative to the oomtune package) whose code decides a capture.
+_CODE = ("capture", "workloads", "plan/predictor.py", "plan/derive.py", "alloc/stream.py", "targets")
+
+_fingerprint: str | None = None
+
+
+def code_fingerprint() -> str:
+    """SHA-256 (hex) of the source of the modules that decide what a capture records
+    (:data:`_CODE`), read from the installed package; computed once per process (~1 ms)."""
+    global _fingerprint
+    if _fingerprint is None:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for name in _CODE:
+            path = root / name
+            files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+            for f in files:
+                h.update(str(f.relative_to(root)).encode())
+                h.update(b"\0")
+                h.update(f.read_bytes())
+                h.update(b"\0")
+        _fingerprint = h.hexdigest()
+    return _fingerprint
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cacheable(model_cfg: dict[str, Any]) -> bool:
+    """Whether captures of ``model_cfg`` may be cached: a built-in workload on synthetic data (not
+    ``target: python``, whose code can change under the same config; not a real data set, whose files
+    the workload's checks read)."""
+    target = model_cfg.get("target") or {}
+    if isinstance(target, dict) and target.get("name", "builtin") != "builtin":
+        return False
+    data = model_cfg.get("data")
+    return data is None or (isinstance(data, dict) and data.get("source", "synthetic") == "synthetic")
+
+
+def _material(what: str, model_cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"format": _FORMAT, "what": what, "model": model_cfg, **extra,
+            "torch": _version("torch"), "torchvision": _version("torchvision"),
+            "python": list(sys.version_info[:2]), "machine": platform.machine(), "code": code_fingerprint()}
+
+
+def _digest(material: dict[str, Any]) -> str:
+    text = json.dumps(material, sort_keys=True, default=repr, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class StreamCache:
+    """Captured streams on disk under ``directory`` (see the module docstring for keys and files).
+
+    Args:
+        directory: where entries live (created on the first write).
+
+    Every method is safe to call from forked plan workers at once: writes go to unique temporary
+    names and are renamed into place (atomic on POSIX), so a reader sees a whole entry or none.
+    I/O errors on write are ignored (a cache that cannot be written is a cache that misses).
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.hits = 0
+        self.misses = 0
+
+    # -- captures ----------------------------------------------------------------------------------
+    def capture_key(self, model_cfg: dict[str, Any], batch_size: int, steps: int, blas_workspaces: bool
+                    ) -> tuple[str, dict[str, Any]]:
+        """(hex key, its material) of one capture (:func:`oomtune.plan.predictor.
+        capture_training_stream`'s arguments, plus the versions and code it depends on)."""
+        material = _material("capture", model_cfg, batch_size=int(batch_size), steps=int(steps),
+                             blas_workspaces=bool(blas_workspaces),
+                             cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG") if blas_workspaces
+                             else None)
+        return _digest(material), material
+
+    def get(self, key: str, material: dict[str, Any]) -> tuple[Any, str | None] | None:
+        """The cached ``(AllocationStream, fallback reason)`` under ``key``, or None (a miss: absent,
+        unreadable, another key's material, or a stream file that does not validate)."""
+        from oomtune.alloc.stream import AllocationStream
+        from oomtune.exceptions import ConfigError
+
+        meta_path, stream_path = self._paths(key)
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            if not isinstance(meta, dict) or meta.get("key") != json.loads(
+                    json.dumps(material, sort_keys=True, default=repr)):
+                raise ValueError("another key")
+            reason = meta.get("reason")
+            if reason is not None and not isinstance(reason, str):
+                raise ValueError("bad reason")
+            stream = AllocationStream.load(stream_path)
+        except (OSError, ValueError, ConfigError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return stream, reason
+
+    def put(self, key: str, material: dict[str, Any], stream: Any, reason: str | None) -> None:
+        """Store one capture under ``key`` (the metadata first, the stream last)."""
+        meta_path, stream_path = self._paths(key)
+        try:
+            meta_path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"key": material, "reason": reason}, sort_keys=True, default=repr)
+            self._write(meta_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+            self._write(stream_path, stream.save)
+        except OSError:
+            pass
+
+    # -- validated workloads -----------------------------------------------------------------------
+    def validated(self, model_cfg: dict[str, Any]) -> bool:
+        """Whether ``model_cfg`` passed :func:`oomtune.workloads.validate_workload_config` under the
+        same versions and code (so checking it again, which imports torch, can be skipped)."""
+        material = _material("validated", model_cfg)
+        path = self._paths(_digest(material))[0]
+        try:
+            return json.loads(path.read_text(encoding="utf-8")).get("key") == json.loads(
+                json.dumps(material, sort_keys=True, default=repr))
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def mark_validated(self, model_cfg: dict[str, Any]) -> None:
+        """Record that ``model_cfg`` passed the workload checks (see :meth:`validated`)."""
+        material = _material("validated", model_cfg)
+        path = self._paths(_digest(material))[0]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"key": material}, sort_keys=True, default=repr)
+            self._write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        except OSError:
+            pass
+
+    # -- files -------------------------------------------------------------------------------------
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        base = self.directory / key[:2] / key
+        return base.with_suffix(".json"), base.with_suffix(".stream")
+
+    @staticmethod
+    def _write(path: Path, write: Any) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def default_cache(enabled: bool = True) -> StreamCache | None:
+    """The cache at ``$OOMTUNE_CACHE_DIR`` / ``$XDG_CACHE_HOME/oomtune/streams`` /
+    ``~/.cache/oomtune/streams``; None when ``enabled`` is False or ``OOMTUNE_CACHE_DIR`` is ``off``."""
+    if not enabled:
+        return None
+    where = os.environ.get(CACHE_ENV, "").strip()
+    if where.lower() in _OFF:
+        return None
+    if where:
+        return StreamCache(where)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return StreamCache(Path(base) / "oomtune" / "streams")

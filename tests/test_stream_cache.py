@@ -1,0 +1,200 @@
+"""The on-disk cache of captured streams (oomtune.plan.stream_cache; issue 13, plan speed).
+
+What must hold: a stream read back equals the one stored, event by event; any change of what a
+capture depends on is another key; a damaged entry is a miss, never an error; a plan read from a
+warm cache gives the same map as one that captured everything, without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oomtune.alloc.stream import AllocationStream
+from oomtune.plan import stream_cache as SC
+from oomtune.plan.stream_cache import StreamCache, cacheable, default_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10,
+       "target": {"name": "builtin"}}
+
+
+def _stream() -> AllocationStream:
+    # a hand-made stream: two live blocks at once on stream 0, one on stream 1, one left live at the end
+    return AllocationStream([("alloc", 1, 512, 0), ("alloc", 2, 1 << 20, 0), ("free", 1),
+                             ("alloc", 3, 3 << 20, 1), ("free", 2), ("alloc", 4, 0, 0), ("free", 3)])
+
+
+def test_a_stored_stream_reads_back_equal_with_its_reason(tmp_path):
+    cache = StreamCache(tmp_path)
+    key, material = cache.capture_key(MLP, 32, 2, False)
+    assert cache.get(key, material) is None and cache.misses == 1
+    cache.put(key, material, _stream(), "meta kernel missing (x): captured on cpu")
+    stream, reason = cache.get(key, material)
+    assert stream == _stream() and list(stream) == list(_stream())
+    assert stream.live_keys == [4]   # the live set (what derivation copies) survives too
+    assert reason == "meta kernel missing (x): captured on cpu" and cache.hits == 1
+
+
+@pytest.mark.parametrize("change", ["batch", "steps", "blas", "model", "torch", "code"])
+def test_every_input_of_a_capture_is_part_of_its_key(change, tmp_path, monkeypatch):
+    cache = StreamCache(tmp_path)
+    base = cache.capture_key(MLP, 32, 2, False)[0]
+    args = {"batch": (MLP, 33, 2, False), "steps": (MLP, 32, 3, False), "blas": (MLP, 32, 2, True),
+            "model": ({**MLP, "hidden": 129}, 32, 2, False)}.get(change, (MLP, 32, 2, False))
+    if change == "torch":
+        real = SC._version
+        monkeypatch.setattr(SC, "_version", lambda d: "9.9.9" if d == "torch" else real(d))
+    if change == "code":
+        monkeypatch.setattr(SC, "_fingerprint", "0" * 64)
+    assert cache.capture_key(*args)[0] != base
+
+
+def test_the_cublas_workspace_setting_keys_real_gpu_captures_only(tmp_path, monkeypatch):
+    cache = StreamCache(tmp_path)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    plain, gpu = cache.capture_key(MLP, 8, 2, False)[0], cache.capture_key(MLP, 8, 2, True)[0]
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cache.capture_key(MLP, 8, 2, False)[0] == plain
+    assert cache.capture_key(MLP, 8, 2, True)[0] != gpu
+
+
+@pytest.mark.parametrize("damage", ["truncated stream", "not a stream", "no stream", "bad json", "other key",
+                                    "reason not text"])
+def test_a_damaged_entry_is_a_miss_and_is_written_again(damage, tmp_path):
+    cache = StreamCache(tmp_path)
+    key, material = cache.capture_key(MLP, 32, 2, False)
+    cache.put(key, material, _stream(), None)
+    meta, data = cache._paths(key)
+    if damage == "truncated stream":
+        data.write_bytes(data.read_bytes()[:-5])
+    elif damage == "not a stream":
+        data.write_bytes(b"hello")
+    elif damage == "no stream":
+        data.unlink()
+    elif damage == "bad json":
+        meta.write_text("{", encoding="utf-8")
+    elif damage == "other key":
+        other = dict(material, batch_size=64)
+        meta.write_text(json.dumps({"key": other, "reason": None}), encoding="utf-8")
+    else:
+        meta.write_text(json.dumps({"key": material, "reason": 5}), encoding="utf-8")
+    assert cache.get(key, material) is None
+    cache.put(key, material, _stream(), None)
+    assert cache.get(key, material)[0] == _stream()
+
+
+def test_an_unwritable_cache_is_a_cache_that_misses(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cache = StreamCache(blocker / "streams")
+    key, material = cache.capture_key(MLP, 32, 2, False)
+    cache.put(key, material, _stream(), None)   # no error
+    assert cache.get(key, material) is None
+    cache.mark_validated(MLP)
+    assert not cache.validated(MLP)
+
+
+def test_validated_marks_are_per_config(tmp_path):
+    cache = StreamCache(tmp_path)
+    assert not cache.validated(MLP)
+    cache.mark_validated(MLP)
+    assert cache.validated(MLP) and not cache.validated({**MLP, "layers": 2})
+
+
+def test_python_targets_and_real_data_are_not_cached():
+    assert cacheable(MLP) and cacheable({**MLP, "data": {"source": "synthetic"}})
+    assert not cacheable({**MLP, "target": {"name": "python", "entry": "pkg.mod:make_workload"}})
+    assert not cacheable({**MLP, "data": {"source": "imagefolder", "path": "/data"}})
+
+
+def test_where_the_cache_lives(tmp_path, monkeypatch):
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache().directory == tmp_path / "c"
+    for off in ("off", "0", "OFF", "none"):
+        monkeypatch.setenv("OOMTUNE_CACHE_DIR", off)
+        assert default_cache() is None
+    monkeypatch.delenv("OOMTUNE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache().directory == tmp_path / "xdg" / "oomtune" / "streams"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache().directory == tmp_path / "home" / ".cache" / "oomtune" / "streams"
+    assert default_cache(enabled=False) is None
+
+
+def test_a_predictor_on_a_warm_cache_captures_nothing_and_predicts_the_same(tmp_path, monkeypatch):
+    from oomtune.alloc.geometry import budget_geometry
+    from oomtune.plan import predictor as P
+
+    geometry = budget_geometry(64 << 20, 1 << 30)
+    grid = [8, 16, 24, 32, 48, 64]
+    confs = ["", "expandable_segments:True", "max_split_size_mb:20,roundup_power2_divisions:4"]
+    fresh = P.Predictor(MLP, geometry)   # no cache: the reference
+    fresh.prepare(grid)
+    expected = {(b, c): fresh.predict_detail(b, c) for b in grid for c in confs}
+
+    cold = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path))
+    cold.prepare(grid)
+    assert {(b, c): cold.predict_detail(b, c) for b in grid for c in confs} == expected
+    assert cold.cached_batches == [] and cold.captures == fresh.captures
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured although the cache holds the stream")
+
+    monkeypatch.setattr(P, "capture_training_stream", no_capture)
+    warm = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path))
+    warm.prepare(grid)
+    assert {(b, c): warm.predict_detail(b, c) for b in grid for c in confs} == expected
+    assert sorted(warm.cached_batches) == sorted(fresh._captured) and warm.derived_batches == fresh.derived_batches
+    # read_cache=False captures again (here: the capture function refuses, so it must be called)
+    again = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path), read_cache=False)
+    with pytest.raises(AssertionError, match="captured although"):
+        again.prepare(grid)
+
+
+PLAN = ["plan", "model=mlp", "model.in_features=64", "model.hidden=128", "model.layers=1", "model.num_classes=10",
+        "budget=64MiB", "device=cpu", "virtual_device_memory=1GiB", "search.batch_size.low=8",
+        "search.batch_size.high=96"]
+
+
+def _plan_process(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[str], str]:
+    """Run ``oomtune plan`` in a fresh interpreter with the cache in tmp_path/cache: (plan.yaml, the
+    heavy modules loaded when it finished, its output)."""
+    out = tmp_path / name
+    code = ("import sys, json\nfrom oomtune.cli import main\n"
+            f"rc = main({[*PLAN, f'hydra.run.dir={out}', '--out', str(out / 'plan.yaml'), *extra]!r})\n"
+            "print(json.dumps({'rc': rc, 'loaded': sorted(m for m in ('torch', 'torchvision') if m in sys.modules)}))")
+    env = dict(os.environ, OOMTUNE_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["rc"] == 0
+    return yaml.safe_load((out / "plan.yaml").read_text()), last["loaded"], proc.stdout
+
+
+def _without_timing(plan: dict) -> dict:
+    return {k: v for k, v in plan.items() if k not in ("timing", "created")}
+
+
+@pytest.mark.slow
+def test_a_repeated_plan_reads_the_cache_gives_the_same_map_and_imports_no_torch(tmp_path):
+    cold, cold_loaded, _ = _plan_process(tmp_path, "cold")
+    assert "torch" in cold_loaded
+    assert cold["timing"]["cached"] == 0 and cold["timing"]["captures"] >= 3
+    warm, warm_loaded, text = _plan_process(tmp_path, "warm")
+    assert warm_loaded == []
+    assert warm["timing"]["cached"] == warm["timing"]["captures"] == cold["timing"]["captures"]
+    assert "read from the stream cache" in text
+    assert _without_timing(warm) == _without_timing(cold)
+    again, again_loaded, _ = _plan_process(tmp_path, "again", "--no-cache")
+    assert again["timing"]["cached"] == 0 and "torch" in again_loaded
+    assert _without_timing(again) == _without_timing(cold)
