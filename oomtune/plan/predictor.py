@@ -267,11 +267,11 @@ class Predictor:
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
-                   steps: int = PREDICT_STEPS) -> "Predictor":
+                   steps: int = PREDICT_STEPS, cache: Any = None) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
-        trial's ``steps`` (:func:`trial_steps`)."""
-        return cls(workload, sim_geometry(device, budget_bytes), steps=steps)
+        trial's ``steps`` (:func:`trial_steps`); ``cache``: as for the constructor."""
+        return cls(workload, sim_geometry(device, budget_bytes), steps=steps, cache=cache)
 
     @property
     def captures(self) -> int:

@@ -174,10 +174,12 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     predictor = None
     if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
         from oomtune.plan.predictor import Predictor, trial_steps
+        from oomtune.plan.stream_cache import default_cache
 
-        # Under a shape distribution the frontier is predicted at the worst (largest) shape.
+        # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
+        # captures come from the stream cache where a plan or an earlier search left them.
         predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes,
-                                         steps=trial_steps(cfg.trial))
+                                         steps=trial_steps(cfg.trial), cache=default_cache())
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)
@@ -244,7 +246,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
         from oomtune.plan.predictor import Predictor, trial_steps
 
-        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, steps=trial_steps(cfg.trial))
+        from oomtune.plan.stream_cache import default_cache
+
+        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, steps=trial_steps(cfg.trial),
+                                         cache=default_cache())
     from oomtune.htmlreport import write_search_report
 
     try:
@@ -321,6 +326,12 @@ def _say(console: Any, text: str) -> None:
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # one line, never wrapped
 
 
+def _cached_words(predictor: Any) -> str:
+    """``", N of M read from the stream cache"`` when the stream cache served captures, else ``""``."""
+    cached = len(set(getattr(predictor, "cached_batches", ())))
+    return f", {cached} of {predictor.captures} read from the stream cache" if cached else ""
+
+
 def _frontier_line(planner: Any, predictor: Any) -> str:
     """One line: how long the frontier prediction took and what it says."""
     probed = [c for c in planner.configs if c.selected]
@@ -328,5 +339,6 @@ def _frontier_line(planner: Any, predictor: Any) -> str:
              + (str(c.predicted) if c.predicted is not None else
                 f"(none predicted to fit: from batch {planner.low})") for c in probed]
     return (f"predicted frontiers of {sum(1 + len(c.twins) for c in planner.configs)} configurations "
-            f"(simulated; capture {predictor.capture_seconds:.1f} s, replay {predictor.replay_seconds:.1f} s); "
+            f"(simulated; capture {predictor.capture_seconds:.1f} s{_cached_words(predictor)}, "
+            f"replay {predictor.replay_seconds:.1f} s); "
             f"probing: {', '.join(parts)}")
