@@ -198,3 +198,17 @@ def test_a_repeated_plan_reads_the_cache_gives_the_same_map_and_imports_no_torch
     again, again_loaded, _ = _plan_process(tmp_path, "again", "--no-cache")
     assert again["timing"]["cached"] == 0 and "torch" in again_loaded
     assert _without_timing(again) == _without_timing(cold)
+
+
+def test_the_search_predictor_takes_the_cache_and_says_what_it_read(tmp_path):
+    from oomtune.device import resolve_device
+    from oomtune.plan.predictor import Predictor
+    from oomtune.search.run import _cached_words
+
+    device = resolve_device("cpu", virtual_device_memory="1GiB")
+    first = Predictor.for_search(MLP, device, 64 << 20, cache=StreamCache(tmp_path))
+    first.predict_detail(16, "")
+    assert _cached_words(first) == ""   # it captured
+    second = Predictor.for_search(MLP, device, 64 << 20, cache=StreamCache(tmp_path))
+    assert second.predict_detail(16, "") == first.predict_detail(16, "")
+    assert second.cached_batches == [16] and _cached_words(second) == ", 1 of 1 read from the stream cache"
