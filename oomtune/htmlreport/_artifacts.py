@@ -95,7 +95,9 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     data = gather(run_dir)
     captured = predictor is not None
     if predictor is None:
-        predictor = Predictor.for_search(workload, device, budget_bytes)
+        from oomtune.plan.stream_cache import default_cache
+
+        predictor = Predictor.for_search(workload, device, budget_bytes, cache=default_cache())
     best = (data.best or {}).get("best") or {}
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
