@@ -66,7 +66,7 @@ def test_the_cublas_workspace_setting_keys_real_gpu_captures_only(tmp_path, monk
 
 
 @pytest.mark.parametrize("damage", ["truncated stream", "not a stream", "no stream", "bad json", "other key",
-                                    "reason not text"])
+                                    "reason not text", "one bit flipped", "another entry's stream", "no checksum"])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(damage, tmp_path):
     cache = StreamCache(tmp_path)
     key, material = cache.capture_key(MLP, 32, 2, False)
@@ -83,8 +83,21 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(damage, tmp_path):
     elif damage == "other key":
         other = dict(material, batch_size=64)
         meta.write_text(json.dumps({"key": other, "reason": None}), encoding="utf-8")
-    else:
-        meta.write_text(json.dumps({"key": material, "reason": 5}), encoding="utf-8")
+    elif damage == "reason not text":
+        stored = json.loads(meta.read_text(encoding="utf-8"))
+        meta.write_text(json.dumps({**stored, "reason": 5}), encoding="utf-8")
+    elif damage == "one bit flipped":   # still a valid stream: a size of 1 MiB + 2**40 (found by a user)
+        raw = bytearray(data.read_bytes())
+        raw[-8 * 7 * 2 + 8 + 5] ^= 1   # in the sizes column: the second event's size
+        data.write_bytes(bytes(raw))
+        assert AllocationStream.load(data) != _stream()   # it parses, with another size
+    elif damage == "another entry's stream":   # a valid stream file copied over from another key
+        other_key, other_material = cache.capture_key(MLP, 64, 2, False)
+        cache.put(other_key, other_material, AllocationStream([("alloc", 1, 4096, 0), ("free", 1)]), None)
+        data.write_bytes(cache._paths(other_key)[1].read_bytes())
+    else:   # written by a version without checksums
+        stored = json.loads(meta.read_text(encoding="utf-8"))
+        meta.write_text(json.dumps({k: v for k, v in stored.items() if k != "sha256"}), encoding="utf-8")
     assert cache.get(key, material) is None
     cache.put(key, material, _stream(), None)
     assert cache.get(key, material)[0] == _stream()
@@ -117,6 +130,9 @@ def test_python_targets_and_real_data_are_not_cached():
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(tmp_path / "c"))
     assert default_cache().directory == tmp_path / "c"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "rel")   # a relative path is taken from where the command runs
+    assert default_cache().directory == tmp_path / "rel"
     for off in ("off", "0", "OFF", "none"):
         monkeypatch.setenv("OOMTUNE_CACHE_DIR", off)
         assert default_cache() is None

@@ -31,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides")
     p.add_argument("--out", type=Path, default=None, help="plan.yaml path (default: <run dir>/plan.yaml)")
     p.add_argument("--no-cache", action="store_true",
-                   help="capture every stream afresh instead of reading the stream cache "
-                        "($OOMTUNE_CACHE_DIR, default ~/.cache/oomtune/streams; entries are refreshed)")
+                   help="capture every stream afresh instead of reading the stream cache and refresh its "
+                        "entries (the cache: $OOMTUNE_CACHE_DIR, else $XDG_CACHE_HOME/oomtune/streams, else "
+                        "~/.cache/oomtune/streams; OOMTUNE_CACHE_DIR=off turns it off)")
     p.set_defaults(func=run)
     return p
 

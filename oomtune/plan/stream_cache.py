@@ -10,11 +10,13 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
   change to any of them is another key, so an entry is never stale, only unused.
-* **an entry** is ``<key>.json`` (the key's material, and the capture's fallback reason) and
-  ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s binary format, whose
-  loader validates every event). Both are written to temporary names and renamed into place, the
-  stream last; an entry whose files are missing, unreadable, of another key or invalid is a miss
-  (and is written again after the capture), never an error.
+* **an entry** is ``<key>.json`` (the key's material, the capture's fallback reason and the SHA-256
+  of the stream file) and ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s
+  binary format, whose loader validates every event). Both are written to temporary names and
+  renamed into place, the stream last; an entry whose files are missing, unreadable, of another key,
+  whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
+  another entry) or whose events are invalid is a miss (and is written again after the capture),
+  never an error.
 * **not cached**: ``target: python`` workloads (the user's code can change under the same config)
   and workloads reading real data (their checks look at files that can change).
 
@@ -140,6 +142,8 @@ class StreamCache:
             reason = meta.get("reason")
             if reason is not None and not isinstance(reason, str):
                 raise ValueError("bad reason")
+            if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
+                raise ValueError("the stream file is not the one stored")
             stream = AllocationStream.load(stream_path)
         except (OSError, ValueError, ConfigError):
             self.misses += 1
@@ -148,15 +152,25 @@ class StreamCache:
         return stream, reason
 
     def put(self, key: str, material: dict[str, Any], stream: Any, reason: str | None) -> None:
-        """Store one capture under ``key`` (the metadata first, the stream last)."""
+        """Store one capture under ``key``: the stream to a temporary file, then the metadata with its
+        SHA-256, then the stream renamed into place (a reader in between sees a checksum that does not
+        match: a miss)."""
         meta_path, stream_path = self._paths(key)
+        tmp = stream_path.with_name(f".{stream_path.name}.{os.getpid()}.tmp")
         try:
             meta_path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"key": material, "reason": reason}, sort_keys=True, default=repr)
-            self._write(meta_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-            self._write(stream_path, stream.save)
+            stream.save(tmp)
+            digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+            text = json.dumps({"key": material, "reason": reason, "sha256": digest}, sort_keys=True, default=repr)
+            self._write(meta_path, lambda t: t.write_text(text, encoding="utf-8"))
+            os.replace(tmp, stream_path)
         except OSError:
             pass
+        finally:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
     # -- validated workloads -----------------------------------------------------------------------
     def validated(self, model_cfg: dict[str, Any]) -> bool:
@@ -206,6 +220,6 @@ def default_cache(enabled: bool = True) -> StreamCache | None:
     if where.lower() in _OFF:
         return None
     if where:
-        return StreamCache(where)
+        return StreamCache(Path(where).expanduser().absolute())
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return StreamCache(Path(base) / "oomtune" / "streams")
