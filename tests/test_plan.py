@@ -187,6 +187,8 @@ def test_plan_yaml_has_every_configuration_of_the_default_space(tmp_path, monkey
     assert all(c["batches"][0]["peak_reserved_bytes"] == 2 * MiB for c in data["configurations"])
     text = capsys.readouterr().out
     assert "simulated" in text and "capture" in text and "replay" in text
+    # written with libyaml's emitter where there is one: the text PyYAML's own safe_dump gives
+    assert out.read_text() == yaml.safe_dump(data, sort_keys=False)
 
 
 def test_plan_writes_into_the_run_dir_by_default(tmp_path):
