@@ -28,6 +28,9 @@ from pathlib import Path
 
 import yaml
 
+# Every search here captures afresh: no stream cache left by another run (oomtune.plan.stream_cache).
+os.environ["OOMTUNE_CACHE_DIR"] = "off"
+
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_search_cpu.txt"
 
 

@@ -40,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# Every search here captures afresh: no stream cache left by another run (oomtune.plan.stream_cache).
+os.environ["OOMTUNE_CACHE_DIR"] = "off"
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results" / "compare_peers.txt"
 TOOLS = ("lightning-power", "lightning-binsearch", "accelerate", "oomtune")

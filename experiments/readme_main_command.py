@@ -37,6 +37,8 @@ def main() -> int:
         else:
             args.keep.mkdir(parents=True, exist_ok=True)
             tmp = str(args.keep)
+        # an empty stream cache, as on a fresh machine (the search would read what earlier runs captured)
+        env["OOMTUNE_CACHE_DIR"] = os.path.join(tmp, ".oomtune-stream-cache")
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "oomtune", "search", "model=resnet"], cwd=tmp, env=env,
                               capture_output=True, text=True)
