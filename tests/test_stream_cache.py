@@ -112,6 +112,8 @@ def test_an_unwritable_cache_is_a_cache_that_misses(tmp_path):
     assert cache.get(key, material) is None
     cache.mark_validated(MLP)
     assert not cache.validated(MLP)
+    assert cache.unwritable() == "Not a directory"   # ENOTDIR's strerror: what the plan's note names
+    assert StreamCache(tmp_path / "new").unwritable() is None and (tmp_path / "new").is_dir()
 
 
 def test_validated_marks_are_per_config(tmp_path):
@@ -139,8 +141,10 @@ def test_where_the_cache_lives(tmp_path, monkeypatch):
     monkeypatch.delenv("OOMTUNE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache().directory == tmp_path / "xdg" / "oomtune" / "streams"
-    monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relxdg")   # relative: invalid by the XDG spec, ignored
+    assert default_cache().directory == tmp_path / "home" / ".cache" / "oomtune" / "streams"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache().directory == tmp_path / "home" / ".cache" / "oomtune" / "streams"
     assert default_cache(enabled=False) is None
 
@@ -203,10 +207,12 @@ def _without_timing(plan: dict) -> dict:
 
 @pytest.mark.slow
 def test_a_repeated_plan_reads_the_cache_gives_the_same_map_and_imports_no_torch(tmp_path):
-    cold, cold_loaded, _ = _plan_process(tmp_path, "cold")
+    cold, cold_loaded, cold_text = _plan_process(tmp_path, "cold")
+    assert f"kept in the stream cache {tmp_path / 'cache'}" in cold_text
     assert "torch" in cold_loaded
     assert cold["timing"]["cached"] == 0 and cold["timing"]["captures"] >= 3
     warm, warm_loaded, text = _plan_process(tmp_path, "warm")
+    assert f"kept in the stream cache {tmp_path / 'cache'}" not in text
     assert warm_loaded == []
     assert warm["timing"]["cached"] == warm["timing"]["captures"] == cold["timing"]["captures"]
     assert "read from the stream cache" in text
@@ -228,3 +234,17 @@ def test_the_search_predictor_takes_the_cache_and_says_what_it_read(tmp_path):
     second = Predictor.for_search(MLP, device, 64 << 20, cache=StreamCache(tmp_path))
     assert second.predict_detail(16, "") == first.predict_detail(16, "")
     assert second.cached_batches == [16] and _cached_words(second) == ", 1 of 1 read from the stream cache"
+
+
+def test_a_plan_with_an_unwritable_cache_says_so_and_still_plans(tmp_path, monkeypatch, capsys):
+    from oomtune.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "p" / "plan.yaml"
+    assert main([*PLAN[:-2], "+plan.batch_sizes=[8,16]", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"note: the stream cache {blocker / 'cache'} cannot be written (Not a directory)" in text
+    assert yaml.safe_load(out.read_text())["timing"]["cached"] == 0

@@ -137,6 +137,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     store = default_cache()
     if store is not None and not cacheable(workload):
         store = None
+    unwritable = store.unwritable() if store is not None else None
     _validate_workload(workload, store if cache else None)
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
@@ -164,6 +165,9 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if skipped:
         say(f"note: skipping {len(skipped)} backend:cudaMallocAsync configuration(s): the virtual GPU "
             "simulates only the native caching allocator (measure them with oomtune search on a GPU)")
+    if unwritable:
+        say(f"note: the stream cache {store.directory} cannot be written ({unwritable}): the captures made now "
+            f"are not kept (set OOMTUNE_CACHE_DIR to a writable directory, or to off)")
     with _capture_progress(console, len(settings)) as on_row:
         fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
                           headroom=headroom, on_row=on_row)
@@ -176,7 +180,9 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     source = f"{'cpu' if any('captured on cpu' in r for r in fmap.fallback) else 'meta'}"
     if fmap.cached:
         source = (f"{source}, all read from the stream cache {predictor.cache.directory}" if fmap.cached == fmap.captures
-                  else f"{source}, {fmap.cached} of them read from the stream cache")
+                  else f"{source}, {fmap.cached} of them read from the stream cache {predictor.cache.directory}")
+    elif predictor.cache is not None and not unwritable:
+        source = f"{source}, kept in the stream cache {predictor.cache.directory}"
     say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on {source}"
         f"{f', {fmap.derived} more derived' if fmap.derived else ''}), replay "
         f"{fmap.replay_s:.2f} s ({fmap.replays} replays), total {fmap.total_s:.2f} s")

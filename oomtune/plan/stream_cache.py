@@ -20,9 +20,11 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
 * **not cached**: ``target: python`` workloads (the user's code can change under the same config)
   and workloads reading real data (their checks look at files that can change).
 
-Where: ``$OOMTUNE_CACHE_DIR`` (``off`` turns the cache off), else ``$XDG_CACHE_HOME/oomtune/streams``,
-else ``~/.cache/oomtune/streams`` (the XDG base-directory convention, as pip and torch's inductor
-cache keep theirs). ``oomtune plan --no-cache`` captures afresh (and refreshes the entries).
+Where: ``$OOMTUNE_CACHE_DIR`` (``off``, ``0``, ``none``, ``false`` or ``no`` turn the cache off), else
+``$XDG_CACHE_HOME/oomtune/streams`` (an absolute path; a relative one is ignored, as the XDG
+base-directory spec says), else ``~/.cache/oomtune/streams`` (the convention pip and torch's
+inductor cache follow). The directory also holds a small ``.json`` per workload config that passed
+the workload checks (:meth:`StreamCache.validated`). ``oomtune plan --no-cache`` captures afresh (and refreshes the entries).
 
 Exactness: a stream loaded from the cache equals the capture it was saved from, event by event
 (tests/test_stream_cache.py compares a plan from a warm cache with one that captured everything).
@@ -172,6 +174,19 @@ class StreamCache:
             except OSError:
                 pass
 
+    def unwritable(self) -> str | None:
+        """Why entries cannot be written here (one phrase, e.g. ``"Not a directory"``), or None when
+        a file can be created in the directory (made if missing). Reading is unaffected: a read-only
+        cache that holds entries still serves them."""
+        probe = self.directory / f".probe.{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        return None
+
     # -- validated workloads -----------------------------------------------------------------------
     def validated(self, model_cfg: dict[str, Any]) -> bool:
         """Whether ``model_cfg`` passed :func:`oomtune.workloads.validate_workload_config` under the
@@ -221,5 +236,7 @@ def default_cache(enabled: bool = True) -> StreamCache | None:
         return None
     if where:
         return StreamCache(Path(where).expanduser().absolute())
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(base):   # the XDG base-directory spec: a relative path is invalid, ignore it
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return StreamCache(Path(base) / "oomtune" / "streams")
