@@ -44,11 +44,10 @@ def cuda_surely_absent() -> bool:
     (``+rocm``: NVML does not see AMD GPUs), a torch without package metadata and any other NVML
     state answer False: torch decides (``device=auto`` then imports it).
     """
-    from importlib import metadata
+    from oomtune.packages import installed_version
 
-    try:
-        version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
+    version = installed_version("torch")
+    if version is None:
         return False
     local = version.partition("+")[2]
     if local == "cpu":

@@ -48,9 +48,12 @@ def test_every_input_of_a_capture_is_part_of_its_key(change, tmp_path, monkeypat
     base = cache.capture_key(MLP, 32, 2, False)[0]
     args = {"batch": (MLP, 33, 2, False), "steps": (MLP, 32, 3, False), "blas": (MLP, 32, 2, True),
             "model": ({**MLP, "hidden": 129}, 32, 2, False)}.get(change, (MLP, 32, 2, False))
+    monkeypatch.setattr(SC, "_env", None)   # the environment part of the key, computed again below
     if change == "torch":
-        real = SC._version
-        monkeypatch.setattr(SC, "_version", lambda d: "9.9.9" if d == "torch" else real(d))
+        from oomtune import packages
+
+        real = packages.installed_version
+        monkeypatch.setattr(packages, "installed_version", lambda d: "9.9.9" if d == "torch" else real(d))
     if change == "code":
         monkeypatch.setattr(SC, "_fingerprint", "0" * 64)
     assert cache.capture_key(*args)[0] != base

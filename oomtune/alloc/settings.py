@@ -74,12 +74,9 @@ _NATIVE_ONLY = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collec
 
 
 def _installed_torch() -> str | None:
-    from importlib import metadata  # imported here: ~30 ms that parsing a string does not need
+    from oomtune.packages import installed_version
 
-    try:
-        return metadata.version("torch")  # no ``import torch``: cheap, and never touches CUDA
-    except metadata.PackageNotFoundError:
-        return None
+    return installed_version("torch")  # no ``import torch``: cheap, and never touches CUDA
 
 
 def _version_tuple(torch_version: str | None) -> tuple[int, int] | None:

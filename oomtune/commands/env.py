@@ -46,15 +46,12 @@ def _environment_lines() -> list[str]:
     the installed package's metadata)."""
     import os
     import platform
-    from importlib import metadata
 
     from oomtune import __version__
+    from oomtune.packages import installed_version
 
     def installed(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
+        return installed_version(name) or "not installed"
 
     lines = [f"oomtune: {__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})",
              f"python: {platform.python_version()} ({platform.python_implementation()})",

@@ -50,6 +50,7 @@ _FORMAT = 1
 _CODE = ("capture", "workloads", "plan/predictor.py", "plan/derive.py", "alloc/stream.py", "targets")
 
 _fingerprint: str | None = None
+_env: dict[str, Any] | None = None
 
 
 def code_fingerprint() -> str:
@@ -71,13 +72,17 @@ def code_fingerprint() -> str:
     return _fingerprint
 
 
-def _version(dist: str) -> str | None:
-    from importlib import metadata
+def _environment() -> dict[str, Any]:
+    """The part of every key that does not depend on the capture: torch's and torchvision's installed
+    versions (package metadata, a few ms each), Python, machine, :func:`code_fingerprint`; computed
+    once per process."""
+    global _env
+    if _env is None:
+        from oomtune.packages import installed_version
 
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+        _env = {"torch": installed_version("torch"), "torchvision": installed_version("torchvision"),
+                "python": list(sys.version_info[:2]), "machine": platform.machine(), "code": code_fingerprint()}
+    return _env
 
 
 def cacheable(model_cfg: dict[str, Any]) -> bool:
@@ -92,14 +97,22 @@ def cacheable(model_cfg: dict[str, Any]) -> bool:
 
 
 def _material(what: str, model_cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"format": _FORMAT, "what": what, "model": model_cfg, **extra,
-            "torch": _version("torch"), "torchvision": _version("torchvision"),
-            "python": list(sys.version_info[:2]), "machine": platform.machine(), "code": code_fingerprint()}
+    return {"format": _FORMAT, "what": what, "model": model_cfg, **extra, **_environment()}
+
+
+def _json(obj: Any) -> str:
+    """The one JSON text of entries and keys (sorted keys; anything JSON lacks as its repr)."""
+    return json.dumps(obj, sort_keys=True, default=repr)
 
 
 def _digest(material: dict[str, Any]) -> str:
     text = json.dumps(material, sort_keys=True, default=repr, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _as_read_back(material: dict[str, Any]) -> Any:
+    """``material`` as an entry's JSON gives it back (tuples as lists, ...), to compare with one."""
+    return json.loads(_json(material))
 
 
 class StreamCache:
@@ -138,8 +151,7 @@ class StreamCache:
         meta_path, stream_path = self._paths(key)
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            if not isinstance(meta, dict) or meta.get("key") != json.loads(
-                    json.dumps(material, sort_keys=True, default=repr)):
+            if not isinstance(meta, dict) or meta.get("key") != _as_read_back(material):
                 raise ValueError("another key")
             reason = meta.get("reason")
             if reason is not None and not isinstance(reason, str):
@@ -158,13 +170,12 @@ class StreamCache:
         SHA-256, then the stream renamed into place (a reader in between sees a checksum that does not
         match: a miss)."""
         meta_path, stream_path = self._paths(key)
-        tmp = stream_path.with_name(f".{stream_path.name}.{os.getpid()}.tmp")
+        tmp = _tmp(stream_path)
         try:
             meta_path.parent.mkdir(parents=True, exist_ok=True)
             stream.save(tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-            text = json.dumps({"key": material, "reason": reason, "sha256": digest}, sort_keys=True, default=repr)
-            self._write(meta_path, lambda t: t.write_text(text, encoding="utf-8"))
+            self._write_json(meta_path, {"key": material, "reason": reason, "sha256": digest})
             os.replace(tmp, stream_path)
         except OSError:
             pass
@@ -191,24 +202,24 @@ class StreamCache:
     def validated(self, model_cfg: dict[str, Any]) -> bool:
         """Whether ``model_cfg`` passed :func:`oomtune.workloads.validate_workload_config` under the
         same versions and code (so checking it again, which imports torch, can be skipped)."""
-        material = _material("validated", model_cfg)
-        path = self._paths(_digest(material))[0]
+        path, material = self._validated_entry(model_cfg)
         try:
-            return json.loads(path.read_text(encoding="utf-8")).get("key") == json.loads(
-                json.dumps(material, sort_keys=True, default=repr))
+            return json.loads(path.read_text(encoding="utf-8")).get("key") == _as_read_back(material)
         except (OSError, ValueError, AttributeError):
             return False
 
     def mark_validated(self, model_cfg: dict[str, Any]) -> None:
         """Record that ``model_cfg`` passed the workload checks (see :meth:`validated`)."""
-        material = _material("validated", model_cfg)
-        path = self._paths(_digest(material))[0]
+        path, material = self._validated_entry(model_cfg)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"key": material}, sort_keys=True, default=repr)
-            self._write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+            self._write_json(path, {"key": material})
         except OSError:
             pass
+
+    def _validated_entry(self, model_cfg: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        material = _material("validated", model_cfg)
+        return self._paths(_digest(material))[0], material
 
     # -- files -------------------------------------------------------------------------------------
     def _paths(self, key: str) -> tuple[Path, Path]:
@@ -216,14 +227,20 @@ class StreamCache:
         return base.with_suffix(".json"), base.with_suffix(".stream")
 
     @staticmethod
-    def _write(path: Path, write: Any) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def _write_json(path: Path, obj: Any) -> None:
+        """``obj`` as JSON to ``path``, through a temporary file renamed into place."""
+        tmp = _tmp(path)
         try:
-            write(tmp)
+            tmp.write_text(_json(obj), encoding="utf-8")
             os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+
+def _tmp(path: Path) -> Path:
+    """A temporary name beside ``path``, unique to this process (forked workers write at once)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def default_cache(enabled: bool = True) -> StreamCache | None:
