@@ -140,6 +140,27 @@ def test_a_stream_that_fits_still_fits_with_more_memory(ops, total_mib, extra_mi
         return
     big = replay_stream(stream, None, total_memory_bytes=(total_mib + extra_mib) * MiB)
     assert not big.oom
-    assert big.peak_allocated_bytes == small.peak_allocated_bytes   # same blocks handed out
+    assert big.peak_requested_bytes == small.peak_requested_bytes   # the same requests were served
     if small.num_alloc_retries == 0:                                 # no cache flush: identical run
+        assert big.peak_allocated_bytes == small.peak_allocated_bytes   # same blocks handed out
         assert big.memory_stats == small.memory_stats
+
+
+def test_a_cache_flush_changes_which_blocks_serve_later_requests():
+    """With less memory, the release-and-retry of a large request frees a cached 20 MiB segment, so a
+    later 11 MiB request gets a fresh 12 MiB segment whose 1 MiB remainder is not split off
+    (CUDACachingAllocator.cpp ``shouldSplit``: a large block splits only when the remainder is
+    > kSmallSize = 1 MiB): 12 MiB allocated. With more memory the cached 20 MiB block serves it and is
+    split: 11 MiB (rounded to 512 B) allocated. Hand calculation; the example hypothesis found."""
+    stream = AllocationStream()
+    stream.append_alloc(1, 1048577, 0)         # rounds to 1 MiB + 512 B -> a 20 MiB segment
+    stream.append_free(1)
+    stream.append_alloc(2, 117440512, 1)       # 112 MiB on another stream
+    stream.append_alloc(3, 11533825, 0)        # rounds to 11,534,336 B; segment rounds to 12 MiB
+    small = replay_stream(stream, None, total_memory_bytes=125 * MiB)
+    big = replay_stream(stream, None, total_memory_bytes=211 * MiB)
+    assert not small.oom and not big.oom
+    assert small.num_alloc_retries == 1 and big.num_alloc_retries == 0
+    assert small.peak_allocated_bytes == 117440512 + 12 * MiB
+    assert big.peak_allocated_bytes == 117440512 + 11534336
+    assert small.peak_requested_bytes == big.peak_requested_bytes == 117440512 + 11533825
