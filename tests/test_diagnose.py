@@ -88,17 +88,18 @@ MLP = {"name": "mlp", "in_features": 32, "hidden": 64, "layers": 2, "num_classes
 
 
 def test_slow_loader_workload_is_diagnosed_input_bound():
-    # 100 ms of decode per sample on the main process (num_workers 0): the loader delivers at most
-    # 1 / 0.1 = 10 samples/s at any batch. With a step compute time c, throughput is
-    # B / (0.1 B + c), so from batch 4 to 8 it grows 2 (0.4 + c) / (0.8 + c): <= 1.10
-    # (FLAT_TOLERANCE) for c <= 89 ms, and the wait is >= 0.4 / (0.4 + c) > 80% for c < 100 ms. The
-    # tiny MLP's step takes ~20 ms on a 2-core CPU, 64 ms measured at load 3-4 (where 50 ms of decode,
-    # which allowed c <= 50 ms, failed).
-    cfg = {**MLP, "data": {"source": "synthetic", "decode_delay_s": 0.1, "num_workers": 0}}
+    # 250 ms of decode per sample on the main process (num_workers 0): the loader delivers at most
+    # 1 / 0.25 = 4 samples/s at any batch. With a step compute time c, throughput is
+    # B / (0.25 B + c), so from batch 4 to 8 it grows 2 (1.0 + c) / (2.0 + c): <= 1.10
+    # (FLAT_TOLERANCE) for c <= 222 ms, and the wait is >= 1.0 / (1.0 + c) > 80% for c < 250 ms. The
+    # tiny MLP's step takes ~20 ms on a 2-core CPU; under load it was seen at 29-64 ms, and one run at
+    # load 4-8 measured c = 62 ms at batch 4 and 29 ms at batch 8, which 100 ms of decode (c <= 89 ms
+    # allowed, but c differing between the two batches) turned into a 1.12x "growth".
+    cfg = {**MLP, "data": {"source": "synthetic", "decode_delay_s": 0.25, "num_workers": 0}}
     results = [_measure(cfg, 4), _measure(cfg, 8)]
     for r in results:
         assert r.data_wait_fraction > 0.8
-        assert r.throughput < 10.0
+        assert r.throughput < 4.0
     v = input_bound_verdict(results, data_cfg=cfg["data"])
     assert v.input_bound, v.reason
     assert "num_workers (now 0" in v.advice
