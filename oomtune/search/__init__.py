@@ -1,0 +1,7 @@
+"""``oomtune search``: the study, its trials and its outputs (see :mod:`oomtune.search.run`).
+
+Kept empty on purpose: the modules are imported where used (``oomtune.search.run`` imports torch
+only when a search starts). This file makes the directory a regular package, so that
+``setuptools.find_packages`` puts it in the wheel (issue 25: without it a non-editable install had
+no ``oomtune.search``).
+"""
