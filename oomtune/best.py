@@ -123,14 +123,17 @@ class BestConfig:
 
 
 def write_best(config: BestConfig, path: str | Path) -> Path:
-    """Write best.yaml atomically (temp file + rename). Returns the path."""
+    """Write best.yaml atomically (temp file + rename: :func:`oomtune.files.write_atomic`). Returns
+    the path.
+
+    Raises:
+        DiskFullError: no space left (the temporary file removed, an existing best.yaml intact).
+    """
     import yaml
 
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    tmp.replace(path)
-    return path
+    from oomtune.files import write_atomic
+
+    return write_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def _choice(data: Any, where: str) -> Choice:

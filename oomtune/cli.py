@@ -2,7 +2,10 @@
 
 Each command module exposes ``register(subparsers) -> argparse.ArgumentParser`` and
 ``run(args) -> int``. User-input problems (:class:`oomtune.exceptions.OomtuneError`, bad Hydra
-overrides) print one line, ``oomtune: error: ...``, and exit with code 2. Ctrl-C exits 130.
+overrides) print one line, ``oomtune: error: ...``, and exit with code 2. A run stopped by its
+surroundings (:class:`oomtune.exceptions.ResumableError`: the storage unreachable past every retry,
+a full disk) prints one line ending in "run the same command to resume" and exits with code 1.
+Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -66,9 +69,15 @@ _HELP = {
 }
 
 
+def _resumable(message: str) -> str:
+    """A :class:`oomtune.exceptions.ResumableError`'s line, ending in what to do next."""
+    first = message.strip().splitlines()[0] if message.strip() else "stopped"
+    return first if "run the same command" in first else f"{first}; then run the same command to resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomtune`` console script; returns the process exit code."""
-    from oomtune.exceptions import OomtuneError
+    from oomtune.exceptions import OomtuneError, ResumableError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -79,6 +88,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OomtuneError as exc:
         print(f"oomtune: error: {exc}", file=sys.stderr)
         return 2
+    except ResumableError as exc:
+        print(f"oomtune: {_resumable(str(exc))}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        from oomtune.files import disk_full_error, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        print(f"oomtune: {_resumable(str(disk_full_error(exc.filename or 'a file', exc)))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("oomtune: interrupted", file=sys.stderr)
         return 130

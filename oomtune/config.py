@@ -18,7 +18,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["conf_dir", "compose", "run_dir_of", "default_study_name", "budget_key", "budget_note", "to_container"]
+__all__ = ["conf_dir", "compose", "check_study_name", "run_dir_of", "default_study_name", "budget_key", "budget_note", "to_container"]
 
 
 def conf_dir() -> Path:
@@ -73,12 +73,41 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
             if key != "hydra":
                 to_container(cfg[key])  # resolves interpolations: ${foo} fails here, in one line
         with open_dict(cfg):
-            if cfg.get("study_name") in (None, "", "auto"):
+            if cfg.get("study_name") == "":
+                check_study_name("")   # given empty (the config's default is null: derived)
+            if cfg.get("study_name") in (None, "auto"):
                 cfg.study_name = default_study_name(cfg)
+            check_study_name(cfg.study_name)
         OmegaConf.resolve(cfg.hydra.run)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def check_study_name(name: Any) -> None:
+    """Refuse a study name that cannot be one directory name under ``runs/`` (the run directory is
+    ``runs/${study_name}``: ``study_name=../../x`` wrote outside it, issue 25 item 8).
+
+    Raises:
+        ConfigError: empty, ``.`` or ``..``, a path separator (``/``, ``\\``, so no absolute path
+            either), NUL or another control character, or longer than 255 bytes (a file name's
+            limit on Linux file systems); one line with an example of a good name.
+    """
+    text = str(name)
+    why = None
+    if not text.strip():
+        why = "is empty (drop study_name= for a name derived from the config)"
+    elif text in (".", ".."):
+        why = "names the current or the parent directory"
+    elif "/" in text or "\\" in text:
+        why = "contains a path separator ('/' or '\\')"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        why = "contains NUL or another control character"
+    elif len(text.encode("utf-8", "surrogatepass")) > 255:
+        why = "is longer than 255 bytes (a directory name's limit)"
+    if why is not None:
+        raise ConfigError(f"study_name {text!r} {why}: it must be one directory name under runs/ (e.g. "
+                          "study_name=resnet50-16g; hydra.run.dir=DIR chooses the run directory itself)")
 
 
 def _unknown_key(dotted: str, config_name: str, groups: Sequence[str] = ()) -> str | None:
@@ -279,6 +308,7 @@ def run_dir_of(cfg: Any) -> Path:
 
     Raises:
         ConfigError: it cannot be created or written (one line naming the path).
+        DiskFullError: its file system is full.
     """
     path = Path(str(cfg.hydra.run.dir)).expanduser()
     try:
@@ -287,19 +317,29 @@ def run_dir_of(cfg: Any) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        from oomtune.files import disk_full_error, is_disk_full
+
+        if is_disk_full(exc):
+            raise disk_full_error(path, exc) from None
         raise ConfigError(f"run directory {str(path)!r} is not writable: {exc.strerror or exc}") from None
     return path
 
 
 def save_config(cfg: Any, run_dir: Path, overrides: Sequence[str]) -> None:
-    """Write ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` into the run dir, as Hydra does."""
+    """Write ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` into the run dir, as Hydra does.
+
+    Raises:
+        DiskFullError: no space left (:func:`oomtune.files.write_atomic`).
+    """
     from omegaconf import OmegaConf
+
+    from oomtune.files import write_atomic
 
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
     plain = {k: to_container(cfg[k]) for k in cfg if k != "hydra"}
-    (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(plain)))
-    (hydra_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
+    write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
 def env_overrides() -> list[str]:

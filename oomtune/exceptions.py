@@ -14,6 +14,9 @@ __all__ = [
     "StudyNotFoundError",
     "BestFileError",
     "DeviceError",
+    "ResumableError",
+    "StorageUnavailableError",
+    "DiskFullError",
 ]
 
 
@@ -48,3 +51,21 @@ class BestFileError(OomtuneError):
 
 class DeviceError(OomtuneError):
     """A device that does not exist, or a memory budget above what the device has."""
+
+
+class ResumableError(Exception):
+    """A run stopped by a fault of its surroundings, not of its input: the storage stayed
+    unreachable, the disk filled. Everything finished is kept; the CLI prints one line ending in
+    "run the same command to resume" and exits with code 1 (not an :class:`OomtuneError`: the input
+    was fine)."""
+
+
+class StorageUnavailableError(ResumableError):
+    """The study's storage stayed unreachable through every retry (about 2 minutes:
+    :data:`oomtune.search.reconnect.STORAGE_RETRY_S`)."""
+
+
+class DiskFullError(ResumableError):
+    """A file of the run could not be written: no space left on the device (``ENOSPC``) or the
+    user's quota is exhausted (``EDQUOT``); also SQLite's "database or disk is full". Its
+    temporary file has been removed (:func:`oomtune.files.write_atomic`)."""

@@ -170,9 +170,13 @@ def test_retrying_says_so_and_retries_only_connection_errors():
     assert "storage connection lost while trying to read trials: " in lines[0] and "retry 1 of 3" in lines[0]
     with pytest.raises(ValueError):
         retrying(lambda: (_ for _ in ()).throw(ValueError("a bug")), "x", delays_s=(0.0,))
-    with pytest.raises(OperationalError):
+    # after the last retry: one error that no outer retry loop retries again, the last one its cause
+    from oomtune.exceptions import StorageUnavailableError
+
+    with pytest.raises(StorageUnavailableError, match="storage unreachable .* while trying to x: down") as info:
         retrying(lambda: flaky() if False else (_ for _ in ()).throw(
             OperationalError("x", {}, Exception("down"))), "x", delays_s=(0.0,))
+    assert isinstance(info.value.__cause__, OperationalError)
 
 
 def test_oomtune_best_prints_the_recorded_answer_or_says_there_is_none(tmp_path, capsys):

@@ -35,14 +35,17 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.search.outputs import recorded_best
     from oomtune.search.storage import load_study
 
-    url, name = _locate(args)
-    data = recorded_best(load_study(url, name))
+    located = _locate(args)
+    name = located.study_name
+    data = recorded_best(load_study(located.url, name))
     if data is None:
         print(f"oomtune best: study {name!r} has no recorded answer yet (no worker has finished)", file=sys.stderr)
         return 1
     text = yaml.safe_dump(data, sort_keys=False)
     if args.output:
-        Path(args.output).write_text(text)
+        from oomtune.files import write_atomic
+
+        write_atomic(Path(args.output), text)
     else:
         sys.stdout.write(text)
     return 0

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.htmlreport import build_report
 
     t0 = time.perf_counter()
-    path = build_report(args.run_dir, args.out)
+    path = build_report(args.run_dir, args.out, say=print)
     size = path.stat().st_size
     print(f"wrote {path} ({size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +23,30 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _locate(args: argparse.Namespace) -> tuple[str, str]:
-    from oomtune.search.run import RUN_FILE
+def _locate(args: argparse.Namespace) -> Any:
+    """The :class:`oomtune.runfile.RunStorage` to read: ``--storage``/``--study``; a run directory's
+    run.json (the study.db beside it when it lies inside: a copied or moved directory reads its own
+    study); a best.yaml's run.json beside it, else its ``study`` section."""
+    from oomtune.runfile import RUN_FILE, RunStorage, read_run_file
 
     if args.storage or args.study:
         if not (args.storage and args.study):
             raise ConfigError("--storage and --study go together")
-        return args.storage, args.study
+        return RunStorage(args.storage, args.study, "--storage")
     if not args.path:
         raise ConfigError("give a run directory, a best.yaml, or --storage URL --study NAME")
     path = Path(args.path)
-    if path.is_dir() and (path / RUN_FILE).is_file():
+    if path.is_dir():
+        found = read_run_file(path)   # BestFileError when corrupt
+        if found is not None:
+            return found
+    elif path.is_file():
         try:
-            info = json.loads((path / RUN_FILE).read_text())
-            return str(info["storage"]), str(info["study_name"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise BestFileError(f"{path / RUN_FILE} is corrupt: expected {{\"storage\": ..., "
-                                f"\"study_name\": ...}}") from None
+            found = read_run_file(path.parent)
+        except BestFileError:
+            found = None   # the best.yaml's own study section below
+        if found is not None and _same_study(path, found):
+            return found
     if path.is_dir() and not (path / "best.yaml").exists():
         if (path / "plan.yaml").is_file():   # `oomtune plan` wrote here; no search has run yet
             raise ConfigError(f"{path} holds a plan (plan.yaml) but no search yet: its map is in "
@@ -49,7 +57,17 @@ def _locate(args: argparse.Namespace) -> tuple[str, str]:
     best = load_best(path)
     if not best.study.get("storage") or not best.study.get("study_name"):
         raise BestFileError(f"{path}: its 'study' section names no storage and study_name")
-    return str(best.study["storage"]), str(best.study["study_name"])
+    return RunStorage(str(best.study["storage"]), str(best.study["study_name"]), f"{path.name}'s study section")
+
+
+def _same_study(best_path: Path, found: Any) -> bool:
+    """Whether the best.yaml at ``best_path`` belongs to the study of the run.json beside it."""
+    from oomtune.best import load_best
+
+    try:
+        return load_best(best_path).study.get("study_name") == found.study_name
+    except Exception:  # noqa: BLE001 - an unreadable best.yaml is reported by the caller's own load
+        return False
 
 
 def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, Any]]:
@@ -82,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.display import trial_rows, trial_table, trial_table_legend
     from oomtune.search.storage import load_study
 
-    url, name = _locate(args)
+    located = _locate(args)
+    url, name = located.url, located.study_name
     study = load_study(url, name)
+    print(located.line, file=sys.stderr)   # once it opened (bad input stays one line); stderr: --json stays JSON
     trials = study.get_trials(deepcopy=False)
     rows = trial_rows(trials)
     if args.json:
@@ -96,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
 
     recorded = recorded_best(study)
     best = (recorded or {}).get("best") or {}
-    console.print(trial_table(rows, title=f"study {name} ({url})", best_number=best.get("trial_number")))
+    from oomtune.runfile import redact
+
+    console.print(trial_table(rows, title=f"study {name} ({redact(url)})", best_number=best.get("trial_number")))
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if recorded is not None:  # the answer every worker wrote (oomtune best prints all of it)

@@ -59,20 +59,24 @@ def _step_parts(data: RunData) -> tuple[list[tuple[str, Any, str]], str | None]:
     return figures, note
 
 
-def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the HTML report of ``run_dir`` to ``out`` (default ``run_dir/report.html``).
+def build_report(run_dir: str | Path, out: str | Path | None = None, *, say: Any = None) -> Path:
+    """Write the HTML report of ``run_dir`` to ``out`` (default ``run_dir/report.html``); ``say``
+    gets one line naming the storage the trials were read from (:class:`oomtune.runfile.RunStorage`).
 
     Returns:
         the path written.
 
     Raises:
         ConfigError: not a run directory (:func:`gather`), or ``out`` cannot be written.
+        DiskFullError: no space left for ``out`` (no temporary file is left behind).
     """
     from oomtune.exceptions import ConfigError
     from oomtune.htmlreport._figures import frontier_figure, throughput_figure, timeline_figure
     from oomtune.htmlreport._page import render_page
 
     data = gather(run_dir)
+    if say is not None and data.storage_line:
+        say(data.storage_line)
     figures: list[tuple[str, Any, str]] = []
     fig = frontier_figure(data)
     if fig is not None:
@@ -94,21 +98,28 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                         "Zero-length bars were never launched (predicted infeasible or reused)."))
     text = render_page(data, figures, step_note=step_note)
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
+    from oomtune.files import write_atomic
+
     try:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        return write_atomic(path, text)   # DiskFullError passes: resumable, not bad input
     except OSError as exc:
         raise ConfigError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    return path
 
 
 def write_report(run_dir: str | Path, say: Any) -> Path | None:
     """:func:`build_report` for the end of ``search``/``plan``: prints ``wrote ...`` through ``say``,
     or one ``note: report not written: ...`` line (the run's answer is already written; a report
-    problem must not turn it into a failure)."""
+    problem must not turn it into a failure), except a full disk: the run must say so and stop.
+
+    Raises:
+        DiskFullError: no space left for report.html (no temporary file is left behind).
+    """
+    from oomtune.exceptions import DiskFullError
+
     try:
         path = build_report(run_dir)
+    except DiskFullError:
+        raise
     except Exception as exc:  # noqa: BLE001 - reported in one line, never fatal for the run
         say(f"note: report not written: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return None
@@ -119,12 +130,20 @@ def write_report(run_dir: str | Path, say: Any) -> Path | None:
 def write_search_report(run_dir: str | Path, say: Any, **artifacts: Any) -> Path | None:
     """End of ``oomtune search``: the frontier and the winner's step
     (:func:`oomtune.htmlreport._artifacts.write_search_artifacts`, keyword arguments passed on), then
-    report.html. Each problem is one ``note:`` line through ``say``; nothing here fails the search."""
+    report.html. Each problem is one ``note:`` line through ``say``; nothing here fails the search,
+    except a full disk.
+
+    Raises:
+        DiskFullError: no space left for frontier.yaml, winner_step.pickle or report.html.
+    """
+    from oomtune.exceptions import DiskFullError
     from oomtune.htmlreport._artifacts import write_search_artifacts
 
     try:
         for line in write_search_artifacts(Path(run_dir), **artifacts):
             say(line)
+    except DiskFullError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the search's answer (best.yaml) is already written
         first = str(exc).splitlines()[0] if str(exc) else ""
         say(f"note: frontier and winner's step not written: {type(exc).__name__}: {first}")

@@ -9,14 +9,13 @@ The report reads these files, never the search driver's objects, so the driver m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["RunData", "gather", "trial_records", "RUN_FILE", "PLAN_FILE", "FRONTIER_FILE", "STEP_FILE"]
 
-RUN_FILE = "run.json"
+from oomtune.runfile import RUN_FILE, redact  # noqa: E402
 PLAN_FILE = "plan.yaml"
 FRONTIER_FILE = "frontier.yaml"
 STEP_FILE = "winner_step.pickle"
@@ -46,6 +45,7 @@ class RunData:
     step_file: Path | None = None
     study_attrs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    storage_line: str | None = None   # which storage was read, and why (oomtune.runfile.RunStorage.line)
 
     @property
     def memory_source(self) -> str | None:
@@ -74,18 +74,23 @@ def _read_yaml(path: Path, notes: list[str]) -> dict[str, Any] | None:
     return data
 
 
-def _locate_study(run_dir: Path, best: dict[str, Any] | None, notes: list[str]) -> tuple[str | None, str | None]:
-    path = run_dir / RUN_FILE
-    if path.is_file():
-        try:
-            info = json.loads(path.read_text())
-            return str(info["storage"]), str(info["study_name"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):
-            notes.append(f"{RUN_FILE} is corrupt; trials read from best.yaml's study if named there")
+def _locate_study(run_dir: Path, best: dict[str, Any] | None, notes: list[str]) -> Any:
+    """The run's :class:`oomtune.runfile.RunStorage`: from run.json (a relative study.db beside it:
+    a copied or moved run directory reads its own study), else best.yaml's ``study``; None."""
+    from oomtune.exceptions import BestFileError
+    from oomtune.runfile import RunStorage, read_run_file
+
+    try:
+        found = read_run_file(run_dir)
+    except BestFileError:
+        found = None
+        notes.append(f"{RUN_FILE} is corrupt; trials read from best.yaml's study if named there")
+    if found is not None:
+        return found
     study = (best or {}).get("study") or {}
     if study.get("storage") and study.get("study_name"):
-        return str(study["storage"]), str(study["study_name"])
-    return None, None
+        return RunStorage(str(study["storage"]), str(study["study_name"]), "best.yaml's study section")
+    return None
 
 
 def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
@@ -138,7 +143,9 @@ def gather(run_dir: str | Path) -> RunData:
             break
     step = run_dir / STEP_FILE
     data.step_file = step if step.is_file() else None
-    data.storage, data.study_name = _locate_study(run_dir, data.best, data.notes)
+    located = _locate_study(run_dir, data.best, data.notes)
+    if located is not None:
+        data.storage, data.study_name, data.storage_line = located.url, located.study_name, located.line
     if data.storage is None and data.best is None and data.plan is None:
         raise ConfigError(f"{str(run_dir)!r} holds no {RUN_FILE}, best.yaml or {PLAN_FILE}: "
                           "give the run directory of oomtune search or oomtune plan")
@@ -158,4 +165,4 @@ def _read_trials(data: RunData) -> None:
         data.trials = trial_records(study.get_trials(deepcopy=False))
         data.study_attrs = dict(study.user_attrs)
     except Exception as exc:  # noqa: BLE001 - any storage problem (gone, moved): the report without trials
-        data.notes.append(f"trials could not be read from {data.storage}: {str(exc).splitlines()[0][:200]}")
+        data.notes.append(f"trials could not be read from {redact(data.storage)}: {str(exc).splitlines()[0][:200]}")

@@ -169,7 +169,9 @@ def render_page(data: Any, figures: list[tuple[str, Any, str]], *, step_note: st
     title = data.study_name or data.run_dir.name
     sub = [f"run directory {data.run_dir}"]
     if data.storage:
-        sub.append(f"study {data.study_name} in {data.storage}")
+        from oomtune.runfile import redact
+
+        sub.append(f"study {data.study_name} in {redact(data.storage)}")
     confs = sorted({t["alloc_conf"] for t in data.trials} | {r.get("alloc_conf") or "" for r in
                                                               (data.plan or {}).get("configurations") or []})
     legend = conf_legend(confs)

@@ -83,13 +83,11 @@ def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int
 
 def write_step_snapshot(path: str | Path, snapshot: dict[str, Any]) -> Path:
     """Pickle ``snapshot`` as ``torch.cuda.memory._dump_snapshot`` does (``pickle.dump``; plain
-    containers only, so oomtune's restricted unpickler reads it back). Written atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(snapshot, f)
-    tmp.replace(path)
-    return path
+    containers only, so oomtune's restricted unpickler reads it back). Written atomically
+    (:func:`oomtune.files.write_atomic`; DiskFullError when the disk is full)."""
+    from oomtune.files import write_atomic
+
+    return write_atomic(path, pickle.dumps(snapshot))
 
 
 def step_series(snapshot: dict[str, Any], *, device: int = 0, max_points: int = 1500) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from oomtune.search import ranking as K
 from oomtune.search import records as R
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.space import Candidate, SearchSpace
+from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import TrialResult, TrialSpec
@@ -53,6 +54,13 @@ PROBE_ROLES = ("baseline", "frontier", "search")
 
 class SetupFault(RuntimeError):
     """The workload fails even at the smallest batch with the default allocator: not a tuning result."""
+
+
+def _disk_full_text(result: TrialResult) -> bool:
+    """A failed trial whose message or traceback says the disk is full (its process could not write
+    its record or output: ENOSPC, "No space left on device", or oomtune's DiskFullError)."""
+    text = " ".join(str(x) for x in (result.message, result.traceback_tail) if x)
+    return "No space left on device" in text or "DiskFullError" in text or "Disk quota exceeded" in text
 
 
 _TrialErrored = TrialErrored  # raised inside the objective so Optuna records an error/crash trial as FAIL
@@ -237,31 +245,65 @@ class Search:
             trials = self.study.get_trials(deepcopy=False)
         known = self._known_infeasible(cand, predicted, trials) if role == "search" else None
         earlier = self._reusable(cand, trials) if role == "search" and known is None else None
+        extra: dict[str, Any] = {}
         if known is not None:
             result = known
         elif earlier is not None:
             result = R.result_of(earlier)
-            trial.set_user_attr(R.ATTR_REUSED, earlier.number)
+            extra[R.ATTR_REUSED] = earlier.number
         else:
             result = self.runner.run(self._spec(cand, trials=trials), workdir=self.workdir / f"trial-{trial.number:04d}",
                                      **self._trial_env())
-        return self._tell(trial, result)
+        return self._tell(trial, result, extra)
 
-    def _tell(self, trial: Any, result: TrialResult) -> float:
+    def _tell(self, trial: Any, result: TrialResult, extra: dict[str, Any] | None = None) -> float:
         """Store ``result`` on the running Optuna trial and return its objective value (throughput in
         samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL).
-        A trial killed because this process was interrupted is not a result: KeyboardInterrupt."""
+        A trial killed because this process was interrupted is not a result: KeyboardInterrupt.
+
+        The outcome is written to the trial's record in the run directory first
+        (:mod:`oomtune.search.tell_records`), then to the storage (retried while its connection is
+        lost: :mod:`oomtune.search.reconnect`); a record that cannot be written (full disk) is said
+        in one line and the storage is told all the same.
+
+        Raises:
+            DiskFullError: the trial process failed because the disk is full (not a result: the
+                trial stays without one, and the same command runs it again).
+            StorageUnavailableError: the storage stayed unreachable (the record keeps the result).
+        """
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        from oomtune.exceptions import DiskFullError
+
         if self.executor.interrupted.is_set():
             raise KeyboardInterrupt
         outcome = result.outcome_enum
+        if outcome.is_fault and _disk_full_text(result):
+            raise DiskFullError(f"disk full: trial {trial.number} could not write its files "
+                                f"({self.workdir / f'trial-{trial.number:04d}'}): free space on its file system")
         # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
         # memory constraint: one storage round trip
-        set_trial_attrs(trial, {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome,
-                                R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result)},
-                        {} if outcome.is_fault else {"memory": R.violation(result, self.limit)})
+        user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome,
+                      R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {})}
+        constraints = {} if outcome.is_fault else {"memory": R.violation(result, self.limit)}
+        value = None if outcome.is_fault else (float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0)
+        try:
+            write_record(self.workdir, trial.study.study_name, trial, state="FAIL" if outcome.is_fault else "COMPLETE",
+                         value=value, user_attrs=user_attrs, constraints=constraints)
+        except (DiskFullError, OSError) as exc:
+            self.say(f"[trial {trial.number}] note: its record could not be written ({exc}); telling the storage only")
+        try:
+            set_trial_attrs(trial, user_attrs, constraints)
+        except UpdateFinishedTrialError:
+            # finished meanwhile: told from its record by another process, or failed by another
+            # worker after its heartbeat stopped during an outage longer than the grace period
+            if R.ATTR_RESULT not in trial.study._storage.get_trial(trial._trial_id).user_attrs:
+                self.say(f"[trial {trial.number}] its result came after another worker had failed it (no heartbeat "
+                         f"while the storage was unreachable); kept in {record_path(self.workdir, trial.number)}, "
+                         "and the candidate runs again")
         if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)
-        return float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0
+        return float(value or 0.0)
 
     def _run_batch(self, cands: list[Candidate], role: str) -> list[Any]:
         """Run independent candidates (one round), one trial each, and return their FrozenTrials in

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,12 @@ def recorded_best(study: Any) -> dict[str, Any] | None:
 
 
 def _write_yaml(data: dict[str, Any], path: Path) -> Path:
+    """``data`` as YAML to ``path`` (:func:`oomtune.files.write_atomic`; DiskFullError when full)."""
     import yaml
 
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
-    return path
+    from oomtune.files import write_atomic
+
+    return write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def versions(device: Any) -> dict[str, Any]:
@@ -114,13 +112,16 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
 
     Raises:
         oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
+        DiskFullError: a file could not be written for lack of space (no temporary file is left).
     """
     from oomtune.display import trial_rows, trial_table, trial_table_legend
     from oomtune.search.driver import SetupFault
 
     trials = study.get_trials(deepcopy=False)
     rows = trial_rows(trials)
-    (run_dir / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
+    from oomtune.files import write_atomic
+
+    write_atomic(run_dir / "trials.json", json.dumps(rows, indent=1, default=str))
     best_no = summary.best.number if summary.best is not None else None
     console.print(trial_table(rows, title=f"study {study.study_name}", best_number=best_no))
     for line in trial_table_legend(rows):

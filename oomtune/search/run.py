@@ -13,7 +13,7 @@ from typing import Any
 
 from oomtune import config as C
 from oomtune.device import resolve_budget, resolve_device
-from oomtune.exceptions import ConfigError
+from oomtune.exceptions import ConfigError, StorageUnavailableError
 from oomtune.search import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.search.space import SearchSpace
@@ -23,7 +23,7 @@ from oomtune.units import format_bytes
 
 __all__ = ["search", "RUN_FILE"]
 
-RUN_FILE = "run.json"  # {storage, study_name}: lets `oomtune show RUN_DIR` find the study
+from oomtune.runfile import RUN_FILE, write_run_file  # noqa: E402 - run.json: `oomtune show RUN_DIR` finds the study
 
 
 def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
@@ -162,14 +162,18 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         p = _Prepared(overrides)
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
+    say = lambda line: _say(console, line)  # noqa: E731
+    from oomtune.search.tell_records import replay
+
     study = open_study(url, str(cfg.study_name), p.sampler, heartbeat_interval_s=int(cfg.search.heartbeat_interval),
-                       grace_period_s=int(cfg.search.grace_period), say=lambda line: _say(console, line))
+                       grace_period_s=int(cfg.search.grace_period), say=say,
+                       before_stale=lambda study: replay(study, p.run_dir / "trials", say))
     with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
         warnings.simplefilter("ignore")
         again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))  # optuna-dashboard names the objective
     again_on_conflict(lambda: _check_resume(study, p.workload, p.budget_bytes))  # other workers start at once
     C.save_config(cfg, p.run_dir, overrides)
-    (p.run_dir / RUN_FILE).write_text(json.dumps({"storage": url, "study_name": study.study_name}))
+    write_run_file(p.run_dir, url, study.study_name)
 
     predictor = None
     if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
@@ -231,6 +235,12 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         confirm_runner.kill_all()
         _say(console, f"interrupted: finished trials are saved in {url}; run the same command to resume")
         raise
+    except StorageUnavailableError as exc:
+        runner.kill_all()
+        confirm_runner.kill_all()
+        raise StorageUnavailableError(
+            f"{exc}; finished trials are kept: in the storage, and those it was not told in "
+            f"{p.run_dir / 'trials'}/trial-*/tell.json (told when it is back)") from exc.__cause__
     finally:
         progress.close()
         signal.signal(signal.SIGTERM, previous)
@@ -240,7 +250,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     # Coordination counters of this process (the Executor's own storage calls and seconds in them;
     # the trial's writes are not counted here, experiments/bench_workers.py counts the database's
     # transactions), trials claimed, duplicates finished without running.
-    (p.run_dir / "workers.json").write_text(json.dumps({"slots": slots, **drive.executor.stats}))
+    from oomtune.files import write_atomic
+
+    write_atomic(p.run_dir / "workers.json", json.dumps({"slots": slots, **drive.executor.stats}))
     from oomtune.search.outputs import write_outputs
 
     if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction

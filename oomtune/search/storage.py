@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.exceptions import ConfigError, StudyNotFoundError
+from oomtune.search.reconnect import STORAGE_RETRY_S, reconnecting_storage_class, retrying
 
-__all__ = ["storage_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message",
-           "retrying", "record_once", "again_on_conflict", "HEARTBEAT_INTERVAL_S", "GRACE_PERIOD_S", "MAX_RETRIES"]
+__all__ = ["storage_url", "driver_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message",
+           "retrying", "record_once", "again_on_conflict", "HEARTBEAT_INTERVAL_S", "GRACE_PERIOD_S", "MAX_RETRIES",
+           "STORAGE_RETRY_S"]
 
 HEARTBEAT_INTERVAL_S = 10   # a RUNNING trial's worker writes a heartbeat this often (seconds)
 GRACE_PERIOD_S = 30         # ... and its trial is failed (and retried) this long after the last one
 MAX_RETRIES = 3             # re-runs of a trial whose worker stopped (RetryHeartbeatStaleTrialCallback)
-STORAGE_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)  # backoff on a lost storage connection
 
 
 def storage_url(storage: str | None, run_dir: Path) -> str:
@@ -30,14 +31,17 @@ def storage_url(storage: str | None, run_dir: Path) -> str:
 
 
 def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
-                 grace_period_s: int = GRACE_PERIOD_S) -> Any:
+                 grace_period_s: int = GRACE_PERIOD_S, say: Any = None) -> Any:
     """An Optuna storage for ``url`` (RDB with heartbeat, or a JournalStorage for ``journal:PATH``).
 
     RDB storages get Optuna's heartbeat (``heartbeat_interval``, ``grace_period``) and its retry
     callback (``RetryHeartbeatStaleTrialCallback``, ``RetryFailedTrialCallback`` before Optuna 4.9):
     a trial whose worker stopped is failed ``grace_period_s`` after its last heartbeat and enqueued
     again, at most :data:`MAX_RETRIES` times. Connections are checked before use
-    (SQLAlchemy ``pool_pre_ping``), so a dropped connection is replaced, not reused.
+    (SQLAlchemy ``pool_pre_ping``), so a dropped connection is replaced, not reused, and every
+    storage call outlasts a lost connection for about 2 minutes, one line through ``say`` per retry
+    (:func:`oomtune.search.reconnect.reconnecting_storage_class`). A URL without a driver is opened
+    with an installed one (:func:`driver_url`).
 
     Raises:
         ConfigError: the URL is not a storage Optuna can open (one line).
@@ -51,17 +55,71 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
             return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
         import warnings
 
+        rdb = reconnecting_storage_class()
         with warnings.catch_warnings():  # heartbeat_interval is marked experimental in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = _first_open(lambda: optuna.storages.RDBStorage(
-                url, engine_kwargs=_engine_kwargs(url), heartbeat_interval=int(heartbeat_interval_s),
+            storage = _first_open(lambda: rdb(
+                driver_url(url), engine_kwargs=_engine_kwargs(url), heartbeat_interval=int(heartbeat_interval_s),
                 grace_period=int(grace_period_s), **_retry_callback(optuna),
             ))
+        storage.say = say
         if url.startswith("sqlite"):
             _begin_immediate(storage.engine)
+        else:
+            _quiet_pool_resets()
         return storage
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
         raise ConfigError(storage_error_message(url, exc)) from None
+
+
+# URL scheme without "+driver" -> the SQLAlchemy drivers that serve it, SQLAlchemy's default first
+# (SQLAlchemy 2.x: postgresql -> psycopg 3 since 2.1, psycopg2 before; mysql -> mysqlclient), each
+# with the Python module it imports.
+_SCHEME_DRIVERS = {
+    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2"), ("pg8000", "pg8000")),
+    "mysql": (("mysqldb", "MySQLdb"), ("pymysql", "pymysql"), ("mysqlconnector", "mysql.connector")),
+}
+
+
+def driver_url(url: str) -> str:
+    """``url`` with a driver SQLAlchemy can load here: a ``postgresql://`` (or ``mysql://``) URL that
+    names no driver gets the first installed one of :data:`_SCHEME_DRIVERS`, SQLAlchemy's default
+    first (SQLAlchemy 2.1 maps ``postgresql://`` to psycopg 3 and fails when only psycopg2 is
+    installed: issue 25 item 2). URLs naming a driver, other schemes, and URLs whose drivers are all
+    missing are returned unchanged (the error then names the package: :func:`storage_error_message`)."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or "+" in scheme or scheme not in _SCHEME_DRIVERS:
+        return url
+    drivers = _SCHEME_DRIVERS[scheme]
+    if _installed(drivers[0][1], importlib.util):
+        return url
+    for driver, module in drivers[1:]:
+        if _installed(module, importlib.util):
+            return f"{scheme}+{driver}://{rest}"
+    return url
+
+
+def _installed(module: str, util: Any) -> bool:
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):   # a parent package missing (mysql.connector without mysql)
+        return False
+
+
+def _quiet_pool_resets() -> None:
+    """SQLAlchemy's pool logs a traceback at ERROR ("Exception during reset or similar") when it
+    returns a connection the server has closed; Python's last-resort handler prints it on stderr.
+    During a server outage that is one traceback per pooled connection, on top of the one line per
+    retry (:mod:`oomtune.search.reconnect`). The pool's logger is raised to CRITICAL unless the
+    user configured SQLAlchemy logging (a handler on ``sqlalchemy`` or a level set)."""
+    import logging
+
+    root = logging.getLogger("sqlalchemy")
+    pool = logging.getLogger("sqlalchemy.pool")
+    if not root.handlers and root.level == logging.NOTSET and pool.level == logging.NOTSET:
+        pool.setLevel(logging.CRITICAL)
 
 
 # Python module SQLAlchemy imports for a URL -> the package that provides it (pip names).
@@ -101,14 +159,7 @@ def storage_error_message(url: str, exc: BaseException) -> str:
     return f"cannot open storage {_redact(url)!r}: {first}"
 
 
-def _redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (``postgresql://user:***@host/db``)."""
-    head, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    cred, _, host = rest.rpartition("@")
-    user, colon, _ = cred.partition(":")
-    return f"{head}://{user}{':***' if colon else ''}@{host}"
+from oomtune.runfile import redact as _redact  # noqa: E402 - one definition (show, report print URLs too)
 
 
 def _first_open(open_rdb: Any, attempts: int = 6) -> Any:
@@ -169,43 +220,6 @@ def _retry_callback(optuna: Any) -> dict[str, Any]:
     return {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=MAX_RETRIES)}
 
 
-def _is_connection_error(exc: BaseException) -> bool:
-    """A lost or refused storage connection (SQLAlchemy OperationalError/InterfaceError, or the
-    driver's own), as opposed to a programming error."""
-    try:
-        from sqlalchemy import exc as sa_exc
-    except ImportError:  # pragma: no cover - SQLAlchemy comes with Optuna
-        return False
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
-        return True
-    return isinstance(exc, sa_exc.DBAPIError) and bool(getattr(exc, "connection_invalidated", False))
-
-
-def retrying(fn: Any, what: str, *, say: Any = None, delays_s: tuple[float, ...] = STORAGE_RETRY_S) -> Any:
-    """``fn()``, retried with backoff while the storage connection is lost.
-
-    Each retry is announced by ``say`` in one line ("storage connection lost while WHAT: ...;
-    retry 2 in 4 s"); other exceptions propagate at once.
-
-    Raises:
-        The last connection error, after ``len(delays_s)`` retries (about 2 minutes by default).
-    """
-    import time
-
-    for attempt, delay in enumerate((*delays_s, None), start=1):
-        try:
-            return fn()
-        except Exception as exc:
-            if delay is None or not _is_connection_error(exc):
-                raise
-            if say is not None:
-                first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
-                say(f"storage connection lost while trying to {what}: {first}; retry {attempt} of "
-                    f"{len(delays_s)} in {delay:g} s")
-            time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
 def again_on_conflict(fn: Any) -> Any:
     """``fn()``; once more if a concurrent worker inserted the same row first (SQLAlchemy
     IntegrityError: Optuna's attribute setters read, then insert or update, so two workers setting
@@ -241,13 +255,16 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     from sqlalchemy import exc as sa_exc
     from sqlalchemy import text
 
-    try:
-        with engine.begin() as conn:
-            conn.execute(text("INSERT INTO study_system_attributes (study_id, key, value_json) "
-                              "VALUES (:study_id, :key, :value)"),
-                         {"study_id": study._study_id, "key": key, "value": json.dumps(value)})
-    except sa_exc.IntegrityError:
-        pass  # another process recorded it first
+    def insert() -> None:
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("INSERT INTO study_system_attributes (study_id, key, value_json) "
+                                  "VALUES (:study_id, :key, :value)"),
+                             {"study_id": study._study_id, "key": key, "value": json.dumps(value)})
+        except sa_exc.IntegrityError:
+            pass  # another process recorded it first (or our own attempt, before its connection dropped)
+
+    retrying(insert, "record the study's answer", say=getattr(backend, "say", None))
     return storage.get_study_system_attrs(study._study_id)[key]
 
 
@@ -289,12 +306,21 @@ def make_sampler(name: str, seed: int | None) -> Any:
 
 
 def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
-               grace_period_s: int = GRACE_PERIOD_S, say: Any = None) -> Any:
+               grace_period_s: int = GRACE_PERIOD_S, say: Any = None, before_stale: Any = None) -> Any:
     """Create the study, or load it when it exists (resume; or join it: other workers on the same
-    storage and study name). Fails stale RUNNING trials. Retries a lost connection (:func:`retrying`)."""
+    storage and study name). Calls ``before_stale(study)`` (e.g. telling the storage the trials
+    that finished while it was unreachable: :func:`oomtune.search.tell_records.replay`), then fails
+    stale RUNNING trials. Every storage call outlasts a lost connection for about 2 minutes
+    (:mod:`oomtune.search.reconnect`), one line through ``say`` per retry.
+
+    Raises:
+        ConfigError: the storage cannot be opened (:func:`make_storage`).
+        StorageUnavailableError: the connection stayed lost through every retry.
+    """
     import optuna
 
-    storage = make_storage(url, heartbeat_interval_s=heartbeat_interval_s, grace_period_s=grace_period_s)
+    storage = make_storage(url, heartbeat_interval_s=heartbeat_interval_s, grace_period_s=grace_period_s, say=say)
+
     def create() -> Any:
         try:
             return optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
@@ -303,14 +329,14 @@ def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s:
             return optuna.load_study(study_name=study_name, storage=storage, sampler=sampler)
 
     study = retrying(create, "open the study", say=say)
+    if before_stale is not None:
+        before_stale(study)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        try:
-            optuna.storages.fail_stale_trials(study)
-        except Exception:  # JournalStorage without heartbeat support
-            pass
+        # a no-op for storages without heartbeat (JournalStorage)
+        retrying(lambda: optuna.storages.fail_stale_trials(study), "fail stale trials", say=say)
     return study
 
 

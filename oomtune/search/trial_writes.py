@@ -7,6 +7,10 @@ Optuna's Trial API opens, checks and commits one transaction per value (``set_us
 the same rows, with the same checks, through Optuna's own storage method and tables
 (``RDBStorage._set_trial_attr_without_commit``, ``TrialParamModel``; see :func:`_write`), several
 in one session; for other storages (journal, in-memory) they fall back to the Trial API unchanged.
+
+Each write outlasts a lost database connection like Optuna's own calls do (issue 25 item 3:
+:func:`oomtune.search.reconnect.retrying`, one line per retry through the storage's ``say``); a
+retry after a connection lost at the commit does not insert a parameter twice (:func:`_write`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["set_trial_attrs", "one_transaction"]
+__all__ = ["set_trial_attrs", "one_transaction", "write_trial_attrs"]
 
 
 def _rdb(trial: Any) -> Any:
@@ -61,7 +65,7 @@ def set_trial_attrs(trial: Any, user_attrs: dict[str, Any], constraints: dict[st
     if batch is not None:
         batch.attrs.append((trial._trial_id, user_attrs, system))
     else:
-        _write(backend, [], [(trial._trial_id, user_attrs, system)])
+        _write_retrying(backend, [], [(trial._trial_id, user_attrs, system)], "store a trial's result")
     cached = getattr(trial, "_cached_frozen_trial", None)   # what Trial.set_user_attr also updates
     if cached is not None:
         cached.user_attrs.update(user_attrs)
@@ -108,12 +112,48 @@ def one_transaction(trial: Any) -> Iterator[None]:
         yield
     finally:
         trial.storage = storage
-        _write(backend, batch.params, batch.attrs)
+        _write_retrying(backend, batch.params, batch.attrs, "store a trial's parameters")
         for trial_id, name, _, distribution, _ in batch.params:
             _remember_distribution(storage, trial_id, name, distribution)
 
 
-def _write(backend: Any, params: list[tuple], attrs: list[tuple]) -> None:
+def write_trial_attrs(storage: Any, trial_id: int, user_attrs: dict[str, Any],
+                      constraints: dict[str, float] | None = None) -> None:
+    """:func:`set_trial_attrs` for a trial known by its id (no ``optuna.Trial`` at hand: telling the
+    storage a trial recorded while it was unreachable, :mod:`oomtune.search.tell_records`); through
+    the storage's methods where it is not an RDB storage.
+
+    Raises:
+        Optuna's ``UpdateFinishedTrialError`` for a finished trial; StorageUnavailableError.
+    """
+    backend = getattr(storage, "_backend", storage)
+    key_of = _constraint_key()
+    system = {key_of(key): float(value) for key, value in (constraints or {}).items()} if key_of else {}
+    needed = ("_set_trial_attr_without_commit", "check_trial_is_updatable", "scoped_session")
+    if key_of is None or not all(hasattr(backend, name) for name in needed):
+        for key, value in user_attrs.items():
+            storage.set_trial_user_attr(trial_id, key, value)
+        for key, value in system.items():
+            storage.set_trial_system_attr(trial_id, key, value)
+        return
+    _write_retrying(backend, [], [(trial_id, user_attrs, system)], "store a trial's result")
+
+
+def _write_retrying(backend: Any, params: list[tuple], attrs: list[tuple], what: str) -> None:
+    """:func:`_write` through :func:`oomtune.search.reconnect.retrying`: a retry skips the
+    parameters an attempt lost at its commit had already stored (attributes are upserts)."""
+    from oomtune.search.reconnect import retrying
+
+    attempts: list[int] = []
+
+    def attempt() -> None:
+        attempts.append(1)
+        _write(backend, params, attrs, skip_stored=len(attempts) > 1)
+
+    retrying(attempt, what, say=getattr(backend, "say", None))
+
+
+def _write(backend: Any, params: list[tuple], attrs: list[tuple], *, skip_stored: bool = False) -> None:
     """``params`` ``(trial_id, name, internal value, distribution, known distribution)`` and
     ``attrs`` ``(trial_id, user attrs, system attrs)`` in one session of ``backend``.
 
@@ -122,7 +162,9 @@ def _write(backend: Any, params: list[tuple], attrs: list[tuple]) -> None:
     adds, inserted in one statement through Optuna's table (``TrialParamModel``) after the same
     checks: the trial is not finished (read once per trial, not once per parameter) and each
     distribution is compatible with the one the study already has for the name (from Optuna's
-    per-Study cache, else the same query Optuna makes)."""
+    per-Study cache, else the same query Optuna makes); ``_set_trial_attr_without_commit`` refuses a
+    finished trial itself. ``skip_stored``: leave out parameters the trial already has (a retry after
+    a commit whose acknowledgement was lost)."""
     if not params and not attrs:
         return
     from optuna.distributions import check_distribution_compatibility, distribution_to_json
@@ -136,8 +178,14 @@ def _write(backend: Any, params: list[tuple], attrs: list[tuple]) -> None:
             trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
             backend.check_trial_is_updatable(trial_id, trial.state)
             studies[trial_id] = trial.study_id
+        stored = set()
+        if skip_stored and params:
+            stored = set(session.query(models.TrialParamModel.trial_id, models.TrialParamModel.param_name)
+                         .filter(models.TrialParamModel.trial_id.in_(sorted(studies))).all())
         rows = []
         for trial_id, name, value, distribution, known in params:
+            if (trial_id, name) in stored:
+                continue
             known = known if known is not None else _stored_distribution(session, studies[trial_id], name)
             if known is not None:
                 check_distribution_compatibility(known, distribution)

@@ -27,7 +27,9 @@ claims work) fails after the grace period, and the storage's retry callback re-e
 next free worker (:func:`oomtune.search.storage.make_storage`). A candidate left without a result
 and without a live trial (e.g. its worker was interrupted) is enqueued again, up to
 :data:`MAX_ATTEMPTS` times. Storage calls that fail on a dropped connection are retried with
-backoff (:func:`oomtune.search.storage.retrying`).
+backoff (:mod:`oomtune.search.reconnect`); when the storage stays unreachable, a trial that has
+finished stays RUNNING with its outcome in its run-directory record
+(:mod:`oomtune.search.tell_records`) instead of being told FAIL.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, Callable, Sequence
 from oomtune.search import records as R
 from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_at_once, count_sampler,
                                    has_result, is_live, trial_key)
+from oomtune.exceptions import StorageUnavailableError
 from oomtune.search.storage import retrying
 
 __all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
@@ -277,9 +280,22 @@ class Executor:
             state = TrialState.COMPLETE
         except TrialErrored:
             pass
-        finally:  # also on Ctrl-C: the trial is FAIL without a result ("interrupted")
-            frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
+        except StorageUnavailableError:
+            # the storage stayed unreachable: the trial stays RUNNING, its outcome in its record
+            # (oomtune.search.tell_records), told by the next run before its heartbeat counts as stale
             self._notify()
+            raise
+        except BaseException:
+            # Ctrl-C, a full disk, a bug: the trial is FAIL without a result ("interrupted"), in one
+            # attempt (no retries while the user waits; an unreachable storage fails it later by
+            # its stopped heartbeat)
+            with contextlib.suppress(Exception):
+                retrying(lambda: trial.study.tell(trial, None, state=TrialState.FAIL, skip_if_finished=True),
+                         "tell", say=None, delays_s=())
+            self._notify()
+            raise
+        frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
+        self._notify()
         return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
 
     def _work(self, index: int, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:

@@ -211,9 +211,14 @@ class TrialResult:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def write(self, path: str | Path) -> None:
-        tmp = Path(str(path) + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        """Write the record atomically (:func:`oomtune.files.write_atomic`).
+
+        Raises:
+            DiskFullError: no space left (no temporary file is left behind).
+        """
+        from oomtune.files import write_atomic
+
+        write_atomic(path, self.to_json())
 
 
 #: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N}``
@@ -224,11 +229,12 @@ PROGRESS_FILE = "progress.json"
 def write_progress(path: str | Path, steps_done: int, steps_total: int) -> None:
     """Replace the progress record at ``path`` (atomically). A failed write is ignored: progress
     is for display, and a trial must not fail over it."""
-    tmp = Path(str(path) + ".tmp")
+    from oomtune.exceptions import DiskFullError
+    from oomtune.files import write_atomic
+
     try:
-        tmp.write_text(json.dumps({"steps_done": steps_done, "steps_total": steps_total}))
-        tmp.replace(path)
-    except OSError:
+        write_atomic(path, json.dumps({"steps_done": steps_done, "steps_total": steps_total}))
+    except (OSError, DiskFullError):
         pass
 
 
