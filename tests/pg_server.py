@@ -7,6 +7,11 @@ and :meth:`PgServer.stop` removes it. PostgreSQL refuses to run as root, so unde
 run as the unprivileged ``postgres`` user (created by the package) through ``runuser``, and the
 cluster directory is handed to that user.
 
+URLs are in the README's documented form, ``postgresql://USER@HOST:PORT/DB`` (no driver named:
+SQLAlchemy 2.1 opens it with psycopg 3, which the ``postgresql`` and ``dev`` extras install; issue 25
+item 2). :meth:`PgServer.stop_server` and :meth:`PgServer.start_server` take the same cluster down
+and up again on the same port and data directory (an outage, for the storage-fault tests).
+
 :func:`start_or_skip` is what tests call: it skips with the reason when no server can be started,
 except under CI (``CI=true``), where that is a failure.
 """
@@ -84,6 +89,15 @@ class PgServer:
                       "--no-sync", "-E", "UTF8")
         if r.returncode != 0:
             raise PgUnavailable(f"initdb failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        self.start_server()
+        return self
+
+    def start_server(self) -> None:
+        """``pg_ctl start`` on this cluster and port; waits until it accepts connections.
+
+        Raises:
+            PgUnavailable: it did not start (its stderr and the log's tail in the message).
+        """
         opts = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} -c fsync=off "
                 "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         r = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l",
@@ -91,18 +105,24 @@ class PgServer:
         if r.returncode != 0:
             log = (self.dir / "server.log").read_text(errors="replace")[-400:] if (self.dir / "server.log").exists() else ""
             raise PgUnavailable(f"pg_ctl start failed: {(r.stderr or r.stdout).strip()[-300:]} {log}")
-        return self
 
-    def url(self, database: str = "postgres") -> str:
-        """SQLAlchemy URL of ``database`` (psycopg2 driver)."""
-        return f"postgresql+psycopg2://oomtune@127.0.0.1:{self.port}/{database}"
+    def stop_server(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m MODE`` (fast: connections are terminated, as in a server restart or
+        failover), keeping the cluster for :meth:`start_server`."""
+        r = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+        if r.returncode != 0:
+            raise PgUnavailable(f"pg_ctl stop failed: {(r.stderr or r.stdout).strip()[-300:]}")
+
+    def url(self, database: str = "postgres", driver: str | None = None) -> str:
+        """SQLAlchemy URL of ``database`` in the README's form ``postgresql://oomtune@HOST:PORT/DB``,
+        or with ``+driver`` when one is named (``psycopg2``)."""
+        scheme = "postgresql" if driver is None else f"postgresql+{driver}"
+        return f"{scheme}://oomtune@127.0.0.1:{self.port}/{database}"
 
     def create_database(self, name: str | None = None) -> str:
-        """``CREATE DATABASE`` (a fresh one per test); returns its URL."""
-        import psycopg2
-
+        """``CREATE DATABASE`` (a fresh one per test); returns its URL (:meth:`url`)."""
         name = name or f"t_{uuid.uuid4().hex[:12]}"
-        conn = psycopg2.connect(host="127.0.0.1", port=self.port, user="oomtune", dbname="postgres")
+        conn = _connect(host="127.0.0.1", port=self.port, user="oomtune", dbname="postgres")
         conn.autocommit = True
         with conn.cursor() as cur:
             cur.execute(f'CREATE DATABASE "{name}"')
@@ -116,15 +136,26 @@ class PgServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _connect(**kwargs: object) -> object:
+    """A DB-API connection through psycopg 3 (the documented driver), else psycopg2."""
+    try:
+        import psycopg
+    except ImportError:
+        import psycopg2
+
+        return psycopg2.connect(**kwargs)
+    return psycopg.connect(**kwargs)
+
+
 def start_or_skip() -> PgServer:
     """A started :class:`PgServer`; ``pytest.skip`` with the reason when impossible, but
     ``pytest.fail`` under CI (``CI=true``), where the server must start."""
     import pytest
 
     try:
-        import psycopg2  # noqa: F401
+        import psycopg  # noqa: F401 - what postgresql:// URLs use (SQLAlchemy 2.1)
     except ImportError:
-        reason = "psycopg2 is not installed (pip install -e '.[dev]')"
+        reason = "psycopg (3) is not installed (pip install -e '.[dev]')"
     else:
         try:
             return PgServer().start()

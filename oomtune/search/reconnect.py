@@ -32,10 +32,35 @@ from typing import Any, Callable
 
 from oomtune.exceptions import DiskFullError, StorageUnavailableError
 
-__all__ = ["STORAGE_RETRY_S", "is_connection_error", "retrying", "reconnecting_storage_class", "exception_chain"]
+__all__ = ["STORAGE_RETRY_S", "RETRY_ENV", "retry_schedule", "is_connection_error", "retrying", "reconnecting_storage_class", "exception_chain"]
 
-#: Seconds before each retry of a storage call whose connection was lost (121 s in all).
+#: Seconds before each retry of a storage call whose connection was lost (121 s in all); the
+#: environment variable ``OOMTUNE_STORAGE_RETRY_S`` (comma-separated seconds) sets another schedule.
 STORAGE_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
+RETRY_ENV = "OOMTUNE_STORAGE_RETRY_S"
+
+
+def retry_schedule() -> tuple[float, ...]:
+    """The retry delays: ``OOMTUNE_STORAGE_RETRY_S`` (e.g. ``1,2,4,8,16,30,30,30,60,60`` for a longer
+    outage budget; ``""`` for none) when set, else :data:`STORAGE_RETRY_S`.
+
+    Raises:
+        ConfigError: the variable is not a comma-separated list of non-negative seconds.
+    """
+    import os
+
+    from oomtune.exceptions import ConfigError
+
+    text = os.environ.get(RETRY_ENV)
+    if text is None:
+        return STORAGE_RETRY_S
+    try:
+        delays = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        delays = (-1.0,)
+    if any(not (d >= 0) for d in delays):
+        raise ConfigError(f"{RETRY_ENV}={text!r}: give comma-separated seconds >= 0, e.g. 1,2,4,8,16,30,30,30")
+    return delays
 
 # SQLite errors that are OperationalError in the DB-API but no lost connection: retrying cannot help.
 _PERMANENT = ("no such table", "no such column", "syntax error", "readonly database", "unable to open database file",
@@ -43,6 +68,10 @@ _PERMANENT = ("no such table", "no such column", "syntax error", "readonly datab
 _DISK_FULL = ("database or disk is full", "no space left on device", "disk quota exceeded")
 _DRIVER_MODULES = ("psycopg", "psycopg2", "pg8000", "asyncpg", "pymysql", "MySQLdb", "mysql", "sqlite3", "oracledb")
 _depth = threading.local()
+# Set when a call ran out of retries, cleared by the next call that succeeds: while it is set, calls
+# try once without waiting, so that unwinding after the search gave up (telling a trial FAIL,
+# reporting the last trial) does not wait through the whole schedule again.
+_gave_up = threading.Event()
 
 
 def exception_chain(exc: BaseException) -> list[BaseException]:
@@ -95,36 +124,52 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The most telling line: the driver's message (SQLAlchemy's ``orig``, or the deepest cause)."""
+    """The most telling line: the driver's message (the DB-API error SQLAlchemy wraps as ``orig``),
+    else the first message in the chain below Optuna's and oomtune's wrappers (SQLAlchemy's internal
+    ``InvalidatePoolError``, whose text is ``()``, is skipped)."""
     chain = exception_chain(exc)
-    for e in reversed(chain):
-        text = str(getattr(e, "orig", None) or e).strip()
-        if text:
+    wrappers = ("optuna", "oomtune")
+    for e in chain:
+        orig = getattr(e, "orig", None)
+        if orig is not None and str(orig).strip():
+            return str(orig).strip().splitlines()[0][:200]
+    for e in chain:
+        text = str(e).strip()
+        if (type(e).__module__ or "").split(".")[0] not in wrappers and text and text != "()":
             return text.splitlines()[0][:200]
     return type(exc).__name__
 
 
 def retrying(fn: Callable[[], Any], what: str, *, say: Callable[[str], None] | None = None,
-             delays_s: tuple[float, ...] = STORAGE_RETRY_S) -> Any:
+             delays_s: tuple[float, ...] | None = None) -> Any:
     """``fn()``, retried with backoff while the storage connection is lost.
 
     Each retry is announced by ``say`` in one line ("storage connection lost while trying to WHAT:
     <the driver's message>; retry 2 of 8 in 2 s"); other exceptions propagate at once. Inside
     another :func:`retrying` of the same thread, ``fn()`` is called once (the outer loop retries).
+    After a call of this process ran out of retries, calls try once without waiting until one
+    succeeds (the search is stopping: its last storage calls must not wait 2 minutes each).
 
     Raises:
         StorageUnavailableError: still no connection after ``len(delays_s)`` retries (about 2
             minutes by default); its ``__cause__`` is the last error.
         DiskFullError: the storage's disk is full (SQLite "database or disk is full", ENOSPC).
         Anything else ``fn`` raises, unchanged.
+
+    ``delays_s`` defaults to :func:`retry_schedule`.
     """
     if getattr(_depth, "n", 0) > 0:
         return fn()
+    delays_s = retry_schedule() if delays_s is None else delays_s
+    if _gave_up.is_set():
+        delays_s = ()
     _depth.n = 1
     try:
         for attempt, delay in enumerate((*delays_s, None), start=1):
             try:
-                return fn()
+                value = fn()
+                _gave_up.clear()
+                return value
             except Exception as exc:
                 if _is_disk_full(exception_chain(exc)) and not isinstance(exc, DiskFullError):
                     raise DiskFullError(f"no space left for the storage while trying to {what}: "
@@ -132,6 +177,7 @@ def retrying(fn: Callable[[], Any], what: str, *, say: Callable[[str], None] | N
                 if not is_connection_error(exc):
                     raise
                 if delay is None:
+                    _gave_up.set()
                     raise StorageUnavailableError(
                         f"storage unreachable for {sum(delays_s):g} s ({len(delays_s)} retries) while trying to "
                         f"{what}: {_first_line(exc)}") from exc
@@ -223,7 +269,7 @@ def reconnecting_storage_class() -> type:
     namespace: dict[str, Any] = {name: wrap(name, what) for name, what in _METHODS.items()
                                  if hasattr(RDBStorage, name)}
     namespace.update(set_trial_state_values=set_trial_state_values, record_heartbeat=record_heartbeat,
-                     say=None, retry_delays_s=STORAGE_RETRY_S, __module__=__name__,
+                     say=None, retry_delays_s=None, __module__=__name__,
                      __doc__=reconnecting_storage_class.__doc__)
     cls = type("ReconnectingRDBStorage", (RDBStorage,), namespace)
     globals()["ReconnectingRDBStorage"] = cls   # picklable by name, as Optuna's storages are

@@ -65,16 +65,13 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
         storage.say = say
         if url.startswith("sqlite"):
             _begin_immediate(storage.engine)
-        else:
-            _quiet_pool_resets()
         return storage
     except Exception as exc:  # SQLAlchemy/driver errors come in many types
         raise ConfigError(storage_error_message(url, exc)) from None
 
 
-# URL scheme without "+driver" -> the SQLAlchemy drivers that serve it, SQLAlchemy's default first
-# (SQLAlchemy 2.x: postgresql -> psycopg 3 since 2.1, psycopg2 before; mysql -> mysqlclient), each
-# with the Python module it imports.
+# URL scheme without "+driver" -> the SQLAlchemy drivers that serve it, in order of preference,
+# each with the Python module it imports.
 _SCHEME_DRIVERS = {
     "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2"), ("pg8000", "pg8000")),
     "mysql": (("mysqldb", "MySQLdb"), ("pymysql", "pymysql"), ("mysqlconnector", "mysql.connector")),
@@ -82,21 +79,29 @@ _SCHEME_DRIVERS = {
 
 
 def driver_url(url: str) -> str:
-    """``url`` with a driver SQLAlchemy can load here: a ``postgresql://`` (or ``mysql://``) URL that
-    names no driver gets the first installed one of :data:`_SCHEME_DRIVERS`, SQLAlchemy's default
-    first (SQLAlchemy 2.1 maps ``postgresql://`` to psycopg 3 and fails when only psycopg2 is
-    installed: issue 25 item 2). URLs naming a driver, other schemes, and URLs whose drivers are all
-    missing are returned unchanged (the error then names the package: :func:`storage_error_message`)."""
+    """``url`` with a driver SQLAlchemy can load here. A ``postgresql://`` (or ``mysql://``) URL
+    that names no driver means SQLAlchemy's default driver for the scheme (``registry.load(scheme)``:
+    psycopg 3 since SQLAlchemy 2.1, psycopg2 before); when that driver's module is not installed,
+    the first installed one of :data:`_SCHEME_DRIVERS` is named instead (issue 25 item 2: the
+    documented ``postgresql://`` failed where only psycopg2 was installed). URLs naming a driver,
+    other schemes, and URLs none of whose drivers is installed are returned unchanged (the error then
+    names the package to install: :func:`storage_error_message`)."""
     import importlib.util
 
     scheme, sep, rest = url.partition("://")
     if not sep or "+" in scheme or scheme not in _SCHEME_DRIVERS:
         return url
-    drivers = _SCHEME_DRIVERS[scheme]
-    if _installed(drivers[0][1], importlib.util):
+    drivers = dict(_SCHEME_DRIVERS[scheme])
+    try:
+        from sqlalchemy.dialects import registry
+
+        default = registry.load(scheme).driver
+    except Exception:  # noqa: BLE001 - an SQLAlchemy without the dialect: leave the URL to its error
         return url
-    for driver, module in drivers[1:]:
-        if _installed(module, importlib.util):
+    if _installed(drivers.get(default, default), importlib.util):
+        return url
+    for driver, module in drivers.items():
+        if driver != default and _installed(module, importlib.util):
             return f"{scheme}+{driver}://{rest}"
     return url
 
@@ -106,20 +111,6 @@ def _installed(module: str, util: Any) -> bool:
         return util.find_spec(module) is not None
     except (ImportError, ValueError):   # a parent package missing (mysql.connector without mysql)
         return False
-
-
-def _quiet_pool_resets() -> None:
-    """SQLAlchemy's pool logs a traceback at ERROR ("Exception during reset or similar") when it
-    returns a connection the server has closed; Python's last-resort handler prints it on stderr.
-    During a server outage that is one traceback per pooled connection, on top of the one line per
-    retry (:mod:`oomtune.search.reconnect`). The pool's logger is raised to CRITICAL unless the
-    user configured SQLAlchemy logging (a handler on ``sqlalchemy`` or a level set)."""
-    import logging
-
-    root = logging.getLogger("sqlalchemy")
-    pool = logging.getLogger("sqlalchemy.pool")
-    if not root.handlers and root.level == logging.NOTSET and pool.level == logging.NOTSET:
-        pool.setLevel(logging.CRITICAL)
 
 
 # Python module SQLAlchemy imports for a URL -> the package that provides it (pip names).
