@@ -234,12 +234,11 @@ def reconnecting_storage_class() -> type:
     from optuna.storages import RDBStorage
 
     def wrap(name: str, what: str) -> Callable[..., Any]:
-        base = getattr(RDBStorage, name)
-
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            base = getattr(RDBStorage, name)   # looked up per call: RDBStorage's own, as patched if it is
             return retrying(lambda: base(self, *args, **kwargs), what, say=self.say, delays_s=self.retry_delays_s)
 
-        method.__name__, method.__doc__ = name, base.__doc__
+        method.__name__, method.__doc__ = name, getattr(RDBStorage, name).__doc__
         return method
 
     def set_trial_state_values(self: Any, trial_id: int, state: Any, values: Any = None) -> bool:
