@@ -61,12 +61,14 @@ def _locate(args: argparse.Namespace) -> Any:
 
 
 def _same_study(best_path: Path, found: Any) -> bool:
-    """Whether the best.yaml at ``best_path`` belongs to the study of the run.json beside it."""
-    from oomtune.best import load_best
+    """Whether the best.yaml at ``best_path`` names the study of the run.json beside it (its
+    ``study.study_name``; the file's other sections are not needed to show the trials)."""
+    import yaml
 
     try:
-        return load_best(best_path).study.get("study_name") == found.study_name
-    except Exception:  # noqa: BLE001 - an unreadable best.yaml is reported by the caller's own load
+        data = yaml.safe_load(best_path.read_text(encoding="utf-8"))
+        return data["study"]["study_name"] == found.study_name
+    except Exception:  # noqa: BLE001 - not a best.yaml of this study: the caller loads it as given
         return False
 
 

@@ -1,0 +1,153 @@
+"""A full disk in the run directory (issue 25 item 4): one line naming the file, exit 1 with "run the
+same command to resume", no temporary file left behind, nothing measured lost.
+
+ENOSPC is simulated in-process where the writes happen (:func:`oomtune.files.write_atomic`'s
+``open``: the temporary file is created and partly written, then the write fails as on a full file
+system), and, where this machine allows mounting, with a real 1 MiB tmpfs under the run directory
+(skipped, saying why, where ``mount`` is not permitted).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomtune import files
+from oomtune.cli import main
+from oomtune.exceptions import DiskFullError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report_run import make_run_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# One sampler trial, no baseline or confirmation, no prediction (as tests/test_wheel_install.py)
+ONE_TRIAL = ["model=mlp", "device=cpu", "budget=256MiB", "search.objective=throughput", "search.n_trials=1",
+             "search.baseline=false", "search.confirm=false", "search.prune=off", "trial.soak_steps=0"]
+
+
+class _FullFile(io.BufferedWriter):
+    """A file on a disk with ``room`` bytes left: the write that goes past them raises ENOSPC."""
+
+    def __init__(self, path, room):
+        super().__init__(io.FileIO(path, "wb"))
+        self.room = room
+
+    def write(self, data):
+        if len(data) > self.room:
+            super().write(bytes(data[:self.room]))
+            self.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return super().write(data)
+
+
+def _fill(monkeypatch, names, room=1000):
+    """Make write_atomic's writes of the files ``names`` fail for lack of space after ``room`` bytes."""
+    real_open = open
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        name = Path(path).name          # write_atomic's temporary file: NAME.<pid>.tmp
+        if "w" in mode and name.endswith(".tmp") and any(name.startswith(f"{n}.") for n in names):
+            return _FullFile(path, room)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", fake_open, raising=False)
+
+
+def _tmp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_write_atomic_removes_its_temporary_file_and_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "best.yaml"
+    target.write_text("old\n")
+    _fill(monkeypatch, ["best.yaml"])
+    with pytest.raises(DiskFullError) as info:
+        files.write_atomic(target, "x" * 5000)
+    assert str(info.value) == (f"disk full: cannot write {target} (No space left on device): free space on its "
+                               "file system")
+    assert target.read_text() == "old\n" and _tmp_files(tmp_path) == []
+
+
+def test_report_on_a_full_disk_is_one_line_exit_1_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    run = make_run_dir(tmp_path)
+    _fill(monkeypatch, ["report.html"])
+    assert main(["report", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oomtune: disk full: cannot write ")
+    assert f"{run / 'report.html'}" in err and err.rstrip().endswith("then run the same command to resume")
+    assert not (run / "report.html").exists() and _tmp_files(tmp_path) == []
+
+
+def test_plan_yaml_on_a_full_disk_is_disk_full_not_bad_input(tmp_path, monkeypatch):
+    from oomtune.plan.feasibility import FeasibilityMap, write_plan
+
+    plan = FeasibilityMap(workload={"name": "mlp"}, device={"kind": "cpu"}, geometry={}, batch_sizes=[8],
+                          rows=[], headroom=0.05, limit_bytes=1 << 30)
+    _fill(monkeypatch, ["plan.yaml"], room=10)
+    with pytest.raises(DiskFullError, match="plan.yaml"):
+        write_plan(plan, tmp_path / "plan.yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_search_whose_best_yaml_hits_a_full_disk_stops_in_one_line_and_resumes(tmp_path, monkeypatch, capsys):
+    import optuna
+
+    run = tmp_path / "run"
+    args = ["search", *ONE_TRIAL, f"hydra.run.dir={run}"]
+    with monkeypatch.context() as m:
+        _fill(m, ["best.yaml"])
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    last = err.rstrip().splitlines()[-1]
+    assert last.startswith(f"oomtune: disk full: cannot write {run / 'best.yaml'} (No space left on device)")
+    assert last.endswith("run the same command to resume") and "Traceback" not in err
+    assert _tmp_files(tmp_path) == [] and not (run / "best.yaml").exists()
+    study = optuna.load_study(study_name=__import__("json").loads((run / "run.json").read_text())["study_name"],
+                              storage=f"sqlite:///{run / 'study.db'}")
+    (trial,) = study.get_trials()
+    assert trial.state.name == "COMPLETE" and "result" in trial.user_attrs    # measured, and kept
+    assert main(args) == 0                                                   # the same command
+    assert "resuming: 1 search trial already finished" in capsys.readouterr().err
+    assert len(study.get_trials()) == 1 and (run / "best.yaml").is_file()   # nothing re-run
+
+
+def _mount_tmpfs(path: Path, size: str) -> str | None:
+    """Mount a tmpfs of ``size`` at ``path``; None on success, else why not."""
+    if shutil.which("mount") is None:
+        return "no mount command"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"mount -t tmpfs is not permitted here: {r.stderr.strip()[:200]}"
+
+
+@pytest.mark.slow
+def test_a_search_on_a_real_full_file_system_says_so_in_one_line(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    why = _mount_tmpfs(disk, "1m")     # room for the study, the trial and best.yaml, not the ~5 MB report
+    if why is not None:
+        pytest.skip(why)
+    try:
+        run = disk / "run"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-m", "oomtune", "search", *ONE_TRIAL, f"hydra.run.dir={run}"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+        last = out.stderr.rstrip().splitlines()[-1]
+        assert last.startswith("oomtune: disk full: cannot write ") and "No space left on device" in last, last
+        assert last.endswith("run the same command to resume") and "Traceback" not in out.stderr
+        assert _tmp_files(disk) == []
+        from oomtune.best import load_best
+
+        assert load_best(run / "best.yaml").best.trial_number == 0   # what fitted was written whole
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
