@@ -48,7 +48,7 @@ def _search_args(url: str, run_dir: Path) -> list[str]:
 
 
 def _wait_mid_trial(run_dir: Path, finished: int, timeout_s: float = 300) -> int:
-    """The number of a trial whose process started less than 0.5 s ago, once ``finished`` trials
+    """The number of a trial whose process started less than 1 s ago, once ``finished`` trials
     have recorded their outcome (trials/trial-NNNN/tell.json)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -57,7 +57,7 @@ def _wait_mid_trial(run_dir: Path, finished: int, timeout_s: float = 300) -> int
         for d in dirs:
             out = d / "stdout.txt"
             if done >= finished and out.exists() and not (d / "tell.json").exists() \
-                    and time.time() - out.stat().st_mtime < 0.5:
+                    and time.time() - out.stat().st_mtime < 1.0:
                 return int(d.name.split("-")[1])
         time.sleep(0.05)
     raise RuntimeError(f"no trial started after {finished} had finished")

@@ -62,7 +62,7 @@ def _trials(url: str, study: str) -> list:
 
 def _wait_mid_trial(run_dir: Path, finished: int, timeout_s: float = 300) -> int:
     """Wait until ``finished`` trials have results on disk and another trial process has just started
-    (its stdout.txt is younger than 0.5 s and it has no tell.json yet); returns that trial's number."""
+    (its stdout.txt is younger than 1 s and it has no tell.json yet); returns that trial's number."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dirs = sorted((run_dir / "trials").glob("trial-*"))
@@ -70,7 +70,7 @@ def _wait_mid_trial(run_dir: Path, finished: int, timeout_s: float = 300) -> int
         for d in dirs:
             out = d / "stdout.txt"
             if (len(done) >= finished and out.exists() and not (d / "tell.json").exists()
-                    and time.time() - out.stat().st_mtime < 0.5):
+                    and time.time() - out.stat().st_mtime < 1.0):
                 return int(d.name.split("-")[1])
         time.sleep(0.05)
     raise AssertionError(f"no trial started after {finished} finished in {run_dir}")
