@@ -362,6 +362,12 @@ class SearchProgress:
         lead = self.leader()
         best = None if lead is None else f"#{lead.number}"
         self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
+        res = R.result_of(trial)
+        survivors = (res.extra or {}).get("survivors") if res is not None else None
+        if survivors:   # processes the trial left that could not be killed: named, one line (issue 25)
+            from oomtune.trial.keeper import survivor_line
+
+            self._say(survivor_line(f"[trial {trial.number}]", survivors))
         if self._bar is not None and (not self.n_trials or role in ("search", "confirm")):
             self._bar.update(self._task, advance=1, description=f"{role} done")  # no total: count every trial
 

@@ -1,6 +1,9 @@
 """``target=cmd``: any training command as a trial, its results read from a JSON-lines channel.
 
-The parent runs the command in a new session. In the command, ``{batch_size}`` is replaced by the
+The parent runs the command in a new session, under a keeper (:mod:`oomtune.trial.keeper`): every
+process the command starts, even one that calls ``setsid()``, is ended with the trial, and the
+command dies with the search (a SIGKILLed search leaves no trial running). Its stdout and stderr are
+kept bounded (the first 1 MiB and the last 2 MiB each). In the command, ``{batch_size}`` is replaced by the
 trial's batch size and ``{{name}}`` is a literal ``{name}``; any other ``{name}`` is refused as a
 probable typo (:func:`substitute_batch_size`), while braces around anything else (JSON, awk) are left
 alone. These variables are in its environment:
@@ -16,7 +19,7 @@ alone. These variables are in its environment:
 
 How the record is built (:func:`result_from_channel`):
 
-1. Past ``timeout_s`` the process group gets SIGTERM, then SIGKILL: ``timeout``.
+1. Past ``timeout_s`` the command's process tree gets SIGTERM, then SIGKILL: ``timeout``.
 2. An ``oom`` line (the virtual GPU ran out, written before the exception propagated): the
    simulated OOM message is classified (memory outcome), even if the script caught it and exited 0.
 3. A non-zero exit: the shared classifier on the exit status and stderr
@@ -41,9 +44,10 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -53,6 +57,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, RESULT_FILE_ENV
 from oomtune.trial._base import Target
+from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.procwait import exited_within
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
@@ -64,6 +69,7 @@ _NO_REPORT_ADVICE = ("call oomtune.report(samples=..., seconds=...) after the me
                      "(import oomtune; see examples/train_cmd.py)")
 _SHELL_TOKENS = frozenset({"|", "||", "&", "&&", ";", ";;", "<", ">", ">>", "<<", "(", ")", ">&", "<&"})
 _STDERR_TAIL_CHARS = 4000
+_STDERR_TAIL_BYTES = 16384   # read from the end of stderr.txt by seeking (it may hold MiBs)
 _GRACE_S = 3.0
 
 
@@ -226,7 +232,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
             ``result.json`` (the record). The command runs in ``target.cwd`` (default: our cwd, so
             relative paths in the command mean what they mean on the user's command line).
         env: extra environment variables for the command.
-        grace_s: seconds between SIGTERM and SIGKILL of the process group on timeout.
+        grace_s: seconds between SIGTERM and SIGKILL of the command's process tree on timeout.
         on_start: called with the pid (= process group id) right after the start, e.g. so that a
             runner's ``kill_all`` can reach the group on Ctrl-C.
 
@@ -248,28 +254,34 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     workdir.mkdir(parents=True, exist_ok=True)
     channel = workdir / "results.jsonl"
     channel.unlink(missing_ok=True)
-    child_env = cmd_environment(spec, channel, env)
+    (workdir / STATUS_FILE).unlink(missing_ok=True)
+    marker = uuid.uuid4().hex
+    child_env = cmd_environment(spec, channel, {**(env or {}), MARKER_ENV: marker})
+    _check_startable(argv, cwd, child_env)
     started = time.time()
-    with open(workdir / "stdout.txt", "wb") as out, open(workdir / "stderr.txt", "wb") as err:
+    with open(workdir / "keeper.log", "wb") as log:
         try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=err, start_new_session=True)
-        except OSError as exc:  # e.g. the program does not exist
+            proc = subprocess.Popen(keeper_argv(sys.executable, argv, grace_s=grace_s, workdir=workdir),
+                                    cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True)
+        except OSError as exc:  # e.g. too many processes
             raise ConfigError(f"target.command: cannot start {argv[0]!r}: {exc.strerror or exc}") from None
-    sampler = _sampler(spec, proc.pid)
+    sampler = _sampler(spec, proc.pid)   # the keeper's tree: the command and everything it started
     try:
         if on_start is not None:
             on_start(proc.pid)
         with sampler if sampler is not None else contextlib.nullcontext():
             returncode, timed_out = _wait(proc, spec.timeout_s, grace_s)
     finally:
-        _kill_group(proc.pid, signal.SIGKILL)   # stragglers: DataLoader workers, shell children
-        if proc.poll() is None:
+        if proc.poll() is None:   # interrupted while waiting: the keeper kills its tree
+            kill_now(proc.pid)
             proc.wait()
-        _wait_group_gone(proc.pid)
-    stderr = (workdir / "stderr.txt").read_text(errors="replace")[-_STDERR_TAIL_CHARS:]
+    from oomtune.trial.runner import leftovers
+
+    stderr = read_tail(workdir / "stderr.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
     result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
                                  timed_out=timed_out)
+    result.extra.update(leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
         result.device_peak_bytes, result.gpu_utilization = res.peak_used_bytes, res.mean_utilization_percent
@@ -283,44 +295,40 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
-    """Wait; past ``timeout_s`` SIGTERM the group, then SIGKILL after ``grace_s``. (returncode, timed_out)."""
+    """Wait; past ``timeout_s`` the keeper SIGTERMs the command's tree, then SIGKILLs it after
+    ``grace_s`` (:func:`oomtune.trial.keeper.end_kept`). (returncode, timed_out)."""
     if exited_within(proc, timeout_s):
         return proc.wait(), False
-    try:
-        return proc.wait(timeout=0), False
-    except subprocess.TimeoutExpired:
-        pass
-    _kill_group(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(timeout=grace_s), True
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid, signal.SIGKILL)
-        return proc.wait(), True
+
+    def wait(seconds: float) -> int | None:
+        try:
+            return proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
+    done = wait(0)
+    if done is not None:
+        return done, False
+    return end_kept(proc.pid, wait, grace_s), True
 
 
-def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> bool:
-    """Wait until no live (non-zombie) process of group ``pgid`` is left (SIGKILL is delivered
-    asynchronously); re-sends SIGKILL while waiting. True when the group is gone."""
-    from oomtune.trial.runner import group_alive
+def _check_startable(argv: list[str], cwd: str | None, env: Mapping[str, str]) -> None:
+    """The program ``argv[0]`` exists and may be run (as ``execvp`` will look for it: on the
+    command's ``PATH`` for a bare name, relative to ``cwd`` for a path).
 
-    try:
-        os.killpg(pgid, 0)   # no process left in the group at all: nothing to scan /proc for
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    deadline = time.monotonic() + timeout_s
-    while group_alive(pgid):
-        if time.monotonic() > deadline:
-            return False
-        _kill_group(pgid, signal.SIGKILL)
-        time.sleep(0.02)
-    return True
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+    Raises:
+        ConfigError: ``target.command: cannot start 'PROG': ...``.
+    """
+    prog = argv[0]
+    if "/" in prog:
+        path = Path(prog).expanduser()
+        path = path if path.is_absolute() else Path(cwd or os.getcwd()) / path
+        problem = (None if path.is_file() and os.access(path, os.X_OK)
+                   else "Permission denied" if path.is_file() else "No such file or directory")
+    else:
+        problem = None if shutil.which(prog, path=env.get("PATH", os.defpath)) else "No such file or directory"
+    if problem:
+        raise ConfigError(f"target.command: cannot start {prog!r}: {problem}")
 
 
 def read_channel(path: Path) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ record; the process exits 0 after writing a record, also for OOM.
 
 Test hook (tests only): ``OOMTUNE_TEST_HOOK`` makes the child misbehave on purpose right before the
 first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandchild, then sleeps S
-seconds), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
+seconds), ``setsid:S`` (the same with a grandchild in its own session), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
 allocator/device environment into ``extra["env"]``).
 """
 
@@ -382,8 +382,10 @@ def _run_test_hook(result: TrialResult) -> None:
     if not hook:
         return
     name, _, arg = hook.partition(":")
-    if name == "sleep":  # a grandchild in our process group, then hang: the runner must kill both
-        child = subprocess.Popen(["sleep", str(float(arg) + 60)])
+    if name in ("sleep", "setsid"):  # a grandchild, then hang: the runner must kill both
+        # sleep: the grandchild stays in our process group; setsid: it leaves it (its own session),
+        # out of reach of a process-group kill (issue 25 item 5)
+        child = subprocess.Popen(["sleep", str(float(arg) + 60)], start_new_session=name == "setsid")
         Path("grandchild.pid").write_text(str(child.pid))
         time.sleep(float(arg))
     elif name == "signal":

@@ -35,9 +35,12 @@ Why this is correct, and where it is not (the runner falls back to a fresh spawn
 Protocol (one JSON object per line): the runner writes ``{"id", "argv": [spec, result], "cwd",
 "stdout", "stderr", "env"}`` to the server's stdin; the server answers ``{"id", "pid",
 "cuda_initialized"}`` (or ``{"id", "error"}``) and, once the trial process has been reaped,
-``{"id", "returncode"}`` (negative signal number as in :mod:`subprocess`). Each trial calls
-``setsid()`` so the runner can kill its whole process group. On EOF the server kills the process
-groups of its live trials and exits.
+``{"id", "returncode"}`` (negative signal number as in :mod:`subprocess`). Each forked process calls
+``setsid()`` and becomes the trial's keeper (:func:`oomtune.trial.keeper.keep`): it forks the trial's
+main process, which runs :func:`oomtune.trial.child.main`, keeps every process the trial starts below
+itself and exits with the main process's status; ``pid`` is the keeper's. On EOF (the runner closed
+the server, or died) the server has the keepers of its live trials kill their trees (SIGHUP), waits
+for them and exits; a keeper whose server dies gets SIGHUP from the kernel (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -87,37 +90,37 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _run_forked(request: dict[str, Any], close_fds: list[int]) -> None:
-    """In the forked process: own session, own files and environment, run the child, ``_exit``."""
-    code = 70
+def _run_forked(request: dict[str, Any], close_fds: list[int], server_pid: int) -> None:
+    """In the forked process: own session, directory and environment; become the trial's keeper,
+    whose main process runs the child (:func:`oomtune.trial.keeper.keep`); never returns."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        for fd in close_fds:
-            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
+        os.close(null)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])  # putenv: visible to torch's getenv before CUDA starts
-        from oomtune.trial import child
+        from oomtune.trial import keeper
 
-        code = child.main(list(request["argv"]))
+        def main() -> None:
+            from oomtune.trial import child
+
+            code = child.main(list(request["argv"]))
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(code)
+
+        keeper.keep(main, grace_s=float(request.get("grace_s", 3.0)), stdout_path=request["stdout"],
+                    stderr_path=request["stderr"], status_path=request.get("status"), parent_pid=server_pid,
+                    close_fds=tuple(close_fds))
     except BaseException:  # noqa: BLE001 - report anything, then leave without running atexit
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
+        os._exit(70)
 
 
 def serve() -> int:
@@ -158,12 +161,29 @@ def serve() -> int:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             _launch(json.loads(line), live, proto_out, [in_fd, wake_r, wake_w, proto_out.fileno()])
+    _end_live(live)
+    return 0
+
+
+def _end_live(live: dict[int, Any], wait_s: float = 15.0) -> None:
+    """Have every live trial's keeper kill its tree (SIGHUP), and reap them (at most ``wait_s``)."""
+    import time
+
     for pid in list(live):
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGHUP)
         except OSError:
-            pass
-    return 0
+            live.pop(pid, None)
+    deadline = time.monotonic() + wait_s
+    while live and time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.02)
+            continue
+        live.pop(pid, None)
 
 
 def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: list[int]) -> None:
@@ -177,13 +197,14 @@ def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: 
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    server_pid = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
         _send(out, {"id": request["id"], "error": f"fork failed: {exc}"})
         return
     if pid == 0:
-        _run_forked(request, close_fds)
+        _run_forked(request, close_fds, server_pid)
     live[pid] = request["id"]
     _send(out, {"id": request["id"], "pid": pid, "cuda_initialized": torch.cuda.is_initialized()})
 
@@ -205,9 +226,8 @@ class ForkServerError(RuntimeError):
 
 
 class ForkedTrial:
-    """A trial process forked by the server. ``pid`` is also its process-group id (it calls
-    ``setsid``; until it has, ``killpg`` fails and :meth:`ForkServerClient.kill` falls back to
-    ``kill``)."""
+    """A trial forked by the server: ``pid`` is its keeper's (:mod:`oomtune.trial.keeper`), which
+    exits with the trial's main process's status."""
 
     def __init__(self, pid: int, done: "queue.Queue[int | None]") -> None:
         self.pid = pid
@@ -274,8 +294,10 @@ class ForkServerClient:
         return self.info
 
     def launch(self, *, argv: list[str], cwd: str, stdout: str, stderr: str,
-               env: dict[str, str], timeout_s: float = 30.0) -> ForkedTrial:
-        """Ask the server to fork one trial process.
+               env: dict[str, str], timeout_s: float = 30.0, grace_s: float = 3.0,
+               status: str | None = None) -> ForkedTrial:
+        """Ask the server to fork one trial process (its keeper: ``grace_s`` between SIGTERM and
+        SIGKILL, its status file ``status``; :mod:`oomtune.trial.keeper`).
 
         Raises:
             ForkServerError: the server is gone, refused (not fork-safe) or did not answer.
@@ -287,7 +309,8 @@ class ForkServerClient:
             self._next_id += 1
             rid = self._next_id
             self._pending[rid] = answer
-            request = {"id": rid, "argv": argv, "cwd": cwd, "stdout": stdout, "stderr": stderr, "env": env}
+            request = {"id": rid, "argv": argv, "cwd": cwd, "stdout": stdout, "stderr": stderr, "env": env,
+                       "grace_s": grace_s, "status": status}
             try:
                 self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()

@@ -7,10 +7,17 @@ end (ok, out-of-memory, timeout, signal, traceback, missing record) comes back a
 malformed one can abort ``import torch`` with an INTERNAL ASSERT, pytorch#186453, so it must never
 reach a child) and :class:`oomtune.exceptions.ConfigError` for an impossible spec.
 
-Each trial runs in a new session (its own process group), so a timeout kills the trial *and*
-anything it started (DataLoader workers): SIGTERM to the group, then SIGKILL after a grace period.
-A terminal Ctrl-C reaches only the parent; :meth:`TrialRunner.kill_all` (installed as a SIGINT /
-SIGTERM handler by :meth:`TrialRunner.handle_signals`) kills the live trials' groups.
+Each trial runs under a keeper (:mod:`oomtune.trial.keeper`) in a new session: on Linux every process
+the trial starts stays below the keeper (a child subreaper), even one that calls ``setsid()``, so a
+timeout ends the trial *and* everything it started (DataLoader workers, daemonised helpers): SIGTERM
+to the tree, then SIGKILL after a grace period; when the trial's main process exits, whatever it
+left running is killed. The keeper dies with the launcher (``PR_SET_PDEATHSIG``), so a SIGKILLed
+search leaves no trial behind. After each trial a sweep by an environment marker unique to the trial
+(:func:`oomtune.trial.keeper.sweep`) kills anything that escaped anyway and names survivors in
+``extra["survivors"]``. The trial's stdout/stderr are kept bounded (head and tail, a few MiB) and
+read back by seeking to their tail. A terminal Ctrl-C reaches only the parent;
+:meth:`TrialRunner.kill_all` (installed as a SIGINT / SIGTERM handler by
+:meth:`TrialRunner.handle_signals`) has the live trials' keepers kill their trees.
 
 Launchers: ``spawn`` (a fresh interpreter, ``python -m oomtune.trial.child``), ``fork`` (forked from
 :mod:`oomtune.trial.forkserver`, which has torch already imported) and ``auto`` (fork on Linux,
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,14 +45,18 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult, TrialSpec
 from oomtune.trial.procwait import exited_within
 
-__all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "LAUNCHERS", "ALLOC_ENV_VARS"]
+__all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
+           "ALLOC_ENV_VARS"]
 
 LAUNCHERS = ("auto", "fork", "spawn")
 ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _STDERR_TAIL_CHARS = 4000
+#: Bytes read from the end of a trial's stderr for the classifier (by seeking: the file may be MiBs).
+_STDERR_TAIL_BYTES = 16384
 
 
 def validate_spec(spec: TrialSpec) -> AllocatorSettings:
@@ -192,15 +204,16 @@ class TrialRunner:
                 if server.info.get("cuda_initialized"):
                     raise ForkServerError("the fork server's torch has initialised CUDA")
                 handle = server.launch(argv=argv, cwd=str(paths["dir"]), stdout=str(paths["stdout"]),
-                                       stderr=str(paths["stderr"]), env=env)
+                                       stderr=str(paths["stderr"]), env=env, grace_s=self.grace_s,
+                                       status=str(paths["dir"] / STATUS_FILE))
                 return handle, "fork", None
             except ForkServerError as exc:
                 self._server_failed = why = str(exc)
-        with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
-            proc = subprocess.Popen(
-                [self.python, "-m", "oomtune.trial.child", *argv], cwd=paths["dir"], env=env,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-            )
+        command = keeper_argv(self.python, [self.python, "-m", "oomtune.trial.child", *argv],
+                              grace_s=self.grace_s, workdir=paths["dir"])
+        with open(paths["dir"] / "keeper.log", "wb") as log:
+            proc = subprocess.Popen(command, cwd=paths["dir"], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, start_new_session=True)
         return _Spawned(proc), "spawn", why
 
     def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None) -> TrialResult:
@@ -219,13 +232,15 @@ class TrialRunner:
         target = target_for(spec.workload)
         if target.own_process:
             return self._run_own_process(target, spec, workdir=Path(workdir), env=env)
-        env_child = child_environment(spec, env)
+        marker = uuid.uuid4().hex
+        env_child = child_environment(spec, {**(env or {}), MARKER_ENV: marker})
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         paths = {"dir": workdir, "spec": workdir / "spec.json", "result": workdir / "result.json",
                  "stdout": workdir / "stdout.txt", "stderr": workdir / "stderr.txt"}
         paths["result"].unlink(missing_ok=True)
         (workdir / PROGRESS_FILE).unlink(missing_ok=True)   # a previous trial's steps are not this one's
+        (workdir / STATUS_FILE).unlink(missing_ok=True)
         paths["spec"].write_text(spec.to_json())
         launched_at = time.time()
         try:
@@ -239,10 +254,13 @@ class TrialRunner:
         try:
             returncode, timed_out = self._wait(handle, spec.timeout_s)  # from the process's start
         finally:
-            _kill_group(handle.pid, signal.SIGKILL)  # stragglers (e.g. DataLoader workers)
+            if handle.wait(0) is None:   # interrupted while waiting: the keeper kills its tree
+                kill_now(handle.pid)
+                handle.wait(30.0)
             with self._lock:
                 self._live.pop(handle.pid, None)
         result = _read_result(spec, paths, returncode, timed_out)
+        result.extra.update(leftovers(marker, workdir / STATUS_FILE))
         if handle.pid in self._killed:
             self._killed.discard(handle.pid)
             result.outcome, result.message = Outcome.ERROR.value, "interrupted: trial killed by the runner (kill_all)"
@@ -276,24 +294,21 @@ class TrialRunner:
                     self._live.pop(pid, None)
 
     def _wait(self, handle: Any, timeout_s: float) -> tuple[int | None, bool]:
-        """Wait for the trial; on timeout SIGTERM its group, then SIGKILL after ``grace_s``."""
+        """Wait for the trial; on timeout its keeper SIGTERMs the tree, then SIGKILLs it after
+        ``grace_s`` (:func:`oomtune.trial.keeper.end_kept`)."""
         returncode = handle.wait(max(0.0, timeout_s))
         if returncode is not None:
             return returncode, False
-        _kill_group(handle.pid, signal.SIGTERM)
-        returncode = handle.wait(self.grace_s)
-        if returncode is None:
-            _kill_group(handle.pid, signal.SIGKILL)
-            returncode = handle.wait(30.0)
-        return returncode, True
+        return end_kept(handle.pid, handle.wait, self.grace_s), True
 
     # -- stopping ----------------------------------------------------------------------------
-    def kill_all(self, sig: int = signal.SIGKILL) -> int:
-        """Kill the process groups of all live trials (safe in a signal handler). Returns how many."""
+    def kill_all(self) -> int:
+        """Have the keepers of all live trials kill their trees now (safe in a signal handler).
+        Returns how many."""
         live = list(self._live)  # no lock: may run in a signal handler while run() holds it
         for pid in live:
             self._killed.add(pid)
-            _kill_group(pid, sig)
+            kill_now(pid)
         return len(live)
 
     def close(self) -> None:
@@ -333,15 +348,34 @@ class TrialRunner:
                 signal.signal(sig, old)
 
 
-def _kill_group(pgid: int, sig: int) -> None:
-    """Send ``sig`` to process group ``pgid``; to the process alone if it has no group yet."""
+def leftovers(marker: str, status_path: Path) -> dict[str, Any]:
+    """What a finished trial left running: the keeper's survivors (still alive after its SIGKILLs,
+    :data:`oomtune.trial.keeper.STATUS_FILE`) and the processes found by the trial's environment
+    marker (:func:`oomtune.trial.keeper.sweep`: the keeper was killed, or they outlived it), killed.
+    Returns ``extra`` entries: ``leftover_processes`` (found by the sweep and killed) and
+    ``survivors`` (still running: pid and command), each present only when not empty."""
+    import json
+
+    killed, alive = sweep(marker)
+    out: dict[str, Any] = {}
+    if killed:
+        out["leftover_processes"] = [{"pid": p.pid, "command": p.command} for p in killed]
+    survivors = {p.pid: {"pid": p.pid, "command": p.command} for p in alive}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        for p in json.loads(Path(status_path).read_text()).get("survivors") or ():
+            if _pid_running(int(p["pid"])):
+                survivors.setdefault(int(p["pid"]), {"pid": int(p["pid"]), "command": str(p.get("command", ""))})
+    if survivors:
+        out["survivors"] = list(survivors.values())
+    return out
+
+
+def _pid_running(pid: int) -> bool:
     try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pgid, sig)
-    except PermissionError:
-        pass
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool) -> TrialResult:
@@ -351,10 +385,7 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
         if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
             result.extra["hung_after_record"] = True
         return result
-    try:
-        stderr = paths["stderr"].read_text(errors="replace")[-_STDERR_TAIL_CHARS:]
-    except OSError:
-        stderr = ""
+    stderr = read_tail(paths["stderr"], _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
     cls = classify_failure(
         returncode=returncode if returncode is not None else -signal.SIGKILL, stderr=stderr,
         timed_out=timed_out, batch_size=spec.batch_size,
