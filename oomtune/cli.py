@@ -5,7 +5,8 @@ Each command module exposes ``register(subparsers) -> argparse.ArgumentParser`` 
 overrides) print one line, ``oomtune: error: ...``, and exit with code 2. A run stopped by its
 surroundings (:class:`oomtune.exceptions.ResumableError`: the storage unreachable past every retry,
 a full disk) prints one line ending in "run the same command to resume" and exits with code 1.
-Ctrl-C exits 130.
+Ctrl-C exits 130, SIGTERM 143 (128 + the signal number, as a shell reports a
+process killed by it).
 """
 
 from __future__ import annotations
@@ -98,9 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"oomtune: {_resumable(str(disk_full_error(exc.filename or 'a file', exc)))}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("oomtune: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)   # oomtune.exceptions.Interrupted
+        name = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+        print(f"oomtune: {name}", file=sys.stderr)
+        return 128 + int(signum)   # as a shell reports death by that signal: 130 Ctrl-C, 143 SIGTERM
     except BrokenPipeError:
         # the reader went away (``oomtune show --json | head``): not an error of ours. Point stdout
         # at devnull so the interpreter's final flush does not raise again (Python docs, "Note on

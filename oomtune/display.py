@@ -8,7 +8,7 @@ from typing import Any
 from oomtune.search import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["starting", "device_words", "wrapped", "trial_rows", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
+__all__ = ["starting", "device_words", "wrapped", "trial_rows", "planned_batch", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
            "SearchProgress",
            "plan_recommendation", "recommended_configuration", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND", "trial_table_legend", "throughput_label",
@@ -135,16 +135,35 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def planned_batch(t: Any) -> int | None:
+    """The batch size of a trial: its parameter, or, for an enqueued probe that never asked for its
+    parameters (interrupted, or finished as a duplicate), the fixed parameter it was enqueued with
+    (``system_attrs["fixed_params"]``, :meth:`optuna.Study.enqueue_trial`)."""
+    if "batch_size" in t.params:
+        return t.params["batch_size"]
+    fixed = (getattr(t, "system_attrs", None) or {}).get("fixed_params") or {}
+    return fixed.get("batch_size")
+
+
 def _unfinished_row(t: Any) -> dict[str, Any]:
-    """A trial without a result: interrupted (FAIL: Ctrl-C/SIGTERM; a resumed search re-runs it) or
-    still running (another worker, or a process that was killed)."""
-    outcome = "interrupted" if t.state.name == "FAIL" else "running"
+    """A trial without a result: a duplicate (a probe another trial already ran, finished without
+    launching anything: ``duplicate =#n``), interrupted (FAIL: Ctrl-C/SIGTERM; a resumed search
+    re-runs it) or still running (another worker, or a process that was killed)."""
+    from oomtune.search.claims import ATTR_DUPLICATE_OF
+
+    original = t.user_attrs.get(ATTR_DUPLICATE_OF)
+    outcome = ("duplicate" if original is not None else "interrupted" if t.state.name == "FAIL" else "running")
+    label = outcome if original is None else f"duplicate =#{original}"
     return {"number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),
-            "batch_size": t.params.get("batch_size"), "alloc_conf": describe(t),
-            "outcome": outcome, "outcome_label": outcome, "throughput": None, "step_time_s": None, "peak_allocated_bytes": None,
+            "batch_size": planned_batch(t), "alloc_conf": describe(t),
+            "outcome": outcome, "outcome_label": label, "throughput": None, "step_time_s": None, "peak_allocated_bytes": None,
             "peak_reserved_bytes": None, "device_peak_bytes": None, "fragmentation": None,
             "memory_source": "simulated", "predicted_peak_reserved_bytes": None, "prediction_error": None,
             "feasible": False, "reused_from": None, "message": None, "data_wait_fraction": None}
+
+
+#: Outcomes of rows without a result (:func:`_unfinished_row`).
+_UNFINISHED = ("interrupted", "running", "duplicate")
 
 
 def _fmt(v: Any, spec: str = "") -> str:
@@ -169,7 +188,7 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
 
     table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
                   collapse_padding=True, show_edge=False)
-    sources = {r["memory_source"] for r in rows if r["outcome"] not in ("interrupted", "running")}
+    sources = {r["memory_source"] for r in rows if r["outcome"] not in _UNFINISHED}
     shared = None  # when every row has the same source, say it once in the header
     if len(sources) == 1:
         shared = next(iter(sources))
@@ -182,8 +201,8 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
                          max_width={"config": 12, "outcome": 13}.get(name))  # "es:T gc:0.8" per line
     for r in rows:
         conf = short_conf(r["alloc_conf"].split(" ")[0]) + "".join(" " + x for x in r["alloc_conf"].split(" ")[1:])
-        if r["outcome"] in ("interrupted", "running"):
-            table.add_row(str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome"],
+        if r["outcome"] in _UNFINISHED:
+            table.add_row(str(r["number"]), r["role"], _fmt(r["batch_size"]), conf, r["outcome_label"],
                           "-", "-", "-", "-", "-", style="dim")
             continue
         m = "" if shared else f" {MEMORY_LABEL.get(r['memory_source'], r['memory_source'])}"

@@ -17,6 +17,7 @@ __all__ = [
     "ResumableError",
     "StorageUnavailableError",
     "DiskFullError",
+    "Interrupted",
 ]
 
 
@@ -69,3 +70,16 @@ class DiskFullError(ResumableError):
     """A file of the run could not be written: no space left on the device (``ENOSPC``) or the
     user's quota is exhausted (``EDQUOT``); also SQLite's "database or disk is full". Its
     temporary file has been removed (:func:`oomtune.files.write_atomic`)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal: Ctrl-C (SIGINT) or a termination request (SIGTERM).
+
+    A KeyboardInterrupt, so every ``except KeyboardInterrupt`` clean-up runs; ``signum`` gives the
+    CLI its exit status, ``128 + signum`` as a shell reports a process killed by that signal (130
+    for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -28,6 +28,8 @@ ADVICE: dict[str, str] = {
     "predicted_infeasible": "never launched: the virtual GPU (or a smaller batch that ran out of memory "
                             "under the same settings) showed it cannot fit",
     "interrupted": "stopped by Ctrl-C or SIGTERM: run the same command again to resume",
+    "duplicate": "a probe another trial had already run or was running (another worker or process): "
+                 "finished without launching anything",
     "ok >limit": "ran, but its peak is above the limit (budget minus headroom): not recommended",
 }
 

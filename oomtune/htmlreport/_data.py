@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomtune.search.claims import ATTR_DUPLICATE_OF
+
 __all__ = ["RunData", "gather", "trial_records", "RUN_FILE", "PLAN_FILE", "FRONTIER_FILE", "STEP_FILE"]
 
 from oomtune.runfile import RUN_FILE, redact  # noqa: E402
@@ -105,19 +107,22 @@ def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
         attrs = t.user_attrs
         res = attrs.get("result") if isinstance(attrs.get("result"), dict) else {}
         values = list((getattr(t, "constraints", None) or {}).values())
-        outcome = attrs.get("outcome") or res.get("outcome") or ("interrupted" if t.state.name == "FAIL" else
-                                                                  t.state.name.lower())
+        outcome = attrs.get("outcome") or res.get("outcome") or (
+            "duplicate" if attrs.get(ATTR_DUPLICATE_OF) is not None
+            else "interrupted" if t.state.name == "FAIL" else t.state.name.lower())
+        fixed = (getattr(t, "system_attrs", None) or {}).get("fixed_params") or {}
         start, end = t.datetime_start, t.datetime_complete
         out.append({
             "number": t.number, "state": t.state.name, "role": attrs.get("role") or "",
-            "outcome": outcome, "batch_size": t.params.get("batch_size", res.get("batch_size")),
+            "outcome": outcome,
+            "batch_size": t.params.get("batch_size", res.get("batch_size", fixed.get("batch_size"))),
             "alloc_conf": attrs.get("alloc_conf", res.get("alloc_conf")) or "",
             "throughput": res.get("throughput"), "peak_reserved_bytes": res.get("peak_reserved_bytes"),
             "peak_allocated_bytes": res.get("peak_allocated_bytes"), "fragmentation": res.get("fragmentation"),
             "memory_source": res.get("memory_source"), "predicted_bytes": attrs.get("predicted_peak_reserved_bytes"),
             "feasible": (outcome == "ok" and t.state.name == "COMPLETE" and all(v <= 0 for v in values)),
             "start": start, "duration_s": (end - start).total_seconds() if start and end else None,
-            "message": res.get("message"), "advice": res.get("advice"), "reused_from": attrs.get("reused_from"),
+            "message": res.get("message"), "advice": res.get("advice"), "reused_from": attrs.get("reused_from", attrs.get(ATTR_DUPLICATE_OF)),
             "data": {k[len("data."):]: v for k, v in t.params.items() if k.startswith("data.")},
         })
     return sorted(out, key=lambda r: r["number"])

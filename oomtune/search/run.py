@@ -331,7 +331,9 @@ def _console(*, stderr: bool) -> Any:
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    from oomtune.exceptions import Interrupted
+
+    raise Interrupted(signum)   # the CLI exits 128 + signum: 143 for SIGTERM
 
 
 def _say(console: Any, text: str) -> None:
