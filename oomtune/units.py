@@ -10,7 +10,7 @@ import re
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "parse_size", "format_bytes"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "parse_size", "parse_size_with_unit", "format_bytes"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -54,6 +54,30 @@ def parse_size(text: str | int | float) -> int:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"invalid size {text!r}: must be a finite number >= 0")
     return int(value * _UNITS[unit])
+
+
+def parse_size_with_unit(text: str | int | float, *, what: str = "size") -> int:
+    """:func:`parse_size` for a capacity given by a person (``--budget``, ``--max-size``), refusing a
+    bare number below 1 MiB as ambiguous: ``1024`` means 1024 bytes to :func:`parse_size` but
+    probably 1024 MiB to whoever typed it (the same rule as ``budget=`` of ``oomtune search``,
+    :func:`oomtune.device.parse_budget`). A bare count of at least 1 MiB is taken as bytes.
+
+    Raises:
+        ConfigError: ``"--budget '1024' is ambiguous: ..."``, or what :func:`parse_size` raises.
+    """
+    stripped = str(text).strip()
+    try:
+        number = float(stripped)
+    except ValueError:
+        number = None
+    if number is not None and math.isfinite(number) and 0 < number < MiB:
+        raise ConfigError(f"{what} {stripped!r} is ambiguous (a number without a unit): give a size with a "
+                          f"unit, e.g. {what} {stripped}MiB or {what} 16GiB")
+    try:
+        return parse_size(text)
+    except ConfigError:
+        raise ConfigError(f"invalid {what} {stripped!r}: expected a size with a unit, e.g. 512MiB, 16GiB "
+                          "or 1.5GB") from None
 
 
 def format_bytes(n: int | float | None, *, precision: int = 2) -> str:

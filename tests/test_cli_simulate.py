@@ -260,14 +260,22 @@ def test_settings_line_names_the_settings_once(tmp_path, capsys, recorded, args,
 
 def test_points_to_the_device_that_recorded_the_oom(capsys):
     # The DataParallel trace was dumped after an out-of-memory error on device 1 (../shared/traces
-    # README); its device 1 trace holds the one `oom` entry, device 0's holds none. The default
-    # replay (device 0, the first with entries) must say where the error is.
+    # README); its device 1 trace holds the one `oom` entry, device 0's holds none. A replay of
+    # device 0 alone must say where the error is; the default replays every device (issue 25).
     gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
-    assert main(["simulate", str(gnn)]) == 0
+    assert main(["simulate", str(gnn), "--device", "0"]) == 0
     out = capsys.readouterr().out
     assert "replaying device 0" in out
     assert "Note: device 1 recorded an out-of-memory error that this replay does not show: add --device 1" in out
     assert "OOM (simulated): no\n" in out
+    assert main(["simulate", str(gnn)]) == 0
+    out = capsys.readouterr().out
+    assert "devices with data: 0, 1, 2; replaying each, one after the other (--device N for one)" in " ".join(
+        out.replace("\n  ", " ").split())   # wrapped at 100 columns
+    assert [line.split(" (")[0] for line in out.splitlines() if line.startswith("== Device")] == [
+        "== Device 0", "== Device 1", "== Device 2"]
+    assert "Note: device" not in out
+    assert "OOM entries: (recorded on device) 1, (simulated) 1" in out   # device 1's, in the default
     assert main(["simulate", str(gnn), "--device", "1"]) == 0
     out = capsys.readouterr().out
     assert "Note: device" not in out
@@ -314,3 +322,32 @@ def test_recorded_divisions_that_are_not_numbers_give_a_notice(tmp_path, capsys)
     assert out["notes"] == ["the recorded allocator_settings cannot be used (roundup_power2_divisions holds "
                             "{'1': 'abc'}, expected whole numbers); replayed under torch's defaults"]
     assert out["exact"] is True   # the synthetic trace replays exactly under torch's defaults
+
+
+def test_the_default_replay_covers_every_device_holding_memory(tmp_path, capsys):
+    # Device 0 has a trace entry but no memory; device 1 holds a 20 MiB segment recorded before
+    # history began (no entries). The default replay used to replay device 0 alone, "exact" at 0 B.
+    seg = {"device": 1, "address": 1 << 30, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+           "blocks": [{"address": 1 << 30, "size": 20 * MiB, "requested_size": 20 * MiB, "state": "active_allocated"}]}
+    snap = {"segments": [seg], "device_traces": [[{"action": "snapshot", "addr": 0, "size": 0, "stream": 0}], [], []]}
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["simulate", str(path), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["device"] for r in records] == [0, 1]          # device 2 holds nothing: not replayed
+    dev1 = records[1]
+    assert dev1["recorded_final_reserved_bytes"] == dev1["simulated_final_reserved_bytes"] == 20 * MiB
+    assert dev1["exact"] is True
+    # a device holding nothing, named on purpose, is never "exact"
+    assert main(["simulate", str(path), "--json", "--device", "2"]) == 0
+    empty = json.loads(capsys.readouterr().out)
+    assert empty["exact"] is False and any("device 2 holds no trace entries or segments" in n for n in empty["notes"])
+
+
+def test_budget_without_a_unit_is_refused_as_ambiguous(capsys):
+    trace = Path(__file__).resolve().parent / "data" / "cnn-small-default.pickle"
+    assert main(["simulate", str(trace), "--budget", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget '1024' is ambiguous" in err and "1024MiB" in err
+    assert main(["simulate", str(trace), "--max-size", "512"]) == 2
+    assert "--max-size '512' is ambiguous" in capsys.readouterr().err

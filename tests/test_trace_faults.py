@@ -196,3 +196,4 @@ def test_multi_device_default_is_a_device_with_events():
     empty = replay_snapshot(snap, device=2)
     assert empty.recorded_segment_events == [] and empty.devices_with_data == [1]
     assert any("device 2 holds no trace entries or segments; devices with data: 1" in n for n in empty.notes)
+    assert empty.exact is False   # nothing compared: never "exact" (issue 25 item 9)

@@ -222,12 +222,87 @@ def test_a_file_too_large_for_memory_is_one_error(tmp_path, monkeypatch):
     def no_memory(self):
         raise MemoryError
 
-    monkeypatch.setattr(Path, "read_bytes", no_memory)
-    with pytest.raises(SnapshotError, match="huge.pickle does not fit in this machine's memory"):
-        load_snapshot(path)
-    monkeypatch.undo()
     from oomtune.trace import snapshot as module
 
     monkeypatch.setattr(module._RefusingUnpickler, "load", no_memory)
     with pytest.raises(SnapshotError, match="does not fit in this machine's memory once unpickled"):
         load_snapshot(path)
+
+
+# ------------------------------------------------------------------ issue 25 item 9
+class _CountingList(list):
+    """A list that counts the walks over it (each ``for`` over it is one)."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def _shared_frames_snapshot(entries: int, frames: list) -> dict:
+    """``entries`` segment_alloc/segment_free pairs, every entry holding the same ``frames`` object
+    (what a pickle's memo makes of one list referenced everywhere)."""
+    trace = []
+    for k in range(entries):
+        addr = (1 << 30) + k * (2 << 20)
+        trace.append({"action": "segment_alloc", "addr": addr, "size": 2 << 20, "stream": 0, "frames": frames})
+        trace.append({"action": "segment_free", "addr": addr, "size": 2 << 20, "stream": 0, "frames": frames})
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_a_frames_list_shared_by_every_entry_is_checked_once():
+    from oomtune.trace import replay_snapshot
+
+    _CountingList.walks = 0
+    frames = _CountingList([{"name": "train_step", "filename": "train.py", "line": 1}] * 1000)
+    snap = _shared_frames_snapshot(500, frames)      # 500 releases, each holding the 1,000 frames
+    validate_snapshot(snap)
+    assert _CountingList.walks == 1                  # not 500: the one list, checked once by identity
+    replay_snapshot(snap)                            # the release classifier reads frames too
+    assert _CountingList.walks == 2                  # once more in all (one verdict per list object)
+
+
+def test_the_shared_frames_pickle_is_bounded_by_its_size():
+    # The issue's file: one 100,000-frame list in every one of 40,000 entries (1.4 MB pickled): the
+    # checks visit each distinct object once, 1 frames list and 1 frame dict, plus cache hits.
+    from oomtune.trace import snapshot as module
+
+    frame = {"name": "f", "filename": "x.py", "line": 1}
+    data = pickle.dumps(_shared_frames_snapshot(20000, [frame] * 100000), protocol=4)
+    assert len(data) < 1_500_000
+    before = dict(module.CHECK_COUNTS)
+    snap = loads_snapshot(data)
+    assert snap["device_traces"][0][1]["frames"] is snap["device_traces"][0][3]["frames"]  # the memo kept it shared
+    walked = {k: module.CHECK_COUNTS[k] - before[k] for k in before}
+    assert walked == {"frames_lists": 1, "frames": 1, "cache_hits": 19999}   # 20,000 releases: 1 walk + 19,999 hits
+
+
+def test_a_segment_listed_twice_or_a_shared_blocks_list_is_refused():
+    blocks = [{"address": 1 << 30, "size": 20 << 20, "state": "inactive"}]
+    seg = {"device": 0, "address": 1 << 30, "total_size": 20 << 20, "stream": 0, "segment_type": "large",
+           "blocks": blocks}
+    with pytest.raises(SnapshotError, match=r"segments\[1\] is the same dict object as segments\[0\]"):
+        loads_snapshot(pickle.dumps({"segments": [seg] * 2, "device_traces": [[]]}))
+    other = dict(seg, address=2 << 30)   # a second segment dict holding the first one's blocks list
+    with pytest.raises(SnapshotError, match=r"segments\[1\] shares its blocks list with segments\[0\]"):
+        loads_snapshot(pickle.dumps({"segments": [seg, other], "device_traces": [[]]}))
+
+
+def test_a_file_above_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path = tmp_path / "big.pickle"
+    with path.open("wb") as f:   # 1.5 GiB, sparse: nothing to write, nothing to read
+        f.truncate(3 << 29)
+
+    def no_open(*a, **k):
+        raise AssertionError("the file was opened")
+
+    monkeypatch.setattr(Path, "open", no_open)
+    with pytest.raises(SnapshotError) as err:
+        load_snapshot(path)
+    assert str(err.value) == (f"snapshot file {path} is 1.50 GiB, above the 1.00 GiB read by default (unpickled, a "
+                              "snapshot takes 5-10x its size in memory): add --max-size 2GiB to read it")
+    monkeypatch.undo()
+    # raised, the limit lets it through to the unpickler, which stops at the first byte (zeros)
+    with pytest.raises(SnapshotError, match="is not a valid pickle"):
+        load_snapshot(path, max_bytes=2 << 30)

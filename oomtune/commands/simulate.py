@@ -7,8 +7,10 @@ implies; each ``--conf`` is one PYTORCH_CUDA_ALLOC_CONF string to replay under i
 torch's defaults), ``--budget`` a capacity. Output labels every figure ``(simulated)`` or
 ``(recorded on device)`` and says which rule decided who made each recorded release.
 
-``--json`` prints one JSON object for one ``--conf`` (or none), and a JSON list of such objects, in
-``--conf`` order, for several (:func:`json_record`). Its keys say where each figure comes from:
+Without ``--device`` every device holding memory (trace entries or segments) is replayed, one after
+the other; ``--device N`` replays one. ``--json`` prints one JSON object for one device and one
+``--conf`` (or none), and a JSON list of such objects otherwise, device by device and in ``--conf``
+order within a device (:func:`json_record`; each object names its ``device``). Its keys say where each figure comes from:
 ``simulated_*`` from the virtual GPU's replay (``simulated_peak_allocated_bytes``,
 ``simulated_peak_reserved_bytes``, ``simulated_peak_active_bytes``, ``simulated_final_reserved_bytes``,
 ``simulated_fragmentation``, ``simulated_num_alloc_retries``, ``simulated_oom``, ``simulated_oom_at``,
@@ -30,7 +32,7 @@ import sys
 from typing import Any
 
 from oomtune.exceptions import ConfigError
-from oomtune.units import format_bytes, parse_size
+from oomtune.units import format_bytes
 
 __all__ = ["register", "run", "json_record", "JSON_RENAMED"]
 
@@ -54,7 +56,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="the program's torch.cuda.set_per_process_memory_fraction(F) (needs --budget, the "
                    "device's capacity); garbage_collection_threshold acts only under a fraction")
     p.add_argument("--device", type=int, default=None, metavar="N",
-                   help="which device's trace to replay (default: the first device with trace entries)")
+                   help="replay only this device's trace (default: every device holding trace entries or "
+                   "segments, one after the other)")
+    p.add_argument("--max-size", default=None, metavar="SIZE",
+                   help="read a snapshot file up to this size, e.g. 4GiB (default 1GiB: unpickled, a snapshot "
+                   "takes 5-10x its file size in memory)")
     p.add_argument("--releases", choices=("auto", "all", "none"), default="auto",
                    help="which recorded segment releases become empty_cache() in the replay: auto (those the "
                    "program made, told apart from the allocator's own release-and-retry), all, none")
@@ -87,13 +93,25 @@ def json_record(result: Any, *, budget_bytes: int | None, trace: str) -> dict[st
     return dict(out, budget_bytes=budget_bytes, trace=trace)
 
 
-def _budget(text: str | None) -> int | None:
+def _size(text: str | None, flag: str) -> int | None:
+    """A size flag's value in bytes (a unit is required: ``1024`` alone is refused as ambiguous, as
+    ``budget=1024`` is for ``oomtune search``), or None when the flag was not given.
+
+    Raises:
+        ConfigError: an unparsable or ambiguous size, or one <= 0.
+    """
     if text is None:
         return None
-    budget = parse_size(text)
-    if budget <= 0:
-        raise ConfigError(f"invalid --budget {text!r}: must be greater than 0")
-    return budget
+    from oomtune.units import parse_size_with_unit
+
+    size = parse_size_with_unit(text, what=flag)
+    if size <= 0:
+        raise ConfigError(f"invalid {flag} {text!r}: must be greater than 0")
+    return size
+
+
+def _budget(text: str | None) -> int | None:
+    return _size(text, "--budget")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
     """
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.trace import load_snapshot, replay_snapshot
+    from oomtune.trace.snapshot import DEFAULT_MAX_BYTES
 
     budget = _budget(args.budget)
+    max_size = _size(getattr(args, "max_size", None), "--max-size") or DEFAULT_MAX_BYTES
     fraction = args.memory_fraction
     if fraction is not None and not (0 < fraction <= 1):
         raise ConfigError(f"invalid --memory-fraction {fraction}: must be in (0, 1]")
@@ -125,15 +145,21 @@ def run(args: argparse.Namespace) -> int:
                             "(torch reclaims cached blocks only when set_per_process_memory_fraction was "
                             "called): add --memory-fraction F --budget SIZE"):
             print(part, file=sys.stderr)
-    snapshot = load_snapshot(args.trace)
-    device = default_device(snapshot) if args.device is None else args.device
-    results = [
-        replay_snapshot(snapshot, s, total_memory_bytes=budget, device=device, releases=args.releases,
-                        memory_fraction=fraction)
-        for s in settings
-    ]
+    snapshot = load_snapshot(args.trace, max_bytes=max_size)
+    held = devices_with_data(snapshot)
+    if args.device is not None:
+        devices = [args.device]
+    else:   # every device holding memory; an empty snapshot: device 0, noted as holding nothing
+        devices = held or [default_device(snapshot)]
+    by_device = {
+        device: [replay_snapshot(snapshot, s, total_memory_bytes=budget, device=device, releases=args.releases,
+                                 memory_fraction=fraction)
+                 for s in settings]
+        for device in devices
+    }
     if args.json:
-        objs = [json_record(r, budget_bytes=budget, trace=str(args.trace)) for r in results]
+        objs = [json_record(r, budget_bytes=budget, trace=str(args.trace))
+                for results in by_device.values() for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, sort_keys=True))
         return 0
     from rich.console import Console
@@ -144,25 +170,34 @@ def run(args: argparse.Namespace) -> int:
 
         console = Console(highlight=False, soft_wrap=True, width=int(os.environ.get("COLUMNS", "0") or 0) or 200)
     traces = snapshot["device_traces"]
-    entries = len(traces[device]) if device < len(traces) else 0
-    held = devices_with_data(snapshot)
-    _say(console, f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
-                  f"replaying device {device} ({entries:,} entries)")
-    oom_devices = [d for d, t in enumerate(traces) if d != device and any(e.get("action") == "oom" for e in t)]
+
+    def entries(device: int) -> int:
+        return len(traces[device]) if 0 <= device < len(traces) else 0
+
+    where = f"Trace {args.trace}: devices with data: {', '.join(map(str, held)) or 'none'}; "
+    if len(devices) == 1:
+        _say(console, where + f"replaying device {devices[0]} ({entries(devices[0]):,} entries)")
+    else:
+        _say(console, where + "replaying each, one after the other (--device N for one)")
+    oom_devices = [d for d, t in enumerate(traces) if d not in devices and any(e.get("action") == "oom" for e in t)]
     if oom_devices:
         others = ", ".join(map(str, oom_devices))
         _say(console, f"Note: device {others} recorded an out-of-memory error that this replay does not show: "
                       f"add --device {oom_devices[0]} to replay it")
-    r0 = results[0]
-    _say(console, f"Budget: {_budget_text(r0)}"
-                  + (f", memory fraction {fraction} (limit {format_bytes(round(fraction * r0.total_memory_bytes))})"
-                     if fraction is not None else ""))
-    if r0.releases:
-        _say(console, f"Recorded releases: {_releases_text(r0.releases)}")
-    if len(results) == 1:
-        _print_one(console, results[0], _recorded_on(snapshot))
-    else:
-        _print_table(console, results, _recorded_on(snapshot))
+    for device, results in by_device.items():
+        if len(devices) > 1:
+            _say(console, f"== Device {device} ({entries(device):,} entries, "
+                          f"{sum(1 for x in snapshot['segments'] if x.get('device', 0) == device)} segments at the end)")
+        r0 = results[0]
+        _say(console, f"Budget: {_budget_text(r0)}"
+                      + (f", memory fraction {fraction} (limit {format_bytes(round(fraction * r0.total_memory_bytes))})"
+                         if fraction is not None else ""))
+        if r0.releases:
+            _say(console, f"Recorded releases: {_releases_text(r0.releases)}")
+        if len(results) == 1:
+            _print_one(console, results[0], _recorded_on(snapshot))
+        else:
+            _print_table(console, results, _recorded_on(snapshot))
     return 0
 
 

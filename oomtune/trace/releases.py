@@ -89,14 +89,38 @@ def recorded_reserved_walk(trace: list[dict], initial_reserved: int) -> tuple[li
     return before, peak
 
 
-def _frames_verdict(entries: list[dict]) -> bool | None:
-    """True: empty_cache in the frames; False: the allocator's malloc; None: frames say nothing."""
+#: Frames lists read by :func:`_frames_verdict` (a counter for tests: each distinct list once).
+FRAMES_READ = {"lists": 0}
+
+
+def _frames_verdict(entries: list[dict], cache: dict[int, bool | None] | None = None) -> bool | None:
+    """True: empty_cache in the frames; False: the allocator's malloc; None: frames say nothing.
+
+    ``cache``: verdicts by ``id(frames)``: a frames list shared by many entries (one object through
+    the pickle's memo) is read once (issue 25 item 9); the caller keeps the lists alive."""
     for e in entries:
-        names = [f.get("name", "") for f in e.get("frames") or () if isinstance(f, dict)]
-        if any("emptyCache" in n or n == "empty_cache" for n in names):
-            return True
-        if any("DeviceCachingAllocator::malloc" in n or "garbage_collect" in n for n in names):
-            return False
+        frames = e.get("frames")
+        if not frames:
+            continue
+        key = id(frames)
+        if cache is not None and key in cache:
+            verdict = cache[key]
+        else:
+            FRAMES_READ["lists"] += 1
+            verdict = _list_verdict(frames)
+            if cache is not None:
+                cache[key] = verdict
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def _list_verdict(frames: list) -> bool | None:
+    names = [f.get("name", "") for f in frames if isinstance(f, dict)]
+    if any("emptyCache" in n or n == "empty_cache" for n in names):
+        return True
+    if any("DeviceCachingAllocator::malloc" in n or "garbage_collect" in n for n in names):
+        return False
     return None
 
 
@@ -144,8 +168,9 @@ def classify_runs(trace: list[dict], runs: list[tuple], peak: int) -> list[Relea
     """:class:`Release` of each run from :func:`release_runs` (rules 1-3 of the module docstring);
     ``peak``: the recorded peak reserved bytes."""
     out = []
+    cache: dict[int, bool | None] = {}
     for i, j, reserved_before, needed, followed, request in runs:
-        verdict = _frames_verdict(trace[i:j + 1])
+        verdict = _frames_verdict(trace[i:j + 1], cache)
         if verdict is not None:
             explicit, rule = verdict, "frames"
         elif not followed:

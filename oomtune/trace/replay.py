@@ -110,8 +110,11 @@ class SnapshotReplay:
 
     @property
     def exact(self) -> bool:
-        """Every segment event, the peak and the final reserved total as recorded, no extra OOM."""
-        return (self.first_divergence is None and self.oom_at is None
+        """Every segment event, the peak and the final reserved total as recorded, no extra OOM, on a
+        device that holds data (a device with neither trace entries nor segments compares nothing:
+        never exact, issue 25 item 9)."""
+        return (self.device in self.devices_with_data
+                and self.first_divergence is None and self.oom_at is None
                 and self.peak_reserved_bytes == self.recorded_peak_reserved_bytes
                 and self.simulated_final_reserved_bytes == self.recorded_final_reserved_bytes)
 

@@ -16,6 +16,16 @@ returning ``os.system``), and ``oomtune simulate`` is handed such files by users
 look up a global. The shipped real trace (tests/data/cnn-small-default.pickle, inspected with
 pickletools) holds no GLOBAL/STACK_GLOBAL/REDUCE opcode at all, so nothing needs admitting; torch
 writes ``segment_pool_id`` as a tuple, also a plain opcode (TUPLE2).
+
+Work bounded by the file's size (issue 25 item 9). A pickle's memo lets one object appear many times
+for 2 bytes a reference: every trace entry can hold the same 100,000-frame list, and a 1.4 MB file
+then asked for 10^10 frame checks. Containers that torch itself shares, or that a memo may share
+harmlessly (``frames`` lists and frame dicts), are checked once, by identity (:class:`_Seen`), so
+the checks visit each distinct object once: at most a few per byte of the file. Containers that a
+snapshot never shares and whose sharing would multiply the replay's work (one segment dict twice in
+``segments``, one ``blocks`` list in two segments, one trace list for two devices) are refused. The
+file's size is checked before anything is read (:data:`DEFAULT_MAX_BYTES`, ``max_bytes``), and the
+file is unpickled as a stream: a file that is not a pickle fails at its first opcode.
 """
 
 from __future__ import annotations
@@ -28,7 +38,16 @@ from typing import Any
 
 from oomtune.exceptions import SnapshotError
 
-__all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "devices_with_data", "TRACE_ACTIONS"]
+__all__ = ["load_snapshot", "loads_snapshot", "validate_snapshot", "devices_with_data", "TRACE_ACTIONS",
+           "DEFAULT_MAX_BYTES", "CHECK_COUNTS"]
+
+#: The largest snapshot file :func:`load_snapshot` reads unless told otherwise (bytes; ``oomtune
+#: simulate --max-size``): 1 GiB. Unpickled, a snapshot takes about 5-10 times its file size in memory
+#: (measured on the shared traces: 5.2x and 9.8x), so this is about 5-10 GiB.
+DEFAULT_MAX_BYTES = 1 << 30
+#: Counters of the checks :func:`validate_snapshot` made (``frames`` lists walked, frame dicts
+#: checked, identity-cache hits), for tests and benchmarks: a bound that is structural, not timed.
+CHECK_COUNTS = {"frames_lists": 0, "frames": 0, "cache_hits": 0}
 
 #: Exclusive upper bound of every integer in a snapshot: torch/csrc/cuda/memory_snapshot.cpp writes
 #: addresses, sizes and streams as int64_t (``(int64_t)te.size_``, ``int64_t(te.stream_)``).
@@ -73,42 +92,78 @@ class _RefusingUnpickler(pickle.Unpickler):
         )
 
 
-def load_snapshot(path: str | Path) -> dict[str, Any]:
+def load_snapshot(path: str | Path, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> dict[str, Any]:
     """Load and validate a memory snapshot pickle written by ``torch.cuda.memory._dump_snapshot``.
+
+    The file's size is checked before it is read; it is then unpickled from the file as a stream
+    (never held whole in memory as bytes as well; garbage fails at its first opcode).
 
     Args:
         path: the pickle file.
+        max_bytes: the largest file read (:data:`DEFAULT_MAX_BYTES`, 1 GiB); None: no limit.
 
     Returns:
         The snapshot dict (``segments``, ``device_traces``, optional ``allocator_settings``), checked
         by :func:`validate_snapshot`.
 
     Raises:
-        SnapshotError: the file is missing, a device (/dev/zero), empty, truncated, too large for
-            memory, not a pickle, references any global (refused unexecuted), or is not a snapshot.
+        SnapshotError: the file is missing, a device (/dev/zero), larger than ``max_bytes`` (the
+            message says how to raise the limit), empty, truncated, too large for memory, not a
+            pickle, references any global (refused unexecuted), or is not a snapshot.
     """
+    import stat as _stat
+
+    from oomtune.units import format_bytes
+
     p = Path(path)
-    if p.is_char_device() or p.is_block_device():   # /dev/zero would be read until memory runs out
-        raise SnapshotError(f"snapshot path {p} is a device, not a pickle file")
     try:
-        data = p.read_bytes()
+        st = p.stat()
     except FileNotFoundError:
         raise SnapshotError(f"snapshot file {p} does not exist") from None
-    except MemoryError:
-        raise SnapshotError(f"snapshot file {p} does not fit in this machine's memory") from None
-    except IsADirectoryError:
-        raise SnapshotError(f"snapshot path {p} is a directory, not a pickle file") from None
     except OSError as exc:
         raise SnapshotError(f"cannot read snapshot file {p}: {exc.strerror or exc}") from None
-    return loads_snapshot(data, source=str(p))
+    if _stat.S_ISDIR(st.st_mode):
+        raise SnapshotError(f"snapshot path {p} is a directory, not a pickle file")
+    if _stat.S_ISCHR(st.st_mode) or _stat.S_ISBLK(st.st_mode):   # /dev/zero: never ends
+        raise SnapshotError(f"snapshot path {p} is a device, not a pickle file")
+    if not _stat.S_ISREG(st.st_mode):   # a pipe or socket: its size cannot be checked first
+        raise SnapshotError(f"snapshot path {p} is not a regular file (a pipe?): save the snapshot to a file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise SnapshotError(
+            f"snapshot file {p} is {format_bytes(st.st_size)}, above the {format_bytes(max_bytes)} read by "
+            f"default (unpickled, a snapshot takes 5-10x its size in memory): add --max-size "
+            f"{_round_up_gib(st.st_size)}GiB to read it")
+    try:
+        with p.open("rb") as f:
+            if not f.read(1):
+                raise SnapshotError(f"{p} is empty: expected a pickle from torch.cuda.memory._dump_snapshot")
+            f.seek(0)
+            obj = _unpickle(f, str(p))   # streamed: a file that is not a pickle fails at its first opcode
+    except MemoryError:
+        raise SnapshotError(f"snapshot file {p} does not fit in this machine's memory once unpickled") from None
+    except OSError as exc:
+        raise SnapshotError(f"cannot read snapshot file {p}: {exc.strerror or exc}") from None
+    validate_snapshot(obj, source=str(p))
+    return obj
+
+
+def _round_up_gib(size: int) -> int:
+    return -(-size // (1 << 30))
 
 
 def loads_snapshot(data: bytes, *, source: str = "<bytes>") -> dict[str, Any]:
     """Like :func:`load_snapshot`, from bytes already in memory (``source`` names them in errors)."""
     if not data:
         raise SnapshotError(f"{source} is empty: expected a pickle from torch.cuda.memory._dump_snapshot")
+    obj = _unpickle(io.BytesIO(data), source)
+    validate_snapshot(obj, source=source)
+    return obj
+
+
+def _unpickle(file: Any, source: str) -> Any:
+    """The object in the pickle ``file`` (restricted unpickler), or SnapshotError naming what is wrong."""
     try:
-        obj = _RefusingUnpickler(io.BytesIO(data), source).load()
+        obj = _RefusingUnpickler(file, source).load()
     except SnapshotError:
         raise
     except EOFError:
@@ -122,8 +177,19 @@ def loads_snapshot(data: bytes, *, source: str = "<bytes>") -> dict[str, Any]:
             f"{source} is not a valid pickle ({type(exc).__name__}: {exc}); expected the output of "
             "torch.cuda.memory._dump_snapshot"
         ) from None
-    validate_snapshot(obj, source=source)
     return obj
+
+
+class _Seen:
+    """Identity caches of one validation: containers already checked (``frames`` lists, frame
+    dicts) and containers that must not appear twice (segment dicts, ``blocks`` lists). Holds ids
+    of objects the snapshot keeps alive, so an id is never reused while it is in use."""
+
+    def __init__(self) -> None:
+        self.frames_ok: set[int] = set()
+        self.frame_ok: set[int] = set()
+        self.segments: dict[int, int] = {}
+        self.blocks: dict[int, int] = {}
 
 
 def _fail(source: str, where: str, problem: str) -> SnapshotError:
@@ -149,10 +215,14 @@ def _check_int(source: str, where: str, entry: dict, key: str, *, required: bool
         raise _fail(source, where, f"has {key}={value}, beyond the 64-bit integers torch writes (expected < 2**63)")
 
 
-def _check_segment(source: str, i: int, seg: Any) -> None:
+def _check_segment(source: str, i: int, seg: Any, seen: _Seen) -> None:
     where = f"segments[{i}]"
     if not isinstance(seg, dict):
         raise _fail(source, where, f"is a {type(seg).__name__}, expected a dict")
+    first = seen.segments.setdefault(id(seg), i)
+    if first != i:   # torch builds one dict per segment; a memo reference would replay it twice
+        raise _fail(source, where, f"is the same dict object as segments[{first}] (a snapshot lists each "
+                    "segment once)")
     for key in ("address", "total_size"):
         _check_int(source, where, seg, key)
     for key in ("device", "stream"):
@@ -170,6 +240,10 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
     blocks = seg.get("blocks")
     if not isinstance(blocks, list):
         raise _fail(source, where, "has no 'blocks' list")
+    owner = seen.blocks.setdefault(id(blocks), i)
+    if owner != i:   # one list per segment in torch; shared, every segment would walk all its blocks
+        raise _fail(source, where, f"shares its blocks list with segments[{owner}] (a snapshot has one per "
+                    "segment)")
     total = 0
     for j, block in enumerate(blocks):
         bwhere = f"{where}.blocks[{j}]"
@@ -185,7 +259,7 @@ def _check_segment(source: str, i: int, seg: Any) -> None:
         raise _fail(source, where, f"has blocks summing to {total} bytes, not total_size {seg['total_size']}")
 
 
-def _check_trace(source: str, d: int, trace: Any) -> None:
+def _check_trace(source: str, d: int, trace: Any, seen: _Seen) -> None:
     if not isinstance(trace, list):
         raise _fail(source, f"device_traces[{d}]", f"is a {type(trace).__name__}, expected a list")
     # Fast pass over well-formed entries (the same checks as _check_entry, without building the
@@ -201,10 +275,10 @@ def _check_trace(source: str, d: int, trace: Any) -> None:
                     and (time_us is None or type(time_us) is int and -end <= time_us < end)
                     and (action not in releases or get("frames") is None)):
                 continue
-        _check_entry(source, d, i, entry)
+        _check_entry(source, d, i, entry, seen)
 
 
-def _check_entry(source: str, d: int, i: int, entry: Any) -> None:
+def _check_entry(source: str, d: int, i: int, entry: Any, seen: _Seen) -> None:
     where = f"device_traces[{d}][{i}]"
     if not isinstance(entry, dict):
         raise _fail(source, where, f"is a {type(entry).__name__}, expected a dict")
@@ -224,21 +298,33 @@ def _check_entry(source: str, d: int, i: int, entry: Any) -> None:
     _check_int(source, where, entry, "stream", required=False)
     _check_int(source, where, entry, "time_us", required=False, none_ok=True)
     if entry["action"] in _RELEASE_ACTIONS:
-        _check_frames(source, where, entry.get("frames"))
+        _check_frames(source, where, entry.get("frames"), seen)
 
 
-def _check_frames(source: str, where: str, frames: Any) -> None:
+def _check_frames(source: str, where: str, frames: Any, seen: _Seen) -> None:
     """A release's ``frames`` (read to tell an empty_cache from the allocator's own release): None,
-    or a list of frame dicts whose ``name`` is a string, as torch's ivalue_symbolize writes them."""
+    or a list of frame dicts whose ``name`` is a string, as torch's ivalue_symbolize writes them.
+    A list or frame dict already checked (the same object, through the pickle's memo) is not
+    checked again (:class:`_Seen`)."""
     if frames is None:
         return
     if not isinstance(frames, list):
         raise _fail(source, where, f"has frames of type {type(frames).__name__}, expected a list of frame dicts")
+    if id(frames) in seen.frames_ok:
+        CHECK_COUNTS["cache_hits"] += 1
+        return
+    CHECK_COUNTS["frames_lists"] += 1
+    frame_ok = seen.frame_ok
     for k, frame in enumerate(frames):
+        if id(frame) in frame_ok:
+            continue
+        CHECK_COUNTS["frames"] += 1
         if not isinstance(frame, dict):
             raise _fail(source, where, f"has frames[{k}] of type {type(frame).__name__}, expected a dict")
         if not isinstance(frame.get("name", ""), str):
             raise _fail(source, where, f"has frames[{k}] with name={frame['name']!r}, expected a string")
+        frame_ok.add(id(frame))
+    seen.frames_ok.add(id(frames))
 
 
 def _check_plain(source: str, where: str, value: Any, depth: int) -> None:
@@ -279,6 +365,9 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
     key is there, is an int, not None. ``frames`` are inspected only on segment_free/segment_unmap
     entries, the only ones replay reads (a list of dicts with string names);
     ``allocator_settings``, when present, is a dict of plain data (printed by ``--json``).
+    Each distinct ``frames`` list and frame dict is checked once, whatever number of entries share
+    it; a segment dict listed twice, or a ``blocks`` list shared by two segments, is refused (the
+    module docstring: work bounded by the file's size).
 
     Raises:
         SnapshotError: naming the first offending entry.
@@ -298,8 +387,9 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
         raise _fail(source, "'segments'", "is not a list")
     if not isinstance(obj["device_traces"], list):
         raise _fail(source, "'device_traces'", "is not a list")
+    memo = _Seen()
     for i, seg in enumerate(obj["segments"]):
-        _check_segment(source, i, seg)
+        _check_segment(source, i, seg, memo)
     first_at: dict[int, int] = {}   # id of a non-empty trace list -> its first device
     for d, trace in enumerate(obj["device_traces"]):
         if isinstance(trace, list) and trace:
@@ -309,7 +399,7 @@ def validate_snapshot(obj: Any, *, source: str = "<snapshot>") -> None:
             if seen != d:
                 raise _fail(source, f"device_traces[{d}]", f"is the same list object as device_traces[{seen}] "
                             "(a snapshot holds one trace per device)")
-        _check_trace(source, d, trace)
+        _check_trace(source, d, trace, memo)
     settings = obj.get("allocator_settings")
     if settings is not None and not isinstance(settings, dict):
         raise _fail(source, "'allocator_settings'", "is not a dict")
