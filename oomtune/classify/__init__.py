@@ -7,18 +7,27 @@ OOM). Every torch OOM message format is parsed into bytes by :func:`parse_oom_me
 Rule order (first match wins) and why:
 
 1. ``limit`` for element-count / 32-bit indexing limits (field case C2): these never mention memory and
-   no allocator setting helps, so they come before anything memory-like.
+   no allocator setting helps, so they come before anything memory-like. So do a platform's limits on
+   the size of one allocation (issue 25 item 10): MPS's "Invalid buffer size: X GB" and MPSNDArray's
+   "total bytes of NDArray > 2**32", intel-extension-for-pytorch's "can NOT allocate memory block with
+   size larger than 4GB", and c10's "out of memory. Tried to allocate more than 1EB memory" (raised as
+   an OutOfMemoryError, yet no memory would hold it).
 2. TensorFlow's memory failures (``ResourceExhaustedError: OOM when allocating tensor``, "failed to
    allocate", "Dst tensor is not initialized"): ``oom`` (``host_oom`` on TF's CPU allocator); PyTorch's
    allocator settings do not apply to TF's allocator, the advice says so (issue 14 item 3).
 2b. The caching allocator's OOM (``CUDA out of memory. Tried to allocate``), split by cause:
-   ``oom_fragmentation`` when free < request <= free + reserved-but-unallocated, "free" capped by what
-   the fraction still allows (C3, C8; issue 14 item 2: free memory alone covering the request is not
-   fragmentation), else ``fraction_cap`` when an ``allowed`` figure below the total capacity was
+   ``oom_fragmentation`` when free < the segment torch asked the device for and the request <= free +
+   reserved-but-unallocated (:func:`oomtune.classify._rules.segment_and_request`: the printed "Tried
+   to allocate" is the segment, ``get_allocation_size`` of the request; issue 25 item 10), "free"
+   capped by what the fraction still allows (C3, C8; issue 14 item 2: free memory alone covering the
+   segment is not fragmentation), else ``fraction_cap`` when an ``allowed`` figure below the total capacity was
    printed (C4), else ``oom``. Fragmentation wins over the fraction cap: the request fits inside the
    cap and only the layout of the cached blocks stopped it; an allocator setting (expandable_segments
    / max_split_size_mb) fixes it under the same budget, whereas "fraction cap" would send the user to
-   raise the budget. torch <= 1.3's "C cached" is reserved - allocated (issue 14 item 1).
+   raise the budget. torch <= 1.3's "C cached" is reserved - allocated (issue 14 item 1). Any backend
+   prefix in torch's formats counts (NPU, XPU, CNRT: out-of-tree allocators copy the message), and
+   MPS's "MPS backend out of memory (MPS allocated: ..., max allowed: ...)" is ``oom`` with MPS's own
+   advice (its high-watermark limit; CUDA allocator settings do not apply).
 3. ``oom_outside_allocator``: cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE/NCCL allocation failures and the raw
    driver/runtime ``CUDA error: out of memory`` (torch.AcceleratorError).
 4. ``host_oom``: host RAM and shared memory (C5).

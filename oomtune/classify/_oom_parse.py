@@ -2,9 +2,16 @@
 
 Every format torch has printed: the caching allocator's current one (``DeviceCachingAllocator::malloc``
 in c10/cuda/CUDACachingAllocator.cpp, torch >= 2.1), the legacy ``(GPU 0; ... total capacity; ...)``
-one of torch 1.x-2.0 (incl. the "capacty" misspelling and torch <= 1.3's "cached"), HIP/XPU,
-``mallocAsync`` (c10/cuda/CUDAMallocAsyncAllocator.cpp) and torch 2.14's preemptive rejection by the
-per-process memory fraction.
+one of torch 1.x-2.0 (incl. the "capacty" misspelling and torch <= 1.3's "cached"), ``mallocAsync``
+(c10/cuda/CUDAMallocAsyncAllocator.cpp), torch 2.14's preemptive rejection by the per-process memory
+fraction, and MPS's (aten/src/ATen/mps/MPSAllocator.mm).
+
+Whole kinds, not strings (issue 25 item 10): the current and legacy formats are parsed whatever the
+backend's prefix (``CUDA``, ``HIP``, ``XPU``, and out-of-tree backends that copy torch's allocator and
+its message: torch_npu's ``NPU out of memory. Tried to allocate ... (NPU 0; ...; ... current active;
+...)``, Cambricon's ``CNRT ... (MLU 0; ...)``) and whatever the device word in the parenthesis
+(``GPU``, ``NPU``, ``MLU``; intel-extension-for-pytorch's XPU allocator prints ``(GPU 0; T total
+capacity; A already allocated; R reserved in total by PyTorch)`` with no free figure).
 """
 
 from __future__ import annotations
@@ -41,14 +48,18 @@ def _find(rx: re.Pattern[str], text: str) -> int | None:
     return None if m is None else _bytes(m.group(m.lastindex - 1), m.group(m.lastindex))
 
 
-_CUR_HEAD = _w(r"(CUDA|HIP|XPU) out of memory\. Tried to allocate SIZE\. GPU (\d+) has a total "
+#: A backend's prefix in the allocator's message: CUDA, HIP, XPU, NPU, CNRT, ... (upper case, a word).
+_BACKEND = r"([A-Z][A-Za-z]{1,11})"
+#: The device word of the message: GPU, NPU, XPU, MLU, ...
+_DEVICE = r"(?:[A-Z]{2,5})"
+_CUR_HEAD = _w(_BACKEND + r" out of memory\. Tried to allocate SIZE\. " + _DEVICE + r" (\d+) has a total "
                r"capac(?:i)?ty of SIZE of which SIZE is free\.")
 _CUR_SELF = _w(r"Including non-PyTorch memory, this process has SIZE memory in use")
 _CUR_PROC = _w(r"Process [^\s.;]+ has SIZE memory in use")  # another process (NVML): pid as printed
 _CUR_ALLOWED = _w(r"SIZE allowed;")
 _CUR_ALLOC = _w(r"Of the allocated memory SIZE is allocated by PyTorch,")
 _CUR_UNALLOC = _w(r"and SIZE is reserved by PyTorch but unallocated")
-_LEG_HEAD = _w(r"(CUDA|HIP) out of memory\. Tried to allocate SIZE \(GPU (\d+);([^)]*)\)")
+_LEG_HEAD = _w(_BACKEND + r" out of memory\. Tried to allocate SIZE \(" + _DEVICE + r" (\d+);([^)]*)\)")
 _LEG_TOTAL = _w(r"SIZE total capac(?:i)?ty")
 _LEG_ALLOC = _w(r"SIZE already allocated")
 _LEG_FREE = _w(r"SIZE free")
@@ -63,6 +74,13 @@ _ASYNC_REQ = _w(r"Requested\s*: SIZE")
 _ASYNC_TOTAL = _w(r"Device limit\s*: SIZE")
 _ASYNC_FREE = _w(r"Free \(according to CUDA\)\s*: SIZE")
 _ASYNC_LIMIT = _w(r"PyTorch limit \(set by user-supplied memory fraction\)\s*: SIZE")
+# MPS (aten/src/ATen/mps/MPSAllocator.mm): "MPS backend out of memory (MPS allocated: A, other
+# allocations: O, max allowed: M). Tried to allocate R on private|shared pool." Older releases format
+# sizes with their own format_size in "KB"/"MB"/"GB", binary (size / 1073741824.0 -> "GB").
+_MPS_SZ = r"(\d+(?:\.\d+)?)\s*(bytes|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\b"
+_MPS = re.compile((r"MPS backend out of memory \(MPS allocated: SZ, other allocations: SZ, max allowed: SZ\)\. "
+                   r"Tried to allocate SZ on (private|shared) pool").replace(" ", r"\s+").replace("SZ", _MPS_SZ), re.S)
+_MPS_SCALE = {"bytes": 1, "KB": KiB, "MB": MiB, "GB": GiB, "TB": TiB, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
 # torch 2.14 (string in libc10_cuda.so): the fraction limit checked before cudaMalloc is even tried.
 _PREEMPT = _w(r"Allocation was preemptively rejected because it would exceed per_process_memory_fraction "
               r"limit\. Requested size: SIZE")
@@ -83,8 +101,9 @@ class OomInfo:
         process_in_use_bytes: "this process has M memory in use" (or the single "Process P has M").
         other_processes_bytes: the sum of "Process P has M memory in use" of the other processes
             (current format, NVML's list; None when none is printed or only one process is listed).
-        source_format: "current" | "legacy" | "legacy_cached" | "cudaMallocAsync" | "preemptive".
-        backend: "CUDA" | "HIP" | "XPU".
+        source_format: "current" | "legacy" | "legacy_cached" | "cudaMallocAsync" | "preemptive" | "mps".
+        backend: the message's prefix: "CUDA", "HIP", "XPU", "NPU", "CNRT", "MPS", ...
+        pool: MPS only: ``"private"`` or ``"shared"``, the heap the request went to.
     """
 
     requested_bytes: int | None
@@ -98,6 +117,7 @@ class OomInfo:
     source_format: str
     backend: str = "CUDA"
     other_processes_bytes: int | None = None
+    pool: str | None = None
 
     @property
     def cached_free_bytes(self) -> int | None:
@@ -155,6 +175,20 @@ def _parse_async(text: str) -> OomInfo | None:
                    _find(_ASYNC_ALLOC, text), None, limit, None, "cudaMallocAsync")
 
 
+def _parse_mps(text: str) -> OomInfo | None:
+    """MPS's message: allocated = "MPS allocated" (the MPS allocator's heaps in use), in use by the
+    process = MPS allocated + "other allocations" (Metal's current driver memory), allowed = "max
+    allowed" (the high-watermark limit: PYTORCH_MPS_HIGH_WATERMARK_RATIO x the device's recommended
+    working set); no free or reserved figure is printed."""
+    m = _MPS.search(text)
+    if m is None:
+        return None
+    size = [int((Decimal(m[i]) * _MPS_SCALE[m[i + 1]]).to_integral_value(ROUND_HALF_EVEN)) for i in (1, 3, 5, 7)]
+    allocated, other, allowed, requested = size
+    return OomInfo(requested, None, None, None, allocated, None, allowed, allocated + other, "mps", "MPS",
+                   pool=m[9])
+
+
 def _parse_preemptive(text: str) -> OomInfo | None:
     m = _PREEMPT.search(text)
     if m is None:
@@ -164,13 +198,14 @@ def _parse_preemptive(text: str) -> OomInfo | None:
 
 def parse_oom_message(text: str) -> OomInfo | None:
     """Parse any torch device-OOM message (current, legacy incl. the "total capacty" misspelling and
-    "allowed", HIP/XPU, cudaMallocAsync, 2.14's preemptive fraction rejection) into bytes.
+    "allowed", any backend prefix and device word in those formats, cudaMallocAsync, 2.14's
+    preemptive fraction rejection, MPS) into bytes.
 
     The virtual GPU's prefix :data:`SIMULATED_PREFIX` may precede the native text. Returns None when
     ``text`` holds no recognised OOM message. Never raises.
     """
     text = text.replace(SIMULATED_PREFIX, "")
-    for parse in (_parse_current, _parse_legacy, _parse_async, _parse_preemptive):
+    for parse in (_parse_current, _parse_legacy, _parse_async, _parse_preemptive, _parse_mps):
         info = parse(text)
         if info is not None:
             return info

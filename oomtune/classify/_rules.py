@@ -17,7 +17,8 @@ from oomtune.exceptions import DeviceError
 from oomtune.outcome import Outcome
 from oomtune.units import format_bytes
 
-__all__ = ["Classification", "ADVICE", "classify_text", "is_element_limit", "is_allocator_oom",
+__all__ = ["Classification", "ADVICE", "classify_text", "is_element_limit", "is_allocation_size_limit",
+           "segment_and_request", "is_allocator_oom",
            "is_outside_allocator_oom", "is_host_oom", "is_tensorflow_oom", "is_cudnn_algorithm",
            "is_worker_crash", "memory_signal"]
 
@@ -61,6 +62,10 @@ _TF_ADVICE = ("TensorFlow's allocator ran out (PyTorch allocator settings do not
               "size, or set TF_GPU_ALLOCATOR=cuda_malloc_async / TF_FORCE_GPU_ALLOW_GROWTH=true")
 _LIB_LIMIT_ADVICE = ("batch-size-dependent library limit after smaller batches succeeded: this batch is "
                      "infeasible; no allocator setting helps")
+_SIZE_LIMIT_ADVICE = ("one allocation is larger than the platform allows (a per-buffer limit, not memory): no "
+                      "allocator setting or free memory helps; this batch is infeasible, a smaller one may fit")
+_MPS_ADVICE = ("the MPS allocator reached its limit (max allowed: PYTORCH_MPS_HIGH_WATERMARK_RATIO x the "
+               "device's working set): lower the batch; CUDA allocator settings do not apply to MPS")
 
 
 def _rx(*alternatives: str) -> Callable[[str], bool]:
@@ -73,7 +78,19 @@ is_element_limit = _rx(r"INT_MAX", r"canUse32BitIndexMath", r"32-bit index", r"i
                        r"cannot be converted to type int(?:32)? without overflow", r"numel[^\n]*int32",
                        r"more than 2\^31")
 is_allocator_oom = _rx(r"\b(?:CUDA|HIP|XPU) out of memory\.", r"would exceed allowed memory",
-                       r"preemptively rejected")
+                       r"preemptively rejected",
+                       # any backend copying torch's allocator message (NPU, CNRT, ...; issue 25 item 10)
+                       r"\b[A-Z][A-Za-z]{1,11} out of memory\.\s+Tried to allocate",
+                       r"\bMPS backend out of memory")
+# A platform's limit on the size of one allocation, not memory: no allocator setting and no free
+# memory helps, a smaller tensor (batch) does (issue 25 item 10). MPS/Metal: MPSAllocator.mm's
+# "Invalid buffer size: 50.62 GB" (above the device's maxBufferLength) and MPSNDArray's "total bytes
+# of NDArray > 2**32"; intel-extension-for-pytorch's XPU allocator: "Current platform can NOT allocate
+# memory block with size larger than 4GB!"; c10's caching allocators: "CUDA out of memory. Tried to
+# allocate more than 1EB memory." (CUDACachingAllocator.cpp ``allocate``: size >= 2**60).
+is_allocation_size_limit = _rx(r"Invalid buffer size: \d", r"total bytes of NDArray > 2\*\*32",
+                               r"can NOT allocate memory block with size larger than",
+                               r"Tried to allocate more than \d+\s*[KMGTPE]?i?B memory")
 is_outside_allocator_oom = _rx(r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED",
                                r"CUFFT_ALLOC_FAILED", r"CUSOLVER_STATUS_ALLOC_FAILED",
                                r"CUSPARSE_STATUS_ALLOC_FAILED", r"Cuda failure '?out of memory",
@@ -116,9 +133,17 @@ def _oom_classification(text: str, info: OomInfo | None) -> tuple[Outcome, str]:
     req = info.requested_bytes
     head = f"tried to allocate {format_bytes(req)}" + (f" on GPU {info.gpu_index}" if info.gpu_index is not None else "")
     cached = info.cached_free_bytes
+    if info.source_format == "mps":
+        used = "" if info.process_in_use_bytes is None else f"{format_bytes(info.process_in_use_bytes)} in use ("
+        return Outcome.OOM, (
+            f"out of memory (MPS, {where}): tried to allocate {format_bytes(req)} on the {info.pool} pool; "
+            f"{used}{format_bytes(info.allocated_bytes)} by the MPS allocator) of "
+            f"{format_bytes(info.allowed_bytes)} max allowed")
     if _is_fragmentation(info):
+        segment, request = segment_and_request(req)
         return Outcome.OOM_FRAGMENTATION, (
-            f"fragmentation ({where}): {head}; {format_bytes(_usable_free(info))} free < the request <= free + "
+            f"fragmentation ({where}): {head}; {format_bytes(_usable_free(info))} free < the "
+            f"{format_bytes(segment)} segment it needs, while the request (at most {format_bytes(request)}) <= free + "
             f"{format_bytes(cached)} reserved but unallocated ({format_bytes(info.reserved_bytes)} reserved, "
             f"{format_bytes(info.allocated_bytes)} allocated): the cached memory is split across segments "
             f"that still hold live blocks")
@@ -141,8 +166,51 @@ def _usable_free(info: OomInfo) -> int | None:
     return free
 
 
+#: The caching allocator's sizes (c10/cuda/CUDACachingAllocator.cpp; allocator-spec.md section 2).
+_SMALL_SIZE = 1 << 20          # kSmallSize: requests up to 1 MiB go to the small pool
+_SMALL_BUFFER = 2 << 20        # kSmallBuffer: every small-pool segment
+_MIN_LARGE_ALLOC = 10 << 20    # kMinLargeAlloc: requests below it share a 20 MiB segment
+_LARGE_BUFFER = 20 << 20       # kLargeBuffer
+_ROUND_LARGE = 2 << 20         # kRoundLarge: larger segments are the request rounded up to 2 MiB
+_MIN_BLOCK = 512               # kMinBlockSize
+
+
+def segment_and_request(printed: int | None) -> tuple[int | None, int | None]:
+    """The segment the allocator asked the device for, and the largest request behind it, from the
+    "Tried to allocate" figure of a caching-allocator message, in bytes.
+
+    Every release of the caching allocator (and the NPU/XPU allocators that copy it) prints
+    ``format_size(alloc_size)`` with ``alloc_size = get_allocation_size(size)``: the *segment*, not
+    the request (torch 1.1-1.3's "cached" format, 1.4-2.0's "reserved in total" and the current one;
+    c10/cuda/CUDACachingAllocator.cpp). ``get_allocation_size``: a request of at most 1 MiB gets a
+    2 MiB segment, one below 10 MiB a 20 MiB segment, a larger one its size rounded up to 2 MiB. So:
+
+    * 2.00 MiB is a small-pool segment: the request was at most 1 MiB;
+    * 20.00 MiB is a large segment shared by requests below 10 MiB: at most 10 MiB - 512 B;
+    * another figure below 10 MiB cannot be a segment: it is the request itself (torch 1.0 printed
+      some requests; so do allocators that print the request), and the segment is
+      ``get_allocation_size`` of it (2 or 20 MiB);
+    * from 10 MiB: the request, and the segment its size rounded up to 2 MiB (the same figure when
+      it already was one; two decimals of print cannot tell them apart).
+    """
+    if printed is None:
+        return None, None
+    if printed == _SMALL_BUFFER:
+        return _SMALL_BUFFER, _SMALL_SIZE
+    if printed == _LARGE_BUFFER:
+        return _LARGE_BUFFER, _MIN_LARGE_ALLOC - _MIN_BLOCK
+    if printed <= _SMALL_SIZE:
+        return _SMALL_BUFFER, printed
+    if printed < _MIN_LARGE_ALLOC:
+        return _LARGE_BUFFER, printed
+    return -(-printed // _ROUND_LARGE) * _ROUND_LARGE, printed
+
+
 def _is_fragmentation(info: OomInfo) -> bool:
-    """``free < request <= free + cached``, in every format (issue 14 item 2; field cases C3, C8).
+    """``free < segment`` and ``request <= free + cached``, in every format (issue 14 item 2; field
+    cases C3, C8; issue 25 item 10: the device is asked for the segment
+    (:func:`segment_and_request`), not the request, so its free memory is compared with the segment,
+    and the cached memory with the request it would have served).
 
     The message is written after the allocator's retry chain released every cached block that was a
     whole segment (``release_cached_blocks`` in ``DeviceCachingAllocator::malloc``), so the
@@ -151,13 +219,14 @@ def _is_fragmentation(info: OomInfo) -> bool:
     cache did not stop it (another process took the memory, or the figures raced): not fragmentation.
     When free + that trapped cache holds the request, the batch fits the budget and the layout stopped
     it: fragmentation, fixed by max_split_size_mb or expandable_segments. Without a printed free
-    figure the cache alone must hold the request."""
-    req, cached, free = info.requested_bytes, info.cached_free_bytes, _usable_free(info)
-    if req is None or cached is None or cached <= 0:
+    figure (intel-extension-for-pytorch's XPU format) the cache alone must hold the request."""
+    cached, free = info.cached_free_bytes, _usable_free(info)
+    segment, request = segment_and_request(info.requested_bytes)
+    if request is None or cached is None or cached <= 0:
         return False
     if free is None:
-        return cached >= req
-    return free < req <= free + cached
+        return cached >= request
+    return free < segment and request <= free + cached
 
 
 def _fraction_was_limit(info: OomInfo) -> bool:
@@ -193,6 +262,9 @@ def classify_text(text: str, *, batch_size: int | None = None, smaller_batch_suc
     msg = _one_line(text)
     if is_element_limit(text):
         return Classification(Outcome.LIMIT, f"element-count limit: {msg}", ADVICE[Outcome.LIMIT])
+    if is_allocation_size_limit(text):
+        return Classification(Outcome.LIMIT, f"per-allocation size limit of the platform (not memory): {msg}",
+                              _SIZE_LIMIT_ADVICE)
     etype = _exception_type(text)
     if is_tensorflow_oom(text) and not is_allocator_oom(text):
         if _TF_HOST.search(text):
@@ -205,10 +277,11 @@ def classify_text(text: str, *, batch_size: int | None = None, smaller_batch_suc
     if is_allocator_oom(text) or etype.endswith("OutOfMemoryError"):
         info = parse_oom_message(text)
         outcome, line = _oom_classification(text, info)
-        physical = _physical(info, visible_devices)
+        physical = _physical(info, visible_devices) if info is None or info.backend in ("CUDA", "HIP") else None
         if physical is not None:
             line += f" (physical GPU {physical})"
-        return Classification(outcome, line, ADVICE[outcome], info, physical)
+        advice = _MPS_ADVICE if info is not None and info.source_format == "mps" else ADVICE[outcome]
+        return Classification(outcome, line, advice, info, physical)
     if is_host_oom(text) or etype == "MemoryError":
         return Classification(Outcome.HOST_OOM, f"host memory: {msg}", ADVICE[Outcome.HOST_OOM])
     if is_cudnn_algorithm(text):
