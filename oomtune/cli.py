@@ -34,10 +34,43 @@ COMMANDS = {
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (``oomtune simulate: error: ...``) and exit code 2."""
+    """argparse, but a usage error is one line (``oomtune simulate: error: ...``) and exit code 2,
+    with a "did you mean" suggestion for a mistyped sub-command or flag (:func:`_did_you_mean`)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{_did_you_mean(self, message)} (see {self.prog} --help)\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--flag`` of ``parser`` and of the sub-command parsers it holds."""
+    out = [o for a in parser._actions for o in a.option_strings]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += [o for a in sub._actions for o in a.option_strings]
+    return sorted(set(out))
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """``"; did you mean 'search'?"`` for argparse's invalid-choice and unrecognised-argument
+    messages when a close match exists (difflib), else ``""``."""
+    import difflib
+    import re
+
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        match = difflib.get_close_matches(m[1], re.findall(r"'([^']*)'", m[2]), n=1, cutoff=0.6)
+        return f"; did you mean {match[0]!r}?" if match else ""
+    m = re.search(r"unrecognized arguments: (.*)", message)
+    if m:
+        options = _option_strings(parser)
+        for word in m[1].split():
+            flag = word.split("=", 1)[0]
+            if flag.startswith("-"):
+                match = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+                if match:
+                    return f"; did you mean {match[0]!r} for {flag!r}?"
+    return ""
 
 
 def _build_parser(only: str | None = None) -> argparse.ArgumentParser:

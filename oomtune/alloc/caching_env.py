@@ -10,6 +10,12 @@ says nothing about the caching allocator, so:
   clear it silently: the user's environment is theirs, and a tuned result must hold in it;
 - every trial environment is checked again (a ``target.cmd`` or ``env`` mapping may set it);
 - ``oomtune env`` and :func:`oomtune.apply_best` warn: the exported settings would do nothing.
+
+The same commands refuse an invalid ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` left in the
+user's shell (:func:`check_alloc_env`, issue 25 item 12) before torch is imported: the parent imports
+torch with the user's environment, and a malformed string makes ``import torch`` abort with a C++
+stack trace (exit 134; pytorch#186453) or makes the first allocation raise. Trials get their own
+strings; the user's are never passed on.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from collections.abc import Mapping
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["NO_CACHING_ENV", "caching_disabled_reason", "check_caching_enabled"]
+__all__ = ["NO_CACHING_ENV", "ALLOC_CONF_ENV", "caching_disabled_reason", "check_caching_enabled", "check_alloc_env"]
 
 NO_CACHING_ENV = "PYTORCH_NO_CUDA_MEMORY_CACHING"
+#: The variables torch reads its allocator settings from (which one first differs by version).
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def caching_disabled_reason(environ: Mapping[str, str] | None = None) -> str | None:
@@ -48,3 +56,26 @@ def check_caching_enabled(environ: Mapping[str, str] | None = None, *, where: st
     reason = caching_disabled_reason(environ)
     if reason is not None:
         raise ConfigError(f"{reason} (found in {where})")
+
+
+def check_alloc_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse an invalid allocator string in ``environ`` (default ``os.environ``) under either name of
+    :data:`ALLOC_CONF_ENV`, checked with torch's grammar and rules
+    (:meth:`oomtune.alloc.settings.AllocatorSettings.parse`) without importing torch.
+
+    Raises:
+        ConfigError: one line naming the variable, the problem and how to fix it.
+    """
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.exceptions import AllocatorConfigError
+
+    env = os.environ if environ is None else environ
+    for name in ALLOC_CONF_ENV:
+        value = env.get(name)
+        if not value:
+            continue
+        try:
+            AllocatorSettings.parse(value)
+        except AllocatorConfigError as exc:
+            raise ConfigError(f"{name}={value!r} in your environment is invalid ({exc}); torch would fail on it "
+                              f"when imported: fix it or run `unset {name}` (oomtune sets each trial's own)") from None

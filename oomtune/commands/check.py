@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from oomtune.regression import (check_junit_path, check_predict, check_run, default_mode, validate_limits,
                                write_junit)
 
+    from oomtune.alloc.caching_env import check_alloc_env
+
+    check_alloc_env()   # before torch is imported (run mode, and the default mode's CUDA probe)
     validate_limits(max_slowdown=args.max_slowdown, max_memory_growth=args.max_memory_growth,
                     tolerance=args.tolerance)
     if args.junit is not None:

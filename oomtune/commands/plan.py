@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from oomtune.alloc.caching_env import check_alloc_env
+
+    check_alloc_env()   # before anything imports torch, which would abort on a malformed string
     console = Console()
     if not console.is_terminal:  # logs and CI: 120 columns (the compact map fits them)
         console = Console(width=120)
@@ -88,6 +91,9 @@ def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
                           "a training command cannot be traced without running it")
     validate_target(target)
     if name == "builtin":
+        from oomtune.workloads.keys import check_model_keys
+
+        check_model_keys(workload)   # the model keys, before torch is imported (issue 25 item 12)
         if cache is not None and cache.validated(workload):
             return
         from oomtune.workloads import validate_workload_config

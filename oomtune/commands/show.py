@@ -99,7 +99,7 @@ def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, A
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from oomtune.display import trial_rows, trial_table, trial_table_legend
+    from oomtune.display import fit_table, trial_rows, trial_table, trial_table_legend
     from oomtune.search.storage import load_study
 
     located = _locate(args)
@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     best = (recorded or {}).get("best") or {}
     from oomtune.runfile import redact
 
-    console.print(trial_table(rows, title=f"study {name} ({redact(url)})", best_number=best.get("trial_number")))
+    console.print(fit_table(trial_table(rows, title=f"study {name} ({redact(url)})",
+                                        best_number=best.get("trial_number")), console.width))
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if recorded is not None:  # the answer every worker wrote (oomtune best prints all of it)

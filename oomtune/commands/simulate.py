@@ -350,7 +350,9 @@ def _print_table(console: Any, results: list[Any], rec: str = "recorded on devic
             str(r.num_alloc_retries), f"{len(r.simulated_segment_allocs)} / {len(r.recorded_segment_allocs)}",
             "none" if r.first_divergence is None else f"#{r.first_divergence}", "yes" if r.oom else "no",
         )
-    console.print(table)
+    from oomtune.display import fit_table
+
+    console.print(fit_table(table, console.width))
     lines = ["peak alloc / resv: peak allocated / reserved; resv vs recorded: simulated - recorded peak reserved",
              "frag: 1 - peak active / peak reserved; retries: cudaMalloc retries after freeing the cache",
              "segments: segment allocations, simulated / recorded; first diff: first segment event that "

@@ -114,7 +114,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
         DiskFullError: a file could not be written for lack of space (no temporary file is left).
     """
-    from oomtune.display import trial_rows, trial_table, trial_table_legend
+    from oomtune.display import fit_table, trial_rows, trial_table, trial_table_legend
     from oomtune.search.driver import SetupFault
 
     trials = study.get_trials(deepcopy=False)
@@ -123,7 +123,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
 
     write_atomic(run_dir / "trials.json", json.dumps(rows, indent=1, default=str))
     best_no = summary.best.number if summary.best is not None else None
-    console.print(trial_table(rows, title=f"study {study.study_name}", best_number=best_no))
+    console.print(fit_table(trial_table(rows, title=f"study {study.study_name}", best_number=best_no), console.width))
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if summary.best is None:
@@ -163,7 +163,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     path = write_recorded_best(study, config, run_dir / "best.yaml")
     best = load_best(path).best  # the study's recorded choice (another worker's when it was first)
     if summary.frontiers:
-        console.print(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated))
+        console.print(fit_table(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated),
+                                console.width))
         for line in frontier_legend(summary.frontiers):
             console.print(line, highlight=False, markup=False)
     from oomtune.display import wrapped

@@ -109,6 +109,9 @@ def workload_of(cfg: Any) -> dict[str, Any]:
         workload = resolve_workload({"target": target})
         validate_target(workload["target"])
         return workload
+    from oomtune.workloads.keys import check_model_keys
+
+    check_model_keys(C.to_container(cfg.model))   # before torch is imported (issue 25 item 12)
     from oomtune.workloads import validate_workload_config
 
     workload = resolve_workload({**C.to_container(cfg.model), "target": target})
@@ -123,9 +126,10 @@ class _Prepared:
     def __init__(self, overrides: Sequence[str]):
         from oomtune.schema import validate
 
-        from oomtune.alloc.caching_env import check_caching_enabled
+        from oomtune.alloc.caching_env import check_alloc_env, check_caching_enabled
 
         check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
+        check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
         self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
         validate(cfg)   # also budget= and device= syntax: bad values exit before torch is imported
         self.space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either

@@ -18,8 +18,10 @@ from oomtune.workloads.models import ModelSpec, build_model, cfg_choice, cfg_flo
 __all__ = ["Workload", "StepTimings", "build_workload", "build_capture_workload",
            "validate_workload_config"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+from oomtune.workloads.keys import OPTIMIZERS, PRECISION_NAMES  # noqa: E402
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(PRECISIONS) == PRECISION_NAMES
 
 
 @dataclass

@@ -6,8 +6,7 @@ function making one synthetic batch ``(inputs, targets)`` on a given device.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,8 +18,7 @@ from oomtune.workloads.shapes import shape_distribution
 __all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float", "cfg_bool",
            "cfg_choice"]
 
-MODEL_NAMES = ("mlp", "resnet", "transformer")
-RESNET_DEPTHS = (18, 34, 50, 101, 152)
+from oomtune.workloads.keys import MODEL_NAMES, RESNET_DEPTHS, cfg_bool, cfg_choice, cfg_float, cfg_int  # noqa: E402
 
 #: ``make_batch(batch_size, device, shape=None)``: ``shape`` is the step's ``seq_len`` / ``image_size``
 #: (None: the model's fixed or largest one; see :mod:`oomtune.workloads.shapes`).
@@ -38,47 +36,6 @@ class ModelSpec:
     def __init__(self, module: nn.Module, kind: str, make_batch: BatchFn, **info: Any) -> None:
         self.module, self.kind, self.make_batch, self.info = module, kind, make_batch, info
         self.shapes = shape_distribution({})
-
-
-def cfg_int(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1,
-            prefix: str = "model.") -> int:
-    """``cfg[key]`` as an int >= ``minimum`` (a bool is not an int). Raises ConfigError naming the
-    key and the value otherwise."""
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{prefix}{key}={value!r}: expected an integer >= {minimum}")
-    return value
-
-
-def cfg_float(cfg: Mapping[str, Any], key: str, default: float, *, lo: float = 0.0,
-              hi: float = float("inf"), prefix: str = "model.") -> float:
-    """``cfg[key]`` as a finite float in ``[lo, hi]`` (ints accepted, bools not). Raises
-    ConfigError naming the key and the value otherwise."""
-    value = cfg.get(key, default)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not lo <= value <= hi):
-        where = f"in [{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g}"
-        raise ConfigError(f"{prefix}{key}={value!r}: expected a finite number {where}")
-    return float(value)
-
-
-def cfg_bool(cfg: Mapping[str, Any], key: str, default: bool, *, prefix: str = "model.") -> bool:
-    """``cfg[key]`` as a real bool (``true``/``false`` in YAML and Hydra overrides): ``"abc"``,
-    ``1`` or ``"yes"`` are refused rather than read as truthy. Raises ConfigError naming the key."""
-    value = cfg.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{prefix}{key}={value!r}: expected true or false")
-    return value
-
-
-def cfg_choice(cfg: Mapping[str, Any], key: str, default: Any, choices: Sequence[Any], *,
-               prefix: str = "model.") -> Any:
-    """``cfg[key]``, which must be one of ``choices`` (compared by type as well: ``True`` is not 1,
-    ``18.0`` is not 18). Raises ConfigError naming the key, the value and the choices."""
-    value = cfg.get(key, default)
-    if not any(type(value) is type(c) and value == c for c in choices):
-        raise ConfigError(f"{prefix}{key}={value!r}: choose one of {', '.join(str(c) for c in choices)}")
-    return value
 
 
 def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
