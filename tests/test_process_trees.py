@@ -340,3 +340,33 @@ def test_search_progress_names_survivors_in_one_line():
     progress(study.trials[0], "search")
     lines = out.getvalue().splitlines()
     assert lines[-1] == "[trial 0] left 1 process running (could not be killed): pid 4242 (python loader.py)"
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_process_running_forked_trials_leaves_none(tmp_path):
+    """The fork server's path: the launcher (a process with a fork-server TrialRunner, as the search
+    is) SIGKILLed while a builtin trial with a setsid grandchild runs: the server sees its stdin
+    close and has the keeper kill the tree (the keeper also gets SIGHUP if the server dies)."""
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from oomtune.trial.record import TrialSpec
+        from oomtune.trial.runner import TrialRunner
+        runner = TrialRunner(launcher="fork")
+        assert runner.start_fork_server()
+        spec = TrialSpec(workload={MLP!r}, batch_size=4, device="cpu", budget_bytes=64 << 20,
+                         warmup_steps=1, measure_steps=2, timeout_s=300)
+        runner.run(spec, workdir=Path({str(tmp_path / 'trial')!r}), env={{"OOMTUNE_TEST_HOOK": "setsid:300"}})
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    grand_file = tmp_path / "trial" / "grandchild.pid"
+    try:
+        _wait_for(grand_file, 240)
+        grand = int(grand_file.read_text())
+        assert _alive(grand)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        assert _gone_within([grand], f"oomtune-no-such-token-{uuid.uuid4().hex}", 15.0)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
