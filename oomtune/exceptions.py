@@ -18,6 +18,7 @@ __all__ = [
     "StorageUnavailableError",
     "DiskFullError",
     "Interrupted",
+    "HostMemoryRefused",
 ]
 
 
@@ -83,3 +84,8 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+class HostMemoryRefused(OomtuneError):
+    """A capture that must run on the CPU (an op without a meta kernel, a data-dependent branch)
+    would hold more tensors in host memory than is available: refused before the host runs out."""

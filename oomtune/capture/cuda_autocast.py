@@ -223,16 +223,29 @@ def cuda_autocast(dtype: torch.dtype = torch.float16, enabled: bool = True,
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _saved: dict[str, Any] = {}
+_mapped: list[Any] = []   # callbacks told of each torch.autocast("cpu" | "meta") routed to CUDA's policy
+#: Device types whose ``torch.autocast`` a capture routes to CUDA's policy: the capture's tensors
+#: stand for CUDA ones, so code that asks for autocast on the tensors' device type (the HF Trainer's
+#: ``bf16=True`` and Lightning's ``bf16-mixed`` on a CPU machine, ``device_type=x.device.type``)
+#: asks, on the GPU, for CUDA's.
+MAPPED_DEVICES = ("cuda", "cpu", "meta")
 
 
 @contextlib.contextmanager
-def emulate_cuda_autocast() -> Iterator[None]:
-    """Within this block, ``torch.autocast("cuda", ...)`` (and ``torch.cuda.amp.autocast``) in the
-    captured code applies CUDA's policy to meta/CPU tensors through :func:`cuda_autocast`, instead
-    of being disabled for lack of a GPU. Other device types are untouched.
+def emulate_cuda_autocast(on_mapped: Any = None) -> Iterator[None]:
+    """Within this block, ``torch.autocast`` for ``cuda``, ``cpu`` or ``meta`` (and
+    ``torch.cuda.amp.autocast``, ``torch.cpu.amp.autocast``) in the captured code applies CUDA's
+    policy to meta/CPU tensors through :func:`cuda_autocast`, instead of being disabled for lack of a
+    GPU (cuda), following the CPU's op lists (cpu) or raising (meta: torch has no meta autocast).
+    A ``cpu``/``meta`` region with no dtype gets CUDA's default, fp16, as the same code on a GPU would.
+    ``on_mapped(device_type, dtype, enabled)`` is called for each ``cpu``/``meta`` region (the
+    capture's record says so). ``torch.is_autocast_enabled(device)`` and
+    ``torch.get_autocast_dtype(device)`` report the emulated region for those device types, so code
+    that saves and restores the state (activation checkpointing's recomputation,
+    ``torch.utils.checkpoint._get_autocast_kwargs``) restores the emulated policy.
 
-    Mechanism: ``torch.amp.autocast_mode.autocast.__enter__``/``__exit__`` are wrapped for the
-    duration (reentrant, process-wide; restored on exit), and the two availability checks
+    Mechanism: ``torch.amp.autocast_mode.autocast.__init__``/``__enter__``/``__exit__`` are wrapped for
+    the duration (reentrant, process-wide; restored on exit), and the two availability checks
     ``autocast.__init__`` makes (``torch.cuda.amp.common.amp_definitely_not_available``,
     ``torch.cuda.is_bf16_supported``) report a GPU that supports bf16, so the user's arguments
     (dtype, enabled, cache_enabled) are kept as given.
@@ -242,23 +255,41 @@ def emulate_cuda_autocast() -> Iterator[None]:
         if _patch_depth == 0:
             _install()
         _patch_depth += 1
+        if on_mapped is not None:
+            _mapped.append(on_mapped)
     try:
         yield
     finally:
         with _patch_lock:
+            if on_mapped is not None:
+                _mapped.remove(on_mapped)
             _patch_depth -= 1
             if _patch_depth == 0:
                 _uninstall()
+
+
+def _emulated_state() -> _State | None:
+    mode = getattr(_local, "mode", None)
+    return mode._states[-1] if mode is not None and mode._states else None
 
 
 def _install() -> None:
     import torch.cuda.amp.common as amp_common
     from torch.amp.autocast_mode import autocast
 
-    _saved.update(enter=autocast.__enter__, exit=autocast.__exit__,
+    _saved.update(init=autocast.__init__, enter=autocast.__enter__, exit=autocast.__exit__,
                   not_available=amp_common.amp_definitely_not_available,
-                  bf16=torch.cuda.is_bf16_supported)
-    orig_enter, orig_exit = autocast.__enter__, autocast.__exit__
+                  bf16=torch.cuda.is_bf16_supported, is_enabled=torch.is_autocast_enabled,
+                  get_dtype=torch.get_autocast_dtype)
+    orig_init, orig_enter, orig_exit = autocast.__init__, autocast.__enter__, autocast.__exit__
+    is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):  # noqa: ANN001, N807
+        if isinstance(device_type, str) and device_type in ("cpu", "meta"):
+            for callback in list(_mapped):
+                callback(device_type, dtype if dtype is not None else torch.float16, enabled)
+            device_type = "cuda"
+        orig_init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
     def __enter__(self):  # noqa: ANN001, N807
         if getattr(self, "device", None) != "cuda":
@@ -275,16 +306,32 @@ def _install() -> None:
         region.__exit__(*exc)
         return False
 
-    autocast.__enter__, autocast.__exit__ = __enter__, __exit__
+    def is_autocast_enabled(device_type=None):  # noqa: ANN001, ANN202
+        if device_type is None or device_type in MAPPED_DEVICES:
+            state = _emulated_state()
+            return bool(state is not None and state.enabled)
+        return is_enabled(device_type)
+
+    def get_autocast_dtype(device_type):  # noqa: ANN001, ANN202
+        if device_type in MAPPED_DEVICES:
+            state = _emulated_state()
+            return state.dtype if state is not None else torch.float16
+        return get_dtype(device_type)
+
+    autocast.__init__, autocast.__enter__, autocast.__exit__ = __init__, __enter__, __exit__
     amp_common.amp_definitely_not_available = lambda: False
     torch.cuda.is_bf16_supported = lambda *a, **k: True
+    torch.is_autocast_enabled = is_autocast_enabled
+    torch.get_autocast_dtype = get_autocast_dtype
 
 
 def _uninstall() -> None:
     import torch.cuda.amp.common as amp_common
     from torch.amp.autocast_mode import autocast
 
-    autocast.__enter__, autocast.__exit__ = _saved["enter"], _saved["exit"]
+    autocast.__init__, autocast.__enter__, autocast.__exit__ = _saved["init"], _saved["enter"], _saved["exit"]
     amp_common.amp_definitely_not_available = _saved["not_available"]
     torch.cuda.is_bf16_supported = _saved["bf16"]
+    torch.is_autocast_enabled = _saved["is_enabled"]
+    torch.get_autocast_dtype = _saved["get_dtype"]
     _saved.clear()

@@ -22,11 +22,12 @@ Known differences from a real CUDA run (the recorded stream omits or differs in)
   plus 16-byte semaphores in lm-ctx128-fullstep, freed at once), cuFFT plans, NCCL buffers.
   cuBLAS workspaces are added when ``blas_workspaces`` is given
   (:mod:`oomtune.capture.blas_workspace`).
-* Kernel choice: ``meta``/CPU follow the generic kernels; on CUDA, cuDNN batch norm returns an extra
-  reserve buffer, fused/flash attention saves different tensors, and the default optimizer
-  implementation is ``foreach`` (CPU and meta default to the per-tensor loop).
-* Autocast: ``torch.autocast("cuda")`` does nothing on meta/CPU tensors; :func:`capture_stream`
-  applies CUDA's policy (op lists, weight-cast cache) with :mod:`oomtune.capture.cuda_autocast`.
+* Kernel choice: ``meta``/CPU follow the generic kernels; :func:`capture_stream` (and
+  :class:`~oomtune.capture.virtual_gpu.VirtualGPU`) run the step under
+  :func:`oomtune.capture.cuda_kernels.emulate_cuda`, which makes attention, dropout, RMS norm,
+  autocast and the optimizers pick CUDA's kernels for the target GPU and adds the workspaces those
+  kernels allocate inside the call (:meth:`StorageRecorder.add_transients`). Still generic: cuDNN
+  batch norm's extra reserve buffer, cuDNN/cuBLASLt workspaces beyond cuBLAS's (docs/kernel_audit.md).
 * ``torch.UntypedStorage.resize_`` called directly (not through an aten op) is not seen; a storage
   that grows under an aten op is recorded as a new request followed by the release of the old one.
 * Storages kept alive by a reference cycle are released when the cyclic garbage collector runs, not
@@ -53,7 +54,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream", "MEMO_OPS"]
+from oomtune.capture import cuda_kernels as _kernels
+
+__all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream", "MEMO_OPS", "HostMemoryError"]
 
 _aten = torch.ops.aten
 #: Ops whose meta kernels are slow Python decompositions and whose outputs are new storages whose
@@ -266,7 +269,37 @@ class StorageRecorder(TorchDispatchMode):
             ws = self.blas_workspaces
             if ws is not None and ws.needs_workspace(func):
                 self.add_workspace(ws.size_bytes)
+            if _kernels.active():
+                sizes = _kernels.transient_requests(func, args, kwargs)
+                if sizes and self._on_device(leaves):
+                    self.add_transients(sizes)
         return out
+
+    def _on_device(self, leaves: list[Any]) -> bool:
+        first = next((t for t in leaves if isinstance(t, torch.Tensor)), None)
+        return first is not None and (self.device_type is None or first.device.type == self.device_type)
+
+    def add_transients(self, sizes: list[int]) -> None:
+        """Report requests of ``sizes`` bytes (in order) and their releases (in reverse order), now:
+        the workspaces a CUDA kernel allocates from the caching allocator inside the call
+        (:func:`oomtune.capture.cuda_kernels.transient_requests`). Raises what ``sink.on_alloc`` raises
+        (a simulated OOM), after releasing the ones already made."""
+        with self._lock:
+            made: list[int] = []
+            try:
+                for size in sizes:
+                    key = self._next_key
+                    self._next_key += 1
+                    self._call(self.sink.on_alloc, key, size)
+                    made.append(key)
+                    self.n_allocs += 1
+                    self.live_bytes += size
+                    self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            finally:
+                for key, size in reversed(list(zip(made, sizes))):
+                    self.n_frees += 1
+                    self.live_bytes -= size
+                    self._call(self.sink.on_free, key)
 
     def add_workspace(self, size_bytes: int) -> None:
         """Report one request of ``size_bytes`` that stays live (a cuBLAS workspace), now."""
@@ -359,6 +392,9 @@ def capture_stream(
     calls: int = 1,
     step_ends: list[int] | None = None,
     memo: bool = True,
+    gpu: Any = None,
+    notes: list[Any] | None = None,
+    host_limit_bytes: int | None = None,
 ) -> Any:
     """Run ``step_fn()`` (``calls`` times) under a :class:`StorageRecorder` and return its request stream.
 
@@ -367,23 +403,57 @@ def capture_stream(
     of ``(action, key, size_bytes, stream)`` events. ``device`` filters as in
     :class:`StorageRecorder`. ``blas_workspaces``: a ``BlasWorkspaces``; its ``n_existing``
     workspaces are registered after ``existing``, others are added at the first BLAS op of their
-    handle. ``cuda_autocast``: ``torch.autocast("cuda", ...)`` inside ``step_fn`` follows CUDA's
-    policy (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`). ``step_ends``: a list to
-    which the number of events recorded so far is appended after each call (the step boundaries).
-    ``memo``: as in :class:`StorageRecorder`.
+    handle. ``cuda_autocast``: the step runs the kernels a CUDA run of ``gpu`` runs (a
+    :class:`~oomtune.capture.gpu_target.GpuTarget` or ``model.gpu`` value; None: the default),
+    ``torch.autocast`` included (:func:`oomtune.capture.cuda_kernels.emulate_cuda`); False: the
+    meta/CPU kernels. ``notes``: a list the block's :class:`~oomtune.capture.cuda_kernels.KernelNotes`
+    is appended to. ``step_ends``: a list to which the number of events recorded so far is appended
+    after each call (the step boundaries). ``memo``: as in :class:`StorageRecorder`.
+    ``host_limit_bytes``: raise :class:`HostMemoryError` as soon as the live recorded bytes exceed
+    it (a CPU capture holds them in host memory).
+
+    Raises:
+        HostMemoryError: over ``host_limit_bytes``.
     """
     import contextlib
 
-    from oomtune.capture.cuda_autocast import emulate_cuda_autocast
+    from oomtune.capture.cuda_kernels import emulate_cuda
 
-    sink = StreamSink(stream)
+    sink = StreamSink(stream) if host_limit_bytes is None else _LimitedSink(stream, host_limit_bytes)
     rec = StorageRecorder(sink, device=device, blas_workspaces=blas_workspaces, memo=memo)
     rec.register_existing(existing)
     for _ in range(getattr(blas_workspaces, "n_existing", 0)):
         rec.add_workspace(blas_workspaces.size_bytes)
-    with (emulate_cuda_autocast() if cuda_autocast else contextlib.nullcontext()), rec:
+    with (emulate_cuda(gpu) if cuda_autocast else contextlib.nullcontext()) as kernel_notes, rec:
         for _ in range(calls):
             step_fn()
             if step_ends is not None:
                 step_ends.append(len(sink.events))
+    if notes is not None and kernel_notes is not None:
+        notes.append(kernel_notes)
     return sink.to_stream()
+
+
+class HostMemoryError(MemoryError):
+    """A capture on the CPU would need more host memory than the limit it was given (bytes in
+    ``needed_bytes`` at least, ``limit_bytes``)."""
+
+    def __init__(self, needed_bytes: int, limit_bytes: int) -> None:
+        from oomtune.units import format_bytes
+
+        super().__init__(f"the capture holds {format_bytes(needed_bytes)} of tensors in host memory, over its "
+                         f"limit of {format_bytes(limit_bytes)}")
+        self.needed_bytes, self.limit_bytes = needed_bytes, limit_bytes
+
+
+class _LimitedSink(StreamSink):
+    """A :class:`StreamSink` that raises :class:`HostMemoryError` when its live bytes pass a limit."""
+
+    def __init__(self, stream: int, limit_bytes: int) -> None:
+        super().__init__(stream)
+        self.limit_bytes = limit_bytes
+
+    def on_alloc(self, key: int, size_bytes: int) -> None:
+        if self.live_bytes + size_bytes > self.limit_bytes:
+            raise HostMemoryError(self.live_bytes + size_bytes, self.limit_bytes)
+        super().on_alloc(key, size_bytes)

@@ -6,8 +6,9 @@ creates it returns, and its release becomes ``sim.free(addr)``: the same request
 caching allocator would receive (``NativeCachingAllocator::allocate`` / ``local_raw_delete`` in
 c10/cuda/CUDACachingAllocator.cpp), within the limits listed in :mod:`oomtune.capture.recorder`
 (no cuDNN workspaces or reduction staging buffers, generic kernels); cuBLAS workspaces are
-modelled (``blas_workspaces``), and ``torch.autocast("cuda")`` follows CUDA's policy inside the
-context (:func:`oomtune.capture.cuda_autocast.emulate_cuda_autocast`).
+modelled (``blas_workspaces``), and inside the context the step runs the kernels a CUDA run of the
+target GPU runs: attention, dropout, RMS norm, ``torch.autocast`` (cuda, cpu or meta) and the
+optimizers (:func:`oomtune.capture.cuda_kernels.emulate_cuda`).
 
 The virtual GPU is a device of ``virtual_device_memory`` bytes with the budget applied as a memory
 fraction, as a CUDA trial applies it (``torch.cuda.set_per_process_memory_fraction``), not a device
@@ -123,6 +124,8 @@ class VirtualGPU:
             measuring) and the autograd thread's at the first backward matmul, each
             ``cublas_workspace_bytes()``; a ``BlasWorkspaces`` instance; or ``None`` (none, the
             default: only the requests the enclosed code makes itself).
+        gpu: the target GPU whose kernels the enclosed code runs (a ``GpuTarget`` or ``model.gpu``
+            value; None: the default, :data:`oomtune.capture.gpu_target.DEFAULT_GPU`).
 
     Raises:
         torch.OutOfMemoryError: (the simulator's subclass) from :meth:`register` or from inside the
@@ -139,7 +142,7 @@ class VirtualGPU:
     """
 
     def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0,
-                 blas_workspaces: Any = None) -> None:
+                 blas_workspaces: Any = None, gpu: Any = None) -> None:
         if isinstance(blas_workspaces, str) and blas_workspaces == "default":
             from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
 
@@ -150,6 +153,8 @@ class VirtualGPU:
         self._workspaces_pending = getattr(blas_workspaces, "n_existing", 0)
         self._entered = False
         self._exited = False
+        self.gpu = gpu
+        self.notes: Any = None   # the KernelNotes of the block, once entered
 
     @property
     def n_mallocs(self) -> int:
@@ -195,10 +200,10 @@ class VirtualGPU:
         if self._entered:
             raise RuntimeError("a VirtualGPU records once; create a new one for another run")
         self._entered = True
-        from oomtune.capture.cuda_autocast import emulate_cuda_autocast
+        from oomtune.capture.cuda_kernels import emulate_cuda
 
-        self._autocast = emulate_cuda_autocast()
-        self._autocast.__enter__()
+        self._autocast = emulate_cuda(self.gpu)
+        self.notes = self._autocast.__enter__()
         self.recorder.__enter__()
         from torch.autograd.variable import Variable
 

@@ -76,47 +76,108 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     self-contained, else every step is captured); tests/test_plan_derive.py compares the result
     with a capture of every step.
 
+    The step runs the kernels a CUDA run of the workload's target GPU runs (``gpu``:
+    :func:`oomtune.capture.gpu_target.target_from_workload`; :func:`oomtune.capture.cuda_kernels.
+    emulate_cuda`), the workload's construction included. A fallback to the CPU is said on stderr at
+    once, and the CPU capture stops as soon as the tensors it holds pass 80% of the host memory
+    available (:func:`cpu_capture_limit_bytes`).
+
     Returns:
-        (AllocationStream, fallback_reason or None)
+        (AllocationStream, reason or None): the reason says how the capture ran other than asked: the
+        CPU fallback and why, a precision the device lacks, ``torch.autocast`` on cpu/meta run under
+        CUDA's policy.
 
     Raises:
         ConfigError: an invalid workload config or python target entry.
+        HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
     from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
-    from oomtune.capture.recorder import capture_stream
+    from oomtune.capture.cuda_kernels import emulate_cuda
+    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.recorder import HostMemoryError, capture_stream
     from oomtune.plan.derive import repeat_steady_step
 
+    gpu = target_from_workload(model_cfg)
     reason = None
     for device in ("meta", "cpu"):
-        wl = _build(model_cfg, batch_size, device)
-        shapes = getattr(getattr(wl, "spec", None), "shapes", None)
-        repeat = steps > 2 and not _is_python_target(model_cfg) and bool(getattr(shapes, "is_fixed", False))
-
-        def capture(calls: int, ends: list[int]) -> Any:
-            batches = wl.batches()
-            workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
-                          if blas_workspaces else None)
-            return capture_stream(lambda: wl.step(next(batches)), existing=wl.tensors_before_step(),
-                                  device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends)
-
+        notes: list[Any] = []
+        host_limit = None if device == "meta" else cpu_capture_limit_bytes()
         try:
-            ends: list[int] = []
-            stream = capture(2 if repeat else steps, ends)
-            if repeat:
-                longer = repeat_steady_step(stream, ends[0], steps - 2)
-                if longer is None:   # step 2 is not self-contained: capture every step, afresh
-                    wl = _build(model_cfg, batch_size, device)
-                    longer = capture(steps, [])
-                stream = longer
+            with emulate_cuda(gpu):   # the workload too: fused=True optimizers check the device at construction
+                wl = _build(model_cfg, batch_size, device)
+                shapes = getattr(getattr(wl, "spec", None), "shapes", None)
+                repeat = steps > 2 and not _is_python_target(model_cfg) and bool(getattr(shapes, "is_fixed", False))
+
+                def capture(calls: int, ends: list[int]) -> Any:
+                    batches = wl.batches()
+                    workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+                                  if blas_workspaces else None)
+                    return capture_stream(lambda: wl.step(next(batches)), existing=wl.tensors_before_step(),
+                                          device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends,
+                                          gpu=gpu, notes=notes, host_limit_bytes=host_limit)
+
+                ends: list[int] = []
+                stream = capture(2 if repeat else steps, ends)
+                if repeat:
+                    longer = repeat_steady_step(stream, ends[0], steps - 2)
+                    if longer is None:   # step 2 is not self-contained: capture every step, afresh
+                        wl = _build(model_cfg, batch_size, device)
+                        longer = capture(steps, [])
+                    stream = longer
+        except HostMemoryError as exc:
+            raise _refuse(reason, batch_size, exc) from None
         except (NotImplementedError, RuntimeError) as exc:
             if device == "cpu":
                 raise
-            reason = f"meta kernel missing ({str(exc).splitlines()[0][:160]}): captured on cpu"
+            reason = f"meta kernel missing or data-dependent ({str(exc).splitlines()[0][:160]}): captured on cpu"
+            say_now(f"note: batch {batch_size}: {reason}; the CPU capture runs the step for real, in host "
+                    f"memory (at most {_gib(cpu_capture_limit_bytes())} of it)")
             continue
-        if wl.fallback_reason:
-            reason = wl.fallback_reason if reason is None else f"{reason}; {wl.fallback_reason}"
+        notes_text = "; ".join(line for n in notes[:1] for line in n.translations())
+        for extra in (wl.fallback_reason, notes_text or None):
+            if extra:
+                reason = extra if reason is None else f"{reason}; {extra}"
         return stream, reason
     raise AssertionError("unreachable")
+
+
+def _gib(n: int) -> str:
+    from oomtune.units import format_bytes
+
+    return format_bytes(n)
+
+
+def cpu_capture_limit_bytes() -> int:
+    """Host memory a capture on the CPU may hold: 80% of what the kernel reports available
+    (``MemAvailable`` in /proc/meminfo) when the capture starts; 80% of physical memory where that
+    file is missing (``os.sysconf``)."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * 0.8)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
+
+
+def _refuse(reason: str | None, batch_size: int, exc: Any) -> Exception:
+    """The one-line error of a CPU capture refused for its host memory."""
+    from oomtune.exceptions import HostMemoryRefused
+
+    why = reason or "the capture runs on the CPU"
+    return HostMemoryRefused(f"batch {batch_size}: {why}, and {exc}: refused before the host runs out of memory; "
+                             "plan smaller batches (search.batch_size.high), a smaller model, or on a machine with more "
+                             "memory")
+
+
+def say_now(text: str) -> None:
+    """Print a note on stderr at once (a capture's fallback: the plan's own notes come at its end)."""
+    import sys
+
+    print(f"oomtune: {text}", file=sys.stderr, flush=True)
 
 
 def _is_python_target(model_cfg: dict[str, Any]) -> bool:
