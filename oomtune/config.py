@@ -242,13 +242,16 @@ def to_container(cfg: Any) -> Any:
 
 def default_study_name(cfg: Any) -> str:
     """``<model name>-<8 hex>`` (``python-``/``cmd-`` for those targets): a digest of the workload,
-    target, budget, device and search space, so rerunning the same command resumes the same study
-    and a changed one starts a new study. The budget enters as its parsed value (:func:`budget_key`),
-    so ``16GiB``, ``16gib``, ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9)."""
+    target, budget, device, search space and target GPU (``model.gpu`` unless ``auto``), so rerunning
+    the same command resumes the same study and a changed one starts a new study. The budget enters
+    as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``, ``"16 GiB"`` and
+    ``17179869184B`` name one study (issue 14 item 9)."""
     target = to_container(cfg.target)
     builtin = target.get("name") == "builtin"
+    model = to_container(cfg.model)
+    gpu = model.pop("gpu", "auto") if isinstance(model, dict) else "auto"
     key = {
-        "model": to_container(cfg.model) if builtin else None,
+        "model": model if builtin else None,
         "target": target,
         "budget": budget_key(cfg.budget),
         "device": str(cfg.device),
@@ -256,6 +259,8 @@ def default_study_name(cfg: Any) -> str:
         "space": to_container(cfg.search.space),
         "data": to_container(cfg.search.get("data")),
     }
+    if str(gpu).strip().lower() != "auto":   # model.gpu (auto, the default, leaves the names of before)
+        key["gpu"] = str(gpu)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
 

@@ -202,16 +202,21 @@ def _search_limit(best: Any) -> tuple[int, str]:
 
 def _workload(best: Any) -> dict[str, Any]:
     """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
-    ``{target}`` for target=python|cmd (their model group is not used)."""
+    ``{target}`` for target=python|cmd (their model group is not used), with the target GPU
+    (``device.target_gpu``)."""
     target = best.workload.get("target") or {"name": "builtin"}
     if not isinstance(target, dict) or not isinstance(target.get("name"), str):
         raise BestFileError("best.yaml workload.target must be a mapping with a 'name'")
+    gpu = (best.device or {}).get("target_gpu") if isinstance(best.device, dict) else None
+    # the GPU the recorded prediction's kernels stood for (device.target_gpu; a best.yaml from before
+    # it was recorded: the model group's gpu, else the default)
+    extra = {"gpu": gpu["key"], "gpu_source": gpu.get("source", "model.gpu")} if isinstance(gpu, dict) and gpu.get("key") else {}
     if target["name"] != "builtin":
-        return {"target": target}
+        return {"target": target, **extra}
     model = best.workload.get("model")
     if not isinstance(model, dict) or "name" not in model:
         raise BestFileError("best.yaml workload.model must be a mapping with a 'name'")
-    return {**model, "target": target}
+    return {**model, **extra, "target": target}
 
 
 def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:

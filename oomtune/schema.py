@@ -117,6 +117,12 @@ def validate(cfg: Any) -> None:
     run_dir = str(cfg.hydra.run.dir) if "hydra" in cfg else "x"
     _check(run_dir.strip() != "", "hydra.run.dir", run_dir, "must not be empty")
     check_device_and_budget(cfg)
+    model = cfg.get("model")
+    gpu = model.get("gpu") if model is not None and hasattr(model, "get") else None
+    if gpu is not None and str(gpu).strip().lower() != "auto":
+        from oomtune.capture.gpu_target import parse_gpu
+
+        parse_gpu(gpu)   # model.gpu: a known GPU or a compute capability, checked without torch
 
 
 def check_device_and_budget(cfg: Any) -> None:

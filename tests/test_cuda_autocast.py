@@ -100,8 +100,12 @@ def test_users_torch_autocast_cuda_is_emulated_without_a_gpu():
                 assert lin(x).dtype == BF16
             with torch.autocast("cuda"):                  # CUDA's default dtype: fp16
                 assert lin(x).dtype == torch.float16
-            with torch.autocast("cpu", dtype=BF16):       # other devices untouched
-                assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == BF16
+            with torch.autocast("cpu", dtype=BF16):       # cpu too (issue 28): CUDA's lists, exp in fp32
+                y = torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+                assert y.dtype == BF16 and y.exp().dtype == torch.float32
+        with emulate_cuda_autocast(map_devices=False):
+            with torch.autocast("cpu", dtype=BF16):       # asked not to: the CPU's own lists
+                assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).exp().dtype == BF16
     assert lin(x).dtype == torch.float32
 
 

@@ -232,7 +232,7 @@ MAPPED_DEVICES = ("cuda", "cpu", "meta")
 
 
 @contextlib.contextmanager
-def emulate_cuda_autocast(on_mapped: Any = None) -> Iterator[None]:
+def emulate_cuda_autocast(on_mapped: Any = None, *, map_devices: bool = True) -> Iterator[None]:
     """Within this block, ``torch.autocast`` for ``cuda``, ``cpu`` or ``meta`` (and
     ``torch.cuda.amp.autocast``, ``torch.cpu.amp.autocast``) in the captured code applies CUDA's
     policy to meta/CPU tensors through :func:`cuda_autocast`, instead of being disabled for lack of a
@@ -248,12 +248,13 @@ def emulate_cuda_autocast(on_mapped: Any = None) -> Iterator[None]:
     the duration (reentrant, process-wide; restored on exit), and the two availability checks
     ``autocast.__init__`` makes (``torch.cuda.amp.common.amp_definitely_not_available``,
     ``torch.cuda.is_bf16_supported``) report a GPU that supports bf16, so the user's arguments
-    (dtype, enabled, cache_enabled) are kept as given.
+    (dtype, enabled, cache_enabled) are kept as given. ``map_devices=False`` (decided by the
+    outermost block): only ``cuda`` regions are routed, cpu and meta behave as without a capture.
     """
     global _patch_depth
     with _patch_lock:
         if _patch_depth == 0:
-            _install()
+            _install(map_devices)
         _patch_depth += 1
         if on_mapped is not None:
             _mapped.append(on_mapped)
@@ -273,7 +274,7 @@ def _emulated_state() -> _State | None:
     return mode._states[-1] if mode is not None and mode._states else None
 
 
-def _install() -> None:
+def _install(map_devices: bool = True) -> None:
     import torch.cuda.amp.common as amp_common
     from torch.amp.autocast_mode import autocast
 
@@ -285,7 +286,7 @@ def _install() -> None:
     is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):  # noqa: ANN001, N807
-        if isinstance(device_type, str) and device_type in ("cpu", "meta"):
+        if map_devices and isinstance(device_type, str) and device_type in ("cpu", "meta"):
             for callback in list(_mapped):
                 callback(device_type, dtype if dtype is not None else torch.float16, enabled)
             device_type = "cuda"
@@ -306,14 +307,16 @@ def _install() -> None:
         region.__exit__(*exc)
         return False
 
+    mapped = MAPPED_DEVICES if map_devices else ("cuda",)
+
     def is_autocast_enabled(device_type=None):  # noqa: ANN001, ANN202
-        if device_type is None or device_type in MAPPED_DEVICES:
+        if device_type is None or device_type in mapped:
             state = _emulated_state()
             return bool(state is not None and state.enabled)
         return is_enabled(device_type)
 
     def get_autocast_dtype(device_type):  # noqa: ANN001, ANN202
-        if device_type in MAPPED_DEVICES:
+        if device_type in mapped:
             state = _emulated_state()
             return state.dtype if state is not None else torch.float16
         return get_dtype(device_type)

@@ -29,7 +29,7 @@ from typing import Any
 
 from oomtune.capture.gpu_target import GpuTarget, parse_gpu, DEFAULT_GPU
 
-__all__ = ["KernelNotes", "emulate_cuda", "transient_requests", "active"]
+__all__ = ["FAMILIES", "KernelNotes", "emulate_cuda", "transient_requests", "active"]
 
 
 class KernelNotes:
@@ -83,43 +83,61 @@ def active() -> bool:
 def transient_requests(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """The workspaces (bytes) CUDA's kernel for ``func`` allocates and frees inside the call, for the
     current target (:func:`oomtune.capture.sdpa.transient_requests`); [] when not emulating."""
-    if _depth == 0:
+    if _depth == 0 or "sdpa" not in _installed:
         return []
     from oomtune.capture import sdpa
 
     return sdpa.transient_requests(func, args, kwargs)
 
 
+#: The kernel families :func:`emulate_cuda` switches (all by default).
+FAMILIES = ("sdpa", "dropout", "rms_norm", "optimizers", "autocast")
+_installed: tuple[str, ...] = ()
+
+
 @contextlib.contextmanager
-def emulate_cuda(gpu: GpuTarget | str | None = None) -> Iterator[KernelNotes]:
+def emulate_cuda(gpu: GpuTarget | str | None = None, families: Any = None) -> Iterator[KernelNotes]:
     """Within this block, meta and CPU tensors run the kernels a CUDA run on ``gpu`` runs (see the
     module docstring). ``gpu``: a :class:`GpuTarget`, a ``model.gpu`` value, or None
-    (:data:`~oomtune.capture.gpu_target.DEFAULT_GPU`). Yields the block's :class:`KernelNotes`.
+    (:data:`~oomtune.capture.gpu_target.DEFAULT_GPU`). ``families``: a subset of :data:`FAMILIES`
+    (measurements of what each one changes, experiments/kernel_fidelity.py); None: all. The
+    outermost block decides the families (``torch.autocast("cuda")`` always follows CUDA's policy;
+    ``"autocast"`` adds cpu/meta). Yields the block's :class:`KernelNotes`.
 
     Raises:
-        ConfigError: an unknown ``gpu`` name.
+        ConfigError: an unknown ``gpu`` name. ValueError: an unknown family.
     """
     import torch
 
     from oomtune.capture import dropout, optim, rms_norm, sdpa
     from oomtune.capture.cuda_autocast import emulate_cuda_autocast
 
+    chosen = FAMILIES if families is None else tuple(families)
+    unknown = set(chosen) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}: choose from {', '.join(FAMILIES)}")
     target = gpu if isinstance(gpu, GpuTarget) else parse_gpu(gpu or DEFAULT_GPU,
                                                                source="default" if gpu is None else "model.gpu")
     notes = KernelNotes(target)
-    global _depth, _lib
+    global _depth, _lib, _installed
     with _lock:
         if _depth == 0:
             _lib = torch.library.Library("aten", "IMPL")
-            sdpa.install(_lib)
-            dropout.install(_lib)
-            rms_norm.install(_lib)
-            optim.install(_on_optimizer)
+            _installed = chosen
+            if "sdpa" in chosen:
+                sdpa.install(_lib)
+            if "dropout" in chosen:
+                dropout.install(_lib)
+            if "rms_norm" in chosen:
+                rms_norm.install(_lib)
+            if "optimizers" in chosen:
+                optim.install(_on_optimizer)
         _depth += 1
         _notes.append(notes)
         sdpa.set_target(target, lambda backend, params: _on_sdpa(notes, backend))
     try:
-        with emulate_cuda_autocast(lambda device, dtype, enabled: _on_autocast(notes, device, dtype, enabled)):
+        with emulate_cuda_autocast(lambda device, dtype, enabled: _on_autocast(notes, device, dtype, enabled),
+                                   map_devices="autocast" in _installed):
             yield notes
     finally:
         with _lock:
@@ -127,9 +145,11 @@ def emulate_cuda(gpu: GpuTarget | str | None = None) -> Iterator[KernelNotes]:
             _notes.remove(notes)
             _depth -= 1
             if _depth == 0:
-                optim.uninstall()
+                if "optimizers" in _installed:
+                    optim.uninstall()
                 _lib._destroy()
                 _lib = None
+                _installed = ()
 
 
 def _on_sdpa(notes: KernelNotes, backend: int) -> None:

@@ -88,7 +88,7 @@ KNOWN_GPUS: dict[str, tuple[str, int, int, int]] = {
 #: The target when ``model.gpu=auto`` and the run has no GPU of its own.
 DEFAULT_GPU = "a100"
 
-_SM = re.compile(r"(?:sm_?(\d)(\d)|(\d+)\.(\d))(?::(\d+))?")
+_SM = re.compile(r"(?:sm_?(\d{1,2})(\d)|(\d+)\.(\d))(?::(\d+))?")
 
 
 def parse_gpu(value: Any, *, source: str = "model.gpu") -> GpuTarget:

@@ -147,6 +147,10 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     _validate_workload(workload, store if cache else None)
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
+    from oomtune.capture.gpu_target import resolve_gpu_key, target_from_workload
+
+    workload = resolve_gpu_key(workload, device)   # model.gpu: the kernels the captures run (auto: the device)
+    gpu = target_from_workload(workload)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     space = SearchSpace.from_config(cfg.search)
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg))
@@ -162,12 +166,13 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     predictor = Predictor(workload, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial),
                           workers=default_workers(), cache=store, read_cache=cache)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
-           "budget_bytes": budget_bytes, "memory_source": device.memory_source}
+           "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}
     say = _printer(console)
     sized = "" if device.simulated else f"{device.name}'s capacity, "   # not "(virtual GPU (CPU), ..."
     say(f"oomtune plan: {workload['name']} on the virtual GPU ({sized}budget {format_bytes(budget_bytes)}, "
         f"limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), {len(settings)} allocator "
         f"configurations x batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)")
+    say(f"target GPU: {gpu.describe()}: attention, dropout, mixed precision and optimizers run its kernels")
     if skipped:
         say(f"note: skipping {len(skipped)} backend:cudaMallocAsync configuration(s): the virtual GPU "
             "simulates only the native caching allocator (measure them with oomtune search on a GPU)")

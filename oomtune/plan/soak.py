@@ -185,8 +185,18 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
 
 
 def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
-    """Capture on ``device`` (``meta`` or ``cpu``)."""
+    """Capture on ``device`` (``meta`` or ``cpu``), running the target GPU's kernels
+    (:func:`oomtune.capture.cuda_kernels.emulate_cuda`, ``cfg["gpu"]``)."""
+    from oomtune.capture.cuda_kernels import emulate_cuda
+    from oomtune.capture.gpu_target import target_from_workload
+
+    with emulate_cuda(target_from_workload(cfg)):
+        return _capture_emulated(cfg, batch_size, steps, device, derive)
+
+
+def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
     from oomtune.capture.recorder import capture_stream
+    from oomtune.capture.gpu_target import target_from_workload
     from oomtune.workloads import build_workload
 
     wl = build_workload(cfg, batch_size, device)
@@ -195,7 +205,7 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, d
     # Step 1 exactly as the live trial runs it: what exists is registered, then one step of the
     # workload's own batch iterator (the distribution's first shape), creating the optimizer state.
     first = capture_stream(lambda: wl.run_steps(1, sync=False), existing=wl.tensors_before_step(),
-                           device=device)
+                           device=device, gpu=target_from_workload(cfg))
     distinct = list(dict.fromkeys(shapes[1:] or shapes))   # in order of first use
 
     def capture_shape(shape: Any) -> Any:

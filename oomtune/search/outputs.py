@@ -105,6 +105,13 @@ def _workload_record(workload: dict[str, Any], params: dict[str, Any]) -> dict[s
     return {"model": _with_loader(model, params), "target": target}
 
 
+def _target_gpu(workload: dict[str, Any]) -> dict[str, Any]:
+    """The GPU whose kernels the captures ran (:func:`oomtune.capture.gpu_target.target_from_workload`)."""
+    from oomtune.capture.gpu_target import target_from_workload
+
+    return target_from_workload(workload).to_dict()
+
+
 def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
                   url: str, console: Any, *, predictor: Any = None, space: Any = None,
                   workload: dict[str, Any]) -> Path:
@@ -148,7 +155,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         workload=_workload_record(workload, summary.best.params),
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
-                "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id},
+                "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
+                "target_gpu": _target_gpu(workload)},
         versions=versions(device), best=best, baseline=baseline, gain=gain,
         study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
                "outcomes": summary.outcomes, "launches": summary.launches,

@@ -82,12 +82,21 @@ def worker_slots(cfg_device: str, device: Any, workers: int) -> list[str]:
     return [f"cuda:{i}" for i in range(min(workers, max(1, torch.cuda.device_count())))]
 
 
+def _comparable(workload: dict, stored: Any) -> Any:
+    """``workload`` as stored in a study's attributes; a study created before the target GPU was part
+    of the workload (no ``gpu`` key) is compared without it, so it still resumes."""
+    plain = json.loads(json.dumps(workload))
+    if isinstance(stored, dict) and "gpu" not in stored:
+        plain = {k: v for k, v in plain.items() if k not in ("gpu", "gpu_source")}
+    return plain
+
+
 def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
     stored = study.user_attrs.get("workload")
     if stored is None:
         study.set_user_attr("workload", workload)
         study.set_user_attr("budget_bytes", budget_bytes)
-    elif stored != json.loads(json.dumps(workload)) or study.user_attrs.get("budget_bytes") != budget_bytes:
+    elif (stored != _comparable(workload, stored) or study.user_attrs.get("budget_bytes") != budget_bytes):
         raise ConfigError(
             f"study {study.study_name!r} was created for another workload or budget; "
             "pick a new study_name= (or drop study_name= to get one derived from the config)"
@@ -136,6 +145,12 @@ class _Prepared:
         self.workload = workload_of(cfg)   # builds the model on meta: imports torch
         self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
         self.budget_bytes = resolve_budget(cfg.budget, self.device)
+        from oomtune.capture.gpu_target import resolve_gpu_key
+
+        # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU),
+        # resolved once here so that every capture (workers, trial processes) and best.yaml agree
+        self.workload = resolve_gpu_key({**self.workload, "gpu": C.to_container(cfg.model).get("gpu", "auto")},
+                                        self.device)
         if self.device.simulated and "cudaMallocAsync" in self.space.choices.get("backend", []):
             raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
                               "(device=cpu) models the native allocator only")

@@ -19,7 +19,9 @@ Order of events (each step must precede the next):
    fraction corrected for it (field case C9, :mod:`oomtune.trial.budget`).
    CPU: a virtual GPU (:func:`oomtune.capture.virtual_gpu.budgeted_sim`: a device of
    ``device_memory_bytes`` with the budget as a memory fraction, as on CUDA) sees every storage
-   of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``.
+   of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``. The steps
+   run the kernels of the workload's target GPU (``model.gpu``: attention, dropout, autocast,
+   optimizers; :func:`oomtune.capture.cuda_kernels.emulate_cuda`), recorded in ``extra["kernels"]``.
 4. Warm-up steps, then measured steps (each followed by a device sync).
 5. With ``spec.soak_steps``, the virtual-GPU soak (:mod:`oomtune.trial.soak_check`): running out of
    memory at soak step k makes the trial infeasible (outcome ``oom`` / ``oom_fragmentation``).
@@ -175,6 +177,7 @@ _UNBOUNDED_SIM_BYTES = 1 << 50
 
 def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
     """Train on the CPU for real; device memory comes from the virtual GPU (step 3, CPU)."""
+    from oomtune.capture.gpu_target import target_from_workload
     from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
     from oomtune.trial._base import target_for
 
@@ -190,10 +193,14 @@ def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[
     stats.append(sim.memory_stats)
     torch.manual_seed(spec.seed)
     workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, torch.device("cpu"))
-    with VirtualGPU(sim, device="cpu") as vgpu:
+    gpu = target_from_workload(spec.workload)   # the GPU whose kernels the CPU steps run (model.gpu)
+    with VirtualGPU(sim, device="cpu", gpu=gpu) as vgpu:
         vgpu.register(workload.tensors_before_step())
         hook()
-        _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"])
+        try:
+            _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"])
+        finally:
+            result.extra["kernels"] = vgpu.notes.to_dict() if vgpu.notes is not None else None
     if result.extra.get("stopped_over_limit"):
         return
     # The soak on a virtual GPU like this one, captured on the CPU: its first steps are the ones just run.
