@@ -36,6 +36,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["search", "search.prune_margin=-1"], "search.prune_margin"),
     (["search", "device=cpu", "budget=1.5"], "ambiguous"),
     (["search", "device=cpu", "budget=0"], "must be > 0"),
+    (["search", "device=cpu", "model.gpu=x9000"], "model.gpu='x9000': unknown GPU"),
+    (["plan", "device=cpu", "model.gpu=sm"], "model.gpu='sm': unknown GPU"),
     (["search", "device=cpu", "search.space.backend=[native,cudaMallocAsync]"], "cudaMallocAsync needs a CUDA device"),
     (["search", "search.space.max_split_size_mb=[null,64,]"], "search.space.max_split_size_mb"),
     (["env", "/nonexistent/best.yaml"], "cannot read"),

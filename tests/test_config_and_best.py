@@ -31,6 +31,15 @@ def test_study_name_is_stable_and_config_dependent():
     assert a == b and a != c and a.startswith("resnet-")
 
 
+def test_model_gpu_auto_keeps_the_study_names_of_before():
+    """model.gpu (issue 28) enters the study name only when set: the README's study of
+    `oomtune search model=resnet` keeps its name (resnet-3d853044, experiments/results/
+    readme_main_command.log) and resumes; another target GPU is another study."""
+    assert compose(["model=resnet"]).study_name == "resnet-3d853044"
+    assert compose(["model=resnet", "model.gpu=h100"]).study_name not in ("resnet-3d853044",
+                                                                          compose(["model=resnet", "model.gpu=t4"]).study_name)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("model=nope", "there is no 'nope' in the config group 'model'; choose one of mlp, resnet, transformer"),
     ("model=resnt", "choose one of mlp, resnet, transformer (did you mean model=resnet?)"),

@@ -256,6 +256,22 @@ def test_plan_header_and_yaml_show_the_limit(tmp_path, capsys):
     assert data["configurations"][0]["batches"][0]["fits"] is True
 
 
+def test_plan_header_and_yaml_name_the_target_gpu(tmp_path, capsys):
+    """model.gpu (issue 28): printed in the header (with how it was chosen) and recorded in plan.yaml."""
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "device=cpu", *MLP, "budget=4MiB", "+plan.batch_sizes=[8]", *SINGLE, "--out", str(out)]) == 0
+    out_text = " ".join(capsys.readouterr().out.split())   # the console wraps long lines
+    assert ("target GPU: A100 (sm80, 108 SMs; the default: set model.gpu= to the GPU you will train on): "
+            "attention, dropout, mixed precision and optimizers run its kernels") in out_text
+    assert main(["plan", "device=cpu", *MLP, "model.gpu=h100", "budget=4MiB", "+plan.batch_sizes=[8]", *SINGLE,
+                 "--out", str(out)]) == 0
+    assert "target GPU: H100 (sm90, 132 SMs): " in " ".join(capsys.readouterr().out.split())
+    data = yaml.safe_load(out.read_text())
+    assert data["device"]["target_gpu"] == {"name": "H100", "compute_capability": "9.0", "sm_count": 132,
+                                            "key": "h100", "source": "model.gpu"}
+    assert data["workload"]["gpu"] == "h100"
+
+
 # -- cudaMallocAsync: not simulated; skipped with a notice, an error only when nothing is left ------------
 def test_predictor_gives_no_prediction_for_cuda_malloc_async():
     from types import SimpleNamespace

@@ -21,9 +21,10 @@ def test_target_python_with_a_relative_entry_path(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     run_dir = tmp_path / "py"
     code = main(["search", "target=python", "target.entry=examples/my_workload.py:make_workload",
-                 "budget=64MiB", *COMMON, f"hydra.run.dir={run_dir}"])
+                 "budget=64MiB", "model.gpu=t4", *COMMON, f"hydra.run.dir={run_dir}"])
     assert code == 0
     best = oomtune.load_best(run_dir / "best.yaml")
+    assert best.device["target_gpu"]["key"] == "t4"   # model.gpu travels with a python target too
     assert best.workload == {"target": {"name": "python", "entry": str(REPO / "examples/my_workload.py") + ":make_workload"}}
     assert best.study["study_name"].startswith("python-")
     assert best.best.metrics["memory_source"] == "simulated" and best.best.metrics["throughput"] > 0

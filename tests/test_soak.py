@@ -159,7 +159,8 @@ def test_fixed_shapes_stop_early_once_a_step_repeats_itself():
 
 
 # A variable-length case (found by experiments/find_soak_case.py --capture meta): the built-in
-# transformer, small; padded lengths 64..512 in buckets of 64; batch 4; a 100 MiB device.
+# transformer, small; padded lengths 64..512 in buckets of 64; batch 4; a 76 MiB device (the capture
+# runs an A100's kernels: memory-efficient attention for fp32; with meta's math attention it was 100 MiB).
 VARIABLE_LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "vocab_size": 2048,
                "dropout": 0.0, "optimizer": "adamw", "lr": 3e-4, "precision": "fp32",
                "seq_len": {"low": 64, "high": 512, "pad_multiple": 64, "seed": 0}}
@@ -169,14 +170,14 @@ def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives
     from oomtune.plan.soak import capture_soak
 
     streams = capture_soak(VARIABLE_LM, 4, 2000, capture_device="meta")
-    default = replay_soak(streams, "", device_memory_bytes=100 * MiB)
+    default = replay_soak(streams, "", device_memory_bytes=76 * MiB)
     assert not default.passed
     assert default.failed_step > 4                      # the trial's 4 live steps pass
     assert default.cached_unused_bytes >= default.requested_bytes   # fragmentation
     assert f"soak step {default.failed_step}/2000" in default.message
-    expandable = replay_soak(streams, "expandable_segments:True", device_memory_bytes=100 * MiB)
+    expandable = replay_soak(streams, "expandable_segments:True", device_memory_bytes=76 * MiB)
     assert expandable.passed and expandable.steps_run == 2000
-    assert expandable.peak_reserved_bytes <= 100 * MiB
+    assert expandable.peak_reserved_bytes <= 76 * MiB
 
 
 def test_skipping_repeated_steps_changes_nothing(monkeypatch):
@@ -186,7 +187,7 @@ def test_skipping_repeated_steps_changes_nothing(monkeypatch):
     from oomtune.plan.soak import capture_soak
 
     streams = capture_soak(VARIABLE_LM, 4, 300, capture_device="meta")
-    for conf, capacity in (("", 1 << 40), ("", 110 * MiB), ("expandable_segments:True", 100 * MiB)):
+    for conf, capacity in (("", 1 << 40), ("", 80 * MiB), ("expandable_segments:True", 76 * MiB)):
         fast = replay_soak(streams, conf, device_memory_bytes=capacity, record_steps=True)
         with monkeypatch.context() as m:
             m.setattr(soak_module, "_memo_allowed", lambda sim: False)
@@ -203,8 +204,11 @@ def test_derived_shape_streams_equal_captured_ones():
     ResNet's convolution sizes are not polynomial in the image size, so every size is captured."""
     from oomtune.plan.soak import capture_soak
 
-    derived = capture_soak(SMALL_LM, 4, 100, capture_device="meta")
-    captured = capture_soak(SMALL_LM, 4, 100, capture_device="meta", derive=False)
+    # lengths in multiples of 32: memory-efficient attention's logsumexp rounds the length up to 32
+    # (B x H x ceil(T/32)*32), which is polynomial only there; other lengths are all captured
+    lm = {**SMALL_LM, "seq_len": {"low": 32, "high": 512, "pad_multiple": 32}}
+    derived = capture_soak(lm, 4, 100, capture_device="meta")
+    captured = capture_soak(lm, 4, 100, capture_device="meta", derive=False)
     assert len(derived.steady) >= 10 and derived.captured_shapes == 4
     assert captured.captured_shapes == len(captured.steady)
     assert derived.steady == captured.steady and derived.first == captured.first
@@ -271,11 +275,11 @@ def test_soak_runs_on_the_compiled_core_with_the_python_simulators_results(monke
     if not _compiled.available():
         pytest.skip("the compiled core oomtune.alloc._fastcore is not built")
     streams = capture_soak(VARIABLE_LM, 4, 300, capture_device="meta")
-    cases = [("", {"device_memory_bytes": 1 << 40}), ("", {"device_memory_bytes": 100 * MiB}),
-             ("expandable_segments:True", {"device_memory_bytes": 100 * MiB}),
+    cases = [("", {"device_memory_bytes": 1 << 40}), ("", {"device_memory_bytes": 76 * MiB}),
+             ("expandable_segments:True", {"device_memory_bytes": 76 * MiB}),
              ("garbage_collection_threshold:0.6", {"device_memory_bytes": 400 * MiB, "memory_fraction": 0.25}),
              ("max_split_size_mb:20", {"device_memory_bytes": 110 * MiB, "non_allocator_bytes": 5 * MiB}),
-             ("", {"new_sim": lambda: budgeted_sim("", 100 * MiB, 1 << 30)})]
+             ("", {"new_sim": lambda: budgeted_sim("", 76 * MiB, 1 << 30)})]
     failed = 0
     for conf, kw in cases:
         got = {}
@@ -289,4 +293,4 @@ def test_soak_runs_on_the_compiled_core_with_the_python_simulators_results(monke
             got[pure] = d
         assert got["0"] == got["1"], conf
         failed += not got["0"]["passed"]
-    assert failed >= 2   # the 100 MiB default cases run out of memory (see the test above)
+    assert failed >= 2   # the 76 MiB default cases run out of memory (see the test above)
