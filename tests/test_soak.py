@@ -199,16 +199,37 @@ def test_skipping_repeated_steps_changes_nothing(monkeypatch):
     assert replay_soak(streams, "", device_memory_bytes=1 << 40).steps_skipped > 200   # it does skip
 
 
+def test_rounded_sizes_are_derived_and_a_rounding_the_anchors_hide_is_caught():
+    """Sizes linear in the length rounded up to a block (the fused attention kernels' logsumexp and
+    workspaces, issue 28) are derived exactly; when the anchors and the first check are all multiples
+    of the block (128 here) a quadratic would fit them, so the length with the fewest factors of two
+    is captured as well and rules it out."""
+    from oomtune.alloc.stream import AllocationStream
+    from oomtune.plan._soak_derive import derive_shape_streams
+
+    def stream(t: int) -> AllocationStream:
+        s = AllocationStream()
+        s.append_alloc(1, 4 * t * t + 8 * t, 0)               # quadratic
+        s.append_alloc(2, 4 * 2 * (-(-t // 128) * 128), 0)    # logsumexp-like, block 128
+        s.append_free(1, 0)
+        s.append_free(2, 0)
+        return s
+
+    shapes = [128, 256, 384, 512, 640, 768, 896, 1024, 1152, 136]   # 136: the one odd length
+    got, made = derive_shape_streams(shapes, stream)
+    assert made == 5 and all(got[t] == stream(t) for t in shapes)
+    even = [128 * k for k in range(1, 10)]
+    got, made = derive_shape_streams(even, stream)
+    assert made == 4 and all(got[t] == stream(t) for t in even)
+
+
 def test_derived_shape_streams_equal_captured_ones():
     """Three captures (plus a check) derive the other lengths' streams of the transformer exactly;
     ResNet's convolution sizes are not polynomial in the image size, so every size is captured."""
     from oomtune.plan.soak import capture_soak
 
-    # lengths in multiples of 32: memory-efficient attention's logsumexp rounds the length up to 32
-    # (B x H x ceil(T/32)*32), which is polynomial only there; other lengths are all captured
-    lm = {**SMALL_LM, "seq_len": {"low": 32, "high": 512, "pad_multiple": 32}}
-    derived = capture_soak(lm, 4, 100, capture_device="meta")
-    captured = capture_soak(lm, 4, 100, capture_device="meta", derive=False)
+    derived = capture_soak(SMALL_LM, 4, 100, capture_device="meta")
+    captured = capture_soak(SMALL_LM, 4, 100, capture_device="meta", derive=False)
     assert len(derived.steady) >= 10 and derived.captured_shapes == 4
     assert captured.captured_shapes == len(captured.steady)
     assert derived.steady == captured.steady and derived.first == captured.first
