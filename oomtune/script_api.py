@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 __all__ = ["report", "capture_hook", "launched", "CaptureHook", "RESULT_FILE_ENV", "BUDGET_ENV",
-           "BATCH_SIZE_ENV", "DEVICE_ENV"]
+           "BATCH_SIZE_ENV", "DEVICE_ENV", "GPU_ENV"]
 
 #: The JSON-lines results file the parent reads (set only when oomtune launched the script).
 RESULT_FILE_ENV = "OOMTUNE_RESULT_FILE"
@@ -42,6 +42,8 @@ DEVICE_MEMORY_ENV = "OOMTUNE_DEVICE_MEMORY_BYTES"
 BATCH_SIZE_ENV = "OOMTUNE_BATCH_SIZE"
 #: ``"cpu"`` or ``"cuda"`` (the one device made visible to the script).
 DEVICE_ENV = "OOMTUNE_DEVICE"
+#: The target GPU (``model.gpu``) whose kernels the virtual GPU of :func:`capture_hook` runs.
+GPU_ENV = "OOMTUNE_GPU"
 
 #: Virtual-GPU capacity when no budget is given: large enough never to run out.
 _UNBOUNDED_SIM_BYTES = 1 << 50
@@ -198,7 +200,7 @@ class CaptureHook:
         else:
             self.sim = make_simulator(AllocatorSettings.parse(conf), total_memory_bytes=_UNBOUNDED_SIM_BYTES)
         self._pid = os.getpid()
-        self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu")
+        self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu", gpu=os.environ.get(GPU_ENV) or None)
         _ACTIVE.append(self)
         self._vgpu.__enter__()
         self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)

@@ -13,7 +13,8 @@ alone. These variables are in its environment:
 - ``OOMTUNE_BATCH_SIZE``, ``OOMTUNE_DEVICE`` (``cpu`` or ``cuda``: for ``cuda:N`` only device N is
   made visible, field case C10), ``OOMTUNE_BUDGET_BYTES`` (unset without a budget),
   ``OOMTUNE_DEVICE_MEMORY_BYTES`` (CPU: the virtual GPU's size, the budget a fraction of it),
-  ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``;
+  ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``, ``OOMTUNE_GPU`` (the
+  target GPU, ``model.gpu``, whose kernels :func:`oomtune.capture_hook`'s virtual GPU runs);
 - ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
   :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`).
 
@@ -55,7 +56,7 @@ from typing import Any, Callable
 from oomtune.classify import classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, RESULT_FILE_ENV
+from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, GPU_ENV, RESULT_FILE_ENV
 from oomtune.trial._base import Target
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.procwait import exited_within
@@ -185,6 +186,10 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
     })
     if spec.budget_bytes is not None:
         out[BUDGET_ENV] = str(int(spec.budget_bytes))
+    out.pop(GPU_ENV, None)
+    gpu = (spec.workload or {}).get("gpu")
+    if gpu and str(gpu).lower() != "auto":
+        out[GPU_ENV] = str(gpu)   # the target GPU whose kernels capture_hook's virtual GPU runs
     out.pop(DEVICE_MEMORY_ENV, None)
     if spec.device_memory_bytes is not None and not spec.device.startswith("cuda"):
         out[DEVICE_MEMORY_ENV] = str(int(spec.device_memory_bytes))  # the virtual GPU's size (capture_hook)
