@@ -176,7 +176,10 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
         except (NotImplementedError, RuntimeError) as exc:
             if device == "cpu":
                 raise
-            reason = f"meta kernel missing ({str(exc).splitlines()[0][:160]}): captured on cpu"
+            reason = f"meta kernel missing or data-dependent ({str(exc).splitlines()[0][:160]}): captured on cpu"
+            from oomtune.plan.predictor import say_now
+
+            say_now(f"note: soak at batch {batch_size}: {reason}")
             continue
         out.fallback_reason = reason
         out.capture_s = time.perf_counter() - t0
