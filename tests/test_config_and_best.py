@@ -153,3 +153,21 @@ def test_apply_best_refuses_a_backend_change_after_import(tmp_path, monkeypatch)
     path = _best(tmp_path, "backend:cudaMallocAsync")
     with pytest.raises(B.CudaAlreadyInitializedError, match="before `import torch`"):
         apply_best(path)
+
+
+def test_a_study_created_before_model_gpu_still_resumes():
+    """A study's stored workload from before issue 28 has no ``gpu``: compared without it (resumes);
+    a stored one with another gpu is another workload (refused)."""
+    import optuna
+
+    from oomtune.exceptions import ConfigError
+    from oomtune.search.run import _check_resume
+
+    study = optuna.create_study()
+    old = {"name": "mlp", "target": {"name": "builtin"}}
+    study.set_user_attr("workload", old)
+    study.set_user_attr("budget_bytes", 1 << 30)
+    _check_resume(study, {**old, "gpu": "a100", "gpu_source": "default"}, 1 << 30)
+    study.set_user_attr("workload", {**old, "gpu": "a100", "gpu_source": "default"})
+    with pytest.raises(ConfigError, match="created for another workload"):
+        _check_resume(study, {**old, "gpu": "h100", "gpu_source": "model.gpu"}, 1 << 30)
