@@ -18,6 +18,10 @@ WORKLOADS = {
     "resnet-adamw": {"name": "resnet", "depth": 50, "image_size": 64, "num_classes": 10, "optimizer": "adamw"},
     "transformer": {"name": "transformer", "layers": 1, "d_model": 64, "heads": 2, "seq_len": 32,
                     "vocab_size": 256, "dropout": 0.0, "optimizer": "adamw"},
+    "transformer-bf16": {"name": "transformer", "layers": 2, "d_model": 64, "heads": 4, "seq_len": 48,
+                         "vocab_size": 300, "dropout": 0.1, "optimizer": "adam", "precision": "bf16"},
+    "mlp-fp16": {"name": "mlp", "in_features": 32, "hidden": 64, "layers": 3, "num_classes": 7,
+                 "optimizer": "adamw", "precision": "fp16"},
 }
 
 
@@ -40,7 +44,8 @@ def test_batch_norm_twice_by_hand():
     assert [e[2] for e in sink.events[before:] if e[0] == "alloc"] == [3072, 12, 12, 3072, 12, 12]
     assert y1.shape == y2.shape == (4, 3, 8, 8) and y1.stride() == y2.stride()
     assert y1.untyped_storage()._cdata != y2.untyped_storage()._cdata   # a new storage each time
-    assert list(rec._memo) and len(rec._memo) == 1                        # one signature, run once
+    bn_keys = [k for k in rec._memo if k[0] is torch.ops.aten.native_batch_norm.default]
+    assert len(bn_keys) == 1                                              # one signature, run once
 
 
 def test_memo_keeps_channels_last_strides():
@@ -58,10 +63,58 @@ def test_signature_is_none_off_meta():
     assert R._signature(torch.ops.aten.threshold_backward.default, (m, m, 0.0), {}) is not None
 
 
-def test_an_output_aliasing_an_input_is_not_memoized():
+def test_signature_tells_true_from_one():
+    m = torch.empty(2, 3, device="meta")
+    add = torch.ops.aten.add.Tensor
+    assert R._signature(add, (m, m), {"alpha": True}) != R._signature(add, (m, m), {"alpha": 1})
+
+
+def test_an_output_viewing_an_input_is_not_memoized():
     x = torch.empty(2, 3, device="meta")
-    assert R._output_spec(x, (x,), {}) is R._NO_MEMO
-    assert R._output_spec((torch.empty(2, 3, device="meta"), None), (x,), {}) is not R._NO_MEMO
+    assert R._output_spec(x.view(3, 2), [x]) is R._NO_MEMO          # a new tensor on x's storage
+    assert R._output_spec((torch.empty(2, 3, device="meta"), None), [x]) is not R._NO_MEMO
+    assert R._is_view(torch.ops.aten.view.default) and R._is_view(torch.ops.aten.split.Tensor)
+    assert not R._is_view(torch.ops.aten.add_.Tensor) and not R._is_view(torch.ops.aten.add.Tensor)
+
+
+def test_in_place_ops_are_rebuilt_as_their_input():
+    # x.mul_(2) twice: the second call is not run; it returns x itself, and allocates nothing
+    x = torch.empty(4, 5, device="meta")
+    sink = R.StreamSink()
+    rec = R.StorageRecorder(sink, device="meta")
+    rec.register_existing([x])
+    with rec:
+        a = x.mul_(2.0)
+        b = x.mul_(2.0)
+    assert a is x and b is x
+    assert [k[0]._schema.name for k in rec._memo] == ["aten::mul_"]     # one signature, run once
+    assert [e[0] for e in sink.events] == ["alloc"]                      # only x, registered
+
+
+def test_a_call_that_changes_its_argument_is_not_memoized():
+    # resize_ grows x's storage: 2*3*4 = 24 bytes, then 4*5*4 = 80 bytes; the grown storage is a
+    # new request followed by the release of the old one (the recorder's resize rule), both times
+    x = torch.empty(2, 3, device="meta")
+    before = R._state(x)
+    x.resize_(4, 5)
+    assert R._output_spec(x, [x], [before]) is R._NO_MEMO
+    y = torch.empty(1, device="meta")
+    sink = R.StreamSink()
+    with R.StorageRecorder(sink, device="meta") as rec:
+        rec.register_existing([y])
+        y.resize_(10)
+        y.resize_(20)
+    assert [(a, s) for a, _, s, _ in sink.events] == [("alloc", 4), ("alloc", 40), ("free", 4),
+                                                      ("alloc", 80), ("free", 40)]
+
+
+def test_out_variants_return_their_out_tensor():
+    x = torch.empty(3, 4, device="meta")
+    out = torch.empty(4, device="meta")
+    with R.StorageRecorder(R.StreamSink(), device="meta"):
+        r1 = torch.sum(x, 0, out=out)
+        r2 = torch.sum(x, 0, out=out)
+    assert r1 is out and r2 is out
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

@@ -81,6 +81,39 @@ def test_no_fit_when_the_events_differ():
     assert AffineStreamModel.fit({2: _stream(2), 8: swapped, 32: _stream(32)}) is None
 
 
+def test_fit_polynomial_by_hand():
+    from oomtune.plan.derive import fit_polynomial
+
+    assert fit_polynomial((1, 2, 3, 4), (3, 5, 7, 9)) == (1, (1, 2), 1)             # 2b + 1
+    assert fit_polynomial((1, 2, 3, 4), (1, 4, 9, 16)) == (2, (0, 0, 1), 1)         # b^2
+    assert fit_polynomial((2, 4, 6), (1, 3, 6)) == (2, (0, 2, 1), 8)                # (b^2 + 2b) / 8
+    assert fit_polynomial((5, 9), (7, 7)) == (0, (7,), 1)
+
+
+def test_a_quadratic_request_needs_five_captures_and_derives_exactly():
+    from oomtune.plan.derive import PolynomialStreamModel
+
+    def quad(b):   # a [b, b] float32 similarity matrix: 4 * b * b bytes
+        return AllocationStream([("alloc", 1, 4096), ("alloc", 2, 4 * b * b), ("free", 2)])
+
+    model, why, degree = PolynomialStreamModel.fit_or_why({b: quad(b) for b in (2, 5, 9, 16)})
+    assert model is None and degree == 2 and "needs 5 to be fitted, checked and verified" in why
+    model = PolynomialStreamModel.fit({b: quad(b) for b in (2, 5, 9, 12, 16)})
+    assert model.degree == 2
+    assert model.derive(7) == quad(7)            # 196 bytes
+    assert list(model.derive(7))[1] == ("alloc", 2, 196, 0)
+
+
+def test_a_derived_size_that_is_not_whole_is_not_derived():
+    from oomtune.plan.derive import PolynomialStreamModel
+
+    # b * b / 2 bytes at even batch sizes: a polynomial of degree 2, but 4.5 bytes at batch 3
+    streams = {b: AllocationStream([("alloc", 1, b * b // 2)]) for b in (2, 4, 6, 8, 10)}
+    model = PolynomialStreamModel.fit(streams)
+    assert model is not None and model.derive(4) == streams[4]
+    assert model.derive(3) is None
+
+
 # -- the built-in workloads: derived == captured, event by event --------------------------------------
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_derived_streams_equal_real_captures_for_builtin_workloads(name):
@@ -109,40 +142,73 @@ def _fake_capture(monkeypatch, make):
     return calls
 
 
-def test_predictor_captures_anchors_and_one_spot_check_then_derives(monkeypatch):
+def test_predictor_captures_anchors_and_one_verification_then_derives(monkeypatch):
     calls = _fake_capture(monkeypatch, _stream)
     pred = P.Predictor({"name": "fake"}, GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
-    # smallest, largest, median; then 16, the smallest other size (the first a plan asks): the spot check
-    assert calls == [8, 128, 32, 16]
+    # the smallest two, the median and the largest; affine needs 1 + 2 + 1 = 4 captures: no more
+    assert sorted(calls) == [8, 16, 32, 128]
     for b in (16, 64, 100, 17):
         assert pred.stream(b) == _stream(b)
-    assert calls == [8, 128, 32, 16]                  # 16 was captured by prepare; 64, 100, 17 derived
-    assert pred.spot_checked == [16] and pred.derived_batches == [64, 100, 17]
+    assert sorted(calls) == [8, 16, 32, 128]          # 64, 100, 17 derived
+    assert pred.derived_batches == [64, 100, 17]
     assert pred.captures == 4 and pred.derivation_note is None
     pred.stream(256)                                  # outside the captured range: captured
     assert calls[-1] == 256 and pred.captures == 5
 
 
-def test_predictor_turns_derivation_off_when_the_spot_check_differs(monkeypatch):
-    # affine at the anchors, but batch 16 runs a different algorithm (one byte more)
-    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=1 if b == 16 else 0))
+def test_predictor_derives_a_quadratic_term_after_one_more_capture(monkeypatch):
+    # a [b, b] request (b * b * 4 bytes) besides the affine ones: degree 2 needs 2 + 2 + 1 = 5 captures
+    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=4 * b * b))
     pred = P.Predictor({"name": "fake"}, GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
-    assert pred.stream(16) == _stream(16, extra=1)    # the capture is used, not the derivation
-    assert pred.stream(64) == _stream(64)
-    assert calls == [8, 128, 32, 16, 64] and pred.derived_batches == []
-    assert "differs from its capture" in pred.derivation_note
+    # the first round, then the one requested size left inside the range: 64
+    assert sorted(calls[:4]) == [8, 16, 32, 128] and calls[4:] == [64]
+    for b in (9, 24, 100):
+        assert pred.stream(b) == _stream(b, extra=4 * b * b)
+    assert len(calls) == 5 and pred.derived_batches == [b for b in (9, 24, 100) if b not in calls]
 
 
-def test_predictor_without_an_affine_fit_captures_everything(monkeypatch):
-    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=b * b))  # quadratic term
+def test_predictor_captures_a_batch_size_that_makes_other_requests_alone(monkeypatch):
+    # at batch 1 the step skips a copy (a size-1 dimension keeps a tensor contiguous): one alloc/free fewer
+    def make(b):
+        s = _stream(b)
+        if b > 1:
+            s.append_alloc(4, 64 * b)
+            s.append_free(4)
+        return s
+
+    calls = _fake_capture(monkeypatch, make)
+    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred.prepare([1, 2, 4, 8, 16, 32, 64])
+    assert pred.stream(1) == make(1) and pred.stream(3) == make(3) and pred.stream(50) == make(50)
+    # 1, 2, 8, 64 first; the regime 2..64 then has 3 captures and needs a 4th: 32 (farthest from 2, 8, 64)
+    assert sorted(calls) == [1, 2, 8, 32, 64]
+    assert pred.derived_batches == [3, 50]
+    assert pred.derivation_note == ("the step makes other requests at batch 1 than at 2: batch sizes between "
+                                    "them are captured")
+
+
+def test_predictor_without_a_polynomial_fit_captures_everything_and_says_why(monkeypatch):
+    calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=b * b * b))  # cubic term
     pred = P.Predictor({"name": "fake"}, GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
-    for b in (16, 64):
-        assert pred.stream(b) == _stream(b, extra=b * b)
-    assert calls == [8, 128, 32, 16, 64] and pred.derived_batches == []
-    assert "not affine" in pred.derivation_note
+    for b in (20, 64):
+        assert pred.stream(b) == _stream(b, extra=b * b * b)
+    assert 20 in calls and 64 in calls and pred.derived_batches == []
+    assert "are not a polynomial of degree <= 2 in the batch size" in pred.derivation_note
+    assert pred.derivation_note.startswith("batch 8..128 not derived (request #1's sizes (")
+
+
+def test_a_capture_that_differs_from_its_derivation_turns_derivation_off(monkeypatch):
+    from oomtune.plan.derive import StreamDeriver
+
+    d = StreamDeriver()
+    for b in (8, 16, 32, 128):
+        assert d.add(b, _stream(b))
+    assert d.derive(64) == _stream(64)
+    assert not d.add(64, _stream(64, extra=1))         # one byte more than the line says
+    assert d.derive(100) is None and "differs from its capture" in d.notes()[0]
 
 
 def test_predictor_derive_false_captures_every_batch(monkeypatch):
@@ -174,6 +240,29 @@ def test_plan_with_derived_streams_equals_plan_capturing_every_batch(monkeypatch
     assert maps[True][1].derived_batches, "nothing was derived: the test does not exercise derivation"
     assert maps[True][0].captures < maps[False][0].captures
     assert {c["max_batch_size"] for c in with_d["configurations"]} - set(grid), "no bisection happened"
+
+
+def test_transformer_plan_from_batch_1_with_derived_streams_equals_capturing_every_batch(monkeypatch):
+    """Issue 26: the built-in transformer's step makes other requests at batch 1 (captured alone);
+    2..64 are derived from polynomial fits; the map equals the one that captures every batch size."""
+    from oomtune.plan.feasibility import build_plan, grid_batches
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 4, "seq_len": 96, "vocab_size": 512,
+           "dropout": 0.0, "optimizer": "adamw", "precision": "bf16"}
+    settings = [{}, {"expandable_segments": True}, {"max_split_size_mb": 20}]
+    geometry = {"total_memory_bytes": 100 << 20, "memory_fraction": 1.0}   # 94 MiB at 48, 126 at 64
+    grid = grid_batches(1, 64)
+    maps = {}
+    for derive in (True, False):
+        pred = P.Predictor(cfg, geometry, steps=4, derive=derive)
+        maps[derive] = (build_plan(pred, settings, grid, workload=cfg, device={"kind": "cpu"}).to_dict(), pred)
+    assert maps[True][0]["configurations"] == maps[False][0]["configurations"]
+    pred = maps[True][1]
+    assert pred.derived_batches and pred.captures <= 6 < maps[False][1].captures
+    assert "other requests at batch 1 than at 2" in pred.derivation_note
+    assert {c["max_batch_size"] for c in maps[True][0]["configurations"]} - set(grid), "no bisection happened"
 
 
 # -- garbage_collection_threshold: replays shared only where the threshold provably never acts ----------

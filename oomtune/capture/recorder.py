@@ -59,61 +59,114 @@ from oomtune.capture import cuda_kernels as _kernels
 __all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream", "MEMO_OPS", "HostMemoryError"]
 
 _aten = torch.ops.aten
-#: Ops whose meta kernels are slow Python decompositions and whose outputs are new storages whose
-#: metadata is a function of the inputs' metadata and the other arguments (no data on meta).
+#: Ops whose meta kernels are slow Python decompositions (issue 13; kept for reference: since issue 26
+#: every op whose outputs pass :func:`_output_spec`'s checks is memoized, these included).
 MEMO_OPS = frozenset({_aten.native_batch_norm.default, _aten.native_batch_norm_backward.default,
                       _aten.threshold_backward.default})
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _NO_MEMO = object()   # a signature whose outputs cannot be rebuilt (aliases, odd storages)
 
 
-def _signature(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+class _Unkeyable(Exception):
+    """An argument that does not fit in a memo key (a tensor off meta, an object not plain)."""
+
+
+def _key(x: Any, tensors: list | None) -> Any:
+    """The hashable key of one argument: a meta tensor's (shape, stride, storage offset, dtype), a
+    plain value with its type (``True`` is not ``1``), a list or tuple of keys; appends every tensor
+    met to ``tensors`` in order. Raises :class:`_Unkeyable` otherwise."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta or x.layout is not torch.strided:
+            raise _Unkeyable
+        if tensors is not None:
+            tensors.append(x)
+        return (x.shape, x.stride(), x.storage_offset(), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple([_key(y, tensors) for y in x]))
+    if isinstance(x, _PLAIN):
+        return (type(x), x)
+    raise _Unkeyable
+
+
+def _signature(func: Any, args: tuple, kwargs: dict, tensors: list | None = None) -> tuple | None:
     """A hashable key of ``func``'s call: per argument, a meta tensor's (shape, stride, storage
-    offset, dtype) or a plain value; None when an argument is a tensor off meta or not plain."""
-    leaves, spec = tree_flatten((args, kwargs))
-    key: list[Any] = [func, str(spec)]
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if x.device.type != "meta" or x.layout != torch.strided:
-                return None
-            key.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype))
-        elif isinstance(x, _PLAIN):
-            key.append((type(x), x))
-        else:
-            return None
-    return tuple(key)
+    offset, dtype) or a plain value; None when an argument is a tensor off meta or not plain.
+    ``tensors``: a list that receives the call's tensor arguments in key order (for the outputs
+    that are one of them: in-place and ``out=`` ops)."""
+    try:
+        return (func, _key(args, tensors), _key(tuple(kwargs.items()), tensors) if kwargs else ())
+    except _Unkeyable:
+        return None
 
 
-def _output_spec(out: Any, args: tuple, kwargs: dict) -> Any:
-    """How to rebuild ``out``: (tree spec, per leaf None or (shape, stride, dtype)), or
-    :data:`_NO_MEMO` when an output is not a fresh dense meta tensor with a storage of its own (it
-    aliases an input or another output, starts at an offset, or its storage is not exactly the
-    size ``empty_strided`` gives)."""
-    in_storages = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+_VIEWS: dict[Any, bool] = {}
+
+
+def _is_view(func: Any) -> bool:
+    """Whether ``func``'s schema returns an alias of an input that it does not write (a view: ``view``,
+    ``t``, ``split``, ...): such outputs share an input's storage and are never memoized (their
+    kernels run in C++ anyway, so the key would cost more than it saves)."""
+    got = _VIEWS.get(func)
+    if got is None:
+        try:
+            got = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        except AttributeError:
+            got = True
+        _VIEWS[func] = got
+    return got
+
+
+def _state(t: torch.Tensor) -> tuple:
+    """A tensor's metadata and storage identity, to see whether an op changed them."""
+    st = t.untyped_storage()
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, st._cdata, st.nbytes())
+
+
+def _output_spec(out: Any, tensors: list, before: list | None = None) -> Any:
+    """How to rebuild ``out`` without running the op again: (tree spec, per leaf None, ``("new",
+    shape, stride, dtype)`` for a fresh dense meta tensor with a storage of its own, or ``("arg",
+    j)`` for the call's ``j``-th tensor argument returned as it is: an in-place or ``out=`` op), or
+    :data:`_NO_MEMO` when an output is neither (a view of an input or of another output, an offset,
+    a storage not exactly the size ``empty_strided`` gives) or when the call changed any tensor
+    argument's metadata or storage (``resize_``, ``set_``, ``as_strided_``; ``before``: the
+    arguments' :func:`_state` before the call)."""
+    if before is not None and any(_state(t) != b for t, b in zip(tensors, before)):
+        return _NO_MEMO
+    in_storages = {t.untyped_storage()._cdata for t in tensors}
     leaves, spec = tree_flatten(out)
     rebuilt: list[Any] = []
     for t in leaves:
         if t is None:
             rebuilt.append(None)
             continue
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta" or t.layout != torch.strided \
-                or t.storage_offset() != 0:
+        if not isinstance(t, torch.Tensor):
+            return _NO_MEMO
+        j = next((i for i, a in enumerate(tensors) if a is t), None)
+        if j is not None:
+            rebuilt.append(("arg", j))
+            continue
+        if not t.is_meta or t.layout is not torch.strided or t.storage_offset() != 0:
             return _NO_MEMO
         st = t.untyped_storage()
         extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         if st._cdata in in_storages or st.nbytes() != extent * t.element_size():
             return _NO_MEMO
         in_storages.add(st._cdata)
-        rebuilt.append((tuple(t.shape), t.stride(), t.dtype))
+        rebuilt.append(("new", tuple(t.shape), t.stride(), t.dtype))
+    if len(leaves) == 1 and isinstance(out, torch.Tensor):
+        return None, rebuilt   # a single tensor: no tree to rebuild
     return spec, rebuilt
 
 
-def _rebuild(spec: Any) -> Any:
+def _rebuild(spec: Any, tensors: list) -> Any:
+    tree, leaves = spec
+    out = [None if x is None else tensors[x[1]] if x[0] == "arg"
+           else torch.empty_strided(x[1], x[2], dtype=x[3], device="meta") for x in leaves]
+    if tree is None:
+        return out[0]
     from torch.utils._pytree import tree_unflatten
 
-    tree, leaves = spec
-    return tree_unflatten([None if x is None else torch.empty_strided(x[0], x[1], dtype=x[2], device="meta")
-                           for x in leaves], tree)
+    return tree_unflatten(out, tree)
 
 
 class AllocationSink(Protocol):
@@ -253,14 +306,17 @@ class StorageRecorder(TorchDispatchMode):
     # -- dispatch ----------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        key = _signature(func, args, kwargs) if self._memo is not None and func in MEMO_OPS else None
+        tensors: list = []
+        key = (_signature(func, args, kwargs, tensors) if self._memo is not None and not _is_view(func)
+               else None)
         spec = None if key is None else self._memo.get(key)
         if spec is not None and spec is not _NO_MEMO:
-            out = _rebuild(spec)
+            out = _rebuild(spec, tensors)
         else:
+            before = [_state(t) for t in tensors] if key is not None else None
             out = func(*args, **kwargs)
             if key is not None and spec is None:
-                self._memo[key] = _output_spec(out, args, kwargs)
+                self._memo[key] = _output_spec(out, tensors, before)
         if self.recording:
             leaves, _ = tree_flatten(out)
             for t in leaves:

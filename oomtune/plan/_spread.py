@@ -61,8 +61,8 @@ def merge(predictor: Any, gained: dict[str, Any]) -> None:
     for b, s in gained["streams"].items():
         predictor._streams.setdefault(b, s)
     for b in gained["captured"]:
-        predictor._captured.setdefault(b, predictor._streams[b])
-        predictor._capture_reasons.setdefault(b, gained["reasons"][b])
+        if b not in predictor._captured:
+            predictor._keep_capture(b, gained["streams"][b], gained["reasons"][b])
     predictor.derived_batches.extend(b for b in gained["derived"] if b not in predictor.derived_batches)
     predictor.cached_batches.extend(b for b in gained["cached"] if b not in predictor.cached_batches)
     predictor.fallback_reasons |= gained["fallback"]

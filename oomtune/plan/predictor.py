@@ -11,10 +11,11 @@ blocks by age, so a later step can peak higher: ResNet-18 at batch 456 under
 ``garbage_collection_threshold:0.8`` peaks at 988 MiB in step 4, above what 2 steps show), so the
 prediction is the peak of exactly the steps the trial measures.
 
-Most batch sizes are not captured at all (issue 13): once three captures agree on an affine model of
-every request's size in the batch size (:class:`oomtune.plan.derive.AffineStreamModel`), the streams
-of batch sizes between them are derived; the first derived batch size is also captured and compared
-event by event (a spot check), and any difference turns derivation off for that predictor.
+Most batch sizes are not captured at all (issues 13 and 26): captures whose streams share one structure
+fit every request's size as a polynomial of low degree in the batch size, checked and verified by
+further captures (:class:`oomtune.plan.derive.StreamDeriver`), and the streams of the batch sizes
+between them are derived; batch sizes where the step makes other requests (batch 1, often) are
+captured.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
-from oomtune.plan.derive import MIN_FIT_CAPTURES, AffineStreamModel
+from oomtune.plan.derive import MIN_FIT_CAPTURES, StreamDeriver
 
 __all__ = ["PREDICT_STEPS", "Prediction", "trial_steps", "Predictor", "capture_training_stream", "python_target_workload",
            "sim_geometry", "unbounded_capacity_bytes", "simulable"]
@@ -272,22 +273,21 @@ class Prediction:
 class Predictor:
     """Holds one request stream per batch size, captured or derived; replays it per allocator setting.
 
-    Streams are captured on the meta device (:func:`capture_training_stream`) until
-    :data:`~oomtune.plan.derive.MIN_FIT_CAPTURES` captures fit an affine model of the request sizes
-    (:class:`~oomtune.plan.derive.AffineStreamModel`); after that, a batch size between the smallest
-    and largest captured ones is derived from the model, and one outside is captured (and refits the
-    model). The first ``spot_checks`` derived batch sizes are captured as well and compared event by
-    event; the captured stream is used, and a difference (or captures the model no longer fits)
-    turns derivation off, so every later batch size is captured. Every replayed stream is therefore
-    either captured or equal to what a capture gives wherever checked.
+    Streams are captured on the meta device (:func:`capture_training_stream`) and grouped by a
+    :class:`~oomtune.plan.derive.StreamDeriver` into regimes of equal structure, each fitting every
+    request's size as a polynomial of low degree in the batch size; a batch size inside a regime whose
+    polynomials are fitted, checked and verified by enough captures is derived, any other is captured.
+    :meth:`prepare` makes the captures that let the most of a grid be derived, several at once. A
+    capture inside an accepted regime that differs from its derivation turns derivation off and drops
+    what was derived (never expected; the regime rule makes it rare). Every replayed stream is
+    therefore captured, or equal to what a capture gives wherever checked.
 
     Args:
         model_cfg: the ``model`` group (plain dict).
         geometry: :func:`sim_geometry` of the target device and budget. A real device's geometry
             (it carries ``non_allocator_bytes``) also adds the cuBLAS workspaces to the captures.
         steps: training steps per stream (:data:`PREDICT_STEPS`).
-        derive: derive streams from the affine model (False: capture every batch size).
-        spot_checks: derived batch sizes that are also captured and compared (>= 1).
+        derive: derive streams from the polynomial models (False: capture every batch size).
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
             build_plan`'s replays (forked, :mod:`oomtune.plan.parallel`); 1: all in this process.
             The results are the same either way, only where they are computed changes.
@@ -298,20 +298,16 @@ class Predictor:
     """
 
     def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
-                 derive: bool = True, spot_checks: int = 1, workers: int = 1, cache: Any = None,
-                 read_cache: bool = True):
+                 derive: bool = True, workers: int = 1, cache: Any = None, read_cache: bool = True):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
         self._capture_reasons: dict[int, str | None] = {}
         self._cache: dict[tuple[int, str], Prediction] = {}
         self._replays: dict[tuple[int, str], tuple[Any, Any]] = {}
-        self._model: AffineStreamModel | None = None
+        self._deriver = StreamDeriver()
         self.derive = derive
-        self.spot_checks = max(1, int(spot_checks))
-        self.spot_checked: list[int] = []
         self.derived_batches: list[int] = []
-        self.derivation_note: str | None = None
         self.fallback_reasons: set[str] = set()
         self.calibration = 1.0
         self.capture_seconds = 0.0
@@ -319,7 +315,6 @@ class Predictor:
         self.replay_seconds = 0.0
         self.replays = 0
         self.workers = max(1, int(workers))
-        self._precaptured: dict[int, tuple[Any, str | None]] = {}
         from oomtune.plan.stream_cache import cacheable
 
         self.cache = cache if cache is not None and cacheable(model_cfg) else None
@@ -336,18 +331,26 @@ class Predictor:
 
     @property
     def captures(self) -> int:
-        """Batch sizes captured on the meta device (spot checks included; those read from the stream
-        cache count too: ``cached_batches``)."""
+        """Batch sizes captured on the meta device (those read from the stream cache count too:
+        ``cached_batches``)."""
         return len(self._captured)
 
+    @property
+    def derivation_note(self) -> str | None:
+        """Where derivation stopped and why (one line; None when every derivable batch size was
+        derived in one regime, or derivation is off by request)."""
+        if not self.derive and self._deriver.broken is None:
+            return None
+        notes = self._deriver.notes()
+        return "; ".join(notes) if notes else None
+
     def prepare(self, batch_sizes: Any) -> None:
-        """Capture the batch sizes that anchor the affine model for ``batch_sizes`` (all that will be
-        asked): the smallest, the largest and the median, so that every other one is derived by
-        interpolation; then the spot checks, the smallest other sizes (the ones a plan asks first,
-        grid in ascending order). With ``workers > 1`` these captures run in forked processes at
-        once (:func:`oomtune.plan.parallel.fork_map`) and are then taken in the same order as one
-        process takes them, so the model, the checks and the notes are the same. Does nothing when
-        derivation is off or fewer than three distinct sizes come.
+        """Make the captures that let the most of ``batch_sizes`` (all that will be asked) be derived
+        (:meth:`oomtune.plan.derive.StreamDeriver.wanted`), in rounds: each round's captures are read
+        from the stream cache or made at once in forked processes (``workers > 1``,
+        :func:`oomtune.plan.parallel.fork_map`) and then taken in ascending order, so the regimes,
+        models and notes are the same as in one process. Does nothing when derivation is off or fewer
+        than three distinct sizes come.
 
         Raises:
             ConfigError: as :func:`capture_training_stream`.
@@ -355,30 +358,35 @@ class Predictor:
         sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
             return
-        anchors = list(dict.fromkeys((sizes[0], sizes[-1], sizes[len(sizes) // 2])))
-        spots = [b for b in sizes if b not in anchors][:max(0, self.spot_checks - len(self.spot_checked))]
-        wanted = [b for b in anchors + spots if b not in self._streams and b not in self._precaptured]
+        for _ in range(12):   # rounds; each adds captures, so this ends; the bound is a safety net
+            wanted = [b for b in self._deriver.wanted(sizes) if b not in self._streams]
+            if not wanted or not self.derive:
+                return
+            self._capture_many(wanted)
+
+    def _capture_many(self, batch_sizes: list[int]) -> None:
+        """Capture ``batch_sizes`` (cache first; the rest in forked workers when there are several)."""
         t0 = time.perf_counter()
-        for b in wanted:
+        got: dict[int, tuple[Any, str | None]] = {}
+        for b in batch_sizes:
             hit = self._from_cache(b)
             if hit is not None:
-                self._precaptured[b] = hit
-        self.capture_seconds += time.perf_counter() - t0
-        wanted = [b for b in wanted if b not in self._precaptured]
-        if self.workers > 1 and len(wanted) > 1:
+                got[b] = hit
+        rest = [b for b in batch_sizes if b not in got]
+        if self.workers > 1 and len(rest) > 1:
             from oomtune.plan.parallel import fork_map
 
-            t0 = time.perf_counter()
-            got = fork_map(self._capture_raw, wanted, self.workers)
-            self._precaptured.update(zip(wanted, got))
-            self.capture_seconds += time.perf_counter() - t0   # the wall time of the parallel captures
-        for b in anchors + spots:
-            self.stream(b)
+            got.update(zip(rest, fork_map(self._capture_raw, rest, self.workers)))
+        else:
+            got.update((b, self._capture_raw(b)) for b in rest)
+        self.capture_seconds += time.perf_counter() - t0   # the wall time of the (parallel) captures
+        for b in sorted(got):
+            self._keep_capture(b, *got[b])
 
     def stream(self, batch_size: int) -> Any:
-        """The training step's allocation stream at ``batch_size`` (cached): derived from the affine
-        model where it covers the batch size and was spot-checked, else captured on the meta device
-        (:func:`capture_training_stream`); capture time adds to ``capture_seconds``.
+        """The training step's allocation stream at ``batch_size`` (cached): derived where a regime's
+        polynomial model covers it (:class:`oomtune.plan.derive.StreamDeriver`), else captured on the
+        meta device (:func:`capture_training_stream`); capture time adds to ``capture_seconds``.
 
         Raises:
             ConfigError: as :func:`capture_training_stream`.
@@ -386,21 +394,15 @@ class Predictor:
         stream = self._streams.get(batch_size)
         if stream is not None:
             return stream
-        model = self._model if self.derive else None
-        if model is None or not model.covers(batch_size):
-            return self._capture(batch_size)
-        t0 = time.perf_counter()
-        derived = model.derive(batch_size)
-        self.derive_seconds += time.perf_counter() - t0
-        if len(self.spot_checked) < self.spot_checks:
-            captured = self._capture(batch_size)
-            self.spot_checked.append(batch_size)
-            if captured != derived:
-                self._derivation_off(f"the stream derived at batch {batch_size} differs from its capture")
-            return captured
-        self._streams[batch_size] = derived
-        self.derived_batches.append(batch_size)
-        return derived
+        if self.derive:
+            t0 = time.perf_counter()
+            derived = self._deriver.derive(batch_size)
+            self.derive_seconds += time.perf_counter() - t0
+            if derived is not None:
+                self._streams[batch_size] = derived
+                self.derived_batches.append(batch_size)
+                return derived
+        return self._capture(batch_size)
 
     def _blas_workspaces(self) -> bool:
         return "non_allocator_bytes" in self.geometry   # a real GPU's geometry
@@ -429,29 +431,33 @@ class Predictor:
 
     def _capture(self, batch_size: int) -> Any:
         t0 = time.perf_counter()
-        if batch_size in self._precaptured:   # read from the cache or captured by prepare()'s workers (timed there)
-            stream, reason = self._precaptured.pop(batch_size)
-        else:
-            got = self._from_cache(batch_size)
-            stream, reason = got if got is not None else self._capture_raw(batch_size)
-            self.capture_seconds += time.perf_counter() - t0
+        got = self._from_cache(batch_size)
+        stream, reason = got if got is not None else self._capture_raw(batch_size)
+        self.capture_seconds += time.perf_counter() - t0
+        return self._keep_capture(batch_size, stream, reason)
+
+    def _keep_capture(self, batch_size: int, stream: Any, reason: str | None) -> Any:
+        """Hold a capture (and give it to the deriver); returns the stream."""
         if reason:
             self.fallback_reasons.add(reason)
         self._streams[batch_size] = self._captured[batch_size] = stream
         self._capture_reasons[batch_size] = reason
-        if self.derive and self.derivation_note is None and len(self._captured) >= MIN_FIT_CAPTURES:
-            if len(set(self._capture_reasons.values())) > 1:
-                self._derivation_off("captures at different batch sizes ran differently")
-            else:
-                self._model = AffineStreamModel.fit(self._captured)
-                if self._model is None:
-                    self._derivation_off("request sizes are not affine in the batch size")
+        if self.derive and not self._deriver.add(batch_size, stream, reason):
+            self._forget_derived()
         return stream
 
-    def _derivation_off(self, why: str) -> None:
-        self._model = None
+    def _forget_derived(self) -> None:
+        """Derivation turned out wrong somewhere (a capture differed from its derivation): derive no
+        more, and drop every derived stream and what was replayed from it (captured again on demand)."""
         self.derive = False
-        self.derivation_note = f"derivation off ({why}): every batch size captured"
+        gone = set(self.derived_batches)
+        for b in gone:
+            self._streams.pop(b, None)
+        for key in [k for k in self._cache if k[0] in gone]:
+            del self._cache[key]
+        for key in [k for k in self._replays if k[0] in gone]:
+            del self._replays[key]
+        self.derived_batches.clear()
 
     def predict_detail(self, batch_size: int, settings: AllocatorSettings | str) -> Prediction:
         """Replay the batch's stream under ``settings`` on the trial's virtual GPU (``self.geometry``).
