@@ -126,10 +126,83 @@ def test_validated_marks_are_per_config(tmp_path):
     assert cache.validated(MLP) and not cache.validated({**MLP, "layers": 2})
 
 
-def test_python_targets_and_real_data_are_not_cached():
+def test_real_data_is_not_cached_and_python_entries_are_when_their_code_can_be_read(tmp_path):
     assert cacheable(MLP) and cacheable({**MLP, "data": {"source": "synthetic"}})
-    assert not cacheable({**MLP, "target": {"name": "python", "entry": "pkg.mod:make_workload"}})
     assert not cacheable({**MLP, "data": {"source": "imagefolder", "path": "/data"}})
+    assert cacheable({"target": {"name": "python", "entry": str(ROOT / "examples/my_workload.py") + ":make_workload"}})
+    assert not cacheable({"target": {"name": "python", "entry": str(tmp_path / "absent.py") + ":f"}})
+    assert not cacheable({"target": {"name": "python", "entry": "no_such_module_i26:f"}})
+
+
+ENTRY = """import torch
+from torch import nn
+import helper_mod
+
+def make_workload(batch_size, device):
+    model = nn.Linear(helper_mod.WIDTH, 10).to(device)
+    def batches():
+        while True:
+            yield torch.randn(batch_size, helper_mod.WIDTH, device=device), torch.randint(0, 10, (batch_size,), device=device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches()
+"""
+
+
+def _entry(tmp_path: Path, width: int = 32, body: str = ENTRY) -> dict:
+    (tmp_path / "wl.py").write_text(body)
+    (tmp_path / "helper_mod.py").write_text(f"WIDTH = {width}\n")
+    SC._entry_prints.clear()   # computed once per process: a new file content means a new process here
+    return {"target": {"name": "python", "entry": str(tmp_path / "wl.py") + ":make_workload"}}
+
+
+def test_a_python_entry_is_keyed_by_its_code_its_local_imports_and_its_packages(tmp_path, monkeypatch):
+    cache = StreamCache(tmp_path / "cache")
+    wl = _entry(tmp_path)
+    base = cache.capture_key(wl, 8, 2, False)
+    material = base[1]
+    assert material["model"] == {"target": wl["target"]}
+    assert set(material["entry"]["files"]) == {str((tmp_path / "wl.py").resolve()),
+                                               str((tmp_path / "helper_mod.py").resolve())}
+    assert material["entry"]["packages"]["torch"].startswith("torch==")
+    # the same entry named relative to the current directory: the same key (a plan and a search share it)
+    monkeypatch.chdir(tmp_path)
+    rel = {"target": {"name": "python", "entry": "wl.py:make_workload"}}
+    assert cache.capture_key(rel, 8, 2, False)[0] == base[0]
+    # a changed entry file, a changed local module: other keys
+    assert cache.capture_key(_entry(tmp_path, body=ENTRY + "\n# changed\n"), 8, 2, False)[0] != base[0]
+    assert cache.capture_key(_entry(tmp_path, width=33), 8, 2, False)[0] != base[0]
+    assert cache.capture_key(_entry(tmp_path), 8, 2, False)[0] == base[0]     # back as it was
+
+
+def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_changed_entry_misses(tmp_path, monkeypatch):
+    from oomtune.device import resolve_device
+    from oomtune.plan import predictor as P
+
+    device = resolve_device("cpu", virtual_device_memory="1GiB")
+    cache = StreamCache(tmp_path / "cache")
+    wl = _entry(tmp_path)
+    plan = P.Predictor.for_search(wl, device, 64 << 20, cache=cache)
+    plan.prepare([8, 16, 32, 64])
+    want = {b: plan.predict_detail(b, "") for b in (8, 24, 64)}
+    assert plan.cached_batches == [] and plan.captures >= 3
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured although the cache holds the stream")
+
+    real_capture = P.capture_training_stream
+    monkeypatch.setattr(P, "capture_training_stream", no_capture)
+    search = P.Predictor.for_search(wl, device, 64 << 20, cache=cache)
+    search.prepare([8, 16, 32, 64])
+    assert {b: search.predict_detail(b, "") for b in (8, 24, 64)} == want
+    assert sorted(search.cached_batches) == sorted(plan._captured)
+    # the entry file changed: every capture is a miss (here the capture function refuses, so it is called)
+    changed = _entry(tmp_path, width=48)
+    with pytest.raises(AssertionError, match="captured although"):
+        P.Predictor.for_search(changed, device, 64 << 20, cache=cache).prepare([8, 16, 32, 64])
+    monkeypatch.setattr(P, "capture_training_stream", real_capture)
+    for name in [m for m in sys.modules if m == "helper_mod" or m.startswith("oomtune_user_wl_")]:
+        monkeypatch.delitem(sys.modules, name)   # this process loaded the old code; a new process would not
+    fresh = P.Predictor.for_search(changed, device, 64 << 20, cache=cache)
+    assert fresh.predict_detail(64, "").peak_allocated_bytes > want[64].peak_allocated_bytes   # 48 features, not 32
 
 
 def test_where_the_cache_lives(tmp_path, monkeypatch):

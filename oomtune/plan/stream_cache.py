@@ -17,8 +17,15 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
   another entry) or whose events are invalid is a miss (and is written again after the capture),
   never an error.
-* **not cached**: ``target: python`` workloads (the user's code can change under the same config)
-  and workloads reading real data (their checks look at files that can change).
+* **``target: python`` workloads** (issue 26) are keyed by the resolved target group (the entry with
+  its file made absolute, so a plan and a search from the same directory share entries) and by
+  :func:`entry_fingerprint`: the SHA-256 of the entry file and of every local module it imports
+  (files and packages beside it, followed transitively), and the installed versions of the
+  third-party packages those files import (``transformers``, ...). A changed entry file, or a changed
+  local module, is another key. Not seen: data files the entry reads, and modules it imports by
+  other means than ``import`` statements (``oomtune plan --no-cache`` then captures afresh).
+* **not cached**: built-in workloads reading real data (their checks look at files that can
+  change).
 
 Where: ``$OOMTUNE_CACHE_DIR`` (``off``, ``0``, ``none``, ``false`` or ``no`` turn the cache off), else
 ``$XDG_CACHE_HOME/oomtune/streams`` (an absolute path; a relative one is ignored, as the XDG
@@ -40,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_fingerprint"]
+__all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_fingerprint", "entry_fingerprint"]
 
 #: Environment variable naming the cache directory; ``off`` (or ``0``, ``none``) turns it off.
 CACHE_ENV = "OOMTUNE_CACHE_DIR"
@@ -86,18 +93,141 @@ def _environment() -> dict[str, Any]:
 
 
 def cacheable(model_cfg: dict[str, Any]) -> bool:
-    """Whether captures of ``model_cfg`` may be cached: a built-in workload on synthetic data (not
-    ``target: python``, whose code can change under the same config; not a real data set, whose files
-    the workload's checks read)."""
+    """Whether captures of ``model_cfg`` may be cached: a built-in workload on synthetic data (not a
+    real data set, whose files the workload's checks read), or a ``target: python`` workload whose
+    entry's code can be fingerprinted (:func:`entry_fingerprint`)."""
     target = model_cfg.get("target") or {}
-    if isinstance(target, dict) and target.get("name", "builtin") != "builtin":
+    name = target.get("name", "builtin") if isinstance(target, dict) else None
+    if name == "python":
+        return entry_fingerprint(target) is not None
+    if name != "builtin":
         return False
     data = model_cfg.get("data")
     return data is None or (isinstance(data, dict) and data.get("source", "synthetic") == "synthetic")
 
 
+_entry_prints: dict[str, dict[str, Any] | None] = {}
+
+
+def entry_fingerprint(target: dict[str, Any]) -> dict[str, Any] | None:
+    """What a ``target: python`` entry's captures depend on beyond its config, or None when it cannot
+    be read (the entry's module cannot be found: not cacheable):
+
+    * ``files``: ``{path: SHA-256}`` of the entry's file (``path/to/file.py:fn``, or the file of
+      ``pkg.mod:fn`` as ``importlib.util.find_spec`` finds it) and of every local module it imports,
+      transitively (a module is local when ``name.py`` or the package ``name/`` lies in the importing
+      file's folder, the folder the entry's loader puts first on ``sys.path``; a package counts with
+      every ``.py`` file under it). Imports are read from the source (``ast``), never executed.
+    * ``packages``: the installed versions of the other packages those files import (standard
+      library modules left out), from package metadata.
+
+    Computed once per process per entry."""
+    entry = target.get("entry")
+    if not isinstance(entry, str) or ":" not in entry:
+        return None
+    if entry not in _entry_prints:
+        _entry_prints[entry] = _entry_print(entry)
+    return _entry_prints[entry]
+
+
+def _entry_print(entry: str) -> dict[str, Any] | None:
+    from oomtune.targets import is_file_entry
+
+    where = entry.rpartition(":")[0].strip()
+    if is_file_entry(where):
+        path = Path(where).expanduser().absolute()
+    else:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(where)
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        path = Path(spec.origin)
+    if not path.is_file():
+        return None
+    files: dict[str, str] = {}
+    third_party: set[str] = set()
+    todo = [path.resolve()]
+    while todo:
+        f = todo.pop()
+        if str(f) in files:
+            continue
+        try:
+            source = f.read_bytes()
+        except OSError:
+            return None
+        files[str(f)] = hashlib.sha256(source).hexdigest()
+        for name in _imported_names(source):
+            local = f.parent / f"{name}.py"
+            package = f.parent / name
+            if local.is_file():
+                todo.append(local.resolve())
+            elif (package / "__init__.py").is_file():
+                todo += sorted(p.resolve() for p in package.rglob("*.py"))
+            elif name not in sys.stdlib_module_names:
+                third_party.add(name)
+    return {"files": dict(sorted(files.items())), "packages": _versions(sorted(third_party))}
+
+
+def _imported_names(source: bytes) -> list[str]:
+    """The first component of every module an ``import`` statement in ``source`` names (absolute
+    imports; a relative one names its module's first component); [] when it does not parse."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                names.append(node.module.split(".")[0])
+            elif node.level:
+                names += [a.name.split(".")[0] for a in node.names]
+    return list(dict.fromkeys(names))
+
+
+def _versions(modules: list[str]) -> dict[str, str | None]:
+    """``{module: version of the distribution that provides it}`` (None: not installed)."""
+    if not modules:
+        return {}
+    from importlib import metadata
+
+    from oomtune.packages import installed_version
+
+    try:
+        provides = metadata.packages_distributions()
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata must not stop a plan
+        provides = {}
+    out: dict[str, str | None] = {}
+    for m in modules:
+        dists = sorted(set(provides.get(m, [m])))
+        versions = [f"{d}=={installed_version(d)}" for d in dists if installed_version(d) is not None]
+        out[m] = ",".join(versions) or None
+    return out
+
+
+def _workload_material(model_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The part of a key that names the workload: the ``model`` group for a built-in workload; for
+    ``target: python`` only the target, resolved (the model group plays no part; a relative entry
+    file made absolute, as the search does), and its :func:`entry_fingerprint`."""
+    target = model_cfg.get("target") or {}
+    if isinstance(target, dict) and target.get("name") == "python":
+        from oomtune.targets import resolve_target
+
+        resolved = resolve_target(target)
+        return {"model": {"target": resolved}, "entry": entry_fingerprint(resolved)}
+    return {"model": model_cfg}
+
+
 def _material(what: str, model_cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"format": _FORMAT, "what": what, "model": model_cfg, **extra, **_environment()}
+    return {"format": _FORMAT, "what": what, **_workload_material(model_cfg), **extra, **_environment()}
 
 
 def _json(obj: Any) -> str:
