@@ -9,7 +9,7 @@ from oomtune.search import records as R
 from oomtune.units import format_bytes
 
 __all__ = ["starting", "device_words", "wrapped", "trial_rows", "planned_batch", "fit_table", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
-           "SearchProgress",
+           "SearchProgress", "running_description",
            "plan_recommendation", "recommended_configuration", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND", "trial_table_legend", "throughput_label",
            "fold_note", "FOLD_LEGEND", "legend_lines"]
@@ -386,6 +386,11 @@ class SearchProgress:
     (CI logs) only the per-trial lines. Call :meth:`wrap` on the trial runner to show which trial
     runs, and :meth:`close` at the end.
 
+    The running trial reads as its role, batch and settings, and, from the progress record its
+    process rewrites after each step (:data:`oomtune.trial.record.PROGRESS_FILE`), its step and an
+    estimate of the rest from the mean time of the steps done: ``confirm bs=493 es:T 6/10 steps ~8s
+    left`` (issue 26; refreshed twice a second by a thread while the bar is live).
+
     Args:
         console: a rich Console (its ``is_terminal`` picks the mode).
         n_trials: the sampler's trials (``search.n_trials``).
@@ -393,13 +398,21 @@ class SearchProgress:
     """
 
     def __init__(self, console: Any, n_trials: int, *, study: Any = None):
+        import threading
+
         self.console, self.n_trials, self.count = console, n_trials, 0
         #: a callable returning the leading FrozenTrial under the final ranking rule (set by the search)
         self.leader: Any = lambda: None
+        #: a callable returning the role of the trial the calling thread runs (set by the search)
+        self.role_of: Any = lambda: None
         for t in study.get_trials(deepcopy=False) if study is not None else ():  # resumed study
             if t.user_attrs.get(R.ATTR_ROLE) == "search" and R.ATTR_RESULT in t.user_attrs:
                 self.count += 1
         self._bar = self._task = None
+        self._running: dict[Any, tuple[str, int, str]] = {}   # workdir -> (role, batch, settings)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: Any = None
         if getattr(console, "is_terminal", False):
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
@@ -410,23 +423,55 @@ class SearchProgress:
             total = n_trials + 1 if n_trials else None  # the sampler's trials + the confirmation
             self._task = self._bar.add_task("preparing", total=total, completed=min(self.count, n_trials))
             self._bar.start()
+            self._poller = threading.Thread(target=self._poll, name="oomtune-progress", daemon=True)
+            self._poller.start()
 
-    def legend(self, *, simulated: bool, confs: list[str] = ()) -> None:
+    def legend(self, *, simulated: bool, confs: list[str] = (), execute: str = "cpu") -> None:
         """Print the legend of the per-trial lines (:data:`SEARCH_LEGEND`), the abbreviations of the
-        allocator settings ``confs`` (alloc_conf strings) and, on the virtual GPU, whose throughput it
-        is."""
+        allocator settings ``confs`` (alloc_conf strings) and, on the virtual GPU, where the trials'
+        steps run (``execute``: ``meta``, no throughput; ``cpu``, this CPU's throughput)."""
         for line in SEARCH_LEGEND:
             self._say(line)
         used = conf_legend(list(confs))
         for line in legend_lines("  settings: ", used) if used else ():
             self._say(line)
-        if simulated:
+        if simulated and execute == "meta":
+            self._say("note: virtual GPU: memory figures are simulated; the steps run on the meta device, so "
+                      "throughput is not measured")
+        elif simulated:
             self._say("note: virtual GPU: memory figures are simulated; throughput is this CPU's, not a GPU's")
 
-    def running(self, batch_size: int, alloc_conf: str) -> None:
-        """Show the trial that is starting (live bar only)."""
+    def running(self, batch_size: int, alloc_conf: str, *, role: str | None = None, workdir: Any = None) -> None:
+        """Show the trial that is starting (live bar only); ``workdir``: where its progress record is."""
+        if self._bar is None:
+            return
+        with self._lock:
+            self._running[workdir] = (role or "trial", batch_size, short_conf(alloc_conf))
+        self._refresh()
+
+    def finished(self, workdir: Any) -> None:
+        """The trial running in ``workdir`` ended (its line comes through :meth:`__call__`)."""
+        with self._lock:
+            self._running.pop(workdir, None)
+
+    def describe_running(self) -> str:
+        """The bar's description: each running trial's role, batch, settings, steps and estimate."""
+        with self._lock:
+            running = list(self._running.items())
+        return "; ".join(running_description(role, batch, conf, _progress_of(workdir))
+                         for workdir, (role, batch, conf) in running) or "between trials"
+
+    def _refresh(self) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description=f"trial: bs={batch_size} {short_conf(alloc_conf)}")
+            self._bar.update(self._task, description=self.describe_running())
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            if self._running:
+                try:
+                    self._refresh()
+                except Exception:  # noqa: BLE001 - a display refresh must never stop the search
+                    pass
 
     def wrap(self, runner: Any) -> Any:
         """``runner`` whose ``run(spec, ...)`` first calls :meth:`running` (other attributes pass through)."""
@@ -449,10 +494,11 @@ class SearchProgress:
 
             self._say(survivor_line(f"[trial {trial.number}]", survivors))
         if self._bar is not None and (not self.n_trials or role in ("search", "confirm")):
-            self._bar.update(self._task, advance=1, description=f"{role} done")  # no total: count every trial
+            self._bar.update(self._task, advance=1)  # no total: count every trial
 
     def close(self) -> None:
         """Stop the live bar (idempotent)."""
+        self._stop.set()
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
@@ -461,15 +507,56 @@ class SearchProgress:
         self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+def _progress_of(workdir: Any) -> dict[str, Any] | None:
+    if workdir is None:
+        return None
+    from pathlib import Path
+
+    from oomtune.trial.record import PROGRESS_FILE, read_progress_record
+
+    return read_progress_record(Path(workdir) / PROGRESS_FILE)
+
+
+def running_description(role: str, batch_size: int, conf: str, progress: dict[str, Any] | None) -> str:
+    """One running trial for the progress bar: ``confirm bs=493 es:T 6/10 steps ~8s left`` (the
+    estimate: the mean time of the steps done times the steps left), ``... starting`` before its
+    first step, ``... soak`` once its steps are done and the virtual-GPU soak runs."""
+    head = f"{role} bs={batch_size} {conf}"
+    if progress is None:
+        return f"{head} starting"
+    if progress.get("phase") == "soak":
+        return f"{head} soak"
+    done, total, step_s = progress["steps_done"], progress["steps_total"], progress.get("step_s")
+    text = f"{head} {done}/{total} steps"
+    if step_s is not None and done < total:
+        text += f" ~{_seconds(step_s * (total - done))} left"
+    return text
+
+
+def _seconds(s: float) -> str:
+    """``8s``, ``2m05s``, ``1h02m``."""
+    s = max(0, int(round(s)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class _ShowingRunner:
-    """A trial runner that tells a :class:`SearchProgress` which trial starts."""
+    """A trial runner that tells a :class:`SearchProgress` which trial starts, and where its progress
+    record is."""
 
     def __init__(self, runner: Any, progress: SearchProgress):
         self._runner, self._progress = runner, progress
 
     def run(self, spec: Any, *args: Any, **kwargs: Any) -> Any:
-        self._progress.running(spec.batch_size, spec.alloc_conf)
-        return self._runner.run(spec, *args, **kwargs)
+        workdir = kwargs.get("workdir", args[0] if args else None)
+        self._progress.running(spec.batch_size, spec.alloc_conf, role=self._progress.role_of(), workdir=workdir)
+        try:
+            return self._runner.run(spec, *args, **kwargs)
+        finally:
+            self._progress.finished(workdir)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)

@@ -54,6 +54,7 @@ class TrialConf:
     launcher: str = "auto"
     confirm_steps: int = 10
     soak_steps: int = 2000
+    execute: str = "auto"
 
 
 @dataclass
@@ -110,6 +111,7 @@ def validate(cfg: Any) -> None:
     _check(t.soak_steps >= 0, "trial.soak_steps", t.soak_steps, "must be >= 0 (0: no soak)")
     _check(t.timeout > 0, "trial.timeout", t.timeout, "must be > 0 seconds")
     _check(t.launcher in ("auto", "fork", "spawn"), "trial.launcher", t.launcher, "must be auto, fork or spawn")
+    _check(t.execute in ("auto", "meta", "cpu"), "trial.execute", t.execute, "must be auto, meta or cpu")
     for key in ("space", "data"):
         for name, values in (s[key] or {}).items():
             _check(values is None or isinstance(values, (list, tuple, str, int, float, bool))

@@ -97,6 +97,8 @@ class SearchOptions:
     soak_steps: int = 0               # trial.soak_steps: the virtual-GPU soak (oomtune.trial.soak_check)
     variable_shapes: bool = False     # the workload has a shape distribution (oomtune.workloads.shapes)
     torch_threads: int | None = None  # per CPU trial (OOMTUNE_TORCH_THREADS) when workers share the CPU
+    execute: str = "cpu"              # resolved trial.execute: meta | cpu (virtual GPU), device, command
+    host_available_bytes: int | None = None   # /proc/meminfo MemAvailable (the smoke test's check)
 
 
 @dataclass
@@ -117,6 +119,7 @@ class SearchSummary:
     frontiers: list[ConfigFrontier] = field(default_factory=list)
     at_top_of_range: bool = False
     notes: list[str] = field(default_factory=list)
+    execute: str = "cpu"                 # where the virtual GPU's trials ran their steps: meta | cpu
 
 
 class Search:
@@ -180,6 +183,7 @@ class Search:
             shapes="worst" if confirm and self.opt.variable_shapes else "data",
             # a search trial stops once above the limit; a confirmation runs every step (its record is the answer's)
             limit_bytes=None if confirm else self.limit.limit_bytes,
+            execute="meta" if self.opt.execute == "meta" else "cpu",
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None,
@@ -232,7 +236,12 @@ class Search:
         set_trial_attrs(trial, attrs)
         return predicted
 
+    def running_role(self) -> str | None:
+        """The role of the trial the calling worker thread is running (for the progress bar)."""
+        return getattr(self._local, "role", None)
+
     def _evaluate(self, trial: Any, cand: Candidate, role: str, predicted: int | None) -> float:
+        self._local.role = role
         if role == "confirm":
             spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True)
             result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}",
@@ -351,6 +360,48 @@ class Search:
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         return [t for t in self.study.get_trials(deepcopy=False, states=done)
                 if t.user_attrs.get(R.ATTR_ROLE) in roles and R.ATTR_RESULT in t.user_attrs]
+
+    # ---------------------------------------------------------------- 0. the smoke test of meta trials
+    def smoke_test(self) -> str | None:
+        """With trials on the meta device (``execute`` ``meta``), one real CPU step of the workload at
+        the smallest batch with the default allocator, once per search (a study that passed it does
+        not run it again): the meta device runs no arithmetic, so this is where the code itself
+        runs. Returns one line to print (None when there is nothing to say: not meta).
+
+        Skipped, and said so, when the virtual GPU predicts that the step's tensors exceed the host's
+        available memory (``host_available_bytes``).
+
+        Raises:
+            SetupFault: the step fails (an error, a crash, a timeout; not a simulated out-of-memory,
+                which the smoke test does not look at: it runs without a budget).
+        """
+        if self.opt.execute != "meta":
+            return None
+        study = self.executor.study_here()
+        done = study.user_attrs.get("smoke_test")
+        batch = self.space.batch_low
+        if done:
+            return f"smoke test: passed before (one real CPU step at batch {done.get('batch_size')}, in this study)"
+        peak = self._peak(batch, self.space.default(batch).optuna_params())
+        avail = self.opt.host_available_bytes
+        if peak is not None and avail is not None and peak[0] > avail:
+            return (f"smoke test skipped: one CPU step at batch {batch} needs about {format_bytes(peak[0])} "
+                    f"(simulated), more than this host's available memory ({format_bytes(avail)})")
+        cand = self.space.default(batch)
+        spec = TrialSpec(workload=cand.apply_data(self.opt.workload), batch_size=batch, alloc_conf="",
+                         device=self.opt.device, budget_bytes=None, warmup_steps=0, measure_steps=1,
+                         timeout_s=self.opt.trial_timeout_s, device_memory_bytes=self.opt.device_memory_bytes,
+                         execute="cpu")
+        self._local.role = "smoke"
+        result = self.runner.run(spec, workdir=self.workdir / "smoke", **self._trial_env())
+        self._local.role = None
+        if result.outcome != Outcome.OK.value:
+            raise SetupFault(f"the workload fails on the CPU at batch {batch} (the smoke test: one real step, "
+                             f"default allocator): {result.outcome}: {result.message}")
+        study.set_user_attr("smoke_test", {"batch_size": batch, "wall_s": result.wall_s})
+        wall = f" in {result.wall_s:.1f} s" if result.wall_s is not None else ""
+        return (f"smoke test: one real CPU step at batch {batch} (default allocator) ran{wall}; the trials run "
+                "their steps on the meta device (memory simulated, throughput not measured)")
 
     # ---------------------------------------------------------------- 1. frontier first
     def _peak(self, batch: int, params: dict[str, Any]) -> tuple[int, bool] | None:
@@ -623,4 +674,4 @@ class Search:
         return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
                              gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
-                             at_top_of_range=top)
+                             at_top_of_range=top, execute=self.opt.execute)

@@ -184,7 +184,10 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
                   f"advice: {summary.verdict.advice} (a bigger batch will not help)"]
     lines.append(f"trial processes (whole study, every session of it): {summary.launches} launched, "
                  f"{summary.launches_saved} saved by prediction or reuse")
-    if device.simulated:
+    if device.simulated and getattr(summary, "execute", "cpu") == "meta":
+        lines.append("note: trials ran their steps on the meta device (no arithmetic); memory figures come from "
+                     "the virtual GPU (simulated) and throughput was not measured")
+    elif device.simulated:
         lines.append("note: trials trained on the CPU; memory figures come from the virtual GPU (simulated) "
                      "and throughput is the CPU's, so allocator settings change memory here, not speed")
     for line in lines:  # wrapped to 100 columns at spaces (the paths written below stay whole)

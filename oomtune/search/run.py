@@ -29,8 +29,11 @@ from oomtune.runfile import RUN_FILE, write_run_file  # noqa: E402 - run.json: `
 def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
     from oomtune.search.ranking import resolve_objective
 
+    from oomtune.trial.execute import host_available_bytes, resolve_execute
+
     s, t = cfg.search, cfg.trial
     objective, reason = resolve_objective(str(s.objective), simulated=device.simulated)
+    execute, _ = resolve_execute(str(t.execute), simulated=device.simulated, objective=objective, workload=workload)
     return SearchOptions(
         workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=float(s.headroom),
         n_trials=int(s.n_trials), timeout_s=None if s.timeout is None else float(s.timeout),
@@ -42,6 +45,7 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
         torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
+        execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
     )
 
 
@@ -155,6 +159,11 @@ class _Prepared:
             raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
                               "(device=cpu) models the native allocator only")
         self.options = _options(cfg, self.workload, self.device, self.budget_bytes)
+        from oomtune.trial.execute import check_host_memory
+
+        # CPU trials hold their tensors in host memory: a budget the host cannot hold stops here (exit 2)
+        check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers),
+                          available_bytes=self.options.host_available_bytes)
         self.sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
         self.run_dir = C.run_dir_of(cfg)
 
@@ -210,10 +219,17 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         _say(console, done)
     from oomtune.display import device_words, wrapped
 
+    from oomtune.trial.execute import resolve_execute
+
+    execute_why = resolve_execute(str(cfg.trial.execute), simulated=device.simulated, objective=options.objective,
+                                  workload=p.workload)[1]
+    steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
+                   "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(options.execute)
     for line in (f"device: {device_words(device)}, budget {format_bytes(p.budget_bytes)}, headroom "
                  f"{options.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
                  f"{space.batch_low}..{space.batch_high}",
-                 f"objective: {options.objective} ({options.objective_reason})"):
+                 f"objective: {options.objective} ({options.objective_reason})",
+                 *([f"trials: {steps_where} ({execute_why})"] if steps_where else [])):
         for part in wrapped(line):   # 100 columns at spaces
             _say(console, part)
     if C.budget_note(cfg.budget):
@@ -221,7 +237,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
-    progress.legend(simulated=device.simulated, confs=_rendered(space))
+    progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
     slots = worker_slots(str(cfg.device), device, int(cfg.search.workers))
     if len(slots) > 1 or int(cfg.search.workers) > 1:
         _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
@@ -240,12 +256,16 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
                    predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress, slots=slots,
                    say=lambda text: _say(console, text))
     progress.leader = drive.leader
+    progress.role_of = drive.running_role
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if predictor is not None:
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
             drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
+        smoke = drive.smoke_test()   # trials on meta: one real CPU step first, once per search
+        if smoke:
+            _say(console, smoke)
         baseline = drive.run_frontier()
         drive.run_search(baseline)
         best, best_result, confirmed = drive.confirm()

@@ -176,12 +176,34 @@ _UNBOUNDED_SIM_BYTES = 1 << 50
 
 
 def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
-    """Train on the CPU for real; device memory comes from the virtual GPU (step 3, CPU)."""
+    """Train on the virtual GPU (step 3, CPU): the steps run on the CPU for real (``spec.execute``
+    ``cpu``) or on the meta device (``meta``: shapes only, no arithmetic, no host memory per tensor;
+    no throughput); device memory comes from the virtual GPU either way. A meta run whose first step
+    meets an operator without a meta kernel runs again on the CPU, and says so
+    (``extra["execute_fallback"]``)."""
+    result.device = cpu_device_info()
+    if spec.execute == "meta":
+        try:
+            _run_virtual(spec, result, stats, hook, "meta")
+            return
+        except _NoMetaKernel as exc:
+            result.extra["execute_fallback"] = f"meta kernel missing ({exc}): ran on the CPU"
+            stats.clear()
+            for key in ("stopped_over_limit", "first_step_at"):
+                result.extra.pop(key, None)
+    _run_virtual(spec, result, stats, hook, "cpu")
+
+
+class _NoMetaKernel(Exception):
+    """An operator of the first meta step has no meta kernel (the step cannot run on meta)."""
+
+
+def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None], where: str) -> None:
     from oomtune.capture.gpu_target import target_from_workload
     from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
     from oomtune.trial._base import target_for
 
-    result.device = cpu_device_info()
+    result.extra["execute"] = where
     settings = AllocatorSettings.parse(spec.alloc_conf)
 
     def new_sim() -> Any:
@@ -192,19 +214,29 @@ def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[
     sim = new_sim()
     stats.append(sim.memory_stats)
     torch.manual_seed(spec.seed)
-    workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, torch.device("cpu"))
-    gpu = target_from_workload(spec.workload)   # the GPU whose kernels the CPU steps run (model.gpu)
-    with VirtualGPU(sim, device="cpu", gpu=gpu) as vgpu:
-        vgpu.register(workload.tensors_before_step())
-        hook()
+    device = torch.device(where)
+    gpu = target_from_workload(spec.workload)   # the GPU whose kernels the steps run (model.gpu)
+    # on meta, what the workload's code makes without naming a device lands on meta too (no host memory)
+    with (torch.device("meta") if where == "meta" else contextlib.nullcontext()):
         try:
-            _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"])
-        finally:
-            result.extra["kernels"] = vgpu.notes.to_dict() if vgpu.notes is not None else None
+            workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, device)
+            with VirtualGPU(sim, device=where, gpu=gpu) as vgpu:
+                vgpu.register(workload.tensors_before_step())
+                hook()
+                try:
+                    _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"],
+                                 timed=where != "meta")
+                finally:
+                    result.extra["kernels"] = vgpu.notes.to_dict() if vgpu.notes is not None else None
+        except (NotImplementedError, RuntimeError) as exc:
+            if where == "meta" and not isinstance(exc, torch.OutOfMemoryError) and not result.steps:
+                raise _NoMetaKernel(str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__) from exc
+            raise
     if result.extra.get("stopped_over_limit"):
         return
-    # The soak on a virtual GPU like this one, captured on the CPU: its first steps are the ones just run.
-    run_soak(spec, result, new_sim, capture_device="cpu")
+    # The soak on a virtual GPU like this one, captured where the steps ran: its first steps are theirs.
+    _progress_phase("soak")
+    run_soak(spec, result, new_sim, capture_device=where)
 
 
 def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
@@ -314,25 +346,30 @@ def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | No
 
 
 def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
-                 used_bytes: Callable[[], int] | None = None) -> None:
+                 used_bytes: Callable[[], int] | None = None, *, timed: bool = True) -> None:
     """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
-    time, throughput (samples/s) and data-wait fraction of the measured steps.
+    time, throughput (samples/s) and data-wait fraction of the measured steps; with ``timed`` False
+    (steps on the meta device: no arithmetic) none of them, only ``extra["meta_step_s"]``.
 
     Steps run one at a time. With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes:
     the peak reserved, plus the non-allocator memory on CUDA), they stop after the first whose
     reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
     the trial is above the limit whatever the remaining steps would do, and they would only cost
     time. ``result.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
-    and the reading; throughput covers the measured steps run (None before any)."""
+    and the reading; throughput covers the measured steps run (None before any). After each step the
+    progress record (:func:`oomtune.trial.record.write_progress`) gets the steps done and their mean
+    time, for the parent's estimate."""
     result.extra["first_step_at"] = time.time()
     watch = spec.limit_bytes is not None and used_bytes is not None
     total = spec.warmup_steps + spec.measure_steps
-    timings, done = None, 0
+    timings, done, spent = None, 0, 0.0
     _progress(0, total)
     while done < total:
         step = workload.run_steps(1, sync=True)
         done += 1
-        _progress(done, total)
+        result.steps = done
+        spent += step.total_s
+        _progress(done, total, spent / done)
         if done > spec.warmup_steps:
             if timings is None:
                 timings = step
@@ -347,6 +384,9 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
                 break
     result.steps = done
     if timings is None:  # no measured step (stopped during warm-up, or measure_steps 0)
+        return
+    if not timed:   # meta: the steps did no arithmetic, their times say nothing about any device
+        result.extra["meta_step_s"] = timings.mean_step_s
         return
     result.step_time_s = timings.mean_step_s
     result.throughput = timings.samples_per_s
@@ -424,9 +464,19 @@ def _process_start_time() -> float:
 _progress_path: Path | None = None
 
 
-def _progress(done: int, total: int) -> None:
+def _progress(done: int, total: int, step_s: float | None = None) -> None:
     if _progress_path is not None:
-        write_progress(_progress_path, done, total)
+        write_progress(_progress_path, done, total, step_s=step_s)
+
+
+def _progress_phase(phase: str) -> None:
+    """Say in the progress record that the trial has moved on to ``phase`` (``soak``)."""
+    if _progress_path is not None:
+        from oomtune.trial.record import read_progress_record
+
+        record = read_progress_record(_progress_path) or {}
+        write_progress(_progress_path, record.get("steps_done", 0), record.get("steps_total", 0),
+                       step_s=record.get("step_s"), phase=phase)
 
 
 def cpu_device_info() -> DeviceInfo:

@@ -16,7 +16,10 @@ from typing import Any
 from oomtune.outcome import Outcome
 
 __all__ = ["TrialSpec", "TrialResult", "DeviceInfo", "MEMORY_SOURCE_DEVICE", "MEMORY_SOURCE_SIMULATED",
-           "PROGRESS_FILE", "write_progress", "read_progress"]
+           "PROGRESS_FILE", "write_progress", "read_progress", "read_progress_record", "EXECUTE_MODES"]
+
+#: ``TrialSpec.execute`` values (resolved: :mod:`oomtune.trial.execute`).
+EXECUTE_MODES = ("cpu", "meta")
 
 #: ``TrialResult.memory_source`` for figures read from the real CUDA device.
 MEMORY_SOURCE_DEVICE = "device"
@@ -58,6 +61,9 @@ class TrialSpec:
             the trial stops: its peak can only grow, so it is above the limit whatever the
             remaining steps do (``TrialResult.extra["stopped_over_limit"]`` names the step; no
             soak). None: every step runs.
+        execute: on the virtual GPU (``device="cpu"``), where the steps run: ``cpu`` (for real;
+            throughput measured) or ``meta`` (shapes only, no host memory per tensor, no throughput;
+            :mod:`oomtune.trial.execute`). Ignored on CUDA.
     """
 
     workload: dict[str, Any]
@@ -74,6 +80,7 @@ class TrialSpec:
     soak_steps: int = 0
     shapes: str = "data"
     limit_bytes: int | None = None
+    execute: str = "cpu"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -106,8 +113,8 @@ class TrialResult:
         outcome: how the trial ended (see :class:`oomtune.outcome.Outcome`).
         memory_source: ``"device"`` (real CUDA readings) or ``"simulated"`` (virtual GPU); every
             printed memory figure carries this.
-        throughput: samples per second over the measured steps (always measured for real, also on
-            CPU).
+        throughput: samples per second over the measured steps (measured for real, on the device or
+            the CPU; None for steps on the meta device, ``TrialSpec.execute`` ``meta``).
         step_time_s: mean wall time of a measured step, seconds.
         peak_allocated_bytes / peak_reserved_bytes / peak_active_bytes: ``allocated_bytes.all.peak``,
             ``reserved_bytes.all.peak``, ``active_bytes.all.peak`` of ``memory_stats()``.
@@ -221,28 +228,41 @@ class TrialResult:
         write_atomic(path, self.to_json())
 
 
-#: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N}``
-#: (warm-up and measured steps), rewritten after each step so that a parent can show how far it got.
+#: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N,
+#: "step_s": mean seconds of the steps done (null before one), "phase": "steps" | "soak"}`` (warm-up and
+#: measured steps), rewritten after each step so that a parent can show how far it got and estimate
+#: the rest (issue 26).
 PROGRESS_FILE = "progress.json"
 
 
-def write_progress(path: str | Path, steps_done: int, steps_total: int) -> None:
+def write_progress(path: str | Path, steps_done: int, steps_total: int, *, step_s: float | None = None,
+                   phase: str = "steps") -> None:
     """Replace the progress record at ``path`` (atomically). A failed write is ignored: progress
     is for display, and a trial must not fail over it."""
     from oomtune.exceptions import DiskFullError
     from oomtune.files import write_atomic
 
     try:
-        write_atomic(path, json.dumps({"steps_done": steps_done, "steps_total": steps_total}))
+        write_atomic(path, json.dumps({"steps_done": steps_done, "steps_total": steps_total, "step_s": step_s,
+                                       "phase": phase}))
     except (OSError, DiskFullError):
         pass
+
+
+def read_progress_record(path: str | Path) -> dict[str, Any] | None:
+    """The whole progress record at ``path`` (see :data:`PROGRESS_FILE`); None when there is none yet
+    (the trial is still starting) or it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return {"steps_done": int(data["steps_done"]), "steps_total": int(data["steps_total"]),
+                "step_s": None if data.get("step_s") is None else float(data["step_s"]),
+                "phase": str(data.get("phase", "steps"))}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def read_progress(path: str | Path) -> tuple[int, int] | None:
     """``(steps_done, steps_total)`` from the progress record at ``path``; None when there is none
     yet (the trial is still starting) or it cannot be read."""
-    try:
-        data = json.loads(Path(path).read_text())
-        return int(data["steps_done"]), int(data["steps_total"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
+    record = read_progress_record(path)
+    return None if record is None else (record["steps_done"], record["steps_total"])

@@ -46,7 +46,8 @@ from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
-from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult, TrialSpec
+from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult,
+                                  TrialSpec)
 from oomtune.trial.procwait import exited_within
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
@@ -65,7 +66,8 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
     Raises:
         AllocatorConfigError: ``spec.alloc_conf`` is malformed or rejected by torch's rules.
         ConfigError: batch size < 1, measure steps < 1, warm-up steps < 0, timeout <= 0, a negative
-            budget, soak steps < 0, shapes other than data/worst, or an unknown device string.
+            budget, soak steps < 0, shapes other than data/worst, execute other than cpu/meta, or an
+            unknown device string.
     """
     settings = AllocatorSettings.parse(spec.alloc_conf)
     checks = (
@@ -77,6 +79,7 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
          f"memory budget must be > 0 bytes, got {spec.budget_bytes}"),
         (spec.soak_steps >= 0, f"soak_steps must be >= 0, got {spec.soak_steps}"),
         (spec.shapes in ("data", "worst"), f"shapes must be 'data' or 'worst', got {spec.shapes!r}"),
+        (spec.execute in EXECUTE_MODES, f"execute must be one of {', '.join(EXECUTE_MODES)}, got {spec.execute!r}"),
     )
     for ok, message in checks:
         if not ok:

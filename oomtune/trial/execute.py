@@ -1,0 +1,115 @@
+"""Where a trial's training steps execute (``trial.execute=auto|meta|cpu``, issue 26).
+
+On the virtual GPU (no CUDA device) a trial's memory figures come from the simulator, which sees
+the step's request stream; running the step's arithmetic on the CPU adds nothing to them (the CPU's
+samples/s decide nothing about a GPU) and costs host memory in proportion to the batch: a GPT-2
+124M trial at a 24 GiB budget grew to 20.8 GB RSS in its first step. So:
+
+* ``meta``: the steps run on the ``meta`` device (shapes only: no data, no arithmetic, no host
+  memory for tensors) with the virtual GPU recording, exactly as :func:`oomtune.plan.predictor.
+  capture_training_stream` captures them: the same request stream as the CPU run wherever the meta
+  kernels allocate what the CPU kernels do (tests/test_trial_execute.py compares the two), in
+  seconds. Throughput is not measured (None). The search adds one real CPU step at the smallest
+  batch, once, as a smoke test of the code (:meth:`oomtune.search.driver.Search.smoke_test`).
+* ``cpu``: the steps run on the CPU for real (the behaviour before issue 26): throughput is the
+  CPU's, and every tensor lives in host memory.
+* ``auto``: ``meta`` on the virtual GPU, unless the objective is throughput (which needs real steps)
+  or the workload reads real data (the meta device takes synthetic data only): then ``cpu``; on a
+  GPU the trial runs on the device and this setting does not apply.
+
+``target=cmd`` trials run the user's command as it is, whatever the setting.
+
+Before a search whose CPU trials cannot fit their budget in the host's available memory
+(``MemAvailable`` in /proc/meminfo, the kernel's estimate of memory available without swapping),
+:func:`check_host_memory` stops it with one line (a ConfigError, exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from oomtune.exceptions import ConfigError
+
+__all__ = ["EXECUTE_SETTINGS", "resolve_execute", "host_available_bytes", "check_host_memory"]
+
+#: ``trial.execute`` values.
+EXECUTE_SETTINGS = ("auto", "meta", "cpu")
+
+
+def _real_data(workload: dict[str, Any]) -> bool:
+    data = workload.get("data")
+    return isinstance(data, dict) and data.get("source", "synthetic") != "synthetic"
+
+
+def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: dict[str, Any]) -> tuple[str, str]:
+    """(mode, why) for ``trial.execute``: mode ``meta``, ``cpu`` (virtual GPU), ``device`` (a CUDA
+    trial) or ``command`` (``target=cmd``: the command runs as it is).
+
+    Raises:
+        ConfigError: ``meta`` asked where it cannot work: with the throughput objective (nothing
+            to measure), or a built-in workload reading real data (the meta device takes synthetic
+            data only); an unknown setting (the schema rejects it first).
+    """
+    if setting not in EXECUTE_SETTINGS:
+        raise ConfigError(f"trial.execute={setting!r}: choose one of {', '.join(EXECUTE_SETTINGS)}")
+    target = (workload.get("target") or {}).get("name", "builtin")
+    if target == "cmd":
+        return "command", "target=cmd runs its own command"
+    if not simulated:
+        return "device", "trials run on the GPU"
+    if setting == "meta":
+        if objective == "throughput":
+            raise ConfigError("trial.execute=meta measures no throughput, and search.objective=throughput ranks by it: "
+                              "use search.objective=batch (or auto), or trial.execute=cpu")
+        if target == "builtin" and _real_data(workload):
+            raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
+                              "use trial.execute=cpu, or model.data.source=synthetic")
+        return "meta", "trial.execute=meta"
+    if setting == "cpu":
+        return "cpu", "trial.execute=cpu"
+    if objective == "throughput":
+        return "cpu", "auto with search.objective=throughput: the steps run on the CPU to be timed"
+    if target == "builtin" and _real_data(workload):
+        return "cpu", "auto with a real data set: the steps run on the CPU to read it"
+    return "meta", "auto on the virtual GPU: the steps run on the meta device, memory simulated"
+
+
+def host_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """The host's available memory in bytes (``MemAvailable`` of /proc/meminfo, in kB there); None
+    where it cannot be read (not Linux, or a kernel before 3.14)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(mode: str, budget_bytes: int, trials_at_once: int = 1, *,
+                      available_bytes: int | None = None) -> None:
+    """Before CPU trials: stop when ``trials_at_once`` budgets cannot fit in the host's available
+    memory (a CPU trial near its frontier holds about its budget in host memory).
+
+    Args:
+        mode: the resolved mode (:func:`resolve_execute`); only ``cpu`` is checked.
+        available_bytes: the host's available memory (default :func:`host_available_bytes`; unknown:
+            no check).
+
+    Raises:
+        ConfigError: one line naming the figures and the way out.
+    """
+    from oomtune.units import format_bytes
+
+    if mode != "cpu":
+        return
+    available = host_available_bytes() if available_bytes is None else available_bytes
+    need = budget_bytes * max(1, trials_at_once)
+    if available is None or need <= available:
+        return
+    at_once = f"{trials_at_once} trials at once x " if trials_at_once > 1 else ""
+    raise ConfigError(f"CPU trials hold their tensors in host memory, and {at_once}budget {format_bytes(budget_bytes)} "
+                      f"cannot fit in this host's available memory ({format_bytes(available)}, MemAvailable in "
+                      "/proc/meminfo): use trial.execute=meta (memory simulated, no host memory per tensor), "
+                      "or a smaller budget")

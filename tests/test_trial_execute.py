@@ -1,0 +1,254 @@
+"""Where a trial's steps run on the virtual GPU: ``trial.execute=auto|meta|cpu`` (issue 26).
+
+What must hold: a trial on the meta device sees the same request stream as the same trial on the CPU
+wherever the kernels allocate alike (the memory figures, the out-of-memory request, the soak), so
+the answers do not change; it needs no host memory for its tensors; it measures no throughput; the
+search runs one real CPU step first (the smoke test), keeps its clean-process confirmation, and a
+CPU trial whose budget the host cannot hold stops with one line before anything runs.
+
+Expected values: the CPU run of the same spec (the behaviour before issue 26), hand arithmetic for
+tensor sizes, and /proc/meminfo-style text written here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomtune.exceptions import ConfigError
+from oomtune.trial import child
+from oomtune.trial.execute import check_host_memory, host_available_bytes, resolve_execute
+from oomtune.trial.record import TrialSpec
+from oomtune.units import GiB, MiB
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "peak_active_bytes", "num_alloc_retries",
+          "num_ooms", "fragmentation", "oom_requested_bytes", "steps", "soak_passed", "soak_steps_run",
+          "soak_failed_step", "soak_peak_reserved_bytes", "soak_reserved_bytes", "soak_allocated_bytes")
+WORKLOADS = {
+    "mlp": {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 2, "num_classes": 10, "optimizer": "sgd"},
+    "resnet": {"name": "resnet", "depth": 18, "image_size": 32, "num_classes": 10, "optimizer": "sgd"},
+    "resnet-bf16": {"name": "resnet", "depth": 18, "image_size": 32, "num_classes": 10, "optimizer": "sgd",
+                    "precision": "bf16"},
+    "python": {"target": {"name": "python", "entry": str(ROOT / "examples/my_workload.py") + ":make_workload"}},
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_alloc_env(monkeypatch):
+    for name in child.ALLOC_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(child.TEST_HOOK_ENV, raising=False)
+
+
+def _spec(workload, execute, **kw) -> TrialSpec:
+    base = dict(workload=workload, batch_size=8, device="cpu", budget_bytes=512 * MiB,
+                device_memory_bytes=8 * GiB, warmup_steps=1, measure_steps=3, timeout_s=120, execute=execute)
+    base.update(kw)
+    return TrialSpec(**base)
+
+
+def _figures(result) -> tuple:
+    return tuple(getattr(result, f) for f in FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_a_meta_trial_measures_the_memory_of_the_cpu_trial(name):
+    cpu = child.run_child(_spec(WORKLOADS[name], "cpu"))
+    meta = child.run_child(_spec(WORKLOADS[name], "meta"))
+    assert cpu.outcome == "ok", cpu.message
+    assert _figures(meta) == _figures(cpu)
+    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    # the meta steps do no arithmetic: no throughput, no step time, no data-wait fraction
+    assert cpu.throughput > 0 and meta.throughput is None and meta.step_time_s is None
+    assert meta.data_wait_fraction is None and meta.extra["meta_step_s"] > 0
+
+
+def test_a_meta_trial_runs_out_of_memory_at_the_same_request_as_the_cpu_trial():
+    # ResNet-18 32x32 at batch 64 needs more than 96 MiB (about 150 MiB at batch 8 x ~1.9): an OOM in the step
+    wl = WORKLOADS["resnet"]
+    cpu = child.run_child(_spec(wl, "cpu", batch_size=64, budget_bytes=96 * MiB))
+    meta = child.run_child(_spec(wl, "meta", batch_size=64, budget_bytes=96 * MiB))
+    assert cpu.outcome in ("oom", "oom_fragmentation"), cpu.message
+    assert _figures(meta) == _figures(cpu) and meta.message == cpu.message
+
+
+def test_a_meta_soak_equals_the_cpu_soak():
+    # multi-scale ResNet: three image sizes in the data's seeded order, 40 soak steps after the live ones
+    wl = {**WORKLOADS["resnet"], "image_size": {"sizes": [24, 32, 40], "seed": 0}}
+    cpu = child.run_child(_spec(wl, "cpu", soak_steps=40, budget_bytes=160 * MiB))
+    meta = child.run_child(_spec(wl, "meta", soak_steps=40, budget_bytes=160 * MiB))
+    assert cpu.soak_steps_run is not None
+    assert _figures(meta) == _figures(cpu)
+
+
+def test_adams_step_counters_are_the_known_difference_of_a_cpu_trial():
+    """Adam keeps one ``step`` counter per parameter on the host (``capturable=False``, torch.optim.adam):
+    a CPU trial's virtual GPU counts them, as CPU tensors, a meta trial's does not, as a CUDA run does
+    not. MLP 64 -> 128 -> 128 -> 10: 6 parameter tensors; each 4-byte counter is one 512-byte block."""
+    wl = {**WORKLOADS["mlp"], "optimizer": "adamw"}
+    cpu = child.run_child(_spec(wl, "cpu"))
+    meta = child.run_child(_spec(wl, "meta"))
+    assert cpu.peak_allocated_bytes - meta.peak_allocated_bytes == 6 * 512
+
+
+def test_a_meta_trial_needs_no_host_memory_for_a_batch_far_larger_than_the_host():
+    # MLP 4096 -> 4096 -> 10 at batch 2,000,000: the input alone is 2e6 x 4096 x 4 bytes = 32.8 GB, more
+    # than this machine holds; on meta nothing is materialised and the virtual GPU sees it all
+    wl = {"name": "mlp", "in_features": 4096, "hidden": 4096, "layers": 1, "num_classes": 10, "optimizer": "sgd"}
+    r = child.run_child(_spec(wl, "meta", batch_size=2_000_000, budget_bytes=400 * GiB,
+                              device_memory_bytes=512 * GiB, warmup_steps=0, measure_steps=1))
+    assert r.outcome == "ok", r.message
+    assert r.peak_allocated_bytes >= 2_000_000 * 4096 * 4
+
+
+def test_a_meta_trial_whose_code_cannot_run_on_meta_runs_on_the_cpu_and_says_so(tmp_path):
+    entry = tmp_path / "wl.py"
+    entry.write_text("""import torch
+from torch import nn
+
+def make_workload(batch_size, device):
+    model = nn.Linear(16, 4).to(device)
+    def batches():
+        while True:
+            x = torch.randn(batch_size, 16, device=device)
+            float(x.abs().max())          # reads a value: there is none on meta
+            yield x, torch.randint(0, 4, (batch_size,), device=device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches()
+""")
+    wl = {"target": {"name": "python", "entry": f"{entry}:make_workload"}}
+    r = child.run_child(_spec(wl, "meta"))
+    assert r.outcome == "ok", r.message
+    assert r.extra["execute"] == "cpu" and "ran on the CPU" in r.extra["execute_fallback"]
+    assert r.throughput > 0
+
+
+# -- resolving trial.execute -----------------------------------------------------------------------------
+BUILTIN = {"name": "resnet", "target": {"name": "builtin"}}
+
+
+@pytest.mark.parametrize("setting, simulated, objective, workload, mode", [
+    ("auto", True, "batch", BUILTIN, "meta"),
+    ("auto", True, "throughput", BUILTIN, "cpu"),            # throughput needs real steps
+    ("auto", True, "batch", {**BUILTIN, "data": {"source": "imagefolder"}}, "cpu"),   # real files
+    ("auto", False, "throughput", BUILTIN, "device"),
+    ("meta", False, "throughput", BUILTIN, "device"),        # a GPU trial runs on the GPU
+    ("cpu", True, "batch", BUILTIN, "cpu"),
+    ("meta", True, "batch", {"target": {"name": "python", "entry": "x.py:f"}}, "meta"),
+    ("meta", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
+])
+def test_resolve_execute(setting, simulated, objective, workload, mode):
+    assert resolve_execute(setting, simulated=simulated, objective=objective, workload=workload)[0] == mode
+
+
+def test_meta_where_it_cannot_work_is_one_clear_error():
+    with pytest.raises(ConfigError, match="trial.execute=meta measures no throughput"):
+        resolve_execute("meta", simulated=True, objective="throughput", workload=BUILTIN)
+    with pytest.raises(ConfigError, match="synthetic data only"):
+        resolve_execute("meta", simulated=True, objective="batch", workload={**BUILTIN, "data": {"source": "tokens"}})
+
+
+def test_host_available_memory_reads_memavailable(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    assert host_available_bytes(meminfo) == 20_000_000 * 1024
+    meminfo.write_text("MemTotal:       24576000 kB\n")     # a kernel before 3.14: unknown
+    assert host_available_bytes(meminfo) is None
+    assert host_available_bytes(tmp_path / "absent") is None
+
+
+def test_a_cpu_budget_the_host_cannot_hold_stops_with_one_line():
+    with pytest.raises(ConfigError) as err:
+        check_host_memory("cpu", 24 * GiB, available_bytes=20 * GiB)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "budget 24.00 GiB cannot fit in this host's available memory (20.00 GiB" in message
+    assert "trial.execute=meta" in message
+    with pytest.raises(ConfigError, match="2 trials at once x budget 12.00 GiB"):
+        check_host_memory("cpu", 12 * GiB, 2, available_bytes=20 * GiB)
+    check_host_memory("cpu", 12 * GiB, 1, available_bytes=20 * GiB)      # fits: nothing said
+    check_host_memory("meta", 24 * GiB, 1, available_bytes=20 * GiB)     # meta holds no tensors
+
+
+def test_the_search_refuses_a_cpu_budget_above_the_host_before_any_trial(tmp_path, capsys, monkeypatch):
+    from oomtune.cli import main
+    from oomtune.trial import execute
+
+    monkeypatch.setattr(execute, "host_available_bytes", lambda meminfo="/proc/meminfo": 2 * GiB)
+    run_dir = tmp_path / "run"
+    code = main(["search", "model=mlp", "budget=4GiB", "device=cpu", "trial.execute=cpu", f"hydra.run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "budget 4.00 GiB cannot fit in this host's available memory (2.00 GiB" in " ".join(err.split())
+    assert not (run_dir / "trials").exists()
+
+
+# -- the search with meta trials ---------------------------------------------------------------------------
+TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
+        "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1", "trial.measure_steps=1",
+        "trial.confirm_steps=3", "trial.soak_steps=20", "trial.timeout=120"]
+
+
+def _study(run_dir):
+    import json
+
+    import optuna
+
+    info = json.loads((run_dir / "run.json").read_text())
+    return optuna.load_study(study_name=info["study_name"], storage=info["storage"])
+
+
+@pytest.mark.slow
+def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees(tmp_path, capsys):
+    import oomtune
+    from oomtune.cli import main
+    from oomtune.search import records as R
+
+    answers = {}
+    for execute in ("meta", "cpu"):
+        run_dir = tmp_path / execute
+        assert main(["search", *TINY, f"trial.execute={execute}", f"hydra.run.dir={run_dir}"]) == 0
+        best = oomtune.load_best(run_dir / "best.yaml")
+        answers[execute] = (best.batch_size, best.alloc_conf, best.best.metrics["peak_reserved_bytes"])
+        if execute == "meta":
+            study = _study(run_dir)
+            out = " ".join(capsys.readouterr().err.split())
+            assert "smoke test: one real CPU step at batch 2 (default allocator) ran" in out
+            assert "trials: their steps on the meta device, memory simulated, throughput not measured" in out
+            assert study.user_attrs["smoke_test"]["batch_size"] == 2
+            results = [R.result_of(t) for t in study.trials if R.result_of(t) is not None]
+            assert results and all(r.extra["execute"] == "meta" and r.throughput is None for r in results)
+            confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"][-1]
+            res = R.result_of(confirm)
+            # the confirmation is still a fresh interpreter (spawned), runs every step and the soak
+            assert res.extra["launcher"] == "spawn" and res.steps == 1 + 3
+            assert res.soak_passed is True and res.soak_steps_run == 20
+            assert best.best.confirmed and best.best.metrics["throughput"] is None
+    assert answers["meta"] == answers["cpu"]
+
+
+@pytest.mark.slow
+def test_a_workload_that_fails_on_the_cpu_stops_the_search_at_the_smoke_test(tmp_path, capsys):
+    from oomtune.cli import main
+
+    entry = tmp_path / "wl.py"
+    entry.write_text("""import torch
+from torch import nn
+
+def make_workload(batch_size, device):
+    model = nn.Linear(16, 4).to(device)
+    if device.type == "cpu":
+        raise RuntimeError("this code breaks where it computes")
+    def batches():
+        while True:
+            yield torch.randn(batch_size, 16, device=device), torch.randint(0, 4, (batch_size,), device=device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches()
+""")
+    code = main(["search", "target=python", f"target.entry={entry}:make_workload", "budget=64MiB", "device=cpu",
+                 "search.batch_size.low=4", "search.batch_size.high=64", f"hydra.run.dir={tmp_path / 'run'}"])
+    captured = capsys.readouterr()
+    err = " ".join((captured.out + captured.err).split())
+    assert code == 1
+    assert "oomtune: the workload fails on the CPU at batch 4 (the smoke test: one real step, default allocator)" in err
+    assert "this code breaks where it computes" in err
