@@ -27,7 +27,8 @@ def test_target_python_with_a_relative_entry_path(tmp_path, monkeypatch):
     assert best.device["target_gpu"]["key"] == "t4"   # model.gpu travels with a python target too
     assert best.workload == {"target": {"name": "python", "entry": str(REPO / "examples/my_workload.py") + ":make_workload"}}
     assert best.study["study_name"].startswith("python-")
-    assert best.best.metrics["memory_source"] == "simulated" and best.best.metrics["throughput"] > 0
+    # on the virtual GPU the trials run their steps on the meta device (trial.execute=auto): no throughput
+    assert best.best.metrics["memory_source"] == "simulated" and best.best.metrics["throughput"] is None
     assert 4 <= best.batch_size <= 64
     # and the CI check works on it, in both modes
     assert main(["check", str(run_dir / "best.yaml"), "--mode", "predict"]) == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -315,6 +316,7 @@ class Predictor:
         self.replay_seconds = 0.0
         self.replays = 0
         self.workers = max(1, int(workers))
+        self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         from oomtune.plan.stream_cache import cacheable
 
         self.cache = cache if cache is not None and cacheable(model_cfg) else None
@@ -326,8 +328,11 @@ class Predictor:
                    steps: int = PREDICT_STEPS, cache: Any = None) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
-        trial's ``steps`` (:func:`trial_steps`); ``cache``: as for the constructor."""
-        return cls(workload, sim_geometry(device, budget_bytes), steps=steps, cache=cache)
+        trial's ``steps`` (:func:`trial_steps`), its captures spread over the cores as a plan's
+        (:func:`oomtune.plan.parallel.default_workers`); ``cache``: as for the constructor."""
+        from oomtune.plan.parallel import default_workers
+
+        return cls(workload, sim_geometry(device, budget_bytes), steps=steps, cache=cache, workers=default_workers())
 
     @property
     def captures(self) -> int:
@@ -373,6 +378,12 @@ class Predictor:
             if hit is not None:
                 got[b] = hit
         rest = [b for b in batch_sizes if b not in got]
+        if self.workers > 1 and len(rest) > 1 and not self._warm:
+            # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
+            # user's transformers, first calls of meta kernels): paid here once, the forked workers and
+            # this process's later captures start warm.
+            got[rest[0]] = self._capture_raw(rest[0])
+            rest = rest[1:]
         if self.workers > 1 and len(rest) > 1:
             from oomtune.plan.parallel import fork_map
 
@@ -424,6 +435,7 @@ class Predictor:
         stored in ``self.cache`` when there is one (also from a forked worker)."""
         real_gpu = {"blas_workspaces": True} if self._blas_workspaces() else {}
         got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+        self._warm = self._warm or os.getpid() == self._pid
         if self.cache is not None:
             self.cache.put(*self.cache.capture_key(self.model_cfg, batch_size, self.steps, self._blas_workspaces()),
                            *got)

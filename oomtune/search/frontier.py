@@ -136,6 +136,8 @@ def predicted_frontiers(predictor: Any, settings_list: Sequence[dict[str, Any]],
     from oomtune.plan.feasibility import frontier_row, grid_batches, split_simulable, twin_key
 
     grid = grid_batches(low, high)
+    if hasattr(predictor, "prepare"):   # the captures that let the grid's other streams be derived, at once
+        predictor.prepare(grid)
     out: list[ConfigFrontier] = []
     groups: dict[tuple, ConfigFrontier] = {}
     for mapping in settings_list:
