@@ -175,7 +175,8 @@ def main() -> int:
         lines.append(f"{k:<30} {m['process_s']:7.2f}s {m['process_s'] / t_med:7.1f}x "
                      + " ".join(f"{m[f]:7.2f}s" for f in FIELDS[1:])
                      + f"  {r['captures']:>8} {r['derived']:>7}  {'yes' if identical[k] else 'NO'}")
-        lines.append(f"{'':<30} runs: {', '.join(f'{x['process_s']:.2f}' for x in runs[k])} s")
+        walls = ", ".join(f"{x['process_s']:.2f}" for x in runs[k])
+        lines.append(f"{'':<30} runs: {walls} s")
     lines += ["", "capturing every batch size (derive=False, this code; one run each):"]
     for k in variants:
         f = full[k]
