@@ -94,6 +94,7 @@ capture_training_stream(cfg, 3, steps=2)   # warm-up: imports and first calls
 out = {}
 for memo in (True, False, True, False):
     R.StorageRecorder.__init__.__kwdefaults__["memo"] = memo
+    R.capture_stream.__kwdefaults__["memo"] = memo
     t0 = time.perf_counter()
     stream, _ = capture_training_stream(cfg, 4, steps=2)
     out.setdefault(str(memo), []).append(time.perf_counter() - t0)
@@ -109,7 +110,8 @@ def _process(tree: Path, code: str, *args: str) -> tuple[float, str]:
     env["OOMTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="oomtune-bench-cache-")   # empty: a first plan
     try:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=ROOT, capture_output=True, text=True)
+        # cwd: the tree itself (``python -c`` puts the working directory first on sys.path)
+        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=tree, capture_output=True, text=True)
         wall = time.perf_counter() - t0
     finally:
         shutil.rmtree(env["OOMTUNE_CACHE_DIR"], ignore_errors=True)

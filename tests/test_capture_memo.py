@@ -122,8 +122,19 @@ def test_out_variants_return_their_out_tensor():
 def test_captured_stream_equals_the_capture_without_memo(name, steps, monkeypatch):
     cfg = WORKLOADS[name]
     got, _ = P.capture_training_stream(cfg, 6, steps=steps)
+    # capture_stream passes its own memo= to the recorder: both defaults off
     monkeypatch.setitem(R.StorageRecorder.__init__.__kwdefaults__, "memo", False)
+    monkeypatch.setitem(R.capture_stream.__kwdefaults__, "memo", False)
+    calls = []
+    real_call = R.StorageRecorder.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        calls.append(self._memo)
+        return real_call(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(R.StorageRecorder, "__torch_dispatch__", spy)
     want, _ = P.capture_training_stream(cfg, 6, steps=steps)
+    assert calls and all(m is None for m in calls)   # the reference really ran every kernel
     assert len(got) == len(want) and _sizes(got) == _sizes(want)
     assert got == want
 
