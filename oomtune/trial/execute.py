@@ -69,10 +69,10 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     if setting == "cpu":
         return "cpu", "trial.execute=cpu"
     if objective == "throughput":
-        return "cpu", "auto with search.objective=throughput: the steps run on the CPU to be timed"
+        return "cpu", "trial.execute=auto with search.objective=throughput: the steps are timed"
     if target == "builtin" and _real_data(workload):
-        return "cpu", "auto with a real data set: the steps run on the CPU to read it"
-    return "meta", "auto on the virtual GPU: the steps run on the meta device, memory simulated"
+        return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
+    return "meta", "trial.execute=auto on the virtual GPU"
 
 
 def host_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
