@@ -362,6 +362,38 @@ class Search:
                 if t.user_attrs.get(R.ATTR_ROLE) in roles and R.ATTR_RESULT in t.user_attrs]
 
     # ---------------------------------------------------------------- 0. the smoke test of meta trials
+    def start_smoke_test(self) -> None:
+        """Run :meth:`smoke_test` on a thread of its own, beside the frontier rounds (its real CPU step
+        can take long for a large model; the meta trials need little CPU); :meth:`finish_smoke_test`
+        waits for it."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["line"] = self.smoke_test()
+            except BaseException as exc:  # noqa: BLE001 - handed to finish_smoke_test
+                box["error"] = exc
+
+        self._smoke = (threading.Thread(target=run, name="oomtune-smoke-test", daemon=True), box)
+        self._smoke[0].start()
+
+    def finish_smoke_test(self) -> str | None:
+        """Wait for :meth:`start_smoke_test`'s run; its line (None: nothing to say).
+
+        Raises:
+            SetupFault: the smoke test failed (as :meth:`smoke_test`).
+        """
+        smoke = getattr(self, "_smoke", None)
+        if smoke is None:
+            return None
+        thread, box = smoke
+        while thread.is_alive():
+            thread.join(0.5)   # in slices: Ctrl-C still reaches this thread
+        self._smoke = None
+        if "error" in box:
+            raise box["error"]
+        return box.get("line")
+
     def smoke_test(self) -> str | None:
         """With trials on the meta device (``execute`` ``meta``), one real CPU step of the workload at
         the smallest batch with the default allocator, once per search (a study that passed it does

@@ -263,11 +263,12 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
             drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
-        smoke = drive.smoke_test()   # trials on meta: one real CPU step first, once per search
-        if smoke:
-            _say(console, smoke)
+        drive.start_smoke_test()   # trials on meta: one real CPU step, once per search, beside the frontier rounds
         baseline = drive.run_frontier()
         drive.run_search(baseline)
+        smoke = drive.finish_smoke_test()   # before the answer is confirmed: a failure stops the search here
+        if smoke:
+            _say(console, smoke)
         best, best_result, confirmed = drive.confirm()
     except KeyboardInterrupt:
         runner.kill_all()
