@@ -8,7 +8,7 @@ Schema (version 1)::
     device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
-           trial_number, metrics_trial_number}
+           trial_number, metrics_trial_number, memory_fraction}
     baseline: {batch_size, alloc_conf, metrics, trial_number, metrics_trial_number} | null
     gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
@@ -22,6 +22,14 @@ the study's (``oomtune show``): ``trial_number`` is the trial that won the ranki
 settings), ``metrics_trial_number`` the trial whose measurement ``metrics`` holds: the clean-process
 confirmation when ``confirmed``, else the same trial. Files written before ``metrics_trial_number``
 existed read as None there (their metrics are the confirmation's when ``confirmed``).
+
+``memory_fraction`` (issue 23 item 1): the per-process memory fraction the answer needs, of
+``device.total_memory_bytes`` (the trials' fraction: the budget over the device, corrected on a GPU for
+the memory outside the allocator), or None when it needs none. Only ``garbage_collection_threshold``
+needs one: torch runs ``garbage_collect_cached_blocks`` only under a fraction < 1
+(c10/cuda/CUDACachingAllocator.cpp), so without it the threshold is inert and the batch found with it
+may not fit. :func:`apply_best` applies it; ``device.memory_fraction`` records the search's
+``search.memory_fraction`` (``auto``: trials ran under the fraction; ``off``: without one).
 """
 
 from __future__ import annotations
@@ -31,15 +39,52 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from oomtune.exceptions import BestFileError, OomtuneError
 
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
-           "CudaAlreadyInitializedError", "trials_text"]
+           "CudaAlreadyInitializedError", "trials_text", "needs_memory_fraction", "fraction_key_supported",
+           "conf_with_fraction", "FRACTION_KEY"]
 
 SCHEMA_VERSION = 1
 ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: The allocator key that sets the per-process memory fraction at allocator start (pytorch#161035;
+#: ``CUDAAllocatorConfig::parsePerProcessMemoryFraction``, applied in the ``DeviceCachingAllocator``
+#: constructor: ``setMemoryFraction(CUDAAllocatorConfig::per_process_memory_fraction())``).
+FRACTION_KEY = "per_process_memory_fraction"
+
+
+def needs_memory_fraction(alloc_conf: str) -> bool:
+    """Whether an allocator configuration relies on a memory fraction < 1 to behave as it did in the
+    trials: ``garbage_collection_threshold`` > 0, which torch applies only when a fraction is set
+    (``garbage_collect_cached_blocks`` is reached only with ``allowed_memory_maximum`` set, i.e. a
+    fraction < 1; c10/cuda/CUDACachingAllocator.cpp, torch 2.14.1). False for an unparsable string."""
+    from oomtune.alloc.settings import AllocatorSettings
+
+    try:
+        return AllocatorSettings.parse(alloc_conf or "").garbage_collection_threshold > 0
+    except OomtuneError:
+        return False
+
+
+def fraction_key_supported(torch_version: str | None = None) -> bool:
+    """Whether torch ``torch_version`` (default: the installed one, read from its package metadata
+    without importing it) accepts :data:`FRACTION_KEY` in PYTORCH_CUDA_ALLOC_CONF
+    (:func:`oomtune.alloc.settings.supported_keys`; torch 2.14.1 does)."""
+    from oomtune.alloc.settings import supported_keys
+
+    return FRACTION_KEY in supported_keys(torch_version)
+
+
+def conf_with_fraction(alloc_conf: str, fraction: float | None) -> str:
+    """``alloc_conf`` with ``per_process_memory_fraction:F`` appended (``F`` as Python's shortest
+    round-trip repr, which torch's ``std::stod`` reads back exactly); ``alloc_conf`` itself when
+    ``fraction`` is None."""
+    if fraction is None:
+        return alloc_conf
+    part = f"{FRACTION_KEY}:{float(fraction)!r}"
+    return f"{alloc_conf},{part}" if alloc_conf else part
 
 
 class CudaAlreadyInitializedError(OomtuneError):
@@ -64,6 +109,7 @@ class Choice:
     trial_number: int | None = None
     metrics_trial_number: int | None = None
     predicted_steps: int | None = None   # training steps that prediction replayed (None: 2, before 0.3)
+    memory_fraction: float | None = None  # the fraction this answer needs (garbage_collection_threshold)
 
     def trials_text(self) -> str | None:
         """Which trials this choice comes from, in words (:func:`trials_text`)."""
@@ -102,6 +148,8 @@ class BestConfig:
     created: str | None = None
     objective: dict[str, Any] | None = None        # {name: batch|throughput, reason}: what decided
     frontiers: list[dict[str, Any]] | None = None  # per configuration: predicted and measured frontier
+    #: set by :func:`apply_best`: the memory fraction travels in PYTORCH_CUDA_ALLOC_CONF
+    memory_fraction_applied: ClassVar[bool] = False
 
     @property
     def alloc_conf(self) -> str:
@@ -114,12 +162,39 @@ class BestConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def export_line(self) -> str:
-        """The shell line that applies the allocator settings (both variable names, field notes §1)."""
+    @property
+    def memory_fraction(self) -> float | None:
+        """The per-process memory fraction the answer needs (``best.memory_fraction``), or None."""
+        return self.best.memory_fraction
+
+    def env_value(self, *, fraction_key: bool | None = None) -> str:
+        """The PYTORCH_CUDA_ALLOC_CONF value that applies the answer: ``best.alloc_conf``, plus
+        ``per_process_memory_fraction:F`` when the answer needs a fraction and ``fraction_key``
+        (default: :func:`fraction_key_supported` for the installed torch)."""
+        if fraction_key is None:
+            fraction_key = fraction_key_supported()
+        return conf_with_fraction(self.best.alloc_conf, self.memory_fraction if fraction_key else None)
+
+    def export_line(self, *, fraction_key: bool | None = None) -> str:
+        """The shell line that applies the allocator settings (both variable names, field notes §1)
+        and, where torch accepts it, the memory fraction the answer needs (:meth:`env_value`)."""
         import shlex
 
-        value = shlex.quote(self.best.alloc_conf)
+        value = shlex.quote(self.env_value(fraction_key=fraction_key))
         return "export " + " ".join(f"{key}={value}" for key in ENV_KEYS)
+
+    def fraction_advice(self) -> str | None:
+        """What to do when the fraction cannot travel in the environment (a torch without
+        :data:`FRACTION_KEY`): call ``torch.cuda.set_per_process_memory_fraction(F)`` before the first
+        CUDA allocation. None when the answer needs no fraction."""
+        if self.memory_fraction is None:
+            return None
+        total = self.device.get("total_memory_bytes")
+        of = "" if not isinstance(total, int) else f" of the {_gib(total)} device best.yaml was tuned for"
+        return (f"this answer needs a per-process memory fraction of {self.memory_fraction!r}{of} "
+                f"({self.best.alloc_conf}: garbage_collection_threshold acts only under a fraction < 1): call "
+                f"torch.cuda.set_per_process_memory_fraction({self.memory_fraction!r}) before the first CUDA "
+                "allocation")
 
 
 def write_best(config: BestConfig, path: str | Path) -> Path:
@@ -196,6 +271,10 @@ def load_best(path: str | Path) -> BestConfig:
             raise BestFileError(f"{path}: section '{key}' must be a mapping")
     if data.get("study") is None:
         data["study"] = {}
+    fraction = (data["best"] or {}).get("memory_fraction") if isinstance(data["best"], dict) else None
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0 < fraction < 1):
+        raise BestFileError(f"{path}: best.memory_fraction must be a number in (0, 1) or null, got {fraction!r}")
     known = {f.name for f in dataclasses.fields(BestConfig)}
     data = {k: v for k, v in data.items() if k in known}
     data["best"] = _choice(data["best"], f"{path}: best")
@@ -244,11 +323,19 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     settings when CUDA initialises (``backend`` already when torch loads), so a later change would be
     silently ignored; this function refuses instead.
 
+    When the answer needs a per-process memory fraction (``best.memory_fraction``: its
+    ``garbage_collection_threshold`` acts only under one), the fraction travels in the same variables as
+    ``per_process_memory_fraction:F`` where the installed torch accepts that key
+    (:func:`fraction_key_supported`, pytorch#161035); otherwise ``config.memory_fraction_applied`` is
+    False and the caller must call ``torch.cuda.set_per_process_memory_fraction(config.memory_fraction)``
+    before the first CUDA allocation (a ``UserWarning`` says so).
+
     Warns (``UserWarning``) when PYTORCH_NO_CUDA_MEMORY_CACHING is set (any value): torch then runs
     without its caching allocator and these settings have no effect (pytorch#145661).
 
     Returns:
-        The loaded :class:`BestConfig` (use ``.batch_size``).
+        The loaded :class:`BestConfig` (use ``.batch_size``; ``.memory_fraction`` and
+        ``.memory_fraction_applied``: whether the environment carries it).
 
     Raises:
         CudaAlreadyInitializedError: ``torch.cuda.is_initialized()`` is already true, or torch was
@@ -272,13 +359,53 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
                 f"best.yaml sets backend:{wanted}, but torch was imported with backend:{have}; torch "
                 "reads the backend at import, so call apply_best() before `import torch`"
             )
+    supported = fraction_key_supported()
+    value = config.env_value(fraction_key=supported)
     for key in ENV_KEYS:
-        env[key] = config.best.alloc_conf
+        env[key] = value
+    config.memory_fraction_applied = config.memory_fraction is not None and supported
+    import warnings
+
+    if config.memory_fraction is not None and not supported:
+        warnings.warn(f"apply_best(): {config.fraction_advice()} (the installed torch does not accept "
+                      f"{FRACTION_KEY} in PYTORCH_CUDA_ALLOC_CONF)", UserWarning, stacklevel=2)
+    other_size = _other_device_size(config) if config.memory_fraction is not None else None
+    if other_size is not None:
+        warnings.warn(f"apply_best(): {other_size}", UserWarning, stacklevel=2)
     from oomtune.alloc.caching_env import caching_disabled_reason
 
     reason = caching_disabled_reason(env)
     if reason is not None:  # issue 14 item 5: the settings just exported would do nothing
-        import warnings
-
         warnings.warn(f"apply_best(): {reason}", UserWarning, stacklevel=2)
     return config
+
+
+def _gib(nbytes: int) -> str:
+    from oomtune.units import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def _other_device_size(config: BestConfig, tolerance: float = 0.05) -> str | None:
+    """A line when the GPU NVML sees first (no CUDA context) differs in size by more than
+    ``tolerance`` from the device best.yaml's fraction is of (e.g. the virtual GPU's
+    ``virtual_device_memory``): the fraction then allows another budget. None when the sizes agree,
+    or nothing can be read (no NVML, no GPU)."""
+    total = config.device.get("total_memory_bytes")
+    if not isinstance(total, int) or total <= 0 or config.memory_fraction is None:
+        return None
+    try:
+        from oomtune.gpu import nvml
+
+        if not nvml.nvml_available():
+            return None
+        ident = nvml.device_identity(nvml.physical_index_for(0))
+    except Exception:  # noqa: BLE001 - a warning's probe must never fail apply_best
+        return None
+    here = getattr(ident, "total_memory_bytes", None)
+    if not here or abs(here - total) <= tolerance * total:
+        return None
+    return (f"best.yaml's memory fraction {config.memory_fraction!r} is of a {_gib(total)} device "
+            f"({config.device.get('name') or 'the tuned device'}); this GPU has {_gib(here)}, where it allows "
+            f"{_gib(int(config.memory_fraction * here))} instead of {_gib(int(config.memory_fraction * total))}: "
+            "search again with virtual_device_memory set to this GPU's memory (or on this GPU)")

@@ -261,6 +261,8 @@ def default_study_name(cfg: Any) -> str:
     }
     if str(gpu).strip().lower() != "auto":   # model.gpu (auto, the default, leaves the names of before)
         key["gpu"] = str(gpu)
+    if str(cfg.search.get("memory_fraction", "auto")) != "auto":   # auto keeps the names of earlier studies
+        key["memory_fraction"] = str(cfg.search.memory_fraction)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
 

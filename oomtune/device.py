@@ -1,7 +1,12 @@
-"""Resolving the ``device`` and ``budget`` settings in the parent process, without initialising CUDA.
+"""Resolving the ``device`` and ``budget`` settings in the parent process, without a CUDA context.
 
-The parent never creates a CUDA context (it would occupy device memory the trials need): the device's
-identity and capacity come from NVML, and only without NVML from torch.
+The parent never creates a CUDA context (it would occupy device memory the trials need). The
+device's capacity is torch's ``total_memory`` (``cudaDeviceProp::totalGlobalMem``, read by
+``torch.cuda.get_device_properties``, which needs no context): the figure a trial's
+``set_per_process_memory_fraction`` is a fraction of, smaller than NVML's total (A100-80GB: 79.15 GiB
+against 80 GiB), so that ``budget=1.0`` or ``0.99`` means the same bytes in the parent and in the
+trial (issue 23 item 6). The identity (name, UUID, PCI bus id, driver) comes from NVML, matched to
+torch's device by UUID (:func:`oomtune.gpu.nvml.physical_index_of_torch_device`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 from oomtune.exceptions import ConfigError, DeviceError
 from oomtune.units import MiB, format_bytes, parse_size
 
-__all__ = ["TargetDevice", "resolve_device", "resolve_budget", "parse_budget", "check_device_spec"]
+__all__ = ["TargetDevice", "resolve_device", "resolve_budget", "parse_budget", "check_device_spec", "fraction_note"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,14 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
         raise DeviceError(f"device cuda:{index} does not exist: this machine has {count} CUDA device(s)")
     from oomtune.gpu import nvml
 
-    ident = nvml.device_identity(nvml.physical_index_for(index))
-    if ident is not None and ident.total_memory_bytes:
-        return TargetDevice(f"cuda:{index}", "cuda", index, ident.name or "CUDA device",
-                            ident.total_memory_bytes, False, ident.uuid, ident.pci_bus_id, ident.driver_version)
-    props = torch.cuda.get_device_properties(index)  # fallback: initialises CUDA in the parent
-    return TargetDevice(f"cuda:{index}", "cuda", index, props.name, int(props.total_memory), False)
+    props = torch.cuda.get_device_properties(index)   # torch's total memory: what a fraction is of
+    physical, _how = nvml.physical_index_of_torch_device(props, index)
+    ident = nvml.device_identity(physical) if physical is not None else None
+    if ident is None:
+        return TargetDevice(f"cuda:{index}", "cuda", index, props.name, int(props.total_memory), False,
+                            nvml.normal_uuid(getattr(props, "uuid", None)), nvml.torch_pci_bus_id(props))
+    return TargetDevice(f"cuda:{index}", "cuda", index, ident.name or props.name, int(props.total_memory), False,
+                        ident.uuid, ident.pci_bus_id, ident.driver_version)
 
 
 def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
@@ -163,3 +170,19 @@ def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
             f"{format_bytes(device.total_memory_bytes)}"
         )
     return budget_bytes
+
+
+def fraction_note(budget: str | int | float, device: TargetDevice, budget_bytes: int) -> str | None:
+    """For a budget given as a fraction on the virtual GPU, the line naming the device size it is a
+    fraction of (issue 23 item 5: ``budget=0.5`` silently meant 40 GiB, half of the assumed 80 GiB);
+    None for a size, or on a real device (whose capacity is printed with the device). Never raises."""
+    try:
+        kind, value = parse_budget(budget)
+    except ConfigError:
+        return None
+    if kind != "fraction" or not device.simulated:
+        return None
+    return (f"note: budget={str(budget).strip()} is a fraction of the virtual GPU's "
+            f"{format_bytes(device.total_memory_bytes)} (virtual_device_memory): {format_bytes(budget_bytes)}; "
+            f"set virtual_device_memory to your GPU's memory (e.g. virtual_device_memory=24GiB) for a fraction "
+            f"of that, or give the budget as a size (budget=16GiB)")

@@ -162,19 +162,62 @@ def default_max_slowdown(best: Any) -> float | None:
 
 
 def _geometry(best: Any) -> dict[str, Any]:
-    """The virtual GPU of the recorded trial: the recorded budget on the recorded device."""
+    """The virtual GPU of the recorded trial: the recorded budget on the recorded device, under the
+    memory fraction the trials ran with (``device.memory_fraction``: ``off`` = none, the virtual GPU
+    then the budget's size; a recorded ``best.memory_fraction`` on a real device)."""
     dev = best.device
     budget, total = dev.get("budget_bytes"), dev.get("total_memory_bytes")
     if not isinstance(budget, int) or budget <= 0:
         raise BestFileError(f"best.yaml device.budget_bytes must be a positive integer, got {budget!r}")
+    off = dev.get("memory_fraction") == "off"
     if dev.get("memory_source") == "simulated" or dev.get("kind") == "cpu":
         from oomtune.alloc.geometry import budget_geometry
 
-        size = total if isinstance(total, int) and total >= budget else None  # None: older best.yaml
+        size = total if isinstance(total, int) and total >= budget and not off else None  # None: budget-sized
         return budget_geometry(budget, size)
     if not isinstance(total, int) or total < budget:
         raise BestFileError(f"best.yaml device.total_memory_bytes={total!r} must be an integer >= budget_bytes")
-    return {"total_memory_bytes": total, "memory_fraction": min(1.0, budget / total)}
+    fraction = 1.0 if off else (best.best.memory_fraction or min(1.0, budget / total))
+    return {"total_memory_bytes": total, "memory_fraction": fraction}
+
+
+def fraction_case(best: Any, *, applied: float | None = None, device_total: int | None = None,
+                  ran: bool = False) -> CheckCase:
+    """Does the answer's memory fraction travel with it (issue 23 item 1)? Only
+    ``garbage_collection_threshold`` needs one (:func:`oomtune.best.needs_memory_fraction`).
+
+    FAIL when the answer's threshold acted in the trials under a fraction < 1 that best.yaml does not
+    record (files from before it was recorded: applied without it, the threshold is inert and the
+    batch may not fit); in run mode (``ran``) also when the check trial applied another fraction than
+    the recorded one (``applied``), or ran on a device of another size (``device_total``, bytes:
+    the same fraction then allows another budget). PASS otherwise, naming what applies it."""
+    from oomtune.best import FRACTION_KEY, needs_memory_fraction
+
+    conf = best.best.alloc_conf
+    recorded = best.best.memory_fraction
+    if not needs_memory_fraction(conf):
+        return CheckCase("memory fraction", True, f"not needed: {conf or 'the default allocator'} has no "
+                         "garbage_collection_threshold")
+    trial_fraction = _geometry(best)["memory_fraction"]
+    if recorded is None:
+        if best.device.get("memory_fraction") is None and trial_fraction < 1.0:
+            return CheckCase("memory fraction", False, (
+                f"{conf}: the garbage_collection_threshold acted in the trials under a memory fraction of "
+                f"{trial_fraction:.6g}, which best.yaml does not record; applied without it the threshold is inert "
+                f"and batch {best.best.batch_size} may not fit: search again (best.yaml then carries the fraction)"))
+        return CheckCase("memory fraction", True, "none: the trials ran without a fraction < 1, where the "
+                         "threshold is inert, as it will be when applied")
+    if ran and applied is not None and abs(applied - recorded) > 0.01 * recorded:
+        return CheckCase("memory fraction", False, f"the check trial ran under a memory fraction of {applied:.6g}, "
+                         f"best.yaml records {recorded:.6g}")
+    total = best.device.get("total_memory_bytes")
+    if ran and device_total and isinstance(total, int) and abs(device_total - total) > 0.01 * total:
+        return CheckCase("memory fraction", False, (
+            f"best.yaml's memory fraction {recorded:.6g} is of a {format_bytes(total)} device; this one has "
+            f"{format_bytes(device_total)}, where it allows {format_bytes(int(recorded * device_total))}, not the "
+            f"{format_bytes(int(recorded * total))} the answer was found with"))
+    return CheckCase("memory fraction", True, f"{recorded:.6g} of {format_bytes(total) if isinstance(total, int) else 'the device'} "
+                     f"recorded and applied ({FRACTION_KEY} by apply_best / oomtune env)")
 
 
 def _search_limit(best: Any) -> tuple[int, str]:
@@ -263,6 +306,7 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
     figures.update(fits=fits, limit_bytes=limit_bytes)
     compare = (f"predicted peak reserved {format_bytes(pred.peak_reserved_bytes)} (simulated) vs recorded "
                f"{format_bytes(recorded)} ({change:+.2%}, tolerance {tolerance:.2%})")
+    fraction = fraction_case(best)
     cases = [
         CheckCase("fits budget (predicted)", fits,
                   f"batch {best.best.batch_size} fits {limit_text}: peak reserved "
@@ -270,9 +314,12 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
                   else f"batch {best.best.batch_size} no longer fits {limit_text}: "
                        f"needs {format_bytes(pred.peak_reserved_bytes)} reserved (simulated)", elapsed),
         CheckCase("prediction", ok, compare, 0.0),
+        fraction,
     ]
     verdict = "PASS" if all(c.passed for c in cases) else "FAIL"
     tail = "" if fits else f"; does not fit {limit_text}"
+    if fraction.passed is False:
+        tail += f"; memory fraction: {fraction.message}"
     return CheckReport("predict", cases, f"oomtune check: {verdict} {compare}{tail}", figures)
 
 
@@ -299,15 +346,25 @@ def _run_device(best: Any, device: str | None) -> str:
     return target.spec
 
 
-def _memory_case(res: Any, recorded: Any, limit: float) -> CheckCase:
-    if res.peak_reserved_bytes is None:
-        return CheckCase("memory growth", None, "no peak reserved reading")
-    if not isinstance(recorded, (int, float)) or recorded <= 0:
-        return CheckCase("memory growth", None, "best.yaml records no peak reserved")
-    change = relative_change(res.peak_reserved_bytes, recorded)
-    return CheckCase("memory growth", within_limit(res.peak_reserved_bytes, recorded, limit),
-                     f"peak reserved {format_bytes(res.peak_reserved_bytes)} ({res.memory_source}) vs "
-                     f"recorded {format_bytes(recorded)} ({change:+.2%}, limit +{limit:.2%})")
+def _memory_case(res: Any, metrics: dict[str, Any], limit: float) -> CheckCase:
+    """Peak reserved against best.yaml's, else the device-level (NVML) peak against best.yaml's (a
+    ``target=cmd`` run on a GPU without the capture hook). Without a reading the memory is not
+    checked, and the case says so: FAIL when best.yaml has a reading the run did not reproduce, an
+    explicit SKIP with the reason when neither has one (issue 23 item 5: never a PASS)."""
+    pairs = (("peak reserved", res.peak_reserved_bytes, metrics.get("peak_reserved_bytes")),
+             ("device peak (NVML)", res.device_peak_bytes, metrics.get("device_peak_bytes")))
+    for what, new, recorded in pairs:
+        if new is not None and isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0:
+            change = relative_change(new, recorded)
+            return CheckCase("memory growth", within_limit(new, recorded, limit),
+                             f"{what} {format_bytes(new)} ({res.memory_source}) vs recorded {format_bytes(recorded)} "
+                             f"({change:+.2%}, limit +{limit:.2%})")
+    had = [what for what, _new, recorded in pairs if isinstance(recorded, (int, float)) and recorded]
+    if had:
+        return CheckCase("memory growth", False, f"memory not checked: best.yaml records a {had[0]} but the run "
+                         "gave no memory reading (no NVML, or the command no longer reports memory)")
+    return CheckCase("memory growth", None, "memory not checked: neither best.yaml nor the run has a memory reading "
+                     "(a target=cmd script without oomtune.capture_hook, on the virtual GPU or without NVML)")
 
 
 def _speed_case(res: Any, recorded: Any, limit: float) -> CheckCase:
@@ -337,11 +394,17 @@ def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown:
     metrics = best.best.metrics
     speed = (CheckCase("slowdown", None, SIMULATED_SLOWDOWN_NOTE) if max_slowdown is None
              else _speed_case(res, metrics.get("throughput"), max_slowdown))
+    memory = _memory_case(res, metrics, max_memory_growth)
+    fraction = fraction_case(best, applied=(res.extra or {}).get("memory_fraction"), ran=True,
+                             device_total=getattr(res.device, "total_memory_bytes", None)
+                             if res.memory_source == "device" else None)
     cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.steps} steps within the "
                        f"{format_bytes(best.device.get('budget_bytes'))} budget", elapsed),
-             _memory_case(res, metrics.get("peak_reserved_bytes"), max_memory_growth), speed]
-    verdict = "PASS" if all(c.passed is not False for c in cases) else "FAIL"
-    parts = "; ".join(c.message for c in cases[1:] if c is not speed or max_slowdown is not None)
+             memory, speed, fraction]
+    # a check whose memory could not be read is not a pass (issue 23 item 5)
+    verdict = ("FAIL" if any(c.passed is False for c in cases) else "SKIP" if memory.passed is None else "PASS")
+    parts = "; ".join(c.message for c in cases[1:] if (c is not speed or max_slowdown is not None)
+                      and (c is not fraction or fraction.passed is False))
     figures = {"outcome": res.outcome, "peak_reserved_bytes": res.peak_reserved_bytes,
                "throughput": res.throughput, "memory_source": res.memory_source,
                "notes": [SIMULATED_SLOWDOWN_NOTE] if max_slowdown is None else []}
@@ -389,7 +452,8 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     spec = TrialSpec(workload=_workload(best), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=_run_device(best, device), budget_bytes=int(best.device["budget_bytes"]),
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
-                     device_memory_bytes=_geometry(best)["total_memory_bytes"])
+                     device_memory_bytes=_geometry(best)["total_memory_bytes"],
+                     memory_fraction=best.device.get("memory_fraction") != "off")
     runner = runner or TrialRunner(launcher="spawn")
     say = say or (lambda text: None)
     conf = best.best.alloc_conf or "the default allocator"

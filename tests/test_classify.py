@@ -364,9 +364,14 @@ def _traceback(exc_line: str, frames: int = 2) -> str:
 
 
 @pytest.mark.parametrize("rc", [-9, 137])
-def test_sigkill_without_traceback_is_host_oom(rc):
-    c = classify_failure(returncode=rc, stderr="loading data...\n")
-    assert c.outcome is Outcome.HOST_OOM and "SIGKILL" in c.message
+def test_sigkill_without_traceback_is_host_oom_only_with_evidence(rc):
+    evidence = "memory.events: oom_kill 0 -> 1 during the trial"
+    c = classify_failure(returncode=rc, stderr="loading data...\n", oom_kill_evidence=evidence)
+    assert c.outcome is Outcome.HOST_OOM and "SIGKILL" in c.message and evidence in c.message
+    # issue 23 item 3: the same exit without evidence (a kill -9, a preemption) is a crash, not memory
+    c = classify_failure(returncode=rc, stderr="loading data...\n", no_evidence_reason="memory.events unchanged")
+    assert c.outcome is Outcome.CRASH and "no evidence of the OOM killer (memory.events unchanged)" in c.message
+    assert not c.outcome.is_memory and c.outcome.is_fault
 
 
 def test_sigsegv_is_crash():

@@ -169,9 +169,9 @@ def test_junit_report_has_a_failure_element_on_regression(tmp_path, capsys):
     junit = tmp_path / "reports" / "check.xml"
     assert main(["check", str(path), "--mode", "predict", "--junit", str(junit)]) == 1
     suite = ET.parse(junit).getroot()
-    assert suite.tag == "testsuite" and suite.get("tests") == "2" and suite.get("failures") == "1"
+    assert suite.tag == "testsuite" and suite.get("tests") == "3" and suite.get("failures") == "1"
     cases = {c.get("name"): c for c in suite.iter("testcase")}
-    assert set(cases) == {"fits budget (predicted)", "prediction"}
+    assert set(cases) == {"fits budget (predicted)", "prediction", "memory fraction"}
     failure = cases["prediction"].find("failure")
     assert failure is not None and "+100.00%" in failure.get("message")
     assert cases["fits budget (predicted)"].find("failure") is None
@@ -369,3 +369,77 @@ def test_predict_mode_refuses_cuda_malloc_async_with_advice(tmp_path, capsys):
     assert main(["check", str(path), "--mode", "predict"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot simulate" in err and "--mode run" in err and len(err.splitlines()) == 1
+
+
+# -- issue 23 item 5: no memory reading is never a PASS ------------------------------------------------
+def test_run_without_any_memory_reading_is_an_explicit_skip_not_a_pass(tmp_path):
+    best = load_best(write_best(tmp_path / "best.yaml", metrics={"throughput": 100.0, "memory_source": "simulated"}))
+    report = evaluate_run(best, _result(peak_reserved_bytes=None), max_memory_growth=0.05, max_slowdown=None)
+    memory = next(c for c in report.cases if c.name == "memory growth")
+    assert memory.passed is None and "memory not checked: neither best.yaml nor the run" in memory.message
+    assert report.summary.startswith("oomtune check: SKIP memory not checked")
+    assert "PASS" not in report.summary
+
+
+def test_run_that_loses_its_memory_reading_fails(tmp_path):
+    best = load_best(write_best(tmp_path / "best.yaml"))   # records a 2 MiB peak reserved
+    report = evaluate_run(best, _result(peak_reserved_bytes=None), max_memory_growth=0.05, max_slowdown=None)
+    assert not report.passed and report.exit_code == 1
+    assert report.summary.startswith("oomtune check: FAIL memory not checked: best.yaml records a peak reserved")
+
+
+def test_run_of_a_command_compares_the_device_peak_when_there_is_no_allocator_reading(tmp_path):
+    # a target=cmd run on a GPU: NVML's device peak only; +10% over the recorded 1000 MB fails the 5% limit
+    best = load_best(write_best(tmp_path / "best.yaml", kind="cuda", source="device", metrics={
+        "throughput": 100.0, "device_peak_bytes": 1_000_000_000, "memory_source": "device"}))
+    res = _result(memory_source="device", peak_reserved_bytes=None, device_peak_bytes=1_100_000_000)
+    report = evaluate_run(best, res, max_memory_growth=0.05, max_slowdown=None)
+    memory = next(c for c in report.cases if c.name == "memory growth")
+    assert memory.passed is False and "device peak (NVML) 1.02 GiB (device) vs recorded 953.67 MiB (+10.00%" in memory.message
+
+
+# -- issue 23 item 1: the memory fraction travels with the answer ---------------------------------------
+GC = "garbage_collection_threshold:0.8"
+
+
+def _with(path, **best_fields):
+    data = yaml.safe_load(path.read_text())
+    for key, value in best_fields.items():
+        if key.startswith("device_"):
+            data["device"][key[len("device_"):]] = value
+        else:
+            data["best"][key] = value
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_predict_fails_an_answer_whose_threshold_relied_on_an_unrecorded_fraction(tmp_path, capsys):
+    # A best.yaml from before the fraction was recorded: its trials ran under 1 GiB / 80 GiB = 0.0125,
+    # where the threshold acts; applied without a fraction it is inert (issue 23, GPT-2 at 8 GiB).
+    path = write_best(tmp_path / "best.yaml", alloc_conf=GC)
+    assert main(["check", str(path), "--mode", "predict"]) == 1
+    out = capsys.readouterr().out
+    assert "memory fraction: garbage_collection_threshold:0.8: the garbage_collection_threshold acted in the " \
+           "trials under a memory fraction of 0.0125, which best.yaml does not record" in out
+
+
+def test_predict_passes_the_same_answer_when_best_yaml_carries_the_fraction(tmp_path, capsys):
+    path = _with(write_best(tmp_path / "best.yaml", alloc_conf=GC), memory_fraction=0.0125,
+                 device_memory_fraction="auto")
+    assert main(["check", str(path), "--mode", "predict"]) == 0
+    report_case = __import__("oomtune.regression", fromlist=["fraction_case"]).fraction_case(load_best(path))
+    assert report_case.passed and report_case.message.startswith("0.0125 of 80.00 GiB recorded and applied")
+
+
+def test_run_mode_checks_the_applied_fraction_and_the_device_size(tmp_path):
+    from oomtune.regression import fraction_case
+
+    best = load_best(_with(write_best(tmp_path / "best.yaml", alloc_conf=GC, kind="cuda", source="device"),
+                           memory_fraction=0.0125, device_memory_fraction="auto"))
+    assert fraction_case(best, applied=0.0125, device_total=80 * GiB, ran=True).passed
+    assert fraction_case(best, applied=0.0124, device_total=80 * GiB, ran=True).passed        # within 1%
+    assert not fraction_case(best, applied=0.012, device_total=80 * GiB, ran=True).passed     # -4%
+    other = fraction_case(best, applied=0.0125, device_total=24 * GiB, ran=True)
+    assert not other.passed and "allows 307.20 MiB, not the 1.00 GiB" in other.message     # 0.0125 x 24 GiB
+    plain = load_best(write_best(tmp_path / "plain.yaml"))
+    assert fraction_case(plain).passed and fraction_case(plain).message.startswith("not needed")

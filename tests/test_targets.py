@@ -97,11 +97,24 @@ def test_command_that_never_reports_is_an_error(tmp_path):
     assert res.throughput is None and res.extra["returncode"] == 0
 
 
-def test_sigkill_without_traceback_is_host_oom(tmp_path):
+def test_sigkill_without_evidence_of_the_oom_killer_is_a_crash(tmp_path):
+    # issue 23 item 3: a kill -9 leaves the cgroup's oom_kill counter and the kernel log unchanged
+    res = run_cmd_trial(_cmd_spec(_script(tmp_path, "import os\nos.kill(os.getpid(), 9)\n")),
+                        workdir=tmp_path / "t")
+    assert res.outcome == Outcome.CRASH.value, res.message
+    assert "no evidence of the OOM killer" in res.message
+    assert res.extra["returncode"] == -9
+
+
+def test_sigkill_with_a_grown_oom_kill_counter_is_host_oom(tmp_path, monkeypatch):
+    from oomtune.trial import oomkill
+
+    counts = iter([{"/cg/memory.events": 3}, {"/cg/memory.events": 4}])   # before, after the command
+    monkeypatch.setattr(oomkill, "read_oom_kill_counters", lambda **kw: next(counts))
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "import os\nos.kill(os.getpid(), 9)\n")),
                         workdir=tmp_path / "t")
     assert res.outcome == Outcome.HOST_OOM.value
-    assert res.extra["returncode"] == -9
+    assert "/cg/memory.events: oom_kill 3 -> 4" in res.message
 
 
 def test_traceback_is_an_error_with_its_tail(tmp_path):

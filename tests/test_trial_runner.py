@@ -103,9 +103,11 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     # milliseconds) checks that a grandchild started by the trial dies with it.
 
 
-def test_sigkill_without_traceback_is_host_oom(tmp_path):
+def test_sigkill_without_evidence_is_a_crash(tmp_path):
+    # issue 23 item 3: SIGKILL is the OOM killer's only with evidence; a kill from inside is not
     r = run_trial(_spec(), workdir=tmp_path, env={HOOK: f"signal:{int(signal.SIGKILL)}"})
-    assert r.outcome == "host_oom", r.message
+    assert r.outcome == "crash", r.message
+    assert "no evidence of the OOM killer" in r.message
     assert r.extra["returncode"] == -signal.SIGKILL
 
 
@@ -151,7 +153,7 @@ def test_forked_timeout_sigkill_and_crash(tmp_path, fork_runner):
     assert not group_alive(r.extra["pid"])
     assert not _pid_running(int((tmp_path / "t" / "grandchild.pid").read_text()))
     r = fork_runner.run(_spec(), workdir=tmp_path / "k", env={HOOK: f"signal:{int(signal.SIGKILL)}"})
-    assert r.outcome == "host_oom" and r.extra["returncode"] == -signal.SIGKILL
+    assert r.outcome == "crash" and r.extra["returncode"] == -signal.SIGKILL   # no OOM-killer evidence
     # any other signal without a record is a crash (SIGUSR1's default action terminates)
     r = fork_runner.run(_spec(), workdir=tmp_path / "u", env={HOOK: f"signal:{int(signal.SIGUSR1)}"})
     assert r.outcome == "crash" and r.extra["returncode"] == -signal.SIGUSR1

@@ -100,7 +100,8 @@ def _recognised_text(stderr: str, kw: dict) -> Classification | None:
 
 def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = False,
                      batch_size: int | None = None, smaller_batch_succeeded: bool = False,
-                     visible_devices: str | None | object = _ENV) -> Classification:
+                     visible_devices: str | None | object = _ENV, oom_kill_evidence: str | None = None,
+                     no_evidence_reason: str | None = None) -> Classification:
     """Classify a trial process that ended without writing its result record.
 
     Args:
@@ -111,10 +112,16 @@ def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = F
             anywhere in ``stderr`` (:func:`memory_signal`) decides.
         timed_out: the runner killed the process group at the wall limit (wins over everything).
         batch_size / smaller_batch_succeeded / visible_devices: as in :func:`classify_text`.
+        oom_kill_evidence: one line of evidence that the kernel's OOM killer killed the process
+            (:class:`oomtune.trial.oomkill.OomKillWatch`: the cgroup's oom_kill counter grew, or the
+            kernel log names the pid); None: no evidence.
+        no_evidence_reason: what was read and found nothing (for the ``crash`` message).
 
     Returns:
-        ``timeout``; the traceback's class when recognised; ``host_oom`` for SIGKILL without a Python
-        traceback (the kernel OOM killer, field case C5); ``crash`` for other signals; ``ok`` for exit 0
+        ``timeout``; the traceback's class when recognised; for SIGKILL without a Python traceback
+        ``host_oom`` with ``oom_kill_evidence`` (the kernel OOM killer, field case C5), else
+        ``crash`` (a ``kill -9``, a preemption: issue 23 item 3; the search retries a crash once);
+        ``crash`` for other signals; ``ok`` for exit 0
         without a traceback (the "memory allocation failed with OOM" warning alone never fails a trial;
         the runner judges a missing record itself); else ``error`` with the stderr tail. Never raises.
     """
@@ -139,9 +146,14 @@ def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = F
     if returncode is not None and 128 < returncode <= 128 + 64:
         sig = returncode - 128
     if sig is not None and not blocks:
+        if sig == signal.SIGKILL and oom_kill_evidence:
+            return Classification(Outcome.HOST_OOM, "killed by SIGKILL with no Python traceback, by the host "
+                                  f"OOM killer ({oom_kill_evidence})", ADVICE[Outcome.HOST_OOM], traceback_tail=tail)
         if sig == signal.SIGKILL:
-            return Classification(Outcome.HOST_OOM, "killed by SIGKILL with no Python traceback: most likely "
-                                  "the host OOM killer", ADVICE[Outcome.HOST_OOM], traceback_tail=tail)
+            why = f" ({no_evidence_reason})" if no_evidence_reason else ""
+            return Classification(Outcome.CRASH, "killed by SIGKILL with no Python traceback and no evidence of "
+                                  f"the OOM killer{why}: killed from outside (kill -9, preemption)?",
+                                  ADVICE[Outcome.CRASH], traceback_tail=tail)
         text_result = _recognised_text(stderr, kw)
         if text_result is not None:
             return text_result  # e.g. SIGABRT after "terminate called ... what(): CUDA out of memory"

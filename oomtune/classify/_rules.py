@@ -54,8 +54,9 @@ ADVICE = {
                                    "CUDA context) ran out: leave more headroom below the budget or lower the batch",
     Outcome.HOST_OOM: "host memory, not the GPU: lower num_workers / increase shared memory (--shm-size) or host RAM",
     Outcome.LIMIT: "element-count limit, not memory: no allocator setting helps; this batch is infeasible",
-    Outcome.TIMEOUT: "raise the per-trial timeout or measure fewer steps",
-    Outcome.CRASH: "a native crash: rerun the trial alone to reproduce it",
+    Outcome.TIMEOUT: "not memory: raise the per-trial timeout (trial.timeout) or measure fewer steps",
+    Outcome.CRASH: "a native crash or a kill from outside (kill -9, preemption), not memory: the search retries "
+                   "it once; rerun the trial alone to reproduce it",
     Outcome.ERROR: "a setup fault or a bug, not a memory limit: see the traceback tail",
 }
 _TF_ADVICE = ("TensorFlow's allocator ran out (PyTorch allocator settings do not apply to it): lower the batch "

@@ -1,4 +1,7 @@
-"""``oomtune env best.yaml``: print the export line (eval it in a shell or a CI job).
+"""``oomtune env best.yaml``: print the export line (eval it in a shell or a CI job). When the answer
+needs a per-process memory fraction (best.yaml ``best.memory_fraction``), the line carries it as
+``per_process_memory_fraction:F`` where the installed torch accepts that key; otherwise a comment line
+says to call ``torch.cuda.set_per_process_memory_fraction(F)`` (a comment, so eval still works).
 ``oomtune env`` without a best.yaml: print this installation's environment (versions, the replay
 core in use, the allocator variables set), torch not imported.
 
@@ -59,6 +62,12 @@ def _environment_lines() -> list[str]:
              f"replay core: {replay_core_status()}"]
     set_here = [f"{k}={os.environ[k]}" for k in ALLOCATOR_VARIABLES if k in os.environ]
     lines.append("allocator variables: " + (" ".join(set_here) if set_here else "none set"))
+    from oomtune.best import FRACTION_KEY, fraction_key_supported
+
+    lines.append(f"memory fraction in PYTORCH_CUDA_ALLOC_CONF ({FRACTION_KEY}): "
+                 + ("accepted by the installed torch" if fraction_key_supported() else
+                    "not accepted by the installed torch (apply_best returns it; call "
+                    "torch.cuda.set_per_process_memory_fraction)"))
     return lines
 
 
@@ -82,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     reason = caching_disabled_reason()
     if reason is not None:  # stderr, so that eval "$(oomtune env ...)" still gets only the exports
         print(f"oomtune: warning: {reason}", file=sys.stderr)
-    print(best.export_line())
+    from oomtune.best import fraction_key_supported
+
+    supported = fraction_key_supported()
+    print(best.export_line(fraction_key=supported))
+    if best.memory_fraction is not None and not supported:
+        print(f"# {best.fraction_advice()}")
     if args.batch_size:
         print(f"export OOMTUNE_BATCH_SIZE={best.batch_size}")
     return 0

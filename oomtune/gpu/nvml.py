@@ -27,6 +27,7 @@ from oomtune.trial.record import DeviceInfo
 
 __all__ = [
     "query", "nvml_available", "no_driver", "device_count", "device_identity", "physical_index_for",
+    "index_for_uuid", "index_for_pci_bus_id", "physical_index_of_torch_device", "normal_uuid", "torch_pci_bus_id",
     "process_tree", "process_used_bytes", "memory_info", "utilization_percent",
     "MemoryReading", "SamplerResult", "MemorySampler",
 ]
@@ -187,6 +188,99 @@ def physical_index_for(torch_index: int, visible_devices: str | None = None) -> 
         if uuid is not None and uuid.startswith(entry):
             return i
     raise DeviceError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches no device NVML can see")
+
+
+def normal_uuid(value: Any) -> str | None:
+    """A GPU UUID in one spelling, for comparing NVML's (``"GPU-58389994-c5c0-..."``) with torch's
+    (``str(get_device_properties(i).uuid)``, ``"58389994-c5c0-..."``; or a ``_CUuuid`` whose
+    ``bytes`` are the 16 raw bytes): lower-case hex with dashes, the ``GPU-``/``MIG-`` prefix dropped.
+    None for None or an empty value."""
+    if value is None:
+        return None
+    raw = getattr(value, "bytes", None)
+    text = _text(value) or ""
+    if isinstance(raw, (bytes, bytearray)) and len(raw) == 16 and "-" not in text:
+        import uuid as _uuid
+
+        text = str(_uuid.UUID(bytes=bytes(raw)))
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text or None
+
+
+def index_for_uuid(uuid: Any) -> int | None:
+    """The NVML index of the device with this UUID (:func:`normal_uuid` on both sides), None when no
+    device NVML sees has it (or NVML is unavailable)."""
+    want = normal_uuid(uuid)
+    if want is None:
+        return None
+    for i in range(device_count()):
+        if normal_uuid(query("nvmlDeviceGetUUID", _handle(i))) == want:
+            return i
+    return None
+
+
+def _pci_key(bus_id: Any) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of a PCI bus id such as ``"00000000:19:00.0"`` or ``"0000:19:00.0"``."""
+    text = _text(bus_id)
+    if not text:
+        return None
+    try:
+        domain, bus, rest = text.strip().split(":")
+        return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+    except ValueError:
+        return None
+
+
+def torch_pci_bus_id(props: Any) -> str | None:
+    """The PCI bus id of a torch ``_CudaDeviceProperties`` (``pci_domain_id``, ``pci_bus_id``,
+    ``pci_device_id``) in NVML's spelling ``"00000000:19:00.0"``; None when torch does not give it."""
+    try:
+        return f"{int(props.pci_domain_id):08X}:{int(props.pci_bus_id):02X}:{int(props.pci_device_id):02X}.0"
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def index_for_pci_bus_id(bus_id: Any) -> int | None:
+    """The NVML index of the device at this PCI bus id (domain, bus and device compared as numbers),
+    None when no device NVML sees is there."""
+    want = _pci_key(bus_id)
+    if want is None:
+        return None
+    for i in range(device_count()):
+        pci = query("nvmlDeviceGetPciInfo", _handle(i))
+        if _pci_key(getattr(pci, "busId", None)) == want:
+            return i
+    return None
+
+
+def physical_index_of_torch_device(props: Any, torch_index: int = 0,
+                                   visible_devices: str | None = None) -> tuple[int | None, str]:
+    """The NVML index of the CUDA device whose torch properties are ``props``, and how it was found.
+
+    ``CUDA_VISIBLE_DEVICES`` integers are CUDA's enumeration order (``CUDA_DEVICE_ORDER``, fastest
+    first by default), while NVML indexes devices by PCI bus: on a host with mixed GPUs the N-th CUDA
+    device is not NVML's N-th (issue 23 item 6). So the device is matched by its UUID
+    (``props.uuid``), else its PCI bus id; only when torch gives neither does the old index rule
+    (:func:`physical_index_for`) apply, exact with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs.
+
+    Returns:
+        (NVML index or None, ``"uuid"`` | ``"pci_bus_id"`` | ``"index"`` | ``"none"``).
+    """
+    found = index_for_uuid(getattr(props, "uuid", None))
+    if found is not None:
+        return found, "uuid"
+    found = index_for_pci_bus_id(torch_pci_bus_id(props))
+    if found is not None:
+        return found, "pci_bus_id"
+    if getattr(props, "uuid", None) is not None and nvml_available():
+        return None, "none"   # torch named the device and NVML does not see it: no guess
+    try:
+        return physical_index_for(torch_index, visible_devices), "index"
+    except DeviceError:
+        return None, "none"
 
 
 def process_tree(pid: int) -> set[int]:

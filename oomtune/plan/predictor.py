@@ -235,20 +235,26 @@ def simulable(settings: AllocatorSettings) -> bool:
     return settings.backend == "native"
 
 
-def sim_geometry(device: Any, budget_bytes: int) -> dict[str, Any]:
+def sim_geometry(device: Any, budget_bytes: int, *, memory_fraction: bool = True) -> dict[str, Any]:
     """The virtual GPU a trial on ``device`` sees: the device's capacity (on CPU the virtual GPU's,
     ``virtual_device_memory``) with the budget as a memory fraction, as the trial applies it
     (:func:`oomtune.alloc.geometry.budget_geometry`). On a real device the trial's fraction is
     ``(budget - non_allocator) / total`` (field case C9, :func:`oomtune.trial.budget.
     memory_fraction_for_budget`); with no device reading at plan time the memory outside the
-    allocator is estimated (:func:`oomtune.trial.budget.estimated_non_allocator_bytes`)."""
+    allocator is estimated (:func:`oomtune.trial.budget.estimated_non_allocator_bytes`).
+
+    ``memory_fraction`` False (``search.memory_fraction=off``): the trials set no fraction, so neither
+    does the virtual GPU: on CPU a device of the budget's size, on a real device its whole capacity."""
     if device.simulated:
         from oomtune.alloc.geometry import budget_geometry
 
-        return budget_geometry(budget_bytes, device.total_memory_bytes)
+        return budget_geometry(budget_bytes, device.total_memory_bytes if memory_fraction else budget_bytes)
     from oomtune.trial.budget import estimated_non_allocator_bytes
 
     outside = min(estimated_non_allocator_bytes(), max(0, budget_bytes - 1))
+    if not memory_fraction:
+        return {"total_memory_bytes": device.total_memory_bytes, "non_allocator_bytes": outside,
+                "memory_fraction": 1.0}
     return {"total_memory_bytes": device.total_memory_bytes, "non_allocator_bytes": outside,
             "memory_fraction": min(1.0, (budget_bytes - outside) / device.total_memory_bytes)}
 
@@ -325,14 +331,16 @@ class Predictor:
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
-                   steps: int = PREDICT_STEPS, cache: Any = None) -> "Predictor":
+                   steps: int = PREDICT_STEPS, cache: Any = None, memory_fraction: bool = True) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
         trial's ``steps`` (:func:`trial_steps`), its captures spread over the cores as a plan's
-        (:func:`oomtune.plan.parallel.default_workers`); ``cache``: as for the constructor."""
+        (:func:`oomtune.plan.parallel.default_workers`); ``cache``: as for the constructor;
+        ``memory_fraction``: as for :func:`sim_geometry`."""
         from oomtune.plan.parallel import default_workers
 
-        return cls(workload, sim_geometry(device, budget_bytes), steps=steps, cache=cache, workers=default_workers())
+        return cls(workload, sim_geometry(device, budget_bytes, memory_fraction=memory_fraction), steps=steps,
+                   cache=cache, workers=default_workers())
 
     @property
     def captures(self) -> int:

@@ -68,6 +68,9 @@ _TrialErrored = TrialErrored  # raised inside the objective so Optuna records an
 #: For role=confirm: which repetition of the confirmation of one trial (0, 1, ...), so that
 #: repeated clean-process runs of one candidate are distinct candidates for the workers.
 ATTR_REPEAT = "repeat"
+#: The device a trial must run on, whichever worker claims it (the throughput confirmation runs all
+#: on one GPU, so that the baseline and the candidates are timed on the same card).
+ATTR_DEVICE = "device"
 
 
 @dataclass
@@ -91,7 +94,8 @@ class SearchOptions:
     objective: str = "throughput"     # resolved: "throughput" | "batch" (see oomtune.search.ranking)
     objective_reason: str = ""
     frontier_configs: int = 2         # non-default configurations probed at their frontier
-    repeats: int = 2                  # clean-process measurements per finalist (throughput objective)
+    repeats: int = 3                  # clean-process measurements per finalist (throughput objective)
+    window_s: float = 0.0             # throughput confirmation: measure each run for at least this long
     finalists: int = 2                # top candidates re-measured besides the baseline
     device_memory_bytes: int | None = None  # virtual GPU capacity (CPU trials)
     soak_steps: int = 0               # trial.soak_steps: the virtual-GPU soak (oomtune.trial.soak_check)
@@ -99,6 +103,7 @@ class SearchOptions:
     torch_threads: int | None = None  # per CPU trial (OOMTUNE_TORCH_THREADS) when workers share the CPU
     execute: str = "cpu"              # resolved trial.execute: meta | cpu (virtual GPU), device, command
     host_available_bytes: int | None = None   # /proc/meminfo MemAvailable (the smoke test's check)
+    memory_fraction: str = "auto"     # search.memory_fraction: auto (budget as a fraction) | off (none)
 
 
 @dataclass
@@ -150,6 +155,7 @@ class Search:
         self._confirms: dict[Candidate, int] = {}  # candidate -> trial number it confirms
         self._local = threading.local()  # the device of the worker thread running a trial
         self._batch_low: int | None = None
+        self._contradicted_numbers: set[int] = set()  # trials a passing re-run contradicted (not believed)
         self.executor = Executor(study, list(slots or [options.device]), self._work_on, on_trial=self.on_trial,
                                  say=self.say, poll_s=poll_s, interrupt=self._kill_trials)
 
@@ -161,7 +167,7 @@ class Search:
 
     # ---------------------------------------------------------------- running candidates
     def _spec(self, cand: Candidate, *, steps: int | None = None, confirm: bool = False,
-              trials: Sequence[Any] | None = None) -> TrialSpec:
+              trials: Sequence[Any] | None = None, window_s: float = 0.0) -> TrialSpec:
         """The trial of ``cand``. Under a shape distribution every trial is soaked (its answer must
         survive ``soak_steps`` of the data's shapes); a confirmation is always soaked and runs its
         live steps at the distribution's worst shape. ``trials``: the study's trials, when just read."""
@@ -173,17 +179,19 @@ class Search:
         steps = steps or self.opt.measure_steps
         # trial.timeout is for a search trial; a confirmation runs more steps and gets as much more time.
         scale = max(1.0, (self.opt.warmup_steps + steps) / (self.opt.warmup_steps + self.opt.measure_steps))
+        timeout_s = self.opt.trial_timeout_s * scale + window_s
         return TrialSpec(
             workload=cand.apply_data(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.warmup_steps, measure_steps=steps,
-            timeout_s=self.opt.trial_timeout_s * scale, smaller_batch_succeeded=smaller_ok,
+            timeout_s=timeout_s, smaller_batch_succeeded=smaller_ok, measure_seconds=window_s,
             device_memory_bytes=self.opt.device_memory_bytes,
             soak_steps=self.opt.soak_steps if (confirm or self.opt.variable_shapes) else 0,
             shapes="worst" if confirm and self.opt.variable_shapes else "data",
             # a search trial stops once above the limit; a confirmation runs every step (its record is the answer's)
             limit_bytes=None if confirm else self.limit.limit_bytes,
             execute="meta" if self.opt.execute == "meta" else "cpu",
+            memory_fraction=self.opt.memory_fraction != "off",
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None,
@@ -191,9 +199,11 @@ class Search:
         """A result that makes ``cand`` infeasible without running it: a smaller batch already ran out
         of memory under the same settings, or ``predicted`` (peak reserved, bytes) is over the limit by
         more than the prune margin."""
-        for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
+        trials = self.study.get_trials(deepcopy=False) if trials is None else trials
+        contradicted = _contradicted(trials)
+        for t in trials:
             res = R.result_of(t)
-            if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm":
+            if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm" or t.number in contradicted:
                 continue
             same = all(t.params.get(k) == v for k, v in cand.optuna_params().items() if k != "batch_size")
             if same and res.outcome_enum.is_memory and t.params.get("batch_size", 0) <= cand.batch_size:
@@ -243,9 +253,10 @@ class Search:
     def _evaluate(self, trial: Any, cand: Candidate, role: str, predicted: int | None) -> float:
         self._local.role = role
         if role == "confirm":
-            spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True)
-            result = self.confirm_runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}",
-                                             **self._trial_env())
+            # the throughput objective times its confirmation runs over a window of seconds, not steps
+            window = self.opt.window_s if self.opt.objective == "throughput" else 0.0
+            spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True, window_s=window)
+            result = self._launch(self.confirm_runner, spec, self.workdir / f"trial-{trial.number:04d}")
             return self._tell(trial, result)
         # one read for the three checks below: the worker's read made right before it created this
         # trial (a sampler trial), else a new one
@@ -261,9 +272,22 @@ class Search:
             result = R.result_of(earlier)
             extra[R.ATTR_REUSED] = earlier.number
         else:
-            result = self.runner.run(self._spec(cand, trials=trials), workdir=self.workdir / f"trial-{trial.number:04d}",
-                                     **self._trial_env())
+            result = self._launch(self.runner, self._spec(cand, trials=trials), self.workdir / f"trial-{trial.number:04d}")
         return self._tell(trial, result, extra)
+
+    def _launch(self, runner: Any, spec: TrialSpec, workdir: Path) -> TrialResult:
+        """Run ``spec`` on ``runner``; a ``crash`` (a signal without a record: a native crash, or a
+        kill from outside such as ``kill -9`` or a preemption, told from the OOM killer by
+        :mod:`oomtune.trial.oomkill`) is run once more, and the second result stands (issue 23 item
+        3: one stray kill must not decide a point). ``extra["retried_after"]`` keeps the first."""
+        result = runner.run(spec, workdir=workdir, **self._trial_env())
+        if result.outcome != Outcome.CRASH.value or self.executor.interrupted.is_set():
+            return result
+        self.say(f"batch {spec.batch_size} {spec.alloc_conf or '(default)'}: {result.message}; running it once more")
+        again = runner.run(spec, workdir=workdir.with_name(workdir.name + "-retry"), **self._trial_env())
+        again.extra["retried_after"] = {"outcome": result.outcome, "message": result.message,
+                                        "returncode": result.extra.get("returncode")}
+        return again
 
     def _tell(self, trial: Any, result: TrialResult, extra: dict[str, Any] | None = None) -> float:
         """Store ``result`` on the running Optuna trial and return its objective value (throughput in
@@ -314,7 +338,8 @@ class Search:
             raise _TrialErrored(result.message or outcome.value)
         return float(value or 0.0)
 
-    def _run_batch(self, cands: list[Candidate], role: str) -> list[Any]:
+    def _run_batch(self, cands: list[Candidate], role: str,
+                   extra_attrs: Sequence[dict[str, Any]] | None = None) -> list[Any]:
         """Run independent candidates (one round), one trial each, and return their FrozenTrials in
         the order given: the only place trials of a round are launched. They run at once on the
         workers (:class:`oomtune.search.workers.Executor`; other processes' workers included); a
@@ -322,13 +347,13 @@ class Search:
         stores the default allocator's probes as ``baseline``; ``confirm`` runs in a clean process
         for ``confirm_steps`` (repeats of one candidate are told apart by :data:`ATTR_REPEAT`)."""
         items, seen = [], Counter()
-        for cand in cands:
+        for i, cand in enumerate(cands):
             this_role = "baseline" if role == "frontier" and cand.alloc_conf == "" else role
-            attrs: dict[str, Any] = {}
+            attrs: dict[str, Any] = dict(extra_attrs[i]) if extra_attrs is not None else {}
             if role == "confirm":
                 confirms = self._confirms.get(cand)
                 prior = sum(1 for t in self._finished("confirm") if t.user_attrs.get(R.ATTR_CONFIRMS) == confirms)
-                attrs = {R.ATTR_CONFIRMS: confirms, ATTR_REPEAT: prior + seen[cand]}
+                attrs.update({R.ATTR_CONFIRMS: confirms, ATTR_REPEAT: prior + seen[cand]})
                 seen[cand] += 1
             items.append((cand.optuna_params(), this_role, attrs))
         return self.executor.run_batch(items)
@@ -336,7 +361,7 @@ class Search:
     def _work_on(self, trial: Any, slot: str) -> float:
         """Run one claimed trial (of any role; it may come from another process's round) on the
         worker's device ``slot``: the Executor's evaluate function."""
-        self._local.device = slot
+        self._local.device = trial.user_attrs.get(ATTR_DEVICE) or slot   # a pinned trial runs on its device
         role = trial.user_attrs.get(R.ATTR_ROLE, "search")
         with one_transaction(trial):  # one storage round trip: the candidate's parameters and what it is
             cand = self.space.suggest(trial, batch_low=self._batch_low if role == "search" else None)
@@ -463,6 +488,8 @@ class Search:
     def _learn(self, planner: FrontierPlanner, trial: Any, *, probe: bool) -> None:
         """Record one finished trial into its configuration's frontier (calibration included)."""
         res = R.result_of(trial)
+        if res is not None and trial.number in self._contradicted_numbers:
+            return   # a re-run of the same candidate passed: this result is not believed
         c = planner.find(trial.user_attrs.get(R.ATTR_CONF, "")) if res is not None else None
         if c is None or res.outcome_enum.is_fault or R.ATTR_REUSED in trial.user_attrs \
                 or res.outcome == Outcome.PREDICTED_INFEASIBLE.value or c.alloc_conf != res.alloc_conf:
@@ -491,12 +518,8 @@ class Search:
             SetupFault: the default allocator fails at the smallest batch with a non-memory error.
         """
         planner = self.planner = self.planner or self.plan_frontiers()
-        default = planner.default
-        if not self.opt.baseline and default is not None:
-            default.selected = False
-        for t in self._finished(*PROBE_ROLES):  # a resumed study: what is known already
-            self._learn(planner, t, probe=t.user_attrs.get(R.ATTR_ROLE) != "search")
-        self._recalibrate(planner)
+        self._contradicted_numbers = _contradicted(self.study.get_trials(deepcopy=False))
+        self._relearn(planner)   # a resumed study: what is known already
         # One worker and the batch objective: one probe at a time, the planner deciding again after
         # each (a configuration whose calibrated frontier cannot beat the leader's measured batch is
         # then never launched); several workers, or throughput (every frontier counts), run rounds.
@@ -504,7 +527,12 @@ class Search:
         while True:
             round_ = planner.next_round()
             if not round_:
-                break
+                if not self.recheck_contradictions():
+                    break
+                # a re-run contradicted an infeasible result: learn every trial again without it
+                planner = self.planner = self.plan_frontiers()
+                self._relearn(planner)
+                continue
             if one_by_one:
                 round_ = round_[:1]
             cands = [self.space.candidate(batch, c.params) for c, batch in round_]
@@ -524,6 +552,50 @@ class Search:
                     c.selected = False  # an error, not a memory answer: stop probing this configuration
             self._recalibrate(planner)
         return self.baseline_trial()
+
+    def _relearn(self, planner: FrontierPlanner) -> None:
+        """Learn every finished probe trial into ``planner`` (a fresh one: after a resume, or after a
+        re-run contradicted an earlier result)."""
+        default = planner.default
+        if not self.opt.baseline and default is not None:
+            default.selected = False
+        for t in self._finished(*PROBE_ROLES):
+            self._learn(planner, t, probe=t.user_attrs.get(R.ATTR_ROLE) != "search")
+        self._recalibrate(planner)
+
+    def recheck_contradictions(self) -> bool:
+        """Contradictions are checked, not believed (issue 23 item 3): for one configuration (the same
+        allocator and data-loader settings), an infeasible result at a batch below one measured
+        feasible is run once more (role ``frontier``, ``recheck_of`` the trial's number; the baseline's
+        role for the default allocator). When the re-run passes, the first result is disregarded
+        from then on (:func:`_contradicted`). Each result is re-run at most once, a re-run never.
+        Returns whether a re-run passed (the caller then learns the study again)."""
+        trials = self.study.get_trials(deepcopy=False)
+        rechecked = {t.user_attrs.get(R.ATTR_RECHECK_OF) for t in trials if R.ATTR_RECHECK_OF in t.user_attrs}
+        best_ok: dict[tuple, int] = {}
+        for t in trials:
+            if t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and R.is_feasible_ok(t) and R.ATTR_REUSED not in t.user_attrs:
+                key = _config_key(t)
+                best_ok[key] = max(best_ok.get(key, 0), int(t.params["batch_size"]))
+        todo = []
+        for t in trials:
+            res = R.result_of(t)
+            if (res is None or t.user_attrs.get(R.ATTR_ROLE) not in PROBE_ROLES or R.is_feasible_ok(t)
+                    or t.state.name != "COMPLETE" or res.outcome == Outcome.PREDICTED_INFEASIBLE.value
+                    or R.ATTR_REUSED in t.user_attrs or R.ATTR_RECHECK_OF in t.user_attrs or t.number in rechecked):
+                continue
+            if int(t.params["batch_size"]) < best_ok.get(_config_key(t), 0):
+                todo.append(t)
+        if not todo:
+            return False
+        for t in todo:
+            self.say(f"trial {t.number}: batch {t.params['batch_size']} {t.user_attrs.get(R.ATTR_CONF) or '(default)'} "
+                     f"was {t.user_attrs.get(R.ATTR_OUTCOME)}, but batch {best_ok[_config_key(t)]} of the same "
+                     "configuration passed: running it once more")
+        runs = self._run_batch([self._candidate_of(t) for t in todo], "frontier",
+                               [{R.ATTR_RECHECK_OF: t.number} for t in todo])
+        self._contradicted_numbers = _contradicted(self.study.get_trials(deepcopy=False))
+        return any(R.is_feasible_ok(r) for r in runs)
 
     def _recalibrate(self, planner: FrontierPlanner) -> None:
         ratios = sorted(r for c in planner.configs for r in c.ratios)
@@ -604,19 +676,38 @@ class Search:
         params = {k: v for k, v in trial.params.items() if k != "batch_size"}
         return self.space.candidate(trial.params["batch_size"], params)
 
-    def _confirm_runs(self, trials: list[Any], times: int) -> dict[int, list[Any]]:
-        """Clean-process runs of each trial's candidate, ``times`` each (finished ones count: resume),
-        launched as one round. Returns trial number -> its confirmation trials."""
+    def _confirm_runs(self, trials: list[Any], times: int, *, interleave: bool = False) -> dict[int, list[Any]]:
+        """Clean-process runs of each trial's candidate, ``times`` each (finished ones count: resume).
+        Returns trial number -> its confirmation trials.
+
+        Without ``interleave``, launched as one round (any free workers). With it (the throughput
+        objective), one run at a time in rotating order (A B C, B C A, C A B, ...) on one device
+        (the first worker's, :data:`ATTR_DEVICE`), so that every candidate meets the same drift of
+        the machine (clocks, temperature, other load) as the baseline and no two are timed on
+        different GPUs (issue 23 item 6)."""
         done: dict[int, list[Any]] = {}
         for t in self._finished("confirm"):
             done.setdefault(t.user_attrs.get(R.ATTR_CONFIRMS), []).append(t)
-        todo: list[Candidate] = []
+        cands = {}
         for t in trials:
-            cand = self._candidate_of(t)
-            self._confirms[cand] = t.number
-            todo += [cand] * max(0, times - len(done.get(t.number, [])))
-        for cand, frozen in zip(todo, self._run_batch(todo, "confirm")):
-            done.setdefault(self._confirms[cand], []).append(frozen)
+            cands[t.number] = self._candidate_of(t)
+            self._confirms[cands[t.number]] = t.number
+        if not interleave:
+            todo = [cands[t.number] for t in trials for _ in range(max(0, times - len(done.get(t.number, []))))]
+            for cand, frozen in zip(todo, self._run_batch(todo, "confirm")):
+                done.setdefault(self._confirms[cand], []).append(frozen)
+            return {t.number: done.get(t.number, []) for t in trials}
+        pin = [{ATTR_DEVICE: self.executor.slots[0]}]
+        order = [t.number for t in trials]
+        for rep in range(times):
+            k = rep % len(order)
+            for number in order[k:] + order[:k]:
+                if len(done.get(number, [])) > rep:
+                    continue   # a resumed search: this repeat ran already
+                if any(not R.is_feasible_ok(r) for r in done.get(number, [])):
+                    continue   # it did not survive a repeat: it is out, and its other repeats would decide nothing
+                frozen = self._run_batch([cands[number]], "confirm", pin)[0]
+                done.setdefault(number, []).append(frozen)
         return {t.number: done.get(t.number, []) for t in trials}
 
     def confirm(self, max_candidates: int = 3) -> tuple[Any | None, TrialResult | None, bool]:
@@ -626,13 +717,15 @@ class Search:
         every worker's probe and search trials (other processes' included), so that every process
         ranks the same trials."""
         self.executor.drain(PROBE_ROLES)
+        if self.recheck_contradictions():   # e.g. a sampler trial passed above a baseline failure
+            self.run_frontier()
         ranked = self._ranked()
         if not ranked:
             return None, None, False
         if not self.opt.confirm:
             return ranked[0], R.result_of(ranked[0]), False
         if self.opt.objective == "throughput" and self.opt.repeats >= 2:
-            return self._confirm_throughput(ranked)
+            return self._confirm_throughput(ranked)   # schema: repeats >= 3 (a gain needs 3 per side)
         for cand_trial in ranked[:max_candidates]:
             runs = self._confirm_runs([cand_trial], 1)[cand_trial.number]
             if runs and all(R.is_feasible_ok(r) for r in runs):
@@ -645,11 +738,15 @@ class Search:
         if base is None:
             return
         res, base_res = R.result_of(runs[-1]), R.result_of(base)
+        same = _same_allocator(winner, base)
         self.gain = {"objective": "batch", "batch_size_ratio": winner.params["batch_size"] / base.params["batch_size"],
                      "peak_reserved_ratio": (res.peak_reserved_bytes / base_res.peak_reserved_bytes
                                              if res.peak_reserved_bytes and base_res.peak_reserved_bytes else None),
-                     "claimed": winner.params["batch_size"] > base.params["batch_size"],
+                     # never a gain of a configuration over itself (issue 23 item 3)
+                     "claimed": winner.params["batch_size"] > base.params["batch_size"] and not same,
                      "from": "the winner's clean-process confirmation vs the baseline's frontier probe"}
+        if same:
+            self.gain["same_configuration"] = True
 
     def _confirm_throughput(self, ranked: list[Any]) -> tuple[Any | None, TrialResult | None, bool]:
         """Top ``finalists`` and the baseline, ``repeats`` clean runs each; the winner must beat the
@@ -659,7 +756,9 @@ class Search:
         finalists = ranked[:self.opt.finalists]
         if base is not None and base not in finalists:
             finalists.append(base)
-        runs = self._confirm_runs(finalists, self.opt.repeats)
+        if base is not None:   # the baseline first: every rotation starts from it once
+            finalists = [base] + [t for t in finalists if t is not base]
+        runs = self._confirm_runs(finalists, self.opt.repeats, interleave=True)
         reps = {t.number: K.Repeats(t, [float(R.result_of(r).throughput or 0.0) for r in runs[t.number]
                                         if R.is_feasible_ok(r)],
                                     failed=not all(R.is_feasible_ok(r) for r in runs[t.number]))
@@ -669,7 +768,8 @@ class Search:
             return None, None, False
         base_rep = reps.get(base.number) if base is not None else None
         top, claimed = best, False
-        if base_rep is not None and not base_rep.failed and best is not base_rep:
+        same = base_rep is not None and _same_allocator(best.trial, base_rep.trial)
+        if base_rep is not None and not base_rep.failed and best is not base_rep and not same:
             claimed = K.beats(best, base_rep, self.opt.min_gain)
             if not claimed:
                 best = base_rep  # not beyond the noise: the default allocator stays
@@ -678,6 +778,8 @@ class Search:
                          "claimed": claimed, "winner": best.to_dict(), "baseline": base_rep.to_dict(),
                          "candidate": top.to_dict(),  # the fastest survivor, claimed or not
                          "from": f"means of {self.opt.repeats} clean-process runs each"}
+            if same and best is not base_rep:
+                self.gain["same_configuration"] = True   # the default allocator at another batch
         winner_runs = [r for r in runs[best.trial.number] if R.is_feasible_ok(r)]
         return best.trial, R.result_of(winner_runs[-1]), True
 
@@ -707,3 +809,28 @@ class Search:
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
                              gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
                              at_top_of_range=top, execute=self.opt.execute)
+
+
+def _config_key(trial: Any) -> tuple:
+    """A trial's configuration: its parameters except the batch size (allocator and data-loader
+    settings, as the search space spells them)."""
+    return tuple(sorted((k, repr(v)) for k, v in trial.params.items() if k != "batch_size"))
+
+
+def _contradicted(trials: Sequence[Any]) -> set[int]:
+    """Numbers of the trials a re-run contradicted: a trial ``recheck_of`` them passed within the
+    limit (:meth:`Search.recheck_contradictions`)."""
+    return {int(t.user_attrs[R.ATTR_RECHECK_OF]) for t in trials
+            if R.ATTR_RECHECK_OF in t.user_attrs and R.is_feasible_ok(t)}
+
+
+def _same_allocator(a: Any, b: Any) -> bool:
+    """Whether two trials ran the same allocator configuration (the settings torch parses from their
+    alloc_conf strings are equal, e.g. ``""`` and ``"expandable_segments:False"``)."""
+    from oomtune.alloc.settings import AllocatorSettings
+
+    try:
+        return not AllocatorSettings.parse(a.user_attrs.get(R.ATTR_CONF) or "").differences(
+            AllocatorSettings.parse(b.user_attrs.get(R.ATTR_CONF) or ""))
+    except Exception:  # noqa: BLE001 - an unparsable stored string: compare the strings
+        return (a.user_attrs.get(R.ATTR_CONF) or "") == (b.user_attrs.get(R.ATTR_CONF) or "")

@@ -64,13 +64,30 @@ def _metrics(res: TrialResult) -> dict[str, Any]:
     }
 
 
-def _choice(trial: Any, res: TrialResult, confirmed: bool, measured_in: int | None) -> Choice:
+def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> float | None:
+    """The per-process memory fraction an answer needs (best.yaml ``memory_fraction``, issue 23 item
+    1): the fraction its measuring trial ran under (``extra["memory_fraction"]``: the budget over the
+    device, on a GPU corrected for the memory outside the allocator) when its settings rely on one
+    (:func:`oomtune.best.needs_memory_fraction`: ``garbage_collection_threshold``); None otherwise,
+    with ``search.memory_fraction=off``, or when the trial ran without a fraction < 1 (the threshold
+    was inert there too, as it will be on the device)."""
+    from oomtune.best import needs_memory_fraction
+
+    if mode == "off" or not needs_memory_fraction(alloc_conf):
+        return None
+    fraction = (res.extra or {}).get("memory_fraction")
+    return float(fraction) if isinstance(fraction, (int, float)) and 0 < fraction < 1 else None
+
+
+def _choice(trial: Any, res: TrialResult, confirmed: bool, measured_in: int | None, mode: str = "auto") -> Choice:
     settings = {k: v for k, v in trial.params.items()
                 if k != "batch_size" and not k.startswith("data.") and v is not None}
-    return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=trial.user_attrs.get(R.ATTR_CONF, ""),
+    conf = trial.user_attrs.get(R.ATTR_CONF, "")
+    return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=conf,
                   settings=settings, metrics=_metrics(res), confirmed=confirmed,
                   predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
-                  trial_number=trial.number, metrics_trial_number=measured_in)
+                  trial_number=trial.number, metrics_trial_number=measured_in,
+                  memory_fraction=answer_fraction(res, conf, mode))
 
 
 def measured_in(trials: list[Any], winner: Any, result: TrialResult | None, confirmed: bool) -> int | None:
@@ -134,15 +151,13 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if summary.best is None:
-        raise SetupFault(
-            "no configuration ran within the budget: every trial ran out of memory or failed "
-            f"(see {run_dir / 'trials.json'}); lower search.batch_size.low or raise budget"
-        )
+        raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json"))
+    mode = str(cfg.search.get("memory_fraction", "auto"))
     best = _choice(summary.best, summary.best_result, summary.confirmed,
-                   measured_in(trials, summary.best, summary.best_result, summary.confirmed))
+                   measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode)
     baseline = None
     if summary.baseline is not None:
-        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number)
+        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number, mode)
     gain = summary.gain  # confirmation figures against the baseline's (oomtune.search.driver)
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
@@ -156,7 +171,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
-                "target_gpu": _target_gpu(workload)},
+                "target_gpu": _target_gpu(workload), "memory_fraction": mode},
         versions=versions(device), best=best, baseline=baseline, gain=gain,
         study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
                "outcomes": summary.outcomes, "launches": summary.launches,
@@ -195,6 +210,32 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
             console.print(part, highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)
     return path
+
+
+def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path) -> str:
+    """Why no configuration is the answer, with advice that matches how the trials ended (issue 23
+    item 4): memory outcomes (and ``ok_over_limit``) -> lower the batch or raise the budget; a
+    timeout, crash or error is not memory and gets its own class's advice
+    (:data:`oomtune.classify.ADVICE`). ``outcomes``: the summary's counts by outcome."""
+    from oomtune.classify import ADVICE
+    from oomtune.outcome import Outcome
+
+    counts = {k: n for k, n in outcomes.items() if n and k != Outcome.OK.value}
+    if not counts:
+        return (f"no configuration ran within the budget: no trial finished with a result (see {trials_path}); "
+                "check the run's trials/ folder")
+    said = ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    memory = {k for k in counts if k == "ok_over_limit" or (k in Outcome._value2member_map_
+                                                            and (Outcome(k).is_memory or k == "predicted_infeasible"))}
+    advice = []
+    if memory:
+        advice.append("memory: lower search.batch_size.low or raise budget")
+    for k in sorted(set(counts) - memory - {"interrupted"}):
+        if k in Outcome._value2member_map_:
+            advice.append(f"{k}: {ADVICE[Outcome(k)]}")
+    what = "ran out of memory or above the limit" if counts.keys() <= memory else "failed"
+    text = f"no configuration ran within the budget: the trials {what} ({said}; see {trials_path})"
+    return text + ("; " + "; ".join(advice) if advice else "")
 
 
 def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = True) -> Any:
@@ -258,8 +299,15 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
         lines = [f"{head}: {figures}"]
     if m.get("soak_passed"):
         lines[0] += f"; survived a {m['soak_steps_run']}-step soak ({src})"
+    if best.memory_fraction is not None:
+        lines.append(f"memory fraction: this answer needs per_process_memory_fraction {best.memory_fraction!r} (its "
+                     "garbage_collection_threshold acts only under a fraction < 1); oomtune.apply_best and "
+                     "oomtune env apply it with the settings")
     gain = summary.gain or {}
-    if baseline is not None and gain.get("objective") == "batch":
+    if baseline is not None and gain.get("same_configuration"):
+        lines.append(f"no allocator gain: the answer is the baseline's own configuration "
+                     f"({best.alloc_conf or 'the default allocator'}) at batch {best.batch_size}")
+    elif baseline is not None and gain.get("objective") == "batch":
         if gain.get("claimed"):
             lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
                          f"{gain['batch_size_ratio']:.2f}x batch ({best.batch_size} vs {baseline.batch_size}) "

@@ -19,6 +19,7 @@ ATTR_PREDICTED = "predicted_peak_reserved_bytes"
 ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
 ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
 ATTR_PEAK_RESERVED = "peak_reserved"  # "966.00 MiB (simulated)": for people reading the study
+ATTR_RECHECK_OF = "recheck_of"  # a re-run of an infeasible trial below a feasible one (issue 23 item 3)
 #: The objective's name, shown by optuna-dashboard (``Study.set_metric_names``).
 METRIC_NAME = "throughput (samples/s)"
 
@@ -37,16 +38,18 @@ class MemoryLimit:
 
 
 def used_bytes(result: TrialResult) -> int | None:
-    """Device-level memory a trial used at its peak, in bytes.
-
-    On a real device: the NVML peak of the trial's processes when sampled, else peak reserved plus the
-    measured non-allocator memory (CUDA context; field case C9). On the virtual GPU: peak reserved.
+    """Device-level memory a trial used at its peak, in bytes: the larger of the NVML peak of the
+    trial's processes (sampled every 20 ms) and the allocator's exact peak reserved plus the measured
+    non-allocator memory (CUDA context; field case C9). A sampled peak can miss the moment of the
+    peak (``garbage_collection_threshold`` or a release-and-retry frees memory within a step), and
+    taking it alone would favour exactly those configurations (issue 23 item 6); the allocator's peak
+    cannot miss it. On the virtual GPU: peak reserved (no NVML reading). None without any reading.
     """
-    if result.device_peak_bytes is not None:
-        return result.device_peak_bytes
-    if result.peak_reserved_bytes is None:
-        return None
-    return result.peak_reserved_bytes + (result.non_allocator_bytes or 0)
+    exact = None
+    if result.peak_reserved_bytes is not None:
+        exact = result.peak_reserved_bytes + (result.non_allocator_bytes or 0)
+    readings = [r for r in (result.device_peak_bytes, exact) if r is not None]
+    return max(readings) if readings else None
 
 
 def violation(result: TrialResult, limit: MemoryLimit) -> float:

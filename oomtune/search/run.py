@@ -41,11 +41,12 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
         trial_timeout_s=float(t.timeout), min_gain=float(s.min_gain),
         objective=objective, objective_reason=reason, frontier_configs=int(s.frontier_configs),
-        repeats=int(s.repeats), finalists=int(s.finalists),
+        repeats=int(s.repeats), finalists=int(s.finalists), window_s=float(s.get("window", 0.0)),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
         torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
         execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
+        memory_fraction=str(s.get("memory_fraction", "auto")),
     )
 
 
@@ -61,6 +62,92 @@ def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
     if shape_distribution(cfg).is_fixed:
         return workload
     return {**at_shape(cfg, worst_shapes(cfg)[0]), "target": workload["target"]}
+
+
+def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> None:
+    """Refuse, before anything starts, a search that could launch no trial at all (issue 23 item 4):
+    the batch objective has no sampler, so its trials are the frontier probes; without the baseline
+    (``search.baseline=false``) those are the ``search.frontier_configs`` configurations the virtual
+    GPU predicts above the default, and there are none without a prediction (``target=cmd``,
+    ``search.prune=off``) or with ``search.frontier_configs=0``. Likewise the throughput objective
+    with no baseline, no frontier configurations and ``search.n_trials=0``.
+
+    Raises:
+        ConfigError: one line naming the settings that leave nothing to run and how to fix it.
+    """
+    if options.baseline:
+        return
+    sampler = options.objective == "throughput" and options.n_trials > 0
+    frontier = predicts and options.frontier_configs > 0
+    if sampler or frontier:
+        return
+    why = [f"search.objective={options.objective}", "search.baseline=false"]
+    if not predicts:
+        why.append(f"no prediction ({'target=' + target if target == 'cmd' else 'search.prune=off'}"
+                   + (" or search.prune=off" if target == "cmd" else "") + ")")
+    elif options.frontier_configs <= 0:
+        why.append("search.frontier_configs=0")
+    if options.objective == "throughput":
+        why.append("search.n_trials=0")
+    fix = ("set search.baseline=true" + (" or search.objective=throughput with search.n_trials > 0"
+                                          if options.objective == "batch" else " or search.n_trials > 0"))
+    raise ConfigError(f"this search would launch no trial: {', '.join(why)}; {fix}")
+
+
+def check_fits(planner: Any, predictor: Any, *, device: Any, budget_bytes: int, headroom: float,
+               prune_margin: float) -> None:
+    """Refuse, before any trial, a budget nothing fits in (issue 23 item 5): no configuration is
+    predicted to fit even the smallest batch. On the virtual GPU the prediction is what the trials
+    measure, so that is certain; on a device, where predictions are calibrated only by trials, the
+    smallest predicted peak must also exceed the limit by more than ``search.prune_margin`` (the
+    margin within which the search would still launch it). Configurations the virtual GPU cannot
+    simulate (cudaMallocAsync) keep the search going.
+
+    Raises:
+        ConfigError: one line naming the smallest predicted peak, its batch and configuration, and
+            the limit.
+    """
+    from oomtune.search.records import MemoryLimit
+
+    if any(c.predicted is not None for c in planner.configs) or any(
+            "cudaMallocAsync" in (c.alloc_conf or "") for c in planner.configs):
+        return
+    limit = MemoryLimit(budget_bytes, headroom).limit_bytes
+    peaks = []
+    for c in planner.configs:
+        got = planner.peak(planner.low, c.params) if planner.peak is not None else None
+        if got is not None:
+            peaks.append((got[0], c.alloc_conf))
+    if not peaks:
+        return
+    peak, conf = min(peaks)
+    if not device.simulated and peak <= limit * (1 + prune_margin):
+        return
+    source = "simulated" if device.simulated else "simulated, uncalibrated"
+    raise ConfigError(
+        f"nothing fits budget {format_bytes(budget_bytes)}: the smallest predicted peak reserved is "
+        f"{format_bytes(peak)} ({source}) at batch {planner.low} with {conf or 'the default allocator'}, above "
+        f"the limit {format_bytes(limit)} (budget minus {headroom:.0%} headroom); raise budget or lower "
+        f"search.batch_size.low")
+
+
+def check_planned_launches(planner: Any, options: SearchOptions) -> None:
+    """After the frontier prediction: refuse a search whose frontier probes select nothing and that
+    has no sampler to run instead (``search.baseline=false`` and no configuration predicted above the
+    default allocator's frontier), before any trial (issue 23 item 4).
+
+    Raises:
+        ConfigError: one line naming the settings.
+    """
+    if options.baseline or any(c.selected for c in planner.configs):
+        return
+    if options.objective == "throughput" and options.n_trials > 0:
+        return
+    raise ConfigError(
+        "this search would launch no trial: search.baseline=false and no configuration is predicted to fit a "
+        f"larger batch than the default allocator (search.objective={options.objective}"
+        + (", search.n_trials=0" if options.objective == "throughput" else "")
+        + "); set search.baseline=true")
 
 
 def _torch_threads(workers: int) -> int | None:
@@ -146,6 +233,8 @@ class _Prepared:
         self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
         validate(cfg)   # also budget= and device= syntax: bad values exit before torch is imported
         self.space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+        self.dropped_gc = (self.space.drop_garbage_collection()
+                           if str(cfg.search.get("memory_fraction", "auto")) == "off" else [])
         self.workload = workload_of(cfg)   # builds the model on meta: imports torch
         self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
         self.budget_bytes = resolve_budget(cfg.budget, self.device)
@@ -164,6 +253,8 @@ class _Prepared:
         # CPU trials hold their tensors in host memory: a budget the host cannot hold stops here (exit 2)
         check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers),
                           available_bytes=self.options.host_available_bytes)
+        self.predicts = cfg.search.prune == "predicted" and self.workload["target"]["name"] in ("builtin", "python")
+        check_launches(self.options, predicts=self.predicts, target=self.workload["target"]["name"])
         self.sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
         self.run_dir = C.run_dir_of(cfg)
 
@@ -204,14 +295,15 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     write_run_file(p.run_dir, url, study.study_name)
 
     predictor = None
-    if cfg.search.prune == "predicted" and p.workload["target"]["name"] in ("builtin", "python"):
+    if p.predicts:
         from oomtune.plan.predictor import Predictor, trial_steps
         from oomtune.plan.stream_cache import default_cache
 
         # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
         # captures come from the stream cache where a plan or an earlier search left them.
         predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes,
-                                         steps=trial_steps(cfg.trial), cache=default_cache())
+                                         steps=trial_steps(cfg.trial), cache=default_cache(),
+                                         memory_fraction=options.memory_fraction != "off")
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)
@@ -234,6 +326,13 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
             _say(console, part)
     if C.budget_note(cfg.budget):
         _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once (issue 14 item 9)
+    from oomtune.device import fraction_note
+
+    if p.dropped_gc:
+        _say(console, f"search.memory_fraction=off: garbage_collection_threshold {p.dropped_gc} not searched "
+                      "(torch applies it only under a memory fraction < 1; without one it does nothing)")
+    if fraction_note(cfg.budget, device, p.budget_bytes):
+        _say(console, fraction_note(cfg.budget, device, p.budget_bytes))   # 0.5 of which device (issue 23)
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
@@ -263,6 +362,9 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
             drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
+            check_fits(drive.planner, predictor, device=device, budget_bytes=p.budget_bytes,
+                       headroom=options.headroom, prune_margin=float(cfg.search.prune_margin))
+            check_planned_launches(drive.planner, options)
         drive.start_smoke_test()   # trials on meta: one real CPU step, once per search, beside the frontier rounds
         baseline = drive.run_frontier()
         drive.run_search(baseline)
@@ -301,7 +403,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         from oomtune.plan.stream_cache import default_cache
 
         predictor = Predictor.for_search(p.workload, device, p.budget_bytes, steps=trial_steps(cfg.trial),
-                                         cache=default_cache())
+                                         cache=default_cache(), memory_fraction=options.memory_fraction != "off")
     from oomtune.htmlreport import write_search_report
 
     try:

@@ -148,6 +148,18 @@ class SearchSpace:
         each searched data-loader setting."""
         return self.candidate(batch_size, {f"data.{k}": v[0] for k, v in self.data_choices.items()})
 
+    def drop_garbage_collection(self) -> list[Any]:
+        """Leave ``garbage_collection_threshold`` unset in every candidate (``search.memory_fraction=off``:
+        torch applies the threshold only under a memory fraction < 1, so without one it is inert and
+        a configuration relying on it would not hold, issue 23 item 1). Returns the values dropped
+        (torch's default, unset, is always a candidate, so something is left)."""
+        values = self.choices.get("garbage_collection_threshold")
+        if not values:
+            return []
+        dropped = [v for v in values if v is not None]
+        self.choices["garbage_collection_threshold"] = [None]
+        return dropped
+
     def all_settings(self) -> list[dict[str, Any]]:
         """Every allocator combination of the space (the grid the planner predicts over)."""
         import itertools

@@ -25,7 +25,8 @@ How the record is built (:func:`result_from_channel`):
    simulated OOM message is classified (memory outcome), even if the script caught it and exited 0.
 3. A non-zero exit: the shared classifier on the exit status and stderr
    (:func:`oomtune.classify.classify_failure`): a CUDA OOM traceback is a memory outcome, SIGKILL
-   without a traceback ``host_oom``, other signals ``crash``, else ``error``.
+   without a traceback ``host_oom`` when the OOM killer's counters or the kernel log show it
+   (:mod:`oomtune.trial.oomkill`), else ``crash``; other signals ``crash``, else ``error``.
 4. Exit 0 with ``report`` lines: ``ok``; throughput = sum(samples) / sum(seconds) over the lines.
 5. Exit 0 without any ``report`` line: ``error`` ("the command never called oomtune.report()"). A
    run with no throughput cannot be ranked, and telling it to Optuna as ok would let an unmeasured
@@ -45,6 +46,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ from oomtune.outcome import Outcome
 from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, GPU_ENV, RESULT_FILE_ENV
 from oomtune.trial._base import Target
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
+from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
@@ -263,6 +266,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     marker = uuid.uuid4().hex
     child_env = cmd_environment(spec, channel, {**(env or {}), MARKER_ENV: marker})
     _check_startable(argv, cwd, child_env)
+    watch = OomKillWatch()   # the OOM killer's counters before the command (SIGKILL evidence)
     started = time.time()
     with open(workdir / "keeper.log", "wb") as log:
         try:
@@ -281,11 +285,16 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
         if proc.poll() is None:   # interrupted while waiting: the keeper kills its tree
             kill_now(proc.pid)
             proc.wait()
-    from oomtune.trial.runner import leftovers
+    from oomtune.trial.runner import kept_main_pid, leftovers
 
     stderr = read_tail(workdir / "stderr.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
+    evidence = reason = None
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and not timed_out:
+        pids = {proc.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
+        evidence = watch.evidence(pids)
+        reason = None if evidence else watch.sources()
     result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
-                                 timed_out=timed_out)
+                                 timed_out=timed_out, oom_kill_evidence=evidence, no_evidence_reason=reason)
     result.extra.update(leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
@@ -353,9 +362,12 @@ def read_channel(path: Path) -> list[dict[str, Any]]:
 
 
 def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, returncode: int | None,
-                        stderr: str, timed_out: bool) -> TrialResult:
+                        stderr: str, timed_out: bool, oom_kill_evidence: str | None = None,
+                        no_evidence_reason: str | None = None) -> TrialResult:
     """Build the trial record from the channel's events, the exit status and stderr (rules 1-5 of
-    the module docstring). Never raises."""
+    the module docstring); ``oom_kill_evidence`` / ``no_evidence_reason``: as for
+    :func:`oomtune.classify.classify_failure` (a SIGKILL is ``host_oom`` only with evidence).
+    Never raises."""
     cuda = spec.device.startswith("cuda")
     result = TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                          memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED)
@@ -370,7 +382,8 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
         result.extra["memory_unknown"] = True
     kw = dict(batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded)
     if timed_out or (returncode != 0 and not ooms):
-        cls = classify_failure(returncode=returncode, stderr=stderr, timed_out=timed_out, **kw)
+        cls = classify_failure(returncode=returncode, stderr=stderr, timed_out=timed_out,
+                               oom_kill_evidence=oom_kill_evidence, no_evidence_reason=no_evidence_reason, **kw)
         if timed_out:
             cls_message = f"trial exceeded its {spec.timeout_s:g} s limit; process group killed"
         else:

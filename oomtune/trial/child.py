@@ -32,7 +32,8 @@ record; the process exits 0 after writing a record, also for OOM.
 Test hook (tests only): ``OOMTUNE_TEST_HOOK`` makes the child misbehave on purpose right before the
 first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandchild, then sleeps S
 seconds), ``setsid:S`` (the same with a grandchild in its own session), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
-allocator/device environment into ``extra["env"]``).
+allocator/device environment into ``extra["env"]``), ``bad_fork`` (in a process forked from the fork
+server only: raises torch's "Cannot re-initialize CUDA in forked subprocess").
 """
 
 from __future__ import annotations
@@ -209,10 +210,14 @@ def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callab
     def new_sim() -> Any:
         if spec.budget_bytes is None:
             return budgeted_sim(settings, None, spec.device_memory_bytes or _UNBOUNDED_SIM_BYTES)
+        if not spec.memory_fraction:   # search.memory_fraction=off: a device of the budget's size, no fraction
+            return budgeted_sim(settings, spec.budget_bytes, spec.budget_bytes)
         return budgeted_sim(settings, spec.budget_bytes, spec.device_memory_bytes)
 
     sim = new_sim()
     stats.append(sim.memory_stats)
+    if getattr(sim, "allowed_bytes", None) is not None:   # the fraction the virtual GPU applies (< 1)
+        result.extra["memory_fraction"] = sim.allowed_bytes / sim.total_memory_bytes
     torch.manual_seed(spec.seed)
     device = torch.device(where)
     gpu = target_from_workload(spec.workload)   # the GPU whose kernels the steps run (model.gpu)
@@ -245,33 +250,48 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     from oomtune.gpu import nvml
     from oomtune.trial._base import target_for
 
-    result.device, physical = _cuda_device_info(nvml)
     dev = torch.device("cuda", 0)  # the only visible device (CUDA_VISIBLE_DEVICES, C10)
     torch.cuda.set_device(dev)
+    props = torch.cuda.get_device_properties(dev)
+    result.device, physical = _cuda_device_info(nvml, props, result)
     a = torch.ones((64, 64), device=dev)
     (a @ a).sum().item()  # creates the cuBLAS handle and workspace before measuring (C9)
     del a
     torch.cuda.synchronize(dev)
     _verify_effective(spec, result, effective_settings())
-    free, total_info = torch.cuda.mem_get_info(dev)
-    result.non_allocator_bytes = non_allocator_bytes(total_info, free, torch.cuda.memory_reserved(dev))
-    total = torch.cuda.get_device_properties(dev).total_memory
-    if result.device is not None:
-        result.device.total_memory_bytes = total
-    if spec.budget_bytes is not None:
-        fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.non_allocator_bytes)
-        torch.cuda.set_per_process_memory_fraction(fraction, dev)
-        result.extra["memory_fraction"] = fraction
+    result.non_allocator_bytes = _outside_allocator(dev)
+    result.extra["non_allocator_bytes_at_start"] = result.non_allocator_bytes
+    # torch's total (cudaDeviceProp::totalGlobalMem), which set_per_process_memory_fraction multiplies:
+    # smaller than NVML's total (A100-80GB: 79.15 GiB vs 80 GiB), so the budget is judged against it
+    total = int(props.total_memory)
+    result.device.total_memory_bytes = total
+    if spec.budget_bytes is not None and spec.memory_fraction:
+        _apply_fraction(spec, result, dev, total)
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
     workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, dev)
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
+
+    def after_step(done: int) -> None:
+        # Memory outside the allocator grows during the first steps (cuDNN/cuBLAS handles, lazily loaded
+        # kernel modules, CUDA_MODULE_LOADING=LAZY): measured again after warm-up (issue 23 item 6), the
+        # larger reading counts, and the fraction shrinks so that the device-level peak stays within budget.
+        if done != max(1, spec.warmup_steps):
+            return
+        again = _outside_allocator(dev)
+        result.extra["non_allocator_bytes_after_warmup"] = again
+        if again > (result.non_allocator_bytes or 0):
+            result.non_allocator_bytes = again
+            if "memory_fraction" in result.extra:
+                _apply_fraction(spec, result, dev, total)
+
     try:
         with sampler:
             hook()
             _timed_steps(spec, workload, result,
-                         lambda: torch.cuda.max_memory_reserved(dev) + (result.non_allocator_bytes or 0))
+                         lambda: torch.cuda.max_memory_reserved(dev) + (result.non_allocator_bytes or 0),
+                         on_step=after_step)
     finally:
         reading = getattr(sampler, "result", None)
         if reading is not None:
@@ -282,6 +302,21 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
         return
     # The soak predicts the device's future on a virtual GPU of the device's geometry (meta capture).
     run_soak(spec, result, lambda: _device_like_sim(spec, total, result), capture_device="meta")
+
+
+def _outside_allocator(dev: Any) -> int:
+    """Device memory this process uses outside the caching allocator now, bytes
+    (:func:`oomtune.trial.budget.non_allocator_bytes` of ``mem_get_info`` and ``memory_reserved``)."""
+    free, total_info = torch.cuda.mem_get_info(dev)
+    return non_allocator_bytes(total_info, free, torch.cuda.memory_reserved(dev))
+
+
+def _apply_fraction(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
+    """``set_per_process_memory_fraction`` for the budget, corrected for the non-allocator memory
+    measured so far (field case C9); the fraction applied is ``extra["memory_fraction"]``."""
+    fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.non_allocator_bytes or 0)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    result.extra["memory_fraction"] = fraction
 
 
 def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> Any:
@@ -296,17 +331,18 @@ def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> 
     return sim
 
 
-def _cuda_device_info(nvml: Any) -> tuple[DeviceInfo, int | None]:
-    """The physical device behind visible index 0 (C10) and its NVML index (None if unknown)."""
-    from oomtune.exceptions import DeviceError
-
-    try:
-        physical = nvml.physical_index_for(0)
-    except DeviceError:  # e.g. a GPU-UUID entry without NVML: torch still runs, identity unknown
-        physical = None
+def _cuda_device_info(nvml: Any, props: Any, result: TrialResult | None = None) -> tuple[DeviceInfo, int | None]:
+    """The physical device behind visible index 0 (C10) and its NVML index (None if unknown), found
+    by the UUID / PCI bus id torch reports (:func:`oomtune.gpu.nvml.physical_index_of_torch_device`:
+    CUDA's device order is not NVML's on a host with mixed GPUs); ``extra["nvml_match"]`` says how."""
+    physical, how = nvml.physical_index_of_torch_device(props, 0)
+    if result is not None:
+        result.extra["nvml_match"] = how
     info = nvml.device_identity(physical, torch_index=0) if physical is not None else None
     if info is None:
-        info = DeviceInfo(kind="cuda", index=0)
+        info = DeviceInfo(kind="cuda", index=0, name=getattr(props, "name", None),
+                          uuid=nvml.normal_uuid(getattr(props, "uuid", None)),
+                          pci_bus_id=nvml.torch_pci_bus_id(props))
     info.cuda_version = info.cuda_version or torch.version.cuda
     return info, physical
 
@@ -346,7 +382,8 @@ def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | No
 
 
 def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
-                 used_bytes: Callable[[], int] | None = None, *, timed: bool = True) -> None:
+                 used_bytes: Callable[[], int] | None = None, *, timed: bool = True,
+                 on_step: Callable[[int], None] | None = None) -> None:
     """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
     time, throughput (samples/s) and data-wait fraction of the measured steps; with ``timed`` False
     (steps on the meta device: no arithmetic) none of them, only ``extra["meta_step_s"]``.
@@ -354,29 +391,38 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     Steps run one at a time. With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes:
     the peak reserved, plus the non-allocator memory on CUDA), they stop after the first whose
     reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
-    the trial is above the limit whatever the remaining steps would do, and they would only cost
     time. ``result.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
     and the reading; throughput covers the measured steps run (None before any). After each step the
     progress record (:func:`oomtune.trial.record.write_progress`) gets the steps done and their mean
-    time, for the parent's estimate."""
+    time, for the parent's estimate; ``on_step(done)`` runs after each step, outside its timing (the
+    CUDA trial measures memory there)."""
     result.extra["first_step_at"] = time.time()
     watch = spec.limit_bytes is not None and used_bytes is not None
     total = spec.warmup_steps + spec.measure_steps
+    # a time window for throughput; meta steps time nothing, so exactly measure_steps there
+    window = float(getattr(spec, "measure_seconds", 0.0) or 0.0) if timed else 0.0
     timings, done, spent = None, 0, 0.0
     _progress(0, total)
-    while done < total:
+
+    def more() -> bool:   # the measured steps so far fill the time window (measure_seconds)
+        return done < total or (window > 0 and timings is not None and timings.total_s < window)
+
+    while more():
         step = workload.run_steps(1, sync=True)
         done += 1
         result.steps = done
         spent += step.total_s
+        total = max(total, done)
         _progress(done, total, spent / done)
+        if on_step is not None:
+            on_step(done)
         if done > spec.warmup_steps:
             if timings is None:
                 timings = step
             else:
                 timings.step_s += step.step_s
                 timings.data_wait_s += step.data_wait_s
-        if watch and done < total:
+        if watch and more():
             reading = int(used_bytes())
             if reading > spec.limit_bytes:
                 result.extra["stopped_over_limit"] = {"step": done, "used_bytes": reading,
@@ -440,6 +486,11 @@ def _run_test_hook(result: TrialResult) -> None:
         time.sleep(5)
     elif name == "raise":
         raise {"ValueError": ValueError, "RuntimeError": RuntimeError}[arg]("raised by the test hook")
+    elif name == "bad_fork":   # torch's error in a forked child whose parent had initialised CUDA
+        forkserver = sys.modules.get("oomtune.trial.forkserver")
+        if forkserver is not None and getattr(forkserver, "IN_FORKED_TRIAL", False):
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+                               "you must use the 'spawn' start method")
     elif name == "echo_env":
         keys = (*ALLOC_ENV_VARS, "CUDA_VISIBLE_DEVICES")
         result.extra["env"] = {k: os.environ.get(k) for k in keys}

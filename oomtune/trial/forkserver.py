@@ -18,9 +18,14 @@ Why this is correct, and where it is not (the runner falls back to a fresh spawn
   ``backend:cudaMallocAsync`` are spawned. The child verifies what took effect either way.
 * CUDA. A process that initialised CUDA cannot use it after fork (torch marks it "bad fork"), and
   ``torch.cuda.is_available()``/``device_count()`` initialise the driver unless
-  PYTORCH_NVML_BASED_CUDA_CHECK=1. The server never calls them; it reports
-  ``torch.cuda.is_initialized()`` with every launch and the runner spawns if it ever turns True.
-  CUDA_VISIBLE_DEVICES is honoured because the driver is first initialised in the forked child.
+  PYTORCH_NVML_BASED_CUDA_CHECK=1, while ``torch.cuda.is_initialized()`` stays False (it tracks
+  torch's lazy init only): a forked child is then a bad fork although the flag says otherwise. The
+  server never calls them, and refuses to fork once the CUDA driver library is mapped into it
+  (``libcuda.so`` in ``/proc/self/maps``: anything that loaded it may have initialised it) or torch
+  reports CUDA initialised; the runner then spawns. A trial that still fails with torch's "Cannot
+  re-initialize CUDA in forked subprocess" is run again by spawn (:class:`oomtune.trial.runner.
+  TrialRunner`). CUDA_VISIBLE_DEVICES is honoured because the driver is first initialised in the
+  forked child.
 * Threads. fork copies only the calling thread, so a lock held by another thread stays locked
   forever in the child. The server runs no torch operation, hence neither torch's intra-op pool nor
   OpenMP's exists when it forks (each trial creates its own, with torch's default thread count, as a
@@ -81,6 +86,20 @@ def _native_threads() -> int | None:
         return None
 
 
+#: True in a trial process forked from the server (read by the child's test hook ``bad_fork``).
+IN_FORKED_TRIAL = False
+
+
+def libcuda_loaded(maps_path: str = "/proc/self/maps") -> bool:
+    """Whether the CUDA driver library (``libcuda.so``) is mapped into this process (Linux
+    ``/proc/self/maps``); False where the file cannot be read."""
+    try:
+        with open(maps_path, "rb") as f:
+            return b"libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
 def _send(out: Any, message: dict[str, Any]) -> None:
     out.write(json.dumps(message) + "\n")
     out.flush()
@@ -104,6 +123,8 @@ def _run_forked(request: dict[str, Any], close_fds: list[int], server_pid: int) 
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])  # putenv: visible to torch's getenv before CUDA starts
+        global IN_FORKED_TRIAL
+        IN_FORKED_TRIAL = True   # inherited by the keeper's main process (the trial)
         from oomtune.trial import keeper
 
         def main() -> None:
@@ -144,6 +165,7 @@ def serve() -> int:
     _send(proto_out, {
         "ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
         "native_threads": _native_threads(), "cuda_initialized": torch.cuda.is_initialized(),
+        "libcuda_loaded": libcuda_loaded(),
     })
     in_fd = proto_in.fileno()
     buf = b""
@@ -190,6 +212,10 @@ def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: 
     import torch
 
     threads = _native_threads()
+    if libcuda_loaded():
+        _send(out, {"id": request["id"], "error": "server is no longer fork-safe: the CUDA driver library "
+                    "(libcuda.so) is loaded in it, so a forked trial could not use CUDA"})
+        return
     if threading.active_count() != 1 or torch.cuda.is_initialized() or (
             threads is not None and _BASELINE_THREADS and threads > _BASELINE_THREADS[0]):
         _send(out, {"id": request["id"], "error": "server is no longer fork-safe (a thread pool started "

@@ -64,6 +64,15 @@ class TrialSpec:
         execute: on the virtual GPU (``device="cpu"``), where the steps run: ``cpu`` (for real;
             throughput measured) or ``meta`` (shapes only, no host memory per tensor, no throughput;
             :mod:`oomtune.trial.execute`). Ignored on CUDA.
+        memory_fraction: apply the budget as a per-process memory fraction (``search.memory_fraction
+            =auto``, the default). False (``off``: the user will not cap memory): no fraction is set;
+            on the virtual GPU the device is then the budget's size, so the budget still bounds what
+            the allocator can reserve, but ``garbage_collection_threshold`` (fraction-only) is inert,
+            as on the user's device.
+        measure_seconds: measured steps continue past ``measure_steps`` until they have taken at
+            least this many seconds (a time window: the throughput objective's confirmation runs,
+            so that short steps are timed over as long a window as long ones); 0: exactly
+            ``measure_steps``.
     """
 
     workload: dict[str, Any]
@@ -81,6 +90,8 @@ class TrialSpec:
     shapes: str = "data"
     limit_bytes: int | None = None
     execute: str = "cpu"
+    memory_fraction: bool = True
+    measure_seconds: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

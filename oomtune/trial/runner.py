@@ -46,6 +46,7 @@ from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
+from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult,
                                   TrialSpec)
 from oomtune.trial.procwait import exited_within
@@ -206,6 +207,8 @@ class TrialRunner:
                 server = self._fork_server()
                 if server.info.get("cuda_initialized"):
                     raise ForkServerError("the fork server's torch has initialised CUDA")
+                if server.info.get("libcuda_loaded"):
+                    raise ForkServerError("the fork server has the CUDA driver library (libcuda.so) loaded")
                 handle = server.launch(argv=argv, cwd=str(paths["dir"]), stdout=str(paths["stdout"]),
                                        stderr=str(paths["stderr"]), env=env, grace_s=self.grace_s,
                                        status=str(paths["dir"] / STATUS_FILE))
@@ -245,6 +248,7 @@ class TrialRunner:
         (workdir / PROGRESS_FILE).unlink(missing_ok=True)   # a previous trial's steps are not this one's
         (workdir / STATUS_FILE).unlink(missing_ok=True)
         paths["spec"].write_text(spec.to_json())
+        watch = OomKillWatch()   # the OOM killer's counters before the trial (SIGKILL evidence)
         launched_at = time.time()
         try:
             handle, launcher, fallback = self._launch(spec, settings, paths, env_child)
@@ -262,8 +266,16 @@ class TrialRunner:
                 handle.wait(30.0)
             with self._lock:
                 self._live.pop(handle.pid, None)
-        result = _read_result(spec, paths, returncode, timed_out)
+        pids = {handle.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
+        result = _read_result(spec, paths, returncode, timed_out, watch, pids)
         result.extra.update(leftovers(marker, workdir / STATUS_FILE))
+        if launcher == "fork" and handle.pid not in self._killed and _bad_fork(result, paths):
+            # torch refused CUDA in the forked child (the server had initialised the driver after all):
+            # never fork again from this server, and run the trial afresh in a spawned process
+            self._server_failed = f"a forked trial could not use CUDA ({BAD_FORK_TEXT})"
+            again = self.run(spec, workdir=workdir, env=env)
+            again.extra["bad_fork"] = {"pid": handle.pid, "message": result.message}
+            return again
         if handle.pid in self._killed:
             self._killed.discard(handle.pid)
             result.outcome, result.message = Outcome.ERROR.value, "interrupted: trial killed by the runner (kill_all)"
@@ -373,6 +385,31 @@ def leftovers(marker: str, status_path: Path) -> dict[str, Any]:
     return out
 
 
+def kept_main_pid(status_path: Path) -> int | None:
+    """The pid of the trial's main process as the keeper wrote it in its status file
+    (:data:`oomtune.trial.keeper.STATUS_FILE`, ``main_pid``), or None (no keeper status)."""
+    import json
+
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads(Path(status_path).read_text())["main_pid"])
+    return None
+
+
+#: torch's error in a forked child of a process that initialised CUDA (torch/cuda/__init__.py _lazy_init)
+BAD_FORK_TEXT = "Cannot re-initialize CUDA in forked subprocess"
+
+
+def _bad_fork(result: TrialResult, paths: dict[str, Path]) -> bool:
+    """Whether a forked trial failed because CUDA cannot be used after fork (:data:`BAD_FORK_TEXT` in
+    its record or its stderr)."""
+    if result.outcome_enum is Outcome.OK:
+        return False
+    text = " ".join(filter(None, (result.message, result.traceback_tail)))
+    if BAD_FORK_TEXT in text:
+        return True
+    return BAD_FORK_TEXT in read_tail(paths["stderr"], _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
+
+
 def _pid_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -381,18 +418,25 @@ def _pid_running(pid: int) -> bool:
         return False
 
 
-def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool) -> TrialResult:
-    """The child's record, or a classified failure built from the exit status and stderr."""
+def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool,
+                 watch: OomKillWatch | None = None, pids: set[int] | None = None) -> TrialResult:
+    """The child's record, or a classified failure built from the exit status and stderr; a SIGKILL
+    is the host OOM killer's only with ``watch``'s evidence (:mod:`oomtune.trial.oomkill`)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         result = TrialResult.read(paths["result"])
         if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
             result.extra["hung_after_record"] = True
         return result
     stderr = read_tail(paths["stderr"], _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
+    code = returncode if returncode is not None else -signal.SIGKILL
+    evidence = reason = None
+    if watch is not None and pids and not timed_out and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        evidence = watch.evidence(pids)
+        reason = None if evidence else watch.sources()
     cls = classify_failure(
-        returncode=returncode if returncode is not None else -signal.SIGKILL, stderr=stderr,
-        timed_out=timed_out, batch_size=spec.batch_size,
-        smaller_batch_succeeded=spec.smaller_batch_succeeded,
+        returncode=code, stderr=stderr, timed_out=timed_out, batch_size=spec.batch_size,
+        smaller_batch_succeeded=spec.smaller_batch_succeeded, oom_kill_evidence=evidence,
+        no_evidence_reason=reason,
     )
     outcome = Outcome(cls.outcome)
     if timed_out and outcome is not Outcome.TIMEOUT:
