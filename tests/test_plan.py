@@ -331,3 +331,63 @@ def test_predict_raw_is_none_for_cuda_malloc_async_and_the_replay_otherwise(monk
     predictor = Predictor(model, {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
     assert predictor.predict_raw(8, "backend:cudaMallocAsync") is None
     assert predictor.predict_raw(8, "") == 2 * MiB   # one kSmallBuffer segment (hand calculation above)
+
+
+# -- issue 23 item 2: a plan under a shape distribution predicts at its worst shape, and survives the soak
+TINY_LM = ["model=transformer", "model.layers=2", "model.d_model=256", "model.vocab_size=32000", "budget=2GiB",
+           "search.batch_size.low=1", "search.batch_size.high=64", "search.space.max_split_size_mb=[null]",
+           "search.space.roundup_power2_divisions=[null]"]
+
+
+@pytest.mark.slow
+def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_survives_the_soak(tmp_path):
+    """The issue's case: 2 layers, d_model 256, vocabulary 32000, budget 2 GiB. Before, the plan under
+    lengths 64..1024 captured the data's first lengths (the longest 888) and planned batch 4 where a
+    fixed length of 1024 plans 3. Now: per configuration, the planned batch under the distribution is
+    at most the one at length 1024, and the recommended batch survives a 2000-step soak of the data's
+    lengths (oomtune.plan.soak, as the search's confirmation soaks it)."""
+    from oomtune.display import recommended_configuration
+    from oomtune.plan.soak import soak
+
+    varied = _plan(tmp_path / "a", *TINY_LM, "model.seq_len={low:64,high:1024}").to_dict()
+    fixed = _plan(tmp_path / "b", *TINY_LM, "model.seq_len=1024").to_dict()
+    at_1024 = {c["alloc_conf"]: c["max_batch_size"] for c in fixed["configurations"]}
+    for c in varied["configurations"]:
+        assert c["max_batch_size"] is not None and c["max_batch_size"] <= at_1024[c["alloc_conf"]], c["alloc_conf"]
+    assert varied["shapes"]["worst"] == 1024 and varied["shapes"]["soak_steps"] == 2000
+    rec = recommended_configuration(varied["configurations"])
+    model = {**varied["workload"]}
+    model.pop("target", None)
+    geometry = varied["geometry"]
+    result = soak(model, rec["max_batch_size"], rec["alloc_conf"], device_memory_bytes=geometry["total_memory_bytes"],
+                  memory_fraction=geometry["memory_fraction"], steps=2000)
+    assert result.passed, result.message
+
+
+@pytest.mark.slow
+def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp_path):
+    """find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of
+    64) at 100 MiB: the default allocator fits batch 3 at length 512 on a fresh allocator but runs out
+    of memory in the soak, so its planned batch is the largest that survives (each checked here with
+    the soak itself), while expandable_segments:True keeps its batch."""
+    from oomtune.plan.soak import soak
+
+    lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
+          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=100MiB", "search.batch_size.low=1",
+          "search.batch_size.high=16", "search.space.max_split_size_mb=[null]",
+          "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
+    data = _plan(tmp_path, *lm).to_dict()
+    rows = {c["alloc_conf"]: c for c in data["configurations"]}
+    default, es = rows[""], rows["expandable_segments:True"]
+    model = {k: v for k, v in data["workload"].items() if k != "target"}
+    g = data["geometry"]
+
+    def survives(batch, conf):
+        return soak(model, batch, conf, device_memory_bytes=g["total_memory_bytes"],
+                    memory_fraction=g["memory_fraction"], steps=2000).passed
+
+    assert default["soak"]["passed"] is False and default["max_batch_size"] < default["worst_shape_max_batch_size"]
+    assert default["soak"]["failed"]["batch_size"] == default["worst_shape_max_batch_size"]
+    assert survives(default["max_batch_size"], "") and not survives(default["max_batch_size"] + 1, "")
+    assert es["soak"]["passed"] is True and survives(es["max_batch_size"], "expandable_segments:True")
+    assert data["shapes"]["stepped_down"] == {"": [default["worst_shape_max_batch_size"], default["max_batch_size"]]}

@@ -163,7 +163,11 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     path = check_writable(out if out is not None else C.run_dir_of(cfg) / "plan.yaml", "--out")
     from oomtune.plan.parallel import default_workers
 
-    predictor = Predictor(workload, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial),
+    # Under a shape distribution: predicted at its worst shape, with the search's code (issue 23 item 2)
+    from oomtune.workloads.shapes import worst_shape_workload
+
+    worst = worst_shape_workload(workload)
+    predictor = Predictor(worst, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial),
                           workers=default_workers(), cache=store, read_cache=cache)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}
@@ -179,10 +183,18 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if unwritable:
         say(f"note: the stream cache {store.directory} cannot be written ({unwritable}): the captures made now "
             f"are not kept (set OOMTUNE_CACHE_DIR to a writable directory, or to off)")
+    from oomtune.config import budget_note
+    from oomtune.device import fraction_note
+
+    for note in (budget_note(cfg.budget), fraction_note(cfg.budget, device, budget_bytes)):
+        if note:
+            say(note)
     with _capture_progress(console, len(settings)) as on_row:
         fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
                           headroom=headroom, on_row=on_row)
     fmap.skipped = skipped
+    if worst is not workload:
+        _soak_plan(fmap, workload, worst, predictor, int(cfg.trial.soak_steps), grid[0], say)
     _print_plan(console, say, fmap)
     for reason in fmap.fallback:
         say(f"note: {reason}")
@@ -203,6 +215,39 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
 
         write_report(path.parent, say)
     return fmap
+
+
+def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predictor: Any, steps: int, low: int,
+               say: Any) -> None:
+    """Under a shape distribution: record the worst shape in ``fmap.shapes`` and soak every
+    configuration's largest batch for ``steps`` steps of the data's shapes, stepping it down to the
+    largest that survives (:func:`oomtune.plan.soak_frontier.soak_rows`); ``steps`` 0: no soak."""
+    from oomtune.plan.feasibility import PlanCell
+    from oomtune.plan.soak import soak_supported
+    from oomtune.workloads.shapes import shape_distribution
+
+    dist = shape_distribution({k: v for k, v in workload.items() if k != "target"})
+    fmap.shapes = {"key": dist.key, "worst": worst.get(dist.key), "soak_steps": steps}
+    say(f"shapes: {dist.key} varies ({dist.kind}): the map is predicted at the worst shape, {dist.key}={worst.get(dist.key)}"
+        + (f", and each configuration's largest batch soaked for {steps} steps of the data's shapes" if steps else ""))
+    if steps <= 0 or not soak_supported(workload):
+        return
+    from oomtune.plan.soak_frontier import soak_rows
+
+    limit = fmap.limit_bytes
+    done = soak_rows(fmap.rows, workload, predictor.geometry, steps=steps, low=low,
+                     cell=lambda b, st: PlanCell.of(predictor.predict_detail(b, st), limit))
+    fmap.shapes.update(soak_captures=done.captures, soak_s=round(done.seconds, 3),
+                       stepped_down={k: list(v) for k, v in done.stepped_down.items()})
+    if done.stepped_down:
+        first_conf, (was, now) = next(iter(done.stepped_down.items()))
+        row = next(r for r in fmap.rows if r.alloc_conf == first_conf)
+        failed = row.soak["failed"]
+        say(f"soak: {len(done.stepped_down)} configuration(s) stepped down to the largest batch that survives "
+            f"{steps} steps, e.g. {first_conf or 'the default allocator'} {was} -> {now if now is not None else 'none'} "
+            f"(batch {was} ran out of memory at soak step {failed['step']}, {dist.key}={failed['shape']}; simulated)")
+    else:
+        say(f"soak: every configuration's largest batch survives {steps} steps (simulated)")
 
 
 def _print_plan(console: Any, say: Any, fmap: Any) -> None:

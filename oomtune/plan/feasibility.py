@@ -31,13 +31,19 @@ plan.yaml (schema 1)::
     limit: {headroom, limit_bytes}                      # fits: completes and peak <= limit_bytes
     fallback: [reasons the capture did not run as asked (CPU fallback, precision)]
     skipped: [alloc_conf strings the virtual GPU cannot simulate (cudaMallocAsync)]
+    shapes: {key, worst, soak_steps, soak_captures, stepped_down} | null   # a shape distribution (else null)
     configurations:
       - {alloc_conf, settings, max_batch_size (null: not even the smallest),
          at_max: {peak_reserved_bytes, peak_allocated_bytes, fragmentation} | null,
          batches: [{batch_size, fits, completes, peak_reserved_bytes, peak_allocated_bytes,
                     fragmentation, num_alloc_retries}],
          twins: [alloc_conf strings predicted identical, folded into this one],
-         twin_of: alloc_conf this one is folded into | null}
+         twin_of: alloc_conf this one is folded into | null,
+         worst_shape_max_batch_size, soak: {steps, passed, batch_size, failed}}   # under a distribution only
+
+Under a shape distribution the cells are predicted at the distribution's worst shape (as the search's
+frontier) and ``max_batch_size`` is the largest batch that also survives ``trial.soak_steps`` steps of
+the data's shapes (:mod:`oomtune.plan.soak_frontier`).
 
 Configurations with identical predictions (:func:`twin_key`) are *twins*: ``oomtune plan`` shows
 them once and the search probes them once (:mod:`oomtune.search.frontier`), represented by the one
@@ -134,6 +140,8 @@ class PlanRow:
     cells: list[PlanCell]
     max_batch_size: int | None
     at_max: PlanCell | None
+    worst_shape_max_batch_size: int | None = None   # under a shape distribution: before the soak
+    soak: dict[str, Any] | None = None              # the soak of the largest batch (oomtune.plan.soak_frontier)
 
 
 def twin_key(row: PlanRow) -> tuple:
@@ -185,6 +193,7 @@ class FeasibilityMap:
     headroom: float = 0.0
     limit_bytes: int | None = None
     skipped: list[str] = field(default_factory=list)
+    shapes: dict[str, Any] | None = None   # a shape distribution: {key, worst, soak_steps, ...} (None: fixed)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan.yaml mapping (see the module docstring)."""
@@ -201,12 +210,15 @@ class FeasibilityMap:
             "limit": {"headroom": self.headroom, "limit_bytes": self.limit_bytes},
             "fallback": sorted(self.fallback),
             "skipped": list(self.skipped),
+            "shapes": self.shapes,
             "configurations": [
                 {"alloc_conf": r.alloc_conf, "settings": r.settings, "max_batch_size": r.max_batch_size,
                  "at_max": None if r.at_max is None else _cell_figures(r.at_max),
                  "batches": [asdict(c) for c in r.cells],
                  "twins": [x.alloc_conf for x in self.rows if folded.get(x.alloc_conf) == r.alloc_conf],
-                 "twin_of": folded.get(r.alloc_conf)}
+                 "twin_of": folded.get(r.alloc_conf),
+                 **({} if r.soak is None else {"worst_shape_max_batch_size": r.worst_shape_max_batch_size,
+                                               "soak": r.soak})}
                 for r in self.rows
             ],
         }

@@ -51,17 +51,11 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
 
 
 def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
-    """The workload at its shape distribution's largest shape (what the frontier is predicted at:
-    :func:`oomtune.workloads.shapes.at_shape`); ``workload`` itself when its shapes are fixed or it
-    is not a built-in workload."""
-    if workload.get("target", {}).get("name", "builtin") != "builtin":
-        return workload
-    from oomtune.workloads.shapes import at_shape, shape_distribution, worst_shapes
+    """:func:`oomtune.workloads.shapes.worst_shape_workload` (the search's and plan's worst shape: one
+    code), imported when called (the workloads package imports torch)."""
+    from oomtune.workloads.shapes import worst_shape_workload as worst
 
-    cfg = {k: v for k, v in workload.items() if k != "target"}
-    if shape_distribution(cfg).is_fixed:
-        return workload
-    return {**at_shape(cfg, worst_shapes(cfg)[0]), "target": workload["target"]}
+    return worst(workload)
 
 
 def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 from oomtune.exceptions import ConfigError
 
 __all__ = ["SHAPE_KEYS", "ShapeDistribution", "shape_distribution", "worst_shapes", "at_shape",
-           "document_lengths"]
+           "document_lengths", "worst_shape_workload"]
 
 #: The model key carrying the per-step shape, per built-in model (mlp has fixed shapes).
 SHAPE_KEYS = {"transformer": "seq_len", "resnet": "image_size"}
@@ -242,3 +242,24 @@ def at_shape(model_cfg: Mapping[str, Any], shape: int | None) -> dict[str, Any]:
     if dist.key == "seq_len" and dist.max_shape != shape:
         cfg["max_seq_len"] = dist.max_shape
     return cfg
+
+
+def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
+    """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
+    shape (:func:`at_shape` of :func:`worst_shapes`): what the search's frontier and ``oomtune plan``
+    predict at (issue 23 item 2: the same code for both). ``workload`` itself when its shapes are
+    fixed or it is not a built-in workload (a ``python`` or ``cmd`` target has no distribution).
+
+    Raises:
+        ConfigError: as :func:`shape_distribution`.
+    """
+    target = workload.get("target") or {}
+    if target.get("name", "builtin") != "builtin":
+        return workload
+    cfg = {k: v for k, v in workload.items() if k != "target"}
+    if shape_distribution(cfg).is_fixed:
+        return workload
+    out = at_shape(cfg, worst_shapes(cfg)[0])
+    if "target" in workload:
+        out["target"] = workload["target"]
+    return out

@@ -1,0 +1,110 @@
+"""``oomtune plan`` under a shape distribution: each configuration's planned batch must survive the soak.
+
+The map of a variable-shape workload is predicted at the distribution's worst shape (the largest
+padded length or image size, :func:`oomtune.workloads.shapes.worst_shape_workload`), as the search
+predicts its frontier: no configuration's planned batch then exceeds its planned batch at that fixed
+length. A batch that fits the worst shape on a fresh allocator can still run out of memory after
+hundreds of steps of mixed shapes, when the cache has fragmented (the 2000-step soak of a GPT-2-sized
+answer at 24 GiB failed at step 12 with length 944; issue 23 item 2). The search soaks every trial of
+such a workload, so a plan that did not would recommend batches the search rejects. Here each
+configuration's largest batch is soaked (:mod:`oomtune.plan.soak`: ``trial.soak_steps`` steps in the
+data's order, on the trial's virtual GPU); when it fails, the largest batch below it that survives
+is found by bisection (assuming that a batch that survives the soak survives it with fewer samples),
+and that becomes the configuration's planned batch. Every figure is simulated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SoakedFrontier", "soak_rows"]
+
+
+@dataclass
+class SoakedFrontier:
+    """What the soak did to a plan's rows (recorded in plan.yaml ``soak``).
+
+    Attributes:
+        steps: soak steps per candidate.
+        captures: batch sizes whose soak streams were captured.
+        stepped_down: ``alloc_conf -> (worst-shape batch, soak-safe batch or None)`` for the rows it lowered.
+        seconds: wall seconds spent capturing and replaying.
+    """
+
+    steps: int
+    captures: int = 0
+    stepped_down: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mapping[str, Any], *, steps: int,
+              low: int, cell: Callable[[int, Any], Any],
+              on_row: Callable[[Any], None] | None = None) -> SoakedFrontier:
+    """Soak every row's largest fitting batch and step it down until it survives (module docstring).
+
+    Each row (a :class:`oomtune.plan.feasibility.PlanRow`) gets ``worst_shape_max_batch_size`` (its
+    batch before the soak) and ``soak`` (``{steps, passed, batch_size}`` and, when it was stepped
+    down, ``failed: {batch_size, step, shape, message}``); its ``max_batch_size`` and ``at_max``
+    become the soak-safe batch's (None when even ``low`` fails the soak).
+
+    Args:
+        rows: the plan's rows, predicted at the worst shape.
+        model_cfg: the ``model`` group with its shape distribution (not the worst-shape copy).
+        geometry: the trial's virtual GPU (:func:`oomtune.plan.predictor.sim_geometry`): capacity,
+            memory fraction, memory outside the allocator.
+        steps: soak steps (``trial.soak_steps``, >= 1).
+        low: the smallest batch of the plan's range.
+        cell: ``cell(batch, settings) -> PlanCell`` at the worst shape (for a lowered row's ``at_max``).
+        on_row: called after each row (progress).
+
+    Raises:
+        ConfigError: a bad workload or shape distribution.
+    """
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.plan.soak import capture_soak, replay_soak
+
+    t0 = time.perf_counter()
+    cfg = {k: v for k, v in model_cfg.items() if k != "target"}
+    streams: dict[int, Any] = {}
+    out = SoakedFrontier(steps=steps)
+
+    def soaked(batch: int, settings: AllocatorSettings) -> Any:
+        if batch not in streams:
+            streams[batch] = capture_soak(cfg, batch, steps, capture_device="meta")
+        return replay_soak(streams[batch], settings, device_memory_bytes=int(geometry["total_memory_bytes"]),
+                           memory_fraction=float(geometry.get("memory_fraction", 1.0)),
+                           non_allocator_bytes=int(geometry.get("non_allocator_bytes", 0) or 0))
+
+    for row in rows:
+        row.worst_shape_max_batch_size = row.max_batch_size
+        if row.max_batch_size is None:
+            if on_row is not None:
+                on_row(row)
+            continue
+        settings = AllocatorSettings.parse(row.alloc_conf)
+        first = soaked(row.max_batch_size, settings)
+        if first.passed:
+            row.soak = {"steps": steps, "passed": True, "batch_size": row.max_batch_size}
+        else:
+            ok, bad = low - 1, row.max_batch_size   # bad fails the soak; find the largest that passes
+            while bad - ok > 1:
+                mid = (ok + bad) // 2
+                if soaked(mid, settings).passed:
+                    ok = mid
+                else:
+                    bad = mid
+            safe = ok if ok >= low else None
+            row.soak = {"steps": steps, "passed": False, "batch_size": safe,
+                        "failed": {"batch_size": row.max_batch_size, "step": first.failed_step,
+                                   "shape": first.shape_at_failure, "message": first.message}}
+            out.stepped_down[row.alloc_conf] = (row.max_batch_size, safe)
+            row.max_batch_size = safe
+            row.at_max = None if safe is None else cell(safe, settings)
+        if on_row is not None:
+            on_row(row)
+    out.captures = len(streams)
+    out.seconds = time.perf_counter() - t0
+    return out
