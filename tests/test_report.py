@@ -227,3 +227,41 @@ def test_importing_the_html_report_keeps_oomtune_report_the_scripts_function():
     import oomtune.htmlreport  # noqa: F401
 
     assert callable(oomtune.report) and oomtune.report.__module__ == "oomtune.script_api"
+
+
+@pytest.mark.slow
+def test_peak_segments_of_the_readme_runs_step_sum_to_the_segments_drawn():
+    """The README main command's winner: ResNet-18 (64x64, 100 classes) at batch 493 under
+    expandable_segments:True, 1 GiB budget on the 80 GiB virtual GPU, 4 steps (issue 23 item 5). An
+    expandable segment grows by mapping pages (20 MiB in the large pool, 2 MiB in the small one) and a
+    block may span pages mapped at different times: the panel drew each mapped range as a segment,
+    "957.6 MiB allocated + 124.6 MiB free over segments that sum to 972 MiB" and a "20 MiB" segment
+    holding 41 MiB. Now: one segment per pool (allocator-spec: one expandable segment per pool and
+    stream), each holding at most its size, the sizes summing to the reserved bytes at that event
+    (the trace's own segment events, summed here) and to the 972 MiB the README reports."""
+    from oomtune.device import resolve_device
+    from oomtune.htmlreport._figures import peak_segments_figure
+    from oomtune.htmlreport._step import step_series, synthesise_snapshot
+    from oomtune.plan.predictor import Predictor, sim_geometry
+
+    model = {"name": "resnet", "depth": 18, "image_size": 64, "num_classes": 100, "channels_last": False,
+             "optimizer": "sgd", "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
+    geometry = sim_geometry(resolve_device("cpu", virtual_device_memory="80GiB"), 1 << 30)
+    stream = Predictor(model, geometry, steps=4).stream(493)
+    snap = synthesise_snapshot(stream, "expandable_segments:True", total_memory_bytes=geometry["total_memory_bytes"],
+                               memory_fraction=geometry["memory_fraction"])
+    series = step_series(snap)
+    segs = series["at_peak"]
+    reserved_then = 0
+    for e in snap["device_traces"][0][: series["peak_index"] + 1]:
+        if e["action"] in ("segment_alloc", "segment_map"):
+            reserved_then += e["size"]
+        elif e["action"] in ("segment_free", "segment_unmap"):
+            reserved_then -= e["size"]
+    assert len(segs) == 2 and all(0 <= s["allocated"] <= s["size"] for s in segs)
+    assert sum(s["size"] for s in segs) == reserved_then == 972 * MiB
+    assert sum(s["allocated"] for s in segs) == series["peak_allocated_bytes"]
+    fig = peak_segments_figure(series, "simulated")
+    allocated, free = (sum(trace.y) for trace in fig.data[:2])
+    assert allocated + free == pytest.approx(972.0)          # MiB: the bars add up to the segments drawn
+    assert "of 972 MiB reserved in use, 1.5% free" in fig.layout.title.text

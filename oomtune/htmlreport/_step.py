@@ -102,7 +102,8 @@ def step_series(snapshot: dict[str, Any], *, device: int = 0, max_points: int = 
     Returns:
         ``{"x": [event index], "allocated": [bytes], "reserved": [bytes], "events": n,
         "peak_allocated_bytes", "peak_reserved_bytes", "peak_index", "at_peak": [{"address",
-        "size", "allocated", "largest_free"}] (segments by address, bytes), "start_reserved_bytes"}``;
+        "size", "allocated", "largest_free"}] (segments by address, bytes; an expandable segment's
+        contiguous mapped pages are one segment), "start_reserved_bytes"}``;
         the series keep at most ``max_points`` points (each bucket's maximum, so peaks survive).
     """
     traces = snapshot.get("device_traces") or []
@@ -155,28 +156,39 @@ def _decimate(xs: list[int], a: list[int], r: list[int], n: int) -> tuple[list[i
 
 
 def _segments_at(trace: list[dict[str, Any]], index: int) -> list[dict[str, int]]:
-    """Segments known from the trace after event ``index``: size, allocated bytes and the largest
-    free gap (bytes). Mapped ranges of an expandable segment count as one segment each."""
-    segments: dict[int, int] = {}
+    """Segments known from the trace after event ``index``: address, size, allocated bytes (requested
+    sizes, as memory_viz counts them) and the largest free gap (bytes).
+
+    A ``segment_alloc`` is one segment until its ``segment_free``. An expandable segment grows by
+    ``segment_map`` of pages at its end and shrinks by ``segment_unmap`` (c10/cuda/
+    CUDACachingAllocator.cpp ``ExpandableSegment``), and one block may span pages mapped at different
+    times, so contiguous mapped ranges are one segment: each segment then holds its blocks whole and
+    its allocated bytes never exceed its size (issue 23 item 5: counting each mapped range as a
+    segment drew a "20 MiB" segment holding 41 MiB)."""
+    import bisect
+
+    whole: dict[int, int] = {}
+    mapped: list[list[int]] = []   # sorted, disjoint, non-touching [start, end) ranges
     blocks: dict[int, int] = {}
     for e in trace[: index + 1]:
         a, addr, size = e.get("action"), int(e.get("addr") or 0), int(e.get("size") or 0)
-        if a in _SEGMENT_UP:
-            segments[addr] = size
-        elif a in _SEGMENT_DOWN:
-            segments.pop(addr, None)
+        if a == "segment_alloc":
+            whole[addr] = size
+        elif a == "segment_free":
+            whole.pop(addr, None)
+        elif a == "segment_map":
+            mapped = _add_range(mapped, addr, addr + size)
+        elif a == "segment_unmap":
+            mapped = _remove_range(mapped, addr, addr + size)
         elif a == "alloc":
             blocks[addr] = size
         elif a == "free_completed":
             blocks.pop(addr, None)
-    starts = sorted(segments)
+    spans = sorted([(base, size) for base, size in whole.items()] + [(lo, hi - lo) for lo, hi in mapped])
     out = []
     live = sorted(blocks.items())
-    j = 0
-    import bisect
-
-    for base in starts:
-        end = base + segments[base]
+    for base, length in spans:
+        end = base + length
         j = bisect.bisect_left(live, (base, -1))
         used, cursor, gap = 0, base, 0
         while j < len(live) and live[j][0] < end:
@@ -186,7 +198,33 @@ def _segments_at(trace: list[dict[str, Any]], index: int) -> list[dict[str, int]
             used += size
             j += 1
         gap = max(gap, end - cursor)
-        out.append({"address": base, "size": segments[base], "allocated": used, "largest_free": max(0, gap)})
+        out.append({"address": base, "size": length, "allocated": used, "largest_free": max(0, gap)})
+    return out
+
+
+def _add_range(ranges: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    """``ranges`` (sorted, disjoint) with ``[lo, hi)`` added, touching or overlapping ranges merged."""
+    out: list[list[int]] = []
+    for r in ranges:
+        if r[1] < lo or r[0] > hi:
+            out.append(r)
+        else:
+            lo, hi = min(lo, r[0]), max(hi, r[1])
+    out.append([lo, hi])
+    return sorted(out)
+
+
+def _remove_range(ranges: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    """``ranges`` with ``[lo, hi)`` taken out (a range may split in two)."""
+    out: list[list[int]] = []
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            out.append([a, b])
+            continue
+        if a < lo:
+            out.append([a, lo])
+        if b > hi:
+            out.append([hi, b])
     return out
 
 
