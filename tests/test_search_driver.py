@@ -411,3 +411,47 @@ def test_batch_objective_with_one_worker_probes_one_at_a_time_and_skips_what_can
                                              (96, "expandable_segments:True")]
     r2 = next(c for c in search.planner.configs if c.alloc_conf == "roundup_power2_divisions:4")
     assert r2.selected and r2.predicted == 86 and r2.probes == 0
+
+
+class DeviceRecorder(ScriptedThroughput):
+    """Records the device and time window of each confirmation run (10 steps)."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.confirms: list[tuple[int, str, str, float]] = []
+
+    def run(self, spec, *, workdir):
+        if spec.measure_steps == 10:
+            self.confirms.append((spec.batch_size, spec.alloc_conf, spec.device, spec.measure_seconds))
+        return super().run(spec, workdir=workdir)
+
+
+def test_throughput_confirmation_interleaves_three_repeats_on_one_gpu_over_time_windows(tmp_path):
+    """Issue 23 item 6: 2 repeats per side let a 2% gain pass by chance 1 time in 6 (4!/(2!2!) orders of
+    4 runs), and grouped runs on different GPUs compare cards, not settings. Now: the baseline and
+    the candidate alternate in rotating order (base, cand; cand, base; base, cand), 3 runs each, all
+    on the first worker's GPU, each timed over a window of seconds (search.window)."""
+    runner = DeviceRecorder({(90, "expandable_segments:True"): [130.0, 134.0, 132.0],
+                             (76, ""): [100.0, 104.0, 102.0]})
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    space = SearchSpace(8, 256, {"expandable_segments": [False, True]})
+    opts = SearchOptions(workload={"name": "fake"}, device="cuda:0", budget_bytes=BUDGET, headroom=0.05,
+                         n_trials=0, confirm_steps=10, window_s=4.0, finalists=1)
+    search = Search(study, space, opts, runner=runner, confirm_runner=runner, workdir=tmp_path,
+                    slots=["cuda:0", "cuda:1"])
+    search.run_frontier()
+    search._run_batch([search.space.candidate(90, {"expandable_segments": True})], "search")
+    best, result, confirmed = search.confirm()
+    es = "expandable_segments:True"
+    assert [(b, c) for b, c, _, _ in runner.confirms] == [(76, ""), (90, es), (90, es), (76, ""), (76, ""), (90, es)]
+    assert {d for _, _, d, _ in runner.confirms} == {"cuda:0"} and {w for *_, w in runner.confirms} == {4.0}
+    assert best.params["batch_size"] == 90 and search.gain["claimed"] is True
+
+
+def test_fewer_than_three_repeats_is_refused():
+    from oomtune import config as C
+    from oomtune.schema import validate
+
+    cfg = C.compose(["search.repeats=2"])
+    with pytest.raises(ConfigError, match="search.repeats=2: must be >= 3"):
+        validate(cfg)

@@ -274,17 +274,8 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
 
     def after_step(done: int) -> None:
-        # Memory outside the allocator grows during the first steps (cuDNN/cuBLAS handles, lazily loaded
-        # kernel modules, CUDA_MODULE_LOADING=LAZY): measured again after warm-up (issue 23 item 6), the
-        # larger reading counts, and the fraction shrinks so that the device-level peak stays within budget.
-        if done != max(1, spec.warmup_steps):
-            return
-        again = _outside_allocator(dev)
-        result.extra["non_allocator_bytes_after_warmup"] = again
-        if again > (result.non_allocator_bytes or 0):
-            result.non_allocator_bytes = again
-            if "memory_fraction" in result.extra:
-                _apply_fraction(spec, result, dev, total)
+        if done == max(1, spec.warmup_steps):
+            remeasure_outside_allocator(spec, result, dev, total)
 
     try:
         with sampler:
@@ -302,6 +293,22 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
         return
     # The soak predicts the device's future on a virtual GPU of the device's geometry (meta capture).
     run_soak(spec, result, lambda: _device_like_sim(spec, total, result), capture_device="meta")
+
+
+def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
+    """After the warm-up steps: measure the memory outside the allocator again (issue 23 item 6).
+
+    It grows during the first steps (cuDNN/cuBLAS handles and workspaces created at first use, kernel
+    modules loaded lazily: ``CUDA_MODULE_LOADING=LAZY``, torch's default), after the reading taken
+    before them. The larger reading counts (``result.non_allocator_bytes``; both kept in ``extra``),
+    and a memory fraction in force is applied again for it, so that allocator plus outside memory
+    stay within the budget for the measured steps (field case C9)."""
+    again = _outside_allocator(dev)
+    result.extra["non_allocator_bytes_after_warmup"] = again
+    if again > (result.non_allocator_bytes or 0):
+        result.non_allocator_bytes = again
+        if "memory_fraction" in result.extra:
+            _apply_fraction(spec, result, dev, total)
 
 
 def _outside_allocator(dev: Any) -> int:

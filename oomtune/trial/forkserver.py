@@ -123,8 +123,9 @@ def _run_forked(request: dict[str, Any], close_fds: list[int], server_pid: int) 
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])  # putenv: visible to torch's getenv before CUDA starts
-        global IN_FORKED_TRIAL
-        IN_FORKED_TRIAL = True   # inherited by the keeper's main process (the trial)
+        import oomtune.trial.forkserver as this   # the server runs as __main__: set the importable module's flag
+
+        this.IN_FORKED_TRIAL = True   # inherited by the keeper's main process (the trial)
         from oomtune.trial import keeper
 
         def main() -> None:
