@@ -77,8 +77,8 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> No
         return
     why = [f"search.objective={options.objective}", "search.baseline=false"]
     if not predicts:
-        why.append(f"no prediction ({'target=' + target if target == 'cmd' else 'search.prune=off'}"
-                   + (" or search.prune=off" if target == "cmd" else "") + ")")
+        why.append("no prediction (target=cmd: a command cannot be captured)" if target == "cmd"
+                   else "no prediction (search.prune=off)")
     elif options.frontier_configs <= 0:
         why.append("search.frontier_configs=0")
     if options.objective == "throughput":
