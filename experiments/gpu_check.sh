@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # The one prepared command for a GPU machine (run from the repo root: `bash experiments/gpu_check.sh`,
-# under the device tool's 600 s limit). Worst case about 540 s; typically 5-6 minutes on an H200:
-#   1. environment: nvidia-smi, python/torch/torchvision/optuna versions, CUDA visibility  (<= 45 s)
-#   2. the CUDA-marked tests: python -m pytest -m cuda -q                                 (<= 80 s)
-#   3. experiments/gpu_validate.py: snapshot replay + meta prediction vs the device        (<= 200 s)
-#   4. experiments/gpu_search.py: oomtune search on ResNet-50, budget 16GiB, settings check (<= 215 s)
-# oomtune itself is not installed there (no network for pip): PYTHONPATH is the repo, absolute,
-# so that trial processes started in other directories import it too. Logs and results go to
-# experiments/results/ (gpu_*.log, gpu_validate.md/.json, gpu_search.json, gpu_search_best.yaml);
-# when $OUT is set, the same 8 files are copied there (flat names), after every step.
+# under the device tool's 600 s limit per call and 15 minutes in all). Every step runs under its own
+# limit (`timeout` plus a kill grace), printed when the step starts; the worst case is their sum,
+# printed first (391 s, under 400 s: room for a rerun within one lease). The steps:
+#   env       nvidia-smi, python/torch/torchvision/optuna versions, CUDA visibility
+#   pytest    the CUDA-marked tests: python -m pytest -m cuda
+#   validate  experiments/gpu_validate.py: snapshot replay + meta prediction vs the device
+#   search    experiments/gpu_search.py: oomtune search on ResNet-50 at budget=0.99 (a near-full budget),
+#             objective throughput: 2 finalists and the baseline, 3 clean runs each, interleaved on one
+#             GPU over time windows; the settings check of every trial
+#   async     experiments/gpu_async_trial.py: one trial with backend:cudaMallocAsync (spawned), budget 0.99
+# oomtune itself is not installed there (no network for pip): PYTHONPATH is the repo, absolute, so that
+# trial processes started in other directories import it too. Logs and results go to
+# experiments/results/; when $OUT is set, at most 8 files are copied there (the device tool brings
+# back 8), after every step: the whole log, the validation table and JSON, the search's JSON and
+# best.yaml, the async trial's JSON, and gpu_trials.json: EVERY trial record (each trial directory's
+# result.json, the search's and the async trial's) in one file.
 # Local dry run on CPU: GPU_CHECK_DEVICE=cpu GPU_CHECK_RESULTS=/tmp/gc bash experiments/gpu_check.sh
-# GPU_CHECK_STEPS (default "pytest validate search"; "" = environment only) selects steps.
+# GPU_CHECK_STEPS (default "pytest validate search async"; "" = environment only) selects steps.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -19,10 +26,41 @@ export PYTHONUNBUFFERED=1
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 R=${GPU_CHECK_RESULTS:-$REPO/experiments/results}
-STEPS=${GPU_CHECK_STEPS-pytest validate search}
+STEPS=${GPU_CHECK_STEPS-pytest validate search async}
 PY=${PYTHON:-python}
 mkdir -p "$R"
-FILES="gpu_check.log gpu_pytest.log gpu_validate.log gpu_validate.md gpu_validate.json gpu_search.log gpu_search.json gpu_search_best.yaml"
+FILES="gpu_check.log gpu_validate.md gpu_validate.json gpu_search.json gpu_search_best.yaml gpu_async_trial.json gpu_trials.json"
+
+# Limits in seconds: each step's `timeout`, and the grace before SIGKILL (-k). The worst case is the sum
+# of every limit and grace (the two collections of trial records included).
+KILL=5
+LIMIT_SMI=8
+LIMIT_PROBE=20
+LIMIT_PYTEST=67
+LIMIT_VALIDATE=80
+LIMIT_SEARCH=140
+LIMIT_ASYNC=40
+LIMIT_COLLECT=5
+WORST=$((LIMIT_SMI + 2 + LIMIT_PROBE + 2 + LIMIT_PYTEST + KILL + LIMIT_VALIDATE + KILL + LIMIT_SEARCH + KILL \
+         + LIMIT_ASYNC + KILL + 2 * (LIMIT_COLLECT + 1)))
+
+collect_trials() {
+    # every trial record under the results directory (the search's trials/trial-NNNN/result.json, the
+    # async trial's), in one JSON object keyed by its directory, so that $OUT's 8 files hold them all
+    timeout -k 1 "$LIMIT_COLLECT" "$PY" - "$R" <<'EOF' || echo "collecting trial records failed (rc $?)"
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+records = {}
+for path in sorted(root.glob("gpu_search/trials/*/result.json")) + sorted(root.glob("gpu_async/*/result.json")):
+    try:
+        records[str(path.parent.relative_to(root))] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        records[str(path.parent.relative_to(root))] = {"unreadable": str(exc)}
+(root / "gpu_trials.json").write_text(json.dumps(records, indent=1))
+print(f"== trial records: {len(records)} copied into gpu_trials.json")
+EOF
+}
 
 copy_out() {
     [ -n "${OUT:-}" ] || return 0
@@ -43,12 +81,13 @@ want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 step_env() {
     echo "== gpu_check: $(date -u +%FT%TZ) on $(hostname), device=$DEVICE, repo $REPO"
+    echo "== step env (limit $((LIMIT_SMI + 2 + LIMIT_PROBE + 2)) s: nvidia-smi $LIMIT_SMI s, probe $LIMIT_PROBE s)"
     if command -v nvidia-smi >/dev/null 2>&1; then
-        timeout 20 nvidia-smi || echo "nvidia-smi failed (rc $?)"
+        timeout -k 2 "$LIMIT_SMI" nvidia-smi || echo "nvidia-smi failed (rc $?)"
     else
         echo "nvidia-smi: not found"
     fi
-    timeout 25 "$PY" - <<'EOF' || echo "version probe failed (rc $?)"
+    timeout -k 2 "$LIMIT_PROBE" "$PY" - <<'EOF' || echo "version probe failed (rc $?)"
 import platform, sys
 print("python", sys.version.split()[0], platform.machine())
 for name in ("torch", "torchvision", "optuna", "hydra", "rich", "pytest", "pynvml", "sortedcontainers"):
@@ -66,36 +105,52 @@ EOF
 }
 
 step_pytest() {
-    echo "== cuda tests: python -m pytest -m cuda -q (limit 75 s)"
+    echo "== step pytest: python -m pytest -m cuda (limit $LIMIT_PYTEST s + $KILL s)"
     hdr > "$R/gpu_pytest.log"
-    timeout -k 5 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee -a "$R/gpu_pytest.log"
-    echo "== cuda tests: rc ${PIPESTATUS[0]} (5 = none collected, 124 = timed out)"
+    timeout -k "$KILL" "$LIMIT_PYTEST" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee -a "$R/gpu_pytest.log"
+    echo "== pytest: rc ${PIPESTATUS[0]} (5 = none collected, 124 = timed out)"
 }
 
 step_validate() {
-    echo "== gpu_validate.py (limit 200 s)"
+    echo "== step validate: gpu_validate.py (limit $LIMIT_VALIDATE s + $KILL s)"
     hdr > "$R/gpu_validate.log"
-    timeout -k 10 190 "$PY" experiments/gpu_validate.py --device "$DEVICE" --out-dir "$R" \
-        --budget-s 165 --child-timeout 70 2>&1 | tee -a "$R/gpu_validate.log"
-    echo "== gpu_validate: rc ${PIPESTATUS[0]} (1 = a case produced no data, 124 = timed out)"
+    timeout -k "$KILL" "$LIMIT_VALIDATE" "$PY" experiments/gpu_validate.py --device "$DEVICE" --out-dir "$R" \
+        --budget-s $((LIMIT_VALIDATE - 15)) --child-timeout 30 2>&1 | tee -a "$R/gpu_validate.log"
+    echo "== validate: rc ${PIPESTATUS[0]} (1 = a case produced no data, 124 = timed out)"
     if [ -f "$R/gpu_validate.md" ]; then cat "$R/gpu_validate.md"; fi
 }
 
 step_search() {
-    echo "== gpu_search.py (limit 215 s)"
+    echo "== step search: gpu_search.py, objective throughput, budget=0.99 (limit $LIMIT_SEARCH s + $KILL s)"
     hdr > "$R/gpu_search.log"
-    timeout -k 10 205 "$PY" experiments/gpu_search.py --device "$DEVICE" --out-dir "$R" --timeout 175 \
+    # the CPU dry run trains on the CPU: smaller batches, no time window (its throughput decides nothing)
+    local size="search.batch_size.high=64 search.window=1"
+    if [ "$DEVICE" = cpu ]; then size="search.batch_size.high=4 search.window=0"; fi
+    # shellcheck disable=SC2086
+    timeout -k "$KILL" "$LIMIT_SEARCH" "$PY" experiments/gpu_search.py --device "$DEVICE" --out-dir "$R" \
+        --timeout $((LIMIT_SEARCH - 30)) --search-timeout 35 \
+        search.objective=throughput budget=0.99 search.finalists=2 search.repeats=3 $size \
+        search.n_trials=2 trial.measure_steps=3 trial.confirm_steps=3 trial.timeout=60 \
         2>&1 | tee -a "$R/gpu_search.log"
-    echo "== gpu_search: rc ${PIPESTATUS[0]} (1 = no best.yaml or settings check FAIL, 124 = timed out)"
+    echo "== search: rc ${PIPESTATUS[0]} (1 = no best.yaml or settings check FAIL, 124 = timed out)"
+}
+
+step_async() {
+    echo "== step async: gpu_async_trial.py, one backend:cudaMallocAsync trial, budget 0.99 (limit $LIMIT_ASYNC s + $KILL s)"
+    timeout -k "$KILL" "$LIMIT_ASYNC" "$PY" experiments/gpu_async_trial.py --device "$DEVICE" --out-dir "$R" \
+        --timeout $((LIMIT_ASYNC - 10)) 2>&1
+    echo "== async: rc $? (1 = the trial failed or the backend did not take effect, 124 = timed out)"
 }
 
 main() {
     local t0=$SECONDS
+    echo "== worst case: $WORST s (every step's limit and kill grace; steps: env $STEPS)"
     step_env
     copy_out
-    for s in pytest validate search; do
+    for s in pytest validate search async; do
         if want "$s"; then
             "step_$s"
+            if [ "$s" = search ] || [ "$s" = async ]; then collect_trials; fi
             echo "== elapsed $((SECONDS - t0)) s"
             copy_out
         fi

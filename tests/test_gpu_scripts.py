@@ -259,3 +259,64 @@ def test_gpu_check_script_syntax_and_out_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu_check.log").read_text()
     assert "torch 2." in log and "gpu_check done" in log
+    # issue 23 item 7: the worst case (every step's limit and kill grace) leaves room for a rerun
+    assert int(re.search(r"^== worst case: (\d+) s", log, re.M).group(1)) <= 400
+    assert re.search(r"^== step env \(limit \d+ s", log, re.M)
+
+
+def _limit(text: str, name: str) -> int:
+    return int(re.search(rf"^{name}=(\d+)$", text, re.M).group(1))
+
+
+def test_gpu_check_worst_case_is_the_sum_of_its_limits_and_at_most_400_s():
+    """Each step's limit and kill grace, summed by hand from the script's own numbers: env (nvidia-smi
+    and the probe, 2 s grace each), pytest, validate, search, async (KILL grace each) and the two
+    collections of trial records (1 s grace each): 391 s with the committed numbers."""
+    text = (REPO / "experiments" / "gpu_check.sh").read_text()
+    kill = _limit(text, "KILL")
+    total = (_limit(text, "LIMIT_SMI") + 2 + _limit(text, "LIMIT_PROBE") + 2
+             + sum(_limit(text, f"LIMIT_{s}") + kill for s in ("PYTEST", "VALIDATE", "SEARCH", "ASYNC"))
+             + 2 * (_limit(text, "LIMIT_COLLECT") + 1))
+    assert total == 391 <= 400
+    for step in ("pytest", "validate", "search", "async"):   # each step prints its limit when it starts
+        assert re.search(rf'echo "== step {step}: .*\(limit \$LIMIT_{step.upper()} s \+ \$KILL s\)"', text), step
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_copies_every_trial_record_to_out(tmp_path):
+    """The search (objective throughput, budget=0.99, 2 finalists, 3 interleaved repeats) and the
+    async-backend trial on the CPU: every trial directory's result.json ends up in $OUT's
+    gpu_trials.json, and $OUT holds at most the 8 files the device tool brings back. On a loaded
+    2-core machine the search may reach its limit; the records it left are copied all the same."""
+    script = REPO / "experiments" / "gpu_check.sh"
+    out, results = tmp_path / "out", tmp_path / "results"
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_RESULTS": str(results),
+           "GPU_CHECK_STEPS": "search async", "OUT": str(out), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    log = (out / "gpu_check.log").read_text()
+    for step in ("search", "async"):
+        assert re.search(rf"^== step {step}: .*\(limit \d+ s \+ \d+ s\)", log, re.M), step
+    on_disk = {str(p.parent.relative_to(results)) for p in
+               list(results.glob("gpu_search/trials/*/result.json")) + list(results.glob("gpu_async/*/result.json"))}
+    records = json.loads((out / "gpu_trials.json").read_text())
+    assert on_disk and set(records) == on_disk
+    assert any(k.startswith("gpu_search/trials/") for k in records) and "gpu_async/trial" in records
+    assert all("outcome" in r for r in records.values())
+    assert 1 <= len(list(out.iterdir())) <= 8
+
+
+ga = _load("gpu_async_trial")
+
+
+def test_async_trial_verdict_needs_the_backend_in_effect_and_a_spawned_process():
+    conf = "backend:cudaMallocAsync"
+    good = {"outcome": "ok", "extra": {"torch_alloc_conf": conf, "launcher": "spawn"},
+            "settings_effective": {"backend": "cudaMallocAsync"}}
+    assert ga.verdict(good, conf, cuda=True) == (True, "ran ok with the backend in effect")
+    assert not ga.verdict({**good, "settings_effective": {"backend": "native"}}, conf, cuda=True)[0]
+    assert not ga.verdict({**good, "extra": {"torch_alloc_conf": conf, "launcher": "fork"}}, conf, cuda=True)[0]
+    assert not ga.verdict({**good, "extra": {"torch_alloc_conf": "", "launcher": "spawn"}}, conf, cuda=True)[0]
+    failed = ga.verdict({"outcome": "oom", "message": "CUDA out of memory"}, conf, cuda=True)
+    assert failed == (False, "outcome oom: CUDA out of memory")
+    assert ga.verdict({"outcome": "ok", "extra": {"torch_alloc_conf": ""}}, "", cuda=False)[0]   # the CPU dry run
