@@ -718,6 +718,7 @@ class Search:
         ranks the same trials."""
         self.executor.drain(PROBE_ROLES)
         if self.recheck_contradictions():   # e.g. a sampler trial passed above a baseline failure
+            self.planner = self.plan_frontiers()   # learned afresh, without the contradicted result
             self.run_frontier()
         ranked = self._ranked()
         if not ranked:
