@@ -41,13 +41,21 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
         trial_timeout_s=float(t.timeout), min_gain=float(s.min_gain),
         objective=objective, objective_reason=reason, frontier_configs=int(s.frontier_configs),
-        repeats=int(s.repeats), finalists=int(s.finalists), window_s=float(s.get("window", 0.0)),
+        repeats=int(s.repeats), finalists=int(s.finalists), window_s=_window(s.get("window"), device),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
         torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
         execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
         memory_fraction=str(s.get("memory_fraction", "auto")),
     )
+
+
+def _window(value: Any, device: Any) -> float:
+    """``search.window`` in seconds; null: 5 s on a GPU (timing windows long enough to average
+    clock and thermal swings), 0 on the virtual GPU (the CPU's timings decide nothing about a GPU)."""
+    if value is not None:
+        return float(value)
+    return 0.0 if device.simulated else 5.0
 
 
 def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,8 @@ PRELOAD_MODULES = (
     "oomtune.trial.child",
     "oomtune.alloc.sim",
     "oomtune.capture.virtual_gpu",
-    "oomtune.workloads",
+    "oomtune.workloads.loop",
+    "oomtune.workloads.models",
     "oomtune.classify",
 )
 
