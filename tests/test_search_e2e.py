@@ -75,7 +75,10 @@ def _running(proc: subprocess.Popen, err_path) -> bool:
 
 def test_interrupted_search_resumes_from_its_storage(tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "oomtune", "search", *TINY, "search.n_trials=6", f"hydra.run.dir={run_dir}"]
+    # one clean confirmation run per candidate (search.repeats=1): the resume is under test here, and three
+    # interleaved repeats of three candidates (spawned processes) take minutes on a loaded 2-core machine
+    args = [sys.executable, "-m", "oomtune", "search", *TINY, "search.n_trials=6", "search.repeats=1",
+            f"hydra.run.dir={run_dir}"]
     out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
     with open(out_path, "w") as out_f, open(err_path, "w") as err_f:   # files: no pipe to fill while waiting
         proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, text=True)
