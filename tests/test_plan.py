@@ -367,13 +367,14 @@ def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_sur
 @pytest.mark.slow
 def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp_path):
     """find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of
-    64) at 100 MiB: the default allocator fits batch 3 at length 512 on a fresh allocator but runs out
-    of memory in the soak, so its planned batch is the largest that survives (each checked here with
-    the soak itself), while expandable_segments:True keeps its batch."""
+    64) at 200 MiB (found by scanning budgets 60..300 MiB with `oomtune plan` under the fused-SDPA
+    kernels of issue 28): the default allocator fits its largest batch at length 512 on a fresh
+    allocator but runs out of memory in the soak, so its planned batch is the largest that survives
+    (each checked here with the soak itself), while expandable_segments:True keeps its batch."""
     from oomtune.plan.soak import soak
 
     lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
-          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=100MiB", "search.batch_size.low=1",
+          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",
           "search.batch_size.high=16", "search.space.max_split_size_mb=[null]",
           "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
     data = _plan(tmp_path, *lm).to_dict()
