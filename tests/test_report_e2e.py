@@ -125,4 +125,7 @@ def test_report_renders_in_headless_chromium(which, request, tmp_path):
     assert errors == []
     assert len(charts) >= 4, charts
     assert all(c["svg"] >= 1 and c["points"] >= 1 for c in charts), charts
+    if which == "search":   # its trials ran on the meta device (trial.execute=auto): no throughput to chart
+        text = report.read_text()
+        assert "fig-throughput" not in {c["id"] for c in charts} and "no throughput chart" in text
     assert shot.stat().st_size > 50_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

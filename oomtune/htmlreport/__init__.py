@@ -88,6 +88,9 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, say: Any
     if fig is not None:
         figures.append(("throughput", fig, "Filled markers: ran within the limit; open: ran above it. "
                         "Failed trials sit at 0, one symbol per failure class (hover for the message)."))
+    elif data.trials:
+        data.notes.append("no throughput chart: no trial measured a throughput (on the virtual GPU with "
+                          "trial.execute=meta the steps run on the meta device, which times nothing)")
     step_figs, step_note = _step_parts(data)
     figures += step_figs
     fig = timeline_figure(data)

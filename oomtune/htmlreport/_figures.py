@@ -142,12 +142,13 @@ def _drawn(rows: list[dict[str, Any]], winner: str | None, limit: int = MAX_LINE
 
 def throughput_figure(data: Any) -> Any:
     """Measured throughput against batch per configuration (search and baseline trials); failed
-    trials at 0 with one marker symbol per failure class. None without trials."""
+    trials at 0 with one marker symbol per failure class. None when no trial measured a throughput
+    (none ran, or their steps ran on the meta device: ``trial.execute=meta``)."""
     import plotly.graph_objects as go
 
     trials = [t for t in data.trials if t.get("batch_size") is not None and t.get("role") != "confirm"]
-    if not trials:
-        return None
+    if not any(t["outcome"] == "ok" and t.get("throughput") for t in trials):
+        return None   # nothing measured (trial.execute=meta times nothing): no chart of zeros
     confs = sorted({t["alloc_conf"] for t in trials}, key=lambda c: (c != "", c))
     colors = _colors(confs)
     fig = go.Figure()
