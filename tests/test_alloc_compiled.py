@@ -2,8 +2,8 @@
 
 Both paths run ``replay_stream`` on the same streams and settings (``OOMTUNE_PURE_PYTHON=1`` selects
 the Python simulator); the whole ``ReplayResult`` (peaks, every ``memory_stats`` counter, the OOM
-index and message, events replayed) must be equal. Streams: the request streams of every shared
-real trace (../shared/traces, and the copies in tests/data) under their recorded settings and the
+index and message, events replayed) must be equal. Streams: the request streams of every
+real trace in tests/data under their recorded settings and the
 combinations below, and seeded synthetic streams that run out of memory, garbage-collect, release
 cached blocks and use several CUDA streams. Without the extension the tests skip, except under CI
 (``OOMTUNE_REQUIRE_COMPILED=1``, set by .ci/run), where a missing build is a failure.
@@ -21,8 +21,8 @@ from oomtune.alloc import _compiled
 from oomtune.alloc.stream import AllocationStream, replay_stream
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = sorted({p.name: p for d in (REPO.parent / "shared" / "traces", REPO / "tests" / "data")
-                 if d.is_dir() for p in d.glob("*.pickle")}.values())
+#: The real GPU recordings in tests/data (copies of the project's shared traces, tests/data/README.md).
+TRACES = sorted((REPO / "tests" / "data").glob("*.pickle"))
 
 if not _compiled.available():
     if os.environ.get("OOMTUNE_REQUIRE_COMPILED") == "1":

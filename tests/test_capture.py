@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from oomtune.alloc.sim import CachingAllocatorSim
+from oomtune.alloc.stream import AllocationStream
 from oomtune.capture import StorageRecorder, StreamSink, VirtualGPU, capture_stream
 
 F32 = 4
@@ -236,7 +238,6 @@ def test_meta_and_cpu_give_the_same_stream():
 
 
 def test_capture_stream_builds_allocation_stream():
-    pytest.importorskip("oomtune.alloc.stream")
     lin, opt, x = _linear_setup()
 
     def step():
@@ -245,6 +246,7 @@ def test_capture_stream_builds_allocation_stream():
         opt.zero_grad(set_to_none=True)
 
     stream = capture_stream(step, existing=[lin.weight, x], device="meta")
+    assert isinstance(stream, AllocationStream)
     assert len(stream) == 2 + 8   # two registered allocations, then 4 allocs and 4 frees
     assert stream.n_allocs == 6
     assert stream.peak_live_bytes() == 4194304 + 32768 + 4 + 4 + 4194304
@@ -330,8 +332,7 @@ def test_virtual_gpu_enters_once():
 
 
 def _real_sim(total_bytes):
-    sim_mod = pytest.importorskip("oomtune.alloc.sim")
-    return sim_mod.CachingAllocatorSim(total_memory_bytes=total_bytes)
+    return CachingAllocatorSim(total_memory_bytes=total_bytes)
 
 
 def test_virtual_gpu_with_real_simulator_fits():

@@ -1,25 +1,22 @@
 """Capture fidelity against real GPU recordings (issue 15, items 1 and 4).
 
-The recordings are ../shared/traces (or $OOMTUNE_TRACES); tests skip without them. Expected figures
-come from the recordings and from the workload facts in ../shared/traces/README.md (written from the
-public code and the traces, independently of this code); tolerances from
-experiments/results/capture_fidelity.md (every error there is within +-0.4%).
+The recordings are the copies in tests/data (byte-identical to the project's shared traces; see
+tests/data/README.md), so these tests run, and can fail, in any clone. Expected figures come from the
+recordings and from the workload facts in tests/data/README.md (written from the public code and the
+traces, independently of this code); tolerances from experiments/results/capture_fidelity.md (every
+error there is within +-0.4%).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = Path(os.environ.get("OOMTUNE_TRACES", ROOT.parent / "shared" / "traces"))
+TRACES = ROOT / "tests" / "data"
 sys.path.insert(0, str(ROOT / "experiments"))
-
-pytestmark = pytest.mark.skipif(not (TRACES / "lm-ctx128-fullstep.pickle").exists(),
-                                reason=f"shared GPU recordings not found in {TRACES}")
 
 #: The table supports +-0.4% on every peak; the tests allow 1%.
 TOLERANCE = 0.01

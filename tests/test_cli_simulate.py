@@ -110,7 +110,7 @@ def test_several_confs_print_a_table(synthetic, capsys):
 @pytest.mark.parametrize("confs", [["", "expandable_segments:True"],
                                    ["", "expandable_segments:True", "max_split_size_mb:64,roundup_power2_divisions:4"]])
 def test_output_fits_100_columns_at_word_boundaries(confs, monkeypatch, capsys):
-    # the DataParallel trace's device 1: long Budget, OOM and Segment allocs lines (../shared/traces README)
+    # the DataParallel trace's device 1: long Budget, OOM and Segment allocs lines (tests/data/README.md)
     gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
     monkeypatch.setenv("COLUMNS", "100")
     for args in ([], [a for c in confs for a in ("--conf", c)]):
@@ -140,7 +140,6 @@ def test_bad_files_exit_2_one_line(tmp_path, content):
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("oomtune: error: ")
 
 
-@pytest.mark.skipif(not REAL.exists(), reason="real trace not present")
 def test_truncated_real_trace_exit_2(tmp_path):
     data = REAL.read_bytes()
     path = tmp_path / "half.pickle"
@@ -259,8 +258,8 @@ def test_settings_line_names_the_settings_once(tmp_path, capsys, recorded, args,
 
 
 def test_points_to_the_device_that_recorded_the_oom(capsys):
-    # The DataParallel trace was dumped after an out-of-memory error on device 1 (../shared/traces
-    # README); its device 1 trace holds the one `oom` entry, device 0's holds none. A replay of
+    # The DataParallel trace was dumped after an out-of-memory error on device 1 (tests/data/
+    # README.md); its device 1 trace holds the one `oom` entry, device 0's holds none. A replay of
     # device 0 alone must say where the error is; the default replays every device (issue 25).
     gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
     assert main(["simulate", str(gnn), "--device", "0"]) == 0

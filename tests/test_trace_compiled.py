@@ -5,7 +5,7 @@ of oomtune/trace: the starting state (``rebuild_initial_state``), the recorded r
 release runs and oom points (``releases``), the recorded segment events (``compare``), and the seeding
 and replay on the compiled simulator. The Python code is the reference: every result here is the
 Python path's (``OOMTUNE_PURE_PYTHON=1``), never a value the compiled code produced. Inputs: every
-shared real trace under its recorded settings and the variants below, the same traces with their
+real trace in tests/data under its recorded settings and the variants below, the same traces with their
 oldest entries dropped (as a ring buffer of ``max_entries`` drops them, so the starting state holds
 blocks the trace frees without allocating), and seeded synthetic snapshots recorded from the Python
 simulator with several streams, empty_cache, out-of-memory entries and expandable segments.
@@ -29,8 +29,8 @@ from oomtune.trace.releases import oom_points, recorded_reserved_walk, release_r
 from oomtune.trace.replay import default_device
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = sorted({p.name: p for d in (REPO.parent / "shared" / "traces", REPO / "tests" / "data")
-                 if d.is_dir() for p in d.glob("*.pickle")}.values())
+#: The real GPU recordings in tests/data (copies of the project's shared traces, tests/data/README.md).
+TRACES = sorted((REPO / "tests" / "data").glob("*.pickle"))
 
 if not _compiled.available():
     if os.environ.get("OOMTUNE_REQUIRE_COMPILED") == "1":

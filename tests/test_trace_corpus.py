@@ -4,7 +4,7 @@ The figures below were read from the traces themselves (not from any replay): pe
 number of segment_alloc / segment_free / segment_map / segment_unmap / oom entries, the bytes of
 each segment action, the peak reserved (final reserved minus the trace's net segment change, plus
 the largest running total of the trace's segment changes) and the final reserved (sum of the final
-snapshot's ``total_size`` for that device). They agree with shared/traces/README.md where it
+snapshot's ``total_size`` for that device). They agree with tests/data/README.md where it
 quotes them (783 and 782 segment_alloc, 430 / 884 / 742 segment_free, final 58,280 MiB, 12,074 MiB,
 128 MiB). No flag is given to the replay: recorded settings, release rules and the device limit
 are what it finds in the trace.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from oomtune.exceptions import DeviceError
+from oomtune.trial import child
 from oomtune.trial.budget import (
     allowed_allocator_bytes,
     device_peak_bound_bytes,
@@ -70,7 +71,6 @@ def test_whole_device_budget_still_subtracts_the_context():
 # = 9,640 bytes; every one of the 4 parameter tensors is a separate block of at least 512 bytes.
 MLP = {"name": "mlp", "in_features": 64, "hidden": 32, "layers": 1, "num_classes": 10}
 
-child = pytest.importorskip("oomtune.trial.child")
 
 
 @pytest.fixture()
