@@ -8,14 +8,13 @@ worktree is registered) and run with ``PYTHONPATH`` pointing there.
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from _provenance import header as provenance_header  # experiments/ is on sys.path (this module is there)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: main just before issue 13's changes (the code the issue measured).
@@ -52,26 +51,8 @@ def child_env(tree: Path) -> dict[str, str]:
 
 
 def header(script: str, argv: list[str], old_ref: str) -> list[str]:
-    """First lines of a results file: the exact command, the commits, the machine and its load."""
-    try:
-        load = os.getloadavg()
-        load_text = f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    except OSError:
-        load_text = "load average unknown"
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return [
-        f"# command: python experiments/{script} {' '.join(argv)}".rstrip(),
-        f"# commit: {git('rev-parse', '--short', 'HEAD')}{dirty}; compared with old = {old_ref} "
-        f"({git('rev-parse', '--short', f'{old_ref}^{{commit}}')})",
-        f"# date {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; nproc "
-        f"{os.cpu_count()}; {load_text} at start; cpu {cpu}; python {platform.python_version()}; "
-        f"{sys.platform}",
-    ]
+    """First lines of a results file: experiments/_provenance.py's five (command, commit, date,
+    machine, load; it refuses a tree with uncommitted changes), then the old code compared with.
+    Call it when the run starts."""
+    lines = provenance_header(argv=[str(ROOT / "experiments" / script), *argv]).splitlines()
+    return [*lines, f"# compared with: old = {old_ref} ({git('rev-parse', '--short', f'{old_ref}^{{commit}}')})"]

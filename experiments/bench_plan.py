@@ -106,6 +106,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_plan.txt")
     args = parser.parse_args()
+    head = header("bench_plan.py", sys.argv[1:], args.old)   # at the start: refuses a dirty tree, reads the load
     warm_dir = tempfile.mkdtemp(prefix="oomtune-bench-cache-")
     variants = {"new (derived streams, workers)": (ROOT, True, False, False, "off"),
                 "new, warm stream cache": (ROOT, True, False, False, warm_dir),
@@ -130,7 +131,7 @@ def main() -> int:
     identical = all(r["configurations"] == runs[full][0]["configurations"]
                     for r in runs[new] + runs[warm] + runs[single] + runs[pure])
     same_as_old = runs[new][0]["configurations"] == runs[old][0]["configurations"]
-    lines = header("bench_plan.py", sys.argv[1:], args.old)
+    lines = list(head)
     lines += [
         "# oomtune plan, ResNet-50 224x224, batch 8..1024, 16 GiB budget (virtual GPU, simulated), "
         f"{len(runs[new][0]['configurations'])} allocator configurations; median of {args.repeat} fresh "

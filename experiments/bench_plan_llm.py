@@ -134,6 +134,7 @@ def main() -> int:
     parser.add_argument("--no-gpt2", action="store_true", help="leave out the transformers GPT-2 entry")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_plan_llm.txt")
     args = parser.parse_args()
+    head = header("bench_plan_llm.py", sys.argv[1:], args.old)   # at the start: refuses a dirty tree, reads the load
     variants = dict(VARIANTS)
     try:
         import transformers  # noqa: F401
@@ -161,7 +162,7 @@ def main() -> int:
     t_med = statistics.median(torch_s)
     med = {k: {f: statistics.median(r[f] for r in v) for f in FIELDS} for k, v in runs.items()}
     identical = {k: all(r["configurations"] == full[k]["configurations"] for r in runs[k]) for k in variants}
-    lines = header("bench_plan_llm.py", sys.argv[1:], args.old)
+    lines = list(head)
     lines += [
         f"# oomtune plan of LLM-sized workloads, batch 1..128, budget 24 GiB (virtual GPU, simulated), "
         f"{len(runs['gpt2-size'][0]['configurations'])} allocator configurations; each plan a fresh process with "

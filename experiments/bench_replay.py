@@ -135,6 +135,7 @@ def main() -> int:
     ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_replay.txt")
     args = ap.parse_args()
+    head = header("bench_replay.py", sys.argv[1:], args.old)   # at the start: refuses a dirty tree, reads the load
     payload = {"events": args.events, "repeat": args.repeat,
                "traces": [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]}
     runs = {"compiled": (ROOT, False), "pure": (ROOT, True), "old": (old_tree(args.old), True)}
@@ -145,7 +146,7 @@ def main() -> int:
                 prev = res[code].get(work)
                 if prev is None or ("seconds" in r and r["seconds"] < prev.get("seconds", float("inf"))):
                     res[code][work] = r
-    lines = header("bench_replay.py", sys.argv[1:], args.old)
+    lines = list(head)
     lines += ["# events/s by process CPU time of one replay (best of --repeat, x3 for the short request "
               "streams, x 2 processes; one core); virtual GPU (simulated); compiled = the C++ core "
               "(oomtune.alloc._fastcore), pure = OOMTUNE_PURE_PYTHON=1, old = --old; identical = the "

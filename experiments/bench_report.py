@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -28,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
+
 README_COMMAND = ["oomtune", "search", "model=resnet"]
 
 
@@ -65,11 +67,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_report.txt")
     args = parser.parse_args()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    lines = [f"command: python experiments/bench_report.py {' '.join(sys.argv[1:])}".rstrip(),
-             f"commit: {commit}",
-             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"]
+    lines = header().splitlines()   # command, commit, date, machine, load at start
     run_dir = args.run_dir
     if run_dir is None:
         run_dir = ROOT / "runs" / "readme-report"

@@ -17,9 +17,7 @@ Prints a table and writes experiments/results/bench_search_cpu.txt. Run: python 
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
 
 # Every search here captures afresh: no stream cache left by another run (oomtune.plan.stream_cache).
 os.environ["OOMTUNE_CACHE_DIR"] = "off"
@@ -120,12 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="README main command x3, and pruning on vs off")
     ap.add_argument("--skip-pruning", action="store_true", help="only the three main-command runs")
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent.parent).stdout.strip()
-    lines = [f"# command: python experiments/bench_search_cpu.py{' --skip-pruning' if args.skip_pruning else ''}",
-             f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-             f"# machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, "
-             f"python {platform.python_version()}; memory figures simulated (virtual GPU)", ""]
+    lines = [*header().splitlines(), "# memory figures simulated (virtual GPU)", ""]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         runs = [run(["model=resnet"], tmp / f"default-{i}") for i in range(3)]

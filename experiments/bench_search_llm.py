@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "bench_search_llm.txt")
     ap.add_argument("--builtin", action="store_true", help="the built-in transformer of GPT-2's size")
     args = ap.parse_args()
+    head = header()   # at the start: refuses a dirty tree, reads the load
     overrides = (BUILTIN if args.builtin else ENTRY) + COMMON
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     peak = {"sum": 0, "single": 0, "samples": 0}
@@ -110,7 +111,7 @@ def main() -> int:
              f"descendants together {peak['sum'] / gib:.2f} GiB; the largest single process {peak['single'] / gib:.2f} "
              f"GiB; kernel high-water mark of the largest waited-for descendant (ru_maxrss) {maxrss / gib:.2f} GiB",
              "# stderr (progress):", stderr.rstrip(), "# stdout (final table and summary):", stdout.rstrip()]
-    text = header() + "\n".join(lines) + "\n"
+    text = head + "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text, end="")

@@ -16,8 +16,6 @@ wall seconds on this machine (say whether it was loaded). The soak runs on the c
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,9 @@ from pathlib import Path
 import oomtune.plan.soak as soak_module
 from oomtune.alloc import _compiled
 from oomtune.plan.soak import capture_soak, replay_soak
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
 
 GiB = 1 << 30
 TRANSFORMER = {"name": "transformer", "layers": 4, "d_model": 256, "heads": 4, "vocab_size": 8192,
@@ -38,10 +39,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default="experiments/results/bench_soak.txt")
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = [f"# command: python experiments/bench_soak.py --steps {args.steps} --batch {args.batch}",
-             f"# commit: {commit}",
-             f"# machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
+    lines = [*header().splitlines(),
              "# memory: simulated (virtual GPU: 80 GiB device, 8 GiB budget as memory fraction 0.1)",
              "# simulator: " + ("compiled core (oomtune.alloc._fastcore.FastSim)" if _compiled.enabled() else
                                 "pure Python (CachingAllocatorSim: OOMTUNE_PURE_PYTHON=1 or the core not built)"),

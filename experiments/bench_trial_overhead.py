@@ -19,8 +19,6 @@ experiments/results/bench_trial_overhead.txt.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
 import statistics
 import sys
 import tempfile
@@ -66,6 +64,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=4)
     args = ap.parse_args()
+    head = header()   # at the start: refuses a dirty tree, reads the load
     out = Path(__file__).resolve().parent / "results" / "bench_trial_overhead.txt"
     with tempfile.TemporaryDirectory(prefix="oomtune-bench-") as tmp:
         root = Path(tmp)
@@ -84,7 +83,6 @@ def main() -> int:
     fork_mean = statistics.mean(r["launch"] for r in fork_rows)
     lines = [
         "bench_trial_overhead: fixed cost per trial, spawn vs fork server",
-        f"date {dt.datetime.now().isoformat(timespec='seconds')}  nproc {os.cpu_count()}  "
         f"python {sys.version.split()[0]}  torch {torch.__version__}  threads/trial {torch.get_num_threads()}",
         "workload resnet18 image 32 batch 8 on CPU (virtual GPU, 4 GiB), 1 warm-up + 3 measured steps",
         "",
@@ -105,7 +103,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header() + text)
+    out.write_text(head + text)
     return 0
 
 

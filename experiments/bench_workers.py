@@ -220,8 +220,8 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO / "experiments"))
     from _provenance import header
+    head = header().splitlines()   # at the start: refuses a dirty tree, reads the load
     workers = [int(w) for w in args.workers.split(",")]
-    load_before = os.getloadavg()
     pg = PgServer().start()
     try:
         with tempfile.TemporaryDirectory(prefix="oomtune-bench-workers-") as tmp:
@@ -232,9 +232,8 @@ def main() -> None:
     finally:
         pg.stop()
     load_after = os.getloadavg()
-    lines = [*header().splitlines(),
-             f"# machine: {os.cpu_count()} CPUs, load average (1 min) {load_before[0]:.2f} before, "
-             f"{load_after[0]:.2f} after; trials run on the CPU (device=cpu), each sleeps {args.sleep:g} s "
+    lines = [*head,
+             f"# load average (1 min) after: {load_after[0]:.2f}; trials run on the CPU (device=cpu), each sleeps {args.sleep:g} s "
              "and reports; storage: PostgreSQL (throwaway server on 127.0.0.1, fsync off)", "",
              f"scaling: {args.trials} sampler trials, one `oomtune search` with search.workers=N; speed-up = "
              "trial phase at 1 worker / at N (trial phase: first trial's start to last trial's end)",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _provenance import header  # noqa: E402  (the first lines of every results file)
 from fidelity_lm import LazyAdamW, OutOfPlaceAdamW, TransformerLM, course_loss, reference_loss  # noqa: E402
 
 from oomtune.alloc.sim import CachingAllocatorSim  # noqa: E402
@@ -301,10 +301,9 @@ def _fmt(n: int) -> str:
     return f"{n:,}"
 
 
-def render(rows: list[dict[str, Any]], command: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    lines = [f"command: `{command}`", f"commit: {commit}", "",
+def render(rows: list[dict[str, Any]], head: str) -> str:
+    """The results file: ``head`` (experiments/_provenance.py's header), then the table."""
+    lines = [*head.splitlines(), "",
              "Recorded = read from the GPU recording (../shared/traces); predicted = captured on the "
              "meta device by oomtune and replayed on the virtual GPU (simulated). Errors are "
              "(predicted - recorded) / recorded: negative = under-prediction.", "",
@@ -355,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-old", action="store_true",
                     help="also the rows of the capture before this work (no autocast policy, no workspaces)")
     args = ap.parse_args(argv)
+    head = header(argv=None if argv is None else [__file__, *argv])   # at the start: refuses a dirty tree
     names = list(args.only) + ([n for n in WORKLOADS if n not in MAIN] if args.with_old else [])
     rows = [compare(n, args.traces) for n in names]
-    text = render(rows, "python experiments/capture_fidelity.py " + " ".join(sys.argv[1:] if argv is None
-                                                                            else argv))
+    text = render(rows, head)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -30,10 +30,8 @@ Writes experiments/results/compare_peers.txt (first lines: the command and the c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,9 @@ from pathlib import Path
 os.environ["OOMTUNE_CACHE_DIR"] = "off"
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "experiments"))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
+
 RESULTS = REPO / "experiments" / "results" / "compare_peers.txt"
 TOOLS = ("lightning-power", "lightning-binsearch", "accelerate", "oomtune")
 WORKLOADS = {"resnet": ["model=resnet"],   # the README main command's workload (ResNet-18, 64x64)
@@ -264,19 +265,15 @@ def main() -> None:
                else run_lightning(overrides, args.budget, args.peer.split("-", 1)[1]))
         print(json.dumps(out))
         return
+    head = header().splitlines()   # at the start: refuses a dirty tree, reads the load
     _check_recognised()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
     import accelerate
     import lightning
     import torch
 
-    lines = [f"# command: python experiments/compare_peers.py --budget {args.budget} --workloads {args.workloads} "
-             f"--tools {args.tools}" + ("" if Path(args.out).resolve() == RESULTS else f" --out {args.out}"),
-             f"# commit: {commit}; {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}; "
-             f"{platform.node()} ({os.cpu_count()} CPUs); torch {torch.__version__}, lightning "
-             f"{lightning.__version__}, accelerate {accelerate.__version__}; load average "
-             f"{os.getloadavg()[0]:.1f} at start (each tool's in its raw row: load_at_start)",
+    lines = [*head,
+             f"# torch {torch.__version__}, lightning {lightning.__version__}, accelerate {accelerate.__version__}; "
+             "each tool's load average at its start in its raw row (load_at_start)",
              "# all memory figures are SIMULATED (virtual GPU: CPU training, CachingAllocatorSim); wall times "
              "are this machine's CPU",
              "# tries: batch sizes run (peers: in one process; oomtune: trial processes launched); clean run: "

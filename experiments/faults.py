@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=EXPERIMENTS / "results" / "faults.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the scratch directories here")
     args = ap.parse_args(argv)
+    head = header(argv=None if argv is None else [__file__, *argv])   # at the start: refuses a dirty tree
     chosen = [(mod, name, fn) for mod, name, fn in load_scenarios()
               if not args.only or any(o.lower() in name.lower() for o in args.only)]
     if not chosen:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     modules = ", ".join(sorted({mod for mod, _, _ in chosen}))
-    text = (header() + "\n"
+    text = (head + "\n"
             + f"Fault scenarios of {modules}" + (f" (--only {' '.join(args.only)})" if args.only else "")
             + ". Trials lost: finished trials whose result is not in the study at the end (after the "
               "rerun where one is made). Trials run on this machine's CPU (virtual GPU or a sleeping "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,9 @@ from pathlib import Path
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.capture.virtual_gpu import budgeted_sim
 from oomtune.plan.soak import capture_soak, replay_soak
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
 
 MiB = 1 << 20
 DEVICE_BYTES = 80 << 30   # virtual_device_memory's default: the budget is a memory fraction of it
@@ -51,9 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.out is None:
         args.out = f"experiments/results/find_soak_case{'' if args.capture == 'meta' else '_cpu'}.txt"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = [f"# command: python experiments/find_soak_case.py --steps {args.steps} --capture {args.capture}",
-             f"# commit: {commit}", "# all figures simulated (virtual GPU of a CPU trial: 80 GiB device, the budget as memory fraction)",
+    lines = [*header().splitlines(), "# all figures simulated (virtual GPU of a CPU trial: 80 GiB device, the budget as memory fraction)",
              f"# measured steps: {MEASURED} (trial.warmup_steps 1 + trial.measure_steps 3)", ""]
     found, closest = [], None
     # The built-in transformer's defaults (conf/model/transformer.yaml: 4 layers, d_model 256, vocab

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="the trial's limit, seconds")
     p.add_argument("--budget", default="0.99", help="budget= as oomtune reads it (a fraction of the device)")
     args = p.parse_args(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])   # at the start: refuses a dirty tree
     cuda = args.device == "cuda"
     out = Path(args.out_dir).resolve() if args.out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     with TrialRunner(launcher="auto") as runner:
         record = runner.run(spec, workdir=workdir).to_dict()
     ok, why = verdict(record, conf, cuda=cuda)
-    doc = {**provenance(), "device": device.name, "budget_bytes": budget, "alloc_conf": conf,
+    doc = {**prov, "device": device.name, "budget_bytes": budget, "alloc_conf": conf,
            "dry_run": not cuda, "verdict": "PASS" if ok else "FAIL", "why": why, "record": record}
     if not cuda:
         doc["note"] = "dry run on CPU: the virtual GPU cannot run cudaMallocAsync; the native allocator ran instead"

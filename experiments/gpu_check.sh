@@ -70,11 +70,11 @@ copy_out() {
     done
 }
 
-# The first lines of every log written here: the exact command and the commit (issue 14 item 8).
+# The first lines of every log written here, made once at the start (experiments/_provenance.py: command,
+# commit, date, machine, load); with uncommitted changes it prints one line and the check stops (exit 2).
+HEADER=$("$PY" experiments/_provenance.py --command "bash experiments/gpu_check.sh") || exit 2
 hdr() {
-    printf '# command: bash experiments/gpu_check.sh\n# commit: %s (uncommitted changes: %s)\n' \
-        "$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        "$(if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then echo yes; else echo no; fi)"
+    printf '%s\n' "$HEADER"
 }
 
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import header, provenance  # noqa: E402  (command + commit of every results file)
+from _provenance import provenance  # noqa: E402  (command + commit of every results file)
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,14 +120,15 @@ def settings_check(records: list[dict[str, Any]], *, cuda: bool) -> dict[str, An
             "forked_with_non_default_settings": len(forked_custom), "trials": checked}
 
 
-def run_search(overrides: list[str], log_path: Path, timeout_s: float) -> dict[str, Any]:
-    """``python -m oomtune search OVERRIDES`` with its output in ``log_path``; on timeout SIGTERM
-    (the search kills its trials and keeps finished ones), then SIGKILL after 15 s."""
+def run_search(overrides: list[str], log_path: Path, timeout_s: float, head: str = "") -> dict[str, Any]:
+    """``python -m oomtune search OVERRIDES`` with its output in ``log_path`` (after ``head``, the
+    provenance header); on timeout SIGTERM (the search kills its trials and keeps finished ones), then
+    SIGKILL after 15 s."""
     cmd = [sys.executable, "-m", "oomtune", "search", *overrides]
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
-        log.write(header())
+        log.write(head)
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=search_env(), cwd=REPO,
                                 start_new_session=True)
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the search, collect its outputs and check the settings; 0 when best.yaml was written and
     the settings check did not FAIL, else 1."""
     args = _parser().parse_args(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])   # at the start: refuses a dirty tree
+    head = "".join(f"# {k}: {v}\n" for k, v in prov.items())        # experiments/_provenance.py's header
     cuda = args.device == "cuda"
     out = Path(args.out_dir).resolve() if args.out_dir else RESULTS
     run_dir = out / "gpu_search"
@@ -213,20 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*(GPU_OVERRIDES if cuda else CPU_OVERRIDES), f"search.timeout={sampler_s:.0f}",
                  f"hydra.run.dir={run_dir}", *args.overrides]
     print(f"gpu_search: oomtune search {' '.join(overrides)}", flush=True)
-    run = run_search(overrides, out / "gpu_search_search.log", args.timeout)
+    run = run_search(overrides, out / "gpu_search_search.log", args.timeout, head)
     print((out / "gpu_search_search.log").read_text()[-6000:], flush=True)
-    doc: dict[str, Any] = {**provenance(), "overrides": overrides, **run, "notes": []}
+    doc: dict[str, Any] = {**prov, "overrides": overrides, **run, "notes": []}
     rows, why = show_rows(run_dir) if (run_dir / "run.json").is_file() else (None, "no run.json")
     if why:
         doc["notes"].append(why)
     doc["trials"], doc["outcomes"] = rows, outcome_counts(rows)
     if rows is not None:
-        (out / "gpu_search_trials.json").write_text(json.dumps({**provenance(), "trials": rows}, indent=1,
+        (out / "gpu_search_trials.json").write_text(json.dumps({**prov, "trials": rows}, indent=1,
                                                                default=str))
     best = run_dir / "best.yaml"
     doc["best_yaml"] = best.read_text() if best.is_file() else None
     if best.is_file():
-        (out / "gpu_search_best.yaml").write_text(header() + best.read_text())
+        (out / "gpu_search_best.yaml").write_text(head + best.read_text())
     try:
         records, why = stored_records(run_dir)
     except Exception as exc:  # a broken study is reported, not raised

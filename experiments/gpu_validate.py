@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import header as _provenance_header, provenance  # noqa: E402  (command + commit of every results file)
+from _provenance import provenance  # noqa: E402  (command + commit of every results file)
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -577,13 +577,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"gpu_validate: unknown case(s) {sorted(unknown)}", file=sys.stderr)
         return 2
+    prov = provenance(None if argv is None else [__file__, *argv])   # before measuring: refuses a dirty tree
     snaps.mkdir(parents=True, exist_ok=True)
     print(f"gpu_validate: device={args.device} batch={args.batch} steps={args.steps}", flush=True)
     rows, header = run_all(args, snaps)
     summary = {key: summarize([r.get(col) for r in rows]) for key, col in SUMMARIES}
-    doc = {**provenance(), "header": header, "summary": summary, "rows": rows}
+    doc = {**prov, "header": header, "summary": summary, "rows": rows}
     (results / "gpu_validate.json").write_text(json.dumps(doc, indent=1, default=str))
-    (results / "gpu_validate.md").write_text(_provenance_header() + markdown(rows, summary, header))
+    head = "".join(f"# {k}: {v}\n" for k, v in prov.items())   # experiments/_provenance.py's header
+    (results / "gpu_validate.md").write_text(head + markdown(rows, summary, header))
     for key, _ in SUMMARIES:
         s = summary[key]
         print(f"gpu_validate {key}: {s['verdict']} ({s['reason']}); median |error| "

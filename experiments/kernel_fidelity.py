@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "kernel_fidelity.md")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a smoke run; not for the results file)")
     args = ap.parse_args(argv)
-    head = header(prefix="", argv=None if argv is None else [sys.argv[0], *argv])
+    head = header(argv=None if argv is None else [__file__, *argv])   # at the start: refuses a dirty tree
     rec_rows = []
     for name in CF.MAIN:
         if args.quick and name != "lm-medium-ctx512-training":
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     builtin = builtin_rows("GPT-2-small", gpt2, 8, ("a100", "h100", "t4"))
     builtin += builtin_rows("Llama-2-7B shape", llama, 1, ("a100", "h100"))
     builtin += builtin_rows("small (CPU capture too)", SMALL, 8, ("a100",), cpu=True, each=False)
-    text = "\n".join(f"{line}" for line in head.splitlines()) + "\n" + render(rec_rows, builtin)
+    text = head + render(rec_rows, builtin)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "readme_main_command.log")
     ap.add_argument("--keep", type=Path, default=None, help="run in this new directory and keep it")
     args = ap.parse_args()
+    head = header()   # at the start: refuses a dirty tree, reads the load
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         ap.error(f"--keep {args.keep}: the directory must be new or empty (a fresh directory is the point)")
@@ -57,12 +57,11 @@ def main() -> int:
         torch_s += [_import_torch(env), _import_torch(env)]
     t_med = statistics.median(torch_s)
     lines = [f"# oomtune search model=resnet (README main command) in a fresh directory, "
-             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, nproc {os.cpu_count()}, "
              f"exit status {proc.returncode}, wall {wall:.1f} s",
              f"# import torch in a fresh process, same run: median {t_med:.2f} s ({', '.join(f'{x:.2f}' for x in torch_s)}; "
              f"one before, two after): the search took {wall / t_med:.1f}x",
              "# stderr (progress):", proc.stderr.rstrip(), "# stdout (final table and summary):", proc.stdout.rstrip()]
-    text = header() + "\n".join(lines) + "\n"
+    text = head + "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text, end="")

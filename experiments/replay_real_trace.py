@@ -18,6 +18,9 @@ from pathlib import Path
 from oomtune.trace import load_snapshot, rebuild_initial_state, replay_snapshot
 from oomtune.units import MiB, format_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import header  # noqa: E402  (the first lines of every results file)
+
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "cnn-small-default.pickle"
 OUT = Path(__file__).resolve().parent / "results" / "replay_real_trace.txt"
 CONFS = ["", "expandable_segments:True", "max_split_size_mb:20", "max_split_size_mb:64",
@@ -38,17 +41,14 @@ def _row(conf: str, budget: int | None, r) -> str:
 
 
 def main() -> int:
+    head = header().splitlines()   # at the start: refuses a dirty tree, reads the load
     t0 = time.perf_counter()
     snap = load_snapshot(TRACE)
     load_s = time.perf_counter() - t0
     state = rebuild_initial_state(snap)
-    import subprocess
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TRACE.parents[2], capture_output=True,
-                            text=True).stdout.strip()
     lines = [
-        "# command: python experiments/replay_real_trace.py",
-        f"# commit: {commit}; figures: simulated (virtual GPU) vs recorded on device (the trace)",
+        *head,
+        "# figures: simulated (virtual GPU) vs recorded on device (the trace)",
         f"trace: {TRACE.relative_to(TRACE.parents[2])} ({len(snap['device_traces'][0]):,} entries), loaded (restricted unpickler + "
         f"validation) in {load_s * 1000:.1f} ms",
         f"starting state rebuilt: {len(state.segments)} segments "

@@ -71,8 +71,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--old", default="48cfeb3", help="git ref of the code to compare with")
     ap.add_argument("--repeat", type=int, default=5, help="runs per speed figure (median)")
     args = ap.parse_args(argv)
+    lines = header("trace_corpus.py", argv, args.old)   # at the start: refuses a dirty tree, reads the load
     old = old_tree(args.old)
-    lines = header("trace_corpus.py", argv, args.old)
     lines += ["", "## corpus score (default replay, no flags; simulated vs recorded on device)", ""]
     lines.append(f"{'trace':36} {'dev':>3} {'entries':>7} {'events':>9} {'exact':>5}  "
                  f"{'old (' + args.old + ')':40}")
