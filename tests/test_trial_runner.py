@@ -121,7 +121,9 @@ def test_value_error_is_error_with_traceback_tail(tmp_path, fork_runner):
 
 def test_tiny_budget_gives_a_memory_outcome_from_the_child(tmp_path, fork_runner):
     r = fork_runner.run(_spec(budget_bytes=1 * MiB), workdir=tmp_path)
-    assert r.outcome in ("oom", "oom_fragmentation", "fraction_cap"), r.message
+    # a 1 MiB virtual GPU (fraction 1.0): the first parameter's 2 MiB small-pool segment cannot be had
+    # with nothing reserved, so neither fragmentation nor a fraction cap (tests/test_trial.py, same case)
+    assert r.outcome == "oom", r.message
     assert r.memory_source == "simulated"
 
 
@@ -235,4 +237,6 @@ def test_cuda_trial_over_budget_is_a_memory_outcome(tmp_path):
                  workload={"name": "mlp", "in_features": 1 << 15, "hidden": 1 << 14, "layers": 1,
                            "num_classes": 10})
     r = run_trial(spec, workdir=tmp_path)
+    # a real device: fraction cap or plain OOM depends on the card's size and what other processes
+    # hold (the fraction is applied only when the budget is below the card), so any memory class
     assert r.outcome_enum.is_memory, (r.outcome, r.message)
