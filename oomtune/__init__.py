@@ -5,7 +5,10 @@ initialises CUDA):
 
 - :func:`load_best` / :func:`apply_best`: read a tuned best.yaml; set its allocator settings in the
   environment before CUDA initialises.
-- :func:`report`: from a user's training script run by ``target=cmd``, report throughput.
+- :func:`report`: from a user's training script run by ``target=cmd``, report throughput;
+  :func:`launched`: whether oomtune launched this process (a trial); :func:`trial_settings`: what the
+  trial asks (micro-batch, accumulation, ...). The frameworks' one-line integrations are in
+  :mod:`oomtune.integrations`.
 - :class:`AllocatorSettings`, :class:`CachingAllocatorSim`: the allocator model (virtual GPU).
 """
 
@@ -21,6 +24,8 @@ _LAZY = {
     "BestConfig": "oomtune.best",
     "report": "oomtune.script_api",
     "capture_hook": "oomtune.script_api",
+    "launched": "oomtune.script_api",
+    "trial_settings": "oomtune.script_api",
     "AllocatorSettings": "oomtune.alloc.settings",
     "CachingAllocatorSim": "oomtune.alloc.sim",
 }

@@ -8,7 +8,7 @@ Schema (version 1)::
     device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
-           trial_number, metrics_trial_number, memory_fraction}
+           trial_number, metrics_trial_number, memory_fraction, grad_accum, global_batch, activation_checkpointing}
     baseline: {batch_size, alloc_conf, metrics, trial_number, metrics_trial_number} | null
     gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
@@ -16,6 +16,12 @@ Schema (version 1)::
     objective: {name: batch|throughput, reason, at_top_of_range}
     frontiers: [{alloc_conf, predicted_max_batch, measured_max_batch, measured_fail_batch,
                  calibration, probed, twins}]
+
+``batch_size`` is the micro-batch (samples per forward and backward on one rank); ``grad_accum`` the
+micro-batches per optimizer step (1 unless ``search.global_batch`` was set; ``global_batch`` is then
+that global batch) and ``activation_checkpointing`` true/false when the search varied it (null
+otherwise). ``workload.training`` repeats ``grad_accum`` and ``activation_checkpointing`` for the
+checks that re-run or re-trace the workload (``oomtune check``).
 
 Sizes are bytes. ``alloc_conf`` is the exact string for PYTORCH_CUDA_ALLOC_CONF. Trial numbers are
 the study's (``oomtune show``): ``trial_number`` is the trial that won the ranking (its batch size and
@@ -110,6 +116,9 @@ class Choice:
     metrics_trial_number: int | None = None
     predicted_steps: int | None = None   # training steps that prediction replayed (None: 2, before 0.3)
     memory_fraction: float | None = None  # the fraction this answer needs (garbage_collection_threshold)
+    grad_accum: int = 1                  # micro-batches per optimizer step (search.global_batch)
+    global_batch: int | None = None      # samples per optimizer step over all ranks, when fixed
+    activation_checkpointing: bool | None = None   # when the search varied it
 
     def trials_text(self) -> str | None:
         """Which trials this choice comes from, in words (:func:`trials_text`)."""
@@ -157,7 +166,18 @@ class BestConfig:
 
     @property
     def batch_size(self) -> int:
+        """The micro-batch: samples per forward and backward on one rank."""
         return self.best.batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step (1 unless the search kept a global batch)."""
+        return self.best.grad_accum
+
+    @property
+    def activation_checkpointing(self) -> bool | None:
+        """Activation checkpointing of the answer (None: the search did not vary it)."""
+        return self.best.activation_checkpointing
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,6 +245,12 @@ def _choice(data: Any, where: str) -> Choice:
     steps = choice.predicted_steps
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise BestFileError(f"{where}.predicted_steps must be a positive integer or absent, got {steps!r}")
+    accum = choice.grad_accum
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        raise BestFileError(f"{where}.grad_accum must be a positive integer, got {accum!r}")
+    ckpt = choice.activation_checkpointing
+    if ckpt is not None and not isinstance(ckpt, bool):
+        raise BestFileError(f"{where}.activation_checkpointing must be true, false or null, got {ckpt!r}")
     return choice
 
 
@@ -334,8 +360,9 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     without its caching allocator and these settings have no effect (pytorch#145661).
 
     Returns:
-        The loaded :class:`BestConfig` (use ``.batch_size``; ``.memory_fraction`` and
-        ``.memory_fraction_applied``: whether the environment carries it).
+        The loaded :class:`BestConfig`: ``.batch_size`` (the micro-batch), ``.grad_accum``
+        (micro-batches per optimizer step) and ``.activation_checkpointing`` are what to train with;
+        ``.memory_fraction`` and ``.memory_fraction_applied``: whether the environment carries it.
 
     Raises:
         CudaAlreadyInitializedError: ``torch.cuda.is_initialized()`` is already true, or torch was

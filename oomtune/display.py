@@ -297,10 +297,12 @@ def trial_table_legend(rows: list[dict[str, Any]]) -> list[str]:
 
 def describe(trial: Any) -> str:
     """The configuration of a trial in one string: the exact PYTORCH_CUDA_ALLOC_CONF ("(default)"
-    for torch's defaults) plus any searched data-loader settings (``num_workers=2``)."""
+    for torch's defaults) plus any searched data-loader settings (``num_workers=2``) and ``+ckpt``
+    for activation checkpointing on (when searched)."""
     conf = trial.user_attrs.get(R.ATTR_CONF) or "(default)"
     loader = [f"{k[len('data.'):]}={v}" for k, v in sorted(trial.params.items()) if k.startswith("data.")]
-    return " ".join([conf, *loader])
+    ckpt = ["+ckpt"] if trial.params.get("activation_checkpointing") is True else []
+    return " ".join([conf, *loader, *ckpt])
 
 
 def outcome_label(trial: Any, res: Any) -> str:

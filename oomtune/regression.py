@@ -246,7 +246,8 @@ def _search_limit(best: Any) -> tuple[int, str]:
 def _workload(best: Any) -> dict[str, Any]:
     """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
     ``{target}`` for target=python|cmd (their model group is not used), with the target GPU
-    (``device.target_gpu``)."""
+    (``device.target_gpu``) and the answer's training settings (``workload.training``: ``grad_accum``,
+    ``activation_checkpointing``)."""
     target = best.workload.get("target") or {"name": "builtin"}
     if not isinstance(target, dict) or not isinstance(target.get("name"), str):
         raise BestFileError("best.yaml workload.target must be a mapping with a 'name'")
@@ -254,12 +255,15 @@ def _workload(best: Any) -> dict[str, Any]:
     # the GPU the recorded prediction's kernels stood for (device.target_gpu; a best.yaml from before
     # it was recorded: the model group's gpu, else the default)
     extra = {"gpu": gpu["key"], "gpu_source": gpu.get("source", "model.gpu")} if isinstance(gpu, dict) and gpu.get("key") else {}
+    training = best.workload.get("training") or {}
+    if not isinstance(training, dict):
+        raise BestFileError("best.yaml workload.training must be a mapping")
     if target["name"] != "builtin":
-        return {"target": target, **extra}
+        return {"target": target, **extra, **training}
     model = best.workload.get("model")
     if not isinstance(model, dict) or "name" not in model:
         raise BestFileError("best.yaml workload.model must be a mapping with a 'name'")
-    return {**model, **extra, "target": target}
+    return {**model, **extra, **training, "target": target}
 
 
 def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:

@@ -44,6 +44,7 @@ class SearchConf:
     heartbeat_interval: int = 10
     grace_period: int = 30
     batch_size: BatchRangeConf = field(default_factory=BatchRangeConf)
+    global_batch: Optional[int] = None
     space: Dict[str, Any] = field(default_factory=dict)
     data: Dict[str, Any] = field(default_factory=dict)
 
@@ -114,6 +115,8 @@ def validate(cfg: Any) -> None:
     _check(s.workers >= 1, "search.workers", s.workers, "must be >= 1 (trials run at once by this process)")
     _check(s.heartbeat_interval >= 1, "search.heartbeat_interval", s.heartbeat_interval, "must be >= 1 second")
     _check(s.grace_period >= 1, "search.grace_period", s.grace_period, "must be >= 1 second")
+    _check(s.global_batch is None or s.global_batch >= 1, "search.global_batch", s.global_batch,
+           "must be an integer >= 1 (samples per optimizer step, over all ranks), or null")
     _check(t.warmup_steps >= 0, "trial.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.measure_steps >= 1, "trial.measure_steps", t.measure_steps, "must be >= 1")
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")

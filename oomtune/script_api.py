@@ -13,6 +13,15 @@ The results channel is a JSON-lines file named by ``OOMTUNE_RESULT_FILE``; every
 line (``{"event": "report" | "memory" | "oom", ...}``) and the parent
 (:func:`oomtune.targets.cmd.run_cmd_trial`) reads them after the script exits.
 
+With ``OOMTUNE_STREAM_FILE`` set (the parent sets it for every trial), the capture hook also writes
+the allocation stream it fed the virtual GPU (an :class:`oomtune.alloc.stream.AllocationStream`
+file, plus ``<file>.json`` describing it), so the parent can replay the trial's step under every
+allocator configuration without running it again (:mod:`oomtune.plan.recorded`).
+
+The frameworks' integrations (:mod:`oomtune.integrations`) call these for the script: one callback
+or iterator, and :func:`trial_settings` tells them what the trial asks (micro-batch, accumulation,
+activation checkpointing, warm-up and measured steps).
+
 Importing this module costs nothing: it never imports torch. :func:`report` reads memory only from a
 torch that the script already imported (``sys.modules``); :func:`capture_hook` imports torch (it is
 called from torch scripts).
@@ -26,10 +35,12 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["report", "capture_hook", "launched", "CaptureHook", "RESULT_FILE_ENV", "BUDGET_ENV",
-           "BATCH_SIZE_ENV", "DEVICE_ENV", "GPU_ENV"]
+__all__ = ["report", "capture_hook", "launched", "trial_settings", "TrialSettings", "CaptureHook",
+           "RESULT_FILE_ENV", "BUDGET_ENV", "BATCH_SIZE_ENV", "DEVICE_ENV", "GPU_ENV", "GRAD_ACCUM_ENV",
+           "GLOBAL_BATCH_ENV", "CHECKPOINTING_ENV", "STREAM_FILE_ENV", "WARMUP_ENV", "MEASURE_ENV"]
 
 #: The JSON-lines results file the parent reads (set only when oomtune launched the script).
 RESULT_FILE_ENV = "OOMTUNE_RESULT_FILE"
@@ -44,6 +55,16 @@ BATCH_SIZE_ENV = "OOMTUNE_BATCH_SIZE"
 DEVICE_ENV = "OOMTUNE_DEVICE"
 #: The target GPU (``model.gpu``) whose kernels the virtual GPU of :func:`capture_hook` runs.
 GPU_ENV = "OOMTUNE_GPU"
+#: Micro-batches per optimizer step (``{grad_accum}`` in the command; 1 without a global batch).
+GRAD_ACCUM_ENV = "OOMTUNE_GRAD_ACCUM"
+#: The global batch (``search.global_batch``; unset without one).
+GLOBAL_BATCH_ENV = "OOMTUNE_GLOBAL_BATCH"
+#: ``1``/``0``: activation checkpointing on or off (unset when not searched).
+CHECKPOINTING_ENV = "OOMTUNE_ACTIVATION_CHECKPOINTING"
+#: Where the capture hook writes the allocation stream of the trial's steps (unset: not written).
+STREAM_FILE_ENV = "OOMTUNE_STREAM_FILE"
+#: Warm-up and measured optimizer steps of the trial.
+WARMUP_ENV, MEASURE_ENV = "OOMTUNE_WARMUP_STEPS", "OOMTUNE_MEASURE_STEPS"
 
 #: Virtual-GPU capacity when no budget is given: large enough never to run out.
 _UNBOUNDED_SIM_BYTES = 1 << 50
@@ -53,6 +74,76 @@ _ACTIVE: list["CaptureHook"] = []   # the running hook (at most one per process)
 def launched() -> bool:
     """True when oomtune launched this process as a ``target=cmd`` trial (``OOMTUNE_RESULT_FILE`` set)."""
     return bool(os.environ.get(RESULT_FILE_ENV))
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """What an oomtune trial asks of the script (read from its environment, see
+    :func:`trial_settings`).
+
+    Attributes:
+        batch_size: samples per micro-batch on each rank.
+        grad_accum: micro-batches per optimizer step (1 without ``search.global_batch``).
+        global_batch: the global batch (None without one).
+        activation_checkpointing: True/False when the search varies it, None when not.
+        warmup_steps / measure_steps: optimizer steps before timing / timed.
+        device: ``"cpu"`` (the virtual GPU) or ``"cuda"``.
+    """
+
+    batch_size: int
+    grad_accum: int = 1
+    global_batch: int | None = None
+    activation_checkpointing: bool | None = None
+    warmup_steps: int = 1
+    measure_steps: int = 3
+    device: str = "cpu"
+
+
+def _env_int(name: str, default: int | None, minimum: int) -> int | None:
+    from oomtune.exceptions import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={raw!r}: expected an integer >= {minimum} (set by oomtune for its trials)")
+    return value
+
+
+def trial_settings() -> TrialSettings | None:
+    """The trial's settings when oomtune launched this process (None otherwise): ``OOMTUNE_BATCH_SIZE``,
+    ``OOMTUNE_GRAD_ACCUM``, ``OOMTUNE_GLOBAL_BATCH``, ``OOMTUNE_ACTIVATION_CHECKPOINTING``,
+    ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_DEVICE``.
+
+    Raises:
+        ConfigError: a malformed value (not written by oomtune).
+    """
+    if not launched():
+        return None
+    ckpt = os.environ.get(CHECKPOINTING_ENV)
+    return TrialSettings(
+        batch_size=_env_int(BATCH_SIZE_ENV, 1, 1), grad_accum=_env_int(GRAD_ACCUM_ENV, 1, 1),
+        global_batch=_env_int(GLOBAL_BATCH_ENV, None, 1),
+        activation_checkpointing=None if ckpt in (None, "") else ckpt not in ("0", "false", "False"),
+        warmup_steps=_env_int(WARMUP_ENV, 1, 0), measure_steps=_env_int(MEASURE_ENV, 3, 1),
+        device=os.environ.get(DEVICE_ENV, "cpu"))
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) from ``torch.distributed`` when the script initialised it, else (0, 1).
+    Never imports torch (a script that uses distributed training imported it already)."""
+    torch = sys.modules.get("torch")
+    try:
+        dist = torch.distributed if torch is not None else None
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    except Exception:   # a broken process group must not break the report
+        pass
+    return 0, 1
 
 
 def _append(record: dict[str, Any]) -> None:
@@ -92,6 +183,10 @@ def report(samples: int, seconds: float, *, steps: int | None = None,
             optional; gives the data-wait fraction used by the input-bound diagnosis.
         **extra: any JSON-serialisable values, kept in the trial record's ``extra["reported"]``.
 
+    Under ``torch.distributed`` every rank may report; the parent counts the samples of each
+    rank's lines (the integrations report the global samples from rank 0 only, so that they are
+    counted once), and each line carries its ``rank`` and ``world_size``.
+
     Returns None. Does nothing (no error, no torch import) when oomtune did not launch the script.
     Memory peaks are added from the running :func:`capture_hook` (``"simulated"``) or, when the
     script initialised CUDA, from ``torch.cuda.memory_stats()`` (``"device"``).
@@ -102,8 +197,9 @@ def report(samples: int, seconds: float, *, steps: int | None = None,
     """
     if not launched():
         return None
+    rank, world = rank_and_world()
     record: dict[str, Any] = {
-        "event": "report", "time": time.time(),
+        "event": "report", "time": time.time(), "rank": rank, "world_size": world,
         "samples": _number("samples", samples, positive=False),
         "seconds": _number("seconds", seconds, positive=True),
         "steps": None if steps is None else int(_number("steps", steps, positive=False)),
@@ -141,8 +237,9 @@ class _RecordingSim:
     get placeholder addresses and never raise.
     """
 
-    def __init__(self, sim: Any) -> None:
+    def __init__(self, sim: Any, hook: Any = None) -> None:
         self.sim = sim
+        self.hook = hook
         self.pid = os.getpid()
         self._foreign = 0
 
@@ -155,6 +252,8 @@ class _RecordingSim:
         try:
             return self.sim.malloc(size_bytes, stream=stream)
         except torch.OutOfMemoryError as exc:
+            if self.hook is not None:
+                self.hook._oom = True
             _append({"event": "oom", "time": time.time(), "message": str(exc),
                      "requested_bytes": getattr(exc, "requested_bytes", None),
                      "memory": {"source": "simulated", "stats": self.sim.memory_stats()}})
@@ -180,6 +279,11 @@ class CaptureHook:
         self.sim: Any = None
         self.reason = reason
         self._vgpu: Any = None
+        self._tee: Any = None
+        self._oom = False
+        #: the framework's precision setting (``bf16``, ``fp16``, ``bf16-mixed``, ...) when an integration
+        #: knows it: written with the recorded stream, for captures that follow the GPU's autocast policy
+        self.precision: str | None = None
         if reason is None:
             self._start(tensors)
 
@@ -200,10 +304,45 @@ class CaptureHook:
         else:
             self.sim = make_simulator(AllocatorSettings.parse(conf), total_memory_bytes=_UNBOUNDED_SIM_BYTES)
         self._pid = os.getpid()
-        self._vgpu = VirtualGPU(_RecordingSim(self.sim), device="cpu", gpu=os.environ.get(GPU_ENV) or None)
+        if os.environ.get(STREAM_FILE_ENV):
+            from oomtune.capture.recorder import StreamSink
+
+            self._tee = StreamSink()
+        self._recording_sim = _RecordingSim(self.sim, self)
+        self._vgpu = VirtualGPU(self._recording_sim, device="cpu", gpu=os.environ.get(GPU_ENV) or None, tee=self._tee)
         _ACTIVE.append(self)
         self._vgpu.__enter__()
         self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
+
+    def register(self, *tensors: Any) -> int:
+        """Allocate the storages of tensors that exist already and are not yet on the virtual GPU
+        (each storage once; e.g. an optimizer's state created before the hook): returns how many.
+        Does nothing when inactive.
+
+        Raises:
+            torch.OutOfMemoryError: they do not fit (simulated).
+        """
+        if self._vgpu is None:
+            return 0
+        flat: list[Any] = []
+        for t in tensors:
+            flat += list(t) if isinstance(t, (list, tuple)) else [t]
+        return self._vgpu.register(flat)
+
+    def _write_stream(self) -> None:
+        """Write the recorded stream and its marks (``OOMTUNE_STREAM_FILE`` and ``<file>.json``),
+        unless the run ran out of memory (an incomplete stream would mislead the predictions)."""
+        path = os.environ.get(STREAM_FILE_ENV)
+        if not path or self._tee is None or self._oom:
+            return
+        rank, world = rank_and_world()
+        if rank > 0:   # rank 0's stream stands for the trial (data-parallel ranks run the same step)
+            path = f"{path}.rank{rank}"
+        self._tee.to_stream().save(path)
+        meta = {"format": "oomtune-recorded-stream", "version": 1, "source": "capture_hook (cpu)",
+                "rank": rank, "world_size": world, "events": len(self._tee.events), "precision": self.precision}
+        with open(path + ".json", "w", encoding="utf-8") as f:
+            json.dump(meta, f)
 
     def stop(self) -> None:
         """Stop recording and write the final memory peaks as a ``memory`` line (idempotent)."""
@@ -213,8 +352,10 @@ class CaptureHook:
         vgpu.__exit__(None, None, None)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        _append({"event": "memory", "time": time.time(),
+        rank, world = rank_and_world()
+        _append({"event": "memory", "time": time.time(), "rank": rank, "world_size": world,
                  "memory": {"source": "simulated", "stats": self.sim.memory_stats()}})
+        self._write_stream()
 
     def __enter__(self) -> "CaptureHook":
         return self

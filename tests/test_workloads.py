@@ -177,14 +177,14 @@ def test_capture_workload_on_meta_counts_parameters_and_state():
 def test_capture_workload_falls_back_to_cpu(monkeypatch):
     from oomtune.workloads import loop
 
-    real_step = loop.Workload.step
+    real_backward = loop.Workload.backward
 
-    def step(self, batch):
+    def backward(self, batch, scale=1.0):
         if self.device.type == "meta":
             raise NotImplementedError("aten::fancy: no meta kernel")
-        return real_step(self, batch)
+        return real_backward(self, batch, scale)
 
-    monkeypatch.setattr(loop.Workload, "step", step)
+    monkeypatch.setattr(loop.Workload, "backward", backward)
     wl = build_capture_workload(MLP, 2)
     assert wl.device.type == "cpu"
     assert "aten::fancy" in wl.fallback_reason

@@ -77,11 +77,14 @@ class _EngineOnFailure:
 
 
 class _SimSink:
-    """Forwards recorded requests to a simulator, keeping ``key -> address``."""
+    """Forwards recorded requests to a simulator, keeping ``key -> address``; ``tee`` (a
+    :class:`~oomtune.capture.recorder.StreamSink` or None) also receives every request the simulator
+    accepted, so the request stream can be written out (``oomtune.capture_hook``)."""
 
-    def __init__(self, sim: Any, stream: int) -> None:
+    def __init__(self, sim: Any, stream: int, tee: Any = None) -> None:
         self.sim = sim
         self.stream = stream
+        self.tee = tee
         self.addr: dict[int, int] = {}
         self.n_mallocs = 0
         self.n_frees = 0
@@ -90,6 +93,8 @@ class _SimSink:
         addr = self.sim.malloc(size_bytes, stream=self.stream)  # may raise the simulated OOM
         self.addr[key] = addr
         self.n_mallocs += 1
+        if self.tee is not None:
+            self.tee.on_alloc(key, size_bytes)
 
     def on_free(self, key: int) -> None:
         addr = self.addr.pop(key, None)
@@ -97,6 +102,8 @@ class _SimSink:
             return
         self.sim.free(addr)
         self.n_frees += 1
+        if self.tee is not None:
+            self.tee.on_free(key)
 
 
 class VirtualGPU:
@@ -126,6 +133,8 @@ class VirtualGPU:
             default: only the requests the enclosed code makes itself).
         gpu: the target GPU whose kernels the enclosed code runs (a ``GpuTarget`` or ``model.gpu``
             value; None: the default, :data:`oomtune.capture.gpu_target.DEFAULT_GPU`).
+        tee: a :class:`~oomtune.capture.recorder.StreamSink` that also receives every request the
+            simulator accepted (``on_alloc``/``on_free``, recorder keys), or None.
 
     Raises:
         torch.OutOfMemoryError: (the simulator's subclass) from :meth:`register` or from inside the
@@ -142,13 +151,13 @@ class VirtualGPU:
     """
 
     def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0,
-                 blas_workspaces: Any = None, gpu: Any = None) -> None:
+                 blas_workspaces: Any = None, gpu: Any = None, tee: Any = None) -> None:
         if isinstance(blas_workspaces, str) and blas_workspaces == "default":
             from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
 
             blas_workspaces = BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
         self.sim = sim
-        self._sink = _SimSink(sim, stream)
+        self._sink = _SimSink(sim, stream, tee)
         self.recorder = StorageRecorder(self._sink, device=device, blas_workspaces=blas_workspaces)
         self._workspaces_pending = getattr(blas_workspaces, "n_existing", 0)
         self._entered = False

@@ -137,7 +137,10 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     # torch is imported by the workload check: bad input exits at once
     validate(cfg)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
-    workload = {**C.to_container(cfg.model), "target": C.to_container(cfg.target)}
+    target = C.to_container(cfg.target)
+    # the model group describes built-in workloads only (a python entry builds its own model)
+    workload = ({**C.to_container(cfg.model), "target": target} if target.get("name", "builtin") == "builtin"
+                else {"target": target})
     from oomtune.plan.stream_cache import cacheable, default_cache
 
     store = default_cache()
@@ -153,7 +156,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     gpu = target_from_workload(workload)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     space = SearchSpace.from_config(cfg.search)
-    grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg))
+    choices = space.batch_choices()   # a global batch: its micro-batches only
+    grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())
     if not settings:
         from oomtune.exceptions import ConfigError
@@ -167,16 +171,32 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from oomtune.workloads.shapes import worst_shape_workload
 
     worst = worst_shape_workload(workload)
-    predictor = Predictor(worst, sim_geometry(device, budget_bytes), steps=trial_steps(cfg.trial),
-                          workers=default_workers(), cache=store, read_cache=cache)
+    geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
+    if space.global_batch is None:
+        predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,
+                              read_cache=cache)
+    else:   # one micro-batch per step at the top, two (accumulating) below: PredictorVariants
+        from oomtune.plan.variants import PredictorVariants
+
+        predictor = PredictorVariants(worst, lambda w: Predictor(w, geometry, steps=steps, cache=store,
+                                                                 read_cache=cache),
+                                      grad_accum_of=space.grad_accum_for)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}
     say = _printer(console)
     sized = "" if device.simulated else f"{device.name}'s capacity, "   # not "(virtual GPU (CPU), ..."
-    say(f"oomtune plan: {workload['name']} on the virtual GPU ({sized}budget {format_bytes(budget_bytes)}, "
-        f"limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), {len(settings)} allocator "
-        f"configurations x batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)")
+    from oomtune.trial._base import target_for
+
+    batches = (f"batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)" if choices is None else
+               f"micro-batch {', '.join(map(str, grid))} of global batch {space.global_batch}")
+    say(f"oomtune plan: {target_for(workload).label(workload)} on the virtual GPU ({sized}budget "
+        f"{format_bytes(budget_bytes)}, limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), "
+        f"{len(settings)} allocator configurations x {batches}")
     say(f"target GPU: {gpu.describe()}: attention, dropout, mixed precision and optimizers run its kernels")
+    if space.checkpointing is not None:
+        say("note: plan maps the workload as configured (activation checkpointing "
+            f"{'on' if workload.get('activation_checkpointing') else 'off'}); the search also varies "
+            "search.space.activation_checkpointing")
     if skipped:
         say(f"note: skipping {len(skipped)} backend:cudaMallocAsync configuration(s): the virtual GPU "
             "simulates only the native caching allocator (measure them with oomtune search on a GPU)")
@@ -191,7 +211,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
             say(note)
     with _capture_progress(console, len(settings)) as on_row:
         fmap = build_plan(predictor, settings, grid, workload=workload, device=dev, limit_bytes=limit_bytes,
-                          headroom=headroom, on_row=on_row)
+                          headroom=headroom, on_row=on_row, dense=choices is None)
     fmap.skipped = skipped
     if worst is not workload:
         _soak_plan(fmap, workload, worst, predictor, int(cfg.trial.soak_steps), grid[0], say)
@@ -204,7 +224,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if fmap.cached:
         source = (f"{source}, all read from the stream cache {predictor.cache.directory}" if fmap.cached == fmap.captures
                   else f"{source}, {fmap.cached} of them read from the stream cache {predictor.cache.directory}")
-    elif predictor.cache is not None and not unwritable:
+    elif getattr(predictor, "cache", None) is not None and not unwritable:
         source = f"{source}, kept in the stream cache {predictor.cache.directory}"
     say(f"capture {fmap.capture_s:.2f} s ({fmap.captures} batch sizes on {source}"
         f"{f', {fmap.derived} more derived' if fmap.derived else ''}), replay "

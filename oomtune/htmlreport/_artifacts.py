@@ -89,9 +89,9 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     from oomtune.htmlreport._step import synthesise_snapshot, write_step_snapshot
 
     target = (workload.get("target") or {}).get("name", "builtin")
-    if target not in ("builtin", "python"):
-        return [f"report: no predicted frontier or winner's step for target={target} (a command cannot be "
-                "captured without running it)"]
+    if target not in ("builtin", "python") and predictor is None:
+        return [f"report: no predicted frontier or winner's step for target={target} (its trials recorded no "
+                "allocation streams to replay, and a command cannot be captured without running it)"]
     data = gather(run_dir)
     captured = predictor is not None
     if predictor is None:
@@ -102,12 +102,19 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": "simulated"}
+    ckpt = best.get("activation_checkpointing")
+    variant = {} if ckpt is None else {"checkpointing": ckpt}
     if captured and space is not None:
         # The search predicted every configuration's frontier with this predictor (plan's code, same
-        # grid): the whole map is in its cache, so this is plan.yaml's map at no capture cost.
-        grid = grid_batches(space.batch_low, space.batch_high)
-        fmap = build_plan(predictor, space.all_settings(), grid, workload=workload, device=dev,
-                          limit_bytes=limit_bytes, headroom=headroom)
+        # grid): the whole map is in its cache, so this is plan.yaml's map at no capture cost. With
+        # activation checkpointing searched, the map is the winner's (on or off).
+        choices = space.batch_choices()
+        grid = choices if choices is not None else grid_batches(space.batch_low, space.batch_high)
+        grid = [b for b in grid if getattr(predictor, "can_predict", lambda b, **kw: True)(b, **variant)]
+        settings_list = [{**m, **({} if ckpt is None else {"activation_checkpointing": ckpt})}
+                         for m in space.all_settings()]
+        fmap = build_plan(predictor, settings_list, grid, workload=workload, device=dev,
+                          limit_bytes=limit_bytes, headroom=headroom, dense=choices is None)
         rows = fmap.rows
     else:
         grid = frontier_batches(data.trials, best.get("batch_size"), captured=captured)
@@ -128,9 +135,11 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     write_plan(fmap, run_dir / FRONTIER_FILE)
     notes = [f"wrote {run_dir / FRONTIER_FILE} (predicted frontier: {len(rows)} configurations x "
              f"{len(grid)} batch sizes, simulated)"]
-    if best.get("batch_size"):
+    can = getattr(predictor, "can_predict", lambda b, **kw: True)
+    if best.get("batch_size") and can(int(best["batch_size"]), **variant):
         geometry = sim_geometry(device, budget_bytes)
-        snap = synthesise_snapshot(predictor.stream(int(best["batch_size"])), best.get("alloc_conf") or "",
+        stream = predictor.stream(int(best["batch_size"]), **variant)
+        snap = synthesise_snapshot(stream, best.get("alloc_conf") or "",
                                    total_memory_bytes=int(geometry["total_memory_bytes"]),
                                    memory_fraction=float(geometry["memory_fraction"]))
         write_step_snapshot(run_dir / STEP_FILE, snap)

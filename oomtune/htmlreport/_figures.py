@@ -146,7 +146,8 @@ def throughput_figure(data: Any) -> Any:
     (none ran, or their steps ran on the meta device: ``trial.execute=meta``)."""
     import plotly.graph_objects as go
 
-    trials = [t for t in data.trials if t.get("batch_size") is not None and t.get("role") != "confirm"]
+    # confirmations repeat candidates; recordings (role record) train another accumulation than the candidates
+    trials = [t for t in data.trials if t.get("batch_size") is not None and t.get("role") not in ("confirm", "record")]
     if not any(t["outcome"] == "ok" and t.get("throughput") for t in trials):
         return None   # nothing measured (trial.execute=meta times nothing): no chart of zeros
     confs = sorted({t["alloc_conf"] for t in trials}, key=lambda c: (c != "", c))

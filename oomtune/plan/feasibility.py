@@ -100,7 +100,7 @@ def split_simulable(settings_list: Sequence[dict[str, Any]]) -> tuple[list[dict[
         if mapping.get("backend") in (None, "native"):
             kept.append(mapping)
         else:
-            set_keys = {k: v for k, v in mapping.items() if v is not None}
+            set_keys = {k: v for k, v in mapping.items() if v is not None and k != CHECKPOINTING_KEY}
             skipped.append(AllocatorSettings.from_mapping(set_keys).render())
     return kept, skipped
 
@@ -252,12 +252,13 @@ def grid_batches(low: int, high: int, explicit: Sequence[int] | None = None) -> 
     return sorted(out)
 
 
-def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int]) -> int | None:
+def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int], *, dense: bool = True) -> int | None:
     """The largest batch ``b`` in ``[grid[0], grid[-1]]`` with ``fits(b)``, assuming ``fits`` is
     monotone (True up to some batch, False above).
 
     Scans the sorted ``grid`` upward until the first failure, then bisects between the last fitting
-    grid point and that failure: O(len(grid) + log2(gap)) calls of ``fits``.
+    grid point and that failure: O(len(grid) + log2(gap)) calls of ``fits``. ``dense=False``: only the
+    grid's own values are batch sizes (the micro-batches of a global batch): no bisection between them.
 
     Returns:
         the batch size, or None when ``fits(grid[0])`` is False.
@@ -273,7 +274,7 @@ def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int]) -> int | N
             break
     if last_ok is None:
         return None
-    if first_bad is None:
+    if first_bad is None or not dense:
         return last_ok
     lo, hi = last_ok, first_bad  # fits(lo), not fits(hi)
     while hi - lo > 1:
@@ -285,36 +286,50 @@ def largest_fitting(fits: Callable[[int], bool], grid: Sequence[int]) -> int | N
     return lo
 
 
-def frontier_row(predictor: Any, mapping: dict[str, Any], grid: Sequence[int], limit_bytes: int | None) -> PlanRow:
+#: A configuration key that is not an allocator key: activation checkpointing (a training setting,
+#: ``search.space.activation_checkpointing``), predicted by another variant of the workload
+#: (:class:`oomtune.plan.variants.PredictorVariants`).
+CHECKPOINTING_KEY = "activation_checkpointing"
+
+
+def frontier_row(predictor: Any, mapping: dict[str, Any], grid: Sequence[int], limit_bytes: int | None, *,
+                 dense: bool = True) -> PlanRow:
     """One configuration's predicted frontier: the grid cells and the largest batch that fits
     (:func:`largest_fitting` over ``grid``, exact by bisection), as ``oomtune plan`` and the search's
     frontier probes (:mod:`oomtune.search.frontier`) both compute it.
 
     Args:
-        predictor: a :class:`oomtune.plan.predictor.Predictor`.
-        mapping: allocator key -> value (None = unset); must be simulable (:func:`split_simulable`).
+        predictor: a :class:`oomtune.plan.predictor.Predictor` (or
+            :class:`oomtune.plan.variants.PredictorVariants` when ``mapping`` has
+            ``activation_checkpointing``).
+        mapping: allocator key -> value (None = unset); must be simulable (:func:`split_simulable`);
+            may also hold ``activation_checkpointing``.
         grid: sorted batch sizes (:func:`grid_batches`).
         limit_bytes: as in :func:`build_plan`.
+        dense: False when only the grid's batch sizes are allowed (a global batch's micro-batches).
 
     Raises:
         AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload.
     """
     from oomtune.alloc.settings import AllocatorSettings
 
-    settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items() if v is not None})
+    settings = AllocatorSettings.from_mapping({k: v for k, v in mapping.items()
+                                               if v is not None and k != CHECKPOINTING_KEY})
+    variant = {"checkpointing": mapping[CHECKPOINTING_KEY]} if mapping.get(CHECKPOINTING_KEY) is not None else {}
 
     def cell(b: int) -> PlanCell:
-        return PlanCell.of(predictor.predict_detail(b, settings), limit_bytes)
+        return PlanCell.of(predictor.predict_detail(b, settings, **variant), limit_bytes)
 
     cells = [cell(b) for b in grid]
-    best = largest_fitting(lambda b: cell(b).fits, grid)
+    best = largest_fitting(lambda b: cell(b).fits, grid, dense=dense)
     at_max = None if best is None else cell(best)
     return PlanRow(settings.render(), {k: v for k, v in mapping.items() if v is not None}, cells, best, at_max)
 
 
 def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Sequence[int], *,
                workload: dict[str, Any], device: dict[str, Any], limit_bytes: int | None = None,
-               headroom: float = 0.0, on_row: Callable[[PlanRow], None] | None = None) -> FeasibilityMap:
+               headroom: float = 0.0, on_row: Callable[[PlanRow], None] | None = None,
+               dense: bool = True) -> FeasibilityMap:
     """Predict every configuration at every grid batch and bisect its largest fitting batch.
 
     Args:
@@ -328,6 +343,8 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
             completes and its predicted peak reserved is <= this. None: completing is enough.
         headroom: recorded in plan.yaml with the limit.
         on_row: called after each configuration (progress).
+        dense: False when only the grid's batch sizes are allowed (a global batch's micro-batches:
+            no bisection between them).
 
     Raises:
         AllocatorConfigError: a combination torch would reject. ConfigError: a bad workload, or no
@@ -345,10 +362,12 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
     if int(getattr(predictor, "workers", 1)) > 1 and len(kept) > 1:   # spread over processes
         from oomtune.plan._spread import rows_forked
 
-        rows = rows_forked(predictor, kept, grid, limit_bytes, on_row, frontier_row)
+        import functools
+
+        rows = rows_forked(predictor, kept, grid, limit_bytes, on_row, functools.partial(frontier_row, dense=dense))
     else:
         for mapping in kept:
-            rows.append(frontier_row(predictor, mapping, grid, limit_bytes))
+            rows.append(frontier_row(predictor, mapping, grid, limit_bytes, dense=dense))
             if on_row is not None:
                 on_row(rows[-1])
     return FeasibilityMap(

@@ -73,7 +73,9 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     creates it before measuring), the autograd thread's comes at the first backward matmul. Off for
     simulated (CPU) trials, whose virtual GPU sees only the step's own requests.
 
-    A built-in workload of fixed shapes captures at most 2 steps: steps 3, 4, ... repeat step 2's
+    A step is one optimizer step: with ``grad_accum`` > 1, two micro-batches and the update
+    (:func:`oomtune.workloads.loop.prediction_workload`: more micro-batches repeat the second's
+    requests). A built-in workload of fixed shapes captures at most 2 steps: steps 3, 4, ... repeat step 2's
     requests (:func:`oomtune.plan.derive.repeat_steady_step`, which checks that step 2 is
     self-contained, else every step is captured); tests/test_plan_derive.py compares the result
     with a capture of every step.
@@ -98,15 +100,26 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     from oomtune.capture.gpu_target import target_from_workload
     from oomtune.capture.recorder import HostMemoryError, capture_stream
     from oomtune.plan.derive import repeat_steady_step
+    from oomtune.workloads.loop import prediction_workload
 
     gpu = target_from_workload(model_cfg)
+    model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
     reason = None
     for device in ("meta", "cpu"):
         notes: list[Any] = []
         host_limit = None if device == "meta" else cpu_capture_limit_bytes()
         try:
             with emulate_cuda(gpu):   # the workload too: fused=True optimizers check the device at construction
-                wl = _build(model_cfg, batch_size, device)
+                try:
+                    wl = _build(model_cfg, batch_size, device)
+                except (NotImplementedError, RuntimeError) as exc:
+                    if device == "cpu" or not _is_python_target(model_cfg):
+                        raise
+                    # e.g. a data generator reading a tensor's value (Tensor.item() has no meaning on meta)
+                    reason = (f"the workload cannot be built on meta ({str(exc).splitlines()[0][:160]}): captured "
+                              "on cpu; make make_workload's model and batches from shapes only to capture on meta")
+                    say_now(f"note: batch {batch_size}: {reason}")
+                    continue
                 shapes = getattr(getattr(wl, "spec", None), "shapes", None)
                 repeat = steps > 2 and not _is_python_target(model_cfg) and bool(getattr(shapes, "is_fixed", False))
 
@@ -114,7 +127,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
                     batches = wl.batches()
                     workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
                                   if blas_workspaces else None)
-                    return capture_stream(lambda: wl.step(next(batches)), existing=wl.tensors_before_step(),
+                    return capture_stream(lambda: wl.train_step(batches), existing=wl.tensors_before_step(),
                                           device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends,
                                           gpu=gpu, notes=notes, host_limit_bytes=host_limit)
 
@@ -194,7 +207,7 @@ def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     from oomtune.targets import target_name
 
     if target_name(model_cfg) == "python":
-        return python_target_workload(model_cfg["target"], batch_size, device)
+        return python_target_workload(model_cfg["target"], batch_size, device, workload=model_cfg)
     from oomtune.workloads import build_workload
 
     cfg = {k: v for k, v in model_cfg.items() if k != "target"}
@@ -202,12 +215,15 @@ def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     return build_workload(cfg, batch_size, device)
 
 
-def python_target_workload(target: dict[str, Any], batch_size: int, device: str) -> Any:
+def python_target_workload(target: dict[str, Any], batch_size: int, device: str, *,
+                           workload: dict[str, Any] | None = None) -> Any:
     """The user's ``make_workload`` (:func:`oomtune.targets.python_entry.build_user_workload`), called
     under ``with torch.device(device)`` so that what it creates without an explicit device lands on
     ``device`` directly (on meta: no host memory for the model, parameters on the capture device so
     the optimizer state is recorded). The first batch is taken out and counted as alive before the
     step, as the built-ins' static batch: the inputs occupy device memory during the step.
+    ``workload``: the whole workload mapping, for its training keys (``grad_accum``,
+    ``activation_checkpointing``).
 
     Raises:
         ConfigError: as ``build_user_workload`` (bad entry, protocol not followed).
@@ -218,8 +234,13 @@ def python_target_workload(target: dict[str, Any], batch_size: int, device: str)
 
     from oomtune.targets.python_entry import build_user_workload
 
+    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+
+    workload = workload or {}
+    ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
     with torch.device(device):
-        wl = build_user_workload(target, batch_size, device)
+        wl = build_user_workload(target, batch_size, device, grad_accum=grad_accum_of(workload),
+                                 activation_checkpointing=ckpt)
         first = next(wl.batches())
     # Workload.tensors_before_step() reports _static_batch; batches() then yields it first again.
     wl._static_batch = first
@@ -356,6 +377,11 @@ class Predictor:
             return None
         notes = self._deriver.notes()
         return "; ".join(notes) if notes else None
+
+    def can_predict(self, batch_size: int, **_: Any) -> bool:
+        """Whether a stream can be had for ``batch_size``: always (it is captured when needed);
+        recorded-stream predictors (:mod:`oomtune.plan.recorded`) answer otherwise."""
+        return True
 
     def prepare(self, batch_sizes: Any) -> None:
         """Make the captures that let the most of ``batch_sizes`` (all that will be asked) be derived

@@ -132,9 +132,15 @@ class SoakResult:
 
 def soak_supported(workload_cfg: Mapping[str, Any]) -> bool:
     """Whether the soak can run ``workload_cfg``: a built-in workload (``target`` absent or
-    ``builtin``); user factories (``python``) and commands (``cmd``) have no shape distribution."""
+    ``builtin``), or a python entry that declares a shape distribution (``target.seq_len`` /
+    ``target.image_size`` with ``make_batch``: :mod:`oomtune.targets.python_entry`). Commands
+    (``cmd``) and python entries without one are not soaked."""
     target = workload_cfg.get("target")
     name = target.get("name", "builtin") if isinstance(target, Mapping) else "builtin"
+    if name == "python":
+        from oomtune.workloads.shapes import entry_shape_distribution
+
+        return entry_shape_distribution(target).key is not None
     return name == "builtin"
 
 
@@ -161,11 +167,14 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
     from oomtune.exceptions import ConfigError
 
     if not soak_supported(workload_cfg):
-        raise ConfigError("the soak replays built-in workloads (target=builtin) only")
+        raise ConfigError("the soak replays built-in workloads and python entries with a declared shape "
+                          "distribution (target.seq_len / target.image_size) only")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"soak steps must be an integer >= 1, got {steps!r}")
-    cfg = {k: v for k, v in workload_cfg.items() if k != "target"}
-    cfg["data"] = {"source": "synthetic"}
+    cfg = dict(workload_cfg)
+    if (cfg.get("target") or {}).get("name", "builtin") == "builtin":
+        cfg = {k: v for k, v in cfg.items() if k != "target"}
+        cfg["data"] = {"source": "synthetic"}
     if capture_device not in ("meta", "cpu"):
         raise ConfigError(f"soak capture device {capture_device!r}: expected meta or cpu")
     t0 = time.perf_counter()
@@ -189,7 +198,8 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
 
 def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
     """Capture on ``device`` (``meta`` or ``cpu``), running the target GPU's kernels
-    (:func:`oomtune.capture.cuda_kernels.emulate_cuda`, ``cfg["gpu"]``)."""
+    (:func:`oomtune.capture.cuda_kernels.emulate_cuda`, ``cfg["gpu"]``): a built-in workload, or a
+    python entry built under ``with torch.device(device)`` (what it creates without a device lands there)."""
     from oomtune.capture.cuda_kernels import emulate_cuda
     from oomtune.capture.gpu_target import target_from_workload
 
@@ -198,11 +208,20 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, d
 
 
 def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
+    import torch
+
     from oomtune.capture.recorder import capture_stream
     from oomtune.capture.gpu_target import target_from_workload
-    from oomtune.workloads import build_workload
 
-    wl = build_workload(cfg, batch_size, device)
+    if "target" in cfg:
+        from oomtune.trial._base import target_for
+
+        with torch.device(device):
+            wl = target_for(cfg).build_workload(cfg, batch_size, device)
+    else:
+        from oomtune.workloads import build_workload
+
+        wl = build_workload(cfg, batch_size, device)
     dist = wl.spec.shapes
     shapes = dist.sequence(batch_size, steps)
     # Step 1 exactly as the live trial runs it: what exists is registered, then one step of the

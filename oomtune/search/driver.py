@@ -65,6 +65,9 @@ def _disk_full_text(result: TrialResult) -> bool:
 
 _TrialErrored = TrialErrored  # raised inside the objective so Optuna records an error/crash trial as FAIL
 
+#: Batch sizes a target that records its streams may record before giving up on a model of them.
+_MAX_ANCHORS = 5
+
 #: For role=confirm: which repetition of the confirmation of one trial (0, 1, ...), so that
 #: repeated clean-process runs of one candidate are distinct candidates for the workers.
 ATTR_REPEAT = "repeat"
@@ -104,6 +107,7 @@ class SearchOptions:
     execute: str = "cpu"              # resolved trial.execute: meta | cpu (virtual GPU), device, command
     host_available_bytes: int | None = None   # /proc/meminfo MemAvailable (the smoke test's check)
     memory_fraction: str = "auto"     # search.memory_fraction: auto (budget as a fraction) | off (none)
+    probe_unpredicted: bool = False   # without predictions, try every configuration (objective batch)
 
 
 @dataclass
@@ -125,6 +129,8 @@ class SearchSummary:
     at_top_of_range: bool = False
     notes: list[str] = field(default_factory=list)
     execute: str = "cpu"                 # where the virtual GPU's trials ran their steps: meta | cpu
+    configs_known: tuple[int, int] = (0, 0)   # configurations predicted or tried, of all (oomtune.search.frontier)
+    global_batch: int | None = None
 
 
 class Search:
@@ -142,10 +148,14 @@ class Search:
                  confirm_runner: Any, workdir: Path, predict: Callable[[Candidate], int | None] | None = None,
                  predictor: Any = None, prune_margin: float | None = 0.10,
                  on_trial: Callable[[Any, str], None] | None = None, say: Callable[[str], None] | None = None,
-                 slots: Sequence[str] | None = None, poll_s: float = 0.5):
+                 slots: Sequence[str] | None = None, poll_s: float = 0.5,
+                 recording: Callable[[dict[int, Any], int, Callable[[int], bool]], Any] | None = None):
         self.space, self.opt = space, options
         self.runner, self.confirm_runner, self.workdir = runner, confirm_runner, workdir
         self.predict, self.predictor, self.prune_margin = predict, predictor, prune_margin
+        # (recordings, steps, the batch sizes they stand for) -> a predictor over them (target=cmd)
+        self.recording = recording
+        self.recording_note: str | None = None
         self.on_trial = on_trial or (lambda trial, role: None)
         self.say = say or (lambda text: None)
         self.limit = R.MemoryLimit(options.budget_bytes, options.headroom)
@@ -181,7 +191,7 @@ class Search:
         scale = max(1.0, (self.opt.warmup_steps + steps) / (self.opt.warmup_steps + self.opt.measure_steps))
         timeout_s = self.opt.trial_timeout_s * scale + window_s
         return TrialSpec(
-            workload=cand.apply_data(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
+            workload=cand.apply(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.warmup_steps, measure_steps=steps,
             timeout_s=timeout_s, smaller_batch_succeeded=smaller_ok, measure_seconds=window_s,
@@ -252,6 +262,13 @@ class Search:
 
     def _evaluate(self, trial: Any, cand: Candidate, role: str, predicted: int | None) -> float:
         self._local.role = role
+        if role == "record":   # a recording, not a candidate: on an unbounded virtual GPU (the requests
+            # do not depend on the allocator or the budget), so that it completes whatever the budget
+            import dataclasses
+
+            spec = dataclasses.replace(self._spec(cand), budget_bytes=None, limit_bytes=None)
+            result = self.runner.run(spec, workdir=self.workdir / f"trial-{trial.number:04d}", **self._trial_env())
+            return self._tell(trial, result)
         if role == "confirm":
             # the throughput objective times its confirmation runs over a window of seconds, not steps
             window = self.opt.window_s if self.opt.objective == "throughput" else 0.0
@@ -348,7 +365,8 @@ class Search:
         for ``confirm_steps`` (repeats of one candidate are told apart by :data:`ATTR_REPEAT`)."""
         items, seen = [], Counter()
         for i, cand in enumerate(cands):
-            this_role = "baseline" if role == "frontier" and cand.alloc_conf == "" else role
+            default = cand.alloc_conf == "" and not cand.activation_checkpointing
+            this_role = "baseline" if role == "frontier" and default else role
             attrs: dict[str, Any] = dict(extra_attrs[i]) if extra_attrs is not None else {}
             if role == "confirm":
                 confirms = self._confirms.get(cand)
@@ -365,7 +383,13 @@ class Search:
         role = trial.user_attrs.get(R.ATTR_ROLE, "search")
         with one_transaction(trial):  # one storage round trip: the candidate's parameters and what it is
             cand = self.space.suggest(trial, batch_low=self._batch_low if role == "search" else None)
-            predicted = self._describe(trial, cand, role)
+            if role == "record" and self.space.global_batch is not None:   # two micro-batches (_record_streams)
+                import dataclasses
+
+                cand = dataclasses.replace(cand, grad_accum=2)
+            predicted = self._describe(trial, cand, role) if role != "record" else None
+            if role == "record":
+                set_trial_attrs(trial, {R.ATTR_CONF: cand.alloc_conf})
         return self._evaluate(trial, cand, role, predicted)
 
     def _trial_env(self) -> dict[str, Any]:
@@ -464,33 +488,167 @@ class Search:
     def _peak(self, batch: int, params: dict[str, Any]) -> tuple[int, bool] | None:
         from oomtune.plan.predictor import simulable
 
-        settings = self.space.candidate(batch, params).settings
+        cand = self.space.candidate(batch, params)
+        settings = cand.settings
         if self.predictor is None or not simulable(settings):
             return None
-        pred = self.predictor.predict_detail(batch, settings)
+        variant = {} if cand.activation_checkpointing is None else {"checkpointing": cand.activation_checkpointing}
+        if hasattr(self.predictor, "can_predict") and not self.predictor.can_predict(batch, **variant):
+            return None
+        pred = self.predictor.predict_detail(batch, settings, **variant)
         return int(pred.peak_reserved_bytes), bool(pred.fits)
 
+    def anchor_batches(self) -> list[int]:
+        """The batch sizes that may be recorded first (the default allocator): the smallest allowed
+        ones (with a global batch, of those that accumulate), cheap to run; three are recorded, more
+        (up to :data:`_MAX_ANCHORS`) only while the recordings do not determine a model (the smallest
+        batch can run other code); the affine model derives the others from them."""
+        from oomtune.plan.feasibility import grid_batches
+
+        choices = self.space.batch_choices()
+        if choices is None:
+            return grid_batches(self.space.batch_low, self.space.batch_high)[:_MAX_ANCHORS]
+        return [b for b in choices if self.space.grad_accum_for(b) > 1][:_MAX_ANCHORS]
+
+    def _recorded_accum(self, batch: int) -> int:
+        """Micro-batches per step of the recordings the predictor stands on (1 without a global
+        batch; 2 with one: :meth:`_record_streams`); 0 for a batch they do not stand for."""
+        if self.space.global_batch is None:
+            return 1
+        return 2 if self.space.grad_accum_for(batch) > 1 else 0
+
+    def _recorded(self, trial: Any, accum: int) -> tuple[int, Any] | None:
+        """(batch, stream) of a finished trial's recorded allocation stream when it ran ``accum``
+        micro-batches per step; None when it recorded none (or ran another accumulation)."""
+        from oomtune.exceptions import ConfigError
+        from oomtune.plan.recorded import load_recording
+
+        res = R.result_of(trial)
+        path = None if res is None else (res.extra or {}).get("stream_file")
+        if not path or res.outcome != Outcome.OK.value:
+            return None
+        ran = int((res.extra or {}).get("grad_accum") or 1)
+        if ran != accum:
+            return None
+        try:
+            stream, _ = load_recording(path)
+        except ConfigError:
+            return None
+        return int(trial.params["batch_size"]), stream
+
+    def _record_streams(self) -> Any | None:
+        """Trials that record their step's allocation stream (``target=cmd``): run the default
+        allocator at the anchor batch sizes (:meth:`anchor_batches`) and make a predictor of their
+        recordings (``recording``); None, with ``recording_note`` saying why, when fewer than three
+        recorded or the recordings do not determine the others.
+
+        Without a global batch the anchors are baseline probes (role ``baseline``). With one, they run
+        two micro-batches per step whatever the global batch (role ``record``: not candidates), so that
+        every recording has one structure and the model stands for every micro-batch that
+        accumulates, as a capture does (:func:`oomtune.workloads.loop.prediction_workload`)."""
+        anchors = self.anchor_batches()
+        if len(anchors) < 3:
+            self.recording_note = (f"only {len(anchors)} batch sizes to record: the allocator configurations are "
+                                   "probed by trials")
+            return None
+        accum = 1 if self.space.global_batch is None else 2
+        # without a global batch the anchors are the default allocator's first baseline probes; with one,
+        # and for the other activation checkpointing values, recordings (role record: not candidates)
+        steps = self.opt.warmup_steps + self.opt.measure_steps
+        members: dict[Any, Any] = {}
+        recorded: list[int] = []
+        for ckpt in (self.space.checkpointing or [None]):
+            role = "frontier" if accum == 1 and not ckpt else "record"
+            params = {} if ckpt is None else {"activation_checkpointing": ckpt}
+            got: dict[int, Any] = {}
+            predictor, failed, done = None, [], 0
+            while done < len(anchors) and not failed:
+                batch_of = anchors[done:3] if done == 0 else anchors[done:done + 1]
+                trials = self._run_batch([self.space.candidate(b, params) for b in batch_of], role)
+                done += len(batch_of)
+                for b, t in zip(batch_of, trials):
+                    r = self._recorded(t, accum)
+                    if r is not None:
+                        got[r[0]] = r[1]
+                    elif R.result_of(t) is None or R.result_of(t).outcome != Outcome.OK.value:
+                        failed.append(b)
+                if failed or len(got) < 3:
+                    break
+                predictor = self.recording(got, steps, lambda b: self._recorded_accum(b) == accum)
+                if predictor.usable:
+                    break
+            what = "" if ckpt is None else f" (activation checkpointing {'on' if ckpt else 'off'})"
+            if len(got) < 3 or predictor is None:
+                why = (f"the default allocator did not run batch {', '.join(map(str, failed))}{what} within the "
+                       "budget" if failed else "the command recorded no allocation stream (call "
+                       "oomtune.capture_hook() or use an integration, oomtune.integrations)")
+                self.recording_note = f"no predictions: {why}; every allocator configuration is probed by trials"
+                return None
+            if not predictor.usable:
+                self.recording_note = (f"no predictions{what}: {predictor.derivation_note}; every allocator "
+                                       "configuration is probed by trials")
+                return None
+            members[ckpt] = predictor
+            recorded += sorted(got)
+        per_step = "" if accum == 1 else ", two micro-batches per step"
+        self.recording_note = (f"recorded the allocation streams of batch {', '.join(map(str, recorded))} "
+                               f"(default allocator{per_step}, on the virtual GPU"
+                               + (", with and without activation checkpointing" if len(members) > 1 else "")
+                               + "); the other batch sizes are derived from them")
+        if list(members) == [None]:
+            return members[None]
+        from oomtune.plan.recorded import RecordedVariants
+
+        return RecordedVariants(members)
+
+    def _learn_recording(self, planner: FrontierPlanner, trial: Any) -> None:
+        """A probe's own recording checks the stream derived for its batch size; a difference stops
+        the predictions (the remaining probes go by trials: :meth:`FrontierPlanner.drop_predictions`)."""
+        if self.predictor is None or not hasattr(self.predictor, "add_recording") or planner.peak is None:
+            return
+        batch = int(trial.params["batch_size"])
+        got = self._recorded(trial, self._recorded_accum(batch))
+        if got is None:
+            return
+        ckpt = trial.params.get("activation_checkpointing")
+        if not self.predictor.add_recording(*got, **({} if ckpt is None else {"checkpointing": ckpt})):
+            self.say(f"note: {self.predictor.derivation_note}; the remaining configurations are probed by trials")
+            planner.drop_predictions()
+
     def plan_frontiers(self) -> FrontierPlanner:
-        """Every configuration's predicted frontier (simulated), before any device trial."""
+        """Every configuration's predicted frontier (simulated), before any device trial. For a target
+        whose trials record their allocation streams (``recording``), the default allocator's trials
+        at three small batch sizes come first and the predictions replay their recordings."""
         low, high = self.space.batch_low, self.space.batch_high
+        choices = self.space.batch_choices()
+        if self.predictor is None and self.recording is not None:
+            self.predictor = self._record_streams()
         if self.predictor is not None:
-            configs = predicted_frontiers(self.predictor, self.space.all_settings(), low, high,
-                                          self.limit.limit_bytes)
+            configs = predicted_frontiers(self.predictor, self.space.all_configs(), low, high,
+                                          self.limit.limit_bytes, choices=choices)
+        elif self.opt.probe_unpredicted:
+            from oomtune.alloc.settings import AllocatorSettings
+
+            configs = [ConfigFrontier(dict(m), AllocatorSettings.from_mapping(
+                {k: v for k, v in m.items() if v is not None and k != "activation_checkpointing"}).render(), None)
+                for m in self.space.all_configs()]
         else:
-            default = {k: v for k, v in self.space.default(1).params}
+            default = self.space.default(1).config
             configs = [ConfigFrontier(default, "", None)]
         for c in configs:  # data-loader defaults travel with each probe
             c.params.update({f"data.{k}": v for k, v in self.space.default(1).data})
         return FrontierPlanner(configs, low, high, self.limit.limit_bytes, peak=self._peak if self.predictor else None,
                                max_configs=self.opt.frontier_configs, precision=self.opt.baseline_precision,
-                               boundary_all=self.opt.objective == "throughput")
+                               boundary_all=self.opt.objective == "throughput", choices=choices,
+                               probe_unpredicted=self.predictor is None and self.opt.probe_unpredicted)
 
     def _learn(self, planner: FrontierPlanner, trial: Any, *, probe: bool) -> None:
         """Record one finished trial into its configuration's frontier (calibration included)."""
         res = R.result_of(trial)
         if res is not None and trial.number in self._contradicted_numbers:
             return   # a re-run of the same candidate passed: this result is not believed
-        c = planner.find(trial.user_attrs.get(R.ATTR_CONF, "")) if res is not None else None
+        c = (planner.find(trial.user_attrs.get(R.ATTR_CONF, ""), trial.params.get("activation_checkpointing"))
+             if res is not None else None)
         if c is None or res.outcome_enum.is_fault or R.ATTR_REUSED in trial.user_attrs \
                 or res.outcome == Outcome.PREDICTED_INFEASIBLE.value or c.alloc_conf != res.alloc_conf:
             return
@@ -537,17 +695,18 @@ class Search:
                 round_ = round_[:1]
             cands = [self.space.candidate(batch, c.params) for c, batch in round_]
             for (c, batch), trial in zip(round_, self._run_batch(cands, "frontier")):
+                self._learn_recording(planner, trial)
                 self._learn(planner, trial, probe=True)
                 c.force_next = None
                 res = R.result_of(trial)
                 if res is None or not res.outcome_enum.is_fault:
                     continue
-                if c.is_default and batch <= self.space.batch_low:
+                if c.is_default and batch <= planner.bottom:
                     raise SetupFault(f"the workload fails at batch {batch} with the default allocator "
                                      f"({res.outcome}): {res.message}")
                 if c.is_default and c.ok_max is None:
                     c.probes += 1
-                    c.force_next = self.space.batch_low  # an error, not memory: does the smallest batch run?
+                    c.force_next = planner.bottom  # an error, not memory: does the smallest batch run?
                 else:
                     c.selected = False  # an error, not a memory answer: stop probing this configuration
             self._recalibrate(planner)
@@ -675,6 +834,10 @@ class Search:
     def _candidate_of(self, trial: Any) -> Candidate:
         params = {k: v for k, v in trial.params.items() if k != "batch_size"}
         return self.space.candidate(trial.params["batch_size"], params)
+
+    def candidate_of(self, trial: Any) -> Candidate:
+        """The search Candidate a trial ran (its batch size, settings, accumulation, checkpointing)."""
+        return self._candidate_of(trial)
 
     def _confirm_runs(self, trials: list[Any], times: int, *, interleave: bool = False) -> dict[int, list[Any]]:
         """Clean-process runs of each trial's candidate, ``times`` each (finished ones count: resume).
@@ -805,11 +968,14 @@ class Search:
                 saved += 1
             else:
                 launched += 1
-        top = best is not None and best.params["batch_size"] >= self.space.batch_high
+        top = best is not None and best.params["batch_size"] >= self.space.top_batch
         return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
                              gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
-                             at_top_of_range=top, execute=self.opt.execute)
+                             at_top_of_range=top, execute=self.opt.execute,
+                             configs_known=self.planner.predicted_or_tried() if self.planner else (0, 0),
+                             global_batch=self.space.global_batch,
+                             notes=[self.recording_note] if self.recording_note else [])
 
 
 def _config_key(trial: Any) -> tuple:

@@ -79,15 +79,20 @@ def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> fl
     return float(fraction) if isinstance(fraction, (int, float)) and 0 < fraction < 1 else None
 
 
-def _choice(trial: Any, res: TrialResult, confirmed: bool, measured_in: int | None, mode: str = "auto") -> Choice:
+def _choice(trial: Any, res: TrialResult, confirmed: bool, measured_in: int | None, mode: str = "auto",
+            space: Any = None) -> Choice:
     settings = {k: v for k, v in trial.params.items()
-                if k != "batch_size" and not k.startswith("data.") and v is not None}
+                if k not in ("batch_size", "activation_checkpointing") and not k.startswith("data.") and v is not None}
     conf = trial.user_attrs.get(R.ATTR_CONF, "")
-    return Choice(batch_size=int(trial.params["batch_size"]), alloc_conf=conf,
+    batch = int(trial.params["batch_size"])
+    accum = space.grad_accum_for(batch) if space is not None else 1
+    return Choice(batch_size=batch, alloc_conf=conf,
                   settings=settings, metrics=_metrics(res), confirmed=confirmed,
                   predicted_peak_reserved_bytes=trial.user_attrs.get(R.ATTR_PREDICTED),
                   trial_number=trial.number, metrics_trial_number=measured_in,
-                  memory_fraction=answer_fraction(res, conf, mode))
+                  memory_fraction=answer_fraction(res, conf, mode), grad_accum=accum,
+                  global_batch=None if space is None else space.global_batch,
+                  activation_checkpointing=trial.params.get("activation_checkpointing"))
 
 
 def measured_in(trials: list[Any], winner: Any, result: TrialResult | None, confirmed: bool) -> int | None:
@@ -112,14 +117,24 @@ def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     return model
 
 
-def _workload_record(workload: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: Any = None) -> dict[str, Any]:
     """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
-    loader settings), {target} for target=python|cmd."""
+    loader settings), {target} for target=python|cmd; plus ``training`` (the winner's
+    ``grad_accum`` and ``activation_checkpointing``) when the search set them."""
+    from oomtune.workloads.loop import TRAINING_KEYS
+
     target = workload["target"]
-    if target.get("name") != "builtin":
-        return {"target": target}
-    model = {k: v for k, v in workload.items() if k != "target"}
-    return {"model": _with_loader(model, params), "target": target}
+    training = {}
+    if space is not None:
+        cand = space.candidate(params["batch_size"], {k: v for k, v in params.items() if k != "batch_size"})
+        training = {k: v for k, v in cand.apply({}).items() if k in TRAINING_KEYS}
+    out: dict[str, Any] = {"target": target}
+    if target.get("name") == "builtin":
+        model = {k: v for k, v in workload.items() if k != "target" and k not in TRAINING_KEYS}
+        out = {"model": _with_loader(model, params), "target": target}
+    if training:
+        out["training"] = training
+    return out
 
 
 def _target_gpu(workload: dict[str, Any]) -> dict[str, Any]:
@@ -154,20 +169,23 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json"))
     mode = str(cfg.search.get("memory_fraction", "auto"))
     best = _choice(summary.best, summary.best_result, summary.confirmed,
-                   measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode)
+                   measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode, space)
     baseline = None
     if summary.baseline is not None:
-        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number, mode)
+        baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number, mode,
+                           space)
     gain = summary.gain  # confirmation figures against the baseline's (oomtune.search.driver)
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
         # workload and compares against exactly this number.
-        best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf)
-        best.predicted_steps = predictor.steps
+        variant = {} if best.activation_checkpointing is None else {"checkpointing": best.activation_checkpointing}
+        if getattr(predictor, "can_predict", lambda b, **kw: True)(best.batch_size, **variant):
+            best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf, **variant)
+            best.predicted_steps = predictor.steps
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        workload=_workload_record(workload, summary.best.params),
+        workload=_workload_record(workload, summary.best.params, space),
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
@@ -186,14 +204,15 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     path = write_recorded_best(study, config, run_dir / "best.yaml")
     best = load_best(path).best  # the study's recorded choice (another worker's when it was first)
     if summary.frontiers:
-        console.print(fit_table(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated),
-                                console.width))
+        console.print(fit_table(frontier_table(summary.frontiers, best.alloc_conf, simulated=device.simulated,
+                                               best_ckpt=best.activation_checkpointing), console.width))
         for line in frontier_legend(summary.frontiers):
             console.print(line, highlight=False, markup=False)
     from oomtune.display import wrapped
 
-    lines = summary_lines(summary, best, baseline, simulated=device.simulated,
-                          confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high))
+    lines = list(summary.notes)
+    lines += summary_lines(summary, best, baseline, simulated=device.simulated,
+                           confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high))
     if summary.verdict is not None and summary.verdict.input_bound:
         lines += [f"input-bound: {summary.verdict.reason}",
                   f"advice: {summary.verdict.advice} (a bigger batch will not help)"]
@@ -238,7 +257,8 @@ def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path) -> str:
     return text + ("; " + "; ".join(advice) if advice else "")
 
 
-def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = True) -> Any:
+def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = True,
+                   best_ckpt: bool | None = None) -> Any:
     """Per allocator configuration (abbreviated: :func:`oomtune.display.short_conf`): the predicted
     frontier (largest batch within the limit on the virtual GPU) and the measured one (``352``:
     exact; ``>=456``: no failure measured above; ``<456``: failed there; ``-``: not probed), measured
@@ -258,10 +278,11 @@ def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = Tr
         table.add_column(name, justify=justify, overflow="fold")
     for c in sorted(frontiers, key=lambda c: (-(c.predicted or 0), c.n_keys)):
         cal = c.calibration() if (c.ratios or c.ratio_floor) else None
-        table.add_row(short_conf(c.alloc_conf), "-" if c.predicted is None else str(c.predicted),
+        name = short_conf(c.alloc_conf) + (" +ckpt" if getattr(c, "checkpointing", None) else "")
+        table.add_row(name, "-" if c.predicted is None else str(c.predicted),
                       c.measured_text(), "-" if cal is None else f"{cal:.3f}",
                       f"+{len(c.twins)}" if c.twins else "",
-                      style="bold green" if c.alloc_conf == best_conf else None)
+                      style="bold green" if c.alloc_conf == best_conf and c.checkpointing == best_ckpt else None)
     return table
 
 
@@ -275,6 +296,8 @@ def frontier_legend(frontiers: list[Any]) -> list[str]:
              "  N: exact (N fits, N+1 not); >=N: N fits, none above tried; <N: failed at N; A..B: between"]
     if any(c.twins for c in frontiers):
         lines += [FOLD_LEGEND, "  (not probed; named in best.yaml frontiers[].twins)"]
+    if any(getattr(c, "checkpointing", None) for c in frontiers):
+        lines.append("+ckpt: with activation checkpointing")
     used = conf_legend([c.alloc_conf for c in frontiers] + [t for c in frontiers for t in c.twins])
     if used:
         lines += legend_lines("config: ", used + "; default = torch's defaults")
@@ -289,7 +312,14 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
     src = m["memory_source"]
     speed = "" if m.get("throughput") is None else f"{m['throughput']:.1f} samples/s ({'CPU' if simulated else 'device'}), "
     figures = f"{speed}peak reserved {format_bytes(m['peak_reserved_bytes'])} ({src})"
-    head = f"best: batch {best.batch_size}, {best.alloc_conf or 'the default allocator'}"
+    if best.global_batch is not None:
+        head = (f"best: micro-batch {best.batch_size} x {best.grad_accum} accumulation step"
+                f"{'s' if best.grad_accum != 1 else ''} (global batch {best.global_batch}), ")
+    else:
+        head = f"best: batch {best.batch_size}, "
+    if best.activation_checkpointing is not None:
+        head += f"activation checkpointing {'on' if best.activation_checkpointing else 'off'}, "
+    head += best.alloc_conf or "the default allocator"
     if best.trial_number is not None:
         head += f" (trial {best.trial_number})"
     if best.confirmed:  # the figures are the clean-process confirmation's, a trial of its own
@@ -304,6 +334,7 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
                      "garbage_collection_threshold acts only under a fraction < 1); oomtune.apply_best and "
                      "oomtune env apply it with the settings")
     gain = summary.gain or {}
+    known, total = getattr(summary, "configs_known", (0, 0))
     if baseline is not None and gain.get("same_configuration"):
         lines.append(f"no allocator gain: the answer is the baseline's own configuration "
                      f"({best.alloc_conf or 'the default allocator'}) at batch {best.batch_size}")
@@ -312,8 +343,21 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
             lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
                          f"{gain['batch_size_ratio']:.2f}x batch ({best.batch_size} vs {baseline.batch_size}) "
                          f"within the same budget ({src} memory)")
-        else:
+        elif summary.at_top_of_range and best.batch_size == baseline.batch_size:
+            top = ("the whole global batch in one micro-batch" if best.global_batch is not None
+                   else "the top of the searched range")
+            lines.append(f"the default allocator already fits batch {baseline.batch_size}, {top}: no allocator "
+                         "setting can show a larger batch here")
+        elif not total:
             lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size}")
+        elif known < total:
+            lines.append(f"no allocator setting tried fits a batch above {baseline.batch_size}; {total - known} of "
+                         f"{total} configurations were not predicted at every batch size nor tried, so a larger batch "
+                         "with them is not ruled out")
+        else:
+            how = "predicted on the virtual GPU or tried" if known else "tried"
+            lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size} "
+                         f"(all {total} configurations {how})")
     elif baseline is not None and gain.get("objective") == "throughput":
         w, b = gain.get("candidate") or gain["winner"], gain["baseline"]
         noise = (f"{w['mean']:.1f} [{min(w['throughputs']):.1f}-{max(w['throughputs']):.1f}] vs "
@@ -326,7 +370,9 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
             lines.append(f"the default allocator won: no allocator setting beat it beyond the measured noise "
                          f"({noise})")
     lines.append(f"objective: {summary.objective} ({summary.objective_reason})")
-    if summary.at_top_of_range:
+    if summary.at_top_of_range and best.global_batch is not None:
+        lines.append(f"note: micro-batch {best.batch_size} is the whole global batch per rank (no accumulation)")
+    elif summary.at_top_of_range:
         lines.append(f"note: batch {best.batch_size} is the top of the searched range: raise "
                      f"search.batch_size.high (e.g. search.batch_size.high={2 * batch_high}) to look further")
     return lines

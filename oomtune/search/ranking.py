@@ -47,9 +47,10 @@ def resolve_objective(setting: str, *, simulated: bool) -> tuple[str, str]:
 
 
 def n_keys(trial: Any) -> int:
-    """Allocator keys set in a trial's configuration (0: torch's defaults)."""
+    """Allocator keys set in a trial's configuration (0: torch's defaults), plus one for activation
+    checkpointing on (a setting that costs recomputation must earn its place as a key does)."""
     conf = trial.user_attrs.get(R.ATTR_CONF) or ""
-    return 0 if not conf else conf.count(",") + 1
+    return (0 if not conf else conf.count(",") + 1) + (1 if trial.params.get("activation_checkpointing") is True else 0)
 
 
 def batch_rank_key(trial: Any) -> tuple:

@@ -47,6 +47,7 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
         execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
         memory_fraction=str(s.get("memory_fraction", "auto")),
+        probe_unpredicted=objective == "batch",
     )
 
 
@@ -70,7 +71,8 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> No
     """Refuse, before anything starts, a search that could launch no trial at all (issue 23 item 4):
     the batch objective has no sampler, so its trials are the frontier probes; without the baseline
     (``search.baseline=false``) those are the ``search.frontier_configs`` configurations the virtual
-    GPU predicts above the default, and there are none without a prediction (``target=cmd``,
+    GPU predicts above the default, and there are none without a prediction (``target=cmd``: its
+    predictions come from the default allocator's recorded trials, which are the baseline;
     ``search.prune=off``) or with ``search.frontier_configs=0``. Likewise the throughput objective
     with no baseline, no frontier configurations and ``search.n_trials=0``.
 
@@ -238,6 +240,11 @@ class _Prepared:
         self.dropped_gc = (self.space.drop_garbage_collection()
                            if str(cfg.search.get("memory_fraction", "auto")) == "off" else [])
         self.workload = workload_of(cfg)   # builds the model on meta: imports torch
+        from oomtune.trial._base import target_for
+
+        target_for(self.workload).check_training(   # the training settings must reach the trials
+            self.workload, accumulates=self.space.global_batch is not None,
+            checkpointing=bool(self.space.checkpointing and True in self.space.checkpointing))
         self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
         self.budget_bytes = resolve_budget(cfg.budget, self.device)
         from oomtune.capture.gpu_target import resolve_gpu_key
@@ -296,16 +303,23 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     C.save_config(cfg, p.run_dir, overrides)
     write_run_file(p.run_dir, url, study.study_name)
 
-    predictor = None
+    predictor = recording = None
+    target = p.workload["target"]["name"]
     if p.predicts:
-        from oomtune.plan.predictor import Predictor, trial_steps
-        from oomtune.plan.stream_cache import default_cache
-
         # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
         # captures come from the stream cache where a plan or an earlier search left them.
-        predictor = Predictor.for_search(worst_shape_workload(p.workload), device, p.budget_bytes,
-                                         steps=trial_steps(cfg.trial), cache=default_cache(),
-                                         memory_fraction=options.memory_fraction != "off")
+        predictor = search_predictor(p.workload, space, device, p.budget_bytes, cfg.trial,
+                                     memory_fraction=options.memory_fraction != "off")
+    elif cfg.search.prune == "predicted" and target == "cmd":
+        from oomtune.plan.predictor import sim_geometry
+        from oomtune.plan.recorded import RecordedPredictor
+
+        # trials of the user's own command record their step's allocation stream (oomtune.plan.recorded):
+        # on the virtual GPU through capture_hook's recorder, on CUDA from the allocator's memory history
+        geometry = sim_geometry(device, p.budget_bytes, memory_fraction=options.memory_fraction != "off")
+
+        def recording(recordings: dict, steps: int, covers: Any) -> Any:
+            return RecordedPredictor(recordings, geometry, steps=steps, covers=covers)
 
     _say(console, f"oomtune search: study {study.study_name!r} in {url}")
     done = _resume_line(study)
@@ -355,7 +369,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),
                    workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
                    predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress, slots=slots,
-                   say=lambda text: _say(console, text))
+                   say=lambda text: _say(console, text), recording=recording)
     progress.leader = drive.leader
     progress.role_of = drive.running_role
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -367,6 +381,16 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
             check_fits(drive.planner, predictor, device=device, budget_bytes=p.budget_bytes,
                        headroom=options.headroom, prune_margin=float(cfg.search.prune_margin))
             check_planned_launches(drive.planner, options)
+        elif recording is not None:
+            _say(console, "recording the allocation streams of the default allocator's trials at the smallest "
+                          f"batch sizes ({', '.join(map(str, drive.anchor_batches()[:3]))}) ...")
+            drive.planner = drive.plan_frontiers()
+            if drive.recording_note:
+                _say(console, drive.recording_note)
+            if drive.predictor is not None:
+                predictor = drive.predictor
+                drive.predict = _calibrated(predictor, study)
+                _say(console, _frontier_line(drive.planner, predictor))
         drive.start_smoke_test()   # trials on meta: one real CPU step, once per search, beside the frontier rounds
         baseline = drive.run_frontier()
         drive.run_search(baseline)
@@ -400,12 +424,8 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.search.outputs import write_outputs
 
     if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
-        from oomtune.plan.predictor import Predictor, trial_steps
-
-        from oomtune.plan.stream_cache import default_cache
-
-        predictor = Predictor.for_search(p.workload, device, p.budget_bytes, steps=trial_steps(cfg.trial),
-                                         cache=default_cache(), memory_fraction=options.memory_fraction != "off")
+        predictor = search_predictor(p.workload, space, device, p.budget_bytes, cfg.trial, worst=False,
+                                     memory_fraction=options.memory_fraction != "off")
     from oomtune.htmlreport import write_search_report
 
     try:
@@ -415,6 +435,28 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
                             budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
                             space=space)
+
+
+def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
+                     trial_cfg: Any, *, worst: bool = True, memory_fraction: bool = True) -> Any:
+    """The search's predictor for a workload oomtune can capture (built-in, python entry): one
+    :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (``worst``; else as
+    it is), or, when the candidates train different steps (a global batch's accumulation, activation
+    checkpointing searched), one per variant (:class:`oomtune.plan.variants.PredictorVariants`).
+    ``memory_fraction``: as for :meth:`Predictor.for_search` (``search.memory_fraction`` not off)."""
+    from oomtune.plan.predictor import Predictor, trial_steps
+    from oomtune.plan.stream_cache import default_cache
+
+    def make(w: dict[str, Any]) -> Any:
+        return Predictor.for_search(worst_shape_workload(w) if worst else w, device, budget_bytes,
+                                    steps=trial_steps(trial_cfg), cache=default_cache(),
+                                    memory_fraction=memory_fraction)
+
+    if space.global_batch is None and space.checkpointing is None:
+        return make(workload)
+    from oomtune.plan.variants import PredictorVariants
+
+    return PredictorVariants(workload, make, grad_accum_of=space.grad_accum_for)
 
 
 def _rendered(space: SearchSpace) -> list[str]:
@@ -493,10 +535,12 @@ def _cached_words(predictor: Any) -> str:
 def _frontier_line(planner: Any, predictor: Any) -> str:
     """One line: how long the frontier prediction took and what it says."""
     probed = [c for c in planner.configs if c.selected]
-    parts = [f"{c.alloc_conf or '(default)'} "
+    parts = [f"{c.label or '(default)'} "
              + (str(c.predicted) if c.predicted is not None else
-                f"(none predicted to fit: from batch {planner.low})") for c in probed]
+                f"(none predicted to fit: from batch {planner.bottom})") for c in probed]
+    recorded = getattr(predictor, "recorded", None)
+    source = (f"from {len(recorded)} recorded streams" if recorded is not None
+              else f"capture {predictor.capture_seconds:.1f} s{_cached_words(predictor)}")
     return (f"predicted frontiers of {sum(1 + len(c.twins) for c in planner.configs)} configurations "
-            f"(simulated; capture {predictor.capture_seconds:.1f} s{_cached_words(predictor)}, "
-            f"replay {predictor.replay_seconds:.1f} s); "
+            f"(simulated; {source}, replay {predictor.replay_seconds:.1f} s); "
             f"probing: {', '.join(parts)}")

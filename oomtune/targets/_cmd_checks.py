@@ -19,7 +19,11 @@ from pathlib import Path
 from oomtune.exceptions import ConfigError
 
 __all__ = ["check_command", "script_of", "check_script_exists", "check_batch_size_reaches_command",
-           "check_no_caching_off"]
+           "check_no_caching_off", "check_training_reaches_command", "INTEGRATION_MARK"]
+
+#: Text whose presence in a script means it uses one of oomtune's integrations
+#: (:mod:`oomtune.integrations`), which read the trial's settings from the environment themselves.
+INTEGRATION_MARK = "oomtune.integrations"
 
 # Programs whose first positional argument is a script file (python, python3.12, bash, ...).
 _INTERPRETER_RE = re.compile(r"^(?:python[\d.]*|pypy[\d.]*|bash|sh|zsh|dash|ksh|node|perl|ruby|Rscript|julia)$")
@@ -85,12 +89,59 @@ def check_script_exists(argv: list[str], cwd: str | None) -> None:
                           "would exit with status 2 in every trial); fix the path or set target.cwd")
 
 
-def _reads_batch_env(path: Path) -> bool:
+def _script_mentions(path: Path, *words: str) -> bool:
+    """Whether the file's first 4 MiB contain any of ``words``."""
     try:
         with open(path, "rb") as f:
-            return _BATCH_ENV.encode() in f.read(4 << 20)
+            head = f.read(4 << 20)
     except OSError:
         return False
+    return any(w.encode() in head for w in words)
+
+
+def _reads_batch_env(path: Path) -> bool:
+    return _script_mentions(path, _BATCH_ENV, INTEGRATION_MARK)
+
+
+def _script_file(argv: list[str], cwd: str | None) -> Path | None:
+    found = _script_path(argv, cwd)
+    if found is None and argv and "/" in argv[0]:
+        prog = Path(argv[0]).expanduser()
+        return prog if prog.is_absolute() else Path(cwd or os.getcwd()) / prog
+    return None if found is None else found[1]
+
+
+def check_training_reaches_command(command: object, argv: list[str], cwd: str | None, *,
+                                   accumulates: bool, checkpointing: bool) -> None:
+    """Refuse a search whose training settings would not reach the command (issue 22 item 3):
+
+    - with ``search.global_batch`` the micro-batches per optimizer step vary by trial: the command
+      needs ``{grad_accum}`` (or ``{global_batch}``, from which the script divides), or a script
+      that reads ``OOMTUNE_GRAD_ACCUM`` or uses an integration (``oomtune.integrations``);
+    - with ``search.space.activation_checkpointing``: ``{activation_checkpointing}``, or a script that
+      reads ``OOMTUNE_ACTIVATION_CHECKPOINTING`` or uses the Hugging Face integration.
+
+    Otherwise every trial would train the same step while the table shows different ones.
+
+    Raises:
+        ConfigError: one line naming the missing placeholder and how to pass it.
+    """
+    text = " ".join(command) if isinstance(command, (list, tuple)) else str(command)
+    text = text.replace("{{", "").replace("}}", "")
+    script = _script_file(argv, cwd)
+    if accumulates and "{grad_accum}" not in text and "{global_batch}" not in text \
+            and "OOMTUNE_GRAD_ACCUM" not in text \
+            and not (script is not None and _script_mentions(script, "OOMTUNE_GRAD_ACCUM", INTEGRATION_MARK)):
+        raise ConfigError("search.global_batch is set but target.command has no {grad_accum} placeholder: every "
+                          "trial would run the script's own accumulation; pass it, e.g. target.command='python "
+                          "train.py --batch-size {batch_size} --grad-accum {grad_accum}', or use an integration "
+                          "(oomtune.integrations)")
+    if checkpointing and "{activation_checkpointing}" not in text and "OOMTUNE_ACTIVATION_CHECKPOINTING" not in text \
+            and not (script is not None and _script_mentions(script, "OOMTUNE_ACTIVATION_CHECKPOINTING",
+                                                             INTEGRATION_MARK + ".huggingface")):
+        raise ConfigError("search.space.activation_checkpointing is searched but target.command has no "
+                          "{activation_checkpointing} placeholder (1 or 0): pass it, e.g. target.command='python "
+                          "train.py --batch-size {batch_size} --checkpointing {activation_checkpointing}'")
 
 
 def check_batch_size_reaches_command(command: object, argv: list[str], cwd: str | None) -> None:
@@ -98,7 +149,8 @@ def check_batch_size_reaches_command(command: object, argv: list[str], cwd: str 
 
     Accepted: ``{batch_size}`` in the command; ``OOMTUNE_BATCH_SIZE`` named in it (``$OOMTUNE_BATCH_SIZE``
     in a shell command); or its script (see :func:`script_of`; an executable program given as a path
-    counts as its own script) contains the text ``OOMTUNE_BATCH_SIZE``.
+    counts as its own script) contains the text ``OOMTUNE_BATCH_SIZE`` or uses an integration
+    (``oomtune.integrations``, which sets the batch size itself).
 
     Raises:
         ConfigError: none of these holds; the message gives the fix.

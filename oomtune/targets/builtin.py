@@ -18,6 +18,30 @@ class BuiltinTarget(Target):
     name = "builtin"
     own_process = False
 
+    def shapes(self, workload: Mapping[str, Any]) -> Any:
+        from oomtune.workloads.shapes import shape_distribution
+
+        return shape_distribution({k: v for k, v in workload.items() if k != "target"})
+
+    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+        from oomtune.workloads.shapes import at_shape
+
+        out = at_shape({k: v for k, v in workload.items() if k != "target"}, shape)
+        if "target" in workload:
+            out["target"] = workload["target"]
+        return out
+
+    def label(self, workload: Mapping[str, Any]) -> str:
+        return str(workload.get("name", "builtin"))
+
+    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+        """Activation checkpointing needs a model that has it (transformer, resnet; not mlp)."""
+        if checkpointing:
+            from oomtune.workloads import validate_workload_config
+
+            validate_workload_config({k: v for k, v in workload.items() if k != "target"}
+                                     | {"activation_checkpointing": True})
+
     def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
         from oomtune.workloads import build_workload
 

@@ -3,10 +3,12 @@
 The parent runs the command in a new session, under a keeper (:mod:`oomtune.trial.keeper`): every
 process the command starts, even one that calls ``setsid()``, is ended with the trial, and the
 command dies with the search (a SIGKILLed search leaves no trial running). Its stdout and stderr are
-kept bounded (the first 1 MiB and the last 2 MiB each). In the command, ``{batch_size}`` is replaced by the
-trial's batch size and ``{{name}}`` is a literal ``{name}``; any other ``{name}`` is refused as a
-probable typo (:func:`substitute_batch_size`), while braces around anything else (JSON, awk) are left
-alone. These variables are in its environment:
+kept bounded (the first 1 MiB and the last 2 MiB each). In the command, ``{batch_size}`` is replaced by
+the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimizer step (1 without
+``search.global_batch``), ``{global_batch}`` by batch size x grad_accum (x world size), and
+``{activation_checkpointing}`` by ``1`` or ``0``; ``{{name}}`` is a literal ``{name}``; any other
+``{name}`` is refused as a probable typo (:func:`substitute`), while braces around anything else
+(JSON, awk) are left alone. These variables are in its environment:
 
 - ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF``: the trial's allocator string (both names,
   unset when empty; torch reads the first set and which one first differs between versions);
@@ -16,7 +18,14 @@ alone. These variables are in its environment:
   ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``, ``OOMTUNE_GPU`` (the
   target GPU, ``model.gpu``, whose kernels :func:`oomtune.capture_hook`'s virtual GPU runs);
 - ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
-  :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`).
+  :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`);
+- ``OOMTUNE_GRAD_ACCUM``, ``OOMTUNE_GLOBAL_BATCH`` (with ``search.global_batch``),
+  ``OOMTUNE_ACTIVATION_CHECKPOINTING`` (``1``/``0``, when searched), read by the integrations
+  (:mod:`oomtune.integrations`);
+- ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
+  (``stream.bin`` in the trial directory, with ``stream.bin.json``); when written, the record's
+  ``extra["stream_file"]`` names it and the search replays it under every allocator configuration
+  (:mod:`oomtune.plan.recorded`).
 
 How the record is built (:func:`result_from_channel`):
 
@@ -58,14 +67,16 @@ from typing import Any, Callable
 from oomtune.classify import classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.script_api import BATCH_SIZE_ENV, BUDGET_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV, GPU_ENV, RESULT_FILE_ENV
+from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV,
+                                GLOBAL_BATCH_ENV, GPU_ENV, GRAD_ACCUM_ENV, RESULT_FILE_ENV, STREAM_FILE_ENV)
 from oomtune.trial._base import Target
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
 from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
 
-__all__ = ["run_cmd_trial", "build_command", "substitute_batch_size", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
+__all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_size", "PLACEHOLDERS",
+           "placeholder_values", "STREAM_FILE", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
            "NO_REPORT_MESSAGE", "CmdTarget", "TARGET"]
 
 NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
@@ -77,7 +88,11 @@ _STDERR_TAIL_BYTES = 16384   # read from the end of stderr.txt by seeking (it ma
 _GRACE_S = 3.0
 
 
-_PLACEHOLDER = "{batch_size}"
+#: The placeholders a command may hold, in the order the messages list them.
+PLACEHOLDERS = ("batch_size", "grad_accum", "global_batch", "activation_checkpointing")
+#: The allocation stream a trial's capture hook writes, in its trial directory.
+STREAM_FILE = "stream.bin"
+_KNOWN = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
 # ``{{name}}`` (an escaped placeholder: the literal ``{name}``), or ``{name}`` not preceded by "$"
 # (a shell ``${VAR}``), where a name is letters, digits, ``_``, ``.``, ``-``: the only forms the
 # command template gives a meaning to. Other braces (JSON, awk programs, brace expansion
@@ -86,8 +101,9 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
 _TEMPLATE_RE = re.compile(r"\{\{(" + _NAME + r")\}\}|(?<!\$)\{(" + _NAME + r")\}")
 
 
-def substitute_batch_size(text: str, batch_size: int) -> str:
-    """``text`` with ``{batch_size}`` replaced by the batch size.
+def substitute(text: str, values: Mapping[str, Any]) -> str:
+    """``text`` with each known placeholder (:data:`PLACEHOLDERS`: ``{batch_size}``, ``{grad_accum}``,
+    ``{global_batch}``, ``{activation_checkpointing}``) replaced by ``values[name]``.
 
     ``{{name}}`` is the escape for a literal ``{name}`` (``{{batch_size}}`` stays ``{batch_size}``).
     Any other placeholder-like ``{name}`` (a bare name in braces, not a shell ``${name}``) is
@@ -95,25 +111,42 @@ def substitute_batch_size(text: str, batch_size: int) -> str:
     do not enclose a bare name (JSON, awk, ``{a,b}``) are left as they are.
 
     Raises:
-        ConfigError: an unknown placeholder, named in the message.
+        ConfigError: an unknown placeholder, named in the message with the known ones.
     """
     def repl(m: re.Match[str]) -> str:
         if m.group(1) is not None:
             return "{" + m.group(1) + "}"
-        if m.group(2) == "batch_size":
-            return str(batch_size)
-        raise ConfigError(f"target.command: unknown placeholder {m.group(0)!r}: only {_PLACEHOLDER} is "
-                          f"substituted (write {{{{{m.group(2)}}}}} for a literal {m.group(0)})")
+        name = m.group(2)
+        if name in PLACEHOLDERS:
+            return str(values.get(name, ""))
+        raise ConfigError(f"target.command: unknown placeholder {m.group(0)!r}: the known ones are {_KNOWN} "
+                          f"(write {{{{{name}}}}} for a literal {m.group(0)})")
 
     return _TEMPLATE_RE.sub(repl, text)
 
 
-def build_command(target: dict[str, Any], batch_size: int) -> tuple[list[str], bool]:
-    """The argv for ``target["command"]`` with ``{batch_size}`` replaced, and whether it needs a shell.
+def substitute_batch_size(text: str, batch_size: int) -> str:
+    """:func:`substitute` with ``batch_size`` and the values of a plain trial (no accumulation)."""
+    return substitute(text, placeholder_values(batch_size))
 
-    Substitution (:func:`substitute_batch_size`): ``{batch_size}`` becomes the batch size,
-    ``{{name}}`` a literal ``{name}``; any other ``{name}`` is an error; other braces (e.g. JSON) are
-    left alone.
+
+def placeholder_values(batch_size: int, grad_accum: int = 1, activation_checkpointing: bool | None = None,
+                       world_size: int = 1) -> dict[str, str]:
+    """The placeholders' values of a trial: the micro-batch, micro-batches per optimizer step, the
+    global batch (micro-batch x grad_accum x world size) and activation checkpointing as ``1``/``0``."""
+    return {"batch_size": str(batch_size), "grad_accum": str(grad_accum),
+            "global_batch": str(batch_size * grad_accum * world_size),
+            "activation_checkpointing": "1" if activation_checkpointing else "0"}
+
+
+def build_command(target: dict[str, Any], batch_size: int, *,
+                  values: Mapping[str, Any] | None = None) -> tuple[list[str], bool]:
+    """The argv for ``target["command"]`` with its placeholders replaced, and whether it needs a shell.
+
+    Substitution (:func:`substitute`): ``{batch_size}`` becomes the batch size, ``{grad_accum}``,
+    ``{global_batch}`` and ``{activation_checkpointing}`` the values in ``values`` (default: those of
+    a trial without accumulation, :func:`placeholder_values`), ``{{name}}`` a literal ``{name}``; any
+    other ``{name}`` is an error; other braces (e.g. JSON) are left alone.
     A command with shell syntax (pipes, ``&&``, ``;``, redirections, ``$VAR``, backquotes) runs as
     ``/bin/sh -c COMMAND``; otherwise it is ``shlex.split`` and run directly. A list command is used
     as argv as is (each element substituted).
@@ -121,15 +154,17 @@ def build_command(target: dict[str, Any], batch_size: int) -> tuple[list[str], b
     Raises:
         ConfigError: a missing, empty or unparsable command, or an unknown placeholder.
     """
+    values = dict(values) if values is not None else placeholder_values(batch_size)
+    values["batch_size"] = str(batch_size)
     command = target.get("command")
     if isinstance(command, (list, tuple)) and command and all(isinstance(c, str) for c in command):
         if not command[0].strip():
             raise ConfigError(f"target.command={list(command)!r}: the program (first element) is empty")
-        return [substitute_batch_size(c, batch_size) for c in command], False
+        return [substitute(c, values) for c in command], False
     if not isinstance(command, str) or not command.strip() or command.strip() == "???":
         raise ConfigError(f"target.command={command!r}: give the training command, e.g. "
                           "target.command='python train.py --batch-size {batch_size}'")
-    text = substitute_batch_size(command, batch_size)
+    text = substitute(command, values)
     try:
         lex = shlex.shlex(text, posix=True, punctuation_chars=True)
         lex.whitespace_split = True
@@ -179,14 +214,25 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
 
     out = child_environment(spec, env)
     out.pop(BUDGET_ENV, None)
+    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+
+    accum = grad_accum_of(spec.workload)
     out.update({
         RESULT_FILE_ENV: str(result_file),
         BATCH_SIZE_ENV: str(spec.batch_size),
+        GRAD_ACCUM_ENV: str(accum),
         DEVICE_ENV: "cuda" if spec.device.startswith("cuda") else "cpu",
         "OOMTUNE_WARMUP_STEPS": str(spec.warmup_steps),
         "OOMTUNE_MEASURE_STEPS": str(spec.measure_steps),
         "OOMTUNE_SEED": str(spec.seed),
+        STREAM_FILE_ENV: str(Path(result_file).with_name(STREAM_FILE)),
     })
+    for key in (GLOBAL_BATCH_ENV, CHECKPOINTING_ENV):
+        out.pop(key, None)
+    if "grad_accum" in spec.workload:
+        out[GLOBAL_BATCH_ENV] = str(spec.batch_size * accum)
+    if "activation_checkpointing" in spec.workload:
+        out[CHECKPOINTING_ENV] = "1" if checkpointing_of(spec.workload) else "0"
     if spec.budget_bytes is not None:
         out[BUDGET_ENV] = str(int(spec.budget_bytes))
     out.pop(GPU_ENV, None)
@@ -254,15 +300,21 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     """
     from oomtune.trial.runner import validate_spec
 
+    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+
     validate_spec(spec)
     target = dict(spec.workload.get("target") or {})
-    argv, shell = build_command(target, spec.batch_size)
+    ckpt = checkpointing_of(spec.workload) if "activation_checkpointing" in spec.workload else None
+    argv, shell = build_command(target, spec.batch_size, values=placeholder_values(
+        spec.batch_size, grad_accum_of(spec.workload), ckpt))
     cwd = resolve_cwd(target)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     channel = workdir / "results.jsonl"
     channel.unlink(missing_ok=True)
     (workdir / STATUS_FILE).unlink(missing_ok=True)
+    for old in workdir.glob(STREAM_FILE + "*"):   # a stream left by an earlier run of this directory
+        old.unlink(missing_ok=True)
     marker = uuid.uuid4().hex
     child_env = cmd_environment(spec, channel, {**(env or {}), MARKER_ENV: marker})
     _check_startable(argv, cwd, child_env)
@@ -303,7 +355,10 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
             result.extra.pop("memory_unknown", None)
     result.wall_s = time.time() - started
     result.extra.update(pid=proc.pid, returncode=returncode, command=argv if not shell else argv[-1],
-                        launcher="cmd")
+                        launcher="cmd", grad_accum=grad_accum_of(spec.workload))
+    stream = workdir / STREAM_FILE
+    if stream.is_file() and result.outcome_enum is Outcome.OK:
+        result.extra["stream_file"] = str(stream)   # the step's allocation stream (oomtune.plan.recorded)
     result.write(workdir / "result.json")
     return result
 
@@ -375,7 +430,12 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     ooms = [e for e in events if e.get("event") == "oom"]
     result.extra["reports"] = len(reports)
     _fill_throughput(result, reports)
-    memories = [e["memory"] for e in events if isinstance(e.get("memory"), dict)]
+    last_by_rank: dict[Any, dict[str, Any]] = {}
+    for e in events:   # each rank's last reading; the rank that peaked highest decides
+        if isinstance(e.get("memory"), dict):
+            last_by_rank[e.get("rank", 0)] = e["memory"]
+    memories = sorted(last_by_rank.values(),
+                      key=lambda m: (m.get("stats") or {}).get("reserved_bytes.all.peak") or 0)
     if memories:
         _set_memory(result, memories[-1])
     else:
@@ -459,6 +519,19 @@ class CmdTarget(Target):
         if not shell:
             check_program(argv, cwd)
         check_command(target.get("command"), argv, shell, cwd)  # issue 14 items 5, 9
+
+    def label(self, workload: Mapping[str, Any]) -> str:
+        command = (workload.get("target") or {}).get("command")
+        text = " ".join(command) if isinstance(command, (list, tuple)) else str(command)
+        return f"command {text!r}"
+
+    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+        from oomtune.targets._cmd_checks import check_training_reaches_command
+
+        target = dict(workload.get("target") or {})
+        argv, shell = build_command(target, 1)
+        check_training_reaches_command(target.get("command"), [] if shell else argv, resolve_cwd(target),
+                                       accumulates=accumulates, checkpointing=checkpointing)
 
     def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
             grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:

@@ -22,11 +22,26 @@ it can import its neighbours). The protocol, kept small::
   batch is moved to the device (tensors inside tuples, lists and dicts). ``inputs`` may be a tensor
   (``model(inputs)``), a tuple/list (``model(*inputs)``) or a dict (``model(**inputs)``).
 - ``loss_fn`` defaults to cross-entropy over the last dimension, as the built-in workloads.
+- ``step_fn`` (optional, instead of the forward and ``loss_fn``): ``step_fn(model, batch) -> loss``,
+  a scalar tensor; any forward the model needs (Hugging Face outputs, ``torch.autocast``, several
+  losses added up). oomtune still calls ``backward()`` on it, owns the accumulation, the timing and
+  the optimizer step's placement. With ``step_fn`` a batch may be anything (a dict of tensors).
+- ``max_grad_norm`` (optional float): ``torch.nn.utils.clip_grad_norm_`` before each optimizer step,
+  as trainers clip.
+- ``activation_checkpointing``: passed (keyword) when the function has a parameter of that name; the
+  search's ``search.space.activation_checkpointing`` needs it.
+- Shapes that vary by step (padded text of varying length, multi-scale images): declare the
+  distribution in the target group, ``target.seq_len={low: 64, high: 512, pad_multiple: 8}`` (or a
+  token file's documents, or ``target.image_size=[64, 96, 128]``: the spellings of the built-in
+  models, :mod:`oomtune.workloads.shapes`), and return ``make_batch(shape) -> batch``: oomtune then
+  makes each step's batch of the distribution's shape in its seeded order (``batches`` may be left
+  out), so the virtual-GPU soak and the frontier at the worst shape apply to the entry.
 
-One training step is forward, loss, ``backward()``, ``optimizer.step()``,
-``optimizer.zero_grad(set_to_none=True)``: :class:`UserWorkload` is a
-:class:`oomtune.workloads.Workload`, so the builtin trial process runs it unchanged (timing,
-data-wait fraction, virtual GPU registration through ``tensors_before_step()``).
+One training step is one optimizer step: ``grad_accum`` micro-batches (the workload key
+``grad_accum``, set by ``search.global_batch``), each forward, loss (divided by ``grad_accum``) and
+``backward()``, then ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none=True)``:
+:class:`UserWorkload` is a :class:`oomtune.workloads.Workload`, so the builtin trial process runs it
+unchanged (timing, data-wait fraction, virtual GPU registration through ``tensors_before_step()``).
 """
 
 from __future__ import annotations
@@ -157,31 +172,46 @@ def _default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class UserWorkload(Workload):
-    """A :class:`Workload` around the user's model, optimizer, batches and loss function.
+    """A :class:`Workload` around the user's model, optimizer, batches and loss (or step) function.
 
-    Attributes as :class:`Workload` (``model``, ``optimizer``, ``device``, ``batch_size``,
-    ``samples_per_step`` = batch size, ``precision`` = ``"fp32"``: the user's code decides its own
-    autocast, ``fallback_reason`` = None), plus ``entry`` and ``loss_fn``.
+    Attributes as :class:`Workload` (``model``, ``optimizer``, ``device``, ``batch_size`` (the
+    micro-batch), ``grad_accum``, ``samples_per_step`` = batch size x grad_accum, ``precision`` =
+    ``"fp32"``: the user's code decides its own autocast, ``fallback_reason`` = None), plus ``entry``,
+    ``loss_fn``, ``step_fn`` and ``max_grad_norm``.
     """
 
     def __init__(self, entry: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  batches: Iterable[Any], loss_fn: Callable[..., torch.Tensor] | None,
-                 device: torch.device, batch_size: int) -> None:
+                 device: torch.device, batch_size: int, *, step_fn: Callable[..., Any] | None = None,
+                 grad_accum: int = 1, max_grad_norm: float | None = None) -> None:
         self.spec, self.entry = None, entry
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.batch_size = self.samples_per_step = batch_size
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.samples_per_step = batch_size * grad_accum
         self.precision, self.fallback_reason = "fp32", None
         self.loss_fn = loss_fn or _default_loss
+        self.step_fn, self.max_grad_norm = step_fn, max_grad_norm
         self._batches = _endless(batches, device, entry)
         self._static_batch, self._scaler = None, None
 
-    def step(self, batch: Any) -> None:
-        """Forward, loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``."""
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The micro-batch's loss: ``step_fn(model, batch)``, or the forward and ``loss_fn``.
+
+        Raises:
+            ConfigError: a batch that is not a pair (without ``step_fn``), or a ``step_fn`` that
+                does not return a scalar tensor.
+        """
+        if self.step_fn is not None:
+            loss = self.step_fn(self.model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(f"target.entry={self.entry!r}: step_fn(model, batch) must return the loss as "
+                                  f"a scalar tensor, got {type(loss).__name__}")
+            return loss
         try:
             inputs, targets = batch
         except (TypeError, ValueError):
             raise ConfigError(f"target.entry={self.entry!r}: each batch must be a pair (inputs, targets), "
-                              f"got {type(batch).__name__}") from None
+                              f"got {type(batch).__name__} (or return a step_fn)") from None
         if isinstance(inputs, (tuple, list)):
             out = self.model(*inputs)
         elif isinstance(inputs, dict):
@@ -190,45 +220,91 @@ class UserWorkload(Workload):
             out = self.model(inputs)
         loss = self.loss_fn(out, targets)
         del out
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def update(self) -> None:
+        """``clip_grad_norm_`` (with ``max_grad_norm``), ``optimizer.step()``, ``zero_grad(set_to_none=True)``."""
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        super().update()
 
 
-def _unpack(entry: str, made: Any) -> tuple[Any, Any, Any, Any]:
+_KNOWN_KEYS = ("model", "optimizer", "batches", "loss_fn", "step_fn", "max_grad_norm", "make_batch")
+
+
+def _unpack(entry: str, made: Any) -> dict[str, Any]:
+    """The returned workload as a dict with the keys of :data:`_KNOWN_KEYS` (absent ones None)."""
     if isinstance(made, Mapping):
-        missing = [k for k in ("model", "optimizer", "batches") if k not in made]
+        missing = [k for k in ("model", "optimizer") if k not in made]
+        if "batches" not in made and "make_batch" not in made:
+            missing.append("batches")
         if missing:
             raise ConfigError(f"target.entry={entry!r}: the returned dict lacks {', '.join(missing)}")
-        return made["model"], made["optimizer"], made["batches"], made.get("loss_fn")
+        unknown = sorted(set(made) - set(_KNOWN_KEYS))
+        if unknown:
+            raise ConfigError(f"target.entry={entry!r}: the returned dict has unknown key {unknown[0]!r}; "
+                              f"expected some of {', '.join(_KNOWN_KEYS)}")
+        return {k: made.get(k) for k in _KNOWN_KEYS}
     if isinstance(made, tuple) and len(made) in (3, 4):
-        return (*made, None) if len(made) == 3 else made
-    raise ConfigError(f"target.entry={entry!r}: expected a dict(model=, optimizer=, batches=[, loss_fn=]) "
+        return dict(zip(_KNOWN_KEYS, made)) | {k: None for k in _KNOWN_KEYS[len(made):]}
+    raise ConfigError(f"target.entry={entry!r}: expected a dict(model=, optimizer=, batches=[, loss_fn=, step_fn=]) "
                       f"or a tuple (model, optimizer, batches[, loss_fn]), got {type(made).__name__}")
 
 
-def _check(entry: str, model: Any, optimizer: Any, batches: Any, loss_fn: Any) -> None:
+def _check(entry: str, parts: Mapping[str, Any]) -> None:
+    model, optimizer, batches = parts["model"], parts["optimizer"], parts["batches"]
+    norm = parts["max_grad_norm"]
     problems = (
         (isinstance(model, nn.Module), f"model is a {type(model).__name__}, not a torch.nn.Module"),
         (isinstance(optimizer, torch.optim.Optimizer),
          f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer"),
-        (isinstance(batches, Iterable) and not isinstance(batches, (torch.Tensor, str, bytes)),
+        (batches is None or isinstance(batches, Iterable) and not isinstance(batches, (torch.Tensor, str, bytes)),
          f"batches is a {type(batches).__name__}, not an iterable of (inputs, targets)"),
-        (loss_fn is None or callable(loss_fn), f"loss_fn is a {type(loss_fn).__name__}, not callable"),
+        *((parts[k] is None or callable(parts[k]), f"{k} is a {type(parts[k]).__name__}, not callable")
+          for k in ("loss_fn", "step_fn", "make_batch")),
+        (parts["loss_fn"] is None or parts["step_fn"] is None,
+         "give loss_fn or step_fn, not both (step_fn computes the loss itself)"),
+        (norm is None or (isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm > 0),
+         f"max_grad_norm={norm!r} is not a number > 0"),
     )
     for ok, message in problems:
         if not ok:
             raise ConfigError(f"target.entry={entry!r}: {message}")
 
 
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins / C functions without a signature
+        return False
+
+
+def check_checkpointing_argument(target_cfg: Mapping[str, Any], wanted: bool) -> None:
+    """Refuse activation checkpointing for an entry function without an ``activation_checkpointing``
+    parameter (it could not be switched on: every trial would measure the same thing).
+
+    Raises:
+        ConfigError: ``wanted`` and the function lacks the parameter (or the entry is bad).
+    """
+    entry = str(target_cfg.get("entry"))
+    if wanted and not _takes(load_entry(entry), "activation_checkpointing"):
+        raise ConfigError(f"target.entry={entry!r}: search.space.activation_checkpointing needs the function to "
+                          "take an activation_checkpointing argument (e.g. def make_workload(batch_size, device, "
+                          "activation_checkpointing=False): ... model.gradient_checkpointing_enable() when true)")
+
+
 def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
-                        device: torch.device | str) -> UserWorkload:
+                        device: torch.device | str, *, grad_accum: int = 1,
+                        activation_checkpointing: bool | None = None) -> UserWorkload:
     """Call the user's ``target.entry`` function for ``batch_size`` on ``device`` and wrap the result.
 
     Args:
         target_cfg: the Hydra ``target`` group: ``{"name": "python", "entry": "pkg.mod:make_workload"}``.
-        batch_size: samples per step, >= 1.
+        batch_size: samples per micro-batch, >= 1.
         device: where the trial runs (``cpu`` or ``cuda``).
+        grad_accum: micro-batches per optimizer step.
+        activation_checkpointing: passed to the function (keyword) when it takes such a parameter;
+            True for a function without one is refused. None: not passed.
 
     Returns:
         A :class:`UserWorkload` (a :class:`oomtune.workloads.Workload`).
@@ -243,16 +319,42 @@ def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
     entry = str(target_cfg.get("entry"))
     fn = load_entry(entry)
     device = torch.device(device)
-    try:
-        takes_device = "device" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins / C functions without a signature
-        takes_device = False
-    made = fn(batch_size, device=device) if takes_device else fn(batch_size)
-    model, optimizer, batches, loss_fn = _unpack(entry, made)
-    _check(entry, model, optimizer, batches, loss_fn)
+    takes_device = _takes(fn, "device")
+    kwargs: dict[str, Any] = {"device": device} if takes_device else {}
+    if activation_checkpointing is not None:
+        check_checkpointing_argument(target_cfg, bool(activation_checkpointing))
+        if _takes(fn, "activation_checkpointing"):
+            kwargs["activation_checkpointing"] = bool(activation_checkpointing)
+    from oomtune.workloads.shapes import entry_shape_distribution
+
+    dist = entry_shape_distribution(target_cfg)   # checked before the user's code runs
+    made = fn(batch_size, **kwargs)
+    parts = _unpack(entry, made)
+    _check(entry, parts)
     if not takes_device:
-        model.to(device)
-    return UserWorkload(entry, model, optimizer, batches, loss_fn, device, batch_size)
+        parts["model"].to(device)
+    make = parts["make_batch"]
+    if dist.key is not None and make is None:
+        raise ConfigError(f"target.entry={entry!r}: target.{dist.key} declares a shape distribution, so the "
+                          f"returned dict needs make_batch({dist.key}) -> one batch of that shape")
+    spec = None
+    batches = parts["batches"]
+    if make is not None:
+        from oomtune.workloads.models import ModelSpec
+
+        top = dist.max_shape
+
+        def make_batch(n: int, dev: Any, shape: Any = None) -> Any:
+            return make(top if shape is None else shape)
+
+        spec = ModelSpec(parts["model"], "user", make_batch)
+        spec.shapes = dist
+        if dist.key is not None or batches is None:   # batches of the declared shapes, in the data's order
+            batches = (make_batch(batch_size, device, s) for s in dist.iter_shapes(batch_size))
+    wl = UserWorkload(entry, parts["model"], parts["optimizer"], batches, parts["loss_fn"], device, batch_size,
+                      step_fn=parts["step_fn"], grad_accum=grad_accum, max_grad_norm=parts["max_grad_norm"])
+    wl.spec = spec
+    return wl
 
 
 class PythonTarget(Target):
@@ -265,8 +367,31 @@ class PythonTarget(Target):
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
 
+    def shapes(self, workload: Mapping[str, Any]) -> Any:
+        from oomtune.workloads.shapes import entry_shape_distribution
+
+        return entry_shape_distribution(workload.get("target") or {})
+
+    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+        dist = self.shapes(workload)
+        out = dict(workload)
+        if shape is not None and dist.key is not None:
+            out["target"] = {**(workload.get("target") or {}), dist.key: shape}
+        return out
+
+    def label(self, workload: Mapping[str, Any]) -> str:
+        return f"python entry {(workload.get('target') or {}).get('entry')}"
+
+    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+        """Activation checkpointing needs an ``activation_checkpointing`` parameter of the entry."""
+        check_checkpointing_argument(workload.get("target") or {}, checkpointing)
+
     def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
-        return build_user_workload(workload.get("target") or {}, batch_size, device)
+        from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+
+        ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
+        return build_user_workload(workload.get("target") or {}, batch_size, device,
+                                   grad_accum=grad_accum_of(workload), activation_checkpointing=ckpt)
 
 
 TARGET = PythonTarget()

@@ -53,6 +53,35 @@ class Target:
             ConfigError: the first problem, in one line.
         """
 
+    def shapes(self, workload: Mapping[str, Any]) -> Any:
+        """The workload's per-step shape distribution (:class:`oomtune.workloads.shapes.
+        ShapeDistribution`); fixed (no key) by default.
+
+        Raises:
+            ConfigError: a malformed distribution.
+        """
+        from oomtune.workloads.shapes import ShapeDistribution
+
+        return ShapeDistribution(None, "fixed", ())
+
+    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+        """A copy of ``workload`` whose every step has ``shape`` (the soak's captures, a confirmation
+        at the worst shape); the workload itself by default (fixed shapes)."""
+        return dict(workload)
+
+    def label(self, workload: Mapping[str, Any]) -> str:
+        """What is trained, in a few words for headers (e.g. ``resnet``, ``python entry f.py:fn``)."""
+        return self.name
+
+    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+        """Check, before any trial, that the search's training settings reach what the trial trains:
+        ``accumulates`` (a global batch: micro-batches per optimizer step vary) and ``checkpointing``
+        (activation checkpointing searched). Default: nothing to check.
+
+        Raises:
+            ConfigError: a setting the target cannot apply, in one line with the fix.
+        """
+
     def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
         """The :class:`oomtune.workloads.Workload` a trial process trains at ``batch_size`` on
         ``device`` (a ``torch.device`` or its string). Called inside the trial process only.

@@ -35,13 +35,13 @@ def live_workload(spec: TrialSpec) -> dict[str, Any]:
         raise ConfigError(f"trial shapes={spec.shapes!r}: expected one of {', '.join(SHAPE_ORDERS)}")
     if spec.shapes == "data":
         return spec.workload
-    from oomtune.workloads.shapes import at_shape, worst_shapes
+    from oomtune.trial._base import target_for
 
-    cfg = {k: v for k, v in spec.workload.items() if k != "target"}
-    out = at_shape(cfg, worst_shapes(cfg)[0])
-    if "target" in spec.workload:
-        out["target"] = spec.workload["target"]
-    return out
+    target = target_for(spec.workload)
+    dist = target.shapes(spec.workload)
+    if dist.is_fixed:
+        return spec.workload
+    return target.at_shape(spec.workload, max(dist.support(), key=lambda s: -1 if s is None else s))
 
 
 def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *,
@@ -61,8 +61,7 @@ def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *
     if spec.soak_steps <= 0 or not soak_supported(spec.workload):
         return
     t0 = time.perf_counter()
-    cfg = {k: v for k, v in spec.workload.items() if k != "target"}
-    res = soak(cfg, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
+    res = soak(spec.workload, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
                new_sim=new_sim)
     result.soak_passed, result.soak_steps_run = res.passed, res.steps_run
     result.soak_failed_step, result.soak_shape = res.failed_step, res.shape_at_failure

@@ -16,12 +16,62 @@ from oomtune.workloads.data import make_batches
 from oomtune.workloads.models import ModelSpec, build_model, cfg_choice, cfg_float
 
 __all__ = ["Workload", "StepTimings", "build_workload", "build_capture_workload",
-           "validate_workload_config"]
+           "validate_workload_config", "grad_accum_of", "checkpointing_of", "prediction_workload",
+           "TRAINING_KEYS"]
 
 from oomtune.workloads.keys import OPTIMIZERS, PRECISION_NAMES  # noqa: E402
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert tuple(PRECISIONS) == PRECISION_NAMES
+
+
+#: Workload keys that describe how a step trains rather than what (every target honours them):
+#: ``grad_accum`` (micro-batches per optimizer step, default 1) and ``activation_checkpointing``
+#: (recompute activations in backward instead of keeping them, default false).
+TRAINING_KEYS = ("grad_accum", "activation_checkpointing")
+
+
+def grad_accum_of(workload: Mapping[str, Any]) -> int:
+    """``workload["grad_accum"]``: micro-batches per optimizer step (default 1).
+
+    Raises:
+        ConfigError: not an integer >= 1.
+    """
+    value = workload.get("grad_accum", 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"grad_accum={value!r}: expected an integer >= 1 (micro-batches per optimizer step)")
+    return value
+
+
+def checkpointing_of(workload: Mapping[str, Any]) -> bool:
+    """``workload["activation_checkpointing"]`` as a bool (default False).
+
+    Raises:
+        ConfigError: not true, false or null.
+    """
+    value = workload.get("activation_checkpointing", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"activation_checkpointing={value!r}: expected true or false")
+    return value
+
+
+def prediction_workload(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """The workload a prediction captures for ``workload``: the same, with at most two micro-batches
+    per optimizer step. Accumulation's memory is the gradients that live from the first micro-batch's
+    backward through the next micro-batch's forward and backward (the optimizer step and
+    ``zero_grad`` come after the last one); a third micro-batch makes the same requests as the second
+    (gradients are accumulated in place: ``AccumulateGrad`` adds into the existing ``.grad``,
+    torch/csrc/autograd/functions/accumulate_grad.h), so a step of two micro-batches holds the
+    memory of any larger accumulation, and every batch size's stream has the same structure (the
+    condition for deriving streams, :mod:`oomtune.plan.derive`)."""
+    out = dict(workload)
+    if grad_accum_of(workload) > 2:
+        out["grad_accum"] = 2
+    return out
 
 
 @dataclass
@@ -58,20 +108,28 @@ class StepTimings:
 
 
 class Workload:
-    """One training setup. ``step(batch)`` runs forward, loss, backward, ``optimizer.step()`` and
-    ``zero_grad(set_to_none=True)``; ``batches()`` is the endless batch iterator on ``device``.
+    """One training setup. A *step* is one optimizer step: ``grad_accum`` micro-batches of
+    ``batch_size`` samples, each forward, loss and backward (the loss divided by ``grad_accum``, as
+    accumulating trainers do), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``
+    (:meth:`train_step`; :meth:`step` is one micro-batch and the update, for ``grad_accum`` 1);
+    ``batches()`` is the endless micro-batch iterator on ``device``.
 
-    Attributes: ``model``, ``optimizer``, ``device``, ``batch_size``, ``samples_per_step`` (=
-    batch_size: images or sequences), ``precision`` (effective: ``fp32``/``bf16``/``fp16``),
-    ``fallback_reason`` (None, or why the workload runs other than asked: precision not available
-    on this device, or meta ops missing so capture ran on CPU).
+    Attributes: ``model``, ``optimizer``, ``device``, ``batch_size`` (the micro-batch),
+    ``grad_accum``, ``samples_per_step`` (= batch_size x grad_accum: images or sequences per
+    optimizer step), ``precision`` (effective: ``fp32``/``bf16``/``fp16``), ``fallback_reason``
+    (None, or why the workload runs other than asked: precision not available on this device, or
+    meta ops missing so capture ran on CPU).
     """
+
+    grad_accum = 1
 
     def __init__(self, spec: ModelSpec, optimizer: torch.optim.Optimizer, device: torch.device,
                  batch_size: int, precision: str, batches: Iterator[Any],
-                 static_batch: Any, fallback_reason: str | None) -> None:
+                 static_batch: Any, fallback_reason: str | None, grad_accum: int = 1) -> None:
         self.spec, self.model, self.optimizer = spec, spec.module, optimizer
-        self.device, self.batch_size, self.samples_per_step = device, batch_size, batch_size
+        self.device, self.batch_size = device, batch_size
+        self.grad_accum = grad_accum
+        self.samples_per_step = batch_size * grad_accum
         self.precision, self.fallback_reason = precision, fallback_reason
         self._batches, self._static_batch = batches, static_batch
         self._scaler = (torch.amp.GradScaler("cuda")
@@ -93,21 +151,55 @@ class Workload:
             return cuda_autocast(dtype)
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def step(self, batch: Any) -> None:
-        """One training step on ``batch``; returns nothing (no host sync)."""
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Forward and loss of one micro-batch (under the workload's autocast)."""
         x, y = batch
         with self._autocast():
             out = self.model(x)
             loss = nn.functional.cross_entropy(out.flatten(0, -2).float(), y.flatten())
         del out
+        return loss
+
+    def backward(self, batch: Any, scale: float = 1.0) -> None:
+        """Forward, loss and backward of one micro-batch, the loss multiplied by ``scale``
+        (``1 / grad_accum`` when accumulating); gradients add up in ``.grad``."""
+        loss = self.loss(batch)
+        if scale != 1.0:
+            loss = loss * scale
         if self._scaler is not None:
             self._scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def update(self) -> None:
+        """The optimizer step (through the GradScaler for fp16 on CUDA) and ``zero_grad(set_to_none=True)``."""
+        if self._scaler is not None:
             self._scaler.step(self.optimizer)
             self._scaler.update()
         else:
-            loss.backward()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, batch: Any) -> None:
+        """One micro-batch (forward, loss, backward) and the optimizer update on ``batch``; returns
+        nothing (no host sync). With ``grad_accum`` > 1 use :meth:`train_step`."""
+        self.backward(batch)
+        self.update()
+
+    def train_step(self, batches: Iterator[Any] | None = None) -> float:
+        """One optimizer step: ``grad_accum`` micro-batches from ``batches`` (default: the
+        workload's own iterator), then the update. Returns the seconds spent waiting for batches."""
+        it = self._batches if batches is None else batches
+        waited = 0.0
+        n = self.grad_accum
+        for i in range(n):
+            t0 = time.perf_counter()
+            batch = next(it)
+            waited += time.perf_counter() - t0
+            self.backward(batch, 1.0 / n if n > 1 else 1.0)
+            del batch
+        self.update()
+        return waited
 
     def use_shapes(self, shapes: Iterable[Any]) -> None:
         """Replace the batch iterator by fresh synthetic batches of ``shapes`` (``seq_len`` /
@@ -127,7 +219,8 @@ class Workload:
         return out
 
     def run_steps(self, n: int, *, sync: bool = True) -> StepTimings:
-        """Run ``n`` steps, timing each (wall clock) and the time blocked waiting for its batch.
+        """Run ``n`` optimizer steps (:meth:`train_step`), timing each (wall clock) and the time
+        blocked waiting for its micro-batches.
 
         ``sync``: on CUDA, synchronise after each step so its time includes the GPU work.
         """
@@ -135,15 +228,12 @@ class Workload:
         do_sync = sync and self.device.type == "cuda"
         for _ in range(n):
             t0 = time.perf_counter()
-            batch = next(self._batches)
-            t1 = time.perf_counter()
-            self.step(batch)
-            del batch
+            waited = self.train_step()
             if do_sync:
                 torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
             timings.step_s.append(t2 - t0)
-            timings.data_wait_s.append(t1 - t0)
+            timings.data_wait_s.append(waited)
         return timings
 
 
@@ -172,11 +262,14 @@ def build_workload(cfg: Mapping[str, Any], batch_size: int,
 
     ``cfg["name"]`` is ``resnet``, ``transformer`` or ``mlp`` (see :mod:`oomtune.workloads.models`
     for their keys); common keys ``optimizer`` (sgd with momentum 0.9 | adam | adamw), ``lr``,
-    ``precision`` (fp32 | bf16 | fp16, autocast; GradScaler for fp16 on CUDA) and ``data`` (see
-    :mod:`oomtune.workloads.data`). ``device="meta"`` builds everything on meta for capture.
+    ``precision`` (fp32 | bf16 | fp16, autocast; GradScaler for fp16 on CUDA), ``data`` (see
+    :mod:`oomtune.workloads.data`), ``grad_accum`` (micro-batches per optimizer step, default 1) and
+    ``activation_checkpointing`` (transformer blocks / ResNet stages recomputed in backward, see
+    :mod:`oomtune.workloads.models`). ``device="meta"`` builds everything on meta for capture.
 
     Raises:
-        ConfigError: unknown model, optimizer, precision or data source; bad sizes; batch_size < 1.
+        ConfigError: unknown model, optimizer, precision or data source; bad sizes; batch_size < 1;
+            a bad ``grad_accum``; ``activation_checkpointing`` on a model without it (mlp).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
@@ -185,7 +278,8 @@ def build_workload(cfg: Mapping[str, Any], batch_size: int,
     optimizer = _optimizer(cfg, spec.module)
     precision, reason = _precision(cfg, device)
     batches, static = make_batches(spec, cfg.get("data"), batch_size, device)
-    return Workload(spec, optimizer, device, batch_size, precision, batches, static, reason)
+    return Workload(spec, optimizer, device, batch_size, precision, batches, static, reason,
+                    grad_accum=grad_accum_of(cfg))
 
 
 def build_capture_workload(cfg: Mapping[str, Any], batch_size: int) -> Workload:
@@ -200,12 +294,12 @@ def build_capture_workload(cfg: Mapping[str, Any], batch_size: int) -> Workload:
     cfg["data"] = {"source": "synthetic"}
     wl = build_workload(cfg, batch_size, "meta")
     try:
-        wl.step(next(wl.batches()))
+        wl.train_step()
         return wl
     except (NotImplementedError, RuntimeError) as e:
         reason = f"meta kernel missing ({str(e).splitlines()[0][:200]}): captured on cpu"
     wl = build_workload(cfg, batch_size, "cpu")
-    wl.step(next(wl.batches()))
+    wl.train_step()
     wl.fallback_reason = reason if wl.fallback_reason is None else f"{wl.fallback_reason}; {reason}"
     return wl
 
@@ -228,3 +322,5 @@ def validate_workload_config(cfg: Mapping[str, Any]) -> None:
     _optimizer(cfg, spec.module)
     _precision(cfg, torch.device("cpu"))
     check_data_config(spec, cfg.get("data"))
+    grad_accum_of(cfg)
+    checkpointing_of(cfg)

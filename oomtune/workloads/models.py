@@ -15,7 +15,7 @@ from torch import nn
 from oomtune.exceptions import ConfigError
 from oomtune.workloads.shapes import shape_distribution
 
-__all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "cfg_int", "cfg_float", "cfg_bool",
+__all__ = ["MODEL_NAMES", "ModelSpec", "build_model", "DecoderLM", "Checkpointed", "cfg_int", "cfg_float", "cfg_bool",
            "cfg_choice"]
 
 from oomtune.workloads.keys import MODEL_NAMES, RESNET_DEPTHS, cfg_bool, cfg_choice, cfg_float, cfg_int  # noqa: E402
@@ -47,6 +47,9 @@ def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
     classes = cfg_int(cfg, "num_classes", 1000)
     channels_last = cfg_bool(cfg, "channels_last", False)
     module = getattr(torchvision.models, f"resnet{depth}")(weights=None, num_classes=classes)
+    if cfg_bool(cfg, "activation_checkpointing", False, prefix=""):
+        for name in ("layer1", "layer2", "layer3", "layer4"):   # each residual stage recomputed in backward
+            setattr(module, name, Checkpointed(getattr(module, name)))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     if channels_last:
         module = module.to(memory_format=torch.channels_last)
@@ -62,16 +65,36 @@ def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
+class Checkpointed(nn.Module):
+    """``inner`` run under activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
+    ``use_reentrant=False``): its forward keeps only its inputs for backward and recomputes the rest
+    there, as ``gradient_checkpointing_enable()`` does per block in Hugging Face models. The
+    parameters are ``inner``'s (state dict keys gain an ``inner.`` prefix)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
 class DecoderLM(nn.Module):
     """A decoder-only language model: token + learned position embeddings, ``layers`` pre-norm
     ``nn.TransformerEncoderLayer`` blocks under a causal mask, a final LayerNorm and an untied
     vocabulary head. Input ``(N, T)`` int64 token ids, output ``(N, T, vocab_size)`` logits.
+    ``checkpointing``: each block runs under activation checkpointing (:class:`Checkpointed`).
     """
 
     def __init__(self, *, vocab_size: int, d_model: int, heads: int, layers: int, seq_len: int,
-                 dropout: float) -> None:
+                 dropout: float, checkpointing: bool = False) -> None:
         super().__init__()
         self.seq_len = seq_len
+        self.checkpointing = checkpointing
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout,
@@ -85,7 +108,14 @@ class DecoderLM(nn.Module):
         pos = torch.arange(t, device=idx.device)
         h = self.tok(idx) + self.pos(pos)
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device, dtype=h.dtype)
-        h = self.blocks(h, mask=mask, is_causal=True)
+        if self.checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            # the encoder's own loop (no nested tensors, no final norm), one checkpoint per block
+            for layer in self.blocks.layers:
+                h = checkpoint(layer, h, mask, None, True, use_reentrant=False)
+        else:
+            h = self.blocks(h, mask=mask, is_causal=True)
         return self.head(self.norm(h))
 
 
@@ -101,7 +131,8 @@ def _transformer(cfg: Mapping[str, Any]) -> ModelSpec:
     vocab = cfg_int(cfg, "vocab_size", 50304, minimum=2)
     module = DecoderLM(vocab_size=vocab, d_model=d_model, heads=heads, seq_len=seq_len,
                        layers=cfg_int(cfg, "layers", 6),
-                       dropout=cfg_float(cfg, "dropout", 0.1, hi=1.0))
+                       dropout=cfg_float(cfg, "dropout", 0.1, hi=1.0),
+                       checkpointing=cfg_bool(cfg, "activation_checkpointing", False, prefix=""))
 
     fixed_len = shapes.max_shape
 
@@ -116,6 +147,9 @@ def _transformer(cfg: Mapping[str, Any]) -> ModelSpec:
 
 
 def _mlp(cfg: Mapping[str, Any]) -> ModelSpec:
+    if cfg_bool(cfg, "activation_checkpointing", False, prefix=""):
+        raise ConfigError("activation_checkpointing=true: the built-in mlp has no activation checkpointing "
+                          "(the transformer and the resnet have); leave it out of search.space")
     in_features = cfg_int(cfg, "in_features", 1024)
     hidden = cfg_int(cfg, "hidden", 4096)
     classes = cfg_int(cfg, "num_classes", 1000)
@@ -139,6 +173,8 @@ _BUILDERS = {"mlp": _mlp, "resnet": _resnet, "transformer": _transformer}
 
 def build_model(cfg: Mapping[str, Any], device: torch.device) -> ModelSpec:
     """Build the model named by ``cfg["name"]`` directly on ``device`` (meta allowed).
+    ``cfg["activation_checkpointing"]`` (transformer, resnet): blocks / stages recomputed in
+    backward (:class:`Checkpointed`).
 
     Raises:
         ConfigError: unknown model name or a bad model parameter.

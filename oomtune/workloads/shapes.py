@@ -34,6 +34,10 @@ The position embedding of the transformer is sized to the distribution's largest
 (:attr:`ShapeDistribution.max_shape`), so every shape of a distribution trains the same parameters.
 Variable shapes apply to synthetic data (their content is random; memory depends on the shape only);
 with ``data.source=tokens`` or ``imagefolder`` the shape must be fixed.
+
+A python entry (``target=python``) declares its distribution the same way in its ``target`` group
+(``target.seq_len=...`` or ``target.image_size=...``) and returns a ``make_batch(shape)`` that makes
+one batch of that shape (:func:`entry_shape_distribution`, :mod:`oomtune.targets.python_entry`).
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ import numpy as np
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["SHAPE_KEYS", "ShapeDistribution", "shape_distribution", "worst_shapes", "at_shape",
-           "document_lengths", "worst_shape_workload"]
+__all__ = ["SHAPE_KEYS", "ShapeDistribution", "shape_distribution", "entry_shape_distribution", "worst_shapes",
+           "at_shape", "document_lengths", "worst_shape_workload"]
 
 #: The model key carrying the per-step shape, per built-in model (mlp has fixed shapes).
 SHAPE_KEYS = {"transformer": "seq_len", "resnet": "image_size"}
@@ -154,8 +158,8 @@ def document_lengths(path: str, eos_token: int) -> np.ndarray:
     return np.diff(bounds).astype(np.int64)
 
 
-def _from_mapping(key: str, spec: Mapping[str, Any]) -> ShapeDistribution:
-    where = f"model.{key}"
+def _from_mapping(key: str, spec: Mapping[str, Any], prefix: str = "model.") -> ShapeDistribution:
+    where = f"{prefix}{key}"
     seed = spec.get("seed", 0)
     _int(seed, f"{where}.seed", 0)
     known = {"seq_len": {"low", "high", "tokens", "eos_token", "max", "pad_multiple", "seed"},
@@ -164,7 +168,7 @@ def _from_mapping(key: str, spec: Mapping[str, Any]) -> ShapeDistribution:
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; expected some of {', '.join(sorted(known))}")
     if key == "image_size":
-        return _choice(key, spec.get("sizes"), seed)
+        return _choice(key, spec.get("sizes"), seed, prefix)
     pad = _int(spec.get("pad_multiple", 8), f"{where}.pad_multiple", 1)
     if spec.get("tokens") is not None:
         path = spec["tokens"]
@@ -182,35 +186,56 @@ def _from_mapping(key: str, spec: Mapping[str, Any]) -> ShapeDistribution:
     return ShapeDistribution(key, "uniform", (low, high), pad, _round_up(high, pad), seed)
 
 
-def _choice(key: str, sizes: Any, seed: int) -> ShapeDistribution:
-    where = f"model.{key}"
+def _choice(key: str, sizes: Any, seed: int, prefix: str = "model.") -> ShapeDistribution:
+    where = f"{prefix}{key}"
     if not isinstance(sizes, (list, tuple)) or not sizes:
         raise ConfigError(f"{where}={sizes!r}: expected a non-empty list of sizes such as [64, 96, 128]")
     values = tuple(_int(v, f"{where}[{i}]", _MINIMUM[key]) for i, v in enumerate(sizes))
     return ShapeDistribution(key, "choice", values, 1, max(values), seed)
 
 
-def shape_distribution(model_cfg: Mapping[str, Any]) -> ShapeDistribution:
+def shape_distribution(model_cfg: Mapping[str, Any], *, key: str | None = None,
+                       prefix: str = "model.") -> ShapeDistribution:
     """The shape distribution of a ``model`` group (plain mapping; Hydra containers converted).
+
+    ``key``: read this key (``seq_len`` or ``image_size``) instead of the model's own, with
+    ``prefix`` in messages: a python entry's ``target.seq_len`` / ``target.image_size``
+    (:func:`entry_shape_distribution`).
 
     Raises:
         ConfigError: a malformed distribution (naming the key and how to write it).
     """
-    key = SHAPE_KEYS.get(str(model_cfg.get("name")))
+    key = key or SHAPE_KEYS.get(str(model_cfg.get("name")))
     if key is None:
         return ShapeDistribution(None, "fixed", ())
     value = model_cfg.get(key, _DEFAULTS[key])
     if hasattr(value, "items") and not isinstance(value, Mapping):   # OmegaConf DictConfig
         value = dict(value.items())
     if isinstance(value, Mapping):
-        return _from_mapping(key, value)
+        return _from_mapping(key, value, prefix)
     if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
         if key != "image_size":
-            raise ConfigError(f"model.{key}={value!r}: a list is for image sizes; write a range "
+            raise ConfigError(f"{prefix}{key}={value!r}: a list is for image sizes; write a range "
                               f"{{low: 64, high: 512}} or a token file {{tokens: PATH, eos_token: ID, max: N}}")
-        return _choice(key, list(value), 0)
-    v = _int(value, f"model.{key}", _MINIMUM[key])
+        return _choice(key, list(value), 0, prefix)
+    v = _int(value, f"{prefix}{key}", _MINIMUM[key])
     return ShapeDistribution(key, "fixed", (v,), 1, v)
+
+
+def entry_shape_distribution(target_cfg: Mapping[str, Any]) -> ShapeDistribution:
+    """The shape distribution a python entry declares in its ``target`` group: ``target.seq_len``
+    or ``target.image_size``, spelled as the built-in models' (module docstring); fixed (no key)
+    when it declares none.
+
+    Raises:
+        ConfigError: both keys given, or a malformed distribution.
+    """
+    given = [k for k in ("seq_len", "image_size") if target_cfg.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError("target.seq_len and target.image_size: give one shape distribution")
+    if not given:
+        return ShapeDistribution(None, "fixed", ())
+    return shape_distribution(target_cfg, key=given[0], prefix="target.")
 
 
 def worst_shapes(model_cfg: Mapping[str, Any], k: int = 1) -> list[int | None]:
@@ -248,14 +273,21 @@ def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
     """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
     shape (:func:`at_shape` of :func:`worst_shapes`): what the search's frontier and ``oomtune plan``
     predict at (issue 23 item 2: the same code for both). ``workload`` itself when its shapes are
-    fixed or it is not a built-in workload (a ``python`` or ``cmd`` target has no distribution).
+    fixed. Another target's distribution and shapes are its own (:meth:`oomtune.trial._base.Target.
+    shapes` / ``at_shape``: a python entry may declare one; a command's are not known).
 
     Raises:
         ConfigError: as :func:`shape_distribution`.
     """
     target = workload.get("target") or {}
     if target.get("name", "builtin") != "builtin":
-        return workload
+        from oomtune.trial._base import target_for
+
+        t = target_for(workload)
+        dist = t.shapes(workload)
+        if dist.is_fixed:
+            return workload
+        return t.at_shape(workload, max(dist.support(), key=lambda v: -1 if v is None else v))
     cfg = {k: v for k, v in workload.items() if k != "target"}
     if shape_distribution(cfg).is_fixed:
         return workload

@@ -1,0 +1,111 @@
+"""oomtune in a Hugging Face ``Trainer`` script: one argument.
+
+    from oomtune.integrations.huggingface import OomtuneCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[OomtuneCallback()])
+    trainer.train()
+
+Without oomtune the callback does nothing. Under oomtune (``oomtune search target=cmd
+"target.command='python train.py'"``; the batch size reaches the Trainer through the callback, so
+the command needs no ``{batch_size}``) it:
+
+- sets the trial's micro-batch (``per_device_train_batch_size``), ``gradient_accumulation_steps``
+  and, when the search varies it, ``activation_checkpointing`` (``gradient_checkpointing`` before
+  transformers 5) on the Trainer when it is created (``on_init_end``), turns
+  ``auto_find_batch_size`` off (it would change the batch the trial measures) and sets ``max_steps``
+  to the trial's warm-up + measured steps;
+- attaches the virtual GPU on a CPU trial at ``on_init_end``, before the Trainer wraps the model
+  (DDP's buckets are counted), and registers the optimizer's state at ``on_train_begin``;
+- counts optimizer steps (``on_step_end``), times the measured steps and stops training after them
+  (``control.should_training_stop``); reports global samples (``per_device_train_batch_size x
+  gradient_accumulation_steps x world size``) from rank 0 and the memory of every rank;
+- passes the Trainer's precision (``bf16``/``fp16``) on in the report; the Trainer's own autocast
+  runs as it would.
+
+Code after ``trainer.train()`` still runs under oomtune (guard it with ``if not oomtune.launched():``
+to skip saving or evaluation in trials).
+
+The Trainer is reached from ``on_init_end`` through the calling frame (its ``__init__`` calls the
+callbacks with ``args`` but not with itself); its micro-batch is ``Trainer._train_batch_size``, which
+``__init__`` copies from ``args.train_batch_size`` just before (transformers/trainer.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from transformers import TrainerCallback
+
+from oomtune.integrations._session import TrialSession, fail
+
+__all__ = ["OomtuneCallback"]
+
+
+def _trainer_from_stack() -> Any | None:
+    """The ``transformers.Trainer`` whose ``__init__`` is running on this thread (None: not found)."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(30):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class OomtuneCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that runs the Trainer as an oomtune trial (module docstring);
+    a no-op when oomtune did not launch the process."""
+
+    def __init__(self) -> None:
+        self.session = TrialSession("Hugging Face Trainer")
+
+    # -------------------------------------------------------------- set-up
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
+        s = self.session
+        if not s.active:
+            return control
+        t = s.settings
+        trainer = _trainer_from_stack()
+        if trainer is None:
+            fail("Hugging Face Trainer: OomtuneCallback must be passed to Trainer(callbacks=[...]) so that it runs "
+                 "when the Trainer is created")
+        args.per_device_train_batch_size = t.batch_size
+        trainer._train_batch_size = args.train_batch_size   # what __init__ copied before the callbacks ran
+        args.gradient_accumulation_steps = t.grad_accum
+        args.auto_find_batch_size = False
+        args.max_steps = s.total_steps
+        if t.activation_checkpointing is not None:
+            for name in ("activation_checkpointing", "gradient_checkpointing"):
+                if hasattr(args, name):
+                    setattr(args, name, bool(t.activation_checkpointing))
+        s.precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+        s.attach(model)
+        return control
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> Any:
+        s = self.session
+        if s.active:
+            s.require_optimizer(optimizer)
+            s.attach(model, optimizer)
+        return control
+
+    # -------------------------------------------------------------- steps
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.session.step_begin()
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        s = self.session
+        if s.active and s.step_end():
+            control.should_training_stop = True
+            s.finish()
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.session.finish()
+        return control

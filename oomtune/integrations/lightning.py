@@ -1,0 +1,94 @@
+"""oomtune in a Lightning script: one argument.
+
+    from oomtune.integrations.lightning import OomtuneCallback
+    trainer = lightning.pytorch.Trainer(max_epochs=3, callbacks=[OomtuneCallback()])
+    trainer.fit(model)
+
+Without oomtune the callback does nothing. Under oomtune (``oomtune search target=cmd
+"target.command='python train.py'"``) it:
+
+- sets the trial's micro-batch on the module's ``batch_size`` attribute (or its ``hparams`` or
+  datamodule's, found as ``Tuner.scale_batch_size`` finds it: ``lightning_hasattr`` /
+  ``lightning_setattr``), ``trainer.accumulate_grad_batches`` and, when the search varies it, the
+  module's ``activation_checkpointing`` attribute, at ``setup`` (before the dataloaders are made);
+  stops after the trial's warm-up + measured optimizer steps (``fit_loop`` ``max_steps``, and no
+  epoch limit);
+- attaches the virtual GPU on a CPU trial at ``setup``, before the strategy wraps the model
+  (DDP's buckets are counted), and registers the optimizers' state at ``on_train_start``;
+- counts optimizer steps (``trainer.global_step`` after each batch), times the measured ones and
+  reports global samples (micro-batch x accumulation x world size) from rank 0 and the memory of
+  every rank; passes ``trainer.precision`` on in the report.
+
+Batches and datasets that ``train_dataloader()`` creates as tensors on the main thread count as
+device memory on the virtual GPU (every CPU storage does there; build datasets before ``fit`` or in
+DataLoader workers to keep them out).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from oomtune.integrations._session import TrialSession, fail
+
+__all__ = ["OomtuneCallback"]
+
+
+class OomtuneCallback(Callback):
+    """A ``lightning.pytorch.Callback`` that runs ``Trainer.fit`` as an oomtune trial (module
+    docstring); a no-op when oomtune did not launch the process."""
+
+    def __init__(self) -> None:
+        self.session = TrialSession("Lightning")
+        self._steps_seen = 0
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        s = self.session
+        if not s.active or stage != "fit":
+            return
+        from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+        t = s.settings
+        if not lightning_hasattr(pl_module, "batch_size"):
+            fail("Lightning: the LightningModule (or its hparams or datamodule) has no batch_size attribute, so "
+                 "oomtune cannot set the trial's micro-batch; add one and build the DataLoader with it (as "
+                 "Tuner.scale_batch_size requires)")
+        lightning_setattr(pl_module, "batch_size", t.batch_size)
+        trainer.accumulate_grad_batches = t.grad_accum
+        if t.activation_checkpointing is not None:
+            if not lightning_hasattr(pl_module, "activation_checkpointing"):
+                fail("Lightning: search.space.activation_checkpointing needs an activation_checkpointing attribute "
+                     "on the LightningModule that its forward honours")
+            lightning_setattr(pl_module, "activation_checkpointing", bool(t.activation_checkpointing))
+        trainer.fit_loop.epoch_loop.max_steps = s.total_steps
+        trainer.fit_loop.max_epochs = -1   # the steps decide, not the epochs
+        s.precision = str(getattr(trainer, "precision", None))
+        s.attach(pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        s = self.session
+        if not s.active:
+            return
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        s.require_optimizer(optimizers[0] if optimizers else None)
+        for opt in optimizers:
+            s.attach(pl_module, opt)
+        self._steps_seen = int(trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.session.step_begin()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        s = self.session
+        if not s.active or s.done:
+            return
+        while int(trainer.global_step) > self._steps_seen:   # an optimizer step ended with this batch
+            self._steps_seen += 1
+            if s.step_end():
+                trainer.should_stop = True
+                s.finish()
+                break
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.session.finish()

@@ -1,0 +1,161 @@
+"""Predictions for a search whose candidates train different steps: activation checkpointing on or
+off (``search.space.activation_checkpointing``) and, under a fixed global batch
+(``search.global_batch``), one micro-batch per optimizer step or several (gradient accumulation).
+
+Each such *variant* of the workload makes other requests, so it has its own
+:class:`oomtune.plan.predictor.Predictor` (its own captures and derived streams: a stream is derived
+only from captures of the same variant, :mod:`oomtune.plan.derive`). :class:`PredictorVariants`
+routes every question to the variant of the batch size and configuration asked about, and otherwise
+answers as one predictor (timings and counts summed over its members), so the search, the frontier
+and the report use it where they use a Predictor.
+
+Accumulation variants: a batch size ``b`` with ``grad_accum(b) > 1`` is predicted from captures with
+two micro-batches per step (:func:`oomtune.workloads.loop.prediction_workload`: a third micro-batch
+repeats the second's requests); ``grad_accum(b) == 1`` (the micro-batch is the whole global batch)
+from captures of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["PredictorVariants", "variant_workload"]
+
+#: ``search.space`` key of activation checkpointing (oomtune.search.space.CHECKPOINTING_KEY; the plan
+#: layer does not import the search layer).
+_CKPT = "activation_checkpointing"
+
+
+def variant_workload(workload: dict[str, Any], *, grad_accum: int, checkpointing: bool | None) -> dict[str, Any]:
+    """``workload`` training ``grad_accum`` micro-batches per optimizer step (the key left out for 1)
+    with ``activation_checkpointing`` set (unchanged when None)."""
+    out = dict(workload)
+    out.pop("grad_accum", None)
+    if grad_accum > 1:
+        out["grad_accum"] = grad_accum
+    if checkpointing is not None:
+        out[_CKPT] = bool(checkpointing)
+    return out
+
+
+class PredictorVariants:
+    """One :class:`~oomtune.plan.predictor.Predictor` per workload variant, behind the Predictor API.
+
+    Args:
+        workload: the search's workload (``model`` keys + ``target``).
+        make: ``make(variant_workload) -> Predictor`` (the trial's geometry and steps, the cache).
+        grad_accum_of: micro-batches per optimizer step at a batch size (None: always 1).
+
+    Methods taking ``checkpointing`` use the workload's own setting when it is None.
+    """
+
+    def __init__(self, workload: dict[str, Any], make: Callable[[dict[str, Any]], Any], *,
+                 grad_accum_of: Callable[[int], int] | None = None) -> None:
+        self.model_cfg = workload
+        self._make = make
+        self._accum = grad_accum_of or (lambda b: 1)
+        self._members: dict[tuple, Any] = {}
+        self.calibration = 1.0
+        first = self._member(None, 1)
+        self.geometry, self.steps = first.geometry, first.steps
+        self.workers = getattr(first, "workers", 1)
+        self.cache = getattr(first, "cache", None)
+
+    # ------------------------------------------------------------------ routing
+    def _member(self, checkpointing: bool | None, grad_accum: int) -> Any:
+        key = (checkpointing, min(grad_accum, 2))
+        member = self._members.get(key)
+        if member is None:
+            member = self._make(variant_workload(self.model_cfg, grad_accum=key[1], checkpointing=checkpointing))
+            member.calibration = self.calibration
+            self._members[key] = member
+        return member
+
+    def member(self, batch_size: int, checkpointing: bool | None = None) -> Any:
+        """The Predictor that answers for ``batch_size`` (and ``checkpointing``)."""
+        return self._member(checkpointing, self._accum(int(batch_size)))
+
+    # ------------------------------------------------------------------ the Predictor API
+    def prepare(self, batch_sizes: Iterable[int], checkpointing: bool | None = None) -> None:
+        """:meth:`Predictor.prepare` of each variant with the batch sizes it answers for."""
+        groups: dict[int, list[int]] = {}
+        for b in batch_sizes:
+            groups.setdefault(min(self._accum(int(b)), 2), []).append(int(b))
+        for accum, sizes in groups.items():
+            self._member(checkpointing, accum).prepare(sizes)
+
+    def can_predict(self, batch_size: int, *, checkpointing: bool | None = None) -> bool:
+        return self.member(batch_size, checkpointing).can_predict(batch_size)
+
+    def stream(self, batch_size: int, checkpointing: bool | None = None) -> Any:
+        return self.member(batch_size, checkpointing).stream(batch_size)
+
+    def predict_detail(self, batch_size: int, settings: Any, *, checkpointing: bool | None = None) -> Any:
+        return self.member(batch_size, checkpointing).predict_detail(batch_size, settings)
+
+    def predict_raw(self, batch_size: int, settings: Any, *, checkpointing: bool | None = None) -> int | None:
+        return self.member(batch_size, checkpointing).predict_raw(batch_size, settings)
+
+    def predict(self, candidate: Any) -> int | None:
+        """Calibrated predicted peak reserved (bytes) of a search Candidate (its batch size, allocator
+        settings and ``activation_checkpointing``); None when its settings cannot be simulated."""
+        return self.member(candidate.batch_size, getattr(candidate, _CKPT, None)).predict(candidate)
+
+    def calibrate(self, pairs: list[tuple[int, int]]) -> float:
+        """Set every variant's calibration from (predicted, measured) peak reserved pairs; returns it."""
+        first = next(iter(self._members.values()))
+        self.calibration = first.calibrate(pairs)
+        for m in self._members.values():
+            m.calibration = self.calibration
+        return self.calibration
+
+    # ------------------------------------------------------------------ summed figures
+    def _sum(self, name: str) -> Any:
+        return sum(getattr(m, name) for m in self._members.values())
+
+    @property
+    def capture_seconds(self) -> float:
+        return self._sum("capture_seconds")
+
+    @property
+    def replay_seconds(self) -> float:
+        return self._sum("replay_seconds")
+
+    @property
+    def derive_seconds(self) -> float:
+        return self._sum("derive_seconds")
+
+    @property
+    def replays(self) -> int:
+        return self._sum("replays")
+
+    @property
+    def captures(self) -> int:
+        return self._sum("captures")
+
+    @property
+    def cached_batches(self) -> list[int]:
+        return [b for m in self._members.values() for b in m.cached_batches]
+
+    @property
+    def derived_batches(self) -> list[int]:
+        return [b for m in self._members.values() for b in m.derived_batches]
+
+    @property
+    def _streams(self) -> dict[int, Any]:
+        """Every variant's streams by batch size (for counts; variants of one batch size overlap)."""
+        return {b: st for m in self._members.values() for b, st in m._streams.items()}
+
+    @property
+    def _captured(self) -> dict[int, Any]:
+        return {b: st for m in self._members.values() for b, st in m._captured.items()}
+
+    @property
+    def fallback_reasons(self) -> set[str]:
+        return set().union(*(m.fallback_reasons for m in self._members.values()))
+
+    @property
+    def derivation_note(self) -> str | None:
+        notes = sorted({m.derivation_note for m in self._members.values() if m.derivation_note})
+        return "; ".join(notes) or None

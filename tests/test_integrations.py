@@ -1,0 +1,159 @@
+"""The one-line integrations (issue 22 items 1 and 8): Hugging Face Trainer, Lightning and a plain
+loop, on the virtual GPU: the script runs unchanged without oomtune; under oomtune the trial's
+micro-batch and accumulation are applied, the steps stop after warm-up + measured, the global samples
+are counted once (accumulation and ranks included), the allocation stream is recorded; an oomtune
+search keeps the global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import oomtune
+from oomtune.cli import main
+from oomtune.plan.recorded import load_recording
+from oomtune.targets.cmd import read_channel, result_from_channel
+from oomtune.trial.record import TrialSpec
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = {"hf": "examples/hf_trainer.py", "lightning": "examples/lightning_module.py",
+            "loop": "examples/global_batch.py"}
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def trial_env(tmp_path: Path, *, batch: int, accum: int, warmup: int = 1, measure: int = 2) -> dict[str, str]:
+    return {"OOMTUNE_RESULT_FILE": str(tmp_path / "results.jsonl"), "OOMTUNE_STREAM_FILE": str(tmp_path / "stream.bin"),
+            "OOMTUNE_BATCH_SIZE": str(batch), "OOMTUNE_GRAD_ACCUM": str(accum), "OOMTUNE_WARMUP_STEPS": str(warmup),
+            "OOMTUNE_MEASURE_STEPS": str(measure), "OOMTUNE_DEVICE": "cpu", "OOMTUNE_BUDGET_BYTES": str(1 << 30),
+            "OOMTUNE_DEVICE_MEMORY_BYTES": str(80 << 30)}
+
+
+# -- the examples run unchanged without oomtune (CI runs them at their tiny default sizes) ------------------
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_example_runs_unchanged_without_oomtune(name):
+    env = {k: "" for k in ("OOMTUNE_RESULT_FILE", "OOMTUNE_BATCH_SIZE")}
+    done = run_script([EXAMPLES[name]], env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = "global batch 32: micro-batch 8 x 4" if name == "loop" else "trained 4 optimizer steps"
+    assert expected in done.stdout
+
+
+# -- under oomtune: the trial's settings, the steps, the samples -------------------------------------------
+@pytest.mark.parametrize("name", ["hf", "lightning"])
+def test_the_framework_trains_the_trials_micro_batch_and_accumulation(name, tmp_path):
+    done = run_script([EXAMPLES[name]], trial_env(tmp_path, batch=4, accum=3, warmup=1, measure=2))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained 3 optimizer steps" in done.stdout           # warm-up 1 + measured 2, not the script's 4
+    events = read_channel(tmp_path / "results.jsonl")
+    (rep,) = [e for e in events if e["event"] == "report"]
+    # global samples: micro-batch 4 x 3 micro-batches x 1 rank x 2 measured steps
+    assert (rep["samples"], rep["steps"], rep["world_size"]) == (24, 2, 1)
+    assert rep["extra"]["micro_batch"] == 4 and rep["extra"]["grad_accum"] == 3
+    assert rep["memory"]["source"] == "simulated" and rep["memory"]["stats"]["reserved_bytes.all.peak"] > 0
+    stream, meta = load_recording(tmp_path / "stream.bin")
+    assert len(stream) == meta["events"] > 0
+    assert meta["precision"] == {"hf": "fp32", "lightning": "32-true"}[name]   # the framework's own setting
+    spec = TrialSpec(workload={"target": {"name": "cmd"}, "grad_accum": 3}, batch_size=4)
+    result = result_from_channel(spec, events, returncode=0, stderr="", timed_out=False)
+    assert result.outcome == "ok" and result.throughput == pytest.approx(24 / rep["seconds"])
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_samples_are_counted_once_over_two_ranks(tmp_path):
+    done = run_script(["tests/data/two_rank_loop.py", "3", "2", _free_port()],
+                      trial_env(tmp_path, batch=3, accum=2, warmup=1, measure=2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = read_channel(tmp_path / "results.jsonl")
+    reports = [e for e in events if e["event"] == "report"]
+    assert len(reports) == 1 and reports[0]["rank"] == 0        # rank 0 reports for both
+    # micro-batch 3 x 2 micro-batches x 2 ranks x 2 measured steps
+    assert (reports[0]["samples"], reports[0]["world_size"], reports[0]["steps"]) == (24, 2, 2)
+    assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]   # each rank's memory
+    assert (tmp_path / "stream.bin").is_file() and (tmp_path / "stream.bin.rank1").is_file()
+    spec = TrialSpec(workload={"target": {"name": "cmd"}, "grad_accum": 2}, batch_size=3)
+    result = result_from_channel(spec, events, returncode=0, stderr="", timed_out=False)
+    assert result.throughput == pytest.approx(24 / reports[0]["seconds"])
+
+
+# -- bad input: one line, exit status 2 ---------------------------------------------------------------------
+def test_a_callback_on_a_trainer_without_an_optimizer_exits_2_with_one_line(tmp_path):
+    code = ("from oomtune.integrations.huggingface import OomtuneCallback\n"
+            "from transformers import TrainingArguments, TrainerState, TrainerControl\n"
+            "cb = OomtuneCallback()\n"
+            "cb.on_train_begin(None, TrainerState(), TrainerControl(), model=None, optimizer=None)\n")
+    done = run_script(["-c", code], trial_env(tmp_path, batch=2, accum=1))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == ["oomtune: Hugging Face Trainer: the trainer has no optimizer when training starts, so oomtune "
+                     "cannot count optimizer steps or its state; create it before training (or let the trainer "
+                     "create it)"]
+
+
+def test_a_lightning_module_without_a_batch_size_exits_2_with_one_line(tmp_path):
+    code = ("import lightning.pytorch as pl, torch\n"
+            "from oomtune.integrations.lightning import OomtuneCallback\n"
+            "class M(pl.LightningModule):\n"
+            "    def __init__(self):\n"
+            "        super().__init__(); self.l = torch.nn.Linear(2, 2)\n"
+            "cb = OomtuneCallback()\n"
+            "cb.setup(pl.Trainer(logger=False, enable_progress_bar=False), M(), 'fit')\n")
+    done = run_script(["-c", code], trial_env(tmp_path, batch=2, accum=1))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("oomtune: Lightning: the LightningModule (or its hparams "
+                                                           "or datamodule) has no batch_size attribute")
+
+
+def test_a_loop_that_ends_before_the_trials_steps_exits_2_with_one_line(tmp_path):
+    code = ("from oomtune.integrations.loop import steps\n"
+            "for _ in steps(range(2)):\n"
+            "    pass\n")
+    done = run_script(["-c", code], trial_env(tmp_path, batch=2, accum=1, warmup=1, measure=3))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "oomtune: loop: training ended after 2 optimizer step(s), before the 4 the trial needs (1 warm-up + 3 "
+        "measured); give it more data or steps"]
+
+
+def test_oomtune_launched_is_exported():
+    assert oomtune.launched is oomtune.script_api.launched and "launched" in oomtune.__all__
+
+
+# -- end to end: oomtune searches each integration under a fixed global batch --------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name, command", [
+    ("hf", "{py} examples/hf_trainer.py"),
+    ("lightning", "{py} examples/lightning_module.py"),
+    ("loop", "{py} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"),
+])
+def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    run = tmp_path / name
+    cmd = command.format(py=sys.executable)
+    code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=24MiB",
+                 "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
+                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
+                 "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600", f"hydra.run.dir={run}"])
+    assert code == 0
+    best = oomtune.load_best(run / "best.yaml")
+    assert best.batch_size * best.grad_accum == 16 and best.best.global_batch == 16
+    rows = json.loads((run / "trials.json").read_text())
+    assert rows[0]["role"] == "record"                      # recordings of two micro-batches per step first
+    for row in rows:   # every trial that measured a candidate trained the global batch
+        extra = json.loads((run / "trials" / f"trial-{row['number']:04d}" / "result.json").read_text())["extra"]
+        accum = extra.get("grad_accum", 1)
+        assert (accum == 2) if row["role"] == "record" else (row["batch_size"] * accum == 16)

@@ -1,0 +1,174 @@
+"""Allocator tuning for users' own commands: the trial's recorded allocation stream and the
+predictions made from recordings (issue 22 item 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from oomtune.alloc.geometry import budget_geometry
+from oomtune.alloc.settings import AllocatorSettings
+from oomtune.alloc.stream import AllocationStream, replay_stream
+from oomtune.plan.recorded import NoPrediction, RecordedPredictor, load_recording
+
+REPO = Path(__file__).resolve().parents[1]
+GEOMETRY = budget_geometry(64 << 20, 80 << 30)
+
+
+def affine_stream(b: int, *, extra_small_batch_op: bool = False) -> AllocationStream:
+    """A step's stream whose sizes are affine in the batch ``b`` (hand-made): weights 4096 B,
+    activations 1024 b + 512 B and 2048 b B, a gradient 4096 B, a temporary 64 b B."""
+    events = [("alloc", 1, 4096), ("alloc", 2, 1024 * b + 512), ("alloc", 3, 2048 * b), ("free", 2),
+              ("alloc", 4, 4096), ("alloc", 5, 64 * b), ("free", 5), ("free", 3), ("free", 4)]
+    if extra_small_batch_op:   # a batch of 1 running one more op (a squeeze, a broadcast)
+        events.insert(1, ("alloc", 9, 8))
+        events.insert(2, ("free", 9))
+    return AllocationStream([(a, k, *(s or ())) for a, k, *s in events])
+
+
+def test_streams_of_other_batch_sizes_are_derived_and_extrapolated_exactly():
+    p = RecordedPredictor({b: affine_stream(b) for b in (2, 4, 8)}, GEOMETRY)
+    assert p.usable and p.can_predict(6) and p.can_predict(1000)
+    assert p.stream(6) == affine_stream(6)          # between the recordings
+    assert p.stream(1000) == affine_stream(1000)    # above them (the frontier is usually far above)
+    assert not p.can_predict(1)                     # below them: not derived
+    with pytest.raises(NoPrediction):
+        p.stream(1)
+
+
+def test_a_smaller_batch_that_runs_other_code_is_left_out_of_the_fit():
+    recs = {1: affine_stream(1, extra_small_batch_op=True), 2: affine_stream(2), 4: affine_stream(4)}
+    p = RecordedPredictor(recs, GEOMETRY)
+    assert not p.usable and "fewer than 3 recordings of one structure" in p.derivation_note
+    p = RecordedPredictor({**recs, 8: affine_stream(8)}, GEOMETRY)
+    assert p.usable and p.stream(16) == affine_stream(16)
+    assert p.stream(1) == recs[1]                   # its own recording still answers for it
+
+
+def test_a_later_recording_verifies_the_derived_stream_or_stops_the_predictions():
+    p = RecordedPredictor({b: affine_stream(b) for b in (2, 4, 8)}, GEOMETRY)
+    assert p.add_recording(64, affine_stream(64)) and p.verified == [64] and p.usable
+    other = affine_stream(128)
+    other.sizes[2] += 512                            # one request differs from the derived one
+    assert not p.add_recording(128, other)
+    assert p.mismatch == 128 and not p.usable and "differs from the one derived" in p.derivation_note
+    assert p.stream(128) == other                    # the recording itself is kept
+
+
+def test_covers_limits_the_batch_sizes_the_recordings_stand_for():
+    p = RecordedPredictor({b: affine_stream(b) for b in (2, 4, 8)}, GEOMETRY, covers=lambda b: b < 32)
+    assert p.can_predict(16) and not p.can_predict(32)
+    assert p.predict_raw(32, "") is None
+
+
+# -- the capture hook writes the stream it fed the virtual GPU --------------------------------------------
+@pytest.fixture
+def channel(tmp_path, monkeypatch):
+    monkeypatch.setenv("OOMTUNE_RESULT_FILE", str(tmp_path / "results.jsonl"))
+    monkeypatch.setenv("OOMTUNE_STREAM_FILE", str(tmp_path / "stream.bin"))
+    monkeypatch.setenv("OOMTUNE_BUDGET_BYTES", str(64 << 20))
+    monkeypatch.setenv("OOMTUNE_DEVICE_MEMORY_BYTES", str(80 << 30))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    return tmp_path
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, batch: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(batch, 32)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_the_recorded_stream_replays_to_the_virtual_gpus_own_peaks(channel):
+    import oomtune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters())
+    hook = oomtune.capture_hook(model, opt)
+    _train(model, opt, 3, 64)
+    hook.stop()
+    stream, meta = load_recording(channel / "stream.bin")
+    assert meta["source"] == "capture_hook (cpu)" and meta["events"] == len(stream) > 0
+    live = hook.sim.memory_stats()
+    again = replay_stream(stream, AllocatorSettings.parse(""), total_memory_bytes=80 << 30,
+                          memory_fraction=(64 << 20) / (80 << 30))
+    assert again.peak_reserved_bytes == live["reserved_bytes.all.peak"]
+    assert again.peak_allocated_bytes == live["allocated_bytes.all.peak"]
+
+
+def test_no_stream_is_written_after_a_simulated_out_of_memory(channel, monkeypatch):
+    import oomtune
+
+    monkeypatch.setenv("OOMTUNE_BUDGET_BYTES", str(4 << 20))
+    model = nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = oomtune.capture_hook(model, opt)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(8 << 20, dtype=torch.uint8)
+    hook.stop()
+    assert not (channel / "stream.bin").exists()
+
+
+# -- end to end: examples/train_cmd.py ------------------------------------------------------------------
+def _record_example(tmp_path: Path, batch: int) -> AllocationStream:
+    env = {**os.environ, "OOMTUNE_RESULT_FILE": str(tmp_path / f"r{batch}.jsonl"),
+           "OOMTUNE_STREAM_FILE": str(tmp_path / f"s{batch}.bin"), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "examples/train_cmd.py", "--hidden", "1024", "--batch-size", str(batch)],
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    return load_recording(tmp_path / f"s{batch}.bin")[0]
+
+
+@pytest.mark.slow
+def test_the_example_scripts_recordings_derive_its_stream_at_any_batch(tmp_path):
+    recs = {b: _record_example(tmp_path, b) for b in (4, 8, 16)}
+    p = RecordedPredictor(recs, GEOMETRY)
+    assert p.usable
+    assert p.stream(1000) == _record_example(tmp_path, 1000)
+
+
+@pytest.mark.slow
+def test_cmd_search_predicts_and_probes_the_allocator_and_agrees_with_plan(tmp_path, monkeypatch):
+    # examples/train_cmd.py (hidden 1024) on the virtual GPU at 64 MiB, and the same model, optimizer and
+    # step written as a python entry (tests/data/train_cmd_entry.py) planned on meta: the search's answer
+    # (recorded streams, derived, replayed under every configuration, then probed) is the configuration
+    # and batch that plan predicts for the entry.
+    from oomtune.cli import main
+
+    monkeypatch.chdir(REPO)
+    common = ["budget=64MiB", "device=cpu", "search.batch_size.low=4", "search.batch_size.high=4096"]
+    run = tmp_path / "cmd"
+    cmd = f"{sys.executable} examples/train_cmd.py --hidden 1024 --batch-size {{batch_size}}"
+    assert main(["search", "target=cmd", f"target.command='{cmd}'", *common, f"hydra.run.dir={run}"]) == 0
+    import oomtune
+    import yaml
+
+    best = oomtune.load_best(run / "best.yaml")
+    rows = sorted(json.loads((run / "trials.json").read_text()), key=lambda r: r["number"])
+    assert [r["batch_size"] for r in rows[:3]] == [4, 8, 16]   # the three recordings came first
+    assert all((run / "trials" / f"trial-{n:04d}" / "stream.bin").is_file() for n in range(3))
+    # the report's frontier and the winner's step come from the recordings too
+    assert (run / "frontier.yaml").is_file() and (run / "winner_step.pickle").is_file()
+    probed = {f["alloc_conf"] for f in best.frontiers if f["probed"]}
+    assert len(probed) >= 2                                  # not only the default allocator
+    assert all(f["predicted_max_batch"] is not None for f in best.frontiers)   # every configuration predicted
+
+    plan_dir = tmp_path / "plan"
+    assert main(["plan", "target=python", "target.entry=tests/data/train_cmd_entry.py:make_workload", *common,
+                 f"hydra.run.dir={plan_dir}"]) == 0
+    plan = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    top = max(r["max_batch_size"] or 0 for r in plan["configurations"])
+    winners = {r["alloc_conf"] for r in plan["configurations"] if r["max_batch_size"] == top}
+    assert best.batch_size == top and best.alloc_conf in winners
+    by_conf = {r["alloc_conf"]: r["max_batch_size"] for r in plan["configurations"]}
+    for f in best.frontiers:                                 # every predicted frontier is plan's
+        assert f["predicted_max_batch"] == by_conf[f["alloc_conf"]]
