@@ -175,3 +175,15 @@ def test_a_data_generator_that_cannot_run_on_meta_is_captured_on_cpu_with_one_li
     p.predict_detail(4, "")
     (reason,) = p.fallback_reasons
     assert "cannot be built on meta" in reason and "captured on cpu" in reason and "\n" not in reason
+
+
+def test_the_training_keys_are_read_without_torch():
+    # a command's search reads grad_accum / activation_checkpointing for its environment and
+    # placeholders: oomtune.workloads.training and the cmd target import no torch
+    import subprocess
+    import sys
+
+    code = ("import sys; from oomtune.workloads.training import grad_accum_of; import oomtune.targets.cmd; "
+            "print(grad_accum_of({'grad_accum': 4}), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["4", "False"]

@@ -100,7 +100,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     from oomtune.capture.gpu_target import target_from_workload
     from oomtune.capture.recorder import HostMemoryError, capture_stream
     from oomtune.plan.derive import repeat_steady_step
-    from oomtune.workloads.loop import prediction_workload
+    from oomtune.workloads.training import prediction_workload
 
     gpu = target_from_workload(model_cfg)
     model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
@@ -234,7 +234,7 @@ def python_target_workload(target: dict[str, Any], batch_size: int, device: str,
 
     from oomtune.targets.python_entry import build_user_workload
 
-    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+    from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
     workload = workload or {}
     ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None

@@ -83,6 +83,7 @@ class RecordedPredictor(Predictor):
         self.extrapolate = extrapolate
         self.covers = covers or (lambda b: True)
         self.mismatch: int | None = None
+        self._note: str | None = None
         self.recorded: list[int] = []
         self.verified: list[int] = []
         for b, stream in sorted(recordings.items()):
@@ -100,13 +101,19 @@ class RecordedPredictor(Predictor):
         group = {b: st for b, st in self._captured.items() if largest is not None and st.actions == largest.actions
                  and st.keys == largest.keys and st.streams == largest.streams}
         self._model = AffineStreamModel.fit(group) if len(group) >= MIN_FIT_CAPTURES else None
-        self.derivation_note = None
+        self._derivable: dict[int, Any] = {}
+        self._note = None if self.mismatch is None else self._note
         if self._model is None:
             if len(group) >= MIN_FIT_CAPTURES:
                 why = "recorded streams are not affine in the batch size"
             else:
                 why = f"fewer than {MIN_FIT_CAPTURES} recordings of one structure (the same requests in the same order)"
-            self.derivation_note = f"{why}: only recorded batch sizes are predicted"
+            self._note = f"{why}: only recorded batch sizes are predicted"
+
+    @property
+    def derivation_note(self) -> str | None:
+        """Why streams of unrecorded batch sizes are not derived (one line), or None."""
+        return self._note
 
     @property
     def usable(self) -> bool:
@@ -114,31 +121,48 @@ class RecordedPredictor(Predictor):
         return self._model is not None and self.mismatch is None
 
     def can_predict(self, batch_size: int, **_: Any) -> bool:
-        """Whether a stream is known for ``batch_size`` (recorded, or derivable)."""
+        """Whether a stream is known for ``batch_size`` (recorded, or derivable: every request's size
+        a whole number of bytes >= 1 on the fitted lines)."""
         if batch_size in self._captured:
             return True
         if not self.usable or not self.covers(batch_size):
             return False
-        if batch_size < self._model.low:
+        if batch_size < self._model.low or (batch_size > self._model.high and not self.extrapolate):
             return False
-        return self._model.covers(batch_size) or (self.extrapolate and self._extrapolated(batch_size) is not None)
+        return self._derived(batch_size) is not None
 
-    def _extrapolated(self, batch_size: int) -> Any | None:
+    def _derived(self, batch_size: int) -> Any | None:
+        """The stream at ``batch_size`` from the fitted model, between the recorded batch sizes or
+        above them (the same lines, extrapolated); None where a size is not a whole number >= 1."""
+        if batch_size in self._derivable:
+            return self._derivable[batch_size]
         from array import array
 
+        from oomtune.alloc.stream import AllocationStream
+        from oomtune.plan.derive import _value
+
         m = self._model
-        sizes = [sl * batch_size + off for sl, off in zip(m._slopes, m._offsets)]
-        if any(s < 0 for s in sizes):
-            return None
-        out = m.derive(m.high)
-        out.sizes = array("q", sizes)
-        live: dict[int, int] = {}
-        for a, k, s in zip(out.actions, out.keys, out.sizes):
+        values = []
+        for coeffs, den in m._patterns:
+            v = _value(coeffs, den, batch_size)
+            if v is None:
+                self._derivable[batch_size] = None
+                return None
+            values.append(v)
+        t = m._template
+        out = AllocationStream()
+        out.actions = array("b", t.actions)
+        out.keys = array("q", t.keys)
+        out.streams = array("q", t.streams)
+        out.sizes = array("q", [values[j] for j in m._pattern_of])
+        live: dict[int, int] = {}   # as AllocationStream.append_* leave it: live keys in alloc order
+        for a, k, sz in zip(out.actions, out.keys, out.sizes):
             if a == 0:
-                live[k] = s
+                live[k] = sz
             else:
                 del live[k]
         out._live = live
+        self._derivable[batch_size] = out
         return out
 
     def prepare(self, batch_sizes: Any) -> None:
@@ -163,7 +187,7 @@ class RecordedPredictor(Predictor):
             return stream
         if not self.can_predict(batch_size):
             raise NoPrediction(f"no recorded or derivable allocation stream at batch {batch_size}")
-        derived = self._model.derive(batch_size) if self._model.covers(batch_size) else self._extrapolated(batch_size)
+        derived = self._derived(batch_size)
         self._streams[batch_size] = derived
         self.derived_batches.append(batch_size)
         return derived
@@ -186,8 +210,8 @@ class RecordedPredictor(Predictor):
             (self.verified if same else []).append(batch_size)
         if not same and self.mismatch is None:
             self.mismatch = batch_size
-            self.derivation_note = (f"the stream recorded at batch {batch_size} differs from the one derived "
-                                    "from the earlier recordings: predictions stopped")
+            self._note = (f"the stream recorded at batch {batch_size} differs from the one derived "
+                          "from the earlier recordings: predictions stopped")
         self._streams[batch_size] = self._captured[batch_size] = stream
         self._capture_reasons[batch_size] = None
         if batch_size not in self.recorded:

@@ -121,7 +121,7 @@ def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: An
     """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
     loader settings), {target} for target=python|cmd; plus ``training`` (the winner's
     ``grad_accum`` and ``activation_checkpointing``) when the search set them."""
-    from oomtune.workloads.loop import TRAINING_KEYS
+    from oomtune.workloads.training import TRAINING_KEYS
 
     target = workload["target"]
     training = {}

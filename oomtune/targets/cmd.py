@@ -214,7 +214,7 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
 
     out = child_environment(spec, env)
     out.pop(BUDGET_ENV, None)
-    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+    from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
     accum = grad_accum_of(spec.workload)
     out.update({
@@ -300,7 +300,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     """
     from oomtune.trial.runner import validate_spec
 
-    from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+    from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
     validate_spec(spec)
     target = dict(spec.workload.get("target") or {})

@@ -387,7 +387,7 @@ class PythonTarget(Target):
         check_checkpointing_argument(workload.get("target") or {}, checkpointing)
 
     def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
-        from oomtune.workloads.loop import checkpointing_of, grad_accum_of
+        from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
         ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
         return build_user_workload(workload.get("target") or {}, batch_size, device,
