@@ -281,6 +281,7 @@ class CaptureHook:
         self._vgpu: Any = None
         self._tee: Any = None
         self._oom = False
+        self._cuda_history = False   # recording torch.cuda.memory's history (CUDA, a stream file asked for)
         #: the framework's precision setting (``bf16``, ``fp16``, ``bf16-mixed``, ...) when an integration
         #: knows it: written with the recorded stream, for captures that follow the GPU's autocast policy
         self.precision: str | None = None
@@ -329,23 +330,61 @@ class CaptureHook:
             flat += list(t) if isinstance(t, (list, tuple)) else [t]
         return self._vgpu.register(flat)
 
-    def _write_stream(self) -> None:
-        """Write the recorded stream and its marks (``OOMTUNE_STREAM_FILE`` and ``<file>.json``),
-        unless the run ran out of memory (an incomplete stream would mislead the predictions)."""
+    def _write_stream(self, stream: Any = None, source: str = "capture_hook (cpu)") -> None:
+        """Write the recorded stream (the virtual GPU's, or ``stream``) and its marks
+        (``OOMTUNE_STREAM_FILE`` and ``<file>.json``), unless the run ran out of memory (an incomplete
+        stream would mislead the predictions)."""
         path = os.environ.get(STREAM_FILE_ENV)
-        if not path or self._tee is None or self._oom:
+        if stream is None and self._tee is not None:
+            stream = self._tee.to_stream()
+        if not path or stream is None or self._oom:
             return
         rank, world = rank_and_world()
         if rank > 0:   # rank 0's stream stands for the trial (data-parallel ranks run the same step)
             path = f"{path}.rank{rank}"
-        self._tee.to_stream().save(path)
-        meta = {"format": "oomtune-recorded-stream", "version": 1, "source": "capture_hook (cpu)",
-                "rank": rank, "world_size": world, "events": len(self._tee.events), "precision": self.precision}
+        stream.save(path)
+        meta = {"format": "oomtune-recorded-stream", "version": 1, "source": source,
+                "rank": rank, "world_size": world, "events": len(stream), "precision": self.precision}
         with open(path + ".json", "w", encoding="utf-8") as f:
             json.dump(meta, f)
 
+    def _start_cuda_history(self, torch: Any) -> None:
+        """On CUDA: record the caching allocator's history (every request it serves) from now on,
+        for the stream written at :meth:`stop` (``torch.cuda.memory._record_memory_history``; no
+        stack traces: only the requests are needed)."""
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+        self._cuda_history = True
+        self._pid = os.getpid()
+        _ACTIVE.append(self)
+
+    def _stop_cuda_history(self) -> None:
+        """Take the history (``torch.cuda.memory._snapshot()``), stop recording, and write it as the
+        trial's stream (:func:`oomtune.trace.to_stream.stream_from_snapshot`) unless the device ran out
+        of memory (an ``oom`` entry: the stream is incomplete)."""
+        import torch
+
+        self._cuda_history = False
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        try:
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        from oomtune.trace.to_stream import stream_from_snapshot
+
+        device = torch.cuda.current_device()
+        traces = snapshot.get("device_traces") or []
+        if device < len(traces) and any(e.get("action") == "oom" for e in traces[device]):
+            self._oom = True
+            return
+        self._write_stream(stream_from_snapshot(snapshot, device), source="torch.cuda.memory history (cuda)")
+
     def stop(self) -> None:
-        """Stop recording and write the final memory peaks as a ``memory`` line (idempotent)."""
+        """Stop recording and write the final memory peaks as a ``memory`` line (idempotent); on
+        CUDA, write the recorded history as the trial's stream."""
+        if self._cuda_history and os.getpid() == self._pid:
+            self._stop_cuda_history()
+            return
         if self._vgpu is None or os.getpid() != self._pid:   # a forked child never reports
             return
         vgpu, self._vgpu = self._vgpu, None
@@ -398,7 +437,10 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> Cap
 
     On CUDA (under oomtune) nothing is simulated; with a budget, the caching allocator is capped at
     it with ``torch.cuda.set_per_process_memory_fraction`` (corrected for the memory outside the
-    allocator, field case C9), which initialises CUDA.
+    allocator, field case C9), which initialises CUDA. When the trial asks for its stream
+    (``OOMTUNE_STREAM_FILE``), the allocator's history is recorded from here
+    (``torch.cuda.memory._record_memory_history``) and written as that stream when the hook stops
+    (:mod:`oomtune.trace.to_stream`), for the search's allocator predictions.
 
     Returns:
         A :class:`CaptureHook` (inactive, with ``reason`` set, when not launched or on CUDA).
@@ -414,9 +456,14 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> Cap
     import torch
 
     if torch.cuda.is_available():
+        if _ACTIVE:
+            raise RuntimeError("oomtune.capture_hook() is already active in this process")
         fraction = _apply_cuda_budget(torch)
         note = "" if fraction is None else f" (budget applied as memory fraction {fraction:.4f})"
-        return CaptureHook([], f"CUDA is available: the real device is measured{note}")
+        hook = CaptureHook([], f"CUDA is available: the real device is measured{note}")
+        if os.environ.get(STREAM_FILE_ENV):   # the trial's requests, for the allocator predictions
+            hook._start_cuda_history(torch)
+        return hook
     if _ACTIVE:
         raise RuntimeError("oomtune.capture_hook() is already active in this process")
     return CaptureHook(_tensors(model, optimizer, tensors), None)

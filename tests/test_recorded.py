@@ -119,6 +119,120 @@ def test_no_stream_is_written_after_a_simulated_out_of_memory(channel, monkeypat
     assert not (channel / "stream.bin").exists()
 
 
+# -- on CUDA: the allocator's own memory history as the stream -------------------------------------------
+DATA = REPO / "tests" / "data"
+
+
+@pytest.mark.parametrize("name, device", [("cnn-small-default", 0), ("lm-ctx128-fullstep", 0),
+                                          ("gnn-dataparallel-expandable-oom", 0)])
+def test_a_real_gpus_memory_history_replays_to_its_recorded_peak_reserved(name, device):
+    # Real GPU recordings whose history starts with nothing cached beyond live blocks (as a trial's does,
+    # from capture_hook on): the stream of their requests, replayed under the recorded settings, reserves
+    # what the device reserved (expected: the trace's own segment events, summed).
+    from oomtune.trace.initial_state import device_trace, rebuild_initial_state
+    from oomtune.trace.recorded import recorded_settings
+    from oomtune.trace.releases import recorded_reserved_walk
+    from oomtune.trace.snapshot import load_snapshot
+    from oomtune.trace.to_stream import stream_from_snapshot
+
+    snap = load_snapshot(DATA / f"{name}.pickle")
+    trace, _ = device_trace(snap, device)
+    _, recorded_peak = recorded_reserved_walk(trace, rebuild_initial_state(snap, device).reserved_bytes)
+    stream = stream_from_snapshot(snap, device)
+    assert stream.n_allocs == sum(e["action"] == "alloc" for e in trace) + sum(
+        len(s.live_blocks) for s in rebuild_initial_state(snap, device).segments)
+    got = replay_stream(stream, recorded_settings(snap)[0], total_memory_bytes=1 << 40)
+    assert not got.oom and got.peak_reserved_bytes == recorded_peak
+
+
+class _FakeHistory:
+    """torch.cuda.memory's history API, answering with a recorded snapshot (no GPU here)."""
+
+    def __init__(self, snapshot):
+        self.snapshot, self.calls = snapshot, []
+
+    def record(self, enabled="all", **kw):
+        self.calls.append(enabled)
+
+    def take(self):
+        return self.snapshot
+
+
+@pytest.fixture
+def fake_cuda(tmp_path, monkeypatch):
+    from oomtune.trace.snapshot import load_snapshot
+
+    monkeypatch.setenv("OOMTUNE_RESULT_FILE", str(tmp_path / "results.jsonl"))
+    monkeypatch.setenv("OOMTUNE_STREAM_FILE", str(tmp_path / "stream.bin"))
+    monkeypatch.delenv("OOMTUNE_BUDGET_BYTES", raising=False)
+    fake = _FakeHistory(load_snapshot(DATA / "cnn-small-default.pickle"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.take)
+    return fake
+
+
+def test_on_cuda_the_hook_writes_the_allocators_history_as_the_stream(fake_cuda, tmp_path):
+    import oomtune
+    from oomtune.trace.to_stream import stream_from_snapshot
+
+    hook = oomtune.capture_hook()
+    assert not hook.active and "CUDA is available" in hook.reason
+    hook.stop()
+    assert fake_cuda.calls == ["all", None]          # recorded from the hook on, then stopped
+    stream, meta = load_recording(tmp_path / "stream.bin")
+    assert meta["source"] == "torch.cuda.memory history (cuda)"
+    assert stream == stream_from_snapshot(fake_cuda.snapshot, 0)
+    hook.stop()                                      # idempotent
+    assert fake_cuda.calls == ["all", None]
+
+
+def test_on_cuda_no_stream_is_written_after_an_out_of_memory(fake_cuda, tmp_path):
+    import oomtune
+
+    fake_cuda.snapshot = {**fake_cuda.snapshot, "device_traces": [
+        fake_cuda.snapshot["device_traces"][0] + [{"action": "oom", "addr": 0, "size": 1 << 40, "stream": 0}]]}
+    hook = oomtune.capture_hook()
+    hook.stop()
+    assert fake_cuda.calls == ["all", None] and not (tmp_path / "stream.bin").exists()
+
+
+_CUDA_SCRIPT = """
+import json, sys, torch
+from torch import nn
+import oomtune
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda()
+opt = torch.optim.Adam(model.parameters())
+torch.cuda.reset_peak_memory_stats()
+hook = oomtune.capture_hook(model, opt)
+for _ in range(3):
+    model(torch.randn(256, 1024, device="cuda")).sum().backward()
+    opt.step(); opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+hook.stop()
+print(json.dumps({"peak_reserved": torch.cuda.max_memory_reserved()}))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_trials_recorded_stream_replays_to_the_devices_peak(tmp_path):
+    # a fresh process on the device: the stream written from the allocator's history, replayed under the
+    # default settings, reserves what the device's caching allocator reserved
+    env = {**os.environ, "OOMTUNE_RESULT_FILE": str(tmp_path / "r.jsonl"), "OOMTUNE_STREAM_FILE": str(tmp_path / "s.bin"),
+           "PYTHONPATH": str(REPO)}
+    env.pop("OOMTUNE_BUDGET_BYTES", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    out = subprocess.run([sys.executable, "-c", _CUDA_SCRIPT], env=env, capture_output=True, text=True, check=True,
+                         timeout=300)
+    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_reserved"]
+    stream, meta = load_recording(tmp_path / "s.bin")
+    assert meta["source"] == "torch.cuda.memory history (cuda)"
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert replay_stream(stream, AllocatorSettings.parse(""), total_memory_bytes=total).peak_reserved_bytes == peak
+
+
 # -- end to end: examples/train_cmd.py ------------------------------------------------------------------
 def _record_example(tmp_path: Path, batch: int) -> AllocationStream:
     env = {**os.environ, "OOMTUNE_RESULT_FILE": str(tmp_path / f"r{batch}.jsonl"),

@@ -592,7 +592,9 @@ class Search:
             recorded += sorted(got)
         per_step = "" if accum == 1 else ", two micro-batches per step"
         self.recording_note = (f"recorded the allocation streams of batch {', '.join(map(str, recorded))} "
-                               f"(default allocator{per_step}, on the virtual GPU"
+                               f"(default allocator{per_step}, "
+                               + ("from the device's memory history" if str(self.opt.device).startswith("cuda")
+                                  else "on the virtual GPU")
                                + (", with and without activation checkpointing" if len(members) > 1 else "")
                                + "); the other batch sizes are derived from them")
         if list(members) == [None]:
