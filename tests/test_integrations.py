@@ -90,6 +90,21 @@ def test_samples_are_counted_once_over_two_ranks(tmp_path):
     assert result.throughput == pytest.approx(24 / reports[0]["seconds"])
 
 
+@pytest.mark.slow
+def test_a_trainer_under_torchrun_counts_samples_once_over_two_ranks(tmp_path):
+    # the Hugging Face example under torchrun, 2 CPU processes (gloo): rank 0 reports micro-batch 3 x 2
+    # micro-batches x 2 ranks x 2 measured steps; every rank writes its memory and its stream
+    done = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+                       EXAMPLES["hf"]], trial_env(tmp_path, batch=3, accum=2, warmup=1, measure=2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = read_channel(tmp_path / "results.jsonl")
+    reports = [e for e in events if e["event"] == "report"]
+    assert len(reports) == 1 and reports[0]["rank"] == 0
+    assert (reports[0]["samples"], reports[0]["world_size"], reports[0]["steps"]) == (24, 2, 2)
+    assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]
+    assert (tmp_path / "stream.bin").is_file() and (tmp_path / "stream.bin.rank1").is_file()
+
+
 # -- bad input: one line, exit status 2 ---------------------------------------------------------------------
 def test_a_callback_on_a_trainer_without_an_optimizer_exits_2_with_one_line(tmp_path):
     code = ("from oomtune.integrations.huggingface import OomtuneCallback\n"
