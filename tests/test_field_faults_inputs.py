@@ -283,7 +283,7 @@ def test_item9_python_target_docs_agree_on_dict_and_tuple():
 
     conf = (REPO / "conf" / "target" / "python.yaml").read_text()
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("**`target=python`**"):readme.index("**`target=cmd`**")]
+    section = readme[readme.index("**`target=python`**"):readme.index("**Real data**")]
     for text in (conf, section):
         assert "dict" in text and "tuple" in text and '"model"' in text
     # and both forms they describe are what the loader takes
