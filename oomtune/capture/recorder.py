@@ -32,6 +32,9 @@ Known differences from a real CUDA run (the recorded stream omits or differs in)
   that grows under an aten op is recorded as a new request followed by the release of the old one.
 * Storages kept alive by a reference cycle are released when the cyclic garbage collector runs, not
   when the last direct reference goes (the same happens on the GPU).
+* Wrapper tensor subclasses (``DTensor``) are counted by their inner tensors (a rank's shard), not by
+  the wrapper's storage, which reports the global size; an op on DTensors is seen once, at the
+  outside, so the local temporaries it frees before returning are not recorded.
 * Tensors created with the mode inactive (other threads, e.g. a DataLoader pin-memory thread, or
   ``no_dispatch``) are not recorded; releases are recorded from any thread (under a lock).
 
@@ -51,7 +54,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from oomtune.capture import cuda_kernels as _kernels
@@ -182,20 +185,27 @@ class AllocationSink(Protocol):
 class StreamSink:
     """A sink that keeps the events as ``(action, key, size_bytes, stream)`` tuples.
 
-    ``action`` is ``"alloc"`` or ``"free"``; a free carries the size of its allocation. Also keeps
+    ``action`` is ``"alloc"`` or ``"free"``; a free carries the size and stream of its allocation.
+    ``stream`` is ``stream`` unless the recorded code selected another CPU stream
+    (:class:`oomtune.capture.streams.StreamNumbers`: FSDP2's communication streams). Also keeps
     the live and peak live requested bytes (the sum of live storage sizes, before any rounding by
     the allocator).
     """
 
     def __init__(self, stream: int = 0) -> None:
+        from oomtune.capture.streams import StreamNumbers
+
         self.stream = stream
+        self.streams = StreamNumbers(stream)   # CPU streams selected by device-agnostic code (FSDP2)
         self.events: list[tuple[str, int, int, int]] = []
+        self._stream_of: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_live_bytes = 0
 
     def on_alloc(self, key: int, size_bytes: int) -> None:
-        self.events.append(("alloc", key, size_bytes, self.stream))
+        stream = self._stream_of[key] = self.streams.current()
+        self.events.append(("alloc", key, size_bytes, stream))
         self._sizes[key] = size_bytes
         self.live_bytes += size_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
@@ -203,7 +213,7 @@ class StreamSink:
     def on_free(self, key: int) -> None:
         size = self._sizes.pop(key)
         self.live_bytes -= size
-        self.events.append(("free", key, size, self.stream))
+        self.events.append(("free", key, size, self._stream_of.pop(key)))
 
     @property
     def alloc_sizes(self) -> list[int]:
@@ -368,6 +378,12 @@ class StorageRecorder(TorchDispatchMode):
         """Register ``t``'s storage if new (or grown); return 1 if a new storage was registered."""
         if self.device_type is not None and t.device.type != self.device_type:
             return 0
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper (DTensor: a shard of FSDP2's parameters, gradients, optimizer states) owns no
+            # memory; its storage reports the global size. Its inner tensors hold the rank's bytes.
+            names, _ = t.__tensor_flatten__()
+            inner = (getattr(t, name) for name in names)
+            return sum(self._track(x) for x in inner if isinstance(x, torch.Tensor))
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse or storage-less tensors

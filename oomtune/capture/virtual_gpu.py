@@ -82,15 +82,18 @@ class _SimSink:
     accepted, so the request stream can be written out (``oomtune.capture_hook``)."""
 
     def __init__(self, sim: Any, stream: int, tee: Any = None) -> None:
+        from oomtune.capture.streams import StreamNumbers
+
         self.sim = sim
         self.stream = stream
         self.tee = tee
+        self.streams = StreamNumbers(stream)   # CPU streams selected by device-agnostic code (FSDP2)
         self.addr: dict[int, int] = {}
         self.n_mallocs = 0
         self.n_frees = 0
 
     def on_alloc(self, key: int, size_bytes: int) -> None:
-        addr = self.sim.malloc(size_bytes, stream=self.stream)  # may raise the simulated OOM
+        addr = self.sim.malloc(size_bytes, stream=self.streams.current())  # may raise the simulated OOM
         self.addr[key] = addr
         self.n_mallocs += 1
         if self.tee is not None:

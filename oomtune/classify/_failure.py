@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import signal
 import traceback as _tb
+from typing import Any
 
 from oomtune.classify._gpu_index import _ENV
 from oomtune.classify._rules import ADVICE, Classification, _drop_warnings, classify_text, memory_signal
 from oomtune.outcome import Outcome
 
-__all__ = ["classify_exception", "classify_failure", "TRACEBACK_TAIL_LINES"]
+__all__ = ["classify_exception", "classify_failure", "classify_process", "TRACEBACK_TAIL_LINES"]
 
 TRACEBACK_TAIL_LINES = 20
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?", re.M)
@@ -102,7 +103,49 @@ def classify_failure(*, returncode: int | None, stderr: str, timed_out: bool = F
                      batch_size: int | None = None, smaller_batch_succeeded: bool = False,
                      visible_devices: str | None | object = _ENV, oom_kill_evidence: str | None = None,
                      no_evidence_reason: str | None = None) -> Classification:
-    """Classify a trial process that ended without writing its result record.
+    """Classify a trial process that ended without writing its result record: as
+    :func:`classify_process`, except that when ``stderr`` holds a multi-process launcher's failure
+    summary (torchrun's ``ChildFailedError``, DeepSpeed's, accelerate's:
+    :func:`oomtune.classify._launcher.parse_launcher_summary`), the first failed rank's failure is
+    classified instead of the launcher's own exit status: its traceback (torchrun's ``[rankN]:``
+    lines) or, without one, its exit code or signal (``exitcode: -9`` is the rank's SIGKILL). The
+    message then starts with the rank (``rank 1 (pid 32204): ...``) and ``rank`` is set. Never raises.
+    """
+    kw = dict(batch_size=batch_size, smaller_batch_succeeded=smaller_batch_succeeded, visible_devices=visible_devices,
+              oom_kill_evidence=oom_kill_evidence, no_evidence_reason=no_evidence_reason)
+    if not timed_out:
+        from oomtune.classify._launcher import parse_launcher_summary
+
+        summary = parse_launcher_summary(stderr or "")
+        if summary is not None:
+            return _root_cause(summary, stderr or "", returncode, **kw)
+    return classify_process(returncode=returncode, stderr=stderr, timed_out=timed_out, **kw)
+
+
+def _root_cause(summary: Any, stderr: str, returncode: int | None, **kw: Any) -> Classification:
+    """The launcher summary's root-cause rank, classified (see :func:`classify_failure`)."""
+    from oomtune.classify._launcher import rank_sections
+
+    root = summary.root
+    own = rank_sections(stderr).get(root.rank) if root.rank is not None else None
+    if own and _TB_HEAD in own:           # the rank's own traceback decides
+        result = classify_process(returncode=root.exitcode if root.exitcode is not None else returncode,
+                                  stderr=own, **kw)
+    elif root.signal is not None:        # killed without a traceback: the rank's signal decides
+        result = classify_process(returncode=root.exitcode, stderr=own or "", **kw)
+    else:                                # an exit status: whatever the output shows
+        result = classify_process(returncode=root.exitcode if root.exitcode is not None else returncode,
+                                  stderr=stderr, **kw)
+    return Classification(result.outcome, f"{root.describe()} ({summary.launcher}): {result.message}",
+                          result.advice, result.oom, result.gpu_index_physical, result.traceback_tail,
+                          rank=root.rank)
+
+
+def classify_process(*, returncode: int | None, stderr: str, timed_out: bool = False,
+                     batch_size: int | None = None, smaller_batch_succeeded: bool = False,
+                     visible_devices: str | None | object = _ENV, oom_kill_evidence: str | None = None,
+                     no_evidence_reason: str | None = None) -> Classification:
+    """Classify one process that ended without writing its result record.
 
     Args:
         returncode: ``Popen.returncode`` (negative N = killed by signal N; 128+N from a shell = signal N);

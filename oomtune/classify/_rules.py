@@ -34,6 +34,8 @@ class Classification:
         gpu_index_physical: the physical device id (index or GPU-UUID) the printed index maps to under
             CUDA_VISIBLE_DEVICES; None when not remapped (field case C10).
         traceback_tail: the last lines of the traceback (at most 20) for ``error``/``crash``.
+        rank: the global rank whose failure this is, when a launcher's summary named it (a
+            multi-process command: :mod:`oomtune.classify._launcher`); None otherwise.
     """
 
     outcome: Outcome
@@ -42,6 +44,7 @@ class Classification:
     oom: OomInfo | None = None
     gpu_index_physical: str | None = None
     traceback_tail: str | None = None
+    rank: int | None = None
 
 
 ADVICE = {

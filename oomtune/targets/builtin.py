@@ -42,6 +42,12 @@ class BuiltinTarget(Target):
             validate_workload_config({k: v for k, v in workload.items() if k != "target"}
                                      | {"activation_checkpointing": True})
 
+    def distributed(self, workload: Mapping[str, Any]) -> bool:
+        """``model.parallel`` is ddp or fsdp (:mod:`oomtune.workloads.parallel`)."""
+        from oomtune.workloads.parallel import is_distributed
+
+        return is_distributed(workload)
+
     def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
         from oomtune.workloads import build_workload
 

@@ -46,6 +46,11 @@ class Target:
     #: True when the target's own program is the trial process (:meth:`run`).
     own_process: bool = False
 
+    def distributed(self, workload: Mapping[str, Any]) -> bool:
+        """Whether ``workload`` trains under a data-parallel strategy whose ranks the trial process
+        starts (:mod:`oomtune.trial.ranks`), also with one rank. Default: False."""
+        return False
+
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         """Check the ``target`` group without running anything.
 

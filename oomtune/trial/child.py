@@ -33,7 +33,9 @@ Test hook (tests only): ``OOMTUNE_TEST_HOOK`` makes the child misbehave on purpo
 first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandchild, then sleeps S
 seconds), ``setsid:S`` (the same with a grandchild in its own session), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
 allocator/device environment into ``extra["env"]``), ``bad_fork`` (in a process forked from the fork
-server only: raises torch's "Cannot re-initialize CUDA in forked subprocess").
+server only: raises torch's "Cannot re-initialize CUDA in forked subprocess"), ``hold:BYTES``
+(allocates BYTES and keeps them: on a CPU trial, memory of its virtual GPU). ``rankR:HOOK`` applies
+HOOK in rank R of a distributed trial only (:mod:`oomtune.trial.ranks`).
 """
 
 from __future__ import annotations
@@ -476,11 +478,18 @@ def _plain(obj: Any) -> Any:
     return getattr(obj, "value", str(obj))
 
 
+_HELD: list[Any] = []   # the test hook's "hold" tensors
+
+
 def _run_test_hook(result: TrialResult) -> None:
     """Misbehave as ``OOMTUNE_TEST_HOOK`` asks (tests only; no-op when unset)."""
     hook = os.environ.get(TEST_HOOK_ENV)
     if not hook:
         return
+    if hook.startswith("rank"):   # rankR:HOOK: only in rank R of a distributed trial
+        target, _, hook = hook.partition(":")
+        if target != f"rank{os.environ.get('RANK', '')}":
+            return
     name, _, arg = hook.partition(":")
     if name in ("sleep", "setsid"):  # a grandchild, then hang: the runner must kill both
         # sleep: the grandchild stays in our process group; setsid: it leaves it (its own session),
@@ -498,6 +507,8 @@ def _run_test_hook(result: TrialResult) -> None:
         if forkserver is not None and getattr(forkserver, "IN_FORKED_TRIAL", False):
             raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
                                "you must use the 'spawn' start method")
+    elif name == "hold":   # keep ARG bytes allocated (on the virtual GPU of a CPU trial) until the end
+        _HELD.append(torch.empty(int(arg), dtype=torch.uint8))
     elif name == "echo_env":
         keys = (*ALLOC_ENV_VARS, "CUDA_VISIBLE_DEVICES")
         result.extra["env"] = {k: os.environ.get(k) for k in keys}
@@ -558,7 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as exc:
         TrialResult(outcome=Outcome.ERROR.value, message=f"unreadable trial spec: {exc}").write(args[1])
         return 2
-    run_child(spec).write(args[1])
+    run_distributed = False
+    with contextlib.suppress(Exception):   # a bad workload fails in run_child, with its record
+        from oomtune.trial.ranks import is_distributed_trial
+
+        run_distributed = is_distributed_trial(spec)
+    if run_distributed:   # the ranks run the protocol, each for itself; their records are merged
+        from oomtune.trial.ranks import run_ranks
+
+        run_ranks(spec, args[1]).write(args[1])
+    else:
+        run_child(spec).write(args[1])
     return 0
 
 

@@ -73,6 +73,11 @@ class TrialSpec:
             least this many seconds (a time window: the throughput objective's confirmation runs,
             so that short steps are timed over as long a window as long ones); 0: exactly
             ``measure_steps``.
+        ranks: processes the trial runs, one per GPU (``trial.gpus``; on the CPU one per virtual
+            GPU), each with ``budget_bytes`` as its own budget (its memory fraction); ``device`` then
+            names that many GPUs (``cuda:0,1``). A distributed workload (``model.parallel``) runs
+            its ranks even when this is 1 (:mod:`oomtune.trial.ranks`); the trial's record merges
+            theirs (:mod:`oomtune.trial.rank_records`).
     """
 
     workload: dict[str, Any]
@@ -92,6 +97,7 @@ class TrialSpec:
     execute: str = "cpu"
     memory_fraction: bool = True
     measure_seconds: float = 0.0
+    ranks: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

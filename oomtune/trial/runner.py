@@ -67,8 +67,8 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
     Raises:
         AllocatorConfigError: ``spec.alloc_conf`` is malformed or rejected by torch's rules.
         ConfigError: batch size < 1, measure steps < 1, warm-up steps < 0, timeout <= 0, a negative
-            budget, soak steps < 0, shapes other than data/worst, execute other than cpu/meta, or an
-            unknown device string.
+            budget, soak steps < 0, shapes other than data/worst, execute other than cpu/meta, ranks < 1,
+            an unknown device string, or a CUDA device list whose length is not the number of ranks.
     """
     settings = AllocatorSettings.parse(spec.alloc_conf)
     checks = (
@@ -81,28 +81,52 @@ def validate_spec(spec: TrialSpec) -> AllocatorSettings:
         (spec.soak_steps >= 0, f"soak_steps must be >= 0, got {spec.soak_steps}"),
         (spec.shapes in ("data", "worst"), f"shapes must be 'data' or 'worst', got {spec.shapes!r}"),
         (spec.execute in EXECUTE_MODES, f"execute must be one of {', '.join(EXECUTE_MODES)}, got {spec.execute!r}"),
+        (isinstance(spec.ranks, int) and spec.ranks >= 1, f"ranks must be >= 1, got {spec.ranks!r}"),
     )
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _cuda_index(spec.device)
+    indices = _cuda_indices(spec.device)
+    if indices is not None and len(indices) != spec.ranks:
+        raise ConfigError(f"device {spec.device!r} names {len(indices)} GPU(s) for {spec.ranks} rank(s): "
+                          "a trial runs one rank per GPU")
     return settings
 
 
-def _cuda_index(device: str) -> int | None:
-    """``"cpu"`` -> None, ``"cuda"`` -> 0, ``"cuda:N"`` -> N; raises ConfigError otherwise."""
+def _cuda_indices(device: str) -> list[int] | None:
+    """``"cpu"`` -> None, ``"cuda"`` -> [0], ``"cuda:N"`` -> [N], ``"cuda:0,1"`` -> [0, 1] (the GPUs of
+    a multi-GPU trial, visible indices); raises ConfigError otherwise."""
     if device == "cpu":
         return None
     kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
-    return int(index or 0)
+    parts = index.split(",") if index else ["0"]
+    if kind != "cuda" or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda, cuda:N or cuda:N,M,...")
+    return [int(p) for p in parts]
+
+
+def _by_uuid(entries: list[str]) -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries as GPU UUIDs where NVML knows them (an integer entry is an NVML
+    index, as :func:`oomtune.gpu.nvml.physical_index_for` reads it): a UUID names the same GPU
+    whatever CUDA_DEVICE_ORDER is. Entries NVML cannot resolve (no NVML, a MIG or unknown entry)
+    are kept as they are."""
+    from oomtune.gpu import nvml
+
+    if not any(e.isdigit() for e in entries) or not nvml.nvml_available():
+        return entries
+    out = []
+    for entry in entries:
+        info = nvml.device_identity(int(entry)) if entry.isdigit() else None
+        out.append(info.uuid if info is not None and info.uuid else entry)
+    return out
 
 
 def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dict[str, str]:
     """The trial process's environment: ours, plus ``env``, plus the allocator string under both
     variable names (unset when empty) and, for ``cuda:N``, CUDA_VISIBLE_DEVICES naming only that
-    device (the N-th entry of our own CUDA_VISIBLE_DEVICES when set, else N; field case C10).
+    device (the N-th entry of our own CUDA_VISIBLE_DEVICES when set, else N; field case C10); for
+    a multi-GPU trial (``cuda:0,1``) every GPU named, in order. Entries are written as GPU UUIDs
+    where NVML resolves them (:func:`_by_uuid`).
 
     Raises:
         ConfigError: ``cuda:N`` not visible, or PYTORCH_NO_CUDA_MEMORY_CACHING in the result
@@ -114,12 +138,13 @@ def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dic
         out.pop(name, None)
         if spec.alloc_conf:
             out[name] = spec.alloc_conf
-    index = _cuda_index(spec.device)
-    if index is not None:
+    indices = _cuda_indices(spec.device)
+    if indices is not None:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        if "CUDA_VISIBLE_DEVICES" in os.environ and index >= len(visible):
+        if "CUDA_VISIBLE_DEVICES" in os.environ and max(indices) >= len(visible):
             raise ConfigError(f"{spec.device} is not among CUDA_VISIBLE_DEVICES={visible}")
-        out["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+        entries = [visible[i] if visible else str(i) for i in indices]
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(_by_uuid(entries))
     from oomtune.alloc.caching_env import check_caching_enabled
 
     check_caching_enabled(out, where="the trial environment")  # issue 14 item 5
@@ -245,6 +270,8 @@ class TrialRunner:
         paths = {"dir": workdir, "spec": workdir / "spec.json", "result": workdir / "result.json",
                  "stdout": workdir / "stdout.txt", "stderr": workdir / "stderr.txt"}
         paths["result"].unlink(missing_ok=True)
+        for stale in workdir.glob("result.rank*.json"):   # a previous attempt's ranks are not this one's
+            stale.unlink(missing_ok=True)
         (workdir / PROGRESS_FILE).unlink(missing_ok=True)   # a previous trial's steps are not this one's
         (workdir / STATUS_FILE).unlink(missing_ok=True)
         paths["spec"].write_text(spec.to_json())
@@ -420,13 +447,20 @@ def _pid_running(pid: int) -> bool:
 
 def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None, timed_out: bool,
                  watch: OomKillWatch | None = None, pids: set[int] | None = None) -> TrialResult:
-    """The child's record, or a classified failure built from the exit status and stderr; a SIGKILL
-    is the host OOM killer's only with ``watch``'s evidence (:mod:`oomtune.trial.oomkill`)."""
+    """The child's record, or the ranks' records merged (a distributed trial whose process left
+    none: :func:`oomtune.trial.rank_records.merge_rank_files`), or a classified failure built from
+    the exit status and stderr; a SIGKILL is the host OOM killer's only with ``watch``'s evidence
+    (:mod:`oomtune.trial.oomkill`)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         result = TrialResult.read(paths["result"])
         if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
             result.extra["hung_after_record"] = True
         return result
+    from oomtune.trial.rank_records import merge_rank_files
+
+    merged = merge_rank_files(spec, paths["result"], timed_out=timed_out)
+    if merged is not None:
+        return merged
     stderr = read_tail(paths["stderr"], _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
     code = returncode if returncode is not None else -signal.SIGKILL
     evidence = reason = None

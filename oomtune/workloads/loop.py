@@ -71,9 +71,11 @@ class Workload:
 
     Attributes: ``model``, ``optimizer``, ``device``, ``batch_size`` (the micro-batch),
     ``grad_accum``, ``samples_per_step`` (= batch_size x grad_accum: images or sequences per
-    optimizer step), ``precision`` (effective: ``fp32``/``bf16``/``fp16``), ``fallback_reason``
-    (None, or why the workload runs other than asked: precision not available on this device, or
-    meta ops missing so capture ran on CPU).
+    optimizer step; per rank under ``model.parallel``), ``precision`` (effective:
+    ``fp32``/``bf16``/``fp16``), ``fallback_reason`` (None, or why the workload runs other than
+    asked: precision not available on this device, or meta ops missing so capture ran on CPU),
+    ``pending_wrap`` (``wrap(model, device)`` applied at the first forward, e.g. DDP:
+    :mod:`oomtune.workloads.parallel`; None once applied or when there is none).
     """
 
     grad_accum = 1
@@ -89,6 +91,7 @@ class Workload:
         self._batches, self._static_batch = batches, static_batch
         self._scaler = (torch.amp.GradScaler("cuda")
                         if precision == "fp16" and device.type == "cuda" else None)
+        self.pending_wrap: Any = None
 
     def batches(self) -> Iterator[Any]:
         """The endless iterator of ``(inputs, targets)`` batches on ``self.device`` (shared state)."""
@@ -107,7 +110,11 @@ class Workload:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def loss(self, batch: Any) -> torch.Tensor:
-        """Forward and loss of one micro-batch (under the workload's autocast)."""
+        """Forward and loss of one micro-batch (under the workload's autocast). The first call
+        applies ``pending_wrap`` first (DDP's construction allocates its buckets there)."""
+        if self.pending_wrap is not None:
+            wrap, self.pending_wrap = self.pending_wrap, None
+            self.model = wrap(self.model, self.device)
         x, y = batch
         with self._autocast():
             out = self.model(x)
@@ -221,20 +228,34 @@ def build_workload(cfg: Mapping[str, Any], batch_size: int,
     :mod:`oomtune.workloads.data`), ``grad_accum`` (micro-batches per optimizer step, default 1) and
     ``activation_checkpointing`` (transformer blocks / ResNet stages recomputed in backward, see
     :mod:`oomtune.workloads.models`). ``device="meta"`` builds everything on meta for capture.
+    ``parallel`` (none | ddp | fsdp, :mod:`oomtune.workloads.parallel`) needs the process group of
+    the rank (or :func:`oomtune.workloads.parallel.fake_process_group`): ``fsdp`` builds the model
+    on meta and shards it before the optimizer is made, ``ddp`` wraps it at the first step.
 
     Raises:
-        ConfigError: unknown model, optimizer, precision or data source; bad sizes; batch_size < 1;
-            a bad ``grad_accum``; ``activation_checkpointing`` on a model without it (mlp).
+        ConfigError: unknown model, optimizer, precision, data source or parallel mode; bad sizes;
+            batch_size < 1; a bad ``grad_accum``; ``activation_checkpointing`` on a model without it
+            (mlp); ``parallel`` without a process group.
     """
+    from oomtune.workloads.parallel import fsdp_model, parallel_mode, wrap_lazily
+
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
     device = torch.device(device)
-    spec = build_model(cfg, device)
+    mode = parallel_mode(cfg)
+    if mode == "fsdp":
+        spec = build_model(cfg, torch.device("meta"))
+        spec.module = fsdp_model(spec.module, device)
+    else:
+        spec = build_model(cfg, device)
     optimizer = _optimizer(cfg, spec.module)
     precision, reason = _precision(cfg, device)
     batches, static = make_batches(spec, cfg.get("data"), batch_size, device)
-    return Workload(spec, optimizer, device, batch_size, precision, batches, static, reason,
-                    grad_accum=grad_accum_of(cfg))
+    workload = Workload(spec, optimizer, device, batch_size, precision, batches, static, reason,
+                        grad_accum=grad_accum_of(cfg))
+    if mode == "ddp":
+        wrap_lazily(workload)
+    return workload
 
 
 def build_capture_workload(cfg: Mapping[str, Any], batch_size: int) -> Workload:
@@ -273,9 +294,13 @@ def validate_workload_config(cfg: Mapping[str, Any]) -> None:
     """
     from oomtune.workloads.data import check_data_config
 
+    from oomtune.workloads.parallel import parallel_mode, world_size
+
     spec = build_model(cfg, torch.device("meta"))
     _optimizer(cfg, spec.module)
     _precision(cfg, torch.device("cpu"))
     check_data_config(spec, cfg.get("data"))
     grad_accum_of(cfg)
     checkpointing_of(cfg)
+    parallel_mode(cfg)
+    world_size(cfg)
