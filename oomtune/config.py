@@ -242,14 +242,17 @@ def to_container(cfg: Any) -> Any:
 
 def default_study_name(cfg: Any) -> str:
     """``<model name>-<8 hex>`` (``python-``/``cmd-`` for those targets): a digest of the workload,
-    target, budget, device, search space, target GPU (``model.gpu`` unless ``auto``) and the global
-    batch (when set), so rerunning the same command resumes the same study and a changed one starts a
-    new study. The budget enters as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``,
+    target, budget, device, search space, target GPU (``model.gpu`` unless ``auto``), the global
+    batch (when set) and GPUs per trial (``trial.gpus`` when not 1; ``model.parallel`` when not
+    none), so rerunning the same command resumes the same study and a changed one starts a new
+    study. The budget enters as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``,
     ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9)."""
     target = to_container(cfg.target)
     builtin = target.get("name") == "builtin"
     model = to_container(cfg.model)
     gpu = model.pop("gpu", "auto") if isinstance(model, dict) else "auto"
+    if isinstance(model, dict) and model.get("parallel") in (None, "none"):
+        model.pop("parallel", None)   # the default leaves the names of single-process studies as they were
     key = {
         "model": model if builtin else None,
         "target": target,
@@ -265,6 +268,9 @@ def default_study_name(cfg: Any) -> str:
         key["memory_fraction"] = str(cfg.search.memory_fraction)
     if cfg.search.get("global_batch") is not None:   # absent when unset: earlier studies keep their names
         key["global_batch"] = int(cfg.search.global_batch)
+    gpus = int(cfg.trial.get("gpus", 1) or 1)
+    if gpus != 1:
+        key["gpus"] = gpus
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
 

@@ -58,6 +58,7 @@ class TrialConf:
     confirm_steps: int = 10
     soak_steps: int = 2000
     execute: str = "auto"
+    gpus: int = 1
 
 
 @dataclass
@@ -122,6 +123,7 @@ def validate(cfg: Any) -> None:
     _check(t.confirm_steps >= 1, "trial.confirm_steps", t.confirm_steps, "must be >= 1")
     _check(t.soak_steps >= 0, "trial.soak_steps", t.soak_steps, "must be >= 0 (0: no soak)")
     _check(t.timeout > 0, "trial.timeout", t.timeout, "must be > 0 seconds")
+    _check(t.gpus >= 1, "trial.gpus", t.gpus, "must be >= 1 (GPUs per trial, one rank each)")
     _check(t.launcher in ("auto", "fork", "spawn"), "trial.launcher", t.launcher, "must be auto, fork or spawn")
     _check(t.execute in ("auto", "meta", "cpu"), "trial.execute", t.execute, "must be auto, meta or cpu")
     for key in ("space", "data"):

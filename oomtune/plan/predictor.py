@@ -20,6 +20,7 @@ captured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -95,6 +96,25 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
+    from oomtune.workloads.parallel import fake_process_group, is_distributed, world_size
+
+    reason = None
+    devices: tuple[str, ...] = ("meta", "cpu")
+    group: Any = contextlib.nullcontext()
+    if _is_builtin(model_cfg) and is_distributed(model_cfg):
+        # DDP checks and broadcasts real parameters, FSDP2 materialises its shards: no meta device.
+        # One rank's stream, through torch's fake process group (rank 0 of the world).
+        devices = ("cpu",)
+        reason = (f"model.parallel={model_cfg['parallel']}: captured on cpu, rank 0 of {world_size(model_cfg)} "
+                  "with torch's fake process group")
+        group = fake_process_group(world_size(model_cfg))
+    with group:
+        return _capture_on(model_cfg, batch_size, steps, blas_workspaces, devices, reason)
+
+
+def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_workspaces: bool,
+                devices: tuple[str, ...], reason: str | None) -> tuple[Any, str | None]:
+    """:func:`capture_training_stream` on the first of ``devices`` that has every kernel."""
     from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
     from oomtune.capture.cuda_kernels import emulate_cuda
     from oomtune.capture.gpu_target import target_from_workload
@@ -104,8 +124,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
 
     gpu = target_from_workload(model_cfg)
     model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
-    reason = None
-    for device in ("meta", "cpu"):
+    for device in devices:
         notes: list[Any] = []
         host_limit = None if device == "meta" else cpu_capture_limit_bytes()
         try:
@@ -193,6 +212,12 @@ def say_now(text: str) -> None:
     import sys
 
     print(f"oomtune: {text}", file=sys.stderr, flush=True)
+
+
+def _is_builtin(model_cfg: dict[str, Any]) -> bool:
+    from oomtune.targets import target_name
+
+    return target_name(model_cfg) == "builtin"
 
 
 def _is_python_target(model_cfg: dict[str, Any]) -> bool:

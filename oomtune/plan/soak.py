@@ -132,16 +132,21 @@ class SoakResult:
 
 def soak_supported(workload_cfg: Mapping[str, Any]) -> bool:
     """Whether the soak can run ``workload_cfg``: a built-in workload (``target`` absent or
-    ``builtin``), or a python entry that declares a shape distribution (``target.seq_len`` /
-    ``target.image_size`` with ``make_batch``: :mod:`oomtune.targets.python_entry`). Commands
-    (``cmd``) and python entries without one are not soaked."""
+    ``builtin``) trained by one process, or a python entry that declares a shape distribution
+    (``target.seq_len`` / ``target.image_size`` with ``make_batch``: :mod:`oomtune.targets.python_entry`).
+    Commands (``cmd``) and python entries without one are not soaked, nor is a distributed workload
+    (``model.parallel``): capturing each shape of one rank would need its collectives."""
     target = workload_cfg.get("target")
     name = target.get("name", "builtin") if isinstance(target, Mapping) else "builtin"
     if name == "python":
         from oomtune.workloads.shapes import entry_shape_distribution
 
         return entry_shape_distribution(target).key is not None
-    return name == "builtin"
+    if name != "builtin":
+        return False
+    from oomtune.workloads.parallel import is_distributed
+
+    return not is_distributed(workload_cfg)   # a rank's shapes would need the other ranks' collectives
 
 
 def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *,

@@ -108,6 +108,7 @@ class SearchOptions:
     host_available_bytes: int | None = None   # /proc/meminfo MemAvailable (the smoke test's check)
     memory_fraction: str = "auto"     # search.memory_fraction: auto (budget as a fraction) | off (none)
     probe_unpredicted: bool = False   # without predictions, try every configuration (objective batch)
+    ranks: int = 1                    # trial.gpus: ranks (processes, one per GPU) of every trial
 
 
 @dataclass
@@ -202,6 +203,7 @@ class Search:
             limit_bytes=None if confirm else self.limit.limit_bytes,
             execute="meta" if self.opt.execute == "meta" else "cpu",
             memory_fraction=self.opt.memory_fraction != "off",
+            ranks=self.opt.ranks,
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None,

@@ -44,10 +44,11 @@ def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> Search
         repeats=int(s.repeats), finalists=int(s.finalists), window_s=_window(s.get("window"), device),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
-        torch_threads=_torch_threads(int(s.workers)) if device.simulated else None,
+        torch_threads=_torch_threads(int(s.workers) * int(t.gpus)) if device.simulated else None,
         execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
         memory_fraction=str(s.get("memory_fraction", "auto")),
         probe_unpredicted=objective == "batch",
+        ranks=int(t.gpus),
     )
 
 
@@ -155,26 +156,45 @@ def check_planned_launches(planner: Any, options: SearchOptions) -> None:
 
 
 def _torch_threads(workers: int) -> int | None:
-    """torch threads per CPU trial when ``workers`` trials share this machine's cores (None for one
-    worker: torch's own default)."""
+    """torch threads per CPU trial process when ``workers`` of them (trials x ranks) share this
+    machine's cores (None for one: torch's own default)."""
     import os
 
     return None if workers <= 1 else max(1, (os.cpu_count() or 1) // workers)
 
 
-def worker_slots(cfg_device: str, device: Any, workers: int) -> list[str]:
-    """The device of each worker thread: on CUDA one trial per GPU at a time, so ``device=cuda``
-    (or ``auto``) with several visible GPUs gives ``cuda:0 .. cuda:k-1`` for ``k = min(workers,
-    visible GPUs)`` (each trial pinned to its GPU by CUDA_VISIBLE_DEVICES, its physical identity
-    recorded: field case C10); ``cuda:N`` is one GPU, so one worker. On the virtual GPU, ``workers``
-    CPU trials (their torch threads split: :func:`_torch_threads`)."""
-    if device.simulated or workers <= 1:
+def worker_slots(cfg_device: str, device: Any, workers: int, gpus: int = 1,
+                 visible: int | None = None) -> list[str]:
+    """The device of each worker thread: on CUDA, trials own their GPUs, ``gpus`` each (one rank per
+    GPU), so ``device=cuda`` (or ``auto``) with ``V`` visible GPUs gives ``k = min(workers, V // gpus)``
+    slots of consecutive GPUs: ``cuda:0 .. cuda:k-1`` for one GPU per trial, ``cuda:0,1``,
+    ``cuda:2,3``, ... for two (each trial's GPUs made visible by UUID, their physical identity
+    recorded: field case C10); ``search.workers x trial.gpus`` never exceeds the visible GPUs.
+    ``cuda:N`` is one GPU, so one worker of one GPU. On the virtual GPU, ``workers`` CPU trials (their
+    ranks' torch threads split: :func:`_torch_threads`). ``visible``: the visible GPU count (default:
+    ``torch.cuda.device_count()``).
+
+    Raises:
+        ConfigError: ``trial.gpus`` more than the visible GPUs, or more than one with ``cuda:N``.
+    """
+    if device.simulated:
         return [device.spec] * max(1, workers)
     if ":" in str(cfg_device):
+        if gpus > 1:
+            raise ConfigError(f"device={cfg_device} names one GPU but trial.gpus={gpus}: use device=cuda (the "
+                              f"trials then take {gpus} visible GPUs each)")
         return [device.spec]
-    import torch
+    if workers <= 1 and gpus == 1:
+        return [device.spec]
+    if visible is None:
+        import torch
 
-    return [f"cuda:{i}" for i in range(min(workers, max(1, torch.cuda.device_count())))]
+        visible = max(1, torch.cuda.device_count())
+    if gpus > visible:
+        raise ConfigError(f"trial.gpus={gpus} but only {visible} GPU(s) are visible: lower trial.gpus or make "
+                          "more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    slots = min(max(1, workers), visible // gpus)
+    return [f"cuda:{','.join(str(s * gpus + g) for g in range(gpus))}" for s in range(slots)]
 
 
 def _comparable(workload: dict, stored: Any) -> Any:
@@ -209,9 +229,16 @@ def workload_of(cfg: Any) -> dict[str, Any]:
     from oomtune.targets import resolve_workload, validate_target
 
     target = C.to_container(cfg.target)
+    gpus = int(cfg.trial.get("gpus", 1) or 1)
     if target.get("name") != "builtin":
         workload = resolve_workload({"target": target})
         validate_target(workload["target"])
+        if gpus > 1 and target.get("name") != "cmd":
+            raise ConfigError(f"trial.gpus={gpus} with target={target.get('name')}: several ranks per trial need "
+                              "model.parallel=ddp|fsdp (built-in workloads) or target=cmd (a command that "
+                              "starts its ranks, e.g. torchrun)")
+        if gpus > 1:
+            workload["ranks"] = gpus
         return workload
     from oomtune.workloads.keys import check_model_keys
 
@@ -221,7 +248,9 @@ def workload_of(cfg: Any) -> dict[str, Any]:
     workload = resolve_workload({**C.to_container(cfg.model), "target": target})
     validate_target(workload["target"])
     validate_workload_config(workload)
-    return workload
+    from oomtune.workloads.parallel import with_ranks
+
+    return with_ranks(workload, gpus)
 
 
 class _Prepared:
@@ -353,13 +382,14 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
     progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
-    slots = worker_slots(str(cfg.device), device, int(cfg.search.workers))
+    slots = worker_slots(str(cfg.device), device, int(cfg.search.workers), int(cfg.trial.gpus))
     if len(slots) > 1 or int(cfg.search.workers) > 1:
         _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
                       f"{', '.join(sorted(set(slots)))}"
                       + (f" ({options.torch_threads} torch thread(s) each)" if options.torch_threads else "")
                       + ("" if len(slots) == int(cfg.search.workers) else
-                         f"; search.workers={cfg.search.workers} capped: one trial per GPU at a time"))
+                         f"; search.workers={cfg.search.workers} capped: each trial owns "
+                         f"{cfg.trial.gpus} GPU(s)"))
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     # The fork server imports torch once (~3 s) while this process predicts the frontiers: on two
     # cores or more they overlap (the first trial waits for it, as it would anyway).

@@ -40,7 +40,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "is_distributed", "require_process_group",
+__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed", "require_process_group",
            "fsdp_model", "wrap_lazily", "fake_process_group", "strategy_notes"]
 
 #: ``model.parallel`` values.
@@ -71,6 +71,23 @@ def world_size(cfg: Mapping[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"trial.gpus={value!r}: expected an integer >= 1")
     return value
+
+
+def with_ranks(workload: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """A built-in workload with its rank count: ``ranks`` (``trial.gpus``) and ``parallel`` kept when
+    it is distributed, both dropped when not (so a single-process workload reads as before).
+
+    Raises:
+        ConfigError: several GPUs per trial without a parallel strategy.
+    """
+    mode = parallel_mode(workload)
+    out = {k: v for k, v in workload.items() if k not in ("parallel", "ranks")}
+    if mode == "none":
+        if gpus > 1:
+            raise ConfigError(f"trial.gpus={gpus} runs one rank per GPU: give model.parallel=ddp or fsdp (a "
+                              "built-in workload trains several ranks only under DDP or FSDP)")
+        return out
+    return {**out, "parallel": mode, "ranks": gpus}
 
 
 def is_distributed(cfg: Mapping[str, Any]) -> bool:
@@ -151,10 +168,27 @@ def wrap_lazily(workload: Any) -> None:
 
 
 def _wrap_ddp(module: Any, device: Any) -> Any:
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device] if getattr(device, "type", None) == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids)
+    ddp = DistributedDataParallel(module, device_ids=ids)
+    if dist.get_backend() == "fake":
+        # The fake group's all-reduce future holds no tensor, which DDP's built-in hook needs
+        # (c10d/comm.cpp parseHookResult). Its hook divides the bucket in place and all-reduces it in
+        # place (AllReduceCommHook): returning the bucket itself allocates the same (nothing).
+        ddp.register_comm_hook(None, _bucket_in_place)
+    return ddp
+
+
+def _bucket_in_place(state, bucket):  # noqa: ANN001, ANN201 - DDP checks these annotations: none given
+    """A DDP communication hook for the fake process group: the bucket, reduced in place (a no-op
+    without peers), as a completed future."""
+    import torch
+
+    future: Any = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 @contextlib.contextmanager
