@@ -4,7 +4,7 @@ Schema (version 1)::
 
     schema_version: 1
     created: ISO-8601 time
-    workload: {model: {...}, target: {...}}
+    workload: {model: {...}, target: {...}, ranks: N (several ranks per trial, or model.parallel)}
     device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
@@ -50,8 +50,8 @@ from typing import Any, ClassVar
 from oomtune.exceptions import BestFileError, OomtuneError
 
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
-           "CudaAlreadyInitializedError", "trials_text", "needs_memory_fraction", "fraction_key_supported",
-           "conf_with_fraction", "FRACTION_KEY"]
+           "CudaAlreadyInitializedError", "RankCountError", "check_world_size", "trials_text",
+           "needs_memory_fraction", "fraction_key_supported", "conf_with_fraction", "FRACTION_KEY"]
 
 SCHEMA_VERSION = 1
 ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -95,6 +95,25 @@ def conf_with_fraction(alloc_conf: str, fraction: float | None) -> str:
 
 class CudaAlreadyInitializedError(OomtuneError):
     """:func:`apply_best` was called after CUDA initialised: the allocator has read its settings."""
+
+
+class RankCountError(OomtuneError):
+    """:func:`apply_best` runs in a world of another size than best.yaml was tuned for: the batch and
+    settings hold per rank at the tuned rank count only (FSDP shards by it)."""
+
+
+def check_world_size(config: "BestConfig", env: Any) -> None:
+    """When best.yaml records ``workload.ranks`` and this process was started by a launcher that sets
+    ``WORLD_SIZE`` (torchrun, accelerate, deepspeed), the two must agree.
+
+    Raises:
+        RankCountError: they differ.
+    """
+    ranks = (config.workload or {}).get("ranks")
+    world = str(env.get("WORLD_SIZE", "") or "")
+    if isinstance(ranks, int) and world.isdigit() and int(world) != ranks:
+        raise RankCountError(f"best.yaml was tuned for {ranks} rank(s) (trial.gpus={ranks}) but this process runs "
+                             f"in a world of {world} (WORLD_SIZE): search again with trial.gpus={world}")
 
 
 @dataclass
@@ -367,10 +386,13 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     Raises:
         CudaAlreadyInitializedError: ``torch.cuda.is_initialized()`` is already true, or torch was
             imported with a different ``backend`` than best.yaml asks for.
+        RankCountError: best.yaml was tuned for another number of ranks than ``WORLD_SIZE`` says this
+            process runs in (:func:`check_world_size`).
         BestFileError: as :func:`load_best`.
     """
     config = load_best(path)
     env = os.environ if environ is None else environ
+    check_world_size(config, env)
     torch = sys.modules.get("torch")
     if torch is not None and environ is None:
         if torch.cuda.is_initialized():

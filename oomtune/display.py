@@ -130,7 +130,7 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
             "memory_source": res.memory_source, "predicted_peak_reserved_bytes": predicted,
             "prediction_error": error, "feasible": R.is_feasible_ok(t),
             "reused_from": t.user_attrs.get(R.ATTR_REUSED), "message": res.message,
-            "data_wait_fraction": res.data_wait_fraction,
+            "data_wait_fraction": res.data_wait_fraction, **rank_fields(res),
         })
     return rows
 
@@ -143,6 +143,24 @@ def planned_batch(t: Any) -> int | None:
         return t.params["batch_size"]
     fixed = (getattr(t, "system_attrs", None) or {}).get("fixed_params") or {}
     return fixed.get("batch_size")
+
+
+def rank_fields(res: Any) -> dict[str, Any]:
+    """A distributed trial's ranks (:mod:`oomtune.trial.rank_records`): ``world_size``, ``worst_rank``
+    (the rank whose peak reserved is the trial's), ``failed_rank`` and ``rank_peaks`` (each rank's
+    peak reserved, bytes, in rank order); empty for a single-process trial."""
+    extra = res.extra or {}
+    ranks = extra.get("ranks")
+    if not ranks:
+        return {}
+    return {"world_size": extra.get("world_size", len(ranks)), "worst_rank": extra.get("worst_rank"),
+            "failed_rank": extra.get("failed_rank"),
+            "rank_peaks": [r.get("peak_reserved_bytes") for r in ranks]}
+
+
+def _rank_tag(rank: Any) -> str:
+    """`` r1``: the rank whose peak a distributed trial's memory figures are."""
+    return "" if rank is None else f" r{rank}"
 
 
 def _unfinished_row(t: Any) -> dict[str, Any]:
@@ -209,7 +227,8 @@ def trial_table(rows: list[dict[str, Any]], *, title: str = "trials", best_numbe
         t = "" if shared else f" {throughput_label(r['memory_source'])}"
         table.add_row(  # outcomes wrap between words: "predicted_infeasible" reads "predicted infeasible"
             str(r["number"]), r["role"], str(r["batch_size"]), conf, r["outcome_label"].replace("_", " "),
-            _mib(r["peak_reserved_bytes"]) + (m if r["peak_reserved_bytes"] is not None else ""),
+            _mib(r["peak_reserved_bytes"]) + (m if r["peak_reserved_bytes"] is not None else "")
+            + (_rank_tag(r.get("worst_rank")) if r["peak_reserved_bytes"] is not None else ""),
             _mib(r["peak_allocated_bytes"]) + (m if r["peak_allocated_bytes"] is not None else ""),
             _fmt(r["fragmentation"], ".1%") + (m if r["fragmentation"] is not None else ""),
             _fmt(r["prediction_error"], "+.1%"),
@@ -289,6 +308,9 @@ def trial_table_legend(rows: list[dict[str, Any]]) -> list[str]:
              ">limit@n: stopped after step n, the first above the limit: peaks and frag of n steps",
              "(sim): simulated on the virtual GPU; (dev): measured on the device; "
              "(CPU): this CPU's samples/s"]
+    if any(r.get("world_size") for r in rows):
+        lines.append("rN: several ranks per trial: the worst rank's peak (rank N); each rank's in "
+                     "oomtune show --json")
     used = conf_legend(confs)
     if used:
         lines += legend_lines("config: ", used + "; default = torch's defaults")
@@ -333,7 +355,8 @@ def progress_line(trial: Any, role: str, index: int | None, total: int | None, b
     conf = " ".join([conf, *loader])
     parts = [f"{where:<23} bs={res.batch_size:<5} {conf:<11} {outcome_label(trial, res):<9}"]
     if res.peak_reserved_bytes is not None:
-        parts.append(f"{format_bytes(res.peak_reserved_bytes)} ({MEMORY_LABEL.get(res.memory_source, res.memory_source)})")
+        parts.append(f"{format_bytes(res.peak_reserved_bytes)} ({MEMORY_LABEL.get(res.memory_source, res.memory_source)})"
+                     + _rank_tag(rank_fields(res).get("worst_rank")))
     if res.throughput is not None:
         parts.append(f"{res.throughput:.1f}/s ({throughput_label(res.memory_source)})")
     if best is not None:  # the leader under the final ranking rule (a trial number, or a description)

@@ -246,8 +246,11 @@ def _search_limit(best: Any) -> tuple[int, str]:
 def _workload(best: Any) -> dict[str, Any]:
     """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
     ``{target}`` for target=python|cmd (their model group is not used), with the target GPU
-    (``device.target_gpu``) and the answer's training settings (``workload.training``: ``grad_accum``,
-    ``activation_checkpointing``)."""
+    (``device.target_gpu``), the answer's training settings (``workload.training``: ``grad_accum``,
+    ``activation_checkpointing``) and the rank count (``workload.ranks``, a distributed trial's).
+
+    Raises:
+        BestFileError: a malformed target, model, ``training`` or ``ranks``."""
     target = best.workload.get("target") or {"name": "builtin"}
     if not isinstance(target, dict) or not isinstance(target.get("name"), str):
         raise BestFileError("best.yaml workload.target must be a mapping with a 'name'")
@@ -258,6 +261,11 @@ def _workload(best: Any) -> dict[str, Any]:
     training = best.workload.get("training") or {}
     if not isinstance(training, dict):
         raise BestFileError("best.yaml workload.training must be a mapping")
+    ranks = best.workload.get("ranks")
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        raise BestFileError(f"best.yaml workload.ranks={ranks!r} must be an integer >= 1")
+    if ranks is not None:
+        extra["ranks"] = ranks
     if target["name"] != "builtin":
         return {"target": target, **extra, **training}
     model = best.workload.get("model")
@@ -453,11 +461,16 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps={steps!r}: expected an integer >= 1")
     _geometry(best)  # validates budget_bytes
-    spec = TrialSpec(workload=_workload(best), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
-                     device=_run_device(best, device), budget_bytes=int(best.device["budget_bytes"]),
+    workload = _workload(best)
+    ranks = int(workload.get("ranks", 1))
+    where = _run_device(best, device)
+    if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
+        where = "cuda:" + ",".join(str(i) for i in range(ranks))
+    spec = TrialSpec(workload=workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+                     device=where, budget_bytes=int(best.device["budget_bytes"]),
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
                      device_memory_bytes=_geometry(best)["total_memory_bytes"],
-                     memory_fraction=best.device.get("memory_fraction") != "off")
+                     memory_fraction=best.device.get("memory_fraction") != "off", ranks=ranks)
     runner = runner or TrialRunner(launcher="spawn")
     say = say or (lambda text: None)
     conf = best.best.alloc_conf or "the default allocator"

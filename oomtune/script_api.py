@@ -10,7 +10,9 @@ so the script runs the same with or without oomtune::
     oomtune.report(samples=N * batch_size, seconds=time.perf_counter() - t0)
 
 The results channel is a JSON-lines file named by ``OOMTUNE_RESULT_FILE``; every call appends one
-line (``{"event": "report" | "memory" | "oom", ...}``) and the parent
+line (``{"event": "report" | "memory" | "oom", ...}``, with ``"rank"`` from ``RANK`` in a process
+started by torchrun, accelerate or deepspeed: each rank reports its own samples and its own virtual
+GPU's memory) and the parent
 (:func:`oomtune.targets.cmd.run_cmd_trial`) reads them after the script exits.
 
 With ``OOMTUNE_STREAM_FILE`` set (the parent sets it for every trial), the capture hook also writes
@@ -152,6 +154,9 @@ def _append(record: dict[str, Any]) -> None:
     path = os.environ.get(RESULT_FILE_ENV)
     if not path:
         return
+    rank = os.environ.get("RANK", "")
+    if rank.isdigit():   # torchrun, accelerate and deepspeed set RANK in every rank's environment
+        record.setdefault("rank", int(rank))
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
@@ -172,7 +177,10 @@ def report(samples: int, seconds: float, *, steps: int | None = None,
     """Report the throughput of measured training steps to oomtune (``target=cmd``).
 
     Call it once after the measured steps (or once per measured interval: the parent sums samples and
-    seconds over all calls). Leave warm-up steps out. ``throughput = samples / seconds``.
+    seconds over one process's calls). Leave warm-up steps out. ``throughput = samples / seconds``.
+    In a multi-process run every rank reports the samples it trained itself (its share of the
+    global batch); the trial's throughput is ``sum over ranks of samples / the slowest rank's
+    seconds`` (every sample counted once).
 
     Args:
         samples: training samples processed in the interval (images, sequences), >= 0.

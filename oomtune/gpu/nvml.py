@@ -29,7 +29,7 @@ __all__ = [
     "query", "nvml_available", "no_driver", "device_count", "device_identity", "physical_index_for",
     "index_for_uuid", "index_for_pci_bus_id", "physical_index_of_torch_device", "normal_uuid", "torch_pci_bus_id",
     "process_tree", "process_used_bytes", "memory_info", "utilization_percent",
-    "MemoryReading", "SamplerResult", "MemorySampler",
+    "MemoryReading", "SamplerResult", "MemorySampler", "MultiSampler",
 ]
 
 _LOCK = threading.RLock()
@@ -461,3 +461,46 @@ class MemorySampler:
     def result(self) -> SamplerResult:
         """The readings so far (final after the ``with`` block ends)."""
         return self._peaks.result()
+
+
+class MultiSampler:
+    """Context manager: one :class:`MemorySampler` per GPU of a multi-GPU trial, each summing the same
+    process tree's memory on its device.
+
+    Args:
+        devices: NVML (physical) indices of the trial's GPUs, in the trial's order (rank order).
+        pid: root of the process tree (as for :class:`MemorySampler`).
+
+    ``result`` merges them: the highest device's peak (its source, ``process`` or ``device``) and the
+    mean utilisation over the devices that reported one; ``results`` is each device's.
+    """
+
+    def __init__(self, devices: list[int], *, pid: int | None = None, interval_s: float = 0.02) -> None:
+        self.devices = list(devices)
+        self.samplers = [MemorySampler(d, pid=pid, interval_s=interval_s) for d in self.devices]
+
+    def __enter__(self) -> "MultiSampler":
+        for sampler in self.samplers:
+            sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sampler in self.samplers:
+            sampler.__exit__(*exc)
+
+    @property
+    def results(self) -> list[SamplerResult]:
+        """Each device's readings, in the order of ``devices``."""
+        return [s.result for s in self.samplers]
+
+    @property
+    def result(self) -> SamplerResult:
+        """The worst device's peak and the mean utilisation over the devices (see the class docstring)."""
+        results = self.results
+        peaks = [r for r in results if r.peak_used_bytes is not None]
+        worst = max(peaks, key=lambda r: r.peak_used_bytes) if peaks else None
+        utils = [r.mean_utilization_percent for r in results if r.mean_utilization_percent is not None]
+        return SamplerResult(None if worst is None else worst.peak_used_bytes,
+                             None if worst is None else worst.peak_source,
+                             sum(utils) / len(utils) if utils else None,
+                             sum(r.samples for r in results))

@@ -60,8 +60,20 @@ def _metrics(res: TrialResult) -> dict[str, Any]:
         "device_peak_bytes": res.device_peak_bytes, "num_alloc_retries": res.num_alloc_retries,
         "data_wait_fraction": res.data_wait_fraction, "memory_source": res.memory_source,
         "steps": res.steps, "soak_passed": res.soak_passed, "soak_steps_run": res.soak_steps_run,
-        "soak_peak_reserved_bytes": res.soak_peak_reserved_bytes,
+        "soak_peak_reserved_bytes": res.soak_peak_reserved_bytes, **_rank_metrics(res),
     }
+
+
+def _rank_metrics(res: TrialResult) -> dict[str, Any]:
+    """A distributed trial's per-rank peaks for best.yaml: ``world_size``, ``worst_rank`` (whose peak
+    the metrics are) and ``ranks``: per rank its peak reserved / allocated, NVML device peak and
+    device UUID (bytes; None where not read). Empty for one process."""
+    ranks = (res.extra or {}).get("ranks")
+    if not ranks:
+        return {}
+    keep = ("rank", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "device_uuid")
+    return {"world_size": res.extra.get("world_size", len(ranks)), "worst_rank": res.extra.get("worst_rank"),
+            "ranks": [{k: r.get(k) for k in keep} for r in ranks]}
 
 
 def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> float | None:
@@ -120,7 +132,9 @@ def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
 def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: Any = None) -> dict[str, Any]:
     """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
     loader settings), {target} for target=python|cmd; plus ``training`` (the winner's
-    ``grad_accum`` and ``activation_checkpointing``) when the search set them."""
+    ``grad_accum`` and ``activation_checkpointing``) when the search set them, and ``ranks``
+    (``trial.gpus``) for a trial of several ranks or a distributed workload: the answer holds per
+    rank at that rank count."""
     from oomtune.workloads.training import TRAINING_KEYS
 
     target = workload["target"]
@@ -128,10 +142,11 @@ def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: An
     if space is not None:
         cand = space.candidate(params["batch_size"], {k: v for k, v in params.items() if k != "batch_size"})
         training = {k: v for k, v in cand.apply({}).items() if k in TRAINING_KEYS}
-    out: dict[str, Any] = {"target": target}
+    ranks = {"ranks": workload["ranks"]} if "ranks" in workload else {}
+    out: dict[str, Any] = {"target": target, **ranks}
     if target.get("name") == "builtin":
-        model = {k: v for k, v in workload.items() if k != "target" and k not in TRAINING_KEYS}
-        out = {"model": _with_loader(model, params), "target": target}
+        model = {k: v for k, v in workload.items() if k not in ("target", "ranks") and k not in TRAINING_KEYS}
+        out = {"model": _with_loader(model, params), "target": target, **ranks}
     if training:
         out["training"] = training
     return out

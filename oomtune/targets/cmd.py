@@ -16,7 +16,9 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
   made visible, field case C10), ``OOMTUNE_BUDGET_BYTES`` (unset without a budget),
   ``OOMTUNE_DEVICE_MEMORY_BYTES`` (CPU: the virtual GPU's size, the budget a fraction of it),
   ``OOMTUNE_WARMUP_STEPS``, ``OOMTUNE_MEASURE_STEPS``, ``OOMTUNE_SEED``, ``OOMTUNE_GPU`` (the
-  target GPU, ``model.gpu``, whose kernels :func:`oomtune.capture_hook`'s virtual GPU runs);
+  target GPU, ``model.gpu``, whose kernels :func:`oomtune.capture_hook`'s virtual GPU runs),
+  ``OOMTUNE_GPUS`` (``trial.gpus``: the ranks the command should start, e.g. ``torchrun
+  --nproc_per_node $OOMTUNE_GPUS``; on CUDA that many GPUs are visible, by UUID);
 - ``OOMTUNE_RESULT_FILE``: the results channel, appended to by :func:`oomtune.report` and
   :func:`oomtune.capture_hook` (:mod:`oomtune.script_api`);
 - ``OOMTUNE_GRAD_ACCUM``, ``OOMTUNE_GLOBAL_BATCH`` (with ``search.global_batch``),
@@ -35,15 +37,21 @@ How the record is built (:func:`result_from_channel`):
 3. A non-zero exit: the shared classifier on the exit status and stderr
    (:func:`oomtune.classify.classify_failure`): a CUDA OOM traceback is a memory outcome, SIGKILL
    without a traceback ``host_oom`` when the OOM killer's counters or the kernel log show it
-   (:mod:`oomtune.trial.oomkill`), else ``crash``; other signals ``crash``, else ``error``.
-4. Exit 0 with ``report`` lines: ``ok``; throughput = sum(samples) / sum(seconds) over the lines.
+   (:mod:`oomtune.trial.oomkill`), else ``crash``; other signals ``crash``, else ``error``; a launcher's
+   failure summary (torchrun's ``ChildFailedError``, DeepSpeed's on stdout, accelerate's) makes the
+   first failed rank's exit status or signal decide, and names it (``extra["failed_rank"]``).
+4. Exit 0 with ``report`` lines: ``ok``; throughput = sum(samples) / sum(seconds) over one process's
+   lines; with several ranks reporting (lines carry ``rank``), the sum of every rank's samples over
+   the slowest rank's seconds (each sample counted once).
 5. Exit 0 without any ``report`` line: ``error`` ("the command never called oomtune.report()"). A
    run with no throughput cannot be ranked, and telling it to Optuna as ok would let an unmeasured
    batch win; the advice says how to report.
 
 Memory: the last reported ``memory_stats()`` peaks (``simulated`` from the capture hook, ``device``
-when the script's CUDA was initialised); on a GPU also the NVML peak of the command's process tree
-(``device_peak_bytes``) and mean utilisation. Without either, memory figures are None and
+when the script's CUDA was initialised); with several ranks, each rank's last reading, the worst
+rank's as the trial's (``extra["worst_rank"]``, every rank's in ``extra["ranks"]``); an ``oom`` line
+names its rank. On a GPU also the NVML peak of the command's process tree on each of its GPUs
+(``device_peak_bytes``: the highest) and mean utilisation. Without either, memory figures are None and
 ``extra["memory_unknown"]`` is True.
 """
 
@@ -226,6 +234,7 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
         "OOMTUNE_MEASURE_STEPS": str(spec.measure_steps),
         "OOMTUNE_SEED": str(spec.seed),
         STREAM_FILE_ENV: str(Path(result_file).with_name(STREAM_FILE)),
+        "OOMTUNE_GPUS": str(spec.ranks),
     })
     for key in (GLOBAL_BATCH_ENV, CHECKPOINTING_ENV):
         out.pop(key, None)
@@ -261,19 +270,20 @@ def resolve_cwd(target: dict[str, Any]) -> str | None:
 
 
 def _sampler(spec: TrialSpec, pid: int) -> Any:
-    """An NVML sampler of the command's process tree on a CUDA trial; None on CPU or without NVML."""
+    """An NVML sampler of the command's process tree on every GPU of a CUDA trial (one per rank,
+    :class:`oomtune.gpu.nvml.MultiSampler`); None on CPU or without NVML."""
     if not spec.device.startswith("cuda"):
         return None
     from oomtune.gpu import nvml
 
     if not nvml.nvml_available():
         return None
-    index = int(spec.device.partition(":")[2] or 0)
+    indices = [int(i) for i in (spec.device.partition(":")[2] or "0").split(",")]
     try:
-        physical = nvml.physical_index_for(index)
+        physical = [nvml.physical_index_for(i) for i in indices]
     except Exception:  # DeviceError: a UUID entry NVML cannot see; memory stays unknown
         return None
-    return nvml.MemorySampler(physical, pid=pid)
+    return nvml.MultiSampler(physical, pid=pid)
 
 
 def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
@@ -345,12 +355,16 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
         pids = {proc.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
         evidence = watch.evidence(pids)
         reason = None if evidence else watch.sources()
-    result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
-                                 timed_out=timed_out, oom_kill_evidence=evidence, no_evidence_reason=reason)
+    stdout = read_tail(workdir / "stdout.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
+    result = result_from_channel(spec, read_channel(channel), returncode=returncode,
+                                 stderr=_with_launcher_summary(stderr, stdout), timed_out=timed_out,
+                                 oom_kill_evidence=evidence, no_evidence_reason=reason)
     result.extra.update(leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
         result.device_peak_bytes, result.gpu_utilization = res.peak_used_bytes, res.mean_utilization_percent
+        if len(sampler.results) > 1:   # per GPU, in the trial's (rank) order
+            result.extra["device_peaks"] = [r.peak_used_bytes for r in sampler.results]
         if res.peak_used_bytes is not None:
             result.extra.pop("memory_unknown", None)
     result.wall_s = time.time() - started
@@ -400,6 +414,16 @@ def _check_startable(argv: list[str], cwd: str | None, env: Mapping[str, str]) -
         raise ConfigError(f"target.command: cannot start {prog!r}: {problem}")
 
 
+def _with_launcher_summary(stderr: str, stdout: str) -> str:
+    """``stderr``, preceded by ``stdout`` when only stdout holds a launcher's failure summary
+    (DeepSpeed's launcher logs to stdout: :mod:`oomtune.classify._launcher`)."""
+    from oomtune.classify._launcher import parse_launcher_summary
+
+    if parse_launcher_summary(stderr) is None and parse_launcher_summary(stdout) is not None:
+        return f"{stdout}\n{stderr}"
+    return stderr
+
+
 def read_channel(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a results channel, in order; a torn or malformed line is skipped (a
     process killed mid-write). Missing file: []."""
@@ -427,17 +451,17 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     result = TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                          memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED)
     reports = [e for e in events if e.get("event") == "report"]
-    ooms = [e for e in events if e.get("event") == "oom"]
+    ooms = sorted((e for e in events if e.get("event") == "oom"), key=lambda e: e.get("time") or 0.0)
     result.extra["reports"] = len(reports)
     _fill_throughput(result, reports)
-    last_by_rank: dict[Any, dict[str, Any]] = {}
-    for e in events:   # each rank's last reading; the rank that peaked highest decides
+    memories: dict[Any, dict[str, Any]] = {}   # the last memory reading of each rank
+    for e in events:
         if isinstance(e.get("memory"), dict):
-            last_by_rank[e.get("rank", 0)] = e["memory"]
-    memories = sorted(last_by_rank.values(),
-                      key=lambda m: (m.get("stats") or {}).get("reserved_bytes.all.peak") or 0)
-    if memories:
-        _set_memory(result, memories[-1])
+            memories[e.get("rank")] = e["memory"]
+    if len(memories) == 1:
+        _set_memory(result, next(iter(memories.values())))
+    elif memories:
+        _set_rank_memory(result, memories)
     else:
         result.extra["memory_unknown"] = True
     kw = dict(batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded)
@@ -451,9 +475,15 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
         _set(result, cls.outcome, cls_message, cls.advice, cls.traceback_tail)
         if cls.oom is not None:
             result.oom_requested_bytes = cls.oom.requested_bytes
+        if cls.rank is not None and not timed_out:   # a launcher's summary named the failed rank
+            result.extra["failed_rank"] = cls.rank
     elif ooms:
         cls = classify_text(f"OutOfMemoryError: {ooms[0].get('message', '')}", **kw)
-        _set(result, cls.outcome, cls.message, cls.advice, None)
+        rank = ooms[0].get("rank")   # the first rank to run out of memory (by time)
+        message = cls.message if rank is None else f"rank {rank}: {cls.message}"
+        if rank is not None:
+            result.extra["failed_rank"] = rank
+        _set(result, cls.outcome, message, cls.advice, None)
         result.oom_requested_bytes = ooms[0].get("requested_bytes") or (cls.oom and cls.oom.requested_bytes)
         if returncode == 0:
             result.extra["oom_caught_by_script"] = True
@@ -480,20 +510,64 @@ def _tail(stderr: str, lines: int = 20) -> str | None:
 
 
 def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None:
-    """throughput = sum(samples) / sum(seconds); step time and data-wait fraction when reported."""
-    samples = sum(float(r.get("samples") or 0) for r in reports)
-    seconds = sum(float(r.get("seconds") or 0) for r in reports)
-    if not reports or seconds <= 0:
+    """Per process (``rank``; one group when the lines carry none): samples and seconds summed over
+    its reports; throughput = the sum of every rank's samples / the slowest rank's seconds
+    (:func:`oomtune.trial.rank_records.global_throughput`: the ranks train at once, each sample is
+    counted once), so one process's reports give sum(samples) / sum(seconds). Step time (the slowest
+    rank's) and data-wait fraction (the highest) when reported."""
+    from oomtune.trial.rank_records import global_throughput
+
+    by_rank: dict[Any, list[dict[str, Any]]] = {}
+    for r in reports:
+        by_rank.setdefault(r.get("rank"), []).append(r)
+    intervals, step_times, waits_ok, fractions, steps_run = [], [], True, [], []
+    for lines in by_rank.values():
+        samples = sum(float(r.get("samples") or 0) for r in lines)
+        seconds = sum(float(r.get("seconds") or 0) for r in lines)
+        if seconds <= 0:
+            continue
+        intervals.append((samples, seconds))
+        steps = [r.get("steps") for r in lines]
+        if all(isinstance(s, int) and s > 0 for s in steps):
+            steps_run.append(sum(steps))
+            step_times.append(seconds / sum(steps))
+        waits = [r.get("data_wait_seconds") for r in lines]
+        if all(isinstance(w, (int, float)) for w in waits):
+            fractions.append(min(1.0, max(0.0, sum(waits) / seconds)))
+        else:
+            waits_ok = False
+    if not reports or not intervals:
         return
-    result.throughput = samples / seconds
-    steps = [r.get("steps") for r in reports]
-    if all(isinstance(s, int) and s > 0 for s in steps):
-        result.steps = sum(steps)
-        result.step_time_s = seconds / result.steps
-    waits = [r.get("data_wait_seconds") for r in reports]
-    if all(isinstance(w, (int, float)) for w in waits):
-        result.data_wait_fraction = min(1.0, max(0.0, sum(waits) / seconds))
+    result.throughput = global_throughput(intervals)
+    if step_times and len(step_times) == len(intervals):
+        result.steps = max(steps_run)
+        result.step_time_s = max(step_times)
+    if waits_ok and fractions:
+        result.data_wait_fraction = max(fractions)
     result.extra["reported"] = [r.get("extra") or {} for r in reports]
+    ranks = sorted(r for r in by_rank if r is not None)
+    if ranks:
+        result.extra["reporting_ranks"] = ranks
+
+
+def _set_rank_memory(result: TrialResult, memories: dict[Any, dict[str, Any]]) -> None:
+    """Several ranks' last memory readings: the worst rank's peaks, each rank's kept
+    (:func:`oomtune.trial.rank_records.merge_memory`, ``extra["ranks"]``)."""
+    from oomtune.trial.rank_records import merge_memory, rank_summary
+
+    order = sorted(memories, key=lambda r: (r is None, r if r is not None else 0))
+    records = []
+    for rank in order:
+        rec = TrialResult(outcome=Outcome.OK.value)
+        _set_memory(rec, memories[rank])
+        records.append(rec)
+    merge_memory(result, records)
+    result.memory_source = records[0].memory_source
+    worst = result.extra.get("worst_rank")
+    if worst is not None:
+        result.extra["worst_rank"] = order[worst]   # as the ranks number themselves
+    result.extra["ranks"] = [{**rank_summary(0 if rank is None else rank, rec), "outcome": None}
+                             for rank, rec in zip(order, records)]
 
 
 def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from oomtune.outcome import Outcome
 from oomtune.trial.record import TrialResult, TrialSpec
 
 __all__ = ["RANK_FIELDS", "rank_result_path", "rank_stderr_path", "global_throughput", "merge_ranks",
-           "merge_rank_files", "rank_summary", "read_rank_results"]
+           "merge_rank_files", "merge_memory", "rank_summary", "read_rank_results"]
 
 #: The figures kept per rank in ``extra["ranks"]``.
 RANK_FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "throughput",
@@ -140,7 +140,7 @@ def merge_ranks(spec: TrialSpec, results: Sequence[TrialResult | None], *,
             teardown.append(failed and is_peer_teardown(" ".join(filter(None, (res.message, res.traceback_tail)))))
         records.append(res)
     merged = _pick(spec, records, teardown, root_rank)
-    _merge_memory(merged, records)
+    merge_memory(merged, records)
     merged.extra["ranks"] = [rank_summary(r, rec, exitcode=exitcodes[r] if r < len(exitcodes) else None,
                                           teardown=teardown[r]) for r, rec in enumerate(records)]
     merged.extra["world_size"] = n
@@ -189,7 +189,7 @@ def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> None:
         merged.extra["first_step_at"] = max(firsts)
 
 
-def _merge_memory(merged: TrialResult, records: list[TrialResult]) -> None:
+def merge_memory(merged: TrialResult, records: list[TrialResult]) -> None:
     """Peaks: the maxima over the ranks; ``worst_rank`` the rank with the highest peak reserved;
     fragmentation and the memory outside the allocator are the worst rank's; counters summed."""
     def top(name: str) -> int | None:

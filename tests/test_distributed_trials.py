@@ -1,0 +1,169 @@
+"""Distributed trials end to end on the CPU (gloo, one virtual GPU per rank): 2-rank DDP and FSDP2
+trials of a built-in workload, an out-of-memory on rank 1 only, a SIGKILL of one rank, the same
+through torchrun for a ``target=cmd`` command, and a search with ``trial.gpus=2``.
+
+Expected memory figures come from the plan's capture of one rank (torch's fake process group, the
+same DDP/FSDP2 code): a trial rank's measured peak must equal it exactly. No orphan process may
+survive a trial: the rank processes are checked after each run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oomtune.outcome import Outcome
+from oomtune.trial.record import TrialSpec
+from oomtune.trial.runner import TrialRunner, group_alive
+from oomtune.units import MiB
+
+pytestmark = pytest.mark.slow
+
+LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "seq_len": 32, "vocab_size": 512,
+      "dropout": 0.0, "optimizer": "adamw", "lr": 1e-3, "precision": "fp32", "data": {"source": "synthetic"}}
+HOOK = "OOMTUNE_TEST_HOOK"
+DATA = Path(__file__).parent / "data" / "launchers"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = TrialRunner(launcher="fork")
+    assert r.start_fork_server(), r._server_failed
+    yield r
+    r.close()
+
+
+def _spec(parallel: str, **kw) -> TrialSpec:
+    base = dict(workload={**LM, "parallel": parallel, "ranks": 2}, batch_size=4, device="cpu",
+                budget_bytes=256 * MiB, warmup_steps=1, measure_steps=2, timeout_s=240, ranks=2)
+    base.update(kw)
+    return TrialSpec(**base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _no_orphans(res) -> None:
+    pids = res.extra.get("rank_pids") or []
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), pids
+    assert not group_alive(res.extra["pid"])
+
+
+def _predicted(parallel: str, batch: int, steps: int) -> tuple[int, int]:
+    from oomtune.alloc.geometry import budget_geometry
+    from oomtune.plan.predictor import Predictor
+
+    p = Predictor({**LM, "parallel": parallel, "ranks": 2, "target": {"name": "builtin"}},
+                  budget_geometry(256 * MiB, 80 * 1024 * MiB), steps=steps, derive=False)
+    d = p.predict_detail(batch, "")
+    return d.peak_reserved_bytes, d.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_rank_trial_every_rank_measured_and_equal_to_the_plan(tmp_path, runner, parallel):
+    res = runner.run(_spec(parallel), workdir=tmp_path)
+    assert res.outcome == "ok", res.message
+    ranks = res.extra["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and res.extra["world_size"] == 2
+    assert all(r["outcome"] == "ok" for r in ranks)
+    peaks = [r["peak_reserved_bytes"] for r in ranks]
+    assert res.peak_reserved_bytes == max(peaks) and res.extra["worst_rank"] == peaks.index(max(peaks))
+    # one rank's stream, predicted through the fake process group, is what each rank measured
+    reserved, allocated = _predicted(parallel, 4, 3)
+    assert peaks == [reserved, reserved]
+    assert [r["peak_allocated_bytes"] for r in ranks] == [allocated, allocated]
+    # global samples/s: 2 ranks x 4 samples per step over the slowest rank's step
+    assert res.throughput == pytest.approx(8 / max(r["step_time_s"] for r in ranks))
+    assert res.extra["distributed"]["parallel"] == parallel and res.extra["backend"] == "gloo"
+    _no_orphans(res)
+
+
+def test_fsdp_rank_holds_less_than_a_ddp_rank(tmp_path, runner):
+    ddp = runner.run(_spec("ddp"), workdir=tmp_path / "ddp")
+    fsdp = runner.run(_spec("fsdp"), workdir=tmp_path / "fsdp")
+    assert ddp.outcome == fsdp.outcome == "ok"
+    # parameters + gradients + AdamW states = 4 x the parameter bytes on a DDP rank (plus its buckets,
+    # another copy of the gradients); FSDP2 keeps a half of the first three on each of 2 ranks
+    assert fsdp.peak_allocated_bytes < ddp.peak_allocated_bytes
+
+
+def test_oom_on_rank_1_only_is_infeasible_and_names_it(tmp_path, runner):
+    # rank 1 holds 99 MB more than rank 0 on its 100 MiB virtual GPU: only rank 1 runs out of memory
+    res = runner.run(_spec("ddp", budget_bytes=100 * MiB), workdir=tmp_path,
+                     env={HOOK: "rank1:hold:99000000"})
+    assert res.outcome_enum.is_memory, res.message
+    assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1 of 2:")
+    rank0, rank1 = res.extra["ranks"]
+    assert rank1["outcome"] == res.outcome and not rank1["teardown"]
+    # rank 0 lost its peer inside a collective: a consequence, not a second failure
+    assert rank0["outcome"] == "ok" or rank0["teardown"]
+    assert rank0["peak_reserved_bytes"] < 100 * MiB
+    _no_orphans(res)
+
+
+def test_sigkill_of_one_rank_is_a_failure_of_that_rank_without_orphans(tmp_path, runner):
+    res = runner.run(_spec("ddp"), workdir=tmp_path, env={HOOK: "rank1:signal:9"})
+    assert res.extra["failed_rank"] == 1
+    assert res.outcome in (Outcome.CRASH.value, Outcome.HOST_OOM.value), res.message
+    assert "SIGKILL" in res.message and res.message.startswith("rank 1 of 2:")
+    rank0, rank1 = res.extra["ranks"]
+    assert rank1["exitcode"] == -9 and not rank1["teardown"]
+    assert rank0["teardown"]
+    _no_orphans(res)
+
+
+def _cmd_spec(env_kill: bool = False) -> TrialSpec:
+    command = (f"{sys.executable} -m torch.distributed.run --nproc_per_node 2 --standalone "
+               f"{DATA / 'ddp_cmd_train.py'} {{batch_size}}")
+    return TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(DATA)}}, batch_size=16,
+                     device="cpu", budget_bytes=256 * MiB, warmup_steps=1, measure_steps=3, timeout_s=240, ranks=2)
+
+
+def test_torchrun_command_every_rank_reports_once(tmp_path, runner):
+    res = runner.run(_cmd_spec(), workdir=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert res.outcome == "ok", res.message
+    assert res.extra["reporting_ranks"] == [0, 1]
+    assert [r["rank"] for r in res.extra["ranks"]] == [0, 1]
+    # each rank's virtual GPU holds the MLP's parameters, gradients and DDP's bucket (attached before DDP)
+    params = (64 * 128 + 128 + 128 * 10 + 10) * 4
+    assert all(r["peak_allocated_bytes"] >= 3 * params for r in res.extra["ranks"])
+    assert res.memory_source == "simulated"
+
+
+def test_torchrun_rank_sigkill_named_from_the_launcher_summary(tmp_path, runner):
+    res = runner.run(_cmd_spec(), workdir=tmp_path, env={"OMP_NUM_THREADS": "1", "OOMTUNE_TEST_KILL_RANK": "1"})
+    assert res.extra["failed_rank"] == 1, res.message
+    assert res.outcome in (Outcome.CRASH.value, Outcome.HOST_OOM.value)
+    assert "rank 1" in res.message and "SIGKILL" in res.message
+    assert not group_alive(res.extra["pid"])
+
+
+def test_search_with_two_gpus_per_trial_records_every_rank(tmp_path, capsys):
+    import oomtune
+    from oomtune.cli import main
+
+    run_dir = tmp_path / "run"
+    args = ["search", "model=transformer", "model.layers=1", "model.d_model=32", "model.heads=2",
+            "model.seq_len=16", "model.vocab_size=256", "model.parallel=fsdp", "trial.gpus=2", "device=cpu",
+            "budget=64MiB", "search.batch_size.low=2", "search.batch_size.high=8", "search.objective=batch",
+            "search.frontier_configs=1", "trial.warmup_steps=1", "trial.measure_steps=1",
+            "trial.confirm_steps=2", "trial.timeout=240", f"hydra.run.dir={run_dir}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    best = oomtune.load_best(run_dir / "best.yaml")
+    assert best.workload["ranks"] == 2 and best.workload["model"]["parallel"] == "fsdp"
+    metrics = best.best.metrics
+    assert metrics["world_size"] == 2 and [r["rank"] for r in metrics["ranks"]] == [0, 1]
+    assert metrics["peak_reserved_bytes"] == max(r["peak_reserved_bytes"] for r in metrics["ranks"])
+    assert f"r{metrics['worst_rank']}" in out   # the trial table names the worst rank
