@@ -309,3 +309,71 @@ def test_apply_best_refuses_another_world_size(tmp_path):
         apply_best(path, environ=env)
     env = {"WORLD_SIZE": "2"}
     assert apply_best(path, environ=env).best.batch_size == 8
+
+
+# ------------------------------------------------------------------ capture: DTensor shards, CPU streams, resize_
+def test_dtensor_counts_its_local_shard_not_the_global_size():
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from oomtune.capture.recorder import StorageRecorder, StreamSink
+    from oomtune.workloads.parallel import fake_process_group
+
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        sink = StreamSink()
+        with StorageRecorder(sink, device="cpu"):
+            local = torch.zeros(512, 256)                      # rank 0's half of a 1024 x 256 fp32 tensor
+            d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            e = torch.zeros_like(d)                            # an optimizer state of a sharded parameter
+        assert tuple(d.shape) == (1024, 256) and d.untyped_storage().nbytes() == 1024 * 256 * 4   # the wrapper
+        assert isinstance(e, DTensor)
+    assert sink.alloc_sizes == [512 * 256 * 4, 512 * 256 * 4]   # 512 KiB each: the local shards
+
+
+def test_cpu_streams_get_their_own_pools_on_the_virtual_gpu():
+    import torch
+
+    from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.capture.recorder import StorageRecorder, StreamSink
+    from oomtune.capture.virtual_gpu import VirtualGPU
+
+    sink = StreamSink()
+    side = torch.cpu.Stream()
+    with StorageRecorder(sink, device="cpu"):
+        a = torch.zeros(1000)
+        with torch.cpu.stream(side):
+            b = torch.zeros(2000)
+        del b
+        c = torch.zeros(2000)
+    assert sink.events == [("alloc", 1, 4000, 0), ("alloc", 2, 8000, 1), ("free", 2, 8000, 1), ("alloc", 3, 8000, 0)]
+    # the caching allocator keeps blocks per stream: the 8000-byte block freed on the side stream is
+    # not reused for stream 0, so two 2 MiB small-pool segments (kSmallBuffer) are reserved, not one
+    sim = CachingAllocatorSim(AllocatorSettings.parse(""), total_memory_bytes=1 << 30)
+    with VirtualGPU(sim, device="cpu"):
+        a = torch.zeros(1000)
+        with torch.cpu.stream(side):
+            b = torch.zeros(2000)
+        del b
+        c = torch.zeros(2000)
+    assert sim.memory_stats()["reserved_bytes.all.peak"] == 2 * 2 * MiB
+    del a, c
+
+
+def test_storage_resize_is_a_release_and_a_request():
+    import torch
+
+    from oomtune.capture.recorder import StorageRecorder, StreamSink
+
+    sink = StreamSink()
+    original = torch.UntypedStorage.resize_
+    with StorageRecorder(sink, device="cpu"):
+        st = torch.empty(1000).untyped_storage()   # 4000 bytes
+        st.resize_(0)                              # FSDP2's free_storage
+        st.resize_(4000)                           # FSDP2's alloc_storage
+        st.resize_(8000)                           # grows: the new block, then the old one released
+    assert sink.events == [("alloc", 1, 4000, 0), ("free", 1, 4000, 0), ("alloc", 2, 4000, 0),
+                           ("alloc", 3, 8000, 0), ("free", 2, 4000, 0)]
+    assert torch.UntypedStorage.resize_ is original   # the hook is gone with the recorder

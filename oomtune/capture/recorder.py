@@ -28,8 +28,12 @@ Known differences from a real CUDA run (the recorded stream omits or differs in)
   autocast and the optimizers pick CUDA's kernels for the target GPU and adds the workspaces those
   kernels allocate inside the call (:meth:`StorageRecorder.add_transients`). Still generic: cuDNN
   batch norm's extra reserve buffer, cuDNN/cuBLASLt workspaces beyond cuBLAS's (docs/kernel_audit.md).
-* ``torch.UntypedStorage.resize_`` called directly (not through an aten op) is not seen; a storage
-  that grows under an aten op is recorded as a new request followed by the release of the old one.
+* ``torch.UntypedStorage.resize_`` called directly (FSDP2 frees and re-allocates its unsharded
+  parameters that way: ``free_storage``/``alloc_storage`` in torch/distributed/fsdp/_fully_shard/
+  _fsdp_param.py) is seen while a recorder is active (:func:`_resize_seen`): on CUDA it allocates a
+  block of the new size, copies, and frees the old one (``resize_bytes_cuda``), so it is recorded as
+  the new request, then the release (resizing to 0 is a release only, from 0 a request only). A
+  storage that grows under an aten op is recorded the same way.
 * Storages kept alive by a reference cycle are released when the cyclic garbage collector runs, not
   when the last direct reference goes (the same happens on the GPU).
 * Wrapper tensor subclasses (``DTensor``) are counted by their inner tensors (a rank's shard), not by
@@ -285,6 +289,7 @@ class StorageRecorder(TorchDispatchMode):
     # -- context ---------------------------------------------------------------------------------
     def __enter__(self) -> StorageRecorder:
         self.recording = True
+        _resize_seen(self, True)
         super().__enter__()
         return self
 
@@ -292,8 +297,29 @@ class StorageRecorder(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
+            _resize_seen(self, False)
             with self._lock:
                 self.recording = False
+
+    def _storage_resized(self, st: Any, new_size: int) -> None:
+        """``st.resize_(new_size)`` has run (see the module docstring): the new request, then the
+        release of the old one."""
+        device = getattr(st, "device", None)
+        if self.device_type is not None and getattr(device, "type", None) != self.device_type:
+            return
+        with self._lock:
+            if not self.recording:
+                return
+            old = self._live.get(id(st))
+            known = old is not None and old.ref is not None and old.ref() is st and not old.freed
+            if known and old.size_bytes == new_size:
+                return
+            if new_size > 0:
+                self._report_alloc(id(st), st, new_size)   # replaces the entry of this storage
+            elif known:
+                del self._live[id(st)]
+            if known:
+                self._report_free(old)
 
     # -- registration ----------------------------------------------------------------------------
     def register_existing(self, tensors: Iterable[Any]) -> int:
@@ -442,6 +468,34 @@ class StorageRecorder(TorchDispatchMode):
             self._busy = False
         while self._pending and self.recording:
             self._report_free(self._pending.pop(0))
+
+
+_ACTIVE: list[StorageRecorder] = []          # recorders that see UntypedStorage.resize_ now
+_RESIZE_LOCK = threading.Lock()
+_ORIGINAL_RESIZE: list[Any] = []
+
+
+def _resize_seen(rec: StorageRecorder, on: bool) -> None:
+    """While any recorder is active, ``torch.UntypedStorage.resize_`` reports to them (a wrapper on
+    the class, installed by the first recorder and removed by the last)."""
+    with _RESIZE_LOCK:
+        if on:
+            _ACTIVE.append(rec)
+            if len(_ACTIVE) == 1:
+                original = torch.UntypedStorage.resize_
+                _ORIGINAL_RESIZE.append(original)
+
+                def resize_(storage: Any, size: int) -> Any:
+                    out = original(storage, size)
+                    for active in list(_ACTIVE):
+                        active._storage_resized(storage, int(size))
+                    return out
+
+                torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        elif rec in _ACTIVE:
+            _ACTIVE.remove(rec)
+            if not _ACTIVE and _ORIGINAL_RESIZE:
+                torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE.pop()  # type: ignore[method-assign]
 
 
 def _make_callback(rec_ref: weakref.ref, sid: int, entry: _Entry) -> Callable[[Any], None]:
