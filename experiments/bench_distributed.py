@@ -251,6 +251,7 @@ def part2(trials: int, say) -> list[str]:
              ("DDP, 1 rank", {**README_LM, "parallel": "ddp", "ranks": 1}, 1),
              ("DDP, 2 ranks", {**README_LM, "parallel": "ddp", "ranks": 2}, 2)]
     got: dict[str, list] = {k: [] for k, _, _ in kinds}
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-distributed-") as tmp, TrialRunner(launcher="fork") as runner:
         t0 = time.perf_counter()
         runner.start_fork_server()
@@ -280,9 +281,13 @@ def part2(trials: int, say) -> list[str]:
     lines += ["",
               f"2 ranks over 1 rank (medians): start-up {two[0] - one[0]:+.2f} s ({two[0] / one[0]:.2f}x), "
               f"per step {two[1] - one[1]:+.0f} ms ({two[1] / one[1]:.2f}x); ranges overlap: "
-              f"start-up {'yes' if two[2] <= one[3] else 'no'}, step {'yes' if two[4] <= one[5] else 'no'}",
+              f"start-up {'yes' if two[2] <= one[3] and one[2] <= two[3] else 'no'}, "
+              f"step {'yes' if two[4] <= one[5] and one[4] <= two[5] else 'no'}",
               "the 2-rank trial trains 16 samples per step (8 per rank) against 8; each rank gets one of the 2 "
               "cores; start-up adds the ranks' fork, the gloo rendezvous (file store) and DDP's construction",
+              f"load average during part 2: {load0:.1f} at its start, {os.getloadavg()[0]:.1f} at its end: on a "
+              "shared machine the scheduler's share of the cores differs between a trial of one process and one of "
+              "two, so a difference within the ranges above, or against the load, says nothing about the ranks",
               "a 1-rank DDP trial over a single process: start-up "
               f"{one[0] - med['no parallelism, 1 process'][0]:+.2f} s, per step "
               f"{one[1] - med['no parallelism, 1 process'][1]:+.0f} ms (medians)"]
