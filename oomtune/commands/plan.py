@@ -137,13 +137,16 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     # torch is imported by the workload check: bad input exits at once
     validate(cfg)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
-    from oomtune.workloads.parallel import with_ranks
-
     target = C.to_container(cfg.target)
     # the model group describes built-in workloads only (a python entry builds its own model)
     workload = ({**C.to_container(cfg.model), "target": target} if target.get("name", "builtin") == "builtin"
                 else {"target": target})
-    workload = with_ranks(workload, int(cfg.trial.gpus))   # model.parallel: one rank's stream of trial.gpus
+    if workload.get("parallel") in (None, "none") and int(cfg.trial.gpus) == 1:
+        workload.pop("parallel", None)   # one process: the workload (and its cache keys) as before
+    else:   # model.parallel: one rank's stream of trial.gpus (imports torch: a distributed plan captures anyway)
+        from oomtune.workloads.parallel import with_ranks
+
+        workload = with_ranks(workload, int(cfg.trial.gpus))
     from oomtune.plan.stream_cache import cacheable, default_cache
 
     store = default_cache()
