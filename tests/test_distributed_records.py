@@ -377,3 +377,32 @@ def test_storage_resize_is_a_release_and_a_request():
     assert sink.events == [("alloc", 1, 4000, 0), ("free", 1, 4000, 0), ("alloc", 2, 4000, 0),
                            ("alloc", 3, 8000, 0), ("free", 2, 4000, 0)]
     assert torch.UntypedStorage.resize_ is original   # the hook is gone with the recorder
+
+
+# ------------------------------------------------------------------ where the ranks' steps run
+def test_distributed_trials_run_their_steps_on_the_cpu_not_meta():
+    from oomtune.trial.execute import resolve_execute
+
+    ddp = {"name": "transformer", "parallel": "ddp", "ranks": 2, "target": {"name": "builtin"}}
+    # gloo moves real tensors between the ranks: auto takes the CPU, and says why
+    mode, why = resolve_execute("auto", simulated=True, objective="batch", workload=ddp)
+    assert mode == "cpu" and "model.parallel=ddp" in why
+    with pytest.raises(ConfigError, match="trial.execute=meta cannot run model.parallel=fsdp"):
+        resolve_execute("meta", simulated=True, objective="batch", workload={**ddp, "parallel": "fsdp"})
+    # one process without data parallelism keeps the meta default
+    assert resolve_execute("auto", simulated=True, objective="batch",
+                           workload={"name": "transformer", "target": {"name": "builtin"}})[0] == "meta"
+
+
+def test_the_search_counts_every_rank_against_the_host_memory(tmp_path, capsys, monkeypatch):
+    from oomtune.cli import main
+    from oomtune.trial import execute
+
+    # 1 worker x 2 ranks, each with its own 6 GiB virtual GPU: 12 GiB of host memory > 10 GiB available
+    monkeypatch.setattr(execute, "host_available_bytes", lambda meminfo="/proc/meminfo": 10 * 1024 * MiB)
+    run_dir = tmp_path / "run"
+    code = main(["search", "model=mlp", "model.parallel=ddp", "trial.gpus=2", "budget=6GiB", "device=cpu",
+                 f"hydra.run.dir={run_dir}"])
+    assert code == 2
+    assert "2 trials at once x budget 6.00 GiB" in " ".join(capsys.readouterr().err.split())
+    assert not (run_dir / "trials").exists()

@@ -167,3 +167,27 @@ def test_search_with_two_gpus_per_trial_records_every_rank(tmp_path, capsys):
     assert metrics["world_size"] == 2 and [r["rank"] for r in metrics["ranks"]] == [0, 1]
     assert metrics["peak_reserved_bytes"] == max(r["peak_reserved_bytes"] for r in metrics["ranks"])
     assert f"r{metrics['worst_rank']}" in out   # the trial table names the worst rank
+
+
+@pytest.mark.timeout(300)
+def test_plan_with_workers_captures_a_distributed_workload_in_this_process(monkeypatch):
+    # A process forked after this one used torch's fake process group waits forever in its first
+    # collective (seen: FSDP2's all-gather, DDP's broadcast): the captures of a DDP/FSDP workload are
+    # never forked, whatever the workers; the answer is the one process's
+    from oomtune.alloc.geometry import budget_geometry
+    from oomtune.plan import parallel
+    from oomtune.plan.predictor import Predictor
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("a capture of a distributed workload was forked")
+
+    cfg = {**LM, "parallel": "fsdp", "ranks": 2, "target": {"name": "builtin"}}
+    geometry = budget_geometry(256 * MiB, 80 * 1024 * MiB)
+    one = Predictor(cfg, geometry, workers=1)
+    one.prepare([2, 3, 4, 5, 6])
+    monkeypatch.setattr(parallel, "fork_map", no_fork)
+    many = Predictor(cfg, geometry, workers=2)
+    many.prepare([2, 3, 4, 5, 6])
+    assert many.captures == one.captures >= 3
+    assert [many.predict_detail(b, "").peak_reserved_bytes for b in (2, 6)] == \
+        [one.predict_detail(b, "").peak_reserved_bytes for b in (2, 6)]

@@ -437,6 +437,9 @@ class Predictor:
             if hit is not None:
                 got[b] = hit
         rest = [b for b in batch_sizes if b not in got]
+        if self._one_process_captures():
+            got.update((b, self._capture_raw(b)) for b in rest)
+            rest = []
         if self.workers > 1 and len(rest) > 1 and not self._warm:
             # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
             # user's transformers, first calls of meta kernels): paid here once, the forked workers and
@@ -452,6 +455,15 @@ class Predictor:
         self.capture_seconds += time.perf_counter() - t0   # the wall time of the (parallel) captures
         for b in sorted(got):
             self._keep_capture(b, *got[b])
+
+    def _one_process_captures(self) -> bool:
+        """Whether captures stay in this process whatever ``workers`` says: a built-in workload under
+        ``model.parallel=ddp|fsdp`` is captured through torch's fake process group, whose collectives
+        never return in a process forked after this one used it (FSDP2's first all-gather waits
+        forever: c10d's state is not fork-safe), so its captures are not forked; replays still are."""
+        from oomtune.workloads.parallel import is_distributed
+
+        return _is_builtin(self.model_cfg) and is_distributed(self.model_cfg)
 
     def stream(self, batch_size: int) -> Any:
         """The training step's allocation stream at ``batch_size`` (cached): derived where a regime's

@@ -288,8 +288,9 @@ class _Prepared:
         self.options = _options(cfg, self.workload, self.device, self.budget_bytes)
         from oomtune.trial.execute import check_host_memory
 
-        # CPU trials hold their tensors in host memory: a budget the host cannot hold stops here (exit 2)
-        check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers),
+        # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
+        # cannot hold stops here (exit 2)
+        check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
                           available_bytes=self.options.host_available_bytes)
         self.predicts = cfg.search.prune == "predicted" and self.workload["target"]["name"] in ("builtin", "python")
         check_launches(self.options, predicts=self.predicts, target=self.workload["target"]["name"])

@@ -13,9 +13,11 @@ samples/s decide nothing about a GPU) and costs host memory in proportion to the
   batch, once, as a smoke test of the code (:meth:`oomtune.search.driver.Search.smoke_test`).
 * ``cpu``: the steps run on the CPU for real (the behaviour before issue 26): throughput is the
   CPU's, and every tensor lives in host memory.
-* ``auto``: ``meta`` on the virtual GPU, unless the objective is throughput (which needs real steps)
-  or the workload reads real data (the meta device takes synthetic data only): then ``cpu``; on a
-  GPU the trial runs on the device and this setting does not apply.
+* ``auto``: ``meta`` on the virtual GPU, unless the objective is throughput (which needs real steps),
+  the workload reads real data (the meta device takes synthetic data only) or trains under
+  ``model.parallel=ddp|fsdp`` (its ranks' collectives move real tensors through gloo, DDP broadcasts
+  the parameters and FSDP2 materialises its shards: issue 24): then ``cpu``; on a GPU the trial runs
+  on the device and this setting does not apply.
 
 ``target=cmd`` trials run the user's command as it is, whatever the setting.
 
@@ -42,14 +44,21 @@ def _real_data(workload: dict[str, Any]) -> bool:
     return isinstance(data, dict) and data.get("source", "synthetic") != "synthetic"
 
 
+def _distributed(workload: dict[str, Any]) -> bool:
+    """A built-in workload trained by ranks under DDP/FSDP (``model.parallel``, set by
+    :func:`oomtune.workloads.parallel.with_ranks`)."""
+    return workload.get("parallel", "none") not in (None, "none")
+
+
 def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: dict[str, Any]) -> tuple[str, str]:
     """(mode, why) for ``trial.execute``: mode ``meta``, ``cpu`` (virtual GPU), ``device`` (a CUDA
     trial) or ``command`` (``target=cmd``: the command runs as it is).
 
     Raises:
         ConfigError: ``meta`` asked where it cannot work: with the throughput objective (nothing
-            to measure), or a built-in workload reading real data (the meta device takes synthetic
-            data only); an unknown setting (the schema rejects it first).
+            to measure), a built-in workload reading real data (the meta device takes synthetic
+            data only) or trained by several ranks (``model.parallel=ddp|fsdp``: gloo moves real
+            tensors); an unknown setting (the schema rejects it first).
     """
     if setting not in EXECUTE_SETTINGS:
         raise ConfigError(f"trial.execute={setting!r}: choose one of {', '.join(EXECUTE_SETTINGS)}")
@@ -65,6 +74,9 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         if target == "builtin" and _real_data(workload):
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")
+        if target == "builtin" and _distributed(workload):
+            raise ConfigError(f"trial.execute=meta cannot run model.parallel={workload['parallel']}: its ranks exchange "
+                              "real tensors (gloo), so use trial.execute=cpu (or auto)")
         return "meta", "trial.execute=meta"
     if setting == "cpu":
         return "cpu", "trial.execute=cpu"
@@ -72,6 +84,9 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         return "cpu", "trial.execute=auto with search.objective=throughput: the steps are timed"
     if target == "builtin" and _real_data(workload):
         return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
+    if target == "builtin" and _distributed(workload):
+        return "cpu", (f"trial.execute=auto with model.parallel={workload['parallel']}: the ranks exchange real "
+                       "tensors (gloo)")
     return "meta", "trial.execute=auto on the virtual GPU"
 
 
@@ -94,6 +109,8 @@ def check_host_memory(mode: str, budget_bytes: int, trials_at_once: int = 1, *,
 
     Args:
         mode: the resolved mode (:func:`resolve_execute`); only ``cpu`` is checked.
+        trials_at_once: trial processes holding a budget each at once (``search.workers`` x
+            ``trial.gpus``: every rank of a distributed trial has its own virtual GPU).
         available_bytes: the host's available memory (default :func:`host_available_bytes`; unknown:
             no check).
 
