@@ -358,6 +358,25 @@ def _run_device(best: Any, device: str | None) -> str:
     return target.spec
 
 
+def _rank_gpus(ranks: int, where: str) -> str:
+    """The GPUs of a check run of ``ranks`` ranks, one each: ``cuda:0,1,...`` (the first visible ones).
+
+    Raises:
+        ConfigError: ``where`` names one GPU (``cuda:N``), or fewer GPUs are visible than the ranks
+            best.yaml was tuned for (its answer holds per rank at that rank count only).
+    """
+    if ":" in where:
+        raise ConfigError(f"--device {where} names one GPU but best.yaml was tuned for {ranks} ranks, one GPU each "
+                          f"(workload.ranks): use --device cuda")
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < ranks:
+        raise ConfigError(f"best.yaml was tuned for {ranks} ranks, one GPU each (workload.ranks), but {visible} GPU(s) "
+                          f"are visible: run the check where {ranks} are, or use --mode predict")
+    return "cuda:" + ",".join(str(i) for i in range(ranks))
+
+
 def _memory_case(res: Any, metrics: dict[str, Any], limit: float) -> CheckCase:
     """Peak reserved against best.yaml's, else the device-level (NVML) peak against best.yaml's (a
     ``target=cmd`` run on a GPU without the capture hook). Without a reading the memory is not
@@ -449,8 +468,9 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
         say: called with progress lines (what runs, each step done, the end; :func:`_watch_steps`).
 
     Raises:
-        ConfigError: bad limits or steps, incomparable memory sources. DeviceError: no such device or
-            the budget above it. BestFileError: malformed best.yaml sections.
+        ConfigError: bad limits or steps, incomparable memory sources, fewer visible GPUs than the
+            ranks best.yaml was tuned for (:func:`_rank_gpus`). DeviceError: no such device or the
+            budget above it. BestFileError: malformed best.yaml sections.
     """
     from oomtune.trial.record import TrialSpec
     from oomtune.trial.runner import TrialRunner
@@ -465,7 +485,7 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     ranks = int(workload.get("ranks", 1))
     where = _run_device(best, device)
     if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
-        where = "cuda:" + ",".join(str(i) for i in range(ranks))
+        where = _rank_gpus(ranks, where)
     spec = TrialSpec(workload=workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=where, budget_bytes=int(best.device["budget_bytes"]),
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),

@@ -311,6 +311,30 @@ def test_apply_best_refuses_another_world_size(tmp_path):
     assert apply_best(path, environ=env).best.batch_size == 8
 
 
+def test_check_run_needs_a_gpu_per_rank(tmp_path, monkeypatch):
+    import torch
+
+    from oomtune import regression
+    from oomtune.best import BestConfig, Choice
+
+    best = BestConfig(schema_version=1, created="x", workload={"model": {"name": "mlp"}, "ranks": 2,
+                                                               "target": {"name": "builtin"}},
+                      device={"kind": "cuda", "budget_bytes": 1024 * MiB, "total_memory_bytes": 80 * 1024 * MiB},
+                      versions={}, best=Choice(batch_size=8, alloc_conf="", metrics={"memory_source": "device"}))
+    monkeypatch.setattr(regression, "_run_device", lambda best, device: device or "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    class NoRun:
+        def run(self, *a, **k):
+            raise AssertionError("a trial started")
+
+    # tuned for 2 ranks, one GPU visible: refused before any trial, naming both counts
+    with pytest.raises(ConfigError, match="tuned for 2 ranks, one GPU each .* but 1 GPU"):
+        regression.check_run(best, runner=NoRun())
+    with pytest.raises(ConfigError, match="--device cuda:1 names one GPU"):
+        regression.check_run(best, device="cuda:1", runner=NoRun())
+
+
 # ------------------------------------------------------------------ capture: DTensor shards, CPU streams, resize_
 def test_dtensor_counts_its_local_shard_not_the_global_size():
     import torch

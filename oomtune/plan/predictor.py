@@ -220,6 +220,17 @@ def _is_builtin(model_cfg: dict[str, Any]) -> bool:
     return target_name(model_cfg) == "builtin"
 
 
+def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
+    """Whether every capture of ``model_cfg`` runs its arithmetic on the CPU: a built-in workload under
+    ``model.parallel=ddp|fsdp`` (:func:`capture_training_stream`). Such a predictor works in this
+    process only (``workers`` 1): a process forked after this one ran CPU kernels waits forever in its
+    first parallel CPU kernel (GNU OpenMP's thread pool does not survive ``fork``; seen in a forked
+    capture's embedding), so neither its captures nor its replays (which may capture) are forked."""
+    from oomtune.workloads.parallel import is_distributed
+
+    return _is_builtin(model_cfg) and is_distributed(model_cfg)
+
+
 def _is_python_target(model_cfg: dict[str, Any]) -> bool:
     from oomtune.targets import target_name
 
@@ -343,7 +354,9 @@ class Predictor:
         derive: derive streams from the polynomial models (False: capture every batch size).
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
             build_plan`'s replays (forked, :mod:`oomtune.plan.parallel`); 1: all in this process.
-            The results are the same either way, only where they are computed changes.
+            The results are the same either way, only where they are computed changes. A workload
+            captured on the CPU by design (``model.parallel=ddp|fsdp``) always gets 1
+            (:func:`_runs_on_cpu`).
         cache: a :class:`oomtune.plan.stream_cache.StreamCache`: captures of a cacheable workload
             (:func:`~oomtune.plan.stream_cache.cacheable`) are read from it when there and written to
             it when made; ``cached_batches`` lists the batch sizes it served. None: always capture.
@@ -367,7 +380,7 @@ class Predictor:
         self.derive_seconds = 0.0
         self.replay_seconds = 0.0
         self.replays = 0
-        self.workers = max(1, int(workers))
+        self.workers = 1 if _runs_on_cpu(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         from oomtune.plan.stream_cache import cacheable
 
@@ -437,9 +450,6 @@ class Predictor:
             if hit is not None:
                 got[b] = hit
         rest = [b for b in batch_sizes if b not in got]
-        if self._one_process_captures():
-            got.update((b, self._capture_raw(b)) for b in rest)
-            rest = []
         if self.workers > 1 and len(rest) > 1 and not self._warm:
             # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
             # user's transformers, first calls of meta kernels): paid here once, the forked workers and
@@ -455,15 +465,6 @@ class Predictor:
         self.capture_seconds += time.perf_counter() - t0   # the wall time of the (parallel) captures
         for b in sorted(got):
             self._keep_capture(b, *got[b])
-
-    def _one_process_captures(self) -> bool:
-        """Whether captures stay in this process whatever ``workers`` says: a built-in workload under
-        ``model.parallel=ddp|fsdp`` is captured through torch's fake process group, whose collectives
-        never return in a process forked after this one used it (FSDP2's first all-gather waits
-        forever: c10d's state is not fork-safe), so its captures are not forked; replays still are."""
-        from oomtune.workloads.parallel import is_distributed
-
-        return _is_builtin(self.model_cfg) and is_distributed(self.model_cfg)
 
     def stream(self, batch_size: int) -> Any:
         """The training step's allocation stream at ``batch_size`` (cached): derived where a regime's
