@@ -150,6 +150,42 @@ def test_merge_rank_killed_without_record_is_the_cause_not_the_terminated_ones()
     assert [r["exitcode"] for r in merged.extra["ranks"]] == [-15, -9]
 
 
+def test_a_rank_sigkilled_by_the_oom_killer_is_host_oom_only_with_evidence():
+    from oomtune.trial.rank_records import rank_oom_kill
+
+    def merged():
+        m = merge_ranks(SPEC, [None, None], exitcodes=[-15, -9], root_rank=1)
+        m.extra["rank_pids"] = [4100, 4101]
+        return m
+
+    # no evidence (issue 23): a SIGKILL from outside is a crash, and it stays one
+    plain = merged()
+    assert plain.outcome == Outcome.CRASH.value
+    asked: list = []
+    rank_oom_kill(plain, lambda pids: asked.append(list(pids)) or None)
+    assert plain.outcome == Outcome.CRASH.value and asked == [[4101]]   # the killed rank's pid only
+    # the kernel log names rank 1's pid: the host's OOM killer
+    killed = merged()
+    rank_oom_kill(killed, lambda pids: "kernel log: Out of memory: Killed process 4101 (python)")
+    assert killed.outcome == Outcome.HOST_OOM.value
+    assert killed.message.startswith("rank 1 of 2: killed by SIGKILL") and "Killed process 4101" in killed.message
+    # a rank that failed otherwise is left alone
+    oom = merge_ranks(SPEC, [TrialResult(outcome="ok"), TrialResult(outcome="oom_fragmentation", message="x")])
+    oom.extra["rank_pids"] = [1, 2]
+    rank_oom_kill(oom, lambda pids: "anything")
+    assert oom.outcome == "oom_fragmentation"
+
+
+def test_torchrun_summary_gives_the_sigkilled_rank_pid_to_look_up():
+    from oomtune.targets.cmd import _sigkilled_rank_pid
+
+    # the root cause of a real torchrun run: "exitcode  : -9 (pid: 32204)  (SIGKILL)"
+    assert _sigkilled_rank_pid((DATA / "torchrun_sigkill_rank1.stderr").read_text()) == 32204
+    # a rank that exited 1 (its own out-of-memory traceback) is not a kill
+    assert _sigkilled_rank_pid((DATA / "torchrun_oom_rank1.stderr").read_text()) is None
+    assert _sigkilled_rank_pid("Traceback (most recent call last):\nValueError: x\n") is None
+
+
 def test_merge_memory_outcome_wins_over_an_earlier_crash():
     crash = TrialResult(outcome="crash", message="killed by SIGSEGV")
     oom = TrialResult(outcome="oom_fragmentation", message="fragmentation ...")

@@ -350,15 +350,16 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     from oomtune.trial.runner import kept_main_pid, leftovers
 
     stderr = read_tail(workdir / "stderr.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
-    evidence = reason = None
-    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and not timed_out:
-        pids = {proc.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
-        evidence = watch.evidence(pids)
-        reason = None if evidence else watch.sources()
     stdout = read_tail(workdir / "stdout.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
-    result = result_from_channel(spec, read_channel(channel), returncode=returncode,
-                                 stderr=_with_launcher_summary(stderr, stdout), timed_out=timed_out,
-                                 oom_kill_evidence=evidence, no_evidence_reason=reason)
+    stderr = _with_launcher_summary(stderr, stdout)
+    evidence = reason = None
+    killed_rank = _sigkilled_rank_pid(stderr) if returncode not in (0, None) and not timed_out else None
+    if (returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or killed_rank is not None) and not timed_out:
+        pids = {proc.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
+        evidence = watch.evidence(pids | ({killed_rank} if killed_rank else set()))
+        reason = None if evidence else watch.sources()
+    result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
+                                 timed_out=timed_out, oom_kill_evidence=evidence, no_evidence_reason=reason)
     result.extra.update(leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
@@ -412,6 +413,19 @@ def _check_startable(argv: list[str], cwd: str | None, env: Mapping[str, str]) -
         problem = None if shutil.which(prog, path=env.get("PATH", os.defpath)) else "No such file or directory"
     if problem:
         raise ConfigError(f"target.command: cannot start {prog!r}: {problem}")
+
+
+def _sigkilled_rank_pid(stderr: str) -> int | None:
+    """The pid of the rank a launcher's failure summary says was killed by SIGKILL (torchrun's
+    ``exitcode : -9 (pid: P)``), to look for the OOM killer's evidence about it: the launcher itself
+    exits 1, so its own exit status says nothing. None: no such summary, or no pid printed."""
+    from oomtune.classify._launcher import parse_launcher_summary
+
+    summary = parse_launcher_summary(stderr)
+    root = summary.root if summary is not None else None
+    if root is None or root.pid is None or root.exitcode not in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return None
+    return root.pid
 
 
 def _with_launcher_summary(stderr: str, stdout: str) -> str:

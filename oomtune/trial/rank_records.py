@@ -35,7 +35,7 @@ from oomtune.outcome import Outcome
 from oomtune.trial.record import TrialResult, TrialSpec
 
 __all__ = ["RANK_FIELDS", "rank_result_path", "rank_stderr_path", "global_throughput", "merge_ranks",
-           "merge_rank_files", "merge_memory", "rank_summary", "read_rank_results"]
+           "merge_rank_files", "merge_memory", "rank_summary", "read_rank_results", "rank_oom_kill"]
 
 #: The figures kept per rank in ``extra["ranks"]``.
 RANK_FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "throughput",
@@ -239,3 +239,30 @@ def merge_rank_files(spec: TrialSpec, result_path: str | Path, *, timed_out: boo
     else:
         merged.extra["launcher_lost"] = True   # the ranks' launcher left no merged record
     return merged
+
+
+def rank_oom_kill(result: TrialResult, evidence: Any) -> None:
+    """Make a distributed trial whose failed rank was killed by SIGKILL without a record (``crash``:
+    no evidence could be read inside the trial) ``host_oom`` when the host's OOM killer did it, as
+    :func:`oomtune.classify.classify_failure` decides for one process (issue 23: SIGKILL is the
+    OOM killer's only with evidence). ``evidence``: called with the rank's pid
+    (``extra["rank_pids"]``), returns one line of evidence or None
+    (:meth:`oomtune.trial.oomkill.OomKillWatch.evidence`). Changes ``result`` in place; never raises.
+    """
+    from oomtune.classify import ADVICE
+
+    extra = result.extra or {}
+    rank, ranks, pids = extra.get("failed_rank"), extra.get("ranks") or [], extra.get("rank_pids") or []
+    if result.outcome != Outcome.CRASH.value or not isinstance(rank, int) or not 0 <= rank < min(len(ranks), len(pids)):
+        return
+    if ranks[rank].get("exitcode") != -signal.SIGKILL:
+        return
+    try:
+        found = evidence([pids[rank]])
+    except Exception:   # evidence unreadable: the crash stands
+        return
+    if found:
+        result.outcome = Outcome.HOST_OOM.value
+        result.message = (f"rank {rank} of {len(ranks)}: killed by SIGKILL with no Python traceback, by the host "
+                          f"OOM killer ({found})")
+        result.advice = ADVICE[Outcome.HOST_OOM]

@@ -295,6 +295,10 @@ class TrialRunner:
                 self._live.pop(handle.pid, None)
         pids = {handle.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
         result = _read_result(spec, paths, returncode, timed_out, watch, pids)
+        if not timed_out:   # a rank the OOM killer took: the trial process wrote the record without evidence
+            from oomtune.trial.rank_records import rank_oom_kill
+
+            rank_oom_kill(result, watch.evidence)
         result.extra.update(leftovers(marker, workdir / STATUS_FILE))
         if launcher == "fork" and handle.pid not in self._killed and _bad_fork(result, paths):
             # torch refused CUDA in the forked child (the server had initialised the driver after all):
