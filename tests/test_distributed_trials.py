@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from oomtune.outcome import Outcome
-from oomtune.trial.record import TrialSpec
+from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.trial.runner import TrialRunner, group_alive
 from oomtune.units import MiB
 
@@ -120,6 +120,19 @@ def test_sigkill_of_one_rank_is_a_failure_of_that_rank_without_orphans(tmp_path,
     rank0, rank1 = res.extra["ranks"]
     assert rank1["exitcode"] == -9 and not rank1["teardown"]
     assert rank0["teardown"]
+    _no_orphans(res)
+
+
+def test_ranks_agree_on_the_steps_of_a_time_window(tmp_path, runner):
+    # A time window (measure_seconds, the GPU's search.window) lets each rank decide when to stop; a
+    # rank that stops first would leave the other in its next all-reduce. Here rank 1 wants 3 s of
+    # measured steps and rank 0 any time at all: both must run rank 1's steps, and the trial is ok.
+    from oomtune.trial.rank_records import rank_result_path
+
+    res = runner.run(_spec("ddp", measure_seconds=1e-6), workdir=tmp_path, env={HOOK: "rank1:window:3"})
+    assert res.outcome == "ok", res.message
+    steps = [TrialResult.read(rank_result_path(tmp_path / "result.json", r)).steps for r in (0, 1)]
+    assert steps[0] == steps[1] > 1 + 2        # past warm-up + measured steps, the same on both ranks
     _no_orphans(res)
 
 

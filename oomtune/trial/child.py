@@ -34,7 +34,8 @@ first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandch
 seconds), ``setsid:S`` (the same with a grandchild in its own session), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
 allocator/device environment into ``extra["env"]``), ``bad_fork`` (in a process forked from the fork
 server only: raises torch's "Cannot re-initialize CUDA in forked subprocess"), ``hold:BYTES``
-(allocates BYTES and keeps them: on a CPU trial, memory of its virtual GPU). ``rankR:HOOK`` applies
+(allocates BYTES and keeps them: on a CPU trial, memory of its virtual GPU), ``window:S`` (a time
+window of S seconds for the measured steps, as ``measure_seconds``). ``rankR:HOOK`` applies
 HOOK in rank R of a distributed trial only (:mod:`oomtune.trial.ranks`).
 """
 
@@ -410,11 +411,16 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     total = spec.warmup_steps + spec.measure_steps
     # a time window for throughput; meta steps time nothing, so exactly measure_steps there
     window = float(getattr(spec, "measure_seconds", 0.0) or 0.0) if timed else 0.0
+    if _WINDOW_OVERRIDE:   # the test hook's window:S
+        window = _WINDOW_OVERRIDE[-1]
     timings, done, spent = None, 0, 0.0
     _progress(0, total)
 
     def more() -> bool:   # the measured steps so far fill the time window (measure_seconds)
-        return done < total or (window > 0 and timings is not None and timings.total_s < window)
+        if done < total:
+            return True
+        want = window > 0 and timings is not None and timings.total_s < window
+        return _ranks_agree(want) if window > 0 else want
 
     while more():
         step = workload.run_steps(1, sync=True)
@@ -479,6 +485,30 @@ def _plain(obj: Any) -> Any:
 
 
 _HELD: list[Any] = []   # the test hook's "hold" tensors
+_WINDOW_OVERRIDE: list[float] = []   # the test hook's "window" (seconds)
+
+
+def _in_ranks() -> bool:
+    """Whether this process is one rank of several (a distributed trial's process group is up)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _ranks_agree(want: bool) -> bool:
+    """Whether to run another measured step past ``measure_steps`` (the time window): in a
+    distributed trial every rank must run the same steps (a rank that stops early leaves the others
+    waiting in their next collective, then failing on its teardown), so the ranks take the answer of
+    the one that wants most (an all-reduce MAX of the flag, on the backend's device: NCCL reduces
+    CUDA tensors only). One process: ``want`` itself."""
+    if not _in_ranks():
+        return want
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if want else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _run_test_hook(result: TrialResult) -> None:
@@ -507,6 +537,8 @@ def _run_test_hook(result: TrialResult) -> None:
         if forkserver is not None and getattr(forkserver, "IN_FORKED_TRIAL", False):
             raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
                                "you must use the 'spawn' start method")
+    elif name == "window":   # measure past measure_steps until the measured steps took ARG seconds
+        _WINDOW_OVERRIDE.append(float(arg))
     elif name == "hold":   # keep ARG bytes allocated (on the virtual GPU of a CPU trial) until the end
         _HELD.append(torch.empty(int(arg), dtype=torch.uint8))
     elif name == "echo_env":
