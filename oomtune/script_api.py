@@ -136,8 +136,10 @@ def trial_settings() -> TrialSettings | None:
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) from ``torch.distributed`` when the script initialised it, else (0, 1).
-    Never imports torch (a script that uses distributed training imported it already)."""
+    """(rank, world size) from ``torch.distributed`` when the script initialised it, else from the
+    launcher's ``RANK`` / ``WORLD_SIZE`` environment (torchrun, accelerate, deepspeed set them in every
+    rank), else (0, 1). Never imports torch (a script that uses distributed training imported it
+    already)."""
     torch = sys.modules.get("torch")
     try:
         dist = torch.distributed if torch is not None else None
@@ -145,6 +147,9 @@ def rank_and_world() -> tuple[int, int]:
             return int(dist.get_rank()), int(dist.get_world_size())
     except Exception:   # a broken process group must not break the report
         pass
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isdigit():
+        return int(rank), int(world) if world.isdigit() and int(world) > int(rank) else int(rank) + 1
     return 0, 1
 
 
