@@ -9,6 +9,7 @@ and hand calculation (16 GiB = 16 x 2^30 = 17179869184 bytes; 16 GB = 16 x 10^9 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import warnings
@@ -282,9 +283,13 @@ def test_item9_python_target_docs_agree_on_dict_and_tuple():
     from oomtune.targets.python_entry import _unpack
 
     conf = (REPO / "conf" / "target" / "python.yaml").read_text()
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("**`target=python`**"):readme.index("**Real data**")]
-    for text in (conf, section):
+    sections = []
+    for page in ("README.md", "docs/training-script.md"):   # the short and the full description
+        doc = (REPO / page).read_text()
+        start = doc.index("**`target=python`**")
+        end = re.search(r"\n\n(\*\*|#)", doc[start + 1:])     # the next bold paragraph or heading
+        sections.append(doc[start:start + 1 + end.start()] if end else doc[start:])
+    for text in (conf, *sections):
         assert "dict" in text and "tuple" in text and '"model"' in text
     # and both forms they describe are what the loader takes
     for made in ({"model": 1, "optimizer": 2, "batches": 3}, (1, 2, 3)):
@@ -293,8 +298,8 @@ def test_item9_python_target_docs_agree_on_dict_and_tuple():
 
 
 def test_item9_readme_documents_the_cpu_wheel():
-    readme = (REPO / "README.md").read_text()
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
+    for page in ("README.md", "docs/install.md"):
+        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (REPO / page).read_text()
 
 
 @pytest.mark.parametrize("headroom, code", [(0.05, 1), (0.0, 0), (None, 0)])
