@@ -157,3 +157,17 @@ def test_table_cells_are_short():
             if line.startswith("|"):
                 for cell in line.strip("|").split("|"):
                     assert len(cell) <= 450, f"{page.relative_to(REPO)}: a {len(cell)}-character cell: {cell[:80]}"
+
+
+def test_commits_named_in_the_results_page_are_in_the_history():
+    """docs/results.md names the commits earlier measurements ran at; each must be a commit of this
+    repository's history (an id rebased away would point nowhere)."""
+    import subprocess
+
+    text = (REPO / "docs" / "results.md").read_text()
+    ids = {c for c in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", c) and re.search(r"\d", c)}
+    assert ids
+    for c in sorted(ids):
+        ok = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", c, "HEAD"],
+                            capture_output=True).returncode == 0
+        assert ok, f"docs/results.md names commit {c}, not in this branch's history"
