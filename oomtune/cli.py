@@ -70,6 +70,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
                 match = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
                 if match:
                     return f"; did you mean {match[0]!r} for {flag!r}?"
+                if flag.startswith("--") and "=" in word and len(flag) > 2:
+                    # search/plan settings are Hydra overrides, written key=value without dashes
+                    return f"; settings are Hydra overrides, written without dashes: {word.lstrip('-')}"
     return ""
 
 

@@ -98,6 +98,16 @@ def test_a_mistyped_flag_gets_a_suggestion(capsys):
     assert "did you mean" not in capsys.readouterr().err   # nothing close: no guess
 
 
+def test_a_dashed_override_is_told_to_drop_its_dashes(capsys):
+    """`oomtune search --budgt=1GiB` (a new user's flag): search takes Hydra overrides, key=value
+    without dashes; the one line says so (nothing close among search's flags to suggest)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["search", "model=resnet", "--budgt=1GiB"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "written without dashes: budgt=1GiB" in err
+
+
 # ------------------------------------------------------------------ 80 columns
 def _rows() -> list[dict]:
     def row(n, role, bs, conf, outcome, label, resv=None, alloc=None, frag=None, err=None, thr=None):
