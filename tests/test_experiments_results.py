@@ -58,7 +58,7 @@ FIELDS = {
 TO_RERUN = {
     "bench_plan.txt", "bench_plan_llm.txt", "bench_replay.txt", "bench_report.txt", "bench_search_cpu.txt",
     "bench_search_llm.txt", "bench_soak.txt", "bench_startup.txt", "bench_trial_overhead.txt",
-    "bench_workers.txt", "capture_fidelity.md", "compare_peers.txt", "faults.md", "find_soak_case.txt",
+    "bench_workers.txt", "capture_fidelity.md", "compare_peers.txt", "faults.md",
     "find_soak_case_cpu.txt", "replay_real_trace.txt",
     "trace_corpus.txt",
     # measured on the issue-22 and issue-24 branches at commits that their rebase onto main replaced
