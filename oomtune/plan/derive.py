@@ -166,10 +166,16 @@ class PolynomialStreamModel:
         Raises:
             ValueError: ``batch_size`` outside ``[low, high]`` (see :meth:`covers`).
         """
-        from oomtune.alloc.stream import AllocationStream
-
         if not self.covers(batch_size):
             raise ValueError(f"batch size {batch_size} is outside the captured range [{self.low}, {self.high}]")
+        return self.stream_at(batch_size)
+
+    def stream_at(self, batch_size: int) -> Any | None:
+        """:meth:`derive` without the range check: the fitted polynomials evaluated at ``batch_size``
+        anywhere (extrapolation is the caller's decision: :mod:`oomtune.plan.recorded`). None when a
+        derived size is not a whole number >= 1."""
+        from oomtune.alloc.stream import AllocationStream
+
         values = []
         for coeffs, den in self._patterns:
             v = _value(coeffs, den, batch_size)

@@ -136,32 +136,7 @@ class RecordedPredictor(Predictor):
         above them (the same lines, extrapolated); None where a size is not a whole number >= 1."""
         if batch_size in self._derivable:
             return self._derivable[batch_size]
-        from array import array
-
-        from oomtune.alloc.stream import AllocationStream
-        from oomtune.plan.derive import _value
-
-        m = self._model
-        values = []
-        for coeffs, den in m._patterns:
-            v = _value(coeffs, den, batch_size)
-            if v is None:
-                self._derivable[batch_size] = None
-                return None
-            values.append(v)
-        t = m._template
-        out = AllocationStream()
-        out.actions = array("b", t.actions)
-        out.keys = array("q", t.keys)
-        out.streams = array("q", t.streams)
-        out.sizes = array("q", [values[j] for j in m._pattern_of])
-        live: dict[int, int] = {}   # as AllocationStream.append_* leave it: live keys in alloc order
-        for a, k, sz in zip(out.actions, out.keys, out.sizes):
-            if a == 0:
-                live[k] = sz
-            else:
-                del live[k]
-        out._live = live
+        out = self._model.stream_at(batch_size)
         self._derivable[batch_size] = out
         return out
 
