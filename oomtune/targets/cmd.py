@@ -347,7 +347,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
         if proc.poll() is None:   # interrupted while waiting: the keeper kills its tree
             kill_now(proc.pid)
             proc.wait()
-    from oomtune.trial.runner import kept_main_pid, leftovers
+    from oomtune.trial.runner import leftovers, trial_pids
 
     stderr = read_tail(workdir / "stderr.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
     stdout = read_tail(workdir / "stdout.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
@@ -355,7 +355,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     evidence = reason = None
     killed_rank = _sigkilled_rank_pid(stderr) if returncode not in (0, None) and not timed_out else None
     if (returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or killed_rank is not None) and not timed_out:
-        pids = {proc.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
+        pids = trial_pids(proc.pid, workdir / STATUS_FILE)
         evidence = watch.evidence(pids | ({killed_rank} if killed_rank else set()))
         reason = None if evidence else watch.sources()
     result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,

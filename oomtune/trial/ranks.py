@@ -36,7 +36,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from oomtune.trial.rank_records import merge_ranks, rank_result_path, rank_stderr_path, read_rank_results
 from oomtune.trial.record import TrialResult, TrialSpec

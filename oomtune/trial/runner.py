@@ -293,8 +293,7 @@ class TrialRunner:
                 handle.wait(30.0)
             with self._lock:
                 self._live.pop(handle.pid, None)
-        pids = {handle.pid} | ({main} if (main := kept_main_pid(workdir / STATUS_FILE)) else set())
-        result = _read_result(spec, paths, returncode, timed_out, watch, pids)
+        result = _read_result(spec, paths, returncode, timed_out, watch, trial_pids(handle.pid, workdir / STATUS_FILE))
         if not timed_out:   # a rank the OOM killer took: the trial process wrote the record without evidence
             from oomtune.trial.rank_records import rank_oom_kill
 
@@ -416,14 +415,16 @@ def leftovers(marker: str, status_path: Path) -> dict[str, Any]:
     return out
 
 
-def kept_main_pid(status_path: Path) -> int | None:
-    """The pid of the trial's main process as the keeper wrote it in its status file
-    (:data:`oomtune.trial.keeper.STATUS_FILE`, ``main_pid``), or None (no keeper status)."""
+def trial_pids(launched_pid: int, status_path: Path) -> set[int]:
+    """The pids a SIGKILL of the trial may have hit: the process the runner launched (the keeper)
+    and the trial's main process as the keeper wrote it in its status file
+    (:data:`oomtune.trial.keeper.STATUS_FILE`, ``main_pid``) when there is one."""
     import json
 
+    pids = {launched_pid}
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        return int(json.loads(Path(status_path).read_text())["main_pid"])
-    return None
+        pids.add(int(json.loads(Path(status_path).read_text())["main_pid"]))
+    return pids
 
 
 #: torch's error in a forked child of a process that initialised CUDA (torch/cuda/__init__.py _lazy_init)
