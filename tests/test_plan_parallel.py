@@ -199,3 +199,26 @@ def test_plan_with_workers_equals_one_process_capturing_every_batch(monkeypatch,
         for cell in row.cells:
             pred.predict_detail(cell.batch_size, row.alloc_conf)
     assert pred.replays == replays
+
+
+def _cpu_work(n: int) -> float:
+    import torch
+
+    a = torch.ones(600, 600, dtype=torch.float64) * n   # sums exact in float64
+    return float((a @ a).sum())
+
+
+@pytest.mark.timeout(120)
+def test_fork_map_workers_compute_on_the_cpu_after_the_parent_did():
+    # GNU OpenMP does not survive fork: a child forked after the parent ran a parallel CPU kernel used
+    # to wait forever in its first one (a CPU-fallback capture in a plan worker); the workers now run
+    # torch on one thread each
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _cpu_work(1)                                    # the parent's OpenMP pool exists now
+        assert fork_map(_cpu_work, [1, 2, 3], 2) == [600.0 * 600 * 600 * n * n for n in (1, 2, 3)]
+    finally:
+        torch.set_num_threads(threads)

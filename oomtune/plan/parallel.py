@@ -141,12 +141,24 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     return out
 
 
+def _one_cpu_thread() -> None:
+    """In a forked worker: torch's CPU kernels on one thread. GNU OpenMP's thread pool does not
+    survive ``fork``: a child forked after the parent ran a parallel CPU kernel waits forever in its
+    first one (seen: a CPU-fallback capture's convolution in a plan worker); with one thread, torch's
+    ``parallel_for`` runs inline and never enters an OpenMP region. The workers are the parallelism.
+    Nothing happens when torch is not imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def _child(read_fd: int, write_fd: int, run_share: Callable[[], dict[int, tuple[bool, Any]]]) -> None:
     global _in_child
     _in_child = True
     code = 0
     try:
         os.close(read_fd)
+        _one_cpu_thread()
         done = run_share()
         try:
             data = pickle.dumps(done)
