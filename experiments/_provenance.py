@@ -138,6 +138,18 @@ def header(prefix: str = "# ", argv: list[str] | None = None) -> str:
     return "".join(f"{prefix}{k}: {v}\n" for k, v in provenance(argv).items())
 
 
+def write_results(path: str | Path, text: str) -> None:
+    """Write a results file (``text``, which starts with :func:`header`'s lines) to ``path``, its
+    directory created, ending with one newline.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
 def main(args: list[str] | None = None) -> int:
     """``--command "<the command line>"``: print its header (for shell scripts)."""
     args = sys.argv[1:] if args is None else args

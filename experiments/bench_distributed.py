@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import header  # noqa: E402
+from _provenance import header, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -323,7 +323,7 @@ def main() -> None:
     lines += part2(args.trials, say)
     lines += ["", f"bench wall time {time.perf_counter() - started:.0f} s; load average at the end "
                   f"{os.getloadavg()[0]:.1f} (the machine is shared: CPU times are indicative)"]
-    args.out.write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines))
     print("\n".join(lines))
 
 

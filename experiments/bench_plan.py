@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import DEFAULT_OLD, ROOT, child_env, header, old_tree  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 OVERRIDES = ["model=resnet", "model.depth=50", "model.image_size=224", "model.num_classes=1000",
              "budget=16GiB", "device=cpu", "virtual_device_memory=80GiB",
@@ -169,8 +169,7 @@ def main() -> int:
               f"{'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",
               "", "table as printed (new):", runs[new][0]["table"]]
     text = "\n".join(lines)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_results(args.out, text + "\n")
     print(text)
     return 0 if identical and all_cached else 1
 

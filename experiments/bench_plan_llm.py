@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 #: main just before issue 26's changes.
 DEFAULT_OLD = "3c1a7f3"
@@ -198,8 +198,7 @@ def main() -> int:
               f"{'yes' if all(identical.values()) else 'NO'}",
               "", "table as printed (gpt2-size):", runs["gpt2-size"][0]["table"]]
     text = "\n".join(lines)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_results(args.out, text + "\n")
     print(text)
     return 0 if all(identical.values()) else 1
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 #: main after issue 11's simulator fixes, before issue 13's replay changes.
 DEFAULT_OLD = "a53bb9e"
@@ -187,8 +188,7 @@ def main() -> int:
               f"requests replayed/s, {span(rates['entries'])} trace entries/s",
               f"results byte-identical (compiled, pure, old): {'yes' if all_same else 'NO'}"]
     text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text)
     return 0 if all_same else 1
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 README_COMMAND = ["oomtune", "search", "model=resnet"]
 
@@ -109,8 +109,7 @@ def main() -> int:
     if args.screenshot is not None:
         lines.append(_screenshot(run_dir / "report.html", args.screenshot, args.screenshot_height or None))
     text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text, end="")
     return 0
 

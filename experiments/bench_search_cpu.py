@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 # Every search here captures afresh: no stream cache left by another run (oomtune.plan.stream_cache).
 os.environ["OOMTUNE_CACHE_DIR"] = "off"
@@ -152,8 +152,7 @@ def main() -> None:
             lines += [f"launches saved by pruning: "
                       f"{off['best']['study']['launches'] - on['best']['study']['launches']}", ""]
     text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text + "\n")
+    write_results(RESULTS, text + "\n")
     print(text)
 
 

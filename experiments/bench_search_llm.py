@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import REPO, header  # noqa: E402
+from _provenance import REPO, header, write_results  # noqa: E402
 
 ENTRY = ["target=python", "target.entry=" + str(REPO / "examples/gpt2_workload.py") + ":make_workload"]
 BUILTIN = ["model=transformer", "model.layers=12", "model.d_model=768", "model.heads=12", "model.vocab_size=50257",
@@ -112,8 +112,7 @@ def main() -> int:
              f"GiB; kernel high-water mark of the largest waited-for descendant (ru_maxrss) {maxrss / gib:.2f} GiB",
              "# stderr (progress):", stderr.rstrip(), "# stdout (final table and summary):", stdout.rstrip()]
     text = head + "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text, end="")
     return proc.returncode
 

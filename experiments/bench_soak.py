@@ -25,7 +25,7 @@ from oomtune.alloc import _compiled
 from oomtune.plan.soak import capture_soak, replay_soak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 GiB = 1 << 30
 TRANSFORMER = {"name": "transformer", "layers": 4, "d_model": 256, "heads": 4, "vocab_size": 8192,
@@ -70,8 +70,7 @@ def main() -> int:
                     f" with capture {res.steps_run / (dt + streams.capture_s):,.0f} steps/s;"
                     f" peak reserved {res.peak_reserved_bytes / (1 << 20):.0f} MiB (simulated)")
                 print(lines[-1], flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results(Path(args.out), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import DEFAULT_OLD, ROOT, child_env, header, old_tree  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 
 EXIT: dict[str, set[int]] = {"old": set(), "new": set()}
@@ -83,8 +84,7 @@ def main() -> int:
     if traces:
         out.append(f"target: simulate on the largest trace ({traces[-1].name}) <= 0.5 s")
     text = "\n".join(out) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text)
     return 0
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import header  # noqa: E402  (command + commit lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (command + commit lines of every results file)
 
 import torch
 
@@ -102,8 +102,7 @@ def main() -> int:
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(head + text)
+    write_results(out, head + text)
     return 0
 
 

@@ -219,7 +219,7 @@ def main() -> None:
     from pg_server import PgServer
 
     sys.path.insert(0, str(REPO / "experiments"))
-    from _provenance import header
+    from _provenance import header, write_results
     head = header().splitlines()   # at the start: refuses a dirty tree, reads the load
     workers = [int(w) for w in args.workers.split(",")]
     pg = PgServer().start()
@@ -267,7 +267,7 @@ def main() -> None:
               f"3 processes x 2 workers on one SQLite file: exits {pr[0]}, {pr[1]} trials with results, "
               f"{pr[2]} trials run by two processes, {pr[3]} candidates launched twice, "
               f"'database is locked' in {pr[4]} logs"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines))
     print("\n".join(lines))
 
 

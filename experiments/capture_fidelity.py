@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 from fidelity_lm import LazyAdamW, OutOfPlaceAdamW, TransformerLM, course_loss, reference_loss  # noqa: E402
 
 from oomtune.alloc.sim import CachingAllocatorSim  # noqa: E402
@@ -358,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(args.only) + ([n for n in WORKLOADS if n not in MAIN] if args.with_old else [])
     rows = [compare(n, args.traces) for n in names]
     text = render(rows, head)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text)
     return 0
 

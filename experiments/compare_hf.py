@@ -55,7 +55,7 @@ from pathlib import Path
 os.environ["OOMTUNE_CACHE_DIR"] = "off"
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "experiments"))
-from _provenance import header  # noqa: E402
+from _provenance import header, write_results  # noqa: E402
 
 RESULTS = REPO / "experiments" / "results" / "compare_hf.txt"
 SCRIPT = "examples/hf_trainer.py"
@@ -299,8 +299,7 @@ def write(path: Path, head: str, notes: list[str], rows: list[dict]) -> None:
                      f"{r['trained_global_batch']:>6}  {ck:<5} {(r.get('alloc_conf') or '(default)'):<26} "
                      f"{clean:<18} {r['tries']:>5} {r['wall_s']:>7.0f}")
     lines += ["", "raw:"] + [json.dumps(r) for r in rows]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_results(path, "\n".join(lines) + "\n")
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ os.environ["OOMTUNE_CACHE_DIR"] = "off"
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "experiments"))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 RESULTS = REPO / "experiments" / "results" / "compare_peers.txt"
 TOOLS = ("lightning-power", "lightning-binsearch", "accelerate", "oomtune")
@@ -292,11 +292,11 @@ def main() -> None:
                                             Path(tmp) / f"{workload}-{tool}-clean")
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-                write_results(Path(args.out), lines, rows, args.budget)  # after each tool: a partial run leaves a file
+                write_table(Path(args.out), lines, rows, args.budget)  # after each tool: a partial run leaves a file
     print(Path(args.out).read_text())
 
 
-def write_results(path: Path, head: list[str], rows: list[dict], budget: str) -> None:
+def write_table(path: Path, head: list[str], rows: list[dict], budget: str) -> None:
     """The results file: ``head`` (command, commit, notes), the table, then the raw JSON rows."""
     header = (f"{'workload':<9} {'tool':<20} {'batch':>5}  {'allocator settings':<34} {'clean run':<22} "
               f"{'soak':<7} {'peak resv (sim)':>15} {'tries':>5} {'wall s':>7}")
@@ -312,8 +312,7 @@ def write_results(path: Path, head: list[str], rows: list[dict], budget: str) ->
         lines.append(f"{r['workload']:<9} {r['tool']:<20} {r['batch']:>5}  {r['alloc_conf'] or '(default)':<34} "
                      f"{clean:<22} {soak:<7} {peak:>15} {r['tries']:>5} {r['wall_s']:>7.1f}")
     lines += ["", "raw:"] + [json.dumps(r) for r in rows]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_results(path, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

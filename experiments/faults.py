@@ -31,7 +31,7 @@ from typing import Any, Callable
 EXPERIMENTS = Path(__file__).resolve().parent
 REPO = EXPERIMENTS.parent
 sys.path[:0] = [str(EXPERIMENTS), str(REPO)]   # this tree's oomtune, as the scenarios' processes (PYTHONPATH)
-from _provenance import header  # noqa: E402
+from _provenance import header, write_results  # noqa: E402
 
 KEYS = ("fault", "done", "outcome", "trials_lost", "seconds")
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "rerun where one is made). Trials run on this machine's CPU (virtual GPU or a sleeping "
               "command target): no memory figure here.\n\n"
             + table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(f"wrote {args.out}")
     return 0
 

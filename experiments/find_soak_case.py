@@ -24,7 +24,7 @@ from oomtune.capture.virtual_gpu import budgeted_sim
 from oomtune.plan.soak import capture_soak, replay_soak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 MiB = 1 << 20
 DEVICE_BYTES = 80 << 30   # virtual_device_memory's default: the budget is a memory fraction of it
@@ -89,8 +89,7 @@ def main() -> int:
     lines += [f"  {r}" for r in found] or ["  none"]
     if not found and closest is not None:
         lines += ["closest:", f"  {closest[1]}"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results(Path(args.out), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _provenance import header  # noqa: E402
+from _provenance import header, write_results  # noqa: E402
 
 import capture_fidelity as CF  # noqa: E402
 
@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     builtin += builtin_rows("Llama-2-7B shape", llama, 1, ("a100", "h100"))
     builtin += builtin_rows("small (CPU capture too)", SMALL, 8, ("a100",), cpu=True, each=False)
     text = head + render(rec_rows, builtin)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text)
     return 0
 

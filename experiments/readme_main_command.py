@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/_provenance.py
-from _provenance import REPO, header  # noqa: E402  (command + commit lines of every results file)
+from _provenance import REPO, header, write_results  # noqa: E402  (command + commit lines of every results file)
 
 
 def _import_torch(env: dict[str, str]) -> float:
@@ -62,8 +62,7 @@ def main() -> int:
              f"one before, two after): the search took {wall / t_med:.1f}x",
              "# stderr (progress):", proc.stderr.rstrip(), "# stdout (final table and summary):", proc.stdout.rstrip()]
     text = head + "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(text, end="")
     return proc.returncode
 

@@ -19,7 +19,7 @@ from oomtune.trace import load_snapshot, rebuild_initial_state, replay_snapshot
 from oomtune.units import MiB, format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import header  # noqa: E402  (the first lines of every results file)
+from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "cnn-small-default.pickle"
 OUT = Path(__file__).resolve().parent / "results" / "replay_real_trace.txt"
@@ -82,8 +82,7 @@ def main() -> int:
         f"{len(default.releases)}",
     ]
     text = "\n".join(lines) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    write_results(OUT, text)
     sys.stdout.write(text)
     return 0
 

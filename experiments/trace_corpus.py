@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 OUT = ROOT / "experiments" / "results" / "trace_corpus.txt"
@@ -129,8 +130,7 @@ def main(argv: list[str]) -> int:
         "see the load average above; the coordinator reruns this on a quiet one.)",
     ]
     text = "\n".join(lines) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    write_results(OUT, text)
     print(text, end="")
     return 0
 
