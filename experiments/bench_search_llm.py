@@ -17,7 +17,6 @@ Before issue 26 the first trial process of this search grew to 20.8 GB RSS in it
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import subprocess
@@ -103,9 +102,8 @@ def main() -> int:
     except (OSError, StopIteration):
         available = None
     gib = 2 ** 30
-    lines = [f"# oomtune search {' '.join(overrides)} in a fresh directory with an empty stream cache, "
-             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, nproc {os.cpu_count()}, "
-             f"host memory {available / gib:.1f} GiB" if available else "",
+    lines = [f"# oomtune search {' '.join(overrides)} in a fresh directory with an empty stream cache"
+             + (f", host memory {available / gib:.1f} GiB" if available else ""),
              f"# exit status {proc.returncode}, wall {wall:.1f} s",
              f"# peak host memory (RSS sampled every 0.2 s, {peak['samples']} samples): the search and all its "
              f"descendants together {peak['sum'] / gib:.2f} GiB; the largest single process {peak['single'] / gib:.2f} "
