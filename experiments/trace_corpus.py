@@ -126,8 +126,8 @@ def main(argv: list[str]) -> int:
         f"{nw:.2f} s (new) vs {ow:.2f} s (old {args.old}), ratio {nw / ow:.2f}; runs new "
         f"{', '.join(f'{x:.2f}' for x in new_wall)}; old {', '.join(f'{x:.2f}' for x in old_wall)}",
         "(most of the old wall time is `import torch`, which issue 13 removed from `oomtune simulate`; "
-        "the replay itself is a fraction of a second either way. Timings on a shared, loaded machine: "
-        "see the load average above; the coordinator reruns this on a quiet one.)",
+        "the replay itself is a fraction of a second either way. Wall times swing with the machine's load "
+        "(the header's load line; the spread is the runs listed), the events are exact regardless.)",
     ]
     text = "\n".join(lines) + "\n"
     write_results(OUT, text)
