@@ -1,6 +1,7 @@
 """Capture fidelity: predict real GPU recordings of known workloads from a meta-device capture.
 
-For each recording in ../shared/traces whose workload is known (README "Workload facts"), the
+For each recording in tests/data (copied from ../shared/traces) whose workload is known (the traces' README,
+"Workload facts"), the
 workload is rebuilt (experiments/fidelity_lm.py), captured on ``meta`` with oomtune's recorder (the
 recorded step: what exists before recording, lazy optimizer state, what is freed when, cuBLAS
 workspaces, CUDA autocast policy), replayed on the virtual GPU under the recorded allocator settings,
@@ -47,7 +48,7 @@ from oomtune.capture.cuda_autocast import emulate_cuda_autocast  # noqa: E402
 from oomtune.capture.recorder import StorageRecorder  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
+DEFAULT_TRACES = ROOT / "tests" / "data"   # the shared traces, copied (a clone has them)
 
 
 # -- recorded side -------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def _fmt(n: int) -> str:
 def render(rows: list[dict[str, Any]], head: str) -> str:
     """The results file: ``head`` (experiments/_provenance.py's header), then the table."""
     lines = [*head.splitlines(), "",
-             "Recorded = read from the GPU recording (../shared/traces); predicted = captured on the "
+             "Recorded = read from the GPU recording (tests/data, from ../shared/traces); predicted = captured on the "
              "meta device by oomtune and replayed on the virtual GPU (simulated). Errors are "
              "(predicted - recorded) / recorded: negative = under-prediction.", "",
              "| recording | peak allocated recorded | predicted | err | peak reserved recorded | "
