@@ -21,7 +21,7 @@ that all three give byte-identical results (a SHA-256 of every replay's JSON res
 rate ratios. Target (issue 13): >= 2 M events/s. All figures are simulated (virtual GPU).
 
 Run: python experiments/bench_replay.py [--old REF] [--events 1000000] [--repeat 3]
-     [--traces ../shared/traces] [--out experiments/results/bench_replay.txt]
+     [--traces tests/data] [--out experiments/results/bench_replay.txt]
 """
 
 from __future__ import annotations
@@ -133,12 +133,14 @@ def main() -> int:
     ap.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code to compare with")
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces")
+    ap.add_argument("--traces", type=Path, default=ROOT / "tests" / "data")   # the shared traces, copied
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_replay.txt")
     args = ap.parse_args()
     head = header("bench_replay.py", sys.argv[1:], args.old)   # at the start: refuses a dirty tree, reads the load
-    payload = {"events": args.events, "repeat": args.repeat,
-               "traces": [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]}
+    traces = [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]
+    if not traces:
+        raise SystemExit(f"bench_replay: no *.pickle traces in {args.traces}: pass --traces DIR")
+    payload = {"events": args.events, "repeat": args.repeat, "traces": traces}
     runs = {"compiled": (ROOT, False), "pure": (ROOT, True), "old": (old_tree(args.old), True)}
     res: dict[str, dict] = {code: {} for code in CODES}
     for _ in range(2):   # alternate; keep each workload's best

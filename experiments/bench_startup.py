@@ -6,7 +6,7 @@ issue 13), alternating old and new ``--repeat`` times; reports the median and th
 of each and the ratio old/new of the medians. Simulate runs on every ``*.pickle`` in ``--traces``.
 Targets (2 cores): --help <= 0.3 s; simulate on the largest shared trace <= 0.5 s.
 
-Run: python experiments/bench_startup.py [--old REF] [--repeat 7] [--traces ../shared/traces]
+Run: python experiments/bench_startup.py [--old REF] [--repeat 7] [--traces tests/data]
      [--out experiments/results/bench_startup.txt]
 """
 
@@ -60,7 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code to compare with")
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces")
+    ap.add_argument("--traces", type=Path, default=ROOT / "tests" / "data")   # the shared traces, copied
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_startup.txt")
     args = ap.parse_args()
     out = header("bench_startup.py", sys.argv[1:], args.old)
@@ -76,6 +76,8 @@ def main() -> int:
     out.append(row("python -c pass (interpreter start, for scale)", t))
     out.append(row("oomtune --help (target <= 0.3 s)", compare(["--help"], envs, args.repeat)))
     traces = sorted(args.traces.glob("*.pickle"), key=lambda p: p.stat().st_size)
+    if not traces:
+        raise SystemExit(f"bench_startup: no *.pickle traces in {args.traces}: pass --traces DIR")
     for trace in traces:
         trace = trace.resolve()
         label = f"simulate {trace.name} ({trace.stat().st_size / 2**20:.1f} MiB)"
