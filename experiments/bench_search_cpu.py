@@ -1,12 +1,13 @@
 """CPU demo benchmark: the README's main command (three times), and pruning on vs off.
 
 1. `oomtune search model=resnet` on the embedded defaults (built-in ResNet-18, 64x64, synthetic data,
-   1 GiB virtual GPU), three times, each in a fresh run directory: the answer must be the same each
-   time (objective batch on the virtual GPU: memory is simulated and deterministic). Per run: the
+   1 GiB virtual GPU; trials step on the meta device, ``trial.execute=auto``), three times, each in a
+   fresh run directory: the answer must be the same each time (objective batch on the virtual GPU: memory is simulated and deterministic). Per run: the
    answer, trial processes launched, wall time (target <= 120 s on 2 cores), and the answer's batch
    against every configuration's predicted and measured frontier (best.yaml ``frontiers``).
 2. The same search with `search.prune=predicted` and with `search.prune=off`, both with the seeded
-   random sampler, objective throughput, no baseline and no frontier probes (whose probes differ
+   random sampler, objective throughput (trials train on the CPU: ``trial.execute=cpu``), no baseline
+   and no frontier probes (whose probes differ
    when they start from the prediction), so that both studies ask for the same 16 candidates:
    compares launches, wall time and the best configuration. (With TPE the sequence depends on
    measured throughput, which is noisy on a shared CPU, so the two studies would diverge for reasons
@@ -50,9 +51,11 @@ def describe(res: dict) -> str:
     b = res["best"]["best"]
     st = res["best"]["study"]
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(st["outcomes"].items()))
+    speed = b["metrics"]["throughput"]   # None for trials on the meta device (no arithmetic to time)
+    speed = "no throughput (meta trials)" if speed is None else f"{speed:.1f} samples/s"
     return (f"wall {res['wall_s']:.1f} s; launches {st['launches']} (saved {st['launches_saved']}); "
             f"trials {st['trials']} [{outcomes}]; best batch {b['batch_size']} "
-            f"'{b['alloc_conf'] or '(default)'}' {b['metrics']['throughput']:.1f} samples/s, peak reserved "
+            f"'{b['alloc_conf'] or '(default)'}' {speed}, peak reserved "
             f"{b['metrics']['peak_reserved_bytes'] / 2**20:.1f} MiB ({b['metrics']['memory_source']})")
 
 
@@ -140,7 +143,8 @@ def main() -> None:
         if args.skip_pruning:
             lines.append("## pruning: skipped (--skip-pruning)")
         else:
-            common = ["search.sampler=random", "search.seed=0", "search.baseline=false", "search.n_trials=16",
+            # trial.execute=cpu: the objective is throughput, which trials on the meta device do not measure
+            common = ["trial.execute=cpu", "search.sampler=random", "search.seed=0", "search.baseline=false", "search.n_trials=16",
                       "search.batch_size.high=2048", "search.objective=throughput", "search.frontier_configs=0",
                       "search.repeats=1"]
             on = run(common + ["search.prune=predicted"], tmp / "prune_on")

@@ -139,11 +139,13 @@ def test_token_file_too_short(tmp_path):
 
 
 def test_data_wait_fraction_high_with_slow_decode_low_without():
-    slow = build_workload({**MLP, "data": {"decode_delay_s": 0.02}}, 4, "cpu")
+    slow = build_workload({**MLP, "data": {"decode_delay_s": 0.1}}, 4, "cpu")
     t_slow = slow.run_steps(3)
-    # 4 samples x 20 ms of decode per step, against a sub-millisecond step.
+    # 4 samples x 100 ms of decode per step (0.4 s), against a sub-millisecond step: the wait stays
+    # above half the step unless the machine stretches the step itself past 0.4 s (at 20 ms a sample,
+    # a load of 8 on 2 cores gave 0.44).
     assert t_slow.data_wait_fraction > 0.5
-    assert min(t_slow.data_wait_s) >= 4 * 0.02
+    assert min(t_slow.data_wait_s) >= 4 * 0.1
     fast = build_workload(MLP, 4, "cpu")
     fast.run_steps(1)
     t_fast = fast.run_steps(5)
