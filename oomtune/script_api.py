@@ -11,8 +11,9 @@ so the script runs the same with or without oomtune::
 
 The results channel is a JSON-lines file named by ``OOMTUNE_RESULT_FILE``; every call appends one
 line (``{"event": "report" | "memory" | "oom", ...}``, with ``"rank"`` from ``RANK`` in a process
-started by torchrun, accelerate or deepspeed: each rank reports its own samples and its own virtual
-GPU's memory) and the parent
+started by torchrun, accelerate or deepspeed, or from ``torch.distributed`` once the script (or
+Lightning's own DDP launcher, which sets no ``RANK``) initialised it: each rank reports its own
+samples and its own virtual GPU's memory) and the parent
 (:func:`oomtune.targets.cmd.run_cmd_trial`) reads them after the script exits.
 
 With ``OOMTUNE_STREAM_FILE`` set (the parent sets it for every trial), the capture hook also writes
@@ -159,9 +160,14 @@ def _append(record: dict[str, Any]) -> None:
     path = os.environ.get(RESULT_FILE_ENV)
     if not path:
         return
-    rank = os.environ.get("RANK", "")
-    if rank.isdigit():   # torchrun, accelerate and deepspeed set RANK in every rank's environment
-        record.setdefault("rank", int(rank))
+    if "rank" not in record:
+        # torchrun, accelerate and deepspeed set RANK in every rank's environment; Lightning's own DDP
+        # launcher does not (only LOCAL_RANK / NODE_RANK / WORLD_SIZE, lightning/pytorch/strategies/
+        # launchers/subprocess_script.py): there the rank comes from the process group it initialised
+        rank, world = rank_and_world()
+        if world > 1 or os.environ.get("RANK", "").isdigit():
+            record["rank"] = rank
+            record.setdefault("world_size", world)
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)

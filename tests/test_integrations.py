@@ -172,3 +172,86 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
         extra = json.loads((run / "trials" / f"trial-{row['number']:04d}" / "result.json").read_text())["extra"]
         accum = extra.get("grad_accum", 1)
         assert (accum == 2) if row["role"] == "record" else (row["batch_size"] * accum == 16)
+
+
+# -- Lightning's own DDP launcher, 2 CPU ranks, as a target=cmd trial ----------------------------------------
+# The script runs Trainer(accelerator="cpu", devices=2, strategy="ddp"): Lightning starts rank 1 itself (a
+# subprocess running the script again; it sets LOCAL_RANK and WORLD_SIZE but no RANK) and joins both in a gloo
+# process group. Each rank has its own virtual GPU of the trial's budget.
+LIGHTNING_DDP = REPO / "tests" / "data" / "launchers" / "lightning_ddp_train.py"
+
+
+def _lightning_ddp_trial(tmp_path: Path, *, rank1_hold: int, budget: int):
+    from oomtune.trial.runner import TrialRunner
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    command = f"{sys.executable} {LIGHTNING_DDP} --pid-dir {pids} --rank1-hold {rank1_hold}"
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command}, "grad_accum": 2}, batch_size=3,
+                     device="cpu", budget_bytes=budget, warmup_steps=1, measure_steps=2, timeout_s=240, ranks=2)
+    runner = TrialRunner()
+    try:
+        res = runner.run(spec, workdir=tmp_path / "trial", env={"OMP_NUM_THREADS": "1"})
+    finally:
+        runner.close()
+    rank_pids = {int(p.stem[len("rank"):]): int(p.read_text()) for p in pids.glob("rank*.pid")}
+    return res, rank_pids, read_channel(tmp_path / "trial" / "results.jsonl")
+
+
+def _gone(pids) -> bool:
+    from oomtune.trial.runner import group_alive
+
+    def alive(pid: int) -> bool:   # a zombie has exited (its parent, the launcher, is gone: init reaps it)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    return not any(alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks_peak(tmp_path):
+    from oomtune.trial.runner import group_alive
+    from oomtune.units import MiB
+
+    hold = 8 * MiB   # rank 1 keeps 8 MiB more than rank 0 from its first training step on
+    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=hold, budget=64 * MiB)
+    assert res.outcome == "ok", (res.message, res.traceback_tail)
+    assert sorted(pids) == [0, 1] and pids[0] != pids[1]          # Lightning started a second process
+    reports = [e for e in events if e["event"] == "report"]
+    assert len(reports) == 1 and reports[0]["rank"] == 0         # rank 0 reports for both
+    # global samples: micro-batch 3 x 2 micro-batches x 2 ranks x 2 measured steps = 24, counted once
+    assert (reports[0]["samples"], reports[0]["world_size"], reports[0]["steps"]) == (24, 2, 2)
+    assert res.throughput == pytest.approx(24 / reports[0]["seconds"])
+    # each rank's memory kept with its rank; the worst rank's (rank 1, by the 8 MiB it holds) is the trial's
+    assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]
+    rank0, rank1 = res.extra["ranks"]
+    assert (rank0["rank"], rank1["rank"]) == (0, 1)
+    assert rank1["peak_allocated_bytes"] - rank0["peak_allocated_bytes"] == hold   # same steps, plus the hold
+    # the MLP's parameters, their gradients and DDP's bucket (attached before the strategy wraps the model)
+    params = (64 * 128 + 128 + 128 * 10 + 10) * 4
+    assert rank0["peak_allocated_bytes"] >= 3 * params
+    assert res.extra["worst_rank"] == 1
+    assert (res.peak_allocated_bytes, res.peak_reserved_bytes) == (rank1["peak_allocated_bytes"],
+                                                                   rank1["peak_reserved_bytes"])
+    assert (tmp_path / "trial" / "stream.bin").is_file() and (tmp_path / "trial" / "stream.bin.rank1").is_file()
+    assert _gone(pids.values()) and not group_alive(res.extra["pid"])
+
+
+@pytest.mark.slow
+def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_path):
+    from oomtune.trial.runner import group_alive
+    from oomtune.units import MiB
+
+    # rank 1 asks for 80 MiB at once on its 64 MiB virtual GPU; rank 0 needs well under 1 MiB
+    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB)
+    assert res.outcome_enum.is_memory, (res.outcome, res.message)
+    assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1 of 2:"), res.message
+    assert res.oom_requested_bytes == 80 * MiB
+    (oom,) = [e for e in events if e["event"] == "oom"]
+    assert (oom["rank"], oom["world_size"]) == (1, 2)
+    # rank 0 lost its peer inside the gradient all-reduce (gloo: connection closed): not a second failure
+    assert [r["rank"] for r in res.extra["ranks"]] == [0, 1]
+    assert res.extra["ranks"][0]["peak_reserved_bytes"] < 64 * MiB
+    assert _gone(pids.values()) and not group_alive(res.extra["pid"])

@@ -494,7 +494,10 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     elif ooms:
         cls = classify_text(f"OutOfMemoryError: {ooms[0].get('message', '')}", **kw)
         rank = ooms[0].get("rank")   # the first rank to run out of memory (by time)
-        message = cls.message if rank is None else f"rank {rank}: {cls.message}"
+        world = ooms[0].get("world_size")
+        who = (None if rank is None else f"rank {rank} of {world}" if isinstance(world, int) and world > 1
+               else f"rank {rank}")
+        message = cls.message if who is None else f"{who}: {cls.message}"
         if rank is not None:
             result.extra["failed_rank"] = rank
         _set(result, cls.outcome, message, cls.advice, None)
