@@ -181,12 +181,14 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
 LIGHTNING_DDP = REPO / "tests" / "data" / "launchers" / "lightning_ddp_train.py"
 
 
-def _lightning_ddp_trial(tmp_path: Path, *, rank1_hold: int, budget: int):
+def _lightning_ddp_trial(tmp_path: Path, *, rank1_hold: int, budget: int, torchrun: bool = False):
     from oomtune.trial.runner import TrialRunner
 
     pids = tmp_path / "pids"
     pids.mkdir()
-    command = f"{sys.executable} {LIGHTNING_DDP} --pid-dir {pids} --rank1-hold {rank1_hold}"
+    # torchrun: Lightning finds torchelastic's environment and starts no process of its own
+    launcher = "-m torch.distributed.run --nproc_per_node 2 --standalone " if torchrun else ""
+    command = f"{sys.executable} {launcher}{LIGHTNING_DDP} --pid-dir {pids} --rank1-hold {rank1_hold}"
     spec = TrialSpec(workload={"target": {"name": "cmd", "command": command}, "grad_accum": 2}, batch_size=3,
                      device="cpu", budget_bytes=budget, warmup_steps=1, measure_steps=2, timeout_s=240, ranks=2)
     runner = TrialRunner()
@@ -240,12 +242,13 @@ def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks
 
 
 @pytest.mark.slow
-def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_path):
+@pytest.mark.parametrize("torchrun", [False, True], ids=["lightning-launcher", "torchrun"])
+def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_path, torchrun):
     from oomtune.trial.runner import group_alive
     from oomtune.units import MiB
 
     # rank 1 asks for 80 MiB at once on its 64 MiB virtual GPU; rank 0 needs well under 1 MiB
-    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB)
+    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB, torchrun=torchrun)
     assert res.outcome_enum.is_memory, (res.outcome, res.message)
     assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1 of 2:"), res.message
     assert res.oom_requested_bytes == 80 * MiB
@@ -254,4 +257,5 @@ def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_pat
     # rank 0 lost its peer inside the gradient all-reduce (gloo: connection closed): not a second failure
     assert [r["rank"] for r in res.extra["ranks"]] == [0, 1]
     assert res.extra["ranks"][0]["peak_reserved_bytes"] < 64 * MiB
+    assert sorted(pids) == [0, 1]
     assert _gone(pids.values()) and not group_alive(res.extra["pid"])
