@@ -32,6 +32,10 @@ _LAZY = {
 
 __all__ = ["__version__", *sorted(_LAZY)]
 
+# The composition root: importing the targets registers them with the trial protocol's contract
+# (oomtune.trial._base.register_target), so the trial layer never imports a target. Light: no torch.
+from oomtune import targets as _targets  # noqa: E402,F401
+
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)

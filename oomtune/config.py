@@ -247,8 +247,11 @@ def default_study_name(cfg: Any) -> str:
     none), so rerunning the same command resumes the same study and a changed one starts a new
     study. The budget enters as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``,
     ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9)."""
+    from oomtune.trial._base import find_target
+
     target = to_container(cfg.target)
-    builtin = target.get("name") == "builtin"
+    known = find_target(target.get("name"))
+    builtin = known is not None and known.uses_model_group   # the model group describes the workload
     model = to_container(cfg.model)
     gpu = model.pop("gpu", "auto") if isinstance(model, dict) else "auto"
     if isinstance(model, dict) and model.get("parallel") in (None, "none"):

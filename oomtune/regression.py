@@ -266,7 +266,10 @@ def _workload(best: Any) -> dict[str, Any]:
         raise BestFileError(f"best.yaml workload.ranks={ranks!r} must be an integer >= 1")
     if ranks is not None:
         extra["ranks"] = ranks
-    if target["name"] != "builtin":
+    from oomtune.trial._base import find_target
+
+    known = find_target(target["name"])
+    if known is None or not known.uses_model_group:   # only the target group describes the workload
         return {"target": target, **extra, **training}
     model = best.workload.get("model")
     if not isinstance(model, dict) or "name" not in model:
@@ -300,7 +303,10 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
         raise BestFileError("best.yaml has no best.predicted_peak_reserved_bytes (the search ran without "
                             "prediction, e.g. search.prune=off or a cmd target): use --mode run")
     workload = _workload(best)
-    if workload["target"].get("name") not in ("builtin", "python"):
+    from oomtune.trial._base import find_target
+
+    known = find_target(workload["target"].get("name"))
+    if known is None or not known.capturable:
         raise ConfigError(f"--mode predict cannot trace target {workload['target'].get('name')!r}: use --mode run")
     t0 = time.perf_counter()
     # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)

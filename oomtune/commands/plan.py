@@ -83,14 +83,17 @@ def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
     """
     from oomtune.exceptions import ConfigError
     from oomtune.targets import target_config, validate_target
+    from oomtune.trial._base import find_target, target_names
 
     target = target_config(workload)
     name = target.get("name", "builtin")
-    if name == "cmd":
-        raise ConfigError("oomtune plan needs target=builtin or target=python, not target=cmd: "
+    known = find_target(name)
+    if known is not None and not known.capturable:
+        able = " or ".join(f"target={n}" for n in target_names() if find_target(n).capturable)
+        raise ConfigError(f"oomtune plan needs {able}, not target={name}: "
                           "a training command cannot be traced without running it")
     validate_target(target)
-    if name == "builtin":
+    if known.uses_model_group:
         from oomtune.workloads.keys import check_model_keys
 
         check_model_keys(workload)   # the model keys, before torch is imported (issue 25 item 12)
@@ -139,7 +142,10 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
     target = C.to_container(cfg.target)
     # the model group describes built-in workloads only (a python entry builds its own model)
-    workload = ({**C.to_container(cfg.model), "target": target} if target.get("name", "builtin") == "builtin"
+    from oomtune.trial._base import find_target
+
+    known = find_target(target.get("name", "builtin"))
+    workload = ({**C.to_container(cfg.model), "target": target} if known is not None and known.uses_model_group
                 else {"target": target})
     if workload.get("parallel") in (None, "none") and int(cfg.trial.gpus) == 1:
         workload.pop("parallel", None)   # one process: the workload (and its cache keys) as before

@@ -88,8 +88,11 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     from oomtune.htmlreport._data import gather
     from oomtune.htmlreport._step import synthesise_snapshot, write_step_snapshot
 
-    target = (workload.get("target") or {}).get("name", "builtin")
-    if target not in ("builtin", "python") and predictor is None:
+    from oomtune.trial._base import find_target, target_name
+
+    target = target_name(workload)
+    known = find_target(target)
+    if (known is None or not known.capturable) and predictor is None:
         return [f"report: no predicted frontier or winner's step for target={target} (its trials recorded no "
                 "allocation streams to replay, and a command cannot be captured without running it)"]
     data = gather(run_dir)

@@ -96,12 +96,12 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
-    from oomtune.workloads.parallel import fake_process_group, is_distributed, world_size
+    from oomtune.workloads.parallel import fake_process_group, world_size
 
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
-    if _is_builtin(model_cfg) and is_distributed(model_cfg):
+    if _target(model_cfg).distributed(model_cfg):
         # DDP checks and broadcasts real parameters, FSDP2 materialises its shards: no meta device.
         # One rank's stream, through torch's fake process group (rank 0 of the world).
         devices = ("cpu",)
@@ -132,7 +132,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
                 try:
                     wl = _build(model_cfg, batch_size, device)
                 except (NotImplementedError, RuntimeError) as exc:
-                    if device == "cpu" or not _is_python_target(model_cfg):
+                    if device == "cpu" or not _target(model_cfg).user_code:
                         raise
                     # e.g. a data generator reading a tensor's value (Tensor.item() has no meaning on meta)
                     reason = (f"the workload cannot be built on meta ({str(exc).splitlines()[0][:160]}): captured "
@@ -140,7 +140,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
                     say_now(f"note: batch {batch_size}: {reason}")
                     continue
                 shapes = getattr(getattr(wl, "spec", None), "shapes", None)
-                repeat = steps > 2 and not _is_python_target(model_cfg) and bool(getattr(shapes, "is_fixed", False))
+                repeat = steps > 2 and not _target(model_cfg).user_code and bool(getattr(shapes, "is_fixed", False))
 
                 def capture(calls: int, ends: list[int]) -> Any:
                     batches = wl.batches()
@@ -214,41 +214,30 @@ def say_now(text: str) -> None:
     print(f"oomtune: {text}", file=sys.stderr, flush=True)
 
 
-def _is_builtin(model_cfg: dict[str, Any]) -> bool:
-    from oomtune.targets import target_name
+def _target(model_cfg: dict[str, Any]) -> Any:
+    """The :class:`oomtune.trial._base.Target` of ``model_cfg`` (what it can do decides the capture)."""
+    from oomtune.trial._base import target_for
 
-    return target_name(model_cfg) == "builtin"
+    return target_for(model_cfg)
 
 
 def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
-    """Whether every capture of ``model_cfg`` runs its arithmetic on the CPU: a built-in workload under
-    ``model.parallel=ddp|fsdp`` (:func:`capture_training_stream`). Such a predictor works in this
-    process only (``workers`` 1): a process forked after this one ran CPU kernels waits forever in its
-    first parallel CPU kernel (GNU OpenMP's thread pool does not survive ``fork``; seen in a forked
-    capture's embedding), so neither its captures nor its replays (which may capture) are forked."""
-    from oomtune.workloads.parallel import is_distributed
-
-    return _is_builtin(model_cfg) and is_distributed(model_cfg)
-
-
-def _is_python_target(model_cfg: dict[str, Any]) -> bool:
-    from oomtune.targets import target_name
-
-    return target_name(model_cfg) == "python"
+    """Whether every capture of ``model_cfg`` runs its arithmetic on the CPU: a workload trained by
+    ranks (``model.parallel=ddp|fsdp``: :meth:`Target.distributed`, :func:`capture_training_stream`).
+    Such a predictor works in this process only (``workers`` 1): a process forked after this one ran
+    CPU kernels waits forever in its first parallel CPU kernel (GNU OpenMP's thread pool does not
+    survive ``fork``; seen in a forked capture's embedding), so neither its captures nor its replays
+    (which may capture) are forked."""
+    return _target(model_cfg).distributed(model_cfg)
 
 
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
-    """The workload to capture on ``device``: the built-in one (synthetic data) or, for ``target:
-    python``, the user's (:func:`python_target_workload`)."""
-    from oomtune.targets import target_name
-
-    if target_name(model_cfg) == "python":
-        return python_target_workload(model_cfg["target"], batch_size, device, workload=model_cfg)
-    from oomtune.workloads import build_workload
-
-    cfg = {k: v for k, v in model_cfg.items() if k != "target"}
-    cfg["data"] = {"source": "synthetic"}
-    return build_workload(cfg, batch_size, device)
+    """The workload to capture on ``device``: the target's (:meth:`Target.for_capture`: a built-in
+    workload on synthetic data), the user's code built as :func:`python_target_workload` does."""
+    target = _target(model_cfg)
+    if target.user_code:
+        return _user_workload(target, model_cfg, batch_size, device)
+    return target.build_workload(target.for_capture(model_cfg), batch_size, device)
 
 
 def python_target_workload(target: dict[str, Any], batch_size: int, device: str, *,
@@ -257,30 +246,23 @@ def python_target_workload(target: dict[str, Any], batch_size: int, device: str,
     under ``with torch.device(device)`` so that what it creates without an explicit device lands on
     ``device`` directly (on meta: no host memory for the model, parameters on the capture device so
     the optimizer state is recorded). The first batch is taken out and counted as alive before the
-    step, as the built-ins' static batch: the inputs occupy device memory during the step.
-    ``workload``: the whole workload mapping, for its training keys (``grad_accum``,
-    ``activation_checkpointing``).
+    step, as the built-ins' static batch (:meth:`oomtune.workloads.Workload.hold_first_batch`): the
+    inputs occupy device memory during the step. ``workload``: the whole workload mapping, for its
+    training keys (``grad_accum``, ``activation_checkpointing``).
 
     Raises:
         ConfigError: as ``build_user_workload`` (bad entry, protocol not followed).
     """
-    import itertools
+    workload = {**(workload or {}), "target": target}
+    return _user_workload(_target(workload), workload, batch_size, device)
 
+
+def _user_workload(target: Any, workload: dict[str, Any], batch_size: int, device: str) -> Any:
     import torch
 
-    from oomtune.targets.python_entry import build_user_workload
-
-    from oomtune.workloads.training import checkpointing_of, grad_accum_of
-
-    workload = workload or {}
-    ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
     with torch.device(device):
-        wl = build_user_workload(target, batch_size, device, grad_accum=grad_accum_of(workload),
-                                 activation_checkpointing=ckpt)
-        first = next(wl.batches())
-    # Workload.tensors_before_step() reports _static_batch; batches() then yields it first again.
-    wl._static_batch = first
-    wl._batches = itertools.chain([first], wl._batches)
+        wl = target.build_workload(workload, batch_size, device)
+        wl.hold_first_batch()
     return wl
 
 

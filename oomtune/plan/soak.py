@@ -136,17 +136,10 @@ def soak_supported(workload_cfg: Mapping[str, Any]) -> bool:
     (``target.seq_len`` / ``target.image_size`` with ``make_batch``: :mod:`oomtune.targets.python_entry`).
     Commands (``cmd``) and python entries without one are not soaked, nor is a distributed workload
     (``model.parallel``): capturing each shape of one rank would need its collectives."""
-    target = workload_cfg.get("target")
-    name = target.get("name", "builtin") if isinstance(target, Mapping) else "builtin"
-    if name == "python":
-        from oomtune.workloads.shapes import entry_shape_distribution
+    from oomtune.trial._base import find_target, target_name
 
-        return entry_shape_distribution(target).key is not None
-    if name != "builtin":
-        return False
-    from oomtune.workloads.parallel import is_distributed
-
-    return not is_distributed(workload_cfg)   # a rank's shapes would need the other ranks' collectives
+    target = find_target(target_name(workload_cfg))   # the target says (Target.can_soak)
+    return target is not None and target.can_soak(workload_cfg)
 
 
 def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *,
@@ -176,10 +169,9 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
                           "distribution (target.seq_len / target.image_size) only")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"soak steps must be an integer >= 1, got {steps!r}")
-    cfg = dict(workload_cfg)
-    if (cfg.get("target") or {}).get("name", "builtin") == "builtin":
-        cfg = {k: v for k, v in cfg.items() if k != "target"}
-        cfg["data"] = {"source": "synthetic"}
+    from oomtune.trial._base import target_for
+
+    cfg = target_for(workload_cfg).for_capture(workload_cfg)   # a built-in workload: synthetic data, no target key
     if capture_device not in ("meta", "cpu"):
         raise ConfigError(f"soak capture device {capture_device!r}: expected meta or cpu")
     t0 = time.perf_counter()

@@ -96,14 +96,15 @@ def cacheable(model_cfg: dict[str, Any]) -> bool:
     """Whether captures of ``model_cfg`` may be cached: a built-in workload on synthetic data (not a
     real data set, whose files the workload's checks read), or a ``target: python`` workload whose
     entry's code can be fingerprinted (:func:`entry_fingerprint`)."""
+    from oomtune.trial._base import find_target
+
     target = model_cfg.get("target") or {}
-    name = target.get("name", "builtin") if isinstance(target, dict) else None
-    if name == "python":
-        return entry_fingerprint(target) is not None
-    if name != "builtin":
+    found = find_target(target.get("name", "builtin")) if isinstance(target, dict) else None
+    if found is None or not found.capturable:
         return False
-    data = model_cfg.get("data")
-    return data is None or (isinstance(data, dict) and data.get("source", "synthetic") == "synthetic")
+    if found.user_code:   # the user's entry: cached while its code is unchanged
+        return entry_fingerprint(target) is not None
+    return not found.reads_files(model_cfg)
 
 
 _entry_prints: dict[str, dict[str, Any] | None] = {}
@@ -217,8 +218,11 @@ def _workload_material(model_cfg: dict[str, Any]) -> dict[str, Any]:
     """The part of a key that names the workload: the ``model`` group for a built-in workload; for
     ``target: python`` only the target, resolved (the model group plays no part; a relative entry
     file made absolute, as the search does), and its :func:`entry_fingerprint`."""
+    from oomtune.trial._base import find_target
+
     target = model_cfg.get("target") or {}
-    if isinstance(target, dict) and target.get("name") == "python":
+    found = find_target(target.get("name")) if isinstance(target, dict) else None
+    if found is not None and found.user_code and found.capturable:
         from oomtune.targets import resolve_target
 
         resolved = resolve_target(target)

@@ -144,7 +144,10 @@ def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: An
         training = {k: v for k, v in cand.apply({}).items() if k in TRAINING_KEYS}
     ranks = {"ranks": workload["ranks"]} if "ranks" in workload else {}
     out: dict[str, Any] = {"target": target, **ranks}
-    if target.get("name") == "builtin":
+    from oomtune.trial._base import find_target
+
+    known = find_target(target.get("name"))
+    if known is not None and known.uses_model_group:   # best.yaml's workload.model
         model = {k: v for k, v in workload.items() if k not in ("target", "ranks") and k not in TRAINING_KEYS}
         out = {"model": _with_loader(model, params), "target": target, **ranks}
     if training:

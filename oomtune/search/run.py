@@ -68,14 +68,15 @@ def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
     return worst(workload)
 
 
-def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> None:
+def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> None:
     """Refuse, before anything starts, a search that could launch no trial at all (issue 23 item 4):
     the batch objective has no sampler, so its trials are the frontier probes; without the baseline
     (``search.baseline=false``) those are the ``search.frontier_configs`` configurations the virtual
     GPU predicts above the default, and there are none without a prediction (``target=cmd``: its
     predictions come from the default allocator's recorded trials, which are the baseline;
     ``search.prune=off``) or with ``search.frontier_configs=0``. Likewise the throughput objective
-    with no baseline, no frontier configurations and ``search.n_trials=0``.
+    with no baseline, no frontier configurations and ``search.n_trials=0``. ``target``: the
+    workload's :class:`oomtune.trial._base.Target`.
 
     Raises:
         ConfigError: one line naming the settings that leave nothing to run and how to fix it.
@@ -88,7 +89,7 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: str) -> No
         return
     why = [f"search.objective={options.objective}", "search.baseline=false"]
     if not predicts:
-        why.append("no prediction (target=cmd: a command cannot be captured)" if target == "cmd"
+        why.append(f"no prediction (target={target.name}: a command cannot be captured)" if not target.capturable
                    else "no prediction (search.prune=off)")
     elif options.frontier_configs <= 0:
         why.append("search.frontier_configs=0")
@@ -227,13 +228,15 @@ def workload_of(cfg: Any) -> dict[str, Any]:
         ConfigError: an invalid target or model config.
     """
     from oomtune.targets import resolve_workload, validate_target
+    from oomtune.trial._base import find_target, get_target
 
     target = C.to_container(cfg.target)
     gpus = int(cfg.trial.get("gpus", 1) or 1)
-    if target.get("name") != "builtin":
+    known = find_target(target.get("name"))
+    if known is None or not known.uses_model_group:
         workload = resolve_workload({"target": target})
         validate_target(workload["target"])
-        if gpus > 1 and target.get("name") != "cmd":
+        if gpus > 1 and not get_target(target.get("name")).starts_ranks:
             raise ConfigError(f"trial.gpus={gpus} with target={target.get('name')}: several ranks per trial need "
                               "model.parallel=ddp|fsdp (built-in workloads) or target=cmd (a command that "
                               "starts its ranks, e.g. torchrun)")
@@ -292,8 +295,9 @@ class _Prepared:
         # cannot hold stops here (exit 2)
         check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
                           available_bytes=self.options.host_available_bytes)
-        self.predicts = cfg.search.prune == "predicted" and self.workload["target"]["name"] in ("builtin", "python")
-        check_launches(self.options, predicts=self.predicts, target=self.workload["target"]["name"])
+        self.target = target_for(self.workload)
+        self.predicts = cfg.search.prune == "predicted" and self.target.capturable
+        check_launches(self.options, predicts=self.predicts, target=self.target)
         self.sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
         self.run_dir = C.run_dir_of(cfg)
 
@@ -334,13 +338,12 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     write_run_file(p.run_dir, url, study.study_name)
 
     predictor = recording = None
-    target = p.workload["target"]["name"]
     if p.predicts:
         # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
         # captures come from the stream cache where a plan or an earlier search left them.
         predictor = search_predictor(p.workload, space, device, p.budget_bytes, cfg.trial,
                                      memory_fraction=options.memory_fraction != "off")
-    elif cfg.search.prune == "predicted" and target == "cmd":
+    elif cfg.search.prune == "predicted" and p.target.records_streams:
         from oomtune.plan.predictor import sim_geometry
         from oomtune.plan.recorded import RecordedPredictor
 
@@ -394,7 +397,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     runner = TrialRunner(launcher=str(cfg.trial.launcher))
     # The fork server imports torch once (~3 s) while this process predicts the frontiers: on two
     # cores or more they overlap (the first trial waits for it, as it would anyway).
-    if p.workload["target"]["name"] in ("builtin", "python"):   # a cmd target runs its own processes
+    if not p.target.own_process:   # an own-process target (cmd) runs its own processes
         threading.Thread(target=runner.start_fork_server, name="oomtune-forkserver-start", daemon=True).start()
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),

@@ -8,28 +8,33 @@
 
 ``TrialSpec.workload`` holds the ``model`` group's keys plus ``workload["target"]`` (this group);
 an absent target means ``builtin``. Each target is one module whose ``TARGET`` implements the trial
-protocol's contract (:class:`oomtune.trial._base.Target`), found by :func:`get_target`: the trial
-process builds in-process targets' workloads, the runner hands own-process targets (``cmd``) their
-trial. This package imports the trial layer, never the reverse. Submodules are imported
-lazily: importing this package does not import torch.
+protocol's contract (:class:`oomtune.trial._base.Target`) and is registered there when the module
+is imported (:func:`oomtune.trial._base.register_target`); importing this package registers all
+three (the ``oomtune`` package does, as the composition root). The trial process builds in-process
+targets' workloads, the runner hands own-process targets (``cmd``) their trial. This package imports
+the trial layer, never the reverse. The registering modules are light (the heavy ones,
+:mod:`~oomtune.targets.python_entry` and :mod:`~oomtune.targets.cmd`, are imported when used):
+importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oomtune.exceptions import ConfigError
-from oomtune.trial._base import Target
+from oomtune.trial._base import Target, target_names
+from oomtune.trial._base import get_target as _get_target
 from oomtune.trial._base import target_name as _base_target_name
+# each registers its TARGET (oomtune.trial._base.register_target): the order is TARGET_NAMES'
+from oomtune.targets import builtin as _builtin, python_target as _python, cmd_target as _cmd  # noqa: E402,F401
 
 __all__ = ["TARGET_NAMES", "target_config", "target_name", "validate_target", "resolve_target",
            "resolve_workload", "build_trial_workload", "run_cmd_trial", "get_target"]
 
-TARGET_NAMES = ("builtin", "python", "cmd")
+#: The registered target names (``builtin``, ``python``, ``cmd``).
+TARGET_NAMES = target_names()
 
 
 def target_config(workload: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,20 +48,13 @@ def target_name(workload: Mapping[str, Any]) -> str:
     return _base_target_name(workload)
 
 
-#: target name -> the module implementing it (its ``TARGET``: an :class:`oomtune.trial._base.Target`).
-_MODULES = {"builtin": "oomtune.targets.builtin", "python": "oomtune.targets.python_entry",
-            "cmd": "oomtune.targets.cmd"}
-
-
 def get_target(name: str) -> Target:
-    """The :class:`oomtune.trial._base.Target` implementing ``target=name`` (its module imported now).
+    """The registered :class:`oomtune.trial._base.Target` implementing ``target=name``.
 
     Raises:
         ConfigError: an unknown name.
     """
-    if name not in _MODULES:
-        raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
-    return importlib.import_module(_MODULES[name]).TARGET
+    return _get_target(name)
 
 
 def validate_target(target: Mapping[str, Any]) -> None:
@@ -69,10 +67,7 @@ def validate_target(target: Mapping[str, Any]) -> None:
     Raises:
         ConfigError: the first problem, in one line.
     """
-    name = target.get("name", "builtin")
-    if not isinstance(name, str) or name not in TARGET_NAMES:
-        raise ConfigError(f"target={name!r}: choose one of {', '.join(TARGET_NAMES)}")
-    get_target(name).validate(target)
+    get_target(target.get("name", "builtin")).validate(target)
 
 
 def resolve_target(target_cfg: Mapping[str, Any], *, cwd: Path | None = None) -> dict[str, Any]:
@@ -92,17 +87,11 @@ def resolve_target(target_cfg: Mapping[str, Any], *, cwd: Path | None = None) ->
         target_cfg: the ``target`` group as a mapping.
         cwd: the directory relative paths are taken from; default ``os.getcwd()``.
     """
+    from oomtune.trial._base import find_target
+
     base = Path(cwd) if cwd is not None else Path(os.getcwd())
-    out = dict(target_cfg)
-    name = out.get("name", "builtin")
-    if name == "python" and isinstance(out.get("entry"), str):
-        where, sep, func = out["entry"].rpartition(":")
-        if sep and is_file_entry(where.strip()):
-            out["entry"] = f"{_absolute(where.strip(), base)}:{func}"
-    elif name == "cmd":
-        given = out.get("cwd")
-        out["cwd"] = str(base.resolve()) if given in (None, "") else _absolute(str(given), base)
-    return out
+    target = find_target(target_cfg.get("name", "builtin"))
+    return target.resolve_paths(target_cfg, base) if target is not None else dict(target_cfg)
 
 
 def is_file_entry(where: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomtune.trial._base import Target
+from oomtune.trial._base import Target, register_target
 
 __all__ = ["BuiltinTarget", "TARGET"]
 
@@ -17,6 +17,30 @@ class BuiltinTarget(Target):
 
     name = "builtin"
     own_process = False
+    capturable = True
+    uses_model_group = True
+
+    def reads_files(self, workload: Mapping[str, Any]) -> bool:
+        """``model.data.source`` reads a data set (:mod:`oomtune.workloads.data`), not synthetic."""
+        data = workload.get("data")
+        return isinstance(data, Mapping) and data.get("source", "synthetic") != "synthetic"
+
+    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+        """One process trains it: a rank's shapes would need the other ranks' collectives."""
+        return not self.distributed(workload)
+
+    def for_capture(self, workload: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``model`` keys on synthetic data (a capture's shapes come from the config, the
+        content does not matter)."""
+        cfg = {k: v for k, v in workload.items() if k != "target"}
+        cfg["data"] = {"source": "synthetic"}
+        return cfg
+
+    def worst_shape(self, workload: Mapping[str, Any]) -> Any:
+        from oomtune.workloads.shapes import shape_distribution, worst_shapes
+
+        cfg = {k: v for k, v in workload.items() if k != "target"}
+        return None if shape_distribution(cfg).is_fixed else worst_shapes(cfg)[0]
 
     def shapes(self, workload: Mapping[str, Any]) -> Any:
         from oomtune.workloads.shapes import shape_distribution
@@ -54,4 +78,4 @@ class BuiltinTarget(Target):
         return build_workload(dict(workload), batch_size, device)
 
 
-TARGET = BuiltinTarget()
+TARGET = register_target(BuiltinTarget())

@@ -77,7 +77,6 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV,
                                 GLOBAL_BATCH_ENV, GPU_ENV, GRAD_ACCUM_ENV, RESULT_FILE_ENV, STREAM_FILE_ENV)
-from oomtune.trial._base import Target
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
@@ -595,38 +594,4 @@ def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:
     result.fill_memory_stats(stats)
 
 
-class CmdTarget(Target):
-    """``target=cmd``: the user's command is the trial process (:func:`run_cmd_trial`)."""
-
-    name = "cmd"
-    own_process = True
-
-    def validate(self, target_cfg: Mapping[str, Any]) -> None:
-        from oomtune.targets._cmd_checks import check_command
-
-        target = dict(target_cfg)
-        argv, shell = build_command(target, 1)
-        cwd = resolve_cwd(target)
-        if not shell:
-            check_program(argv, cwd)
-        check_command(target.get("command"), argv, shell, cwd)  # issue 14 items 5, 9
-
-    def label(self, workload: Mapping[str, Any]) -> str:
-        command = (workload.get("target") or {}).get("command")
-        text = " ".join(command) if isinstance(command, (list, tuple)) else str(command)
-        return f"command {text!r}"
-
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
-        from oomtune.targets._cmd_checks import check_training_reaches_command
-
-        target = dict(workload.get("target") or {})
-        argv, shell = build_command(target, 1)
-        check_training_reaches_command(target.get("command"), [] if shell else argv, resolve_cwd(target),
-                                       accumulates=accumulates, checkpointing=checkpointing)
-
-    def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
-            grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:
-        return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
-
-
-TARGET = CmdTarget()
+from oomtune.targets.cmd_target import TARGET, CmdTarget  # noqa: E402 - registered there (light)

@@ -60,7 +60,6 @@ from torch import nn
 
 from oomtune.exceptions import ConfigError
 from oomtune.targets import is_file_entry
-from oomtune.trial._base import Target
 from oomtune.workloads.loop import Workload
 
 __all__ = ["load_entry", "build_user_workload", "UserWorkload", "PythonTarget", "TARGET"]
@@ -357,41 +356,4 @@ def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
     return wl
 
 
-class PythonTarget(Target):
-    """``target=python``: the user's ``make_workload`` function, trained inside oomtune's trial
-    process (:func:`build_user_workload`)."""
-
-    name = "python"
-    own_process = False
-
-    def validate(self, target_cfg: Mapping[str, Any]) -> None:
-        load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
-
-    def shapes(self, workload: Mapping[str, Any]) -> Any:
-        from oomtune.workloads.shapes import entry_shape_distribution
-
-        return entry_shape_distribution(workload.get("target") or {})
-
-    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
-        dist = self.shapes(workload)
-        out = dict(workload)
-        if shape is not None and dist.key is not None:
-            out["target"] = {**(workload.get("target") or {}), dist.key: shape}
-        return out
-
-    def label(self, workload: Mapping[str, Any]) -> str:
-        return f"python entry {(workload.get('target') or {}).get('entry')}"
-
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
-        """Activation checkpointing needs an ``activation_checkpointing`` parameter of the entry."""
-        check_checkpointing_argument(workload.get("target") or {}, checkpointing)
-
-    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
-        from oomtune.workloads.training import checkpointing_of, grad_accum_of
-
-        ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
-        return build_user_workload(workload.get("target") or {}, batch_size, device,
-                                   grad_accum=grad_accum_of(workload), activation_checkpointing=ckpt)
-
-
-TARGET = PythonTarget()
+from oomtune.targets.python_target import TARGET, PythonTarget  # noqa: E402 - registered there (no torch)

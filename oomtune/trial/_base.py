@@ -14,8 +14,13 @@ A target is one of two kinds:
   :meth:`Target.run` launches it and returns its record (``target=cmd``).
 
 Which implementation serves a trial is named by ``TrialSpec.workload["target"]["name"]``
-(``builtin`` when absent) and looked up, at run time, through ``get_target(name)`` of the package
-:data:`TARGETS_PACKAGE`; a new target is one module there plus its name in that package's table.
+(:data:`DEFAULT_TARGET` when absent) and looked up in this module's registry: each target module
+adds its instance with :func:`register_target` when imported, and the composition root (the
+``oomtune`` package, :mod:`oomtune.__init__`) imports :mod:`oomtune.targets`, so the trial layer
+never imports a target (the pattern of Optuna's ``storages/__init__.py``, which imports every
+backend it offers). Code outside :mod:`oomtune.targets` asks the target what it can do (the
+capability attributes and methods below: captured and predicted, the ``model`` group, the user's
+code, ranks, files read, the soak, paths) and never compares its name.
 
 Thread and process safety: a :class:`Target` holds no per-trial state; the runner may call
 :meth:`Target.run` from several threads at once.
@@ -23,33 +28,69 @@ Thread and process safety: a :class:`Target` holds no per-trial state; the runne
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["Target", "TARGETS_PACKAGE", "target_for", "target_name"]
+__all__ = ["Target", "DEFAULT_TARGET", "register_target", "get_target", "find_target", "target_names",
+           "target_for", "target_name"]
 
-#: The package whose ``get_target(name) -> Target`` resolves target names (imported by name, so
-#: the trial layer has no import-time dependency on the targets).
-TARGETS_PACKAGE = "oomtune.targets"
+#: The target of a workload without a ``target`` group: a built-in workload of the ``model`` group.
+DEFAULT_TARGET = "builtin"
+
+#: name -> registered :class:`Target`, in registration order.
+_REGISTRY: dict[str, "Target"] = {}
 
 
 class Target:
-    """What a trial trains. Subclasses set :attr:`name` and :attr:`own_process` and implement
-    :meth:`build_workload` (in-process) or :meth:`run` (own-process)."""
+    """What a trial trains. Subclasses set :attr:`name` and the capabilities below and implement
+    :meth:`build_workload` (in-process) or :meth:`run` (own-process); the defaults describe a target
+    that can do nothing beyond running its trials."""
 
     #: The ``target.name`` this implementation serves.
     name: str = ""
     #: True when the target's own program is the trial process (:meth:`run`).
     own_process: bool = False
+    #: True when oomtune can capture the workload's step (on the meta device, else the CPU) and so
+    #: predict it on the virtual GPU (search.prune=predicted, ``oomtune plan``, ``check --mode predict``).
+    capturable: bool = False
+    #: True when the ``model`` config group describes the workload (its keys enter the trial
+    #: workload, the study name and best.yaml's ``workload.model``); False: only the target group does.
+    uses_model_group: bool = False
+    #: True when the workload is built by the user's code (its model, batches, step), not oomtune's.
+    user_code: bool = False
+    #: True when the target's own program starts the ranks of a trial of several GPUs (``torchrun``).
+    starts_ranks: bool = False
+    #: True when its trials record their allocation streams (:func:`oomtune.capture_hook`), from
+    #: which the search predicts (:mod:`oomtune.plan.recorded`) what it cannot capture.
+    records_streams: bool = False
 
     def distributed(self, workload: Mapping[str, Any]) -> bool:
         """Whether ``workload`` trains under a data-parallel strategy whose ranks the trial process
         starts (:mod:`oomtune.trial.ranks`), also with one rank. Default: False."""
         return False
+
+    def reads_files(self, workload: Mapping[str, Any]) -> bool:
+        """Whether the workload reads a data set from files (the meta device takes synthetic data
+        only; captures of it are not cached). Default: False."""
+        return False
+
+    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+        """Whether the soak (:mod:`oomtune.plan.soak`) can capture this workload shape by shape: it
+        has a shape distribution oomtune can set, and one process trains it. Default: False."""
+        return False
+
+    def for_capture(self, workload: Mapping[str, Any]) -> dict[str, Any]:
+        """The workload mapping a capture builds (:meth:`build_workload` on meta or the CPU); the
+        workload itself by default."""
+        return dict(workload)
+
+    def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
+        """A copy of the ``target`` group whose paths no longer depend on the working directory
+        (relative ones taken from ``base``); a plain copy by default (nothing to resolve)."""
+        return dict(target_cfg)
 
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         """Check the ``target`` group without running anything.
@@ -73,6 +114,11 @@ class Target:
         """A copy of ``workload`` whose every step has ``shape`` (the soak's captures, a confirmation
         at the worst shape); the workload itself by default (fixed shapes)."""
         return dict(workload)
+
+    def worst_shape(self, workload: Mapping[str, Any]) -> Any:
+        """The largest shape of :meth:`shapes` (what the search and plan predict at); None when fixed."""
+        dist = self.shapes(workload)
+        return None if dist.is_fixed else max(dist.support(), key=lambda v: -1 if v is None else v)
 
     def label(self, workload: Mapping[str, Any]) -> str:
         """What is trained, in a few words for headers (e.g. ``resnet``, ``python entry f.py:fn``)."""
@@ -109,16 +155,47 @@ class Target:
         raise NotImplementedError(f"target={self.name} runs inside oomtune's trial process")
 
 
+def register_target(target: Target) -> Target:
+    """Add ``target`` to the registry under ``target.name`` (a target module calls this when
+    imported); returns it. Registering a name again replaces the entry (a reloaded module)."""
+    if not target.name:
+        raise ValueError("a Target needs a name to be registered")
+    _REGISTRY[target.name] = target
+    return target
+
+
+def target_names() -> tuple[str, ...]:
+    """The registered target names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def find_target(name: Any) -> Target | None:
+    """The registered :class:`Target` called ``name``; None for an unknown name (unchecked input)."""
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def get_target(name: Any) -> Target:
+    """The registered :class:`Target` called ``name``.
+
+    Raises:
+        ConfigError: an unknown name (one line listing the registered ones).
+    """
+    target = find_target(name)
+    if target is None:
+        raise ConfigError(f"target={name!r}: choose one of {', '.join(_REGISTRY)}")
+    return target
+
+
 def target_name(workload: Mapping[str, Any]) -> str:
-    """``workload["target"]["name"]``; ``"builtin"`` when absent (unchecked)."""
+    """``workload["target"]["name"]``; :data:`DEFAULT_TARGET` when absent (unchecked)."""
     target = workload.get("target")
-    return str(target.get("name", "builtin")) if isinstance(target, Mapping) else "builtin"
+    return str(target.get("name", DEFAULT_TARGET)) if isinstance(target, Mapping) else DEFAULT_TARGET
 
 
 def target_for(workload: Mapping[str, Any]) -> Target:
-    """The :class:`Target` serving ``workload`` (see the module docstring).
+    """The registered :class:`Target` serving ``workload`` (see the module docstring).
 
     Raises:
         ConfigError: an unknown target name.
     """
-    return importlib.import_module(TARGETS_PACKAGE).get_target(target_name(workload))
+    return get_target(target_name(workload))

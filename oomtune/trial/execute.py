@@ -39,17 +39,6 @@ __all__ = ["EXECUTE_SETTINGS", "resolve_execute", "host_available_bytes", "check
 EXECUTE_SETTINGS = ("auto", "meta", "cpu")
 
 
-def _real_data(workload: dict[str, Any]) -> bool:
-    data = workload.get("data")
-    return isinstance(data, dict) and data.get("source", "synthetic") != "synthetic"
-
-
-def _distributed(workload: dict[str, Any]) -> bool:
-    """A built-in workload trained by ranks under DDP/FSDP (``model.parallel``, set by
-    :func:`oomtune.workloads.parallel.with_ranks`)."""
-    return workload.get("parallel", "none") not in (None, "none")
-
-
 def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: dict[str, Any]) -> tuple[str, str]:
     """(mode, why) for ``trial.execute``: mode ``meta``, ``cpu`` (virtual GPU), ``device`` (a CUDA
     trial) or ``command`` (``target=cmd``: the command runs as it is).
@@ -62,19 +51,21 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     """
     if setting not in EXECUTE_SETTINGS:
         raise ConfigError(f"trial.execute={setting!r}: choose one of {', '.join(EXECUTE_SETTINGS)}")
-    target = (workload.get("target") or {}).get("name", "builtin")
-    if target == "cmd":
-        return "command", "target=cmd runs its own command"
+    from oomtune.trial._base import target_for
+
+    target = target_for(workload)
+    if target.own_process:
+        return "command", f"target={target.name} runs its own command"
     if not simulated:
         return "device", "trials run on the GPU"
     if setting == "meta":
         if objective == "throughput":
             raise ConfigError("trial.execute=meta measures no throughput, and search.objective=throughput ranks by it: "
                               "use search.objective=batch (or auto), or trial.execute=cpu")
-        if target == "builtin" and _real_data(workload):
+        if target.reads_files(workload):
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")
-        if target == "builtin" and _distributed(workload):
+        if target.distributed(workload):
             raise ConfigError(f"trial.execute=meta cannot run model.parallel={workload['parallel']}: its ranks exchange "
                               "real tensors (gloo), so use trial.execute=cpu (or auto)")
         return "meta", "trial.execute=meta"
@@ -82,9 +73,9 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         return "cpu", "trial.execute=cpu"
     if objective == "throughput":
         return "cpu", "trial.execute=auto with search.objective=throughput: the steps are timed"
-    if target == "builtin" and _real_data(workload):
+    if target.reads_files(workload):
         return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
-    if target == "builtin" and _distributed(workload):
+    if target.distributed(workload):
         return "cpu", (f"trial.execute=auto with model.parallel={workload['parallel']}: the ranks exchange real "
                        "tensors (gloo)")
     return "meta", "trial.execute=auto on the virtual GPU"

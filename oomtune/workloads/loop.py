@@ -170,6 +170,16 @@ class Workload:
         (:mod:`oomtune.plan.soak`)."""
         self._batches = (self.spec.make_batch(self.batch_size, self.device, s) for s in shapes)
 
+    def hold_first_batch(self) -> None:
+        """Take the first batch out of :meth:`batches` and hold it as the static batch: counted as
+        alive before the step (:meth:`tensors_before_step`, as a built-in's static synthetic batch:
+        the inputs occupy device memory during the step) and yielded first again by :meth:`batches`."""
+        import itertools
+
+        first = next(self._batches)
+        self._static_batch = first
+        self._batches = itertools.chain([first], self._batches)
+
     def tensors_before_step(self) -> list[torch.Tensor]:
         """Tensors alive between steps: parameters, buffers, optimizer state, the static synthetic
         batch (for ``VirtualGPU.register`` / ``capture_stream(existing=...)``)."""

@@ -279,19 +279,9 @@ def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
     Raises:
         ConfigError: as :func:`shape_distribution`.
     """
-    target = workload.get("target") or {}
-    if target.get("name", "builtin") != "builtin":
-        from oomtune.trial._base import target_for
+    from oomtune.trial._base import target_for
 
-        t = target_for(workload)
-        dist = t.shapes(workload)
-        if dist.is_fixed:
-            return workload
-        return t.at_shape(workload, max(dist.support(), key=lambda v: -1 if v is None else v))
-    cfg = {k: v for k, v in workload.items() if k != "target"}
-    if shape_distribution(cfg).is_fixed:
+    target = target_for(workload)   # the distribution and its shapes are the target's (Target.shapes)
+    if target.shapes(workload).is_fixed:
         return workload
-    out = at_shape(cfg, worst_shapes(cfg)[0])
-    if "target" in workload:
-        out["target"] = workload["target"]
-    return out
+    return target.at_shape(workload, target.worst_shape(workload))

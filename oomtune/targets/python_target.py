@@ -1,0 +1,75 @@
+"""``target=python``: the user's ``make_workload`` function (:mod:`oomtune.targets.python_entry`,
+which imports torch: this module, registered when :mod:`oomtune.targets` is imported, does not)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from oomtune.trial._base import Target, register_target
+
+__all__ = ["PythonTarget", "TARGET"]
+
+
+class PythonTarget(Target):
+    """``target=python``: the user's ``make_workload`` function, trained inside oomtune's trial
+    process (:func:`oomtune.targets.python_entry.build_user_workload`); captured like a built-in
+    workload (meta device, else the CPU) under ``with torch.device(device)``."""
+
+    name = "python"
+    own_process = False
+    capturable = True
+    user_code = True
+
+    def validate(self, target_cfg: Mapping[str, Any]) -> None:
+        from oomtune.targets.python_entry import load_entry
+
+        load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
+
+    def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
+        """A file entry (``path/to/file.py:function``) made absolute; module entries unchanged."""
+        from oomtune.targets import _absolute, is_file_entry
+
+        out = dict(target_cfg)
+        if isinstance(out.get("entry"), str):
+            where, sep, func = out["entry"].rpartition(":")
+            if sep and is_file_entry(where.strip()):
+                out["entry"] = f"{_absolute(where.strip(), base)}:{func}"
+        return out
+
+    def shapes(self, workload: Mapping[str, Any]) -> Any:
+        from oomtune.workloads.shapes import entry_shape_distribution
+
+        return entry_shape_distribution(workload.get("target") or {})
+
+    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+        """The entry declares a shape distribution (``target.seq_len`` / ``target.image_size``)."""
+        return self.shapes(workload).key is not None
+
+    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+        dist = self.shapes(workload)
+        out = dict(workload)
+        if shape is not None and dist.key is not None:
+            out["target"] = {**(workload.get("target") or {}), dist.key: shape}
+        return out
+
+    def label(self, workload: Mapping[str, Any]) -> str:
+        return f"python entry {(workload.get('target') or {}).get('entry')}"
+
+    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+        """Activation checkpointing needs an ``activation_checkpointing`` parameter of the entry."""
+        from oomtune.targets.python_entry import check_checkpointing_argument
+
+        check_checkpointing_argument(workload.get("target") or {}, checkpointing)
+
+    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+        from oomtune.targets.python_entry import build_user_workload
+        from oomtune.workloads.training import checkpointing_of, grad_accum_of
+
+        ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
+        return build_user_workload(workload.get("target") or {}, batch_size, device,
+                                   grad_accum=grad_accum_of(workload), activation_checkpointing=ckpt)
+
+
+TARGET = register_target(PythonTarget())
