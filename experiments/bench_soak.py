@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import oomtune.plan.soak as soak_module
+import oomtune.trial.soak as soak_module
 from oomtune.alloc import _compiled
-from oomtune.plan.soak import capture_soak, replay_soak
+from oomtune.trial.soak import capture_soak, replay_soak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)

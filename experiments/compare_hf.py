@@ -149,7 +149,7 @@ def clean_run(model: dict, seq_len: int, micro: int, accum: int, alloc_conf: str
     """The answer as an oomtune trial in a fresh process under the same budget (the callback sets
     the micro-batch and accumulation); ``budget`` None: an unbounded virtual GPU (a recording)."""
     from oomtune.device import resolve_budget, resolve_device
-    from oomtune.search.records import MemoryLimit
+    from oomtune.study.records import MemoryLimit
     from oomtune.targets.cmd import run_cmd_trial
     from oomtune.trial.record import TrialSpec
 
@@ -210,7 +210,7 @@ def run_oomtune_predict(model: dict, seq_len: int, global_batch: int, budget: st
     from oomtune.plan.predictor import sim_geometry
     from oomtune.plan.recorded import RecordedPredictor, load_recording
     from oomtune.search.frontier import predicted_frontiers
-    from oomtune.search.records import MemoryLimit
+    from oomtune.study.records import MemoryLimit
     from oomtune.search.space import SearchSpace
 
     space = SearchSpace(1, 512, {"expandable_segments": [False, True], "max_split_size_mb": [None, 64, 256],

@@ -230,7 +230,7 @@ def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Pa
     """The answer in a fresh process for trial.confirm_steps steps under the same budget."""
     from oomtune import config as C
     from oomtune.device import resolve_budget, resolve_device
-    from oomtune.search.records import MemoryLimit
+    from oomtune.study.records import MemoryLimit
     from oomtune.search.run import workload_of
     from oomtune.trial.record import TrialSpec
     from oomtune.trial.runner import TrialRunner

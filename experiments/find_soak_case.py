@@ -21,7 +21,7 @@ from pathlib import Path
 
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.capture.virtual_gpu import budgeted_sim
-from oomtune.plan.soak import capture_soak, replay_soak
+from oomtune.trial.soak import capture_soak, replay_soak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)

@@ -173,8 +173,8 @@ def stored_records(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
     if not info_path.is_file():
         return [], f"{info_path} missing (the search did not start its study)"
     sys.path.insert(0, str(REPO))
-    from oomtune.search import records as R
-    from oomtune.search.storage import load_study
+    from oomtune.study import records as R
+    from oomtune.study.storage import load_study
 
     info = json.loads(info_path.read_text())
     study = load_study(info["storage"], info["study_name"])

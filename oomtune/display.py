@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.units import format_bytes
 
 __all__ = ["starting", "device_words", "wrapped", "trial_rows", "planned_batch", "fit_table", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
@@ -167,7 +167,7 @@ def _unfinished_row(t: Any) -> dict[str, Any]:
     """A trial without a result: a duplicate (a probe another trial already ran, finished without
     launching anything: ``duplicate =#n``), interrupted (FAIL: Ctrl-C/SIGTERM; a resumed search
     re-runs it) or still running (another worker, or a process that was killed)."""
-    from oomtune.search.claims import ATTR_DUPLICATE_OF
+    from oomtune.study.records import ATTR_DUPLICATE_OF
 
     original = t.user_attrs.get(ATTR_DUPLICATE_OF)
     outcome = ("duplicate" if original is not None else "interrupted" if t.state.name == "FAIL" else "running")

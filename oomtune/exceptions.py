@@ -64,7 +64,7 @@ class ResumableError(Exception):
 
 class StorageUnavailableError(ResumableError):
     """The study's storage stayed unreachable through every retry (about 2 minutes:
-    :data:`oomtune.search.reconnect.STORAGE_RETRY_S`)."""
+    :data:`oomtune.study.reconnect.STORAGE_RETRY_S`)."""
 
 
 class DiskFullError(ResumableError):

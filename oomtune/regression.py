@@ -222,13 +222,13 @@ def fraction_case(best: Any, *, applied: float | None = None, device_total: int 
 
 def _search_limit(best: Any) -> tuple[int, str]:
     """The limit the search judged "fits" by (issue 14 item 9): ``budget_bytes * (1 - headroom)``
-    with the headroom best.yaml recorded (:class:`oomtune.search.records.MemoryLimit`; 0 when a
+    with the headroom best.yaml recorded (:class:`oomtune.study.records.MemoryLimit`; 0 when a
     file from before the headroom was recorded has none). Returns (limit in bytes, a phrase).
 
     Raises:
         BestFileError: a recorded headroom outside [0, 1).
     """
-    from oomtune.search.records import MemoryLimit
+    from oomtune.study.records import MemoryLimit
 
     budget = int(best.device["budget_bytes"])
     headroom = best.device.get("headroom", 0.0)

@@ -12,7 +12,7 @@ import optuna
 import pytest
 from rich.console import Console
 
-from oomtune.search import records as R
+from oomtune.study import records as R
 
 MiB = 1 << 20
 ES = "expandable_segments:True"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from oomtune.exceptions import ConfigError
-from oomtune.plan.soak import soak, soak_supported
+from oomtune.trial.soak import soak, soak_supported
 from oomtune.search.run import worst_shape_workload
 from oomtune.targets.python_entry import build_user_workload
 from oomtune.trial.soak_check import live_workload

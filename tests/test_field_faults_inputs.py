@@ -235,7 +235,7 @@ def test_item9_best_yaml_agreeing_forms_load(tmp_path):
 def test_item9_show_json_carries_data_not_display_strings(tmp_path, capsys):
     import optuna
 
-    from oomtune.search import records as R
+    from oomtune.study import records as R
     from oomtune.trial.record import TrialResult
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
@@ -269,7 +269,7 @@ def test_item9_corrupt_study_db_names_the_file_and_what_to_do(tmp_path, capsys):
 
 
 def test_item9_missing_database_driver_names_the_package():
-    from oomtune.search.storage import storage_error_message
+    from oomtune.study.storage import storage_error_message
 
     exc = ImportError("Failed to import DB access module for the specified storage URL.")
     exc.__cause__ = ModuleNotFoundError("No module named 'psycopg2'", name="psycopg2")

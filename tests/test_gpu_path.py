@@ -17,7 +17,7 @@ import pytest
 
 from oomtune.exceptions import DeviceError
 from oomtune.gpu import nvml
-from oomtune.search.records import used_bytes
+from oomtune.study.records import used_bytes
 from oomtune.trial.budget import memory_fraction_for_budget
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import GiB, MiB

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import oomtune
 
@@ -121,3 +122,143 @@ def test_no_code_outside_targets_branches_on_a_target_name():
         if found:
             offenders[str(path.relative_to(ROOT))] = found
     assert offenders == {}
+
+
+# --- The package-level import graph has no circle (issue 27 item 2) -------------------------------
+# Every import counts: module level, deferred (inside a function) and string imports
+# (importlib.import_module / __import__ of a literal, or of a module-level string constant); only
+# imports under ``if TYPE_CHECKING:`` (never executed) do not. A node is a subpackage or top-level
+# module of oomtune (``search``, ``trial``, ``config``); ``oomtune`` itself is the package root.
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imported_modules(source: str, module: str, *, is_package: bool = False) -> set[str]:
+    """The modules ``source`` (the text of ``module``) imports, deferred and string imports included."""
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:   # from pkg import submodule: the submodule
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub.startswith("oomtune.") and _is_module(sub) else base)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__"):
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    found.add(arg.value)
+                elif isinstance(arg, ast.Name) and arg.id in constants:
+                    found.add(constants[arg.id])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _node(module: str) -> str | None:
+    parts = module.split(".")
+    return None if parts[0] != "oomtune" else parts[1] if len(parts) > 1 else "oomtune"
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """node -> {node it imports: ["oomtune.a.b -> oomtune.c.d", ...]} over every module of oomtune."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        here = _node(module)
+        for imported in imported_modules(path.read_text(), module, is_package=is_package):
+            there = _node(imported)
+            if there is not None and there != here:
+                graph.setdefault(here, {}).setdefault(there, []).append(f"{module} -> {imported}")
+    return graph
+
+
+def circles(graph: dict[str, Any]) -> list[list[str]]:
+    """The strongly connected components of more than one node of ``graph`` (node -> its
+    successors), each sorted (Tarjan's algorithm, iterative): every import circle lies in one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    nodes = sorted(set(graph) | {w for succ in graph.values() for w in succ})
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, successors = work[-1]
+            for w in successors:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return sorted(out)
+
+
+def test_circle_finder_finds_circles_and_only_circles():
+    # a -> b -> c -> a is one circle, d <-> e another; f -> a and c -> g are not in any
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "g"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "f": {"a"}}) == []
+
+
+def test_deferred_and_string_imports_are_read():
+    source = ("import importlib\nfrom typing import TYPE_CHECKING\nPKG = 'oomtune.targets'\n"
+              "if TYPE_CHECKING:\n    from oomtune.display import starting\n"
+              "def f():\n    from oomtune.study import records\n    from .outcome import Outcome\n"
+              "    importlib.import_module('oomtune.trial.soak')\n    return importlib.import_module(PKG)\n")
+    found = imported_modules(source, "oomtune.trial._base")
+    assert {"oomtune.study.records", "oomtune.trial.outcome", "oomtune.trial.soak", "oomtune.targets"} <= found
+    assert "oomtune.display" not in found   # under TYPE_CHECKING: never executed
+
+
+def test_oomtune_has_no_import_circle():
+    graph = package_graph()
+    found = circles(graph)
+    edges = {f"{a} -> {b}": graph[a][b][:3] for comp in found for a in comp for b in comp if b in graph.get(a, {})}
+    assert found == [], edges

@@ -80,7 +80,7 @@ def test_env_and_load_best_import_no_torch(tmp_path):
 
 def test_show_imports_no_torch(tmp_path):
     pytest.importorskip("optuna")
-    from oomtune.search.records import ATTR_ROLE  # a trial still running, as `show` lists it
+    from oomtune.study.records import ATTR_ROLE  # a trial still running, as `show` lists it
     best = _best_yaml(tmp_path)
     setup = (f"import optuna\noptuna.logging.set_verbosity(optuna.logging.WARNING)\n"
              f"st = optuna.create_study(study_name='s', storage='sqlite:///{tmp_path / 's.db'}')\n"

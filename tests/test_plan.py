@@ -355,9 +355,9 @@ def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_sur
     lengths 64..1024 captured the data's first lengths (the longest 888) and planned batch 4 where a
     fixed length of 1024 plans 3. Now: per configuration, the planned batch under the distribution is
     at most the one at length 1024, and the recommended batch survives a 2000-step soak of the data's
-    lengths (oomtune.plan.soak, as the search's confirmation soaks it)."""
+    lengths (oomtune.trial.soak, as the search's confirmation soaks it)."""
     from oomtune.display import recommended_configuration
-    from oomtune.plan.soak import soak
+    from oomtune.trial.soak import soak
 
     varied = _plan(tmp_path / "a", *TINY_LM, "model.seq_len={low:64,high:1024}").to_dict()
     fixed = _plan(tmp_path / "b", *TINY_LM, "model.seq_len=1024").to_dict()
@@ -381,7 +381,7 @@ def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp
     kernels of issue 28): the default allocator fits its largest batch at length 512 on a fresh
     allocator but runs out of memory in the soak, so its planned batch is the largest that survives
     (each checked here with the soak itself), while expandable_segments:True keeps its batch."""
-    from oomtune.plan.soak import soak
+    from oomtune.trial.soak import soak
 
     lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
           "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",

@@ -17,7 +17,7 @@ import optuna
 import pytest
 
 from oomtune.outcome import Outcome
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.search.space import SearchSpace
 from oomtune.trial.record import TrialResult

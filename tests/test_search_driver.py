@@ -9,7 +9,7 @@ import pytest
 
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions, SetupFault
 from oomtune.search.space import SearchSpace
 from oomtune.trial.record import TrialResult

@@ -14,7 +14,7 @@ import pytest
 
 import oomtune
 from oomtune.cli import main
-from oomtune.search import records as R
+from oomtune.study import records as R
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from oomtune.alloc.sim import CachingAllocatorSim
 from oomtune.alloc.stream import AllocationStream
 from oomtune.capture import VirtualGPU
 from oomtune.exceptions import ConfigError
-from oomtune.plan.soak import SoakStreams, replay_soak, soak
+from oomtune.trial.soak import SoakStreams, replay_soak, soak
 from oomtune.trial.child import run_child
 from oomtune.trial.record import TrialSpec
 from oomtune.workloads import build_workload
@@ -167,7 +167,7 @@ VARIABLE_LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "v
 
 
 def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives():
-    from oomtune.plan.soak import capture_soak
+    from oomtune.trial.soak import capture_soak
 
     streams = capture_soak(VARIABLE_LM, 4, 2000, capture_device="meta")
     default = replay_soak(streams, "", device_memory_bytes=76 * MiB)
@@ -183,8 +183,8 @@ def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives
 def test_skipping_repeated_steps_changes_nothing(monkeypatch):
     """The soak skips a step that would repeat one exactly (same start state and shape, which
     returned to its start state); a full replay of every step gives the same figures step by step."""
-    import oomtune.plan.soak as soak_module
-    from oomtune.plan.soak import capture_soak
+    import oomtune.trial.soak as soak_module
+    from oomtune.trial.soak import capture_soak
 
     streams = capture_soak(VARIABLE_LM, 4, 300, capture_device="meta")
     for conf, capacity in (("", 1 << 40), ("", 80 * MiB), ("expandable_segments:True", 76 * MiB)):
@@ -205,7 +205,7 @@ def test_rounded_sizes_are_derived_and_a_rounding_the_anchors_hide_is_caught():
     of the block (128 here) a quadratic would fit them, so the length with the fewest factors of two
     is captured as well and rules it out."""
     from oomtune.alloc.stream import AllocationStream
-    from oomtune.plan._soak_derive import derive_shape_streams
+    from oomtune.trial._soak_derive import derive_shape_streams
 
     def stream(t: int) -> AllocationStream:
         s = AllocationStream()
@@ -226,7 +226,7 @@ def test_rounded_sizes_are_derived_and_a_rounding_the_anchors_hide_is_caught():
 def test_derived_shape_streams_equal_captured_ones():
     """Three captures (plus a check) derive the other lengths' streams of the transformer exactly;
     ResNet's convolution sizes are not polynomial in the image size, so every size is captured."""
-    from oomtune.plan.soak import capture_soak
+    from oomtune.trial.soak import capture_soak
 
     derived = capture_soak(SMALL_LM, 4, 100, capture_device="meta")
     captured = capture_soak(SMALL_LM, 4, 100, capture_device="meta", derive=False)
@@ -295,7 +295,7 @@ def test_soak_runs_on_the_compiled_core_with_the_python_simulators_results(monke
 
     from oomtune.alloc import _compiled
     from oomtune.capture.virtual_gpu import budgeted_sim
-    from oomtune.plan.soak import capture_soak
+    from oomtune.trial.soak import capture_soak
 
     if not _compiled.available():
         pytest.skip("the compiled core oomtune.alloc._fastcore is not built")

@@ -1,6 +1,6 @@
 """Storage calls outlast a lost connection, whatever exception carries it (issue 25 item 3), and a
 finished trial's outcome is kept in its run directory until the storage is told
-(oomtune/search/reconnect.py, oomtune/search/tell_records.py).
+(oomtune/study/reconnect.py, oomtune/search/tell_records.py).
 
 The exception chains are built as the libraries build them: Optuna's ``_create_scoped_session``
 re-raises any SQLAlchemy error of a session as ``StorageInternalError(...) from e``, and SQLAlchemy
@@ -21,9 +21,9 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from oomtune.exceptions import DiskFullError, StorageUnavailableError
-from oomtune.search import reconnect
-from oomtune.search.reconnect import is_connection_error, retrying
-from oomtune.search.storage import make_storage
+from oomtune.study import reconnect
+from oomtune.study.reconnect import is_connection_error, retrying
+from oomtune.study.storage import make_storage
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 

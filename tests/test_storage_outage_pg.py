@@ -81,7 +81,7 @@ def test_the_documented_url_opens_with_the_extras_driver_and_falls_back_to_psyco
 
     import optuna
 
-    from oomtune.search.storage import driver_url, make_storage
+    from oomtune.study.storage import driver_url, make_storage
 
     url = pg.create_database()
     assert url.startswith("postgresql://oomtune@127.0.0.1:")      # the README's form, no +driver

@@ -228,7 +228,7 @@ def test_trial_within_the_limit_runs_every_step(clean_alloc_env):
 
 
 def test_a_stopped_trial_violates_the_memory_constraint():
-    from oomtune.search.records import MemoryLimit, violation
+    from oomtune.study.records import MemoryLimit, violation
     from oomtune.trial.record import TrialResult
 
     limit = MemoryLimit(10 * MiB, 0.0)

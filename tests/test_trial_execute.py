@@ -213,7 +213,7 @@ def _study(run_dir):
 def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees(tmp_path, capsys):
     import oomtune
     from oomtune.cli import main
-    from oomtune.search import records as R
+    from oomtune.study import records as R
 
     answers = {}
     for execute in ("meta", "cpu"):

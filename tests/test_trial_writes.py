@@ -6,7 +6,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from oomtune.search.storage import make_storage
+from oomtune.study.storage import make_storage
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)

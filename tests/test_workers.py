@@ -12,8 +12,8 @@ import time
 import optuna
 import pytest
 
-from oomtune.search import records as R
-from oomtune.search.storage import make_storage, record_once, retrying
+from oomtune.study import records as R
+from oomtune.study.storage import make_storage, record_once, retrying
 from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY, Executor, TrialErrored, trial_key
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -220,7 +220,7 @@ def test_workers_starting_at_once_on_a_new_database_all_open_it(tmp_path):
     import sys
     from pathlib import Path
 
-    code = ("import sys; from oomtune.search.storage import open_study, make_sampler; "
+    code = ("import sys; from oomtune.study.storage import open_study; from oomtune.search.samplers import make_sampler; "
             "open_study(sys.argv[1], 'x', make_sampler('random', 0)); print('opened')")
     url = f"sqlite:///{tmp_path / 'new.db'}"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -234,7 +234,7 @@ def test_workers_starting_at_once_on_a_new_database_all_open_it(tmp_path):
 _CLAIMER = """
 import json, sys, time
 import optuna
-from oomtune.search.storage import make_storage
+from oomtune.study.storage import make_storage
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 url, start_at = sys.argv[1], float(sys.argv[2])
 study = optuna.load_study(study_name="race", storage=make_storage(url))
@@ -280,7 +280,7 @@ def test_seeded_sampler_draws_depend_on_the_trial_not_the_process(tmp_path):
     # must get distinct candidates (a plain RandomSampler(seed=0) in each drew the same sequence:
     # the same candidate launched twice), and a trial's draw must not depend on which process
     # asked, so one process reproduces a run with the same seed.
-    from oomtune.search.storage import make_sampler
+    from oomtune.search.samplers import make_sampler
 
     shared = _study(tmp_path, "shared")
     a = optuna.load_study(study_name="shared", storage=shared._storage, sampler=make_sampler("random", 0))

@@ -176,9 +176,9 @@ def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_o
     import optuna
 
     from oomtune.search import claims as C
-    from oomtune.search import records as R
+    from oomtune.study import records as R
     from oomtune.search import workers as W
-    from oomtune.search.storage import make_storage
+    from oomtune.study.storage import make_storage
     from oomtune.search.workers import Executor
 
     url = pg.create_database()
@@ -214,7 +214,7 @@ def test_record_once_on_postgresql_has_exactly_one_winner(pg):
 
     import optuna
 
-    from oomtune.search.storage import make_storage, record_once
+    from oomtune.study.storage import make_storage, record_once
 
     url = pg.create_database()
     optuna.create_study(storage=url, study_name="rec")
@@ -239,7 +239,7 @@ def test_worker_threads_take_turns_above_the_core_count(pg, monkeypatch, tmp_pat
     import optuna
 
     from oomtune.search import claims as C
-    from oomtune.search.storage import make_storage
+    from oomtune.study.storage import make_storage
 
     pg_study = optuna.create_study(storage=make_storage(pg.create_database()), study_name="cores")
     lite = optuna.create_study(storage=make_storage(f"sqlite:///{tmp_path}/cores.db"), study_name="cores")

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     from oomtune.commands.show import _locate
     from oomtune.search.outputs import recorded_best
-    from oomtune.search.storage import load_study
+    from oomtune.study.storage import load_study
 
     located = _locate(args)
     name = located.study_name

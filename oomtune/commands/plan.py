@@ -180,7 +180,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from oomtune.plan.parallel import default_workers
 
     # Under a shape distribution: predicted at its worst shape, with the search's code (issue 23 item 2)
-    from oomtune.workloads.shapes import worst_shape_workload
+    from oomtune.trial._base import worst_shape_workload
 
     worst = worst_shape_workload(workload)
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
@@ -255,7 +255,7 @@ def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predi
     configuration's largest batch for ``steps`` steps of the data's shapes, stepping it down to the
     largest that survives (:func:`oomtune.plan.soak_frontier.soak_rows`); ``steps`` 0: no soak."""
     from oomtune.plan.feasibility import PlanCell
-    from oomtune.plan.soak import soak_supported
+    from oomtune.trial.soak import soak_supported
     from oomtune.workloads.shapes import shape_distribution
 
     dist = shape_distribution({k: v for k, v in workload.items() if k != "target"})

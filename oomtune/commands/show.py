@@ -79,7 +79,7 @@ def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, A
     ``data`` the searched data-loader settings (``{"num_workers": 2}``)."""
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.exceptions import AllocatorConfigError
-    from oomtune.search import records as R
+    from oomtune.study import records as R
 
     by_number = {t.number: t for t in trials}
     out = []
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from oomtune.display import fit_table, trial_rows, trial_table, trial_table_legend
-    from oomtune.search.storage import load_study
+    from oomtune.study.storage import load_study
 
     located = _locate(args)
     url, name = located.url, located.study_name

@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from oomtune.exceptions import DeviceError
-from oomtune.trial.record import DeviceInfo
+from oomtune.gpu.info import DeviceInfo
 
 __all__ = [
     "query", "nvml_available", "no_driver", "device_count", "device_identity", "physical_index_for",

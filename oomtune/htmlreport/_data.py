@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomtune.search.claims import ATTR_DUPLICATE_OF
+from oomtune.study.records import ATTR_DUPLICATE_OF
 
 __all__ = ["RunData", "gather", "trial_records", "RUN_FILE", "PLAN_FILE", "FRONTIER_FILE", "STEP_FILE"]
 
@@ -162,7 +162,7 @@ def gather(run_dir: str | Path) -> RunData:
 def _read_trials(data: RunData) -> None:
     import optuna
 
-    from oomtune.search.storage import load_study
+    from oomtune.study.storage import load_study
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:

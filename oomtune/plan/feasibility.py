@@ -1,7 +1,7 @@
 """The feasibility map of ``oomtune plan``: per allocator configuration, the largest batch that fits
 the budget on the virtual GPU, and the predicted peak reserved / fragmentation at each batch size.
 
-"Fits" is the search's feasibility (:class:`oomtune.search.records.MemoryLimit`): the replay under
+"Fits" is the search's feasibility (:class:`oomtune.study.records.MemoryLimit`): the replay under
 the trial's limits completes without running out of memory AND the predicted peak reserved is at
 most the limit ``budget_bytes * (1 - search.headroom)`` (inclusive). Configurations the virtual GPU
 cannot simulate (``backend:cudaMallocAsync``: the driver's stream-ordered pool, not the caching
@@ -83,8 +83,8 @@ def validate_headroom(value: Any) -> float:
 
 def limit_bytes_of(budget_bytes: int, headroom: float) -> int:
     """The peak a feasible trial may reach, ``int(budget_bytes * (1 - headroom))``: the search's own
-    :class:`oomtune.search.records.MemoryLimit`, so that plan and search agree to the byte."""
-    from oomtune.search.records import MemoryLimit
+    :class:`oomtune.trial.budget.MemoryLimit`, so that plan and search agree to the byte."""
+    from oomtune.trial.budget import MemoryLimit
 
     return MemoryLimit(int(budget_bytes), float(headroom)).limit_bytes
 

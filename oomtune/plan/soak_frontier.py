@@ -1,13 +1,13 @@
 """``oomtune plan`` under a shape distribution: each configuration's planned batch must survive the soak.
 
 The map of a variable-shape workload is predicted at the distribution's worst shape (the largest
-padded length or image size, :func:`oomtune.workloads.shapes.worst_shape_workload`), as the search
+padded length or image size, :func:`oomtune.trial._base.worst_shape_workload`), as the search
 predicts its frontier: no configuration's planned batch then exceeds its planned batch at that fixed
 length. A batch that fits the worst shape on a fresh allocator can still run out of memory after
 hundreds of steps of mixed shapes, when the cache has fragmented (the 2000-step soak of a GPT-2-sized
 answer at 24 GiB failed at step 12 with length 944; issue 23 item 2). The search soaks every trial of
 such a workload, so a plan that did not would recommend batches the search rejects. Here each
-configuration's largest batch is soaked (:mod:`oomtune.plan.soak`: ``trial.soak_steps`` steps in the
+configuration's largest batch is soaked (:mod:`oomtune.trial.soak`: ``trial.soak_steps`` steps in the
 data's order, on the trial's virtual GPU); when it fails, the largest batch below it that survives
 is found by bisection (assuming that a batch that survives the soak survives it with fewer samples),
 and that becomes the configuration's planned batch. Every figure is simulated.
@@ -64,7 +64,7 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
         ConfigError: a bad workload or shape distribution.
     """
     from oomtune.alloc.settings import AllocatorSettings
-    from oomtune.plan.soak import capture_soak, replay_soak
+    from oomtune.trial.soak import capture_soak, replay_soak
 
     t0 = time.perf_counter()
     cfg = {k: v for k, v in model_cfg.items() if k != "target"}

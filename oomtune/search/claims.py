@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from oomtune.search import records as R
+from oomtune.study import records as R
 
 __all__ = ["ATTR_KEY", "ATTR_DUPLICATE_OF", "trial_key", "has_result", "is_live", "count_sampler", "claims_row_locked", "ask_new"]
 
 ATTR_KEY = "oomtune.key"                 # the candidate's identity within its role
-ATTR_DUPLICATE_OF = "oomtune.duplicate_of"
+from oomtune.study.records import ATTR_DUPLICATE_OF  # noqa: E402 - a trial that finished as a duplicate of another
 
 
 def trial_key(role: str, params: dict[str, Any], attrs: dict[str, Any] | None = None) -> str:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from oomtune.outcome import Outcome
 from oomtune.search import ranking as K
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.space import Candidate, SearchSpace
 from oomtune.search.tell_records import record_path, write_record
@@ -315,7 +315,7 @@ class Search:
 
         The outcome is written to the trial's record in the run directory first
         (:mod:`oomtune.search.tell_records`), then to the storage (retried while its connection is
-        lost: :mod:`oomtune.search.reconnect`); a record that cannot be written (full disk) is said
+        lost: :mod:`oomtune.study.reconnect`); a record that cannot be written (full disk) is said
         in one line and the storage is told all the same.
 
         Raises:

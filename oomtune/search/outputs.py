@@ -9,7 +9,7 @@ from typing import Any
 
 from oomtune import __version__
 from oomtune.best import BestConfig, Choice, load_best
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.trial.record import TrialResult
 from oomtune.units import format_bytes
 
@@ -21,10 +21,10 @@ BEST_ATTR = "oomtune:best"
 
 def write_recorded_best(study: Any, config: BestConfig, path: Path) -> Path:
     """Record ``config`` as the study's answer unless a worker already recorded one
-    (:func:`oomtune.search.storage.record_once`: exactly one writer wins), then write the recorded
+    (:func:`oomtune.study.storage.record_once`: exactly one writer wins), then write the recorded
     answer to ``path`` (atomically). Every worker of a study, on any machine, therefore writes the
     same best.yaml, and ``oomtune best --storage URL --study NAME`` prints it again."""
-    from oomtune.search.storage import record_once
+    from oomtune.study.storage import record_once
 
     return _write_yaml(record_once(study, BEST_ATTR, json.loads(json.dumps(config.to_dict(), default=str))), path)
 

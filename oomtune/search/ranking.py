@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from oomtune.search import records as R
+from oomtune.study import records as R
 
 __all__ = ["OBJECTIVES", "resolve_objective", "batch_rank_key", "rank_by_batch", "Repeats", "beats",
            "n_keys"]

@@ -14,10 +14,11 @@ from typing import Any
 from oomtune import config as C
 from oomtune.device import resolve_budget, resolve_device
 from oomtune.exceptions import ConfigError, StorageUnavailableError
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.search.space import SearchSpace
-from oomtune.search.storage import again_on_conflict, make_sampler, open_study, storage_url
+from oomtune.search.samplers import make_sampler
+from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
 
@@ -61,9 +62,9 @@ def _window(value: Any, device: Any) -> float:
 
 
 def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
-    """:func:`oomtune.workloads.shapes.worst_shape_workload` (the search's and plan's worst shape: one
-    code), imported when called (the workloads package imports torch)."""
-    from oomtune.workloads.shapes import worst_shape_workload as worst
+    """:func:`oomtune.trial._base.worst_shape_workload` (the search's and plan's worst shape: one
+    code), imported when called."""
+    from oomtune.trial._base import worst_shape_workload as worst
 
     return worst(workload)
 
@@ -113,7 +114,7 @@ def check_fits(planner: Any, predictor: Any, *, device: Any, budget_bytes: int, 
         ConfigError: one line naming the smallest predicted peak, its batch and configuration, and
             the limit.
     """
-    from oomtune.search.records import MemoryLimit
+    from oomtune.study.records import MemoryLimit
 
     if any(c.predicted is not None for c in planner.configs) or any(
             "cudaMallocAsync" in (c.alloc_conf or "") for c in planner.configs):

@@ -3,7 +3,7 @@
 When a trial process ends, the search writes what it will tell the study (the state, the objective
 value, the result attributes and the memory constraint) to ``trials/trial-NNNN/tell.json`` in the
 run directory, then tells the storage (:meth:`oomtune.search.driver.Search._tell`). If the storage
-stays unreachable past every retry (:mod:`oomtune.search.reconnect`, about 2 minutes), the search
+stays unreachable past every retry (:mod:`oomtune.study.reconnect`, about 2 minutes), the search
 stops and the trial is left RUNNING in the study; the next ``oomtune search`` with the same run
 directory tells the storage those records (:func:`replay`) before Optuna's stale-trial check would
 fail them for their stopped heartbeat, so a measurement is never lost to an outage.

@@ -9,7 +9,7 @@ the same rows, with the same checks, through Optuna's own storage method and tab
 in one session; for other storages (journal, in-memory) they fall back to the Trial API unchanged.
 
 Each write outlasts a lost database connection like Optuna's own calls do (issue 25 item 3:
-:func:`oomtune.search.reconnect.retrying`, one line per retry through the storage's ``say``); a
+:func:`oomtune.study.reconnect.retrying`, one line per retry through the storage's ``say``); a
 retry after a connection lost at the commit does not insert a parameter twice (:func:`_write`).
 """
 
@@ -140,9 +140,9 @@ def write_trial_attrs(storage: Any, trial_id: int, user_attrs: dict[str, Any],
 
 
 def _write_retrying(backend: Any, params: list[tuple], attrs: list[tuple], what: str) -> None:
-    """:func:`_write` through :func:`oomtune.search.reconnect.retrying`: a retry skips the
+    """:func:`_write` through :func:`oomtune.study.reconnect.retrying`: a retry skips the
     parameters an attempt lost at its commit had already stored (attributes are upserts)."""
-    from oomtune.search.reconnect import retrying
+    from oomtune.study.reconnect import retrying
 
     attempts: list[int] = []
 

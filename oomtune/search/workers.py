@@ -5,7 +5,7 @@ candidates is *enqueued* (``Study.enqueue_trial``: WAITING trials) and any worke
 or in another process or machine pointed at the same storage, *claims* one by moving it from
 WAITING to RUNNING (``Study._pop_waiting_trial_id``: a row-locked state change on PostgreSQL, so
 exactly one claimer wins; on SQLite every transaction takes the database's write lock at its
-start, :func:`oomtune.search.storage.make_storage`). The sampler's own trials are asked for by
+start, :func:`oomtune.study.storage.make_storage`). The sampler's own trials are asked for by
 whichever worker is free (:func:`ask_new`: Optuna's ``Study.ask``, the new trial created with its
 role). The worker threads of one process claim and ask at once where the storage row-locks the
 claim (PostgreSQL, MySQL) and they are no more than the CPU cores; on SQLite, which runs one
@@ -24,10 +24,10 @@ repeated by a second process that computes the same probe.
 Faults: each running trial has Optuna's heartbeat (RDB storages); a worker killed mid-trial leaves
 a RUNNING trial that :func:`optuna.storages.fail_stale_trials` (called by every worker while it
 claims work) fails after the grace period, and the storage's retry callback re-enqueues it for the
-next free worker (:func:`oomtune.search.storage.make_storage`). A candidate left without a result
+next free worker (:func:`oomtune.study.storage.make_storage`). A candidate left without a result
 and without a live trial (e.g. its worker was interrupted) is enqueued again, up to
 :data:`MAX_ATTEMPTS` times. Storage calls that fail on a dropped connection are retried with
-backoff (:mod:`oomtune.search.reconnect`); when the storage stays unreachable, a trial that has
+backoff (:mod:`oomtune.study.reconnect`); when the storage stays unreachable, a trial that has
 finished stays RUNNING with its outcome in its run-directory record
 (:mod:`oomtune.search.tell_records`) instead of being told FAIL.
 """
@@ -39,11 +39,11 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from oomtune.search import records as R
+from oomtune.study import records as R
 from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_at_once, count_sampler,
                                    has_result, is_live, trial_key)
 from oomtune.exceptions import StorageUnavailableError
-from oomtune.search.storage import retrying
+from oomtune.study.storage import retrying
 
 __all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
 

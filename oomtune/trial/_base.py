@@ -35,7 +35,7 @@ from typing import Any, Callable
 from oomtune.exceptions import ConfigError
 
 __all__ = ["Target", "DEFAULT_TARGET", "register_target", "get_target", "find_target", "target_names",
-           "target_for", "target_name"]
+           "target_for", "target_name", "worst_shape_workload"]
 
 #: The target of a workload without a ``target`` group: a built-in workload of the ``model`` group.
 DEFAULT_TARGET = "builtin"
@@ -78,7 +78,7 @@ class Target:
         return False
 
     def can_soak(self, workload: Mapping[str, Any]) -> bool:
-        """Whether the soak (:mod:`oomtune.plan.soak`) can capture this workload shape by shape: it
+        """Whether the soak (:mod:`oomtune.trial.soak`) can capture this workload shape by shape: it
         has a shape distribution oomtune can set, and one process trains it. Default: False."""
         return False
 
@@ -199,3 +199,20 @@ def target_for(workload: Mapping[str, Any]) -> Target:
         ConfigError: an unknown target name.
     """
     return get_target(target_name(workload))
+
+
+def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
+    """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
+    shape (:meth:`Target.worst_shape`; for a built-in workload :func:`oomtune.workloads.shapes.
+    worst_shapes`): what the search's frontier and ``oomtune plan`` predict at (issue 23 item 2: the
+    same code for both). ``workload`` itself when its shapes are
+    fixed. The distribution and its shapes are the target's (:meth:`Target.shapes` / :meth:`Target.
+    at_shape`: a python entry may declare one; a command's are not known).
+
+    Raises:
+        ConfigError: as :func:`oomtune.workloads.shapes.shape_distribution`.
+    """
+    target = target_for(workload)   # the distribution and its shapes are the target's (Target.shapes)
+    if target.shapes(workload).is_fixed:
+        return workload
+    return target.at_shape(workload, target.worst_shape(workload))

@@ -36,11 +36,13 @@ Memory outside the request stream (issue 15), and what the recordings can show o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from oomtune.exceptions import DeviceError
 from oomtune.units import format_bytes
 
 __all__ = [
+    "MemoryLimit",
     "CUDA_CONTEXT_LAZY_BYTES",
     "CUDA_CONTEXT_EAGER_BYTES",
     "estimated_non_allocator_bytes",
@@ -141,3 +143,17 @@ def device_peak_bound_bytes(fraction: float, total_bytes: int, non_allocator_byt
     """Upper bound of the process's device-level usage (what nvidia-smi shows) under ``fraction``:
     ``allowed_allocator_bytes(fraction, total) + non_allocator`` bytes (field case C9)."""
     return allowed_allocator_bytes(fraction, total_bytes) + non_allocator_bytes
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The peak a feasible trial may reach: ``budget_bytes * (1 - headroom)`` (bytes; the search's
+    feasibility and ``oomtune plan``'s limit, :func:`oomtune.plan.feasibility.limit_bytes_of`)."""
+
+    budget_bytes: int
+    headroom: float
+
+    @property
+    def limit_bytes(self) -> int:
+        """``budget_bytes * (1 - headroom)``, truncated to whole bytes."""
+        return int(self.budget_bytes * (1.0 - self.headroom))

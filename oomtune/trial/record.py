@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomtune.gpu.info import DeviceInfo  # noqa: F401 - re-exported: the trial records it
 from oomtune.outcome import Outcome
 
 __all__ = ["TrialSpec", "TrialResult", "DeviceInfo", "MEMORY_SOURCE_DEVICE", "MEMORY_SOURCE_SIMULATED",
@@ -50,14 +51,14 @@ class TrialSpec:
             classifier (a batch-dependent failure after a success is a limit, not a setup fault;
             field case C1).
         soak_steps: after the live steps pass, soak the candidate for this many steps of the
-            workload's shape sequence on the virtual GPU (:mod:`oomtune.plan.soak`; built-in
+            workload's shape sequence on the virtual GPU (:mod:`oomtune.trial.soak`; built-in
             workloads; 0: no soak). Running out of memory in the soak makes the trial infeasible.
         shapes: the live steps' shapes: ``data`` (the shape distribution's seeded order) or
             ``worst`` (every live step at the distribution's largest shape; the soak still follows
             the data order): a confirmation meets the worst case.
         limit_bytes: the search's memory limit (budget x (1 - headroom)), bytes. After each step,
             once the memory used so far (peak reserved, plus the non-allocator memory on CUDA: a
-            lower bound of what :func:`oomtune.search.records.used_bytes` reports) exceeds it,
+            lower bound of what :func:`oomtune.study.records.used_bytes` reports) exceeds it,
             the trial stops: its peak can only grow, so it is above the limit whatever the
             remaining steps do (``TrialResult.extra["stopped_over_limit"]`` names the step; no
             soak). None: every step runs.
@@ -105,21 +106,6 @@ class TrialSpec:
     @classmethod
     def from_json(cls, text: str) -> "TrialSpec":
         return cls(**json.loads(text))
-
-
-@dataclass
-class DeviceInfo:
-    """The physical device a trial ran on (field case C10: record it, since CUDA_VISIBLE_DEVICES
-    remaps indices). ``uuid``/``pci_bus_id`` come from NVML; None on CPU or without NVML."""
-
-    kind: str                      # "cuda" | "cpu"
-    name: str | None = None        # e.g. "NVIDIA H200"
-    index: int | None = None       # torch's (visible) index
-    uuid: str | None = None        # "GPU-..." from NVML
-    pci_bus_id: str | None = None  # "00000000:19:00.0" from NVML
-    total_memory_bytes: int | None = None
-    driver_version: str | None = None
-    cuda_version: str | None = None
 
 
 @dataclass

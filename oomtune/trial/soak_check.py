@@ -1,5 +1,5 @@
 """The trial's soak: after the measured steps pass, the virtual GPU soaks the candidate for
-``TrialSpec.soak_steps`` steps of the workload's shape sequence (:mod:`oomtune.plan.soak`); running
+``TrialSpec.soak_steps`` steps of the workload's shape sequence (:mod:`oomtune.trial.soak`); running
 out of memory at soak step k makes the trial infeasible, and the record says at which step and why.
 
 Also the shape order of the live steps (``TrialSpec.shapes``): ``data`` (the distribution's seeded
@@ -56,7 +56,7 @@ def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *
         capture_device: ``cpu`` on a CPU trial (its first steps then equal the trial's own),
             ``meta`` otherwise.
     """
-    from oomtune.plan.soak import soak, soak_supported
+    from oomtune.trial.soak import soak, soak_supported
 
     if spec.soak_steps <= 0 or not soak_supported(spec.workload):
         return

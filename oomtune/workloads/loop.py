@@ -167,7 +167,7 @@ class Workload:
         """Replace the batch iterator by fresh synthetic batches of ``shapes`` (``seq_len`` /
         ``image_size`` per step, see :mod:`oomtune.workloads.shapes`), each made when a step asks
         for it, as the variable-shape data source makes them: for capturing one shape's step
-        (:mod:`oomtune.plan.soak`)."""
+        (:mod:`oomtune.trial.soak`)."""
         self._batches = (self.spec.make_batch(self.batch_size, self.device, s) for s in shapes)
 
     def hold_first_batch(self) -> None:

@@ -4,7 +4,7 @@ Real out-of-memory failures after hours of training come from varying shapes (pa
 varying length, multi-scale images): the caching allocator's cache fragments over hundreds of steps.
 A distribution turns one ``model`` key into a deterministic, seeded sequence of per-step shapes,
 the same run after run, shared by the live trial (its synthetic batches) and the virtual-GPU soak
-(:mod:`oomtune.plan.soak`).
+(:mod:`oomtune.trial.soak`).
 
 Spellings (Hydra YAML or overrides):
 
@@ -53,7 +53,7 @@ import numpy as np
 from oomtune.exceptions import ConfigError
 
 __all__ = ["SHAPE_KEYS", "ShapeDistribution", "shape_distribution", "entry_shape_distribution", "worst_shapes",
-           "at_shape", "document_lengths", "worst_shape_workload"]
+           "at_shape", "document_lengths"]
 
 #: The model key carrying the per-step shape, per built-in model (mlp has fixed shapes).
 SHAPE_KEYS = {"transformer": "seq_len", "resnet": "image_size"}
@@ -267,21 +267,3 @@ def at_shape(model_cfg: Mapping[str, Any], shape: int | None) -> dict[str, Any]:
     if dist.key == "seq_len" and dist.max_shape != shape:
         cfg["max_seq_len"] = dist.max_shape
     return cfg
-
-
-def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
-    """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
-    shape (:func:`at_shape` of :func:`worst_shapes`): what the search's frontier and ``oomtune plan``
-    predict at (issue 23 item 2: the same code for both). ``workload`` itself when its shapes are
-    fixed. Another target's distribution and shapes are its own (:meth:`oomtune.trial._base.Target.
-    shapes` / ``at_shape``: a python entry may declare one; a command's are not known).
-
-    Raises:
-        ConfigError: as :func:`shape_distribution`.
-    """
-    from oomtune.trial._base import target_for
-
-    target = target_for(workload)   # the distribution and its shapes are the target's (Target.shapes)
-    if target.shapes(workload).is_fixed:
-        return workload
-    return target.at_shape(workload, target.worst_shape(workload))

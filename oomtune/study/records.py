@@ -3,13 +3,12 @@ Optuna trial stores (so ``oomtune show`` and a resumed search read results witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from oomtune.outcome import Outcome
 from oomtune.trial.record import TrialResult
 
-__all__ = ["MemoryLimit", "used_bytes", "violation", "result_of", "ATTR_RESULT", "ATTR_ROLE"]
+__all__ = ["ATTR_DUPLICATE_OF", "MemoryLimit", "used_bytes", "violation", "result_of", "ATTR_RESULT", "ATTR_ROLE"]
 
 ATTR_RESULT = "result"        # TrialResult.to_dict()
 ATTR_ROLE = "role"            # "baseline" | "search" | "confirm"
@@ -20,21 +19,12 @@ ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
 ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
 ATTR_PEAK_RESERVED = "peak_reserved"  # "966.00 MiB (simulated)": for people reading the study
 ATTR_RECHECK_OF = "recheck_of"  # a re-run of an infeasible trial below a feasible one (issue 23 item 3)
+ATTR_DUPLICATE_OF = "oomtune.duplicate_of"  # a trial finished as a duplicate of this trial number
 #: The objective's name, shown by optuna-dashboard (``Study.set_metric_names``).
 METRIC_NAME = "throughput (samples/s)"
 
 
-@dataclass(frozen=True)
-class MemoryLimit:
-    """The peak a feasible trial may reach: ``budget_bytes * (1 - headroom)``."""
-
-    budget_bytes: int
-    headroom: float
-
-    @property
-    def limit_bytes(self) -> int:
-        """``budget_bytes * (1 - headroom)``, truncated to whole bytes."""
-        return int(self.budget_bytes * (1.0 - self.headroom))
+from oomtune.trial.budget import MemoryLimit  # noqa: E402,F401 - one definition, below plan and search
 
 
 def used_bytes(result: TrialResult) -> int | None:

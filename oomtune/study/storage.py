@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.exceptions import ConfigError, StudyNotFoundError
-from oomtune.search.reconnect import STORAGE_RETRY_S, reconnecting_storage_class, retrying
+from oomtune.study.reconnect import STORAGE_RETRY_S, reconnecting_storage_class, retrying
 
-__all__ = ["storage_url", "driver_url", "make_storage", "make_sampler", "open_study", "load_study", "storage_error_message",
+__all__ = ["storage_url", "driver_url", "make_storage", "open_study", "load_study", "storage_error_message",
            "retrying", "record_once", "again_on_conflict", "HEARTBEAT_INTERVAL_S", "GRACE_PERIOD_S", "MAX_RETRIES",
            "STORAGE_RETRY_S"]
 
@@ -40,7 +40,7 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
     again, at most :data:`MAX_RETRIES` times. Connections are checked before use
     (SQLAlchemy ``pool_pre_ping``), so a dropped connection is replaced, not reused, and every
     storage call outlasts a lost connection for about 2 minutes, one line through ``say`` per retry
-    (:func:`oomtune.search.reconnect.reconnecting_storage_class`). A URL without a driver is opened
+    (:func:`oomtune.study.reconnect.reconnecting_storage_class`). A URL without a driver is opened
     with an installed one (:func:`driver_url`).
 
     Raises:
@@ -259,50 +259,13 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     return storage.get_study_system_attrs(study._study_id)[key]
 
 
-def make_sampler(name: str, seed: int | None) -> Any:
-    """An Optuna sampler by name: tpe (default), random, qmc, gp.
-
-    With a seed, the tpe, random and gp samplers draw each trial's values from its own seed,
-    ``(seed, trial number)`` (:class:`oomtune.search.seeding.TrialSeeded`): processes sharing one
-    study then draw distinct candidates, and one process draws the same ones on every run.
-
-    Constraints reach the samplers through ``Trial.set_constraint`` (Optuna >= 5), so infeasible
-    trials (OOM) inform TPE/GP instead of being discarded as FAIL.
-
-    Raises:
-        ConfigError: an unknown sampler name.
-    """
-    import optuna
-
-    samplers = {
-        # constant_liar: trials still RUNNING (other workers') count as bad, so that workers do not
-        # all sample the same point; without concurrent trials it changes nothing.
-        "tpe": lambda s: optuna.samplers.TPESampler(seed=s, n_startup_trials=4, multivariate=True,
-                                                    constant_liar=True),
-        "random": lambda s: optuna.samplers.RandomSampler(seed=s),
-        "qmc": lambda s: optuna.samplers.QMCSampler(seed=s),
-        "gp": lambda s: optuna.samplers.GPSampler(seed=s),
-    }
-    if name not in samplers:
-        raise ConfigError(f"unknown sampler {name!r}: choose one of {', '.join(sorted(samplers))}")
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
-        if seed is None or name == "qmc":  # QMC's points are numbered by the study, not drawn
-            return samplers[name](seed)
-        from oomtune.search.seeding import TrialSeeded
-
-        return TrialSeeded(samplers[name], seed)   # processes sharing the study draw distinct candidates
-
-
 def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
                grace_period_s: int = GRACE_PERIOD_S, say: Any = None, before_stale: Any = None) -> Any:
     """Create the study, or load it when it exists (resume; or join it: other workers on the same
     storage and study name). Calls ``before_stale(study)`` (e.g. telling the storage the trials
     that finished while it was unreachable: :func:`oomtune.search.tell_records.replay`), then fails
     stale RUNNING trials. Every storage call outlasts a lost connection for about 2 minutes
-    (:mod:`oomtune.search.reconnect`), one line through ``say`` per retry.
+    (:mod:`oomtune.study.reconnect`), one line through ``say`` per retry.
 
     Raises:
         ConfigError: the storage cannot be opened (:func:`make_storage`).

@@ -10,7 +10,7 @@ after the few measured steps of a trial. The soak looks that far ahead without r
    data's first shape, which creates the optimizer state; then one steady-state step per DISTINCT
    shape of the sequence (a steady step frees everything it allocates: activations, gradients under
    ``zero_grad(set_to_none=True)``, the batch of a variable-shape workload). With many shapes, three
-   are captured (plus one check) and the others derived exactly (:mod:`oomtune.plan._soak_derive`).
+   are captured (plus one check) and the others derived exactly (:mod:`oomtune.trial._soak_derive`).
 2. Replay the first stream, then the steady streams in the data's order (the seeded sequence of
    :meth:`oomtune.workloads.shapes.ShapeDistribution.iter_shapes`, the same one the live trial's
    batches follow), on ONE virtual GPU (:func:`oomtune.alloc._compiled.make_simulator`: the compiled
@@ -32,13 +32,14 @@ All sizes are bytes, on the virtual GPU (simulated).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
-from oomtune.plan._soak_derive import derive_shape_streams
+from oomtune.trial._soak_derive import derive_shape_streams
 
 __all__ = ["SoakResult", "SoakStreams", "capture_soak", "replay_soak", "soak", "soak_supported"]
 
@@ -55,7 +56,7 @@ class SoakStreams:
         steady: shape -> ``AllocationStream`` of one steady-state step at that shape.
         fixed: the workload has fixed shapes (enables the early stop).
         shape_key: ``seq_len`` / ``image_size`` / None, for messages.
-        captured_shapes: steady streams captured (the others were derived, :mod:`oomtune.plan._soak_derive`).
+        captured_shapes: steady streams captured (the others were derived, :mod:`oomtune.trial._soak_derive`).
         capture_s: wall seconds spent capturing.
         fallback_reason: why capture ran on CPU rather than meta (None on meta).
     """
@@ -156,7 +157,7 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
             the CPU runs, so the soak's first steps equal that trial's memory exactly: the generic
             meta kernels differ from the CPU's, e.g. CPU attention saves other tensors).
         derive: with many distinct shapes, capture three (plus one check) and derive the others
-            exactly (:mod:`oomtune.plan._soak_derive`; falls back to capturing every shape).
+            exactly (:mod:`oomtune.trial._soak_derive`; falls back to capturing every shape).
 
     Raises:
         ConfigError: a bad workload config or shape distribution; a non-built-in target; an
@@ -183,9 +184,7 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
             if device == "cpu":
                 raise
             reason = f"meta kernel missing or data-dependent ({str(exc).splitlines()[0][:160]}): captured on cpu"
-            from oomtune.plan.predictor import say_now
-
-            say_now(f"note: soak at batch {batch_size}: {reason}")
+            print(f"oomtune: note: soak at batch {batch_size}: {reason}", file=sys.stderr, flush=True)
             continue
         out.fallback_reason = reason
         out.capture_s = time.perf_counter() - t0
