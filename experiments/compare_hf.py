@@ -211,7 +211,7 @@ def run_oomtune_predict(model: dict, seq_len: int, global_batch: int, budget: st
     from oomtune.plan.recorded import RecordedPredictor, load_recording
     from oomtune.search.frontier import predicted_frontiers
     from oomtune.study.records import MemoryLimit
-    from oomtune.search.space import SearchSpace
+    from oomtune.space import SearchSpace
 
     space = SearchSpace(1, 512, {"expandable_segments": [False, True], "max_split_size_mb": [None, 64, 256],
                                  "roundup_power2_divisions": [None, 4], "garbage_collection_threshold": [None, 0.8],

@@ -12,7 +12,7 @@ from oomtune.best import BestConfig, Choice, apply_best, load_best, write_best
 from oomtune.config import compose, conf_dir, run_dir_of
 from oomtune.device import TargetDevice, resolve_budget, resolve_device
 from oomtune.exceptions import BestFileError, ConfigError, DeviceError
-from oomtune.search.space import SearchSpace
+from oomtune.space import SearchSpace
 from oomtune.units import GiB, parse_size
 
 GPU16 = TargetDevice("cuda:0", "cuda", 0, "Fake 16 GiB", 16 * GiB, False)

@@ -13,7 +13,7 @@ import oomtune
 from oomtune.cli import main
 from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner
-from oomtune.search.space import SearchSpace, micro_batches
+from oomtune.space import SearchSpace, micro_batches
 from oomtune.targets.cmd import PLACEHOLDERS, build_command, placeholder_values
 
 REPO = Path(__file__).resolve().parents[1]

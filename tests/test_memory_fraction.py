@@ -121,7 +121,7 @@ def test_off_drops_the_threshold_and_predicts_without_a_fraction():
     from oomtune import config as C
     from oomtune.device import resolve_device
     from oomtune.plan.predictor import sim_geometry
-    from oomtune.search.space import SearchSpace
+    from oomtune.space import SearchSpace
 
     space = SearchSpace(8, 64, {"garbage_collection_threshold": [None, 0.8, 0.6], "expandable_segments": [False, True]})
     assert space.drop_garbage_collection() == [0.8, 0.6]

@@ -308,7 +308,7 @@ def test_plan_skips_cuda_malloc_async_configurations_with_a_notice(tmp_path, cap
 
 
 def test_only_cuda_malloc_async_configurations_exit_2_before_writing(tmp_path, capsys, monkeypatch):
-    from oomtune.search.space import SearchSpace
+    from oomtune.space import SearchSpace
 
     # the search space always adds torch's default (native), so only a space without it gets here
     monkeypatch.setattr(SearchSpace, "all_settings", lambda self: [{"backend": "cudaMallocAsync"}])

@@ -156,7 +156,7 @@ def test_plan_compact_table_fits_120_columns_for_the_full_space():
     from oomtune import config as C
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.display import plan_compact_table
-    from oomtune.search.space import SearchSpace
+    from oomtune.space import SearchSpace
 
     space = SearchSpace.from_config(C.compose([]).search)  # the default space: 24 configurations
 

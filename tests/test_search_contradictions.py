@@ -19,7 +19,7 @@ import pytest
 from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
-from oomtune.search.space import SearchSpace
+from oomtune.space import SearchSpace
 from oomtune.trial.record import TrialResult
 from oomtune.units import MiB
 

@@ -11,7 +11,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions, SetupFault
-from oomtune.search.space import SearchSpace
+from oomtune.space import SearchSpace
 from oomtune.trial.record import TrialResult
 from oomtune.units import MiB
 

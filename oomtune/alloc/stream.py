@@ -48,6 +48,11 @@ class AllocationStream:
         events: optional iterable of ``(action, key, size_bytes, stream)`` tuples (a free may be
             ``(action, key)``).
 
+    Attributes:
+        captured_on: the device a capture ran the step on (``meta`` or ``cpu``: the capture's
+            result, :func:`oomtune.plan.predictor.capture_training_stream`); None for a stream that
+            is not a capture (built, derived, recorded). Not an event: equality ignores it.
+
     Raises:
         ConfigError: an unknown action, a negative size, an alloc of a live key, a free of a key
             that is not live.
@@ -59,6 +64,7 @@ class AllocationStream:
         self.sizes = array("q")
         self.streams = array("q")
         self._live: dict[int, int] = {}
+        self.captured_on: str | None = None
         for ev in events or ():
             self.append(*ev)
 

@@ -57,7 +57,8 @@ def frontier_batches(trials: list[dict[str, Any]], best_batch: int | None, *, ca
 
 
 def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: Any, budget_bytes: int,
-                           headroom: float, predictor: Any = None, space: Any = None) -> list[str]:
+                           headroom: float, predictor: Any = None, space: Any = None,
+                           predicted_frontiers: bool | None = None) -> list[str]:
     """Write frontier.yaml and winner_step.pickle into ``run_dir`` (simulated on the virtual GPU).
 
     The frontier (plan.yaml's schema): with the search's predictor, every configuration of ``space``
@@ -71,8 +72,12 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
         workload: the trial workload mapping (built-in model or ``target=python``; a ``cmd`` target
             cannot be captured and nothing is written).
         device: the resolved :class:`oomtune.device.TargetDevice`; budget_bytes / headroom: the search's.
-        predictor: the search's :class:`oomtune.plan.predictor.Predictor` (its captures are reused).
-        space: the :class:`oomtune.search.space.SearchSpace`; its configurations fill the frontier up to
+        predictor: the search's :class:`oomtune.plan.predictor.Predictor` (built once per search, by
+            :mod:`oomtune.search.run`; its captures are reused); None: nothing to predict with (a
+            ``cmd`` target whose trials recorded no streams).
+        predicted_frontiers: whether ``predictor`` predicted the search's frontiers
+            (``search.prune=predicted``: the whole map is in its cache); default: it did when given.
+        space: the :class:`oomtune.space.SearchSpace`; its configurations fill the frontier up to
             :data:`MAX_FRONTIER_CONFIGS` when the study tried fewer.
 
     Returns:
@@ -84,7 +89,7 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.plan.feasibility import (FeasibilityMap, PlanCell, PlanRow, build_plan, grid_batches, limit_bytes_of,
                                           write_plan)
-    from oomtune.plan.predictor import Predictor, sim_geometry
+    from oomtune.plan.predictor import sim_geometry
     from oomtune.htmlreport._data import gather
     from oomtune.htmlreport._step import synthesise_snapshot, write_step_snapshot
 
@@ -95,12 +100,10 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
     if (known is None or not known.capturable) and predictor is None:
         return [f"report: no predicted frontier or winner's step for target={target} (its trials recorded no "
                 "allocation streams to replay, and a command cannot be captured without running it)"]
-    data = gather(run_dir)
-    captured = predictor is not None
     if predictor is None:
-        from oomtune.plan.stream_cache import default_cache
-
-        predictor = Predictor.for_search(workload, device, budget_bytes, cache=default_cache())
+        return [f"report: no predicted frontier or winner's step for target={target} (the search gave no predictor)"]
+    data = gather(run_dir)
+    captured = predictor is not None if predicted_frontiers is None else predicted_frontiers
     best = (data.best or {}).get("best") or {}
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,

@@ -167,6 +167,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
             say_now(f"note: batch {batch_size}: {reason}; the CPU capture runs the step for real, in host "
                     f"memory (at most {_gib(cpu_capture_limit_bytes())} of it)")
             continue
+        stream.captured_on = device   # the capture's device, a field (never read back from the reason's words)
         notes_text = "; ".join(line for n in notes[:1] for line in n.translations())
         for extra in (wl.fallback_reason, notes_text or None):
             if extra:
@@ -351,6 +352,7 @@ class Predictor:
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
         self._capture_reasons: dict[int, str | None] = {}
+        self._capture_devices: dict[int, str | None] = {}   # batch -> meta | cpu (AllocationStream.captured_on)
         self._cache: dict[tuple[int, str], Prediction] = {}
         self._replays: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._deriver = StreamDeriver()
@@ -382,6 +384,12 @@ class Predictor:
 
         return cls(workload, sim_geometry(device, budget_bytes, memory_fraction=memory_fraction), steps=steps,
                    cache=cache, workers=default_workers())
+
+    @property
+    def captured_on(self) -> set[str]:
+        """The devices this predictor's captures ran on (``meta``, ``cpu``: each capture's
+        :attr:`oomtune.alloc.stream.AllocationStream.captured_on`, also for those read from the cache)."""
+        return {d for d in self._capture_devices.values() if d is not None}
 
     @property
     def captures(self) -> int:
@@ -508,6 +516,7 @@ class Predictor:
             self.fallback_reasons.add(reason)
         self._streams[batch_size] = self._captured[batch_size] = stream
         self._capture_reasons[batch_size] = reason
+        self._capture_devices[batch_size] = getattr(stream, "captured_on", None)
         if self.derive and not self._deriver.add(batch_size, stream, reason):
             self._forget_derived()
         return stream

@@ -10,8 +10,8 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
   change to any of them is another key, so an entry is never stale, only unused.
-* **an entry** is ``<key>.json`` (the key's material, the capture's fallback reason and the SHA-256
-  of the stream file) and ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s
+* **an entry** is ``<key>.json`` (the key's material, the capture's fallback reason, the device it
+  ran on (``captured_on``) and the SHA-256 of the stream file) and ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s
   binary format, whose loader validates every event). Both are written to temporary names and
   renamed into place, the stream last; an entry whose files are missing, unreadable, of another key,
   whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
@@ -293,6 +293,7 @@ class StreamCache:
             if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
                 raise ValueError("the stream file is not the one stored")
             stream = AllocationStream.load(stream_path)
+            stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
         except (OSError, ValueError, ConfigError):
             self.misses += 1
             return None
@@ -309,7 +310,8 @@ class StreamCache:
             meta_path.parent.mkdir(parents=True, exist_ok=True)
             stream.save(tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-            self._write_json(meta_path, {"key": material, "reason": reason, "sha256": digest})
+            self._write_json(meta_path, {"key": material, "reason": reason, "sha256": digest,
+                                         "captured_on": getattr(stream, "captured_on", None)})
             os.replace(tmp, stream_path)
         except OSError:
             pass

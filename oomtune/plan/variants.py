@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["PredictorVariants", "variant_workload"]
 
-#: ``search.space`` key of activation checkpointing (oomtune.search.space.CHECKPOINTING_KEY; the plan
+#: ``search.space`` key of activation checkpointing (oomtune.space.CHECKPOINTING_KEY; the plan
 #: layer does not import the search layer).
 _CKPT = "activation_checkpointing"
 
@@ -150,6 +150,10 @@ class PredictorVariants:
     @property
     def _captured(self) -> dict[int, Any]:
         return {b: st for m in self._members.values() for b, st in m._captured.items()}
+
+    @property
+    def captured_on(self) -> set[str]:
+        return set().union(*(m.captured_on for m in self._members.values()))
 
     @property
     def fallback_reasons(self) -> set[str]:

@@ -39,7 +39,7 @@ from oomtune.outcome import Outcome
 from oomtune.search import ranking as K
 from oomtune.study import records as R
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
-from oomtune.search.space import Candidate, SearchSpace
+from oomtune.space import Candidate, SearchSpace
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored

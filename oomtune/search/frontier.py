@@ -40,7 +40,7 @@ from typing import Any
 
 __all__ = ["ConfigFrontier", "FrontierPlanner", "predicted_frontiers", "CHECKPOINTING_KEY"]
 
-#: The configuration key that is a training setting, not an allocator key (oomtune.search.space).
+#: The configuration key that is a training setting, not an allocator key (oomtune.space).
 CHECKPOINTING_KEY = "activation_checkpointing"
 
 #: Returns the raw (uncalibrated) predicted peak reserved of (batch, params) in bytes, and whether the

@@ -16,7 +16,7 @@ from oomtune.device import resolve_budget, resolve_device
 from oomtune.exceptions import ConfigError, StorageUnavailableError
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
-from oomtune.search.space import SearchSpace
+from oomtune.space import SearchSpace
 from oomtune.search.samplers import make_sampler
 from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
@@ -467,9 +467,24 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
                              predictor=predictor, space=space, workload=p.workload)
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
+        # the report draws with the search's predictor; without one (search.prune=off) the one
+        # predictor of this search is made here, for the report only (best.yaml records no prediction)
         write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
-                            budget_bytes=p.budget_bytes, headroom=options.headroom, predictor=predictor,
-                            space=space)
+                            budget_bytes=p.budget_bytes, headroom=options.headroom,
+                            predictor=predictor if predictor is not None else _report_predictor(p),
+                            predicted_frontiers=predictor is not None, space=space)
+
+
+def _report_predictor(p: Any) -> Any:
+    """The predictor of a search that predicted nothing (``search.prune=off``), for its report's
+    frontier and winner's step: the workload as it is, replayed under the search's geometry; None
+    for a target oomtune cannot capture (``cmd``)."""
+    if not p.target.capturable:
+        return None
+    from oomtune.plan.predictor import Predictor
+    from oomtune.plan.stream_cache import default_cache
+
+    return Predictor.for_search(p.workload, p.device, p.budget_bytes, cache=default_cache())
 
 
 def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
