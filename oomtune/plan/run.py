@@ -90,49 +90,52 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from rich.console import Console
 
     from oomtune import config as C
-    from oomtune.device import resolve_budget, resolve_device
     from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, split_simulable,
                                           validate_headroom, write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry, trial_steps
-    from oomtune.space import SearchSpace
+    from oomtune.prepared import compose_checked, prepare
     from oomtune.units import format_bytes
 
     console = console or Console()
-    cfg = C.compose(list(overrides) + C.env_overrides())
-    from oomtune.schema import validate
-
     # every typed key as the search checks it (a plan is run with the search's overrides), before
     # torch is imported by the workload check: bad input exits at once
-    validate(cfg)
+    cfg = compose_checked(overrides)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
-    target = C.to_container(cfg.target)
-    # the model group describes built-in workloads only (a python entry builds its own model)
-    from oomtune.trial._base import find_target
-
-    known = find_target(target.get("name", "builtin"))
-    workload = ({**C.to_container(cfg.model), "target": target} if known is not None and known.uses_model_group
-                else {"target": target})
-    if workload.get("parallel") in (None, "none") and int(cfg.trial.gpus) == 1:
-        workload.pop("parallel", None)   # one process: the workload (and its cache keys) as before
-    else:   # model.parallel: one rank's stream of trial.gpus (imports torch: a distributed plan captures anyway)
-        from oomtune.workloads.parallel import with_ranks
-
-        workload = with_ranks(workload, int(cfg.trial.gpus))
     from oomtune.plan.stream_cache import cacheable, default_cache
 
     store = default_cache()
-    if store is not None and not cacheable(workload):
-        store = None
-    unwritable = store.unwritable() if store is not None else None
-    _validate_workload(workload, store if cache else None)
-    device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
-    budget_bytes = resolve_budget(cfg.budget, device)
-    from oomtune.capture.gpu_target import resolve_gpu_key, target_from_workload
+    unwritable = None
 
-    workload = resolve_gpu_key(workload, device)   # model.gpu: the kernels the captures run (auto: the device)
+    def plan_workload(cfg: Any) -> dict[str, Any]:
+        from oomtune.trial._base import find_target
+
+        target = C.to_container(cfg.target)
+        # the model group describes built-in workloads only (a python entry builds its own model)
+        known = find_target(target.get("name", "builtin"))
+        workload = ({**C.to_container(cfg.model), "target": target} if known is not None and known.uses_model_group
+                    else {"target": target})
+        if workload.get("parallel") in (None, "none") and int(cfg.trial.gpus) == 1:
+            workload.pop("parallel", None)   # one process: the workload (and its cache keys) as before
+        else:   # model.parallel: one rank's stream of trial.gpus (imports torch: a distributed plan captures anyway)
+            from oomtune.workloads.parallel import with_ranks
+
+            workload = with_ranks(workload, int(cfg.trial.gpus))
+        return workload
+
+    def checked(cfg: Any, workload: dict[str, Any], space: Any) -> None:
+        nonlocal store, unwritable
+        if store is not None and not cacheable(workload):
+            store = None
+        unwritable = store.unwritable() if store is not None else None
+        _validate_workload(workload, store if cache else None)
+
+    # the model.gpu key resolved by prepare: the kernels the captures run (auto: the device)
+    prepared = prepare(overrides, cfg=cfg, workload=plan_workload, checked=checked, space_last=True)
+    workload, device, budget_bytes, space = prepared.workload, prepared.device, prepared.budget_bytes, prepared.space
+    from oomtune.capture.gpu_target import target_from_workload
+
     gpu = target_from_workload(workload)
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
-    space = SearchSpace.from_config(cfg.search)
     choices = space.batch_choices()   # a global batch: its micro-batches only
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())
@@ -141,7 +144,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
 
         raise ConfigError("every configuration of search.space uses backend:cudaMallocAsync, which the virtual "
                           "GPU cannot simulate: add native to search.space.backend to plan")
-    path = check_writable(out if out is not None else C.run_dir_of(cfg) / "plan.yaml", "--out")
+    path = check_writable(out if out is not None else prepared.run_dir / "plan.yaml", "--out")
     from oomtune.plan.parallel import default_workers
 
     # Under a shape distribution: predicted at its worst shape, with the search's code (issue 23 item 2)
@@ -162,11 +165,9 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
            "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}
     say = _printer(console)
     sized = "" if device.simulated else f"{device.name}'s capacity, "   # not "(virtual GPU (CPU), ..."
-    from oomtune.trial._base import target_for
-
     batches = (f"batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)" if choices is None else
                f"micro-batch {', '.join(map(str, grid))} of global batch {space.global_batch}")
-    say(f"oomtune plan: {target_for(workload).label(workload)} on the virtual GPU ({sized}budget "
+    say(f"oomtune plan: {prepared.target.label(workload)} on the virtual GPU ({sized}budget "
         f"{format_bytes(budget_bytes)}, limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), "
         f"{len(settings)} allocator configurations x {batches}")
     say(f"target GPU: {gpu.describe()}: attention, dropout, mixed precision and optimizers run its kernels")

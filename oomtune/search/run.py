@@ -8,12 +8,13 @@ import signal
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from oomtune import config as C
-from oomtune.device import resolve_budget, resolve_device
 from oomtune.exceptions import ConfigError, StorageUnavailableError
+from oomtune.prepared import PreparedRun, compose_checked, prepare
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.space import SearchSpace
@@ -257,50 +258,72 @@ def workload_of(cfg: Any) -> dict[str, Any]:
     return with_ranks(workload, gpus)
 
 
+@dataclass(frozen=True)
 class _Prepared:
-    """Everything validated before any file is written or study opened."""
+    """Everything validated before any file is written or study opened: the :class:`oomtune.
+    prepared.PreparedRun` (``run``) and what only the search needs."""
 
-    def __init__(self, overrides: Sequence[str]):
-        from oomtune.schema import validate
+    run: PreparedRun
+    options: SearchOptions
+    dropped_gc: list
+    predicts: bool
+    sampler: Any
 
-        from oomtune.alloc.caching_env import check_alloc_env, check_caching_enabled
+    # the prepared run's fields, read as the search always read them
+    cfg = property(lambda self: self.run.cfg)
+    workload = property(lambda self: self.run.workload)
+    target = property(lambda self: self.run.target)
+    device = property(lambda self: self.run.device)
+    budget_bytes = property(lambda self: self.run.budget_bytes)
+    space = property(lambda self: self.run.space)
+    run_dir = property(lambda self: self.run.run_dir)
 
-        check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
-        check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
-        self.cfg = cfg = C.compose(list(overrides) + C.env_overrides())
-        validate(cfg)   # also budget= and device= syntax: bad values exit before torch is imported
-        self.space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
-        self.dropped_gc = (self.space.drop_garbage_collection()
-                           if str(cfg.search.get("memory_fraction", "auto")) == "off" else [])
-        self.workload = workload_of(cfg)   # builds the model on meta: imports torch
+
+def prepare_search(overrides: Sequence[str]) -> _Prepared:
+    """Compose and validate the search's config once (:func:`oomtune.prepared.prepare`), then the
+    search's own checks, in the order bad input is reported.
+
+    Raises:
+        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts and
+            before anything is written.
+    """
+    from oomtune.alloc.caching_env import check_alloc_env, check_caching_enabled
+
+    check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
+    check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
+    cfg = compose_checked(overrides)
+    space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+    dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
+
+    def workload(cfg: Any) -> dict[str, Any]:
+        # builds the model on meta: imports torch; the GPU the captures stand for (model.gpu; auto:
+        # the device, or the default on the CPU) is resolved once by prepare, so that every capture
+        # (workers, trial processes) and best.yaml agree
+        return {**workload_of(cfg), "gpu": C.to_container(cfg.model).get("gpu", "auto")}
+
+    def checked(cfg: Any, work: dict[str, Any], space: Any) -> None:
         from oomtune.trial._base import target_for
 
-        target_for(self.workload).check_training(   # the training settings must reach the trials
-            self.workload, accumulates=self.space.global_batch is not None,
-            checkpointing=bool(self.space.checkpointing and True in self.space.checkpointing))
-        self.device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
-        self.budget_bytes = resolve_budget(cfg.budget, self.device)
-        from oomtune.capture.gpu_target import resolve_gpu_key
+        target_for(work).check_training(   # the training settings must reach the trials
+            work, accumulates=space.global_batch is not None,
+            checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
-        # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU),
-        # resolved once here so that every capture (workers, trial processes) and best.yaml agree
-        self.workload = resolve_gpu_key({**self.workload, "gpu": C.to_container(cfg.model).get("gpu", "auto")},
-                                        self.device)
-        if self.device.simulated and "cudaMallocAsync" in self.space.choices.get("backend", []):
-            raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
-                              "(device=cpu) models the native allocator only")
-        self.options = _options(cfg, self.workload, self.device, self.budget_bytes)
-        from oomtune.trial.execute import check_host_memory
+    run = prepare(overrides, workload=workload, cfg=cfg, space=space, checked=checked)
+    device, budget_bytes = run.device, run.budget_bytes
+    if device.simulated and "cudaMallocAsync" in space.choices.get("backend", []):
+        raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
+                          "(device=cpu) models the native allocator only")
+    options = _options(cfg, run.workload, device, budget_bytes)
+    from oomtune.trial.execute import check_host_memory
 
-        # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
-        # cannot hold stops here (exit 2)
-        check_host_memory(self.options.execute, self.budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
-                          available_bytes=self.options.host_available_bytes)
-        self.target = target_for(self.workload)
-        self.predicts = cfg.search.prune == "predicted" and self.target.capturable
-        check_launches(self.options, predicts=self.predicts, target=self.target)
-        self.sampler = make_sampler(str(cfg.search.sampler), cfg.search.seed)
-        self.run_dir = C.run_dir_of(cfg)
+    # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
+    # cannot hold stops here (exit 2)
+    check_host_memory(options.execute, budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
+                      available_bytes=options.host_available_bytes)
+    predicts = cfg.search.prune == "predicted" and run.target.capturable
+    check_launches(options, predicts=predicts, target=run.target)
+    return _Prepared(run=run, options=options, dropped_gc=dropped_gc, predicts=predicts,
+                     sampler=make_sampler(str(cfg.search.sampler), cfg.search.seed))
 
 
 def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
@@ -322,7 +345,7 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.display import starting
 
     with starting(console):  # a spinner on a terminal while the config is checked and torch imported
-        p = _Prepared(overrides)
+        p = prepare_search(overrides)
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
     say = lambda line: _say(console, line)  # noqa: E731
