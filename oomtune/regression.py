@@ -318,7 +318,6 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
     figures = {"predicted_peak_reserved_bytes": pred.peak_reserved_bytes, "recorded_bytes": recorded,
                "change": change, "tolerance": tolerance, "fits": pred.fits,
                "fallback": sorted(predictor.fallback_reasons)}
-    budget = best.device.get("budget_bytes")
     limit_bytes, limit_text = _search_limit(best)
     fits = bool(pred.fits) and pred.peak_reserved_bytes is not None and pred.peak_reserved_bytes <= limit_bytes
     figures.update(fits=fits, limit_bytes=limit_bytes)

@@ -29,7 +29,6 @@ memory when the allocator gave up).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["Release", "DeviceLimit", "classify_releases", "classify_runs", "infer_device_limit", "limit_from",
            "oom_points", "recorded_reserved_walk", "release_runs"]
