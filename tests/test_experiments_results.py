@@ -60,7 +60,7 @@ FIELDS = {
 #: lead separately. A file re-run with the five lines must leave this set
 #: (test_to_rerun_names_only_files_that_still_need_it).
 TO_RERUN = {
-    "bench_report.txt", "bench_search_cpu.txt", "compare_peers.txt",
+    "bench_search_cpu.txt",
     "bench_distributed.txt",
 }
 
