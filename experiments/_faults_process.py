@@ -168,9 +168,13 @@ def kill_trial(scratch: Path) -> dict[str, Any]:
         res = first.user_attrs.get("result") or {}
         left = _with_token(token)
         lost = len(_finished(run_dir) - {t.number for t in trials if "result" in t.user_attrs})
+        # a crash is run once more before it counts (oomtune.search.driver): the first attempt is kept
+        first_try = (res.get("extra") or {}).get("retried_after")
+        retry = (f" after one retry (the killed attempt: {first_try.get('outcome')}: {first_try.get('message')})"
+                 if first_try else f" ({res.get('message')})")
         return {"fault": "kill -9 of a trial's command (target=cmd)",
                 "done": "SIGKILL to the first trial's command while it ran (no traceback written)",
-                "outcome": f"trial {first.number} recorded as {res.get('outcome')} ({res.get('message')}); the "
+                "outcome": f"trial {first.number} recorded as {res.get('outcome')}{retry}; the "
                            f"search went on, exit {rc}; {len(left)} trial process(es) left",
                 "trials_lost": lost, "seconds": time.monotonic() - started}
     finally:
