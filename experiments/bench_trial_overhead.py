@@ -46,8 +46,8 @@ def _trials(runner: TrialRunner, n: int, root: Path, tag: str) -> list[dict]:
         if r.outcome != "ok":
             raise SystemExit(f"{tag} trial {i} failed: {r.outcome}: {r.message}\n{r.traceback_tail}")
         rows.append({"launch": r.extra["launch_to_first_step_s"], "startup": r.startup_s,
-                     "step": r.step_time_s, "launcher": r.extra["launcher"],
-                     "peak_reserved": r.peak_reserved_bytes})
+                     "step": r.throughput.step_time_s, "launcher": r.extra["launcher"],
+                     "peak_reserved": r.memory.peak_reserved_bytes})
     return rows
 
 

@@ -165,8 +165,9 @@ def clean_run(model: dict, seq_len: int, micro: int, accum: int, alloc_conf: str
     t0 = time.perf_counter()
     res = run_cmd_trial(spec, workdir=work, env={"PYTHONPATH": str(REPO)})
     limit = MemoryLimit(budget_bytes, 0.05).limit_bytes if budget_bytes is not None else None
-    return {"outcome": res.outcome, "steps": steps, "peak_reserved_bytes": res.peak_reserved_bytes,
-            "within_headroom": limit is None or res.peak_reserved_bytes is not None and res.peak_reserved_bytes <= limit,
+    peak = res.memory.peak_reserved_bytes
+    return {"outcome": res.outcome.value, "steps": steps, "peak_reserved_bytes": peak,
+            "within_headroom": limit is None or peak is not None and peak <= limit,
             "message": res.message, "wall_s": time.perf_counter() - t0}
 
 

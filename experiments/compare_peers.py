@@ -244,9 +244,10 @@ def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Pa
                      device_memory_bytes=device.total_memory_bytes, soak_steps=int(cfg.trial.soak_steps))
     res = TrialRunner(launcher="spawn").run(spec, workdir=work)
     limit = MemoryLimit(budget_bytes, float(cfg.search.headroom)).limit_bytes
-    return {"outcome": res.outcome, "steps": cfg.trial.confirm_steps, "peak_reserved_bytes": res.peak_reserved_bytes,
-            "within_headroom": res.peak_reserved_bytes is not None and res.peak_reserved_bytes <= limit,
-            "soak_steps": int(cfg.trial.soak_steps), "soak_passed": res.soak_passed, "message": res.message}
+    peak = res.memory.peak_reserved_bytes
+    return {"outcome": res.outcome.value, "steps": cfg.trial.confirm_steps, "peak_reserved_bytes": peak,
+            "within_headroom": peak is not None and peak <= limit, "soak_steps": int(cfg.trial.soak_steps),
+            "soak_passed": res.soak.passed if res.soak is not None else None, "message": res.message}
 
 
 def main() -> None:

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_async_trial.json").write_text(json.dumps(doc, indent=1, default=str))
     print(f"gpu_async_trial: {doc['verdict']} ({why}); {conf or 'native'} batch {spec.batch_size} on "
           f"{device.name}, budget {budget} bytes; outcome {record.get('outcome')}, launcher "
-          f"{(record.get('extra') or {}).get('launcher')}, peak reserved {record.get('peak_reserved_bytes')}",
+          f"{(record.get('extra') or {}).get('launcher')}, "
+          f"peak reserved {(record.get('memory') or {}).get('peak_reserved_bytes')}",
           flush=True)
     return 0 if ok else 1
 

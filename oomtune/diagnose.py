@@ -59,7 +59,7 @@ class Verdict:
 
 
 def _ok(result: TrialResult) -> bool:
-    return result.outcome == Outcome.OK.value
+    return result.outcome is Outcome.OK
 
 
 def is_input_bound(result: TrialResult, *, threshold: float = WAIT_THRESHOLD,
@@ -71,12 +71,12 @@ def is_input_bound(result: TrialResult, *, threshold: float = WAIT_THRESHOLD,
     idle GPU corroborates a moderate wait). False for failed trials and when the data-wait fraction
     was not measured (unknown is not evidence).
     """
-    wait = result.data_wait_fraction
+    wait = result.throughput.data_wait_fraction
     if not _ok(result) or wait is None:
         return False
     if wait >= threshold:
         return True
-    util = result.gpu_utilization
+    util = result.throughput.gpu_utilization
     return util is not None and util < low_utilization_percent and wait >= threshold / 2
 
 
@@ -84,8 +84,8 @@ def _by_batch(results: Iterable[TrialResult]) -> dict[int, float]:
     """{batch size: best throughput} over successful trials with a throughput, sorted by batch."""
     best: dict[int, float] = {}
     for r in results:
-        if _ok(r) and r.throughput is not None and r.batch_size is not None:
-            best[r.batch_size] = max(best.get(r.batch_size, 0.0), r.throughput)
+        if _ok(r) and r.throughput.samples_per_s is not None and r.batch_size is not None:
+            best[r.batch_size] = max(best.get(r.batch_size, 0.0), r.throughput.samples_per_s)
     return dict(sorted(best.items()))
 
 
@@ -134,19 +134,19 @@ def input_bound_verdict(results: Iterable[TrialResult], *, threshold: float = WA
         flat_tolerance: relative throughput growth still counted as flat.
         data_cfg: the workload's ``data`` mapping, to name its loader settings in the advice.
     """
-    ok = [r for r in results if _ok(r) and r.throughput is not None]
+    ok = [r for r in results if _ok(r) and r.throughput.samples_per_s is not None]
     if not ok:
         return Verdict(False, "no successful trial with a throughput to judge")
     by_batch, growth = _by_batch(ok), throughput_growth(ok)
-    waits = [r.data_wait_fraction for r in ok if r.data_wait_fraction is not None]
-    utils = [r.gpu_utilization for r in ok if r.gpu_utilization is not None]
+    waits = [r.throughput.data_wait_fraction for r in ok if r.throughput.data_wait_fraction is not None]
+    utils = [r.throughput.gpu_utilization for r in ok if r.throughput.gpu_utilization is not None]
     evidence = {"median_data_wait_fraction": statistics.median(waits) if waits else None,
                 "mean_gpu_utilization": statistics.fmean(utils) if utils else None,
                 "throughput_by_batch": by_batch, "growth": growth}
     flat = None if growth is None else growth <= 1.0 + flat_tolerance
     sizes = f"batch {min(by_batch)} to {max(by_batch)}"
     if waits:
-        bound = sum(is_input_bound(r, threshold=threshold) for r in ok if r.data_wait_fraction is not None)
+        bound = sum(is_input_bound(r, threshold=threshold) for r in ok if r.throughput.data_wait_fraction is not None)
         wait_txt = f"data wait {evidence['median_data_wait_fraction']:.0%} of step time (median)"
         if 2 * bound < len(waits):
             return Verdict(False, f"{wait_txt}: not input-bound", None, evidence)
@@ -167,9 +167,9 @@ def smallest_batch_near_best(results: Iterable[TrialResult], *, within: float = 
     """The successful trial with the smallest batch whose throughput is within ``within`` (5%) of
     the best one (ties: the higher throughput); None when no trial succeeded with a throughput.
     For an input-bound workload this is the batch to recommend: larger ones only cost memory."""
-    ok = [r for r in results if _ok(r) and r.throughput is not None and r.batch_size is not None]
+    ok = [r for r in results if _ok(r) and r.throughput.samples_per_s is not None and r.batch_size is not None]
     if not ok:
         return None
-    best = max(r.throughput for r in ok)  # type: ignore[type-var]
-    near = [r for r in ok if r.throughput >= (1.0 - within) * best]  # type: ignore[operator]
-    return min(near, key=lambda r: (r.batch_size, -r.throughput))  # type: ignore[operator]
+    best = max(r.throughput.samples_per_s for r in ok)  # type: ignore[type-var]
+    near = [r for r in ok if r.throughput.samples_per_s >= (1.0 - within) * best]  # type: ignore[operator]
+    return min(near, key=lambda r: (r.batch_size, -r.throughput.samples_per_s))  # type: ignore[operator]

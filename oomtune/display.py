@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.units import format_bytes
 
@@ -118,19 +119,20 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
             continue
         predicted = t.user_attrs.get(R.ATTR_PREDICTED)
         error = None
-        if predicted and res.peak_reserved_bytes and res.outcome == "ok":
-            error = (predicted - res.peak_reserved_bytes) / res.peak_reserved_bytes
+        if predicted and res.memory.peak_reserved_bytes and res.outcome is Outcome.OK:
+            error = (predicted - res.memory.peak_reserved_bytes) / res.memory.peak_reserved_bytes
         rows.append({
             "number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),
             "batch_size": t.params.get("batch_size", res.batch_size),
-            "alloc_conf": describe(t), "outcome": res.outcome, "outcome_label": outcome_label(t, res),
-            "throughput": res.throughput, "step_time_s": res.step_time_s,
-            "peak_allocated_bytes": res.peak_allocated_bytes, "peak_reserved_bytes": res.peak_reserved_bytes,
-            "device_peak_bytes": res.device_peak_bytes, "fragmentation": res.fragmentation,
-            "memory_source": res.memory_source, "predicted_peak_reserved_bytes": predicted,
+            "alloc_conf": describe(t), "outcome": res.outcome.value, "outcome_label": outcome_label(t, res),
+            "throughput": res.throughput.samples_per_s, "step_time_s": res.throughput.step_time_s,
+            "peak_allocated_bytes": res.memory.peak_allocated_bytes,
+            "peak_reserved_bytes": res.memory.peak_reserved_bytes,
+            "device_peak_bytes": res.memory.device_peak_bytes, "fragmentation": res.memory.fragmentation,
+            "memory_source": res.memory.source, "predicted_peak_reserved_bytes": predicted,
             "prediction_error": error, "feasible": R.is_feasible_ok(t),
             "reused_from": t.user_attrs.get(R.ATTR_REUSED), "message": res.message,
-            "data_wait_fraction": res.data_wait_fraction, **rank_fields(res),
+            "data_wait_fraction": res.throughput.data_wait_fraction, **rank_fields(res),
         })
     return rows
 
@@ -149,13 +151,11 @@ def rank_fields(res: Any) -> dict[str, Any]:
     """A distributed trial's ranks (:mod:`oomtune.trial.rank_records`): ``world_size``, ``worst_rank``
     (the rank whose peak reserved is the trial's), ``failed_rank`` and ``rank_peaks`` (each rank's
     peak reserved, bytes, in rank order); empty for a single-process trial."""
-    extra = res.extra or {}
-    ranks = extra.get("ranks")
+    ranks = res.ranks
     if not ranks:
         return {}
-    return {"world_size": extra.get("world_size", len(ranks)), "worst_rank": extra.get("worst_rank"),
-            "failed_rank": extra.get("failed_rank"),
-            "rank_peaks": [r.get("peak_reserved_bytes") for r in ranks]}
+    return {"world_size": (res.extra or {}).get("world_size", len(ranks)), "worst_rank": res.worst_rank,
+            "failed_rank": res.failed_rank, "rank_peaks": [r.peak_reserved_bytes for r in ranks]}
 
 
 def _rank_tag(rank: Any) -> str:
@@ -331,8 +331,8 @@ def outcome_label(trial: Any, res: Any) -> str:
     """``ok``, ``ok >limit`` (ran but its peak exceeded budget x (1 - headroom); ``ok >limit@n``: it
     stopped after step n, the first above the limit, so its figures are those of n steps), or the
     outcome; ``=#n`` marks a measurement reused from trial n."""
-    label = res.outcome
-    if res.outcome == "ok" and not R.is_feasible_ok(trial):
+    label = res.outcome.value
+    if res.outcome is Outcome.OK and not R.is_feasible_ok(trial):
         label = "ok >limit"
         stopped = (res.extra or {}).get("stopped_over_limit")
         if stopped:   # the trial stopped after this step (TrialSpec.limit_bytes): figures of that many steps
@@ -354,15 +354,16 @@ def progress_line(trial: Any, role: str, index: int | None, total: int | None, b
     loader = [f"{k[len('data.'):]}={v}" for k, v in sorted(trial.params.items()) if k.startswith("data.")]
     conf = " ".join([conf, *loader])
     parts = [f"{where:<23} bs={res.batch_size:<5} {conf:<11} {outcome_label(trial, res):<9}"]
-    if res.peak_reserved_bytes is not None:
-        parts.append(f"{format_bytes(res.peak_reserved_bytes)} ({MEMORY_LABEL.get(res.memory_source, res.memory_source)})"
+    if res.memory.peak_reserved_bytes is not None:
+        src = res.memory.source
+        parts.append(f"{format_bytes(res.memory.peak_reserved_bytes)} ({MEMORY_LABEL.get(src, src)})"
                      + _rank_tag(rank_fields(res).get("worst_rank")))
-    if res.throughput is not None:
-        parts.append(f"{res.throughput:.1f}/s ({throughput_label(res.memory_source)})")
+    if res.throughput.samples_per_s is not None:
+        parts.append(f"{res.throughput.samples_per_s:.1f}/s ({throughput_label(res.memory.source)})")
     if best is not None:  # the leader under the final ranking rule (a trial number, or a description)
         parts.append(f"best {best}" if isinstance(best, str) else f"best {best:.1f}")
     line = "  ".join(parts)
-    if res.outcome != "ok" and res.message:
+    if res.outcome is not Outcome.OK and res.message:
         line += "\n    " + " ".join(res.message.split())
     return line
 

@@ -28,6 +28,26 @@ class Outcome(str, enum.Enum):
     ERROR = "error"                          # anything else (setup fault, bug): traceback tail kept
     PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU or a smaller OOM says so; never launched
 
+    def __str__(self) -> str:
+        """The stored value (``"ok"``), so that messages and tables print what records hold."""
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+    @classmethod
+    def parse(cls, value: "Outcome | str") -> "Outcome":
+        """The outcome named by ``value`` (an :class:`Outcome` or its string value).
+
+        Raises:
+            ValueError: ``value`` names no outcome (the message lists the allowed values).
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(o.value for o in cls)
+            raise ValueError(f"unknown trial outcome {value!r}: expected one of {allowed}") from None
+
     @property
     def is_memory(self) -> bool:
         """True for device-memory outcomes (the batch or settings do not fit the budget)."""

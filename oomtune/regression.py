@@ -45,6 +45,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from oomtune.outcome import Outcome
 from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.units import format_bytes
 
@@ -387,13 +388,13 @@ def _memory_case(res: Any, metrics: dict[str, Any], limit: float) -> CheckCase:
     ``target=cmd`` run on a GPU without the capture hook). Without a reading the memory is not
     checked, and the case says so: FAIL when best.yaml has a reading the run did not reproduce, an
     explicit SKIP with the reason when neither has one (issue 23 item 5: never a PASS)."""
-    pairs = (("peak reserved", res.peak_reserved_bytes, metrics.get("peak_reserved_bytes")),
-             ("device peak (NVML)", res.device_peak_bytes, metrics.get("device_peak_bytes")))
+    pairs = (("peak reserved", res.memory.peak_reserved_bytes, metrics.get("peak_reserved_bytes")),
+             ("device peak (NVML)", res.memory.device_peak_bytes, metrics.get("device_peak_bytes")))
     for what, new, recorded in pairs:
         if new is not None and isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0:
             change = relative_change(new, recorded)
             return CheckCase("memory growth", within_limit(new, recorded, limit),
-                             f"{what} {format_bytes(new)} ({res.memory_source}) vs recorded {format_bytes(recorded)} "
+                             f"{what} {format_bytes(new)} ({res.memory.source}) vs recorded {format_bytes(recorded)} "
                              f"({change:+.2%}, limit +{limit:.2%})")
     had = [what for what, _new, recorded in pairs if isinstance(recorded, (int, float)) and recorded]
     if had:
@@ -404,14 +405,14 @@ def _memory_case(res: Any, metrics: dict[str, Any], limit: float) -> CheckCase:
 
 
 def _speed_case(res: Any, recorded: Any, limit: float) -> CheckCase:
-    if res.throughput is None:
+    if res.throughput.samples_per_s is None:
         return CheckCase("slowdown", None, "no throughput reading")
     if not isinstance(recorded, (int, float)) or recorded <= 0:
         return CheckCase("slowdown", None, "best.yaml records no throughput")
-    change = relative_change(res.throughput, recorded)
-    ok = within_drop(res.throughput, recorded, limit)
-    return CheckCase("slowdown", ok, f"throughput {res.throughput:.1f} vs recorded {recorded:.1f} samples/s "
-                     f"({change:+.2%}, limit -{limit:.2%})")
+    change = relative_change(res.throughput.samples_per_s, recorded)
+    ok = within_drop(res.throughput.samples_per_s, recorded, limit)
+    return CheckCase("slowdown", ok, f"throughput {res.throughput.samples_per_s:.1f} vs recorded {recorded:.1f} "
+                     f"samples/s ({change:+.2%}, limit -{limit:.2%})")
 
 
 def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown: float | None) -> CheckReport:
@@ -420,40 +421,31 @@ def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown:
     ``max_slowdown`` None skips the slowdown case (:data:`SIMULATED_SLOWDOWN_NOTE`, also returned in
     ``figures["notes"]`` and left out of the summary line)."""
     elapsed = res.wall_s or 0.0
-    if res.outcome != "ok":
-        what = "out of memory" if _is_memory(res.outcome) else f"trial failed ({res.outcome})"
+    if res.outcome is not Outcome.OK:
+        what = "out of memory" if res.outcome.is_memory else f"trial failed ({res.outcome})"
         msg = f"{what} at batch {best.best.batch_size}: {res.message or 'no message'}"
         cases = [CheckCase("oom", False, msg, elapsed),
                  CheckCase("memory growth", None, "the trial did not complete"),
                  CheckCase("slowdown", None, "the trial did not complete")]
-        return CheckReport("run", cases, f"oomtune check: FAIL {msg}", {"outcome": res.outcome})
+        return CheckReport("run", cases, f"oomtune check: FAIL {msg}", {"outcome": res.outcome.value})
     metrics = best.best.metrics
     speed = (CheckCase("slowdown", None, SIMULATED_SLOWDOWN_NOTE) if max_slowdown is None
              else _speed_case(res, metrics.get("throughput"), max_slowdown))
     memory = _memory_case(res, metrics, max_memory_growth)
     fraction = fraction_case(best, applied=(res.extra or {}).get("memory_fraction"), ran=True,
                              device_total=getattr(res.device, "total_memory_bytes", None)
-                             if res.memory_source == "device" else None)
-    cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.steps} steps within the "
+                             if res.memory.source == "device" else None)
+    cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.throughput.steps} steps within the "
                        f"{format_bytes(best.device.get('budget_bytes'))} budget", elapsed),
              memory, speed, fraction]
     # a check whose memory could not be read is not a pass (issue 23 item 5)
     verdict = ("FAIL" if any(c.passed is False for c in cases) else "SKIP" if memory.passed is None else "PASS")
     parts = "; ".join(c.message for c in cases[1:] if (c is not speed or max_slowdown is not None)
                       and (c is not fraction or fraction.passed is False))
-    figures = {"outcome": res.outcome, "peak_reserved_bytes": res.peak_reserved_bytes,
-               "throughput": res.throughput, "memory_source": res.memory_source,
+    figures = {"outcome": res.outcome.value, "peak_reserved_bytes": res.memory.peak_reserved_bytes,
+               "throughput": res.throughput.samples_per_s, "memory_source": res.memory.source,
                "notes": [SIMULATED_SLOWDOWN_NOTE] if max_slowdown is None else []}
     return CheckReport("run", cases, f"oomtune check: {verdict} {parts}", figures)
-
-
-def _is_memory(outcome: str) -> bool:
-    from oomtune.outcome import Outcome
-
-    try:
-        return Outcome(outcome).is_memory
-    except ValueError:
-        return False
 
 
 def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH,

@@ -31,10 +31,12 @@ TRIALS = [
 
 
 def _trial(number, role, batch, conf, outcome, thr, peak_mib, start_s, dur_s, t0):
-    result = {"outcome": outcome, "memory_source": "simulated", "batch_size": batch, "alloc_conf": conf,
-              "throughput": thr, "peak_reserved_bytes": None if peak_mib is None else peak_mib * MiB,
+    # the stored record's nested form (TrialResult.to_dict)
+    memory = {"source": "simulated", "peak_reserved_bytes": None if peak_mib is None else peak_mib * MiB,
               "peak_allocated_bytes": None if peak_mib is None else (peak_mib - 50) * MiB,
-              "fragmentation": None if peak_mib is None else 50 / peak_mib,
+              "fragmentation": None if peak_mib is None else 50 / peak_mib}
+    result = {"outcome": outcome, "batch_size": batch, "alloc_conf": conf, "memory": memory,
+              "throughput": {"samples_per_s": thr},
               "message": None if outcome == "ok" else f"{outcome} at batch {batch}"}
     ok = outcome == "ok"
     return optuna.trial.FrozenTrial(

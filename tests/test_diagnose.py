@@ -7,13 +7,13 @@ import pytest
 from oomtune.diagnose import (input_bound_verdict, is_input_bound, loader_advice,
                               smallest_batch_near_best, throughput_growth)
 from oomtune.outcome import Outcome
-from oomtune.trial.record import TrialResult
+from oomtune.trial.record import Throughput, TrialResult
 from oomtune.workloads import build_workload
 
 
 def _res(batch_size, throughput, wait=None, util=None, outcome="ok"):
-    return TrialResult(outcome=outcome, batch_size=batch_size, throughput=throughput,
-                       data_wait_fraction=wait, gpu_utilization=util)
+    return TrialResult(outcome=outcome, batch_size=batch_size,
+                       throughput=Throughput(samples_per_s=throughput, data_wait_fraction=wait, gpu_utilization=util))
 
 
 @pytest.mark.parametrize("wait, util, expected", [
@@ -30,13 +30,13 @@ def test_is_input_bound(wait, util, expected):
 
 
 def test_failed_trials_are_never_input_bound():
-    assert is_input_bound(_res(64, None, 0.95, outcome=Outcome.OOM.value)) is False
+    assert is_input_bound(_res(64, None, 0.95, outcome=Outcome.OOM)) is False
 
 
 def test_c11_flat_throughput_with_high_wait_is_input_bound():
     # C11: 4 workers x 50 ms per image cap the loader at 4 / 0.05 = 80 images/s at any batch.
     results = [_res(32, 79.0, 0.93, 6.0), _res(64, 80.0, 0.95, 5.0), _res(128, 80.5, 0.96, 4.0),
-               _res(256, None, None, outcome=Outcome.OOM.value)]
+               _res(256, None, None, outcome=Outcome.OOM)]
     v = input_bound_verdict(results, data_cfg={"num_workers": 4})
     assert v.input_bound
     assert v.evidence["growth"] == pytest.approx(80.5 / 79.0)
@@ -66,7 +66,7 @@ def test_without_wait_readings_flat_throughput_needs_low_utilisation():
 
 
 def test_no_successful_trials():
-    v = input_bound_verdict([_res(8, None, outcome=Outcome.OOM.value)])
+    v = input_bound_verdict([_res(8, None, outcome=Outcome.OOM)])
     assert not v.input_bound and "no successful trial" in v.reason
     assert smallest_batch_near_best([]) is None
     assert throughput_growth([_res(8, 10.0)]) is None
@@ -98,8 +98,8 @@ def test_slow_loader_workload_is_diagnosed_input_bound():
     cfg = {**MLP, "data": {"source": "synthetic", "decode_delay_s": 0.25, "num_workers": 0}}
     results = [_measure(cfg, 4), _measure(cfg, 8)]
     for r in results:
-        assert r.data_wait_fraction > 0.8
-        assert r.throughput < 4.0
+        assert r.throughput.data_wait_fraction > 0.8
+        assert r.throughput.samples_per_s < 4.0
     v = input_bound_verdict(results, data_cfg=cfg["data"])
     assert v.input_bound, v.reason
     assert "num_workers (now 0" in v.advice
@@ -108,5 +108,5 @@ def test_slow_loader_workload_is_diagnosed_input_bound():
 def test_synthetic_workload_is_not_input_bound():
     results = [_measure(MLP, 4, steps=3), _measure(MLP, 16, steps=3)]
     for r in results:
-        assert r.data_wait_fraction < 0.5   # the batch is reused: next() returns at once
+        assert r.throughput.data_wait_fraction < 0.5   # the batch is reused: next() returns at once
     assert not input_bound_verdict(results).input_bound

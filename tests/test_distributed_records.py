@@ -19,7 +19,7 @@ from oomtune.classify._launcher import is_peer_teardown, parse_launcher_summary,
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.trial.rank_records import global_throughput, merge_ranks
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import MemoryReadings, Throughput, TrialResult, TrialSpec
 
 DATA = Path(__file__).parent / "data" / "launchers"
 MiB = 2**20
@@ -108,8 +108,9 @@ SPEC = TrialSpec(workload={"name": "mlp"}, batch_size=50, ranks=2)
 
 
 def _ok(thr: float, step: float, reserved: int, allocated: int) -> TrialResult:
-    return TrialResult(outcome="ok", batch_size=50, throughput=thr, step_time_s=step, steps=3,
-                       peak_reserved_bytes=reserved, peak_allocated_bytes=allocated, peak_active_bytes=allocated)
+    return TrialResult(outcome="ok", batch_size=50, throughput=Throughput(samples_per_s=thr, step_time_s=step, steps=3),
+                       memory=MemoryReadings(peak_reserved_bytes=reserved, peak_allocated_bytes=allocated,
+                                             peak_active_bytes=allocated))
 
 
 def test_global_throughput_counts_every_sample_once():
@@ -122,32 +123,33 @@ def test_merge_ok_ranks_worst_rank_memory_and_global_throughput():
     # rank 0: 50 samples/step in 0.5 s (100/s); rank 1: 50 samples/step in 0.625 s (80/s)
     merged = merge_ranks(SPEC, [_ok(100.0, 0.5, 20 * MiB, 15 * MiB), _ok(80.0, 0.625, 22 * MiB, 16 * MiB)])
     assert merged.outcome == "ok"
-    assert merged.throughput == pytest.approx(100 / 0.625)   # 160/s: (50 + 50) / 0.625
-    assert merged.step_time_s == pytest.approx(0.625)
-    assert (merged.peak_reserved_bytes, merged.peak_allocated_bytes) == (22 * MiB, 16 * MiB)
-    assert merged.extra["worst_rank"] == 1
-    assert [r["peak_reserved_bytes"] for r in merged.extra["ranks"]] == [20 * MiB, 22 * MiB]
+    assert merged.throughput.samples_per_s == pytest.approx(100 / 0.625)   # 160/s: (50 + 50) / 0.625
+    assert merged.throughput.step_time_s == pytest.approx(0.625)
+    assert (merged.memory.peak_reserved_bytes, merged.memory.peak_allocated_bytes) == (22 * MiB, 16 * MiB)
+    assert merged.worst_rank == 1
+    assert [r.peak_reserved_bytes for r in merged.ranks] == [20 * MiB, 22 * MiB]
     assert merged.extra["world_size"] == 2
 
 
 def test_merge_oom_on_rank_1_names_it_and_ignores_the_teardown_of_rank_0():
-    rank0 = TrialResult(outcome="error", peak_reserved_bytes=6 * MiB,
+    rank0 = TrialResult(outcome="error", memory=MemoryReadings(peak_reserved_bytes=6 * MiB),
                         message="RuntimeError: [../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:5")
-    rank1 = TrialResult(outcome="oom", peak_reserved_bytes=100 * MiB, message="out of memory (simulated): ...")
+    rank1 = TrialResult(outcome="oom", memory=MemoryReadings(peak_reserved_bytes=100 * MiB),
+                        message="out of memory (simulated): ...")
     merged = merge_ranks(SPEC, [rank0, rank1])
     assert merged.outcome == "oom"
-    assert merged.extra["failed_rank"] == 1 and merged.message.startswith("rank 1 of 2: ")
-    assert [r["teardown"] for r in merged.extra["ranks"]] == [True, False]
-    assert merged.throughput is None
+    assert merged.failed_rank == 1 and merged.message.startswith("rank 1 of 2: ")
+    assert [r.teardown for r in merged.ranks] == [True, False]
+    assert merged.throughput.samples_per_s is None
 
 
 def test_merge_rank_killed_without_record_is_the_cause_not_the_terminated_ones():
     # rank 1 SIGKILLed first (the launcher's error_index), rank 0 then terminated by the launcher
     merged = merge_ranks(SPEC, [None, None], exitcodes=[-15, -9], root_rank=1)
-    assert merged.extra["failed_rank"] == 1
+    assert merged.failed_rank == 1
     assert "SIGKILL" in merged.message
-    assert [r["teardown"] for r in merged.extra["ranks"]] == [True, False]
-    assert [r["exitcode"] for r in merged.extra["ranks"]] == [-15, -9]
+    assert [r.teardown for r in merged.ranks] == [True, False]
+    assert [r.exitcode for r in merged.ranks] == [-15, -9]
 
 
 def test_a_rank_sigkilled_by_the_oom_killer_is_host_oom_only_with_evidence():
@@ -160,14 +162,14 @@ def test_a_rank_sigkilled_by_the_oom_killer_is_host_oom_only_with_evidence():
 
     # no evidence (issue 23): a SIGKILL from outside is a crash, and it stays one
     plain = merged()
-    assert plain.outcome == Outcome.CRASH.value
+    assert plain.outcome is Outcome.CRASH
     asked: list = []
     rank_oom_kill(plain, lambda pids: asked.append(list(pids)) or None)
-    assert plain.outcome == Outcome.CRASH.value and asked == [[4101]]   # the killed rank's pid only
+    assert plain.outcome is Outcome.CRASH and asked == [[4101]]   # the killed rank's pid only
     # the kernel log names rank 1's pid: the host's OOM killer
     killed = merged()
     rank_oom_kill(killed, lambda pids: "kernel log: Out of memory: Killed process 4101 (python)")
-    assert killed.outcome == Outcome.HOST_OOM.value
+    assert killed.outcome is Outcome.HOST_OOM
     assert killed.message.startswith("rank 1 of 2: killed by SIGKILL") and "Killed process 4101" in killed.message
     # a rank that failed otherwise is left alone
     oom = merge_ranks(SPEC, [TrialResult(outcome="ok"), TrialResult(outcome="oom_fragmentation", message="x")])
@@ -191,7 +193,7 @@ def test_merge_memory_outcome_wins_over_an_earlier_crash():
     oom = TrialResult(outcome="oom_fragmentation", message="fragmentation ...")
     merged = merge_ranks(TrialSpec(workload={}, batch_size=1, ranks=3), [TrialResult(outcome="ok"), crash, oom],
                          root_rank=1)
-    assert merged.outcome == "oom_fragmentation" and merged.extra["failed_rank"] == 2
+    assert merged.outcome == "oom_fragmentation" and merged.failed_rank == 2
 
 
 # ------------------------------------------------------------------ a cmd target's rank lines
@@ -205,13 +207,14 @@ def test_cmd_channel_every_rank_reports_samples_once():
               {"event": "report", "rank": 1, "samples": 100, "seconds": 2.5, "steps": 4, "memory": mem(40 * MiB)}]
     res = result_from_channel(spec, events, returncode=0, stderr="", timed_out=False)
     assert res.outcome == "ok"
-    assert res.throughput == pytest.approx(200 / 2.5)     # not 200 / 4.5 (seconds summed over ranks)
-    assert res.step_time_s == pytest.approx(2.5 / 4)       # the slowest rank's
-    assert res.peak_reserved_bytes == 40 * MiB and res.extra["worst_rank"] == 1
-    assert [r["peak_reserved_bytes"] for r in res.extra["ranks"]] == [30 * MiB, 40 * MiB]
+    assert res.throughput.samples_per_s == pytest.approx(200 / 2.5)     # not 200 / 4.5 (seconds summed over ranks)
+    assert res.throughput.step_time_s == pytest.approx(2.5 / 4)       # the slowest rank's
+    assert res.memory.peak_reserved_bytes == 40 * MiB and res.worst_rank == 1
+    assert [r.peak_reserved_bytes for r in res.ranks] == [30 * MiB, 40 * MiB]
     # one process's lines (no rank): as before, sum(samples) / sum(seconds)
     single = [{"event": "report", "samples": 100, "seconds": 2.0}, {"event": "report", "samples": 50, "seconds": 2.0}]
-    assert result_from_channel(spec, single, returncode=0, stderr="", timed_out=False).throughput == pytest.approx(37.5)
+    alone = result_from_channel(spec, single, returncode=0, stderr="", timed_out=False)
+    assert alone.throughput.samples_per_s == pytest.approx(37.5)
 
 
 def test_cmd_channel_oom_line_names_its_rank():
@@ -223,8 +226,8 @@ def test_cmd_channel_oom_line_names_its_rank():
            "and 2.00 MiB is reserved by PyTorch but unallocated.")
     events = [{"event": "oom", "rank": 1, "time": 5.0, "message": msg, "requested_bytes": 20 * MiB}]
     res = result_from_channel(spec, events, returncode=1, stderr="", timed_out=False)
-    assert res.outcome_enum.is_memory
-    assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1: ")
+    assert res.outcome.is_memory
+    assert res.failed_rank == 1 and res.message.startswith("rank 1: ")
 
 
 def test_script_api_lines_carry_the_rank(tmp_path, monkeypatch):

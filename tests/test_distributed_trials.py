@@ -74,17 +74,17 @@ def _predicted(parallel: str, batch: int, steps: int) -> tuple[int, int]:
 def test_two_rank_trial_every_rank_measured_and_equal_to_the_plan(tmp_path, runner, parallel):
     res = runner.run(_spec(parallel), workdir=tmp_path)
     assert res.outcome == "ok", res.message
-    ranks = res.extra["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1] and res.extra["world_size"] == 2
-    assert all(r["outcome"] == "ok" for r in ranks)
-    peaks = [r["peak_reserved_bytes"] for r in ranks]
-    assert res.peak_reserved_bytes == max(peaks) and res.extra["worst_rank"] == peaks.index(max(peaks))
+    ranks = res.ranks
+    assert [r.rank for r in ranks] == [0, 1] and res.extra["world_size"] == 2
+    assert all(r.outcome == "ok" for r in ranks)
+    peaks = [r.peak_reserved_bytes for r in ranks]
+    assert res.memory.peak_reserved_bytes == max(peaks) and res.worst_rank == peaks.index(max(peaks))
     # one rank's stream, predicted through the fake process group, is what each rank measured
     reserved, allocated = _predicted(parallel, 4, 3)
     assert peaks == [reserved, reserved]
-    assert [r["peak_allocated_bytes"] for r in ranks] == [allocated, allocated]
+    assert [r.peak_allocated_bytes for r in ranks] == [allocated, allocated]
     # global samples/s: 2 ranks x 4 samples per step over the slowest rank's step
-    assert res.throughput == pytest.approx(8 / max(r["step_time_s"] for r in ranks))
+    assert res.throughput.samples_per_s == pytest.approx(8 / max(r.step_time_s for r in ranks))
     assert res.extra["distributed"]["parallel"] == parallel and res.extra["backend"] == "gloo"
     _no_orphans(res)
 
@@ -95,31 +95,31 @@ def test_fsdp_rank_holds_less_than_a_ddp_rank(tmp_path, runner):
     assert ddp.outcome == fsdp.outcome == "ok"
     # parameters + gradients + AdamW states = 4 x the parameter bytes on a DDP rank (plus its buckets,
     # another copy of the gradients); FSDP2 keeps a half of the first three on each of 2 ranks
-    assert fsdp.peak_allocated_bytes < ddp.peak_allocated_bytes
+    assert fsdp.memory.peak_allocated_bytes < ddp.memory.peak_allocated_bytes
 
 
 def test_oom_on_rank_1_only_is_infeasible_and_names_it(tmp_path, runner):
     # rank 1 holds 99 MB more than rank 0 on its 100 MiB virtual GPU: only rank 1 runs out of memory
     res = runner.run(_spec("ddp", budget_bytes=100 * MiB), workdir=tmp_path,
                      env={HOOK: "rank1:hold:99000000"})
-    assert res.outcome_enum.is_memory, res.message
-    assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1 of 2:")
-    rank0, rank1 = res.extra["ranks"]
-    assert rank1["outcome"] == res.outcome and not rank1["teardown"]
+    assert res.outcome.is_memory, res.message
+    assert res.failed_rank == 1 and res.message.startswith("rank 1 of 2:")
+    rank0, rank1 = res.ranks
+    assert rank1.outcome == res.outcome and not rank1.teardown
     # rank 0 lost its peer inside a collective: a consequence, not a second failure
-    assert rank0["outcome"] == "ok" or rank0["teardown"]
-    assert rank0["peak_reserved_bytes"] < 100 * MiB
+    assert rank0.outcome == "ok" or rank0.teardown
+    assert rank0.peak_reserved_bytes < 100 * MiB
     _no_orphans(res)
 
 
 def test_sigkill_of_one_rank_is_a_failure_of_that_rank_without_orphans(tmp_path, runner):
     res = runner.run(_spec("ddp"), workdir=tmp_path, env={HOOK: "rank1:signal:9"})
-    assert res.extra["failed_rank"] == 1
-    assert res.outcome in (Outcome.CRASH.value, Outcome.HOST_OOM.value), res.message
+    assert res.failed_rank == 1
+    assert res.outcome in (Outcome.CRASH, Outcome.HOST_OOM), res.message
     assert "SIGKILL" in res.message and res.message.startswith("rank 1 of 2:")
-    rank0, rank1 = res.extra["ranks"]
-    assert rank1["exitcode"] == -9 and not rank1["teardown"]
-    assert rank0["teardown"]
+    rank0, rank1 = res.ranks
+    assert rank1.exitcode == -9 and not rank1.teardown
+    assert rank0.teardown
     _no_orphans(res)
 
 
@@ -131,7 +131,7 @@ def test_ranks_agree_on_the_steps_of_a_time_window(tmp_path, runner):
 
     res = runner.run(_spec("ddp", measure_seconds=1e-6), workdir=tmp_path, env={HOOK: "rank1:window:3"})
     assert res.outcome == "ok", res.message
-    steps = [TrialResult.read(rank_result_path(tmp_path / "result.json", r)).steps for r in (0, 1)]
+    steps = [TrialResult.read(rank_result_path(tmp_path / "result.json", r)).throughput.steps for r in (0, 1)]
     assert steps[0] == steps[1] > 1 + 2        # past warm-up + measured steps, the same on both ranks
     _no_orphans(res)
 
@@ -147,17 +147,17 @@ def test_torchrun_command_every_rank_reports_once(tmp_path, runner):
     res = runner.run(_cmd_spec(), workdir=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert res.outcome == "ok", res.message
     assert res.extra["reporting_ranks"] == [0, 1]
-    assert [r["rank"] for r in res.extra["ranks"]] == [0, 1]
+    assert [r.rank for r in res.ranks] == [0, 1]
     # each rank's virtual GPU holds the MLP's parameters, gradients and DDP's bucket (attached before DDP)
     params = (64 * 128 + 128 + 128 * 10 + 10) * 4
-    assert all(r["peak_allocated_bytes"] >= 3 * params for r in res.extra["ranks"])
-    assert res.memory_source == "simulated"
+    assert all(r.peak_allocated_bytes >= 3 * params for r in res.ranks)
+    assert res.memory.source == "simulated"
 
 
 def test_torchrun_rank_sigkill_named_from_the_launcher_summary(tmp_path, runner):
     res = runner.run(_cmd_spec(), workdir=tmp_path, env={"OMP_NUM_THREADS": "1", "OOMTUNE_TEST_KILL_RANK": "1"})
-    assert res.extra["failed_rank"] == 1, res.message
-    assert res.outcome in (Outcome.CRASH.value, Outcome.HOST_OOM.value)
+    assert res.failed_rank == 1, res.message
+    assert res.outcome in (Outcome.CRASH, Outcome.HOST_OOM)
     assert "rank 1" in res.message and "SIGKILL" in res.message
     assert not group_alive(res.extra["pid"])
 

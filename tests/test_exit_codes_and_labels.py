@@ -32,7 +32,7 @@ def _study_with_a_duplicate() -> optuna.Study:
     study.add_trial(optuna.trial.create_trial(
         value=10.0, params={"batch_size": 352}, distributions=dist,
         user_attrs={"role": "frontier", "outcome": "ok", "alloc_conf": "",
-                    "result": {"outcome": "ok", "batch_size": 352, "throughput": 10.0}}))
+                    "result": {"outcome": "ok", "batch_size": 352, "throughput": {"samples_per_s": 10.0}}}))
     # the same probe enqueued again (another worker or process), then claimed: the worker finds
     # trial 0 already ran it and finishes it as FAIL without launching (search.workers)
     study.enqueue_trial({"batch_size": 352}, user_attrs={"role": "frontier", "alloc_conf": ""})

@@ -236,14 +236,15 @@ def test_item9_show_json_carries_data_not_display_strings(tmp_path, capsys):
     import optuna
 
     from oomtune.study import records as R
-    from oomtune.trial.record import TrialResult
+    from oomtune.trial.record import Throughput, TrialResult
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(storage=url, study_name="s", direction="maximize")
     for number, (conf, params) in enumerate([("", {"expandable_segments": False}),
                                               ("expandable_segments:True", {"expandable_segments": True,
                                                                             "data.num_workers": 2})]):
-        res = TrialResult(outcome="ok", batch_size=8, alloc_conf=conf, throughput=10.0 + number)
+        res = TrialResult(outcome="ok", batch_size=8, alloc_conf=conf,
+                          throughput=Throughput(samples_per_s=10.0 + number))
         dists = {"batch_size": optuna.distributions.IntDistribution(8, 64),
                  "expandable_segments": optuna.distributions.CategoricalDistribution([False, True])}
         if "data.num_workers" in params:

@@ -19,7 +19,7 @@ from oomtune.exceptions import DeviceError
 from oomtune.gpu import nvml
 from oomtune.study.records import used_bytes
 from oomtune.trial.budget import memory_fraction_for_budget
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import GiB, MiB
 
 NVML_TOTAL = 81920 * MiB
@@ -147,8 +147,8 @@ def test_uuid_spellings_compare_equal():
     (None, None, None, None),
 ])
 def test_used_bytes_is_the_larger_of_nvml_and_the_allocators_exact_peak(nvml_peak, reserved, outside, expected):
-    res = TrialResult(outcome="ok", device_peak_bytes=nvml_peak, peak_reserved_bytes=reserved,
-                      non_allocator_bytes=outside, memory_source="device")
+    res = TrialResult(outcome="ok", memory=MemoryReadings(source="device", device_peak_bytes=nvml_peak,
+                                                          peak_reserved_bytes=reserved, non_allocator_bytes=outside))
     assert used_bytes(res) == expected
 
 
@@ -164,10 +164,11 @@ def test_memory_outside_the_allocator_is_measured_again_after_warm_up(monkeypatc
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 200 * MiB)   # 500 MiB outside the allocator
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, dev: applied.append(f))
     spec = TrialSpec(workload={}, batch_size=8, device="cuda:0", budget_bytes=16 * GiB)
-    result = TrialResult(outcome="ok", non_allocator_bytes=300 * MiB,
+    result = TrialResult(outcome="ok", memory=MemoryReadings(non_allocator_bytes=300 * MiB),
                          extra={"memory_fraction": (16 * GiB - 300 * MiB) / TORCH_TOTAL})
     child.remeasure_outside_allocator(spec, result, "cuda:0", TORCH_TOTAL)
-    assert result.non_allocator_bytes == 500 * MiB and result.extra["non_allocator_bytes_after_warmup"] == 500 * MiB
+    assert result.memory.non_allocator_bytes == 500 * MiB
+    assert result.extra["non_allocator_bytes_after_warmup"] == 500 * MiB
     assert applied == [(16 * GiB - 500 * MiB) / TORCH_TOTAL] == [result.extra["memory_fraction"]]
 
 
@@ -184,7 +185,7 @@ def test_the_remeasure_runs_after_the_warm_up_step_outside_the_timing():
     spec = TrialSpec(workload={}, batch_size=8, warmup_steps=2, measure_steps=3)
     result = TrialResult(outcome="ok")
     child._timed_steps(spec, Steps(), result, on_step=seen.append)
-    assert seen == [1, 2, 3, 4, 5] and result.steps == 5
+    assert seen == [1, 2, 3, 4, 5] and result.throughput.steps == 5
 
 
 def test_a_time_window_extends_the_measured_steps():
@@ -199,8 +200,8 @@ def test_a_time_window_extends_the_measured_steps():
     spec = TrialSpec(workload={}, batch_size=8, warmup_steps=1, measure_steps=2, measure_seconds=2.0)
     result = TrialResult(outcome="ok")
     child._timed_steps(spec, Steps(), result)
-    assert result.steps == 1 + 4              # 4 measured steps of 0.5 s fill the 2 s window
-    assert result.throughput == pytest.approx(16.0)   # 8 samples / 0.5 s
+    assert result.throughput.steps == 1 + 4              # 4 measured steps of 0.5 s fill the 2 s window
+    assert result.throughput.samples_per_s == pytest.approx(16.0)   # 8 samples / 0.5 s
 
 
 # ---------------------------------------------------------------- the fork server and a bad fork
@@ -291,5 +292,5 @@ def test_on_a_device_a_099_budget_trial_runs_and_remeasures(tmp_path):
     assert r.outcome == "ok", r.message
     assert r.extra["nvml_match"] in ("uuid", "pci_bus_id")
     assert r.extra["non_allocator_bytes_after_warmup"] is not None
-    assert r.non_allocator_bytes >= r.extra["non_allocator_bytes_at_start"]
+    assert r.memory.non_allocator_bytes >= r.extra["non_allocator_bytes_at_start"]
     assert 0 < r.extra["memory_fraction"] < 0.99 and r.device.total_memory_bytes == total

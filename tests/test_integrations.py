@@ -65,7 +65,7 @@ def test_the_framework_trains_the_trials_micro_batch_and_accumulation(name, tmp_
     assert meta["precision"] == {"hf": "fp32", "lightning": "32-true"}[name]   # the framework's own setting
     spec = TrialSpec(workload={"target": {"name": "cmd"}, "grad_accum": 3}, batch_size=4)
     result = result_from_channel(spec, events, returncode=0, stderr="", timed_out=False)
-    assert result.outcome == "ok" and result.throughput == pytest.approx(24 / rep["seconds"])
+    assert result.outcome == "ok" and result.throughput.samples_per_s == pytest.approx(24 / rep["seconds"])
 
 
 def _free_port() -> str:
@@ -87,7 +87,7 @@ def test_samples_are_counted_once_over_two_ranks(tmp_path):
     assert (tmp_path / "stream.bin").is_file() and (tmp_path / "stream.bin.rank1").is_file()
     spec = TrialSpec(workload={"target": {"name": "cmd"}, "grad_accum": 2}, batch_size=3)
     result = result_from_channel(spec, events, returncode=0, stderr="", timed_out=False)
-    assert result.throughput == pytest.approx(24 / reports[0]["seconds"])
+    assert result.throughput.samples_per_s == pytest.approx(24 / reports[0]["seconds"])
 
 
 @pytest.mark.slow
@@ -225,18 +225,18 @@ def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks
     assert len(reports) == 1 and reports[0]["rank"] == 0         # rank 0 reports for both
     # global samples: micro-batch 3 x 2 micro-batches x 2 ranks x 2 measured steps = 24, counted once
     assert (reports[0]["samples"], reports[0]["world_size"], reports[0]["steps"]) == (24, 2, 2)
-    assert res.throughput == pytest.approx(24 / reports[0]["seconds"])
+    assert res.throughput.samples_per_s == pytest.approx(24 / reports[0]["seconds"])
     # each rank's memory kept with its rank; the worst rank's (rank 1, by the 8 MiB it holds) is the trial's
     assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]
-    rank0, rank1 = res.extra["ranks"]
-    assert (rank0["rank"], rank1["rank"]) == (0, 1)
-    assert rank1["peak_allocated_bytes"] - rank0["peak_allocated_bytes"] == hold   # same steps, plus the hold
+    rank0, rank1 = res.ranks
+    assert (rank0.rank, rank1.rank) == (0, 1)
+    assert rank1.peak_allocated_bytes - rank0.peak_allocated_bytes == hold   # same steps, plus the hold
     # the MLP's parameters, their gradients and DDP's bucket (attached before the strategy wraps the model)
     params = (64 * 128 + 128 + 128 * 10 + 10) * 4
-    assert rank0["peak_allocated_bytes"] >= 3 * params
-    assert res.extra["worst_rank"] == 1
-    assert (res.peak_allocated_bytes, res.peak_reserved_bytes) == (rank1["peak_allocated_bytes"],
-                                                                   rank1["peak_reserved_bytes"])
+    assert rank0.peak_allocated_bytes >= 3 * params
+    assert res.worst_rank == 1
+    assert (res.memory.peak_allocated_bytes, res.memory.peak_reserved_bytes) == (rank1.peak_allocated_bytes,
+                                                                                 rank1.peak_reserved_bytes)
     assert (tmp_path / "trial" / "stream.bin").is_file() and (tmp_path / "trial" / "stream.bin.rank1").is_file()
     assert _gone(pids.values()) and not group_alive(res.extra["pid"])
 
@@ -249,13 +249,13 @@ def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_pat
 
     # rank 1 asks for 80 MiB at once on its 64 MiB virtual GPU; rank 0 needs well under 1 MiB
     res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB, torchrun=torchrun)
-    assert res.outcome_enum.is_memory, (res.outcome, res.message)
-    assert res.extra["failed_rank"] == 1 and res.message.startswith("rank 1 of 2:"), res.message
-    assert res.oom_requested_bytes == 80 * MiB
+    assert res.outcome.is_memory, (res.outcome, res.message)
+    assert res.failed_rank == 1 and res.message.startswith("rank 1 of 2:"), res.message
+    assert res.memory.oom_requested_bytes == 80 * MiB
     (oom,) = [e for e in events if e["event"] == "oom"]
     assert (oom["rank"], oom["world_size"]) == (1, 2)
     # rank 0 lost its peer inside the gradient all-reduce (gloo: connection closed): not a second failure
-    assert [r["rank"] for r in res.extra["ranks"]] == [0, 1]
-    assert res.extra["ranks"][0]["peak_reserved_bytes"] < 64 * MiB
+    assert [r.rank for r in res.ranks] == [0, 1]
+    assert res.ranks[0].peak_reserved_bytes < 64 * MiB
     assert sorted(pids) == [0, 1]
     assert _gone(pids.values()) and not group_alive(res.extra["pid"])

@@ -95,10 +95,10 @@ def test_plan_agrees_exactly_with_a_live_virtual_gpu_trial(model, batch, tmp_pat
     cell = fmap.rows[0].cells[0]
     res = _trial(fmap.workload, batch, 1 << 30)
     assert res.outcome == "ok", res.message
-    assert res.memory_source == "simulated"
+    assert res.memory.source == "simulated"
     assert cell.fits
-    assert cell.peak_reserved_bytes == res.peak_reserved_bytes
-    assert cell.peak_allocated_bytes == res.peak_allocated_bytes
+    assert cell.peak_reserved_bytes == res.memory.peak_reserved_bytes
+    assert cell.peak_allocated_bytes == res.memory.peak_allocated_bytes
 
 
 def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, monkeypatch):
@@ -114,8 +114,8 @@ def test_plan_agrees_with_a_spawned_trial_under_expandable_segments(tmp_path, mo
                      device_memory_bytes=fmap.geometry["total_memory_bytes"])
     res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
     assert res.outcome == "ok", res.message
-    assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes
-    assert row.cells[0].peak_allocated_bytes == res.peak_allocated_bytes
+    assert row.cells[0].peak_reserved_bytes == res.memory.peak_reserved_bytes
+    assert row.cells[0].peak_allocated_bytes == res.memory.peak_allocated_bytes
 
 
 def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_path, monkeypatch):
@@ -138,8 +138,8 @@ def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_p
     res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
     assert res.outcome == "ok", res.message
     limit = int((1 << 30) * 0.95)   # budget x (1 - search.headroom 0.05)
-    assert res.peak_reserved_bytes > limit and not row.cells[0].fits
-    assert row.cells[0].peak_reserved_bytes == res.peak_reserved_bytes
+    assert res.memory.peak_reserved_bytes > limit and not row.cells[0].fits
+    assert row.cells[0].peak_reserved_bytes == res.memory.peak_reserved_bytes
 
 
 @pytest.mark.parametrize("budget, high, expected, over_outcomes", [
@@ -178,7 +178,7 @@ def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, ove
     over = _trial(fmap.workload, best + 1, budget)
     assert ok.outcome == "ok", ok.message
     assert over.outcome in over_outcomes, over.outcome
-    assert row.at_max.peak_reserved_bytes == ok.peak_reserved_bytes <= budget
+    assert row.at_max.peak_reserved_bytes == ok.memory.peak_reserved_bytes <= budget
 
 
 # -- plan.yaml and the command -------------------------------------------------------------------------

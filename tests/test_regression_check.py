@@ -14,7 +14,7 @@ import yaml
 from oomtune.best import load_best
 from oomtune.regression import evaluate_run, within_drop, within_limit
 from oomtune.cli import main
-from oomtune.trial.record import TrialResult
+from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
 from oomtune.units import GiB, MiB
 
 # The tiny MLP: every tensor is below 1 MiB, and all live tensors together well below 2 MiB, so the
@@ -121,10 +121,12 @@ def test_a_workload_change_that_adds_a_64_mib_buffer_fails_predict(extra_buffer,
 
 
 # -- run mode ---------------------------------------------------------------------------------------
-def _result(**kw):
-    base = {"outcome": "ok", "memory_source": "simulated", "batch_size": 8, "throughput": 100.0,
-            "peak_reserved_bytes": 1_000_000_000, "steps": 11}
-    return TrialResult(**{**base, **kw})
+def _result(outcome="ok", message=None, memory_source="simulated", throughput=100.0, **memory):
+    """A finished check trial at batch 8, 11 steps; ``memory``: MemoryReadings fields (peak reserved
+    1e9 bytes unless given)."""
+    return TrialResult(outcome=outcome, batch_size=8, message=message,
+                       memory=MemoryReadings(source=memory_source, **{"peak_reserved_bytes": 1_000_000_000, **memory}),
+                       throughput=Throughput(samples_per_s=throughput, steps=11))
 
 
 @pytest.mark.parametrize("peak, throughput, passed", [

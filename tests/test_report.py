@@ -186,7 +186,7 @@ def test_search_progress_prints_one_line_per_trial_without_a_terminal():
                                               distributions={"batch_size": optuna.distributions.IntDistribution(1, 9)},
                                               user_attrs={"role": "search", "outcome": "ok", "alloc_conf": "",
                                                           "result": {"outcome": "ok", "batch_size": 8,
-                                                                     "throughput": 10.0}}))
+                                                                     "throughput": {"samples_per_s": 10.0}}}))
     for terminal in (False, True):
         out = io.StringIO()
         progress = SearchProgress(Console(file=out, force_terminal=terminal, width=200), 3)

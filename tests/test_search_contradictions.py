@@ -20,7 +20,7 @@ from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.space import SearchSpace
-from oomtune.trial.record import TrialResult
+from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
 from oomtune.units import MiB
 
 BUDGET = 1000 * MiB
@@ -47,7 +47,8 @@ class Runner:
             return TrialResult(outcome="oom", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                                message="CUDA out of memory")
         return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-                           throughput=float(spec.batch_size), peak_reserved_bytes=peak, memory_source="simulated")
+                           throughput=Throughput(samples_per_s=float(spec.batch_size)),
+                           memory=MemoryReadings(source="simulated", peak_reserved_bytes=peak))
 
     def kill_all(self):
         pass

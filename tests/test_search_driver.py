@@ -4,6 +4,8 @@ with expandable_segments; out of memory above the budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import optuna
 import pytest
 
@@ -12,7 +14,7 @@ from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions, SetupFault
 from oomtune.space import SearchSpace
-from oomtune.trial.record import TrialResult
+from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
 from oomtune.units import MiB
 
 BUDGET = 1000 * MiB
@@ -33,8 +35,10 @@ class FakeRunner:
         peak = b * per
         if peak > spec.budget_bytes or (spec.measure_steps > 3 and b in self.fail_confirm_batches):
             return TrialResult(outcome="oom", batch_size=b, alloc_conf=spec.alloc_conf, message="CUDA out of memory")
-        return TrialResult(outcome="ok", batch_size=b, alloc_conf=spec.alloc_conf, throughput=float(b),
-                           peak_reserved_bytes=peak, peak_allocated_bytes=peak, memory_source="simulated")
+        return TrialResult(outcome="ok", batch_size=b, alloc_conf=spec.alloc_conf,
+                           throughput=Throughput(samples_per_s=float(b)),
+                           memory=MemoryReadings(source="simulated", peak_reserved_bytes=peak,
+                                                 peak_allocated_bytes=peak))
 
     def kill_all(self):
         pass
@@ -148,7 +152,7 @@ def test_expandable_segments_wins_when_it_fits_a_larger_batch(tmp_path):
     search.run_search()
     best, result, confirmed = search.confirm()
     assert best.params == {"batch_size": 95, "expandable_segments": True}
-    assert result.peak_reserved_bytes == 950 * MiB
+    assert result.memory.peak_reserved_bytes == 950 * MiB
 
 
 class FakePredictor:
@@ -265,7 +269,7 @@ class ScriptedThroughput(FakeRunner):
         res = super().run(spec, workdir=workdir)
         key = (spec.batch_size, spec.alloc_conf)
         if spec.measure_steps == 10 and res.outcome == "ok" and self.script.get(key):
-            res.throughput = self.script[key].pop(0)
+            res.throughput = replace(res.throughput, samples_per_s=self.script[key].pop(0))
         return res
 
 
@@ -300,7 +304,7 @@ def test_throughput_gain_beyond_the_noise_is_claimed_from_the_confirmation(tmp_p
     assert best.params == {"batch_size": 90, "expandable_segments": True} and confirmed
     assert search.gain["claimed"] is True
     assert search.gain["throughput_ratio"] == pytest.approx(132.0 / 102.0)
-    assert result.throughput == 132.0  # the winner's last confirmation run
+    assert result.throughput.samples_per_s == 132.0  # the winner's last confirmation run
 
 
 def test_batch_at_the_top_of_the_range_is_reported(tmp_path):
@@ -321,9 +325,9 @@ class StoppingRunner(FakeRunner):
     def run(self, spec, *, workdir):
         self.limits = getattr(self, "limits", []) + [(spec.measure_steps, spec.limit_bytes)]
         res = super().run(spec, workdir=workdir)
-        first = (res.peak_reserved_bytes or 0) - 10 * MiB
+        first = (res.memory.peak_reserved_bytes or 0) - 10 * MiB
         if res.outcome == "ok" and spec.limit_bytes is not None and first > spec.limit_bytes:
-            res.peak_reserved_bytes = res.peak_allocated_bytes = first
+            res.memory = replace(res.memory, peak_reserved_bytes=first, peak_allocated_bytes=first)
             res.extra["stopped_over_limit"] = {"step": 1, "used_bytes": first, "limit_bytes": spec.limit_bytes}
         return res
 
@@ -386,8 +390,9 @@ class ThreeWayRunner(FakeRunner):
             return TrialResult(outcome="oom", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                                message="CUDA out of memory")
         return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-                           throughput=float(spec.batch_size), peak_reserved_bytes=peak, peak_allocated_bytes=peak,
-                           memory_source="simulated")
+                           throughput=Throughput(samples_per_s=float(spec.batch_size)),
+                           memory=MemoryReadings(source="simulated", peak_reserved_bytes=peak,
+                                                 peak_allocated_bytes=peak))
 
 
 class ThreeWayPredictor(FakePredictor):

@@ -38,14 +38,14 @@ def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, caps
     confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_CONFIRMS) == winner.number][-1]
     measured = R.result_of(confirm)
     assert best.best.metrics_trial_number == confirm.number != winner.number   # the figures' own trial
-    assert best.best.confirmed and best.best.metrics["throughput"] == measured.throughput > 0
-    assert best.best.metrics["peak_reserved_bytes"] == measured.peak_reserved_bytes
+    assert best.best.confirmed and best.best.metrics["throughput"] == measured.throughput.samples_per_s > 0
+    assert best.best.metrics["peak_reserved_bytes"] == measured.memory.peak_reserved_bytes
     assert best.best.metrics["memory_source"] == "simulated" and best.device["memory_source"] == "simulated"
     # the kernels the captures and CPU trials ran: model.gpu=auto without a GPU is the default, said so
     assert best.device["target_gpu"] == {"name": "A100", "compute_capability": "8.0", "sm_count": 108,
                                          "key": "a100", "source": "default"}
     assert measured.extra["kernels"]["gpu"]["key"] == "a100"
-    assert measured.peak_reserved_bytes <= 0.95 * 192 * 2**20
+    assert measured.memory.peak_reserved_bytes <= 0.95 * 192 * 2**20
     assert best.best.predicted_peak_reserved_bytes is not None
     assert best.study["outcomes"].get("ok", 0) >= 3
     capsys.readouterr()

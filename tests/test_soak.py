@@ -249,8 +249,8 @@ def test_trial_records_a_passing_soak(monkeypatch):
     res = run_child(TrialSpec(workload=SMALL_LM, batch_size=4, device="cpu", budget_bytes=1 << 30,
                               warmup_steps=1, measure_steps=1, soak_steps=50))
     assert res.outcome == "ok", res.message
-    assert res.soak_passed and res.soak_steps_run == 50 and res.soak_failed_step is None
-    assert res.soak_peak_reserved_bytes >= res.peak_reserved_bytes   # the soak includes the live steps
+    assert res.soak.passed and res.soak.steps_run == 50 and res.soak.failed_step is None
+    assert res.soak.peak_reserved_bytes >= res.memory.peak_reserved_bytes   # the soak includes the live steps
 
 
 def test_trial_worst_shapes_run_the_largest_shape(monkeypatch):
@@ -260,8 +260,8 @@ def test_trial_worst_shapes_run_the_largest_shape(monkeypatch):
     data, worst = run_child(TrialSpec(**spec)), run_child(TrialSpec(**spec, shapes="worst"))
     assert data.outcome == worst.outcome == "ok"
     # seq_len 128 (the largest) every step needs at least what the data order's steps needed
-    assert worst.peak_allocated_bytes >= data.peak_allocated_bytes
-    assert worst.peak_allocated_bytes == max(x[2] for x in _live_per_step(at_shape(SMALL_LM, 128), 4, 2))
+    assert worst.memory.peak_allocated_bytes >= data.memory.peak_allocated_bytes
+    assert worst.memory.peak_allocated_bytes == max(x[2] for x in _live_per_step(at_shape(SMALL_LM, 128), 4, 2))
 
 
 @pytest.mark.skipif(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), reason="needs torch's default allocator settings")
@@ -274,10 +274,10 @@ def test_trial_fails_on_the_soak_with_step_and_reason(monkeypatch):
     # request at 76 MiB, and expandable_segments surviving the same soak): the soak's class is
     # "oom_fragmentation" exactly when reserved - allocated >= the failing request (soak_verdict).
     assert res.outcome == "oom_fragmentation", res.message
-    assert res.soak_passed is False and res.soak_failed_step > 4
-    assert res.throughput is not None                  # the live steps ran and were measured
-    assert f"soak step {res.soak_failed_step}/2000" in res.message
-    assert res.soak_reserved_bytes - res.soak_allocated_bytes >= res.oom_requested_bytes > 0
+    assert res.soak.passed is False and res.soak.failed_step > 4
+    assert res.throughput.samples_per_s is not None    # the live steps ran and were measured
+    assert f"soak step {res.soak.failed_step}/2000" in res.message
+    assert res.soak.reserved_bytes - res.soak.allocated_bytes >= res.memory.oom_requested_bytes > 0
 
 
 # With CPU capture (a CPU trial soaks the kernels it ran) the same model at batch 4 fails its soak

@@ -72,36 +72,36 @@ def test_good_command_reports_throughput_and_sees_the_trial_environment(tmp_path
     spec = _cmd_spec(cmd, batch_size=7, alloc_conf="expandable_segments:True", budget_bytes=64 * MIB)
     started = []
     res = run_cmd_trial(spec, workdir=tmp_path / "t", on_start=started.append)
-    assert res.outcome == Outcome.OK.value, res.message
+    assert res.outcome is Outcome.OK, res.message
     assert started == [res.extra["pid"]]
-    assert res.throughput == pytest.approx(3 * 7 / 0.5)        # 42 samples/s
-    assert res.step_time_s == pytest.approx(0.5 / 3)
-    assert res.data_wait_fraction == pytest.approx(0.1 / 0.5)
+    assert res.throughput.samples_per_s == pytest.approx(3 * 7 / 0.5)        # 42 samples/s
+    assert res.throughput.step_time_s == pytest.approx(0.5 / 3)
+    assert res.throughput.data_wait_fraction == pytest.approx(0.1 / 0.5)
     assert res.extra["reported"][0]["env"] == {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "expandable_segments:True",
         "OOMTUNE_BATCH_SIZE": "7", "OOMTUNE_BUDGET_BYTES": str(64 * MIB), "OOMTUNE_DEVICE": "cpu"}
-    assert res.peak_reserved_bytes is None and res.extra["memory_unknown"] is True  # no capture hook
+    assert res.memory.peak_reserved_bytes is None and res.extra["memory_unknown"] is True  # no capture hook
 
 
 def test_shell_command_runs_through_sh(tmp_path):
     cmd = "true && " + _script(tmp_path, "import oomtune; oomtune.report(samples=10, seconds=2.0)\n")
     res = run_cmd_trial(_cmd_spec(cmd), workdir=tmp_path / "t")
-    assert (res.outcome, res.throughput) == (Outcome.OK.value, 5.0)
+    assert (res.outcome, res.throughput.samples_per_s) == (Outcome.OK, 5.0)
 
 
 def test_command_that_never_reports_is_an_error(tmp_path):
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "print('trained, but said nothing')\n")),
                         workdir=tmp_path / "t")
-    assert res.outcome == Outcome.ERROR.value
+    assert res.outcome is Outcome.ERROR
     assert res.message == NO_REPORT_MESSAGE
-    assert res.throughput is None and res.extra["returncode"] == 0
+    assert res.throughput.samples_per_s is None and res.extra["returncode"] == 0
 
 
 def test_sigkill_without_evidence_of_the_oom_killer_is_a_crash(tmp_path):
     # issue 23 item 3: a kill -9 leaves the cgroup's oom_kill counter and the kernel log unchanged
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "import os\nos.kill(os.getpid(), 9)\n")),
                         workdir=tmp_path / "t")
-    assert res.outcome == Outcome.CRASH.value, res.message
+    assert res.outcome is Outcome.CRASH, res.message
     assert "no evidence of the OOM killer" in res.message
     assert res.extra["returncode"] == -9
 
@@ -113,14 +113,14 @@ def test_sigkill_with_a_grown_oom_kill_counter_is_host_oom(tmp_path, monkeypatch
     monkeypatch.setattr(oomkill, "read_oom_kill_counters", lambda **kw: next(counts))
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "import os\nos.kill(os.getpid(), 9)\n")),
                         workdir=tmp_path / "t")
-    assert res.outcome == Outcome.HOST_OOM.value
+    assert res.outcome is Outcome.HOST_OOM
     assert "/cg/memory.events: oom_kill 3 -> 4" in res.message
 
 
 def test_traceback_is_an_error_with_its_tail(tmp_path):
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "raise ValueError('boom in the script')\n")),
                         workdir=tmp_path / "t")
-    assert res.outcome == Outcome.ERROR.value
+    assert res.outcome is Outcome.ERROR
     assert "boom in the script" in res.traceback_tail
 
 
@@ -131,7 +131,7 @@ def test_hanging_command_times_out_and_its_process_group_is_gone(tmp_path):
         time.sleep(120)
     """)
     res = run_cmd_trial(_cmd_spec(cmd, timeout_s=2.0), workdir=tmp_path / "t", grace_s=1.0)
-    assert res.outcome == Outcome.TIMEOUT.value
+    assert res.outcome is Outcome.TIMEOUT
     assert res.wall_s < 30
     assert not group_alive(res.extra["pid"])
 
@@ -143,8 +143,8 @@ def test_channel_oom_wins_even_when_the_script_caught_it():
     events = [{"event": "oom", "message": message, "requested_bytes": 20 * MIB},
               {"event": "report", "samples": 8, "seconds": 1.0}]
     res = result_from_channel(_cmd_spec("x"), events, returncode=0, stderr="", timed_out=False)
-    assert res.outcome == Outcome.OOM.value          # 1.75 MiB cached < 20 MiB asked: not fragmentation
-    assert res.oom_requested_bytes == 20 * MIB and res.throughput is None
+    assert res.outcome is Outcome.OOM          # 1.75 MiB cached < 20 MiB asked: not fragmentation
+    assert res.memory.oom_requested_bytes == 20 * MIB and res.throughput.samples_per_s is None
     assert res.extra["oom_caught_by_script"] is True
 
 
@@ -157,8 +157,8 @@ def test_real_cuda_oom_traceback_in_stderr_is_a_memory_outcome():
     res = result_from_channel(_cmd_spec("x"), [], returncode=1, stderr=stderr, timed_out=False)
     # 1.50 GiB cached < 2.00 GiB asked, but 1.00 GiB free + 1.50 GiB trapped in split segments >= 2.00
     # GiB: the C8 kind of fragmentation (the allocator had already released its whole free segments).
-    assert res.outcome == Outcome.OOM_FRAGMENTATION.value
-    assert res.oom_requested_bytes == 2 << 30
+    assert res.outcome is Outcome.OOM_FRAGMENTATION
+    assert res.memory.oom_requested_bytes == 2 << 30
 
 
 @pytest.mark.parametrize("budget, expected", [(1 * MIB, Outcome.OOM), (1 << 30, Outcome.OK)])
@@ -166,17 +166,17 @@ def test_example_script_on_the_virtual_gpu(tmp_path, budget, expected):
     cmd = f"{PY} {shlex.quote(str(REPO / 'examples' / 'train_cmd.py'))} --batch-size {{batch_size}}"
     res = run_cmd_trial(_cmd_spec(cmd, batch_size=16, budget_bytes=budget, timeout_s=120), workdir=tmp_path / "t")
     assert res.outcome == expected.value, (res.message, res.traceback_tail)
-    assert res.memory_source == "simulated"
+    assert res.memory.source == "simulated"
     if expected is Outcome.OOM:
         # The first parameter (<= 1 MiB) needs a 2 MiB small-pool segment: more than the 1 MiB device.
-        assert res.oom_requested_bytes == 2 * MIB
-        assert res.throughput is None
+        assert res.memory.oom_requested_bytes == 2 * MIB
+        assert res.throughput.samples_per_s is None
     else:
         # Linear(128, 256) + Linear(256, 10): 131072 + 1024 + 10240 + 40->512 B (512 B rounding);
         # parameters, gradients and Adam's exp_avg / exp_avg_sq are four copies alive at once.
-        assert res.peak_allocated_bytes >= 4 * (131072 + 1024 + 10240 + 512)
-        assert res.peak_reserved_bytes >= res.peak_allocated_bytes
-        assert res.throughput > 0
+        assert res.memory.peak_allocated_bytes >= 4 * (131072 + 1024 + 10240 + 512)
+        assert res.memory.peak_reserved_bytes >= res.memory.peak_allocated_bytes
+        assert res.throughput.samples_per_s > 0
 
 
 # ----------------------------------------------------------------------------- target=python
@@ -360,7 +360,7 @@ def test_resolved_entry_runs_in_a_real_trial_process(tmp_path, monkeypatch):
                      budget_bytes=1 << 30, warmup_steps=1, measure_steps=1, timeout_s=120)
     with TrialRunner() as runner:
         res = runner.run(spec, workdir=tmp_path / "trial")   # the child's cwd is tmp_path/trial
-    assert res.outcome == Outcome.OK.value, res.message
+    assert res.outcome is Outcome.OK, res.message
 
 
 def test_cmd_with_a_relative_script_runs_from_the_resolved_cwd(tmp_path, monkeypatch):
@@ -376,7 +376,7 @@ def test_cmd_with_a_relative_script_runs_from_the_resolved_cwd(tmp_path, monkeyp
     monkeypatch.chdir(elsewhere)
     spec = TrialSpec(workload={"name": "mlp", "target": target}, batch_size=2, timeout_s=60)
     res = run_cmd_trial(spec, workdir=tmp_path / "t")
-    assert (res.outcome, res.throughput) == (Outcome.OK.value, 4.0), res.message
+    assert (res.outcome, res.throughput.samples_per_s) == (Outcome.OK, 4.0), res.message
 
 
 def test_resolve_workload_also_resolves_the_data_path(tmp_path):

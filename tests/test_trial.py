@@ -90,17 +90,17 @@ def _spec(**kw) -> TrialSpec:
 def test_cpu_trial_is_ok_and_measured(clean_alloc_env):
     r = child.run_child(_spec())
     assert r.outcome == "ok", r.message
-    assert r.memory_source == "simulated"
-    assert r.throughput is not None and r.throughput > 0
-    assert r.step_time_s is not None and r.step_time_s > 0
-    assert r.steps == 3
+    assert r.memory.source == "simulated"
+    assert r.throughput.samples_per_s is not None and r.throughput.samples_per_s > 0
+    assert r.throughput.step_time_s is not None and r.throughput.step_time_s > 0
+    assert r.throughput.steps == 3
     # parameters alone are 9,640 bytes in 4 tensors, each rounded to >= 512 B
-    assert r.peak_allocated_bytes is not None and r.peak_allocated_bytes >= 9_640
-    assert r.peak_reserved_bytes >= r.peak_allocated_bytes > 0
-    assert 0.0 <= r.fragmentation <= 1.0
-    assert r.num_ooms == 0
+    assert r.memory.peak_allocated_bytes is not None and r.memory.peak_allocated_bytes >= 9_640
+    assert r.memory.peak_reserved_bytes >= r.memory.peak_allocated_bytes > 0
+    assert 0.0 <= r.memory.fragmentation <= 1.0
+    assert r.memory.num_ooms == 0
     assert r.startup_s is not None and r.startup_s >= 0
-    assert 0.0 <= r.data_wait_fraction <= 1.0
+    assert 0.0 <= r.throughput.data_wait_fraction <= 1.0
     assert r.device is not None and r.device.kind == "cpu"
 
 
@@ -112,10 +112,10 @@ def test_cpu_trial_with_tiny_budget_ooms_inside_the_step(clean_alloc_env):
     # so not fragmentation; no fraction, so not the fraction cap: a plain "oom".
     r = child.run_child(_spec(budget_bytes=1 * MiB))
     assert r.outcome == "oom", r.message
-    assert r.memory_source == "simulated"
-    assert r.num_ooms is not None and r.num_ooms >= 1
-    assert r.oom_requested_bytes is not None and r.oom_requested_bytes > 0
-    assert r.throughput is None          # never measured: None, not 0
+    assert r.memory.source == "simulated"
+    assert r.memory.num_ooms is not None and r.memory.num_ooms >= 1
+    assert r.memory.oom_requested_bytes is not None and r.memory.oom_requested_bytes > 0
+    assert r.throughput.samples_per_s is None          # never measured: None, not 0
     assert r.advice
 
 
@@ -206,33 +206,33 @@ def test_trial_stops_after_the_first_step_above_the_limit(clean_alloc_env):
     # only grow, so the remaining steps are not run (and no soak).
     r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=1 * MiB, soak_steps=10))
     assert r.outcome == "ok", r.message
-    assert r.steps == 1
+    assert r.throughput.steps == 1
     stop = r.extra["stopped_over_limit"]
     assert stop["step"] == 1 and stop["limit_bytes"] == 1 * MiB
-    assert stop["used_bytes"] >= 2 * MiB and r.peak_reserved_bytes >= stop["used_bytes"]
-    assert r.throughput is None              # stopped in the warm-up: no measured step
-    assert r.soak_passed is None             # above the limit: not soaked
+    assert stop["used_bytes"] >= 2 * MiB and r.memory.peak_reserved_bytes >= stop["used_bytes"]
+    assert r.throughput.samples_per_s is None              # stopped in the warm-up: no measured step
+    assert r.soak is None             # above the limit: not soaked
 
 
 def test_trial_stopped_in_the_measured_steps_times_what_ran(clean_alloc_env):
     r = child.run_child(_spec(warmup_steps=0, measure_steps=3, limit_bytes=1 * MiB))
-    assert r.steps == 1 and r.extra["stopped_over_limit"]["step"] == 1
-    assert r.throughput is not None and r.throughput > 0   # one measured step
+    assert r.throughput.steps == 1 and r.extra["stopped_over_limit"]["step"] == 1
+    assert r.throughput.samples_per_s is not None and r.throughput.samples_per_s > 0   # one measured step
 
 
 def test_trial_within_the_limit_runs_every_step(clean_alloc_env):
     # 64 MiB is far above the 2 MiB small segment (and a 20 MiB large one, were one needed)
     r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=64 * MiB))
-    assert r.outcome == "ok" and r.steps == 4
+    assert r.outcome == "ok" and r.throughput.steps == 4
     assert "stopped_over_limit" not in r.extra
 
 
 def test_a_stopped_trial_violates_the_memory_constraint():
     from oomtune.study.records import MemoryLimit, violation
-    from oomtune.trial.record import TrialResult
+    from oomtune.trial.record import MemoryReadings, TrialResult
 
     limit = MemoryLimit(10 * MiB, 0.0)
     # a reading of 12 MiB at the stop, whatever the record's other figures say: (12 - 10) / 10
-    res = TrialResult(outcome="ok", peak_reserved_bytes=None,
+    res = TrialResult(outcome="ok", memory=MemoryReadings(peak_reserved_bytes=None),
                       extra={"stopped_over_limit": {"step": 1, "used_bytes": 12 * MiB, "limit_bytes": 10 * MiB}})
     assert violation(res, limit) == pytest.approx(0.2)

@@ -23,9 +23,10 @@ from oomtune.trial.record import TrialSpec
 from oomtune.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "peak_active_bytes", "num_alloc_retries",
-          "num_ooms", "fragmentation", "oom_requested_bytes", "steps", "soak_passed", "soak_steps_run",
-          "soak_failed_step", "soak_peak_reserved_bytes", "soak_reserved_bytes", "soak_allocated_bytes")
+FIELDS = ("outcome", "memory.peak_reserved_bytes", "memory.peak_allocated_bytes", "memory.peak_active_bytes",
+          "memory.num_alloc_retries", "memory.num_ooms", "memory.fragmentation", "memory.oom_requested_bytes",
+          "throughput.steps", "soak.passed", "soak.steps_run", "soak.failed_step", "soak.peak_reserved_bytes",
+          "soak.reserved_bytes", "soak.allocated_bytes")
 WORKLOADS = {
     "mlp": {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 2, "num_classes": 10, "optimizer": "sgd"},
     "resnet": {"name": "resnet", "depth": 18, "image_size": 32, "num_classes": 10, "optimizer": "sgd"},
@@ -50,7 +51,14 @@ def _spec(workload, execute, **kw) -> TrialSpec:
 
 
 def _figures(result) -> tuple:
-    return tuple(getattr(result, f) for f in FIELDS)
+    """The :data:`FIELDS` of a record (``section.field``; a section that is None gives None)."""
+    out = []
+    for name in FIELDS:
+        value = result
+        for part in name.split("."):
+            value = None if value is None else getattr(value, part)
+        out.append(value)
+    return tuple(out)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -61,8 +69,9 @@ def test_a_meta_trial_measures_the_memory_of_the_cpu_trial(name):
     assert _figures(meta) == _figures(cpu)
     assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
     # the meta steps do no arithmetic: no throughput, no step time, no data-wait fraction
-    assert cpu.throughput > 0 and meta.throughput is None and meta.step_time_s is None
-    assert meta.data_wait_fraction is None and meta.extra["meta_step_s"] > 0
+    assert cpu.throughput.samples_per_s > 0 and meta.throughput.samples_per_s is None
+    assert meta.throughput.step_time_s is None
+    assert meta.throughput.data_wait_fraction is None and meta.extra["meta_step_s"] > 0
 
 
 def test_a_meta_trial_runs_out_of_memory_at_the_same_request_as_the_cpu_trial():
@@ -89,7 +98,7 @@ def test_a_meta_soak_equals_the_cpu_soak():
     wl = {**WORKLOADS["resnet"], "image_size": {"sizes": [24, 32, 40], "seed": 0}}
     cpu = child.run_child(_spec(wl, "cpu", soak_steps=40, budget_bytes=160 * MiB))
     meta = child.run_child(_spec(wl, "meta", soak_steps=40, budget_bytes=160 * MiB))
-    assert cpu.soak_steps_run is not None
+    assert cpu.soak.steps_run is not None
     assert _figures(meta) == _figures(cpu)
 
 
@@ -100,7 +109,7 @@ def test_adams_step_counters_are_the_known_difference_of_a_cpu_trial():
     wl = {**WORKLOADS["mlp"], "optimizer": "adamw"}
     cpu = child.run_child(_spec(wl, "cpu"))
     meta = child.run_child(_spec(wl, "meta"))
-    assert cpu.peak_allocated_bytes - meta.peak_allocated_bytes == 6 * 512
+    assert cpu.memory.peak_allocated_bytes - meta.memory.peak_allocated_bytes == 6 * 512
 
 
 def test_a_meta_trial_needs_no_host_memory_for_a_batch_far_larger_than_the_host():
@@ -110,7 +119,7 @@ def test_a_meta_trial_needs_no_host_memory_for_a_batch_far_larger_than_the_host(
     r = child.run_child(_spec(wl, "meta", batch_size=2_000_000, budget_bytes=400 * GiB,
                               device_memory_bytes=512 * GiB, warmup_steps=0, measure_steps=1))
     assert r.outcome == "ok", r.message
-    assert r.peak_allocated_bytes >= 2_000_000 * 4096 * 4
+    assert r.memory.peak_allocated_bytes >= 2_000_000 * 4096 * 4
 
 
 def test_a_meta_trial_whose_code_cannot_run_on_meta_runs_on_the_cpu_and_says_so(tmp_path):
@@ -131,7 +140,7 @@ def make_workload(batch_size, device):
     r = child.run_child(_spec(wl, "meta"))
     assert r.outcome == "ok", r.message
     assert r.extra["execute"] == "cpu" and "ran on the CPU" in r.extra["execute_fallback"]
-    assert r.throughput > 0
+    assert r.throughput.samples_per_s > 0
 
 
 # -- resolving trial.execute -----------------------------------------------------------------------------
@@ -228,12 +237,12 @@ def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_
             assert "trials: their steps on the meta device, memory simulated, throughput not measured" in out
             assert study.user_attrs["smoke_test"]["batch_size"] == 2
             results = [R.result_of(t) for t in study.trials if R.result_of(t) is not None]
-            assert results and all(r.extra["execute"] == "meta" and r.throughput is None for r in results)
+            assert results and all(r.extra["execute"] == "meta" and r.throughput.samples_per_s is None for r in results)
             confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"][-1]
             res = R.result_of(confirm)
             # the confirmation is still a fresh interpreter (spawned), runs every step and the soak
-            assert res.extra["launcher"] == "spawn" and res.steps == 1 + 3
-            assert res.soak_passed is True and res.soak_steps_run == 20
+            assert res.extra["launcher"] == "spawn" and res.throughput.steps == 1 + 3
+            assert res.soak.passed is True and res.soak.steps_run == 20
             assert best.best.confirmed and best.best.metrics["throughput"] is None
     assert answers["meta"] == answers["cpu"]
 

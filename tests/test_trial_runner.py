@@ -84,9 +84,9 @@ def test_spawned_cpu_trial_ok_with_settings_in_its_environment(tmp_path):
     r = run_trial(_spec(alloc_conf=conf), workdir=tmp_path, env={HOOK: "echo_env"})
     assert r.outcome == "ok", (r.message, r.traceback_tail)
     assert r.extra["launcher"] == "spawn"
-    assert r.memory_source == "simulated"
-    assert r.throughput > 0
-    assert r.peak_reserved_bytes >= r.peak_allocated_bytes > 0
+    assert r.memory.source == "simulated"
+    assert r.throughput.samples_per_s > 0
+    assert r.memory.peak_reserved_bytes >= r.memory.peak_allocated_bytes > 0
     assert r.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == conf
     assert r.extra["env"]["PYTORCH_ALLOC_CONF"] == conf
     assert r.extra["torch_alloc_conf"] == conf          # what torch's own parser read
@@ -124,7 +124,7 @@ def test_tiny_budget_gives_a_memory_outcome_from_the_child(tmp_path, fork_runner
     # a 1 MiB virtual GPU (fraction 1.0): the first parameter's 2 MiB small-pool segment cannot be had
     # with nothing reserved, so neither fragmentation nor a fraction cap (tests/test_trial.py, same case)
     assert r.outcome == "oom", r.message
-    assert r.memory_source == "simulated"
+    assert r.memory.source == "simulated"
 
 
 # ------------------------------------------------------------------ fork server
@@ -134,8 +134,8 @@ def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner):
     spawned = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "spawn", env={HOOK: "echo_env"})
     assert forked.extra["launcher"] == "fork" and spawned.extra["launcher"] == "spawn"
     assert forked.outcome == spawned.outcome == "ok"
-    assert forked.peak_reserved_bytes == spawned.peak_reserved_bytes
-    assert forked.peak_allocated_bytes == spawned.peak_allocated_bytes
+    assert forked.memory.peak_reserved_bytes == spawned.memory.peak_reserved_bytes
+    assert forked.memory.peak_allocated_bytes == spawned.memory.peak_allocated_bytes
     # the forked child set the variables itself, after the server imported torch without them
     assert forked.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert forked.extra["torch_alloc_conf"] == "expandable_segments:True"
@@ -219,14 +219,14 @@ def test_cuda_trial_applies_the_budget_and_verifies_settings(tmp_path, launcher)
         r = runner.run(spec, workdir=tmp_path)
     assert r.outcome == "ok", (r.message, r.traceback_tail)
     assert r.extra["launcher"] == launcher
-    assert r.memory_source == "device"
+    assert r.memory.source == "device"
     assert r.settings_effective["expandable_segments"] is True
     assert r.settings_effective["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert r.non_allocator_bytes is not None and r.non_allocator_bytes > 0   # CUDA context (C9)
-    assert r.peak_reserved_bytes + r.non_allocator_bytes <= budget
+    assert r.memory.non_allocator_bytes is not None and r.memory.non_allocator_bytes > 0   # CUDA context (C9)
+    assert r.memory.peak_reserved_bytes + r.memory.non_allocator_bytes <= budget
     assert r.device.kind == "cuda" and r.device.index == 0
     if r.extra.get("device_peak_source") == "process":   # C9: the device-level peak obeys the budget
-        assert r.device_peak_bytes <= budget
+        assert r.memory.device_peak_bytes <= budget
 
 
 @pytest.mark.cuda
@@ -239,4 +239,4 @@ def test_cuda_trial_over_budget_is_a_memory_outcome(tmp_path):
     r = run_trial(spec, workdir=tmp_path)
     # a real device: fraction cap or plain OOM depends on the card's size and what other processes
     # hold (the fraction is applied only when the budget is below the card), so any memory class
-    assert r.outcome_enum.is_memory, (r.outcome, r.message)
+    assert r.outcome.is_memory, (r.outcome, r.message)

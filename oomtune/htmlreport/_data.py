@@ -95,6 +95,24 @@ def _locate_study(run_dir: Path, best: dict[str, Any] | None, notes: list[str]) 
     return None
 
 
+def _result_fields(stored: Any) -> dict[str, Any]:
+    """The figures the report shows from a stored trial record (``user_attrs["result"]``, nested or
+    the earlier flat form: :meth:`oomtune.trial.record.TrialResult.from_dict`), under flat names;
+    {} when there is none or it cannot be read (the report leaves those cells empty)."""
+    from oomtune.trial.record import TrialResult
+
+    if not isinstance(stored, dict):
+        return {}
+    try:
+        res = TrialResult.from_dict(stored)
+    except (ValueError, TypeError, KeyError):
+        return {}
+    return {"outcome": res.outcome.value, "batch_size": res.batch_size, "alloc_conf": res.alloc_conf,
+            "throughput": res.throughput.samples_per_s, "peak_reserved_bytes": res.memory.peak_reserved_bytes,
+            "peak_allocated_bytes": res.memory.peak_allocated_bytes, "fragmentation": res.memory.fragmentation,
+            "memory_source": res.memory.source, "message": res.message, "advice": res.advice}
+
+
 def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
     """One plain dict per Optuna trial, from its ``user_attrs`` (the stored TrialResult) and times.
 
@@ -105,7 +123,7 @@ def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
     out = []
     for t in trials:
         attrs = t.user_attrs
-        res = attrs.get("result") if isinstance(attrs.get("result"), dict) else {}
+        res = _result_fields(attrs.get("result"))
         values = list((getattr(t, "constraints", None) or {}).values())
         outcome = attrs.get("outcome") or res.get("outcome") or (
             "duplicate" if attrs.get(ATTR_DUPLICATE_OF) is not None

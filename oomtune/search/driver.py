@@ -43,7 +43,7 @@ from oomtune.space import Candidate, SearchSpace
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
 __all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault"]
@@ -218,7 +218,7 @@ class Search:
             if res is None or t.user_attrs.get(R.ATTR_ROLE) == "confirm" or t.number in contradicted:
                 continue
             same = all(t.params.get(k) == v for k, v in cand.optuna_params().items() if k != "batch_size")
-            if same and res.outcome_enum.is_memory and t.params.get("batch_size", 0) <= cand.batch_size:
+            if same and res.outcome.is_memory and t.params.get("batch_size", 0) <= cand.batch_size:
                 why = (f"batch {t.params['batch_size']} already ran out of device memory under the same "
                        f"allocator settings (trial {t.number})")
                 return self._not_launched(cand, why)
@@ -231,8 +231,9 @@ class Search:
         return None
 
     def _not_launched(self, cand: Candidate, why: str) -> TrialResult:
-        return TrialResult(outcome=Outcome.PREDICTED_INFEASIBLE.value, memory_source="simulated",
-                           batch_size=cand.batch_size, alloc_conf=cand.alloc_conf, message=why)
+        return TrialResult(outcome=Outcome.PREDICTED_INFEASIBLE,
+                           memory=MemoryReadings(source=MEMORY_SOURCE_SIMULATED), batch_size=cand.batch_size,
+                           alloc_conf=cand.alloc_conf, message=why)
 
     def _reusable(self, cand: Candidate, trials: Sequence[Any] | None = None) -> Any | None:
         """An earlier launched trial of exactly this candidate (TPE may suggest a point twice)."""
@@ -300,11 +301,11 @@ class Search:
         :mod:`oomtune.trial.oomkill`) is run once more, and the second result stands (issue 23 item
         3: one stray kill must not decide a point). ``extra["retried_after"]`` keeps the first."""
         result = runner.run(spec, workdir=workdir, **self._trial_env())
-        if result.outcome != Outcome.CRASH.value or self.executor.interrupted.is_set():
+        if result.outcome is not Outcome.CRASH or self.executor.interrupted.is_set():
             return result
         self.say(f"batch {spec.batch_size} {spec.alloc_conf or '(default)'}: {result.message}; running it once more")
         again = runner.run(spec, workdir=workdir.with_name(workdir.name + "-retry"), **self._trial_env())
-        again.extra["retried_after"] = {"outcome": result.outcome, "message": result.message,
+        again.extra["retried_after"] = {"outcome": result.outcome.value, "message": result.message,
                                         "returncode": result.extra.get("returncode")}
         return again
 
@@ -329,16 +330,17 @@ class Search:
 
         if self.executor.interrupted.is_set():
             raise KeyboardInterrupt
-        outcome = result.outcome_enum
+        outcome = result.outcome
         if outcome.is_fault and _disk_full_text(result):
             raise DiskFullError(f"disk full: trial {trial.number} could not write its files "
                                 f"({self.workdir / f'trial-{trial.number:04d}'}): free space on its file system")
         # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
         # memory constraint: one storage round trip
-        user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome,
+        user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome.value,
                       R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {})}
         constraints = {} if outcome.is_fault else {"memory": R.violation(result, self.limit)}
-        value = None if outcome.is_fault else (float(result.throughput or 0.0) if outcome is Outcome.OK else 0.0)
+        value = (None if outcome.is_fault
+                 else float(result.throughput.samples_per_s or 0.0) if outcome is Outcome.OK else 0.0)
         try:
             write_record(self.workdir, trial.study.study_name, trial, state="FAIL" if outcome.is_fault else "COMPLETE",
                          value=value, user_attrs=user_attrs, constraints=constraints)
@@ -478,7 +480,7 @@ class Search:
         self._local.role = "smoke"
         result = self.runner.run(spec, workdir=self.workdir / "smoke", **self._trial_env())
         self._local.role = None
-        if result.outcome != Outcome.OK.value:
+        if result.outcome is not Outcome.OK:
             raise SetupFault(f"the workload fails on the CPU at batch {batch} (the smoke test: one real step, "
                              f"default allocator): {result.outcome}: {result.message}")
         study.set_user_attr("smoke_test", {"batch_size": batch, "wall_s": result.wall_s})
@@ -527,7 +529,7 @@ class Search:
 
         res = R.result_of(trial)
         path = None if res is None else (res.extra or {}).get("stream_file")
-        if not path or res.outcome != Outcome.OK.value:
+        if not path or res.outcome is not Outcome.OK:
             return None
         ran = int((res.extra or {}).get("grad_accum") or 1)
         if ran != accum:
@@ -572,7 +574,7 @@ class Search:
                     r = self._recorded(t, accum)
                     if r is not None:
                         got[r[0]] = r[1]
-                    elif R.result_of(t) is None or R.result_of(t).outcome != Outcome.OK.value:
+                    elif R.result_of(t) is None or R.result_of(t).outcome is not Outcome.OK:
                         failed.append(b)
                 if failed or len(got) < 3:
                     break
@@ -653,23 +655,23 @@ class Search:
             return   # a re-run of the same candidate passed: this result is not believed
         c = (planner.find(trial.user_attrs.get(R.ATTR_CONF, ""), trial.params.get("activation_checkpointing"))
              if res is not None else None)
-        if c is None or res.outcome_enum.is_fault or R.ATTR_REUSED in trial.user_attrs \
-                or res.outcome == Outcome.PREDICTED_INFEASIBLE.value or c.alloc_conf != res.alloc_conf:
+        if c is None or res.outcome.is_fault or R.ATTR_REUSED in trial.user_attrs \
+                or res.outcome is Outcome.PREDICTED_INFEASIBLE or c.alloc_conf != res.alloc_conf:
             return
         batch = int(trial.params["batch_size"])
         raw = self._peak(batch, c.params)
         ratio = floor = None
         used = R.used_bytes(res)
         if raw is not None and raw[0] > 0:
-            if res.outcome == Outcome.OK.value and used and res.extra.get("stopped_over_limit"):
+            if res.outcome is Outcome.OK and used and res.extra.get("stopped_over_limit"):
                 floor = used / raw[0]  # stopped early: its full peak is at least this
-            elif res.outcome == Outcome.OK.value and used:
+            elif res.outcome is Outcome.OK and used:
                 ratio = used / raw[0]
-            elif res.outcome_enum.is_memory:
+            elif res.outcome.is_memory:
                 floor = self.opt.budget_bytes / raw[0]  # it needed more than the whole budget
         if probe:
             c.probes += 1
-        c.record(batch, R.is_feasible_ok(trial), ratio=ratio, floor=floor, peak_bytes=res.peak_reserved_bytes)
+        c.record(batch, R.is_feasible_ok(trial), ratio=ratio, floor=floor, peak_bytes=res.memory.peak_reserved_bytes)
 
     def run_frontier(self) -> Any | None:
         """The frontier rounds (see the module docstring). Returns the baseline trial: the default
@@ -703,7 +705,7 @@ class Search:
                 self._learn(planner, trial, probe=True)
                 c.force_next = None
                 res = R.result_of(trial)
-                if res is None or not res.outcome_enum.is_fault:
+                if res is None or not res.outcome.is_fault:
                     continue
                 if c.is_default and batch <= planner.bottom:
                     raise SetupFault(f"the workload fails at batch {batch} with the default allocator "
@@ -744,7 +746,7 @@ class Search:
         for t in trials:
             res = R.result_of(t)
             if (res is None or t.user_attrs.get(R.ATTR_ROLE) not in PROBE_ROLES or R.is_feasible_ok(t)
-                    or t.state.name != "COMPLETE" or res.outcome == Outcome.PREDICTED_INFEASIBLE.value
+                    or t.state.name != "COMPLETE" or res.outcome is Outcome.PREDICTED_INFEASIBLE
                     or R.ATTR_REUSED in t.user_attrs or R.ATTR_RECHECK_OF in t.user_attrs or t.number in rechecked):
                 continue
             if int(t.params["batch_size"]) < best_ok.get(_config_key(t), 0):
@@ -908,8 +910,7 @@ class Search:
         res, base_res = R.result_of(runs[-1]), R.result_of(base)
         same = _same_allocator(winner, base)
         self.gain = {"objective": "batch", "batch_size_ratio": winner.params["batch_size"] / base.params["batch_size"],
-                     "peak_reserved_ratio": (res.peak_reserved_bytes / base_res.peak_reserved_bytes
-                                             if res.peak_reserved_bytes and base_res.peak_reserved_bytes else None),
+                     "peak_reserved_ratio": _ratio(res.memory.peak_reserved_bytes, base_res.memory.peak_reserved_bytes),
                      # never a gain of a configuration over itself (issue 23 item 3)
                      "claimed": winner.params["batch_size"] > base.params["batch_size"] and not same,
                      "from": "the winner's clean-process confirmation vs the baseline's frontier probe"}
@@ -927,8 +928,8 @@ class Search:
         if base is not None:   # the baseline first: every rotation starts from it once
             finalists = [base] + [t for t in finalists if t is not base]
         runs = self._confirm_runs(finalists, self.opt.repeats, interleave=True)
-        reps = {t.number: K.Repeats(t, [float(R.result_of(r).throughput or 0.0) for r in runs[t.number]
-                                        if R.is_feasible_ok(r)],
+        reps = {t.number: K.Repeats(t, [float(R.result_of(r).throughput.samples_per_s or 0.0)
+                                        for r in runs[t.number] if R.is_feasible_ok(r)],
                                     failed=not all(R.is_feasible_ok(r) for r in runs[t.number]))
                 for t in finalists}
         best = K.best_repeats(list(reps.values()))
@@ -980,6 +981,11 @@ class Search:
                              configs_known=self.planner.predicted_or_tried() if self.planner else (0, 0),
                              global_batch=self.space.global_batch,
                              notes=[self.recording_note] if self.recording_note else [])
+
+
+def _ratio(value: int | None, base: int | None) -> float | None:
+    """``value / base``; None when either is missing or zero."""
+    return value / base if value and base else None
 
 
 def _config_key(trial: Any) -> tuple:

@@ -53,14 +53,17 @@ def versions(device: Any) -> dict[str, Any]:
 
 
 def _metrics(res: TrialResult) -> dict[str, Any]:
+    """best.yaml's ``metrics``: the record's figures under their flat names (bytes, seconds)."""
+    soak = res.soak
     return {
-        "throughput": res.throughput, "step_time_s": res.step_time_s,
-        "peak_allocated_bytes": res.peak_allocated_bytes, "peak_reserved_bytes": res.peak_reserved_bytes,
-        "peak_active_bytes": res.peak_active_bytes, "fragmentation": res.fragmentation,
-        "device_peak_bytes": res.device_peak_bytes, "num_alloc_retries": res.num_alloc_retries,
-        "data_wait_fraction": res.data_wait_fraction, "memory_source": res.memory_source,
-        "steps": res.steps, "soak_passed": res.soak_passed, "soak_steps_run": res.soak_steps_run,
-        "soak_peak_reserved_bytes": res.soak_peak_reserved_bytes, **_rank_metrics(res),
+        "throughput": res.throughput.samples_per_s, "step_time_s": res.throughput.step_time_s,
+        "peak_allocated_bytes": res.memory.peak_allocated_bytes, "peak_reserved_bytes": res.memory.peak_reserved_bytes,
+        "peak_active_bytes": res.memory.peak_active_bytes, "fragmentation": res.memory.fragmentation,
+        "device_peak_bytes": res.memory.device_peak_bytes, "num_alloc_retries": res.memory.num_alloc_retries,
+        "data_wait_fraction": res.throughput.data_wait_fraction, "memory_source": res.memory.source,
+        "steps": res.throughput.steps, "soak_passed": soak.passed if soak else None,
+        "soak_steps_run": soak.steps_run if soak else None,
+        "soak_peak_reserved_bytes": soak.peak_reserved_bytes if soak else None, **_rank_metrics(res),
     }
 
 
@@ -68,12 +71,11 @@ def _rank_metrics(res: TrialResult) -> dict[str, Any]:
     """A distributed trial's per-rank peaks for best.yaml: ``world_size``, ``worst_rank`` (whose peak
     the metrics are) and ``ranks``: per rank its peak reserved / allocated, NVML device peak and
     device UUID (bytes; None where not read). Empty for one process."""
-    ranks = (res.extra or {}).get("ranks")
-    if not ranks:
+    if not res.ranks:
         return {}
     keep = ("rank", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "device_uuid")
-    return {"world_size": res.extra.get("world_size", len(ranks)), "worst_rank": res.extra.get("worst_rank"),
-            "ranks": [{k: r.get(k) for k in keep} for r in ranks]}
+    return {"world_size": (res.extra or {}).get("world_size", len(res.ranks)), "worst_rank": res.worst_rank,
+            "ranks": [{k: getattr(r, k) for k in keep} for r in res.ranks]}
 
 
 def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> float | None:

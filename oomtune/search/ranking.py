@@ -57,7 +57,8 @@ def batch_rank_key(trial: Any) -> tuple:
     """Sort key of the batch objective: larger batch, then lower peak reserved, then fewer keys,
     then the earlier trial."""
     res = R.result_of(trial)
-    peak = res.peak_reserved_bytes if res is not None and res.peak_reserved_bytes is not None else float("inf")
+    reserved = res.memory.peak_reserved_bytes if res is not None else None
+    peak = reserved if reserved is not None else float("inf")
     return (-int(trial.params["batch_size"]), peak, n_keys(trial), trial.number)
 
 

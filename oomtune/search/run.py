@@ -566,10 +566,10 @@ def _calibrated(predictor: Any, study: Any) -> Any:
         pairs = []
         for t in study.get_trials(deepcopy=False):
             res = R.result_of(t)
-            if res is not None and res.memory_source == "device" and res.peak_reserved_bytes:
+            if res is not None and res.memory.source == "device" and res.memory.peak_reserved_bytes:
                 raw = predictor.predict_raw(res.batch_size, res.alloc_conf)
                 if raw is not None:  # None: not simulable (backend:cudaMallocAsync)
-                    pairs.append((raw, int(res.peak_reserved_bytes)))
+                    pairs.append((raw, int(res.memory.peak_reserved_bytes)))
         predictor.calibrate(pairs)
         return predictor.predict(cand)
 

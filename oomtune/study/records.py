@@ -36,16 +36,16 @@ def used_bytes(result: TrialResult) -> int | None:
     cannot miss it. On the virtual GPU: peak reserved (no NVML reading). None without any reading.
     """
     exact = None
-    if result.peak_reserved_bytes is not None:
-        exact = result.peak_reserved_bytes + (result.non_allocator_bytes or 0)
-    readings = [r for r in (result.device_peak_bytes, exact) if r is not None]
+    if result.memory.peak_reserved_bytes is not None:
+        exact = result.memory.peak_reserved_bytes + (result.memory.non_allocator_bytes or 0)
+    readings = [r for r in (result.memory.device_peak_bytes, exact) if r is not None]
     return max(readings) if readings else None
 
 
 def violation(result: TrialResult, limit: MemoryLimit) -> float:
     """Optuna constraint value (feasible when <= 0): ``(used - limit) / limit`` for a trial that ran,
     ``1.0`` for an infeasible outcome (OOM, limit, timeout, predicted infeasible) without a reading."""
-    outcome = Outcome(result.outcome)
+    outcome = result.outcome
     if outcome is Outcome.OK:
         used = used_bytes(result)
         stopped = (result.extra or {}).get("stopped_over_limit")
@@ -77,6 +77,6 @@ def peak_reserved_label(result: TrialResult) -> str | None:
     user-attribute view (the bytes stay in ``user_attrs["result"]``); None without a reading."""
     from oomtune.units import format_bytes
 
-    if result.peak_reserved_bytes is None:
+    if result.memory.peak_reserved_bytes is None:
         return None
-    return f"{format_bytes(result.peak_reserved_bytes)} ({result.memory_source})"
+    return f"{format_bytes(result.memory.peak_reserved_bytes)} ({result.memory.source})"

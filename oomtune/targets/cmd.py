@@ -39,7 +39,7 @@ How the record is built (:func:`result_from_channel`):
    without a traceback ``host_oom`` when the OOM killer's counters or the kernel log show it
    (:mod:`oomtune.trial.oomkill`), else ``crash``; other signals ``crash``, else ``error``; a launcher's
    failure summary (torchrun's ``ChildFailedError``, DeepSpeed's on stdout, accelerate's) makes the
-   first failed rank's exit status or signal decide, and names it (``extra["failed_rank"]``).
+   first failed rank's exit status or signal decide, and names it (``failed_rank``).
 4. Exit 0 with ``report`` lines: ``ok``; throughput = sum(samples) / sum(seconds) over one process's
    lines; with several ranks reporting (lines carry ``rank``), the sum of every rank's samples over
    the slowest rank's seconds (each sample counted once).
@@ -49,7 +49,7 @@ How the record is built (:func:`result_from_channel`):
 
 Memory: the last reported ``memory_stats()`` peaks (``simulated`` from the capture hook, ``device``
 when the script's CUDA was initialised); with several ranks, each rank's last reading, the worst
-rank's as the trial's (``extra["worst_rank"]``, every rank's in ``extra["ranks"]``); an ``oom`` line
+rank's as the trial's (``worst_rank``, every rank's in ``ranks``); an ``oom`` line
 names its rank. On a GPU also the NVML peak of the command's process tree on each of its GPUs
 (``device_peak_bytes``: the highest) and mean utilisation. Without either, memory figures are None and
 ``extra["memory_unknown"]`` is True.
@@ -68,6 +68,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -80,7 +81,8 @@ from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, D
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
-from oomtune.trial.record import MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, TrialResult, TrialSpec
+from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult,
+                                  TrialSpec)
 
 __all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_size", "PLACEHOLDERS",
            "placeholder_values", "STREAM_FILE", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
@@ -362,16 +364,17 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     result.extra.update(leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
-        result.device_peak_bytes, result.gpu_utilization = res.peak_used_bytes, res.mean_utilization_percent
+        _update(result, "memory", device_peak_bytes=res.peak_used_bytes)
+        _update(result, "throughput", gpu_utilization=res.mean_utilization_percent)
         if len(sampler.results) > 1:   # per GPU, in the trial's (rank) order
             result.extra["device_peaks"] = [r.peak_used_bytes for r in sampler.results]
         if res.peak_used_bytes is not None:
             result.extra.pop("memory_unknown", None)
-    result.wall_s = time.time() - started
+    result.wall_s = max(0.0, time.time() - started)   # the record refuses a negative time (clock step)
     result.extra.update(pid=proc.pid, returncode=returncode, command=argv if not shell else argv[-1],
                         launcher="cmd", grad_accum=grad_accum_of(spec.workload))
     stream = workdir / STREAM_FILE
-    if stream.is_file() and result.outcome_enum is Outcome.OK:
+    if stream.is_file() and result.outcome is Outcome.OK:
         result.extra["stream_file"] = str(stream)   # the step's allocation stream (oomtune.plan.recorded)
     result.write(workdir / "result.json")
     return result
@@ -461,8 +464,8 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     :func:`oomtune.classify.classify_failure` (a SIGKILL is ``host_oom`` only with evidence).
     Never raises."""
     cuda = spec.device.startswith("cuda")
-    result = TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-                         memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED)
+    result = TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                         memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED))
     reports = [e for e in events if e.get("event") == "report"]
     ooms = sorted((e for e in events if e.get("event") == "oom"), key=lambda e: e.get("time") or 0.0)
     result.extra["reports"] = len(reports)
@@ -470,7 +473,7 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     memories: dict[Any, dict[str, Any]] = {}   # the last memory reading of each rank
     for e in events:
         if isinstance(e.get("memory"), dict):
-            memories[e.get("rank")] = e["memory"]
+            memories[_rank_of(e)] = e["memory"]
     if len(memories) == 1:
         _set_memory(result, next(iter(memories.values())))
     elif memories:
@@ -487,36 +490,54 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
             cls_message = cls.message
         _set(result, cls.outcome, cls_message, cls.advice, cls.traceback_tail)
         if cls.oom is not None:
-            result.oom_requested_bytes = cls.oom.requested_bytes
+            _update(result, "memory", oom_requested_bytes=cls.oom.requested_bytes)
         if cls.rank is not None and not timed_out:   # a launcher's summary named the failed rank
-            result.extra["failed_rank"] = cls.rank
+            result.failed_rank = cls.rank
     elif ooms:
         cls = classify_text(f"OutOfMemoryError: {ooms[0].get('message', '')}", **kw)
-        rank = ooms[0].get("rank")   # the first rank to run out of memory (by time)
+        rank = _rank_of(ooms[0])   # the first rank to run out of memory (by time)
         world = ooms[0].get("world_size")
         who = (None if rank is None else f"rank {rank} of {world}" if isinstance(world, int) and world > 1
                else f"rank {rank}")
         message = cls.message if who is None else f"{who}: {cls.message}"
         if rank is not None:
-            result.extra["failed_rank"] = rank
+            result.failed_rank = rank
         _set(result, cls.outcome, message, cls.advice, None)
-        result.oom_requested_bytes = ooms[0].get("requested_bytes") or (cls.oom and cls.oom.requested_bytes)
+        _update(result, "memory", oom_requested_bytes=ooms[0].get("requested_bytes")
+                or (cls.oom.requested_bytes if cls.oom is not None else None))
         if returncode == 0:
             result.extra["oom_caught_by_script"] = True
     elif not reports:
         _set(result, Outcome.ERROR, NO_REPORT_MESSAGE, _NO_REPORT_ADVICE, _tail(stderr))
     else:
         _set(result, Outcome.OK, None, None, None)
-    if result.outcome_enum is not Outcome.OK:
-        result.throughput = result.step_time_s = None   # a failed trial has no values (Optuna's rule)
+    if result.outcome is not Outcome.OK:   # a failed trial has no values (Optuna's rule)
+        result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None)
     return result
+
+
+def _rank_of(event: dict[str, Any]) -> int | None:
+    """The rank a channel line names (an int >= 0), None when it names none or not a rank."""
+    rank = event.get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
+
+
+def _update(result: TrialResult, section: str, **changes: Any) -> None:
+    """Replace fields of ``result``'s ``memory`` or ``throughput`` section. The figures come from the
+    user's command (its channel lines): one that the record refuses (a negative or fractional byte
+    count, a fraction outside [0, 1]) is left out and named in ``extra["rejected_readings"]``, since
+    building the record never raises."""
+    try:
+        setattr(result, section, replace(getattr(result, section), **changes))
+    except ValueError as exc:
+        result.extra.setdefault("rejected_readings", []).append(str(exc))
 
 
 def _set(result: TrialResult, outcome: Outcome | str, message: str | None, advice: str | None,
          tail: str | None) -> None:
-    result.outcome = Outcome(outcome).value
+    result.outcome = Outcome(outcome)
     result.message, result.advice = message, advice
-    if result.outcome_enum.is_fault:
+    if result.outcome.is_fault:
         result.traceback_tail = tail
 
 
@@ -554,12 +575,12 @@ def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None
             waits_ok = False
     if not reports or not intervals:
         return
-    result.throughput = global_throughput(intervals)
+    changes: dict[str, Any] = {"samples_per_s": global_throughput(intervals)}
     if step_times and len(step_times) == len(intervals):
-        result.steps = max(steps_run)
-        result.step_time_s = max(step_times)
+        changes.update(steps=max(steps_run), step_time_s=max(step_times))
     if waits_ok and fractions:
-        result.data_wait_fraction = max(fractions)
+        changes["data_wait_fraction"] = max(fractions)
+    _update(result, "throughput", **changes)
     result.extra["reported"] = [r.get("extra") or {} for r in reports]
     ranks = sorted(r for r in by_rank if r is not None)
     if ranks:
@@ -568,30 +589,33 @@ def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None
 
 def _set_rank_memory(result: TrialResult, memories: dict[Any, dict[str, Any]]) -> None:
     """Several ranks' last memory readings: the worst rank's peaks, each rank's kept
-    (:func:`oomtune.trial.rank_records.merge_memory`, ``extra["ranks"]``)."""
+    (:func:`oomtune.trial.rank_records.merge_memory`, ``ranks``)."""
     from oomtune.trial.rank_records import merge_memory, rank_summary
 
     order = sorted(memories, key=lambda r: (r is None, r if r is not None else 0))
     records = []
     for rank in order:
-        rec = TrialResult(outcome=Outcome.OK.value)
+        rec = TrialResult(outcome=Outcome.OK)
         _set_memory(rec, memories[rank])
         records.append(rec)
     merge_memory(result, records)
-    result.memory_source = records[0].memory_source
-    worst = result.extra.get("worst_rank")
-    if worst is not None:
-        result.extra["worst_rank"] = order[worst]   # as the ranks number themselves
-    result.extra["ranks"] = [{**rank_summary(0 if rank is None else rank, rec), "outcome": None}
-                             for rank, rec in zip(order, records)]
+    result.memory = replace(result.memory, source=records[0].memory.source)
+    if result.worst_rank is not None:
+        result.worst_rank = order[result.worst_rank]   # as the ranks number themselves
+    # the lines carry figures, not the ranks' outcomes
+    result.ranks = tuple(replace(rank_summary(0 if rank is None else rank, rec), outcome=None)
+                         for rank, rec in zip(order, records))
 
 
 def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:
     """Peaks and counters from a ``memory_stats()`` mapping (torch's keys); absent keys stay None."""
     stats = memory.get("stats") or {}
     if memory.get("source") in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
-        result.memory_source = memory["source"]
-    result.fill_memory_stats(stats)
+        result.memory = replace(result.memory, source=memory["source"])
+    try:
+        result.fill_memory_stats(stats)
+    except (ValueError, TypeError, AttributeError) as exc:   # not torch's memory_stats(): left unknown
+        result.extra.setdefault("rejected_readings", []).append(str(exc))
 
 
 from oomtune.targets.cmd_target import TARGET, CmdTarget  # noqa: E402 - registered there (light)

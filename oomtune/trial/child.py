@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,6 +60,7 @@ from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
 from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, DeviceInfo,
+                                  MemoryReadings,
                                   TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
@@ -103,8 +105,8 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
     start = process_start if process_start is not None else _process_start_time()
     cuda = spec.device.startswith("cuda")
     result = TrialResult(
-        outcome=Outcome.ERROR.value,
-        memory_source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED,
+        outcome=Outcome.ERROR,
+        memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED),
         batch_size=spec.batch_size,
         alloc_conf=spec.alloc_conf,
     )
@@ -116,10 +118,10 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
         _check_torch_parsed(spec, result)
         runner = _run_cuda if cuda else _run_cpu
         runner(spec, result, stats, lambda: _run_test_hook(result))
-        result.outcome = Outcome.OK.value
+        result.outcome = Outcome.OK
         soak_verdict(spec, result)   # a failed soak makes the trial infeasible
     except SettingsMismatchError as exc:
-        result.outcome, result.message = Outcome.ERROR.value, str(exc)
+        result.outcome, result.message = Outcome.ERROR, str(exc)
         result.advice = "check how the trial process was launched; the settings must be set before CUDA starts"
     except Exception as exc:  # every trial failure becomes the record
         _record_failure(result, exc, spec)
@@ -129,7 +131,7 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
                 result.fill_memory_stats(stats[0]())
         first = result.extra.get("first_step_at")
         result.startup_s = None if first is None else max(0.0, first - start)
-        result.wall_s = time.time() - start
+        result.wall_s = max(0.0, time.time() - start)   # the record refuses a negative time
     return result
 
 
@@ -237,7 +239,7 @@ def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callab
                 finally:
                     result.extra["kernels"] = vgpu.notes.to_dict() if vgpu.notes is not None else None
         except (NotImplementedError, RuntimeError) as exc:
-            if where == "meta" and not isinstance(exc, torch.OutOfMemoryError) and not result.steps:
+            if where == "meta" and not isinstance(exc, torch.OutOfMemoryError) and not result.throughput.steps:
                 raise _NoMetaKernel(str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__) from exc
             raise
     if result.extra.get("stopped_over_limit"):
@@ -262,8 +264,8 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     del a
     torch.cuda.synchronize(dev)
     _verify_effective(spec, result, effective_settings())
-    result.non_allocator_bytes = _outside_allocator(dev)
-    result.extra["non_allocator_bytes_at_start"] = result.non_allocator_bytes
+    result.memory = replace(result.memory, non_allocator_bytes=_outside_allocator(dev))
+    result.extra["non_allocator_bytes_at_start"] = result.memory.non_allocator_bytes
     # torch's total (cudaDeviceProp::totalGlobalMem), which set_per_process_memory_fraction multiplies:
     # smaller than NVML's total (A100-80GB: 79.15 GiB vs 80 GiB), so the budget is judged against it
     total = int(props.total_memory)
@@ -284,13 +286,13 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
         with sampler:
             hook()
             _timed_steps(spec, workload, result,
-                         lambda: torch.cuda.max_memory_reserved(dev) + (result.non_allocator_bytes or 0),
+                         lambda: torch.cuda.max_memory_reserved(dev) + (result.memory.non_allocator_bytes or 0),
                          on_step=after_step)
     finally:
         reading = getattr(sampler, "result", None)
         if reading is not None:
-            result.device_peak_bytes = reading.peak_used_bytes
-            result.gpu_utilization = reading.mean_utilization_percent
+            result.memory = replace(result.memory, device_peak_bytes=reading.peak_used_bytes)
+            result.throughput = replace(result.throughput, gpu_utilization=reading.mean_utilization_percent)
             result.extra["device_peak_source"] = reading.peak_source
     if result.extra.get("stopped_over_limit"):
         return
@@ -303,13 +305,13 @@ def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, 
 
     It grows during the first steps (cuDNN/cuBLAS handles and workspaces created at first use, kernel
     modules loaded lazily: ``CUDA_MODULE_LOADING=LAZY``, torch's default), after the reading taken
-    before them. The larger reading counts (``result.non_allocator_bytes``; both kept in ``extra``),
+    before them. The larger reading counts (``result.memory.non_allocator_bytes``; both kept in ``extra``),
     and a memory fraction in force is applied again for it, so that allocator plus outside memory
     stay within the budget for the measured steps (field case C9)."""
     again = _outside_allocator(dev)
     result.extra["non_allocator_bytes_after_warmup"] = again
-    if again > (result.non_allocator_bytes or 0):
-        result.non_allocator_bytes = again
+    if again > (result.memory.non_allocator_bytes or 0):
+        result.memory = replace(result.memory, non_allocator_bytes=again)
         if "memory_fraction" in result.extra:
             _apply_fraction(spec, result, dev, total)
 
@@ -324,7 +326,7 @@ def _outside_allocator(dev: Any) -> int:
 def _apply_fraction(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
     """``set_per_process_memory_fraction`` for the budget, corrected for the non-allocator memory
     measured so far (field case C9); the fraction applied is ``extra["memory_fraction"]``."""
-    fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.non_allocator_bytes or 0)
+    fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.memory.non_allocator_bytes or 0)
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
     result.extra["memory_fraction"] = fraction
 
@@ -335,7 +337,7 @@ def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> 
     from oomtune.alloc._compiled import make_simulator
 
     sim = make_simulator(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=total_bytes,
-                         non_allocator_bytes=min(result.non_allocator_bytes or 0, total_bytes))
+                         non_allocator_bytes=min(result.memory.non_allocator_bytes or 0, total_bytes))
     if "memory_fraction" in result.extra:
         sim.set_per_process_memory_fraction(result.extra["memory_fraction"])
     return sim
@@ -401,7 +403,7 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     Steps run one at a time. With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes:
     the peak reserved, plus the non-allocator memory on CUDA), they stop after the first whose
     reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
-    time. ``result.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
+    time. ``result.throughput.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
     and the reading; throughput covers the measured steps run (None before any). After each step the
     progress record (:func:`oomtune.trial.record.write_progress`) gets the steps done and their mean
     time, for the parent's estimate; ``on_step(done)`` runs after each step, outside its timing (the
@@ -425,7 +427,7 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     while more():
         step = workload.run_steps(1, sync=True)
         done += 1
-        result.steps = done
+        result.throughput = replace(result.throughput, steps=done)
         spent += step.total_s
         total = max(total, done)
         _progress(done, total, spent / done)
@@ -443,15 +445,14 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
                 result.extra["stopped_over_limit"] = {"step": done, "used_bytes": reading,
                                                       "limit_bytes": spec.limit_bytes}
                 break
-    result.steps = done
+    result.throughput = replace(result.throughput, steps=done)
     if timings is None:  # no measured step (stopped during warm-up, or measure_steps 0)
         return
     if not timed:   # meta: the steps did no arithmetic, their times say nothing about any device
         result.extra["meta_step_s"] = timings.mean_step_s
         return
-    result.step_time_s = timings.mean_step_s
-    result.throughput = timings.samples_per_s
-    result.data_wait_fraction = timings.data_wait_fraction
+    result.throughput = replace(result.throughput, step_time_s=timings.mean_step_s,
+                                samples_per_s=timings.samples_per_s, data_wait_fraction=timings.data_wait_fraction)
 
 
 def _record_failure(result: TrialResult, exc: BaseException, spec: TrialSpec) -> None:
@@ -460,9 +461,9 @@ def _record_failure(result: TrialResult, exc: BaseException, spec: TrialSpec) ->
         exc, batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded
     )
     outcome = cls.outcome if isinstance(cls.outcome, Outcome) else Outcome(cls.outcome)
-    result.outcome, result.message, result.advice = outcome.value, cls.message, cls.advice
+    result.outcome, result.message, result.advice = outcome, cls.message, cls.advice
     if cls.oom is not None:
-        result.oom_requested_bytes = getattr(cls.oom, "requested_bytes", None)
+        result.memory = replace(result.memory, oom_requested_bytes=getattr(cls.oom, "requested_bytes", None))
         result.extra["oom"] = _plain(cls.oom)
     if outcome is Outcome.ERROR or not outcome.is_memory:
         lines = "".join(traceback.format_exception(exc)).splitlines()
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = TrialSpec.from_json(Path(args[0]).read_text())
     except (OSError, ValueError, TypeError) as exc:
-        TrialResult(outcome=Outcome.ERROR.value, message=f"unreadable trial spec: {exc}").write(args[1])
+        TrialResult(outcome=Outcome.ERROR, message=f"unreadable trial spec: {exc}").write(args[1])
         return 2
     run_distributed = False
     with contextlib.suppress(Exception):   # a bad workload fails in run_child, with its record

@@ -5,20 +5,20 @@ each with its own memory budget, and each writes its own record (``result.rank<R
 ``extra["rank"]``). The trial's record (:func:`merge_ranks`):
 
 - **memory** is the worst rank's: peak reserved, allocated and active are the maxima over the ranks,
-  the NVML device peak too; ``extra["worst_rank"]`` names the rank with the highest peak reserved
-  (the lowest such rank on a tie) and ``extra["ranks"]`` keeps every rank's figures
-  (:data:`RANK_FIELDS`). The budget is per rank, so the worst rank decides feasibility.
+  the NVML device peak too; ``worst_rank`` names the rank with the highest peak reserved
+  (the lowest such rank on a tie) and ``ranks`` keeps every rank's figures
+  (:class:`oomtune.trial.record.RankPeak`). The budget is per rank, so the worst rank decides feasibility.
 - **throughput** is global and counts every sample once: each rank trains its own
   ``samples_r`` samples in ``seconds_r``, concurrently, so the trial trains ``sum(samples_r)`` in
   ``max(seconds_r)`` (:func:`global_throughput`), not the mean of per-rank rates and not
   ``sum(samples) / sum(seconds)`` (which is the per-rank rate when every rank reports).
 - **outcome**: ok when every rank is ok. Otherwise one rank's failure is the trial's, and the
-  message names it (``rank 1 of 2: ...``, ``extra["failed_rank"]``): a device-memory outcome on any
+  message names it (``rank 1 of 2: ...``, ``failed_rank``): a device-memory outcome on any
   rank first (an out-of-memory on any rank makes the trial infeasible), then the launcher's first
   observed failure, then the lowest rank. Failures that are consequences of another rank's (a
   collective broken by the dead peer: gloo's "Connection closed by peer", NCCL's aborted
   communicator; the launcher's SIGTERM to the surviving ranks) are never chosen
-  (:func:`oomtune.classify._launcher.is_peer_teardown`); they stay visible in ``extra["ranks"]``
+  (:func:`oomtune.classify._launcher.is_peer_teardown`); they stay visible in ``ranks``
   with ``teardown: true``.
 
 No torch import: the runner and the ``cmd`` target use this module too.
@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from oomtune.outcome import Outcome
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import MemoryReadings, RankPeak, TrialResult, TrialSpec
 
 __all__ = ["RANK_FIELDS", "rank_result_path", "rank_stderr_path", "global_throughput", "merge_ranks",
            "merge_rank_files", "merge_memory", "rank_summary", "read_rank_results", "rank_oom_kill"]
 
-#: The figures kept per rank in ``extra["ranks"]``.
-RANK_FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "throughput",
+#: The figures of each rank's record kept in ``TrialResult.ranks`` (:class:`RankPeak`).
+RANK_FIELDS = ("outcome", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "samples_per_s",
                "step_time_s", "message")
 
 
@@ -75,19 +76,18 @@ def global_throughput(intervals: Sequence[tuple[float, float]]) -> float | None:
 
 
 def rank_summary(rank: int, result: TrialResult | None, *, exitcode: int | None = None,
-                 teardown: bool = False) -> dict[str, Any]:
-    """One entry of ``extra["ranks"]``: the rank, :data:`RANK_FIELDS` of its record, its exit
-    status, whether its failure was a consequence of another rank's (``teardown``) and its device
-    identity (UUID) when known."""
-    entry: dict[str, Any] = {"rank": rank}
-    for name in RANK_FIELDS:
-        entry[name] = getattr(result, name, None) if result is not None else None
-    if result is not None and result.device is not None and result.device.uuid:
-        entry["device_uuid"] = result.device.uuid
-    if exitcode is not None:
-        entry["exitcode"] = exitcode
-    entry["teardown"] = teardown
-    return entry
+                 teardown: bool = False) -> RankPeak:
+    """One entry of ``TrialResult.ranks``: the rank, its record's outcome, peaks, rate, step time
+    and message (:data:`RANK_FIELDS`), its exit status, whether its failure was a consequence of
+    another rank's (``teardown``) and its device identity (UUID) when known."""
+    if result is None:
+        return RankPeak(rank=rank, exitcode=exitcode, teardown=teardown)
+    uuid = result.device.uuid if result.device is not None and result.device.uuid else None
+    return RankPeak(rank=rank, outcome=result.outcome, peak_reserved_bytes=result.memory.peak_reserved_bytes,
+                    peak_allocated_bytes=result.memory.peak_allocated_bytes,
+                    device_peak_bytes=result.memory.device_peak_bytes,
+                    samples_per_s=result.throughput.samples_per_s, step_time_s=result.throughput.step_time_s,
+                    message=result.message, device_uuid=uuid, exitcode=exitcode, teardown=teardown)
 
 
 _MEMORY_FIRST = 0
@@ -126,23 +126,23 @@ def merge_ranks(spec: TrialSpec, results: Sequence[TrialResult | None], *,
             cls = classify_failure(returncode=code if code is not None else -signal.SIGKILL,
                                    stderr=tails[rank] if rank < len(tails) else "", batch_size=spec.batch_size,
                                    smaller_batch_succeeded=spec.smaller_batch_succeeded)
-            res = TrialResult(outcome=Outcome(cls.outcome).value, batch_size=spec.batch_size,
+            requested = getattr(cls.oom, "requested_bytes", None) if cls.oom is not None else None
+            res = TrialResult(outcome=Outcome(cls.outcome), batch_size=spec.batch_size,
                               alloc_conf=spec.alloc_conf, message=f"{cls.message} (the rank wrote no record)",
-                              advice=cls.advice, traceback_tail=cls.traceback_tail)
-            if cls.oom is not None:
-                res.oom_requested_bytes = getattr(cls.oom, "requested_bytes", None)
+                              advice=cls.advice, traceback_tail=cls.traceback_tail,
+                              memory=MemoryReadings(oom_requested_bytes=requested))
             # terminated by the launcher (SIGTERM/SIGKILL) after another rank had failed first
             killed_after = (root_rank is not None and rank != root_rank and code is not None
                             and code in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT))
             teardown.append(killed_after or is_peer_teardown(tails[rank] if rank < len(tails) else ""))
         else:
-            failed = res.outcome_enum is not Outcome.OK and not res.outcome_enum.is_memory
+            failed = res.outcome is not Outcome.OK and not res.outcome.is_memory
             teardown.append(failed and is_peer_teardown(" ".join(filter(None, (res.message, res.traceback_tail)))))
         records.append(res)
     merged = _pick(spec, records, teardown, root_rank)
     merge_memory(merged, records)
-    merged.extra["ranks"] = [rank_summary(r, rec, exitcode=exitcodes[r] if r < len(exitcodes) else None,
-                                          teardown=teardown[r]) for r, rec in enumerate(records)]
+    merged.ranks = tuple(rank_summary(r, rec, exitcode=exitcodes[r] if r < len(exitcodes) else None,
+                                      teardown=teardown[r]) for r, rec in enumerate(records))
     merged.extra["world_size"] = n
     merged.extra["rank_launcher"] = launcher
     return merged
@@ -151,7 +151,7 @@ def merge_ranks(spec: TrialSpec, results: Sequence[TrialResult | None], *,
 def _pick(spec: TrialSpec, records: list[TrialResult], teardown: list[bool], root_rank: int | None) -> TrialResult:
     """The record the trial's outcome comes from (a copy), message prefixed with its rank."""
     n = len(records)
-    failed = [r for r, rec in enumerate(records) if rec.outcome_enum is not Outcome.OK]
+    failed = [r for r, rec in enumerate(records) if rec.outcome is not Outcome.OK]
     if not failed:
         merged = TrialResult.from_dict(records[0].to_dict())
         _merge_throughput(merged, records)
@@ -159,15 +159,16 @@ def _pick(spec: TrialSpec, records: list[TrialResult], teardown: list[bool], roo
     causes = [r for r in failed if not teardown[r]] or failed
 
     def order(r: int) -> tuple[int, int]:
-        if records[r].outcome_enum.is_memory:
+        if records[r].outcome.is_memory:
             return (_MEMORY_FIRST, r)
         return (_ROOT if r == root_rank else _OTHER, r)
 
     rank = min(causes, key=order)
     merged = TrialResult.from_dict(records[rank].to_dict())
     merged.message = f"rank {rank} of {n}: {merged.message or merged.outcome}"
-    merged.extra["failed_rank"] = rank
-    merged.throughput = merged.step_time_s = None   # a failed trial has no values (Optuna's rule)
+    merged.failed_rank = rank
+    # a failed trial has no values (Optuna's rule)
+    merged.throughput = replace(merged.throughput, samples_per_s=None, step_time_s=None)
     return merged
 
 
@@ -175,13 +176,14 @@ def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> None:
     """Global samples/s (:func:`global_throughput`) and the slowest rank's step time. Every rank runs
     the same measured steps, so a mean step (``throughput x step_time_s`` samples in ``step_time_s``
     seconds) stands for the interval."""
-    intervals = [(rec.throughput * rec.step_time_s, rec.step_time_s) for rec in records
-                 if rec.throughput is not None and rec.step_time_s is not None]
-    merged.throughput = global_throughput(intervals) if len(intervals) == len(records) else None
-    steps = [rec.step_time_s for rec in records if rec.step_time_s is not None]
-    merged.step_time_s = max(steps) if steps else None
-    waits = [rec.data_wait_fraction for rec in records if rec.data_wait_fraction is not None]
-    merged.data_wait_fraction = max(waits) if waits else None
+    rates = [rec.throughput for rec in records]
+    intervals = [(t.samples_per_s * t.step_time_s, t.step_time_s) for t in rates
+                 if t.samples_per_s is not None and t.step_time_s is not None]
+    steps = [t.step_time_s for t in rates if t.step_time_s is not None]
+    waits = [t.data_wait_fraction for t in rates if t.data_wait_fraction is not None]
+    merged.throughput = replace(
+        merged.throughput, samples_per_s=global_throughput(intervals) if len(intervals) == len(records) else None,
+        step_time_s=max(steps) if steps else None, data_wait_fraction=max(waits) if waits else None)
     starts = [rec.startup_s for rec in records if rec.startup_s is not None]
     merged.startup_s = max(starts) if starts else None
     firsts = [rec.extra.get("first_step_at") for rec in records if rec.extra.get("first_step_at") is not None]
@@ -192,23 +194,25 @@ def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> None:
 def merge_memory(merged: TrialResult, records: list[TrialResult]) -> None:
     """Peaks: the maxima over the ranks; ``worst_rank`` the rank with the highest peak reserved;
     fragmentation and the memory outside the allocator are the worst rank's; counters summed."""
-    def top(name: str) -> int | None:
-        values = [getattr(rec, name) for rec in records if getattr(rec, name) is not None]
-        return max(values) if values else None
+    memories = [rec.memory for rec in records]
 
-    reserved = [(rec.peak_reserved_bytes, r) for r, rec in enumerate(records) if rec.peak_reserved_bytes is not None]
+    def values(name: str) -> list[int]:
+        return [getattr(m, name) for m in memories if getattr(m, name) is not None]
+
+    changes: dict[str, Any] = {}
+    reserved = [(m.peak_reserved_bytes, r) for r, m in enumerate(memories) if m.peak_reserved_bytes is not None]
     if reserved:
         peak, worst = max(reserved, key=lambda pr: (pr[0], -pr[1]))
-        merged.extra["worst_rank"] = worst
-        merged.fragmentation = records[worst].fragmentation
-        merged.non_allocator_bytes = records[worst].non_allocator_bytes
-    merged.peak_reserved_bytes = top("peak_reserved_bytes")
-    merged.peak_allocated_bytes = top("peak_allocated_bytes")
-    merged.peak_active_bytes = top("peak_active_bytes")
-    merged.device_peak_bytes = top("device_peak_bytes")
+        merged.worst_rank = worst
+        changes.update(fragmentation=memories[worst].fragmentation,
+                       non_allocator_bytes=memories[worst].non_allocator_bytes)
+    for name in ("peak_reserved_bytes", "peak_allocated_bytes", "peak_active_bytes", "device_peak_bytes"):
+        found = values(name)
+        changes[name] = max(found) if found else None
     for name in ("num_alloc_retries", "num_ooms"):
-        values = [getattr(rec, name) for rec in records if getattr(rec, name) is not None]
-        setattr(merged, name, sum(values) if values else None)
+        found = values(name)
+        changes[name] = sum(found) if found else None
+    merged.memory = replace(merged.memory, **changes)
     stops = [rec.extra["stopped_over_limit"] for rec in records if rec.extra.get("stopped_over_limit")]
     if stops:   # the rank that stopped with the highest reading (violation() reads it)
         merged.extra["stopped_over_limit"] = max(stops, key=lambda s: s.get("used_bytes", 0))
@@ -233,9 +237,9 @@ def merge_rank_files(spec: TrialSpec, result_path: str | Path, *, timed_out: boo
             tails.append("")
     merged = merge_ranks(spec, read_rank_results(path, n), stderr_tails=tails)
     if timed_out:
-        merged.outcome = Outcome.TIMEOUT.value
+        merged.outcome = Outcome.TIMEOUT
         merged.message = f"trial exceeded its {spec.timeout_s:g} s limit; process group killed"
-        merged.throughput = merged.step_time_s = None
+        merged.throughput = replace(merged.throughput, samples_per_s=None, step_time_s=None)
     else:
         merged.extra["launcher_lost"] = True   # the ranks' launcher left no merged record
     return merged
@@ -251,18 +255,17 @@ def rank_oom_kill(result: TrialResult, evidence: Any) -> None:
     """
     from oomtune.classify import ADVICE
 
-    extra = result.extra or {}
-    rank, ranks, pids = extra.get("failed_rank"), extra.get("ranks") or [], extra.get("rank_pids") or []
-    if result.outcome != Outcome.CRASH.value or not isinstance(rank, int) or not 0 <= rank < min(len(ranks), len(pids)):
+    rank, ranks, pids = result.failed_rank, result.ranks, (result.extra or {}).get("rank_pids") or []
+    if result.outcome is not Outcome.CRASH or not isinstance(rank, int) or not 0 <= rank < min(len(ranks), len(pids)):
         return
-    if ranks[rank].get("exitcode") != -signal.SIGKILL:
+    if ranks[rank].exitcode != -signal.SIGKILL:
         return
     try:
         found = evidence([pids[rank]])
     except Exception:   # evidence unreadable: the crash stands
         return
     if found:
-        result.outcome = Outcome.HOST_OOM.value
+        result.outcome = Outcome.HOST_OOM
         result.message = (f"rank {rank} of {len(ranks)}: killed by SIGKILL with no Python traceback, by the host "
                           f"OOM killer ({found})")
         result.advice = ADVICE[Outcome.HOST_OOM]

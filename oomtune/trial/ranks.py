@@ -37,6 +37,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from oomtune.outcome import Outcome
 from oomtune.trial.rank_records import merge_ranks, rank_result_path, rank_stderr_path, read_rank_results
 from oomtune.trial.record import TrialResult, TrialSpec
 
@@ -103,11 +104,11 @@ def run_ranks(spec: TrialSpec, result_path: str | Path) -> TrialResult:
             tails.append("")
     merged = merge_ranks(spec, read_rank_results(result_path, n), exitcodes=exitcodes, root_rank=root,
                          stderr_tails=tails)
-    merged.extra.pop("rank", None)   # the ranks' own numbers are in extra["ranks"]
+    merged.extra.pop("rank", None)   # the ranks' own numbers are in ranks
     merged.extra["rank_pids"] = [p.pid for p in ctx.processes]
     first = merged.extra.get("first_step_at")   # the last rank to reach its first step
     merged.startup_s = None if first is None else max(0.0, first - started)
-    merged.wall_s = time.time() - started
+    merged.wall_s = max(0.0, time.time() - started)
     return merged
 
 
@@ -150,7 +151,7 @@ def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, ba
                                 timeout=timedelta(seconds=max(1.0, spec.timeout_s)))
         result = child.run_child(rank_spec)
     except Exception as exc:   # the process group could not start: the rank's record says why
-        result = TrialResult(outcome="error", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+        result = TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                              message=f"rank {rank} could not join the process group ({backend}): {exc}",
                              advice="check that the ranks can reach each other (gloo/nccl)")
     try:

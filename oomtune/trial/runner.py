@@ -47,8 +47,8 @@ from oomtune.trial._base import Target, target_for
 from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.oomkill import OomKillWatch
-from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TrialResult,
-                                  TrialSpec)
+from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE,
+                                  MemoryReadings, TrialResult, TrialSpec)
 from oomtune.trial.procwait import exited_within
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
@@ -280,7 +280,7 @@ class TrialRunner:
         try:
             handle, launcher, fallback = self._launch(spec, settings, paths, env_child)
         except OSError as exc:  # e.g. no such interpreter, too many processes
-            return TrialResult(outcome=Outcome.ERROR.value, batch_size=spec.batch_size,
+            return TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size,
                                alloc_conf=spec.alloc_conf, message=f"could not start the trial process: {exc}",
                                advice="check the Python interpreter and process limits")
         with self._lock:
@@ -308,7 +308,7 @@ class TrialRunner:
             return again
         if handle.pid in self._killed:
             self._killed.discard(handle.pid)
-            result.outcome, result.message = Outcome.ERROR.value, "interrupted: trial killed by the runner (kill_all)"
+            result.outcome, result.message = Outcome.ERROR, "interrupted: trial killed by the runner (kill_all)"
             result.advice = "the run was interrupted; this trial says nothing about the configuration"
         result.extra.update(launcher=launcher, pid=handle.pid, returncode=returncode)
         if fallback and launcher == "spawn" and self.launcher != "spawn":
@@ -317,7 +317,7 @@ class TrialRunner:
         if first is not None:
             result.extra["launch_to_first_step_s"] = first - launched_at
         if result.wall_s is None:
-            result.wall_s = time.time() - launched_at
+            result.wall_s = max(0.0, time.time() - launched_at)
         return result
 
     def _run_own_process(self, target: Target, spec: TrialSpec, *, workdir: Path,
@@ -434,7 +434,7 @@ BAD_FORK_TEXT = "Cannot re-initialize CUDA in forked subprocess"
 def _bad_fork(result: TrialResult, paths: dict[str, Path]) -> bool:
     """Whether a forked trial failed because CUDA cannot be used after fork (:data:`BAD_FORK_TEXT` in
     its record or its stderr)."""
-    if result.outcome_enum is Outcome.OK:
+    if result.outcome is Outcome.OK:
         return False
     text = " ".join(filter(None, (result.message, result.traceback_tail)))
     if BAD_FORK_TEXT in text:
@@ -480,14 +480,15 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
     outcome = Outcome(cls.outcome)
     if timed_out and outcome is not Outcome.TIMEOUT:
         outcome = Outcome.TIMEOUT
+    requested = getattr(cls.oom, "requested_bytes", None) if cls.oom is not None else None
     result = TrialResult(
-        outcome=outcome.value, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-        memory_source=MEMORY_SOURCE_DEVICE if spec.device.startswith("cuda") else MEMORY_SOURCE_SIMULATED,
+        outcome=outcome, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+        memory=MemoryReadings(
+            source=MEMORY_SOURCE_DEVICE if spec.device.startswith("cuda") else MEMORY_SOURCE_SIMULATED,
+            oom_requested_bytes=requested),
         message=cls.message if not timed_out else f"trial exceeded its {spec.timeout_s:g} s limit; process group killed",
         advice=cls.advice,
     )
-    if cls.oom is not None:
-        result.oom_requested_bytes = getattr(cls.oom, "requested_bytes", None)
     if outcome in (Outcome.ERROR, Outcome.CRASH) and stderr.strip():
         result.traceback_tail = "\n".join(stderr.strip().splitlines()[-20:])
     return result

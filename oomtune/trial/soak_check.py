@@ -9,12 +9,13 @@ order) or ``worst`` (every live step at the distribution's largest shape,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from oomtune.outcome import Outcome
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import SoakReadings, TrialResult, TrialSpec
 
 __all__ = ["SHAPE_ORDERS", "live_workload", "run_soak", "soak_verdict"]
 
@@ -47,7 +48,7 @@ def live_workload(spec: TrialSpec) -> dict[str, Any]:
 def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *,
              capture_device: str = "meta") -> None:
     """Soak ``spec`` (its workload's data order, ``spec.soak_steps`` steps) on a fresh virtual GPU
-    from ``new_sim()`` and write the ``soak_*`` fields of ``result`` (:func:`soak_verdict` then
+    from ``new_sim()`` and write ``result.soak`` (:class:`SoakReadings`) (:func:`soak_verdict` then
     judges them). Nothing happens for ``soak_steps`` 0 or a non-built-in target.
 
     Args:
@@ -63,15 +64,13 @@ def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *
     t0 = time.perf_counter()
     res = soak(spec.workload, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
                new_sim=new_sim)
-    result.soak_passed, result.soak_steps_run = res.passed, res.steps_run
-    result.soak_failed_step, result.soak_shape = res.failed_step, res.shape_at_failure
-    result.soak_reserved_bytes, result.soak_allocated_bytes = res.reserved_bytes, res.allocated_bytes
-    result.soak_peak_reserved_bytes = res.peak_reserved_bytes
-    result.soak_s = time.perf_counter() - t0
-    result.soak_message = res.message
+    result.soak = SoakReadings(
+        passed=res.passed, steps_run=res.steps_run, failed_step=res.failed_step, shape=res.shape_at_failure,
+        reserved_bytes=res.reserved_bytes, allocated_bytes=res.allocated_bytes,
+        peak_reserved_bytes=res.peak_reserved_bytes, message=res.message, seconds=time.perf_counter() - t0)
     result.extra["soak_distinct_shapes"] = res.distinct_shapes
     if not res.passed:
-        result.oom_requested_bytes = res.requested_bytes
+        result.memory = dataclasses.replace(result.memory, oom_requested_bytes=res.requested_bytes)
         result.extra["soak_fragmentation"] = res.fragmentation_failure
 
 
@@ -81,9 +80,9 @@ def soak_verdict(spec: TrialSpec, result: TrialResult) -> None:
     naming the soak step, the shape and the figures, and the classifier's advice."""
     from oomtune.classify import ADVICE
 
-    if result.soak_passed is not False:
+    if result.soak is None or result.soak.passed:
         return
     outcome = Outcome.OOM_FRAGMENTATION if result.extra.get("soak_fragmentation") else Outcome.OOM
-    result.outcome = outcome.value
-    result.message = f"passed the {spec.warmup_steps + spec.measure_steps} live steps, then {result.soak_message}"
+    result.outcome = outcome
+    result.message = f"passed the {spec.warmup_steps + spec.measure_steps} live steps, then {result.soak.message}"
     result.advice = ADVICE[outcome]

@@ -1,0 +1,251 @@
+"""The typed trial record (oomtune.trial.record.TrialResult): the Outcome enum, the nested sections
+(memory, throughput, soak), the checks made on construction, and reading records written before the
+sections existed (the flat form kept in Optuna storages, tell.json and trial directories)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+
+from oomtune.outcome import Outcome
+from oomtune.trial.record import DeviceInfo, MemoryReadings, RankPeak, SoakReadings, Throughput, TrialResult
+
+DATA = Path(__file__).resolve().parent / "data" / "records"
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------------------- the outcome
+def test_the_outcome_is_the_enum_whether_given_as_enum_or_as_its_string():
+    assert TrialResult(outcome="oom").outcome is Outcome.OOM
+    assert TrialResult(outcome=Outcome.OOM).outcome is Outcome.OOM
+    res = TrialResult(outcome=Outcome.ERROR)
+    res.outcome = "ok"                       # an assignment is converted too
+    assert res.outcome is Outcome.OK
+    # messages and tables print the stored value, as they did when the field was a string
+    assert f"{res.outcome}" == str(res.outcome) == "ok" and f"[{Outcome.HOST_OOM:>9}]" == "[ host_oom]"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TrialResult(outcome="out_of_memory"),
+    lambda: setattr(TrialResult(outcome="ok"), "outcome", "OK"),     # values are case-sensitive
+    lambda: TrialResult.from_dict({"outcome": "finished"}),
+])
+def test_an_unknown_outcome_raises_naming_the_allowed_values(make):
+    with pytest.raises(ValueError) as err:
+        make()
+    text = str(err.value)
+    assert "unknown trial outcome" in text and "\n" not in text
+    for value in ("ok", "oom", "oom_fragmentation", "fraction_cap", "host_oom", "predicted_infeasible"):
+        assert value in text
+
+
+# ----------------------------------------------------------------------------- checks on construction
+@pytest.mark.parametrize("make, field", [
+    (lambda: MemoryReadings(source="gpu"), "memory.source"),
+    (lambda: MemoryReadings(peak_reserved_bytes=-1), "memory.peak_reserved_bytes"),
+    (lambda: MemoryReadings(peak_allocated_bytes=1.5), "memory.peak_allocated_bytes"),
+    (lambda: MemoryReadings(peak_active_bytes=True), "memory.peak_active_bytes"),
+    (lambda: MemoryReadings(device_peak_bytes=-MiB), "memory.device_peak_bytes"),
+    (lambda: MemoryReadings(non_allocator_bytes="300 MiB"), "memory.non_allocator_bytes"),
+    (lambda: MemoryReadings(oom_requested_bytes=-2), "memory.oom_requested_bytes"),
+    (lambda: MemoryReadings(num_alloc_retries=-1), "memory.num_alloc_retries"),
+    (lambda: MemoryReadings(num_ooms=0.5), "memory.num_ooms"),
+    (lambda: MemoryReadings(fragmentation=1.25), "memory.fragmentation"),
+    (lambda: MemoryReadings(fragmentation=-0.01), "memory.fragmentation"),
+    (lambda: MemoryReadings(fragmentation=float("nan")), "memory.fragmentation"),
+    (lambda: Throughput(samples_per_s=-3.0), "throughput.samples_per_s"),
+    (lambda: Throughput(step_time_s=-0.1), "throughput.step_time_s"),
+    (lambda: Throughput(data_wait_fraction=1.5), "throughput.data_wait_fraction"),
+    (lambda: Throughput(gpu_utilization=101.0), "throughput.gpu_utilization"),
+    (lambda: Throughput(steps=-1), "throughput.steps"),
+    (lambda: SoakReadings(passed="yes"), "soak.passed"),
+    (lambda: SoakReadings(passed=True, failed_step=3), "soak.failed_step"),
+    (lambda: SoakReadings(passed=False, steps_run=2), "soak.failed_step"),
+    (lambda: SoakReadings(passed=False, failed_step=0), "soak.failed_step"),
+    (lambda: SoakReadings(passed=True, steps_run=-5), "soak.steps_run"),
+    (lambda: SoakReadings(passed=True, reserved_bytes=-1), "soak.reserved_bytes"),
+    (lambda: SoakReadings(passed=True, allocated_bytes=2.0), "soak.allocated_bytes"),
+    (lambda: SoakReadings(passed=True, peak_reserved_bytes=-1), "soak.peak_reserved_bytes"),
+    (lambda: SoakReadings(passed=True, seconds=-1.0), "soak.seconds"),
+    (lambda: TrialResult(outcome="ok", batch_size=0), "trial.batch_size"),
+    (lambda: TrialResult(outcome="ok", wall_s=-1.0), "trial.wall_s"),
+    (lambda: TrialResult(outcome="ok", startup_s=-0.5), "trial.startup_s"),
+    (lambda: TrialResult(outcome="ok", memory={"peak_reserved_bytes": 1}), "memory"),
+    (lambda: TrialResult(outcome="ok", throughput=812.5), "throughput"),
+    (lambda: TrialResult(outcome="ok", soak=True), "soak"),
+    (lambda: TrialResult(outcome="ok", extra=[]), "extra"),
+    (lambda: TrialResult(outcome="ok", ranks=[RankPeak(rank=0)]), "ranks"),
+    (lambda: TrialResult(outcome="ok", worst_rank=-1), "trial.worst_rank"),
+    (lambda: TrialResult(outcome="oom", failed_rank="1"), "trial.failed_rank"),
+    (lambda: RankPeak(rank=-1), "ranks.rank"),
+    (lambda: RankPeak(rank=None), "ranks.rank"),
+    (lambda: RankPeak(rank=0, peak_reserved_bytes=-1), "ranks.peak_reserved_bytes"),
+    (lambda: RankPeak(rank=0, peak_allocated_bytes=0.5), "ranks.peak_allocated_bytes"),
+    (lambda: RankPeak(rank=0, device_peak_bytes=-1), "ranks.device_peak_bytes"),
+    (lambda: RankPeak(rank=0, samples_per_s=-1.0), "ranks.samples_per_s"),
+    (lambda: RankPeak(rank=0, step_time_s=-1.0), "ranks.step_time_s"),
+    (lambda: RankPeak(rank=0, teardown=None), "ranks.teardown"),
+    # a replace() constructs again, so a section cannot be changed into a bad state either
+    (lambda: dataclasses.replace(MemoryReadings(), peak_reserved_bytes=-1), "memory.peak_reserved_bytes"),
+    # and a stored record is checked as it is read
+    (lambda: TrialResult.from_dict({"outcome": "ok", "peak_reserved_bytes": -1}), "memory.peak_reserved_bytes"),
+])
+def test_each_check_refuses_a_bad_value_in_one_line_naming_the_field(make, field):
+    with pytest.raises(ValueError) as err:
+        make()
+    text = str(err.value)
+    assert text.startswith(field + " ") and "\n" not in text
+
+
+def test_the_bounds_themselves_are_accepted():
+    MemoryReadings(source="device", peak_reserved_bytes=0, fragmentation=0.0, num_ooms=0)
+    MemoryReadings(fragmentation=1.0)
+    Throughput(samples_per_s=0.0, step_time_s=0.0, data_wait_fraction=1.0, gpu_utilization=100.0, steps=0)
+    SoakReadings(passed=False, failed_step=1, steps_run=0)
+    TrialResult(outcome="ok", batch_size=1, wall_s=0.0, startup_s=0.0)
+
+
+def test_sections_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MemoryReadings().peak_reserved_bytes = 1          # type: ignore[misc]
+
+
+def test_memory_stats_fill_the_peaks_and_fragmentation():
+    # torch.cuda.memory_stats() keys; fragmentation = 1 - peak active / peak reserved = 1 - 15/20
+    stats = {"allocated_bytes.all.peak": 10 * MiB, "reserved_bytes.all.peak": 20 * MiB,
+             "active_bytes.all.peak": 15 * MiB, "num_alloc_retries": 1, "num_ooms": 0}
+    res = TrialResult(outcome="ok", memory=MemoryReadings(source="device", non_allocator_bytes=300 * MiB))
+    res.fill_memory_stats(stats)
+    assert res.memory == MemoryReadings(source="device", peak_allocated_bytes=10 * MiB,
+                                        peak_reserved_bytes=20 * MiB, peak_active_bytes=15 * MiB,
+                                        fragmentation=0.25, num_alloc_retries=1, num_ooms=0,
+                                        non_allocator_bytes=300 * MiB)
+    res.fill_memory_stats({})            # nothing reserved: no fragmentation, readings not taken
+    assert res.memory.peak_reserved_bytes is None and res.memory.fragmentation is None
+
+
+# ----------------------------------------------------------------------------- the nested form
+def _full() -> TrialResult:
+    return TrialResult(
+        outcome=Outcome.OOM_FRAGMENTATION, batch_size=64, alloc_conf="max_split_size_mb:128",
+        memory=MemoryReadings(source="device", peak_allocated_bytes=900 * MiB, peak_reserved_bytes=1000 * MiB,
+                              peak_active_bytes=950 * MiB, fragmentation=0.05, num_alloc_retries=2, num_ooms=1,
+                              device_peak_bytes=1100 * MiB, non_allocator_bytes=100 * MiB,
+                              oom_requested_bytes=64 * MiB),
+        throughput=Throughput(samples_per_s=None, step_time_s=None, data_wait_fraction=0.0, gpu_utilization=97.0,
+                              steps=2),
+        soak=SoakReadings(passed=False, steps_run=8, failed_step=9, shape=128, reserved_bytes=1000 * MiB,
+                          allocated_bytes=900 * MiB, peak_reserved_bytes=1000 * MiB, message="out of memory",
+                          seconds=2.0),
+        settings_effective={"max_split_size": 128 * MiB}, message="rank 1 of 2: out of memory",
+        advice="set expandable_segments:True", wall_s=12.0, startup_s=4.0,
+        device=DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", index=0, uuid="GPU-1"),
+        ranks=(RankPeak(rank=0, outcome="ok", peak_reserved_bytes=800 * MiB, samples_per_s=None, teardown=True),
+               RankPeak(rank=1, outcome=Outcome.OOM_FRAGMENTATION, peak_reserved_bytes=1000 * MiB, exitcode=1,
+                        message="out of memory", device_uuid="GPU-1")),
+        worst_rank=1, failed_rank=1, extra={"world_size": 2, "rank_pids": [11, 12]})
+
+
+def test_the_nested_form_round_trips(tmp_path):
+    res = _full()
+    data = json.loads(res.to_json())
+    assert data["outcome"] == "oom_fragmentation" and type(res.to_dict()["outcome"]) is str
+    assert data["memory"]["peak_reserved_bytes"] == 1000 * MiB and data["memory"]["source"] == "device"
+    assert data["throughput"]["gpu_utilization"] == 97.0 and data["soak"]["failed_step"] == 9
+    assert data["ranks"][1]["outcome"] == "oom_fragmentation" and data["worst_rank"] == data["failed_rank"] == 1
+    assert not {"peak_reserved_bytes", "memory_source", "soak_passed", "steps"} & set(data)   # no flat keys
+    assert TrialResult.from_dict(data) == res
+    res.write(tmp_path / "result.json")
+    assert TrialResult.read(tmp_path / "result.json") == res
+    bare = TrialResult(outcome="error", message="boom")
+    assert TrialResult.from_dict(json.loads(bare.to_json())) == bare
+    assert json.loads(bare.to_json())["soak"] is None
+
+
+# ----------------------------------------------------------------------------- the flat form
+# tests/data/records/*.json: records as TrialResult.to_json wrote them before the sections (oomtune at
+# commit 6312ef6, every field present, flat); the expected objects are written out by hand below.
+def test_an_old_flat_ok_record_loads_into_the_sections():
+    res = TrialResult.read(DATA / "result-flat-ok.json")
+    assert res == TrialResult(
+        outcome=Outcome.OK, batch_size=16, alloc_conf="expandable_segments:True",
+        memory=MemoryReadings(source="simulated", peak_allocated_bytes=10485760, peak_reserved_bytes=20971520,
+                              peak_active_bytes=15728640, fragmentation=0.25, num_alloc_retries=0, num_ooms=0),
+        throughput=Throughput(samples_per_s=812.5, step_time_s=0.0197, data_wait_fraction=0.125, steps=4),
+        soak=SoakReadings(passed=True, steps_run=50, reserved_bytes=23068672, allocated_bytes=12582912,
+                          peak_reserved_bytes=25165824, seconds=0.5),
+        settings_effective={"expandable_segments": True}, wall_s=3.5, startup_s=1.25,
+        device=DeviceInfo(kind="cpu", name="virtual GPU", total_memory_bytes=85899345920),
+        extra={"execute": "cpu", "memory_fraction": 0.5, "pid": 4242, "soak_distinct_shapes": 3})
+
+
+def test_an_old_flat_failed_record_with_a_failed_soak_and_ranks_loads_into_the_sections():
+    # the ranks lived in extra["ranks"] (samples/s under "throughput"), worst_rank / failed_rank too
+    res = TrialResult.read(DATA / "result-flat-oom.json")
+    assert res == TrialResult(
+        outcome=Outcome.OOM_FRAGMENTATION, batch_size=64, alloc_conf="",
+        memory=MemoryReadings(source="device", peak_allocated_bytes=943718400, peak_reserved_bytes=1048576000,
+                              peak_active_bytes=996147200, fragmentation=0.05, num_alloc_retries=2, num_ooms=1,
+                              device_peak_bytes=1153433600, non_allocator_bytes=104857600,
+                              oom_requested_bytes=67108864),
+        throughput=Throughput(gpu_utilization=97.0, steps=2),
+        soak=SoakReadings(passed=False, steps_run=8, failed_step=9, shape=128, reserved_bytes=1048576000,
+                          allocated_bytes=943718400, peak_reserved_bytes=1048576000,
+                          message="out of memory at soak step 9/2000 (seq_len 128)", seconds=2.0),
+        message="passed the 4 live steps, then out of memory at soak step 9/2000 (seq_len 128)",
+        advice="set expandable_segments:True", wall_s=12.0, startup_s=4.0,
+        ranks=(RankPeak(rank=0, outcome=Outcome.OK, peak_reserved_bytes=838860800, peak_allocated_bytes=734003200,
+                        device_peak_bytes=943718400),
+               RankPeak(rank=1, outcome=Outcome.OOM_FRAGMENTATION, peak_reserved_bytes=1048576000,
+                        peak_allocated_bytes=943718400, device_peak_bytes=1153433600, message="out of memory")),
+        worst_rank=1, failed_rank=1, extra={"world_size": 2})
+    # written again it is the nested form, and reads back to the same record
+    assert TrialResult.from_dict(json.loads(res.to_json())) == res
+
+
+def test_a_minimal_flat_record_and_unknown_keys():
+    # the smallest records older code wrote (an error before any reading), plus a key that is no
+    # field (kept in extra, as before); no soak_passed: no soak section
+    res = TrialResult.from_dict({"outcome": "error", "message": "unreadable trial spec: x", "memory_source": None,
+                                 "soak_passed": None, "soak_steps_run": None, "returncode": 2})
+    assert res == TrialResult(outcome=Outcome.ERROR, message="unreadable trial spec: x", extra={"returncode": 2})
+    assert res.memory == MemoryReadings(source="simulated") and res.soak is None
+
+
+def test_a_nested_record_with_sections_left_out_reads_them_as_not_taken():
+    res = TrialResult.from_dict({"outcome": "ok", "batch_size": 8, "throughput": {"samples_per_s": 10.0}})
+    assert res == TrialResult(outcome="ok", batch_size=8, throughput=Throughput(samples_per_s=10.0))
+
+
+def test_a_study_holding_old_flat_records_is_read_by_the_search_and_the_report():
+    """A search resumed from a study stored before the sections: its trials' results (user_attrs)
+    are flat; the driver's readers, the table and the HTML report read them."""
+    from oomtune import display
+    from oomtune.htmlreport._data import trial_records
+    from oomtune.search import records as R
+
+    flat = json.loads((DATA / "result-flat-ok.json").read_text())
+    study = optuna.create_study(directions=["maximize"])
+    study.add_trial(optuna.trial.create_trial(
+        params={"batch_size": 16, "expandable_segments": True},
+        distributions={"batch_size": optuna.distributions.IntDistribution(1, 64),
+                       "expandable_segments": optuna.distributions.CategoricalDistribution([False, True])},
+        value=812.5, user_attrs={R.ATTR_RESULT: flat, R.ATTR_OUTCOME: "ok", R.ATTR_ROLE: "search",
+                                 R.ATTR_CONF: "expandable_segments:True"},
+        system_attrs={"constraints": (-0.5,)}))
+    (trial,) = study.get_trials()
+    res = R.result_of(trial)
+    assert res.outcome is Outcome.OK and res.memory.peak_reserved_bytes == 20 * MiB
+    assert R.used_bytes(res) == 20 * MiB and R.is_feasible_ok(trial)
+    assert R.violation(res, R.MemoryLimit(40 * MiB, 0.0)) == pytest.approx(-0.5)   # (20 - 40) / 40
+    (row,) = display.trial_rows([trial])
+    assert (row["outcome"], row["throughput"], row["peak_reserved_bytes"], row["memory_source"]) == \
+        ("ok", 812.5, 20 * MiB, "simulated")
+    assert (row["step_time_s"], row["fragmentation"], row["data_wait_fraction"]) == (0.0197, 0.25, 0.125)
+    (rec,) = trial_records([trial])
+    assert (rec["throughput"], rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], rec["memory_source"]) == \
+        (812.5, 20 * MiB, 10 * MiB, "simulated")
