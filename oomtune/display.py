@@ -33,7 +33,7 @@ SEARCH_LEGEND = (
     "  best #n: the trial leading so far (under the objective)",
 )
 
-#: Short source labels of measured figures: memory (``TrialResult.memory_source``) and throughput
+#: Short source labels of measured figures: memory (``TrialResult.memory.source``) and throughput
 #: (a trial on the virtual GPU trains on the CPU: its samples/s are the CPU's).
 MEMORY_LABEL = {"simulated": "sim", "device": "dev"}
 

@@ -226,7 +226,7 @@ def test_a_study_holding_old_flat_records_is_read_by_the_search_and_the_report()
     are flat; the driver's readers, the table and the HTML report read them."""
     from oomtune import display
     from oomtune.htmlreport._data import trial_records
-    from oomtune.search import records as R
+    from oomtune.study import records as R
 
     flat = json.loads((DATA / "result-flat-ok.json").read_text())
     study = optuna.create_study(directions=["maximize"])
