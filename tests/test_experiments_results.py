@@ -55,12 +55,10 @@ FIELDS = {
 #: some were measured with uncommitted changes, and some name a commit that a rebase took out of
 #: main's history. The others were re-run at f54f045 (an ancestor of main) on the 2-core machine and
 #: carry the five lines. What remains: bench_distributed.txt was not re-run (its run takes over an
-#: hour; measured on the issue-24 branch at a commit that its rebase onto main replaced), and
-#: bench_search_cpu.txt, whose script failed in that series (fixed on main since), is re-run by the
-#: lead separately. A file re-run with the five lines must leave this set
-#: (test_to_rerun_names_only_files_that_still_need_it).
+#: hour; measured on the issue-24 branch at a commit that its rebase onto main replaced);
+#: bench_search_cpu.txt, whose script failed in that series, was re-run at 980da38 once fixed. A file
+#: re-run with the five lines must leave this set (test_to_rerun_names_only_files_that_still_need_it).
 TO_RERUN = {
-    "bench_search_cpu.txt",
     "bench_distributed.txt",
 }
 
