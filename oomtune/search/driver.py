@@ -618,7 +618,8 @@ class Search:
             return
         ckpt = trial.params.get("activation_checkpointing")
         if not self.predictor.add_recording(*got, **({} if ckpt is None else {"checkpointing": ckpt})):
-            self.say(f"note: {self.predictor.derivation_note}; the remaining configurations are probed by trials")
+            self.say(f"note: {self.predictor.derivation_note}; from here on a configuration's frontier is "
+                     "found by trials (none is needed where the answer already runs the batch range's top)")
             planner.drop_predictions()
 
     def plan_frontiers(self) -> FrontierPlanner:
