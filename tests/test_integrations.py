@@ -230,7 +230,10 @@ def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks
     assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]
     rank0, rank1 = res.ranks
     assert (rank0.rank, rank1.rank) == (0, 1)
-    assert rank1.peak_allocated_bytes - rank0.peak_allocated_bytes == hold   # same steps, plus the hold
+    # same steps, plus the hold; give or take the small blocks (scalars, under 1 MiB in all) whose lifetime
+    # around each rank's peak depends on when gloo's asynchronous allreduce completes (a full suite
+    # once saw rank 1 hold 512 bytes more than rank 0 + 8 MiB at its peak)
+    assert abs(rank1.peak_allocated_bytes - rank0.peak_allocated_bytes - hold) < MiB
     # the MLP's parameters, their gradients and DDP's bucket (attached before the strategy wraps the model)
     params = (64 * 128 + 128 + 128 * 10 + 10) * 4
     assert rank0.peak_allocated_bytes >= 3 * params
