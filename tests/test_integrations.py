@@ -257,8 +257,11 @@ def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_pat
     assert res.memory.oom_requested_bytes == 80 * MiB
     (oom,) = [e for e in events if e["event"] == "oom"]
     assert (oom["rank"], oom["world_size"]) == (1, 2)
-    # rank 0 lost its peer inside the gradient all-reduce (gloo: connection closed): not a second failure
-    assert [r.rank for r in res.ranks] == [0, 1]
-    assert res.ranks[0].peak_reserved_bytes < 64 * MiB
+    # rank 0 lost its peer inside the gradient all-reduce (gloo: connection closed): not a second failure.
+    # Its memory line comes only when it gets to write it before the launcher stops it (torchrun stops
+    # the other ranks as soon as one fails: a full suite once saw no rank's memory line at all); when
+    # written, rank 0's peak is well under the budget
+    assert {r.rank for r in res.ranks} <= {0, 1}
+    assert all(r.peak_reserved_bytes < 64 * MiB for r in res.ranks if r.rank == 0)
     assert sorted(pids) == [0, 1]
     assert _gone(pids.values()) and not group_alive(res.extra["pid"])
