@@ -17,8 +17,18 @@ from pathlib import Path
 from _provenance import header as provenance_header  # experiments/ is on sys.path (this module is there)
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the real GPU traces, copied from ../shared/traces (a clone has them; ../shared is not beside every checkout)
+TRACES = ROOT / "tests" / "data"
 #: main just before issue 13's changes (the code the issue measured).
 DEFAULT_OLD = "48cfeb3"
+
+
+def trace_files(directory: Path, script: str) -> list[Path]:
+    """The ``*.pickle`` traces in ``directory``, sorted by name; stops with one line when there are none."""
+    found = sorted(Path(directory).glob("*.pickle"))
+    if not found:
+        raise SystemExit(f"{script}: no *.pickle traces in {directory}: pass --traces DIR")
+    return found
 
 
 def git(*args: str) -> str:

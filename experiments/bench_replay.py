@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+from _baseline import ROOT, TRACES, child_env, header, old_tree, trace_files  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
 #: main after issue 11's simulator fixes, before issue 13's replay changes.
@@ -133,13 +133,11 @@ def main() -> int:
     ap.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code to compare with")
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--traces", type=Path, default=ROOT / "tests" / "data")   # the shared traces, copied
+    ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_replay.txt")
     args = ap.parse_args()
     head = header("bench_replay.py", sys.argv[1:], args.old)   # at the start: refuses a dirty tree, reads the load
-    traces = [str(p.resolve()) for p in sorted(args.traces.glob("*.pickle"))]
-    if not traces:
-        raise SystemExit(f"bench_replay: no *.pickle traces in {args.traces}: pass --traces DIR")
+    traces = [str(p.resolve()) for p in trace_files(args.traces, "bench_replay")]
     payload = {"events": args.events, "repeat": args.repeat, "traces": traces}
     runs = {"compiled": (ROOT, False), "pure": (ROOT, True), "old": (old_tree(args.old), True)}
     res: dict[str, dict] = {code: {} for code in CODES}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _baseline import DEFAULT_OLD, ROOT, child_env, header, old_tree  # noqa: E402
+from _baseline import DEFAULT_OLD, ROOT, TRACES, child_env, header, old_tree, trace_files  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code to compare with")
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--traces", type=Path, default=ROOT / "tests" / "data")   # the shared traces, copied
+    ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_startup.txt")
     args = ap.parse_args()
     out = header("bench_startup.py", sys.argv[1:], args.old)
@@ -75,9 +75,7 @@ def main() -> int:
             t[name].append(wall([sys.executable, "-c", "pass"], env))
     out.append(row("python -c pass (interpreter start, for scale)", t))
     out.append(row("oomtune --help (target <= 0.3 s)", compare(["--help"], envs, args.repeat)))
-    traces = sorted(args.traces.glob("*.pickle"), key=lambda p: p.stat().st_size)
-    if not traces:
-        raise SystemExit(f"bench_startup: no *.pickle traces in {args.traces}: pass --traces DIR")
+    traces = sorted(trace_files(args.traces, "bench_startup"), key=lambda p: p.stat().st_size)
     for trace in traces:
         trace = trace.resolve()
         label = f"simulate {trace.name} ({trace.stat().st_size / 2**20:.1f} MiB)"

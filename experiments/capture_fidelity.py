@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _baseline import TRACES  # noqa: E402
 from _provenance import header, write_results  # noqa: E402  (the first lines of every results file)
 from fidelity_lm import LazyAdamW, OutOfPlaceAdamW, TransformerLM, course_loss, reference_loss  # noqa: E402
 
@@ -48,7 +49,6 @@ from oomtune.capture.cuda_autocast import emulate_cuda_autocast  # noqa: E402
 from oomtune.capture.recorder import StorageRecorder  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-DEFAULT_TRACES = ROOT / "tests" / "data"   # the shared traces, copied (a clone has them)
 
 
 # -- recorded side -------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ NOTES = """Where the capture and the recordings differ (read from the traces' fr
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
+    ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "capture_fidelity.md")
     ap.add_argument("--only", nargs="*", default=list(MAIN), choices=list(WORKLOADS))
     ap.add_argument("--with-old", action="store_true",
