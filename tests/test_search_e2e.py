@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 
 import optuna
 import pytest
@@ -97,6 +98,14 @@ def test_interrupted_search_resumes_from_its_storage(tmp_path):
     before = {t.number: t.params for t in _finished(info["storage"], info["study_name"])}
     assert len(before) >= 3
     assert not (run_dir / "best.yaml").exists()
+    # A process stopped between creating a trial and its first heartbeat leaves it RUNNING without
+    # one (Optuna never counts it as stale); one such trial of the sampler phase, started a minute
+    # ago, must not make the resume wait for ever (a CI run's resume timed out after 600 s).
+    storage = optuna.storages.RDBStorage(info["storage"])
+    orphan = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={R.ATTR_ROLE: "search"})
+    orphan.datetime_start = datetime.now() - timedelta(seconds=60)
+    orphan_id = storage.create_new_trial(
+        optuna.load_study(study_name=info["study_name"], storage=storage)._study_id, template_trial=orphan)
     # The same command resumes: earlier trials are kept as they were, and the study completes.
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -105,4 +114,6 @@ def test_interrupted_search_resumes_from_its_storage(tmp_path):
     searched = [t for t in after.values() if t.user_attrs.get(R.ATTR_ROLE) == "search"
                 and t.state == optuna.trial.TrialState.COMPLETE]
     assert len(searched) == 6
+    assert storage.get_trial(orphan_id).state == optuna.trial.TrialState.FAIL   # failed, then retried
+    assert any(t.system_attrs.get("failed_trial") == storage.get_trial(orphan_id).number for t in after.values())
     assert (run_dir / "best.yaml").exists()

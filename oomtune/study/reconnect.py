@@ -225,6 +225,10 @@ def reconnecting_storage_class() -> type:
       but skipped with one line; the next beat tries again, and the thread does not die with a
       traceback (``optuna.storages._heartbeat.HeartbeatThread`` has no handler of its own).
 
+    And one change of what counts as stale: ``_get_stale_trial_ids`` (read by
+    ``optuna.storages.fail_stale_trials``) also returns RUNNING trials that never recorded a
+    heartbeat and started more than the grace period ago (:mod:`oomtune.study.orphans`).
+
     Still an ``RDBStorage``: Optuna wraps it in its per-Study cache (``_CachedStorage``), and
     ``oomtune.search.trial_writes`` uses its sessions as before.
     """
@@ -267,8 +271,14 @@ def reconnecting_storage_class() -> type:
 
     namespace: dict[str, Any] = {name: wrap(name, what) for name, what in _METHODS.items()
                                  if hasattr(RDBStorage, name)}
+    def _get_stale_trial_ids(self: Any, study_id: int) -> list[int]:
+        from oomtune.study.orphans import stale_trial_ids
+
+        return retrying(lambda: stale_trial_ids(self, study_id), "find stale trials", say=self.say,
+                        delays_s=self.retry_delays_s)
+
     namespace.update(set_trial_state_values=set_trial_state_values, record_heartbeat=record_heartbeat,
-                     say=None, retry_delays_s=None, __module__=__name__,
+                     _get_stale_trial_ids=_get_stale_trial_ids, say=None, retry_delays_s=None, __module__=__name__,
                      __doc__=reconnecting_storage_class.__doc__)
     cls = type("ReconnectingRDBStorage", (RDBStorage,), namespace)
     globals()["ReconnectingRDBStorage"] = cls   # picklable by name, as Optuna's storages are
