@@ -49,7 +49,7 @@ from oomtune.outcome import Outcome
 from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.units import format_bytes
 
-__all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "default_mode", "relative_change", "within_limit",
+__all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "PreparedCheck", "prepare_check", "default_mode", "relative_change", "within_limit",
            "within_drop", "evaluate_run", "check_predict", "check_run", "write_junit", "validate_limits",
            "check_junit_path", "default_max_slowdown", "DEFAULT_MAX_SLOWDOWN", "DEFAULT_MAX_MEMORY_GROWTH",
            "DEFAULT_TOLERANCE", "SIMULATED_SLOWDOWN_NOTE"]
@@ -183,7 +183,7 @@ def _geometry(best: Any) -> dict[str, Any]:
 
 
 def fraction_case(best: Any, *, applied: float | None = None, device_total: int | None = None,
-                  ran: bool = False) -> CheckCase:
+                  ran: bool = False, geometry: dict[str, Any] | None = None) -> CheckCase:
     """Does the answer's memory fraction travel with it (issue 23 item 1)? Only
     ``garbage_collection_threshold`` needs one (:func:`oomtune.best.needs_memory_fraction`).
 
@@ -191,7 +191,8 @@ def fraction_case(best: Any, *, applied: float | None = None, device_total: int 
     record (files from before it was recorded: applied without it, the threshold is inert and the
     batch may not fit); in run mode (``ran``) also when the check trial applied another fraction than
     the recorded one (``applied``), or ran on a device of another size (``device_total``, bytes:
-    the same fraction then allows another budget). PASS otherwise, naming what applies it."""
+    the same fraction then allows another budget). PASS otherwise, naming what applies it.
+    ``geometry``: the trials' (:attr:`PreparedCheck.geometry`; default read from ``best``)."""
     from oomtune.best import FRACTION_KEY, needs_memory_fraction
 
     conf = best.best.alloc_conf
@@ -199,7 +200,7 @@ def fraction_case(best: Any, *, applied: float | None = None, device_total: int 
     if not needs_memory_fraction(conf):
         return CheckCase("memory fraction", True, f"not needed: {conf or 'the default allocator'} has no "
                          "garbage_collection_threshold")
-    trial_fraction = _geometry(best)["memory_fraction"]
+    trial_fraction = (geometry or _geometry(best))["memory_fraction"]
     if recorded is None:
         if best.device.get("memory_fraction") is None and trial_fraction < 1.0:
             return CheckCase("memory fraction", False, (
@@ -278,6 +279,52 @@ def _workload(best: Any) -> dict[str, Any]:
     return {**model, **extra, **training, "target": target}
 
 
+@dataclass(frozen=True)
+class PreparedCheck:
+    """best.yaml read and validated once for both modes (:func:`prepare_check`): what ``oomtune
+    check`` runs or predicts. The check's input is best.yaml, not a Hydra config: this is its
+    counterpart of :class:`oomtune.prepared.PreparedRun`.
+
+    Attributes:
+        best: the loaded :class:`oomtune.best.BestConfig`.
+        workload: the trial workload (:func:`_workload`: model keys, target, target GPU, training
+            settings, ranks).
+        target: the :class:`oomtune.trial._base.Target` serving it (None: a target this oomtune
+            does not know).
+        geometry: the virtual GPU of the recorded trials (:func:`_geometry`: ``total_memory_bytes``,
+            ``memory_fraction``).
+        budget_bytes: the recorded budget, bytes.
+        limit_bytes / limit_text: the limit the search judged "fits" by (:func:`_search_limit`).
+        ranks: the rank count the answer was tuned for (1 unless ``workload.ranks``).
+    """
+
+    best: Any
+    workload: dict[str, Any]
+    target: Any
+    geometry: dict[str, Any]
+    budget_bytes: int
+    limit_bytes: int
+    limit_text: str
+    ranks: int
+
+
+def prepare_check(best: Any) -> PreparedCheck:
+    """Read best.yaml's device, workload and limit sections once (:class:`PreparedCheck`).
+
+    Raises:
+        BestFileError: a malformed budget, device size, headroom, target, model, training settings
+            or rank count (one line naming the key).
+    """
+    from oomtune.trial._base import find_target
+
+    geometry = _geometry(best)
+    workload = _workload(best)
+    limit_bytes, limit_text = _search_limit(best)
+    return PreparedCheck(best=best, workload=workload, target=find_target(workload["target"].get("name")),
+                         geometry=geometry, budget_bytes=int(best.device["budget_bytes"]), limit_bytes=limit_bytes,
+                         limit_text=limit_text, ranks=int(workload.get("ranks", 1)))
+
+
 def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:
     """Predict the recorded configuration with the current code and compare (see module docstring).
 
@@ -303,15 +350,12 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
     if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded <= 0:
         raise BestFileError("best.yaml has no best.predicted_peak_reserved_bytes (the search ran without "
                             "prediction, e.g. search.prune=off or a cmd target): use --mode run")
-    workload = _workload(best)
-    from oomtune.trial._base import find_target
-
-    known = find_target(workload["target"].get("name"))
-    if known is None or not known.capturable:
-        raise ConfigError(f"--mode predict cannot trace target {workload['target'].get('name')!r}: use --mode run")
+    run = prepare_check(best)
+    if run.target is None or not run.target.capturable:
+        raise ConfigError(f"--mode predict cannot trace target {run.workload['target'].get('name')!r}: use --mode run")
     t0 = time.perf_counter()
     # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
-    predictor = Predictor(workload, _geometry(best), steps=best.best.predicted_steps or PREDICT_STEPS)
+    predictor = Predictor(run.workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS)
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)
@@ -319,12 +363,12 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
     figures = {"predicted_peak_reserved_bytes": pred.peak_reserved_bytes, "recorded_bytes": recorded,
                "change": change, "tolerance": tolerance, "fits": pred.fits,
                "fallback": sorted(predictor.fallback_reasons)}
-    limit_bytes, limit_text = _search_limit(best)
+    limit_bytes, limit_text = run.limit_bytes, run.limit_text
     fits = bool(pred.fits) and pred.peak_reserved_bytes is not None and pred.peak_reserved_bytes <= limit_bytes
     figures.update(fits=fits, limit_bytes=limit_bytes)
     compare = (f"predicted peak reserved {format_bytes(pred.peak_reserved_bytes)} (simulated) vs recorded "
                f"{format_bytes(recorded)} ({change:+.2%}, tolerance {tolerance:.2%})")
-    fraction = fraction_case(best)
+    fraction = fraction_case(best, geometry=run.geometry)
     cases = [
         CheckCase("fits budget (predicted)", fits,
                   f"batch {best.best.batch_size} fits {limit_text}: peak reserved "
@@ -415,7 +459,8 @@ def _speed_case(res: Any, recorded: Any, limit: float) -> CheckCase:
                      f"samples/s ({change:+.2%}, limit -{limit:.2%})")
 
 
-def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown: float | None) -> CheckReport:
+def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown: float | None,
+                 geometry: dict[str, Any] | None = None) -> CheckReport:
     """Judge a finished check trial (a :class:`TrialResult`) against best.yaml's recorded metrics.
 
     ``max_slowdown`` None skips the slowdown case (:data:`SIMULATED_SLOWDOWN_NOTE`, also returned in
@@ -432,7 +477,7 @@ def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown:
     speed = (CheckCase("slowdown", None, SIMULATED_SLOWDOWN_NOTE) if max_slowdown is None
              else _speed_case(res, metrics.get("throughput"), max_slowdown))
     memory = _memory_case(res, metrics, max_memory_growth)
-    fraction = fraction_case(best, applied=(res.extra or {}).get("memory_fraction"), ran=True,
+    fraction = fraction_case(best, applied=(res.extra or {}).get("memory_fraction"), ran=True, geometry=geometry,
                              device_total=getattr(res.device, "total_memory_bytes", None)
                              if res.memory.source == "device" else None)
     cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.throughput.steps} steps within the "
@@ -477,16 +522,15 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
         max_slowdown = default_max_slowdown(best)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps={steps!r}: expected an integer >= 1")
-    _geometry(best)  # validates budget_bytes
-    workload = _workload(best)
-    ranks = int(workload.get("ranks", 1))
+    run = prepare_check(best)
+    ranks = run.ranks
     where = _run_device(best, device)
     if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
         where = _rank_gpus(ranks, where)
-    spec = TrialSpec(workload=workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
-                     device=where, budget_bytes=int(best.device["budget_bytes"]),
+    spec = TrialSpec(workload=run.workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+                     device=where, budget_bytes=run.budget_bytes,
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
-                     device_memory_bytes=_geometry(best)["total_memory_bytes"],
+                     device_memory_bytes=run.geometry["total_memory_bytes"],
                      memory_fraction=best.device.get("memory_fraction") != "off", ranks=ranks)
     runner = runner or TrialRunner(launcher="spawn")
     say = say or (lambda text: None)
@@ -499,7 +543,8 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
         with _watch_steps(where, spec.warmup_steps, started, say):
             res = runner.run(spec, workdir=where)
     say(f"trial finished after {time.monotonic() - started:.1f} s: {res.outcome}")
-    return evaluate_run(best, res, max_memory_growth=max_memory_growth, max_slowdown=max_slowdown)
+    return evaluate_run(best, res, max_memory_growth=max_memory_growth, max_slowdown=max_slowdown,
+                        geometry=run.geometry)
 
 
 @contextlib.contextmanager

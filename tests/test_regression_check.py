@@ -445,3 +445,38 @@ def test_run_mode_checks_the_applied_fraction_and_the_device_size(tmp_path):
     assert not other.passed and "allows 307.20 MiB, not the 1.00 GiB" in other.message     # 0.0125 x 24 GiB
     plain = load_best(write_best(tmp_path / "plain.yaml"))
     assert fraction_case(plain).passed and fraction_case(plain).message.startswith("not needed")
+
+
+# -- best.yaml read once ----------------------------------------------------------------------------
+def test_prepare_check_reads_the_workload_geometry_and_limit_once(tmp_path):
+    from oomtune.regression import prepare_check
+
+    path = write_best(tmp_path / "best.yaml", budget=1 * GiB)
+    data = yaml.safe_load(path.read_text())
+    data["device"]["headroom"] = 0.05
+    data["workload"]["ranks"] = 2
+    path.write_text(yaml.safe_dump(data))
+    run = prepare_check(load_best(path))
+    assert run.budget_bytes == GiB
+    assert run.limit_bytes == int(GiB * 0.95)           # budget x (1 - headroom), whole bytes
+    # the virtual GPU of the trials: the recorded 80 GiB device under a fraction of 1/80
+    assert run.geometry == {"total_memory_bytes": 80 * GiB, "memory_fraction": 1 / 80}
+    assert run.ranks == 2 and run.workload["ranks"] == 2
+    assert run.target.name == "builtin" and run.target.capturable
+
+
+def test_run_mode_refuses_a_malformed_headroom_before_running(tmp_path):
+    from oomtune.exceptions import BestFileError
+    from oomtune.regression import check_run
+
+    path = write_best(tmp_path / "best.yaml")
+    data = yaml.safe_load(path.read_text())
+    data["device"]["headroom"] = 1.5
+    path.write_text(yaml.safe_dump(data))
+
+    class NoRun:
+        def run(self, *a, **k):
+            raise AssertionError("a trial started")
+
+    with pytest.raises(BestFileError, match="headroom=1.5"):
+        check_run(load_best(path), runner=NoRun())
