@@ -23,6 +23,47 @@ TRACES = ROOT / "tests" / "data"
 DEFAULT_OLD = "48cfeb3"
 
 
+#: ``oomtune plan`` in a child process with the time inside ``plan()`` and its map as JSON on the last
+#: stdout line (the tree under test is first on sys.path; old trees lack some fields: read with
+#: getattr). Arguments: derive (1/0), the overrides as JSON, one process (1/0: one capture worker).
+TIMED_PLAN = r"""
+import contextlib, io, json, sys, tempfile, time
+from pathlib import Path
+derive, one_process = sys.argv[1] == "1", len(sys.argv) > 3 and sys.argv[3] == "1"
+overrides = json.loads(sys.argv[2])
+import oomtune.cli
+import oomtune.commands.plan as C
+import oomtune.plan.predictor as P
+if not derive and "derive" in (P.Predictor.__init__.__kwdefaults__ or {}):
+    P.Predictor.__init__.__kwdefaults__["derive"] = False
+if one_process:
+    import oomtune.plan.parallel as W
+    W.default_workers = lambda: 1
+inner, out = {}, io.StringIO()
+plan = C.plan
+def timed_plan(*args, **kwargs):   # the time inside plan() and its map, as the command runs it
+    t0 = time.perf_counter()
+    inner["fmap"] = plan(*args, **kwargs)
+    inner["plan_s"] = time.perf_counter() - t0
+    return inner["fmap"]
+C.plan = timed_plan
+with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.redirect_stdout(out):
+        rc = oomtune.cli.main(["plan", *overrides, f"hydra.run.dir={tmp}/run", "--out", f"{tmp}/plan.yaml"])
+    assert rc == 0, out.getvalue()
+fmap = inner["fmap"]
+try:
+    from oomtune.alloc import _compiled
+    core = "compiled" if _compiled.enabled() else "pure Python"
+except ImportError:
+    core = "pure Python"
+print(json.dumps({"core": core, "plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
+                  "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
+                  "derived": getattr(fmap, "derived", 0), "cached": getattr(fmap, "cached", 0), "replays": fmap.replays,
+                  "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
+"""
+
+
 def trace_files(directory: Path, script: str) -> list[Path]:
     """The ``*.pickle`` traces in ``directory``, sorted by name; stops with one line when there are none."""
     found = sorted(Path(directory).glob("*.pickle"))

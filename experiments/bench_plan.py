@@ -34,50 +34,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _baseline import DEFAULT_OLD, ROOT, child_env, header, old_tree  # noqa: E402
+from _baseline import DEFAULT_OLD, ROOT, TIMED_PLAN, child_env, header, old_tree  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
 OVERRIDES = ["model=resnet", "model.depth=50", "model.image_size=224", "model.num_classes=1000",
              "budget=16GiB", "device=cpu", "virtual_device_memory=80GiB",
              "search.batch_size.low=8", "search.batch_size.high=1024"]
 
-# Runs inside the child process (the tree under test is first on sys.path).
-CHILD = r"""
-import contextlib, io, json, sys, tempfile, time
-from pathlib import Path
-derive, one_process = sys.argv[1] == "1", sys.argv[3] == "1"
-overrides = json.loads(sys.argv[2])
-import oomtune.cli
-import oomtune.commands.plan as C
-import oomtune.plan.predictor as P
-if not derive and "derive" in (P.Predictor.__init__.__kwdefaults__ or {}):
-    P.Predictor.__init__.__kwdefaults__["derive"] = False
-if one_process:
-    import oomtune.plan.parallel as W
-    W.default_workers = lambda: 1
-inner, out = {}, io.StringIO()
-plan = C.plan
-def timed_plan(*args, **kwargs):   # the time inside plan() and its map, as the command runs it
-    t0 = time.perf_counter()
-    inner["fmap"] = plan(*args, **kwargs)
-    inner["plan_s"] = time.perf_counter() - t0
-    return inner["fmap"]
-C.plan = timed_plan
-with tempfile.TemporaryDirectory() as tmp:
-    with contextlib.redirect_stdout(out):
-        rc = oomtune.cli.main(["plan", *overrides, f"hydra.run.dir={tmp}/run", "--out", f"{tmp}/plan.yaml"])
-    assert rc == 0, out.getvalue()
-fmap = inner["fmap"]
-try:
-    from oomtune.alloc import _compiled
-    core = "compiled" if _compiled.enabled() else "pure Python"
-except ImportError:
-    core = "pure Python"
-print(json.dumps({"core": core, "plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
-                  "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
-                  "derived": getattr(fmap, "derived", 0), "cached": getattr(fmap, "cached", 0), "replays": fmap.replays,
-                  "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
-"""
 FIELDS = ("process_s", "plan_s", "capture_s", "derive_s", "replay_s", "other_s")
 
 
@@ -89,7 +52,7 @@ def run_variant(tree: Path, derive: bool, one_process: bool = False, pure_python
     if pure_python:
         env["OOMTUNE_PURE_PYTHON"] = "1"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, "1" if derive else "0", json.dumps(OVERRIDES),
+    proc = subprocess.run([sys.executable, "-c", TIMED_PLAN, "1" if derive else "0", json.dumps(OVERRIDES),
                            "1" if one_process else "0"], env=env, cwd=tree, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _baseline import ROOT, child_env, header, old_tree  # noqa: E402
+from _baseline import ROOT, TIMED_PLAN, child_env, header, old_tree  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
 #: main just before issue 26's changes.
@@ -53,34 +53,6 @@ VARIANTS = {
                        + RANGE,
 }
 
-# Runs inside the child process (the tree under test is first on sys.path).
-CHILD = r"""
-import contextlib, io, json, sys, tempfile, time
-derive = sys.argv[1] == "1"
-overrides = json.loads(sys.argv[2])
-import oomtune.cli
-import oomtune.commands.plan as C
-import oomtune.plan.predictor as P
-if not derive and "derive" in (P.Predictor.__init__.__kwdefaults__ or {}):
-    P.Predictor.__init__.__kwdefaults__["derive"] = False
-inner, out = {}, io.StringIO()
-plan = C.plan
-def timed_plan(*args, **kwargs):
-    t0 = time.perf_counter()
-    inner["fmap"] = plan(*args, **kwargs)
-    inner["plan_s"] = time.perf_counter() - t0
-    return inner["fmap"]
-C.plan = timed_plan
-with tempfile.TemporaryDirectory() as tmp:
-    with contextlib.redirect_stdout(out):
-        rc = oomtune.cli.main(["plan", *overrides, f"hydra.run.dir={tmp}/run", "--out", f"{tmp}/plan.yaml"])
-    assert rc == 0, out.getvalue()
-fmap = inner["fmap"]
-print(json.dumps({"plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
-                  "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
-                  "derived": getattr(fmap, "derived", 0), "replays": fmap.replays,
-                  "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
-"""
 
 IMPORT_TORCH = "import torch"
 
@@ -121,7 +93,7 @@ def _process(tree: Path, code: str, *args: str) -> tuple[float, str]:
 
 
 def run_plan(tree: Path, overrides: list[str], derive: bool = True) -> dict:
-    wall, stdout = _process(tree, CHILD, "1" if derive else "0", json.dumps(overrides))
+    wall, stdout = _process(tree, TIMED_PLAN, "1" if derive else "0", json.dumps(overrides))
     out = json.loads(stdout.strip().splitlines()[-1])
     out["process_s"] = wall
     return out
