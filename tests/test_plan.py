@@ -402,3 +402,29 @@ def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp
     assert survives(default["max_batch_size"], "") and not survives(default["max_batch_size"] + 1, "")
     assert es["soak"]["passed"] is True and survives(es["max_batch_size"], "expandable_segments:True")
     assert data["shapes"]["stepped_down"] == {"": [default["worst_shape_max_batch_size"], default["max_batch_size"]]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the soak's rows are spread over forked processes on POSIX")
+def test_plan_soak_spread_over_processes_gives_the_one_process_rows(tmp_path, monkeypatch):
+    """The soak's rows run in forked processes (oomtune.plan.parallel.fork_map): each row's record,
+    planned batch and the stepped-down list equal those of the same plan soaked in this process alone."""
+    import oomtune.plan.parallel as W
+
+    lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
+          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",
+          "search.batch_size.high=16", "search.space.max_split_size_mb=[null,64]",
+          "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
+    monkeypatch.setattr(W, "default_workers", lambda: 3)
+    spread = _plan(tmp_path / "a", *lm).to_dict()
+    monkeypatch.setattr(W, "default_workers", lambda: 1)
+    alone = _plan(tmp_path / "b", *lm).to_dict()
+
+    def rows(data):
+        return [(c["alloc_conf"], c["max_batch_size"], c["worst_shape_max_batch_size"], c["soak"])
+                for c in data["configurations"]]
+
+    assert rows(spread) == rows(alone)
+    assert len(rows(alone)) == 4 and any(not r[3]["passed"] for r in rows(alone))   # a bisection ran
+    assert spread["shapes"]["stepped_down"] == alone["shapes"]["stepped_down"]
+    assert spread["shapes"]["soak_captures"] == alone["shapes"]["soak_captures"]

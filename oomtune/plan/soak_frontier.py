@@ -11,6 +11,10 @@ configuration's largest batch is soaked (:mod:`oomtune.trial.soak`: ``trial.soak
 data's order, on the trial's virtual GPU); when it fails, the largest batch below it that survives
 is found by bisection (assuming that a batch that survives the soak survives it with fewer samples),
 and that becomes the configuration's planned batch. Every figure is simulated.
+
+The rows are independent: each row's largest batch is captured first, in this process, then the rows
+are soaked in forked processes over the CPU cores (:func:`oomtune.plan.parallel.fork_map`; the same
+code per row, so the same results as in one process).
 """
 
 from __future__ import annotations
@@ -41,8 +45,7 @@ class SoakedFrontier:
 
 
 def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mapping[str, Any], *, steps: int,
-              low: int, cell: Callable[[int, Any], Any],
-              on_row: Callable[[Any], None] | None = None) -> SoakedFrontier:
+              low: int, cell: Callable[[int, Any], Any]) -> SoakedFrontier:
     """Soak every row's largest fitting batch and step it down until it survives (module docstring).
 
     Each row (a :class:`oomtune.plan.feasibility.PlanRow`) gets ``worst_shape_max_batch_size`` (its
@@ -58,12 +61,12 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
         steps: soak steps (``trial.soak_steps``, >= 1).
         low: the smallest batch of the plan's range.
         cell: ``cell(batch, settings) -> PlanCell`` at the worst shape (for a lowered row's ``at_max``).
-        on_row: called after each row (progress).
 
     Raises:
         ConfigError: a bad workload or shape distribution.
     """
     from oomtune.alloc.settings import AllocatorSettings
+    from oomtune.plan.parallel import default_workers, fork_map
     from oomtune.trial.soak import capture_soak, replay_soak
 
     t0 = time.perf_counter()
@@ -78,33 +81,42 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
                            memory_fraction=float(geometry.get("memory_fraction", 1.0)),
                            non_allocator_bytes=int(geometry.get("non_allocator_bytes", 0) or 0))
 
-    for row in rows:
-        row.worst_shape_max_batch_size = row.max_batch_size
-        if row.max_batch_size is None:
-            if on_row is not None:
-                on_row(row)
-            continue
+    def soak_row(i: int) -> tuple[dict[str, Any], set[int]]:
+        """Row ``i``'s soak record (its ``batch_size`` the soak-safe batch) and the batches captured."""
+        row = rows[i]
         settings = AllocatorSettings.parse(row.alloc_conf)
         first = soaked(row.max_batch_size, settings)
         if first.passed:
-            row.soak = {"steps": steps, "passed": True, "batch_size": row.max_batch_size}
-        else:
-            ok, bad = low - 1, row.max_batch_size   # bad fails the soak; find the largest that passes
-            while bad - ok > 1:
-                mid = (ok + bad) // 2
-                if soaked(mid, settings).passed:
-                    ok = mid
-                else:
-                    bad = mid
-            safe = ok if ok >= low else None
-            row.soak = {"steps": steps, "passed": False, "batch_size": safe,
-                        "failed": {"batch_size": row.max_batch_size, "step": first.failed_step,
-                                   "shape": first.shape_at_failure, "message": first.message}}
+            return {"steps": steps, "passed": True, "batch_size": row.max_batch_size}, set(streams)
+        ok, bad = low - 1, row.max_batch_size   # bad fails the soak; find the largest that passes
+        while bad - ok > 1:
+            mid = (ok + bad) // 2
+            if soaked(mid, settings).passed:
+                ok = mid
+            else:
+                bad = mid
+        return ({"steps": steps, "passed": False, "batch_size": ok if ok >= low else None,
+                 "failed": {"batch_size": row.max_batch_size, "step": first.failed_step,
+                            "shape": first.shape_at_failure, "message": first.message}}, set(streams))
+
+    for row in rows:
+        row.worst_shape_max_batch_size = row.max_batch_size
+    todo = [i for i, row in enumerate(rows) if row.max_batch_size is not None]
+    # every row's first batch captured here, before the rows are spread over forked processes (they
+    # inherit the streams; a bisection's further captures are made where it runs)
+    for batch in sorted({rows[i].max_batch_size for i in todo}):
+        streams[batch] = capture_soak(cfg, batch, steps, capture_device="meta")
+    results = fork_map(soak_row, todo, default_workers())
+    captured: set[int] = set(streams)
+    for i, (record, batches) in zip(todo, results):
+        row = rows[i]
+        row.soak = record
+        captured |= batches
+        if not record["passed"]:
+            safe = record["batch_size"]
             out.stepped_down[row.alloc_conf] = (row.max_batch_size, safe)
             row.max_batch_size = safe
-            row.at_max = None if safe is None else cell(safe, settings)
-        if on_row is not None:
-            on_row(row)
-    out.captures = len(streams)
+            row.at_max = None if safe is None else cell(safe, AllocatorSettings.parse(row.alloc_conf))
+    out.captures = len(captured)
     out.seconds = time.perf_counter() - t0
     return out
