@@ -60,6 +60,7 @@ except ImportError:
 print(json.dumps({"core": core, "plan_s": inner["plan_s"], "capture_s": fmap.capture_s, "replay_s": fmap.replay_s,
                   "derive_s": getattr(fmap, "derive_s", 0.0), "captures": fmap.captures,
                   "derived": getattr(fmap, "derived", 0), "cached": getattr(fmap, "cached", 0), "replays": fmap.replays,
+                  "soak_s": (getattr(fmap, "shapes", None) or {}).get("soak_s", 0.0),
                   "configurations": fmap.to_dict()["configurations"], "table": out.getvalue()}))
 """
 

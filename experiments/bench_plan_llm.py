@@ -12,7 +12,9 @@ all of them alike:
   model.d_model=768 model.heads=12 model.vocab_size=50257 model.seq_len=1024 model.precision=bf16
   model.optimizer=adamw budget=24GiB`` over ``search.batch_size.low=1 search.batch_size.high=128``
   (the 24 configurations of the default space);
-* ``gpt2-size, lengths 64..1024``: the same with ``model.seq_len={low:64,high:1024,pad_multiple:64,seed:0}``;
+* ``gpt2-size, lengths 64..1024``: the same with ``model.seq_len={low:64,high:1024,pad_multiple:64,seed:0}``
+  (the map at the worst length, then every configuration's largest batch soaked for 2000 steps of the
+  data's lengths: the ``soak`` column, :mod:`oomtune.plan.soak_frontier`);
 * ``gpt2 124M entry``: ``target=python target.entry=examples/gpt2_workload.py:make_workload``
   (transformers' ``GPT2LMHeadModel(GPT2Config())``), when transformers is installed;
 * once each, the same three capturing every batch size (``derive=False``): their maps must be
@@ -74,7 +76,7 @@ for memo in (True, False, True, False):
 print(json.dumps(out))
 """
 
-FIELDS = ("process_s", "plan_s", "capture_s", "derive_s", "replay_s")
+FIELDS = ("process_s", "plan_s", "capture_s", "derive_s", "replay_s", "soak_s")   # soak: under a shape distribution
 
 
 def _process(tree: Path, code: str, *args: str) -> tuple[float, str]:
@@ -142,7 +144,8 @@ def main() -> int:
         "variants in turn; OMP_NUM_THREADS=1",
         *(f"# {k}: oomtune plan {' '.join(v)}" for k, v in variants.items()), "",
         f"import torch: median {t_med:.2f} s (runs: {', '.join(f'{x:.2f}' for x in torch_s)})", "",
-        f"{'variant':<30} {'process':>8} {'x torch':>8} {'plan()':>8} {'capture':>8} {'derive':>8} {'replay':>8}"
+        f"{'variant':<30} {'process':>8} {'x torch':>8} {'plan()':>8} {'capture':>8} {'derive':>8} {'replay':>8} "
+        f"{'soak':>8}"
         "  captures derived  map identical to capturing every size",
     ]
     for k in variants:
