@@ -134,6 +134,9 @@ class Choice:
     trial_number: int | None = None
     metrics_trial_number: int | None = None
     predicted_steps: int | None = None   # training steps that prediction replayed (None: 2, before 0.3)
+    # the prediction is of the shape distribution's largest shape (what the search's frontier judged
+    # fits by); False: of the workload as recorded (fixed shapes, or a file from before it was recorded)
+    predicted_at_worst_shape: bool = False
     memory_fraction: float | None = None  # the fraction this answer needs (garbage_collection_threshold)
     grad_accum: int = 1                  # micro-batches per optimizer step (search.global_batch)
     global_batch: int | None = None      # samples per optimizer step over all ranks, when fixed
@@ -264,6 +267,9 @@ def _choice(data: Any, where: str) -> Choice:
     steps = choice.predicted_steps
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise BestFileError(f"{where}.predicted_steps must be a positive integer or absent, got {steps!r}")
+    if not isinstance(choice.predicted_at_worst_shape, bool):
+        raise BestFileError(f"{where}.predicted_at_worst_shape must be true or false, got "
+                            f"{choice.predicted_at_worst_shape!r}")
     accum = choice.grad_accum
     if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
         raise BestFileError(f"{where}.grad_accum must be a positive integer, got {accum!r}")

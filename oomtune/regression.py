@@ -6,8 +6,9 @@ Two modes:
   code (the built-in workload code of this oomtune, or the user's ``target: python`` factory) on the
   meta device, replay it under the recorded allocator settings on the recorded virtual GPU geometry
   (:func:`oomtune.plan.predictor.sim_geometry`), and compare the predicted peak reserved with
-  ``best.predicted_peak_reserved_bytes`` recorded at tuning time. Fails when it grew by more than
-  ``tolerance`` (default 0.5%) or no longer fits the budget.
+  ``best.predicted_peak_reserved_bytes`` recorded at tuning time (under a shape distribution, with
+  ``best.predicted_at_worst_shape``, at its largest shape, as the search's frontier predicted it).
+  Fails when it grew by more than ``tolerance`` (default 0.5%) or no longer fits the budget.
 * ``run``: run the recorded configuration as a trial (``TrialRunner(launcher="spawn")``, the recorded
   workload, budget and batch size, more measured steps than a search trial) on a CUDA device or on
   the virtual GPU on CPU. Fails on running out of memory (any failed trial), peak reserved grown by
@@ -355,7 +356,12 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
         raise ConfigError(f"--mode predict cannot trace target {run.workload['target'].get('name')!r}: use --mode run")
     t0 = time.perf_counter()
     # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
-    predictor = Predictor(run.workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS)
+    workload = run.workload
+    if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
+        from oomtune.trial._base import worst_shape_workload
+
+        workload = worst_shape_workload(workload)
+    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS)
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)

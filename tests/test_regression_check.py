@@ -480,3 +480,29 @@ def test_run_mode_refuses_a_malformed_headroom_before_running(tmp_path):
 
     with pytest.raises(BestFileError, match="headroom=1.5"):
         check_run(load_best(path), runner=NoRun())
+
+
+@pytest.mark.slow
+def test_a_search_under_lengths_records_the_worst_length_prediction_and_check_reproduces_it(tmp_path, capsys):
+    """One predictor per search: under a shape distribution best.yaml records the prediction at the
+    largest length (the frontier's), marked predicted_at_worst_shape; check --mode predict predicts the
+    same shape (PASS), and the figure is the plan's at that fixed length for the same batch and
+    allocator (a separate command)."""
+    lm = ["model=transformer", "model.layers=1", "model.d_model=64", "model.heads=2", "model.vocab_size=512",
+          "budget=32MiB", "device=cpu", "search.batch_size.low=1", "search.batch_size.high=64",
+          "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
+          "search.space.garbage_collection_threshold=[null]"]
+    run = tmp_path / "run"
+    assert main(["search", *lm, "model.seq_len={low:16,high:128,pad_multiple:16,seed:0}", "trial.soak_steps=100",
+                 "search.objective=batch", f"hydra.run.dir={run}"]) == 0
+    best = load_best(run / "best.yaml")
+    assert best.best.predicted_at_worst_shape is True and best.best.predicted_peak_reserved_bytes
+    capsys.readouterr()
+    assert main(["check", str(run / "best.yaml"), "--mode", "predict"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["plan", *lm, "model.seq_len=128", f"hydra.run.dir={tmp_path / 'plan'}",
+                 "--out", str(tmp_path / "plan.yaml")]) == 0
+    rows = {c["alloc_conf"]: c for c in yaml.safe_load((tmp_path / "plan.yaml").read_text())["configurations"]}
+    row = rows[best.best.alloc_conf]
+    assert row["max_batch_size"] == best.best.batch_size
+    assert row["at_max"]["peak_reserved_bytes"] == best.best.predicted_peak_reserved_bytes

@@ -165,7 +165,8 @@ def _target_gpu(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
-                  url: str, console: Any, *, predictor: Any = None, space: Any = None,
+                  url: str, console: Any, *, predictor: Any = None, predicted_at_worst_shape: bool = False,
+                  space: Any = None,
                   workload: dict[str, Any]) -> Path:
     """Write trials.json and best.yaml into the run dir and print the final table.
 
@@ -195,6 +196,9 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         baseline = _choice(summary.baseline, R.result_of(summary.baseline), False, summary.baseline.number, mode,
                            space)
     gain = summary.gain  # confirmation figures against the baseline's (oomtune.search.driver)
+    for choice in (best, baseline):   # the trials' predictions came from the same (worst-shape) predictor
+        if choice is not None and choice.predicted_peak_reserved_bytes is not None:
+            choice.predicted_at_worst_shape = predicted_at_worst_shape
     if predictor is not None:
         # The raw (uncalibrated) virtual-GPU prediction: `oomtune check --mode predict` re-traces the
         # workload and compares against exactly this number.
@@ -202,6 +206,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         if getattr(predictor, "can_predict", lambda b, **kw: True)(best.batch_size, **variant):
             best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf, **variant)
             best.predicted_steps = predictor.steps
+            best.predicted_at_worst_shape = predicted_at_worst_shape
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

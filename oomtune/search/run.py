@@ -481,14 +481,14 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     write_atomic(p.run_dir / "workers.json", json.dumps({"slots": slots, **drive.executor.stats}))
     from oomtune.search.outputs import write_outputs
 
-    if predictor is not None and options.variable_shapes:  # best.yaml records the workload's own prediction
-        predictor = search_predictor(p.workload, space, device, p.budget_bytes, cfg.trial, worst=False,
-                                     memory_fraction=options.memory_fraction != "off")
     from oomtune.htmlreport import write_search_report
 
     try:
         return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
-                             predictor=predictor, space=space, workload=p.workload)
+                             predictor=predictor, space=space, workload=p.workload,
+                             # one predictor: under a shape distribution best.yaml records the worst
+                             # shape's prediction, as the frontier judged it (check predicts the same)
+                             predicted_at_worst_shape=predictor is not None and p.predicts and options.variable_shapes)
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
         # the report draws with the search's predictor; without one (search.prune=off) the one
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
@@ -500,28 +500,28 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
 
 def _report_predictor(p: Any) -> Any:
     """The predictor of a search that predicted nothing (``search.prune=off``), for its report's
-    frontier and winner's step: the workload as it is, replayed under the search's geometry; None
+    frontier and winner's step: the workload at its worst shape, replayed under the search's geometry; None
     for a target oomtune cannot capture (``cmd``)."""
     if not p.target.capturable:
         return None
     from oomtune.plan.predictor import Predictor
     from oomtune.plan.stream_cache import default_cache
 
-    return Predictor.for_search(p.workload, p.device, p.budget_bytes, cache=default_cache())
+    return Predictor.for_search(worst_shape_workload(p.workload), p.device, p.budget_bytes, cache=default_cache())
 
 
 def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
-                     trial_cfg: Any, *, worst: bool = True, memory_fraction: bool = True) -> Any:
+                     trial_cfg: Any, *, memory_fraction: bool = True) -> Any:
     """The search's predictor for a workload oomtune can capture (built-in, python entry): one
-    :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (``worst``; else as
-    it is), or, when the candidates train different steps (a global batch's accumulation, activation
+    :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (the workload
+    itself when its shapes are fixed), or, when the candidates train different steps (a global batch's accumulation, activation
     checkpointing searched), one per variant (:class:`oomtune.plan.variants.PredictorVariants`).
     ``memory_fraction``: as for :meth:`Predictor.for_search` (``search.memory_fraction`` not off)."""
     from oomtune.plan.predictor import Predictor, trial_steps
     from oomtune.plan.stream_cache import default_cache
 
     def make(w: dict[str, Any]) -> Any:
-        return Predictor.for_search(worst_shape_workload(w) if worst else w, device, budget_bytes,
+        return Predictor.for_search(worst_shape_workload(w), device, budget_bytes,
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
                                     memory_fraction=memory_fraction)
 
