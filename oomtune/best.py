@@ -8,7 +8,7 @@ Schema (version 1)::
     device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
-           trial_number, metrics_trial_number, memory_fraction, grad_accum, global_batch, activation_checkpointing}
+           predicted_steps, predicted_at_worst_shape, trial_number, metrics_trial_number, memory_fraction, grad_accum, global_batch, activation_checkpointing}
     baseline: {batch_size, alloc_conf, metrics, trial_number, metrics_trial_number} | null
     gain: {objective, throughput_ratio | batch_size_ratio, claimed, from, ...} | null
     study: {storage, study_name, trials, outcomes: {ok: n, oom: n, ...}, launches_saved}
