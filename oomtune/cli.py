@@ -6,7 +6,8 @@ overrides) print one line, ``oomtune: error: ...``, and exit with code 2. A run 
 surroundings (:class:`oomtune.exceptions.ResumableError`: the storage unreachable past every retry,
 a full disk) prints one line ending in "run the same command to resume" and exits with code 1.
 Ctrl-C exits 130, SIGTERM 143 (128 + the signal number, as a shell reports a
-process killed by it).
+process killed by it). A reader that went away (``oomtune show --json | head``) ends the command
+with exit code 1 and no traceback.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """``"; did you mean 'search'?"`` for argparse's invalid-choice and unrecognised-argument
-    messages when a close match exists (difflib), else ``""``."""
+    messages when a close match exists (difflib); for a flag of search/plan that names a config key
+    (``--budget 2GiB``, ``--workers=4``), the Hydra override meant (``budget=2GiB``,
+    ``search.workers=4``); else ``""``."""
     import difflib
     import re
 
@@ -65,7 +68,16 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     if m:
         options = _option_strings(parser)
         for word in m[1].split():
-            flag = word.split("=", 1)[0]
+            flag, eq, value = word.partition("=")
+            key = (_config_keys().get(flag[2:].replace("-", "_"))
+                   if flag.startswith("--") and _takes_overrides(parser) else None)
+            if key is not None:
+                # search/plan settings are Hydra overrides, key=value without dashes
+                if not eq:   # --budget 2GiB: the value is the next word, which argparse took as an override
+                    argv = list(getattr(parser, "argv", []))
+                    after = argv[argv.index(flag) + 1:argv.index(flag) + 2] if flag in argv else []
+                    value = after[0] if after and not after[0].startswith("-") and "=" not in after[0] else "VALUE"
+                return f"; settings are Hydra overrides, written without dashes: {key}={value}"
             if flag.startswith("-"):
                 match = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
                 if match:
@@ -74,6 +86,42 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
                     # search/plan settings are Hydra overrides, written key=value without dashes
                     return f"; settings are Hydra overrides, written without dashes: {word.lstrip('-')}"
     return ""
+
+
+def _takes_overrides(parser: argparse.ArgumentParser) -> bool:
+    """Whether the sub-command being parsed (``main`` sets ``parser.command``) takes Hydra
+    overrides (a positional ``overrides``, as search and plan do)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(parser, "command", None))
+            return sub is not None and any(a.dest == "overrides" for a in sub._actions)
+    return False
+
+
+def _config_keys() -> dict[str, str]:
+    """What a ``--flag`` meant to set, by its name: the top-level keys and config groups of
+    conf/config.yaml (``budget`` -> ``budget``, ``model`` -> ``model``) and, where the name is not
+    one of those, the keys one level down, in config.yaml's mappings and in each group's files
+    (``workers`` -> ``search.workers``). Empty when the conf/ directory is missing or unreadable."""
+    import yaml
+
+    from oomtune.config import conf_dir
+    from oomtune.exceptions import ConfigError
+
+    try:
+        conf = conf_dir()
+        top = yaml.safe_load((conf / "config.yaml").read_text()) or {}
+        groups = {p.name: [yaml.safe_load(f.read_text()) or {} for f in sorted(p.glob("*.yaml"))]
+                  for p in sorted(conf.iterdir()) if p.is_dir()}
+    except (ConfigError, OSError, yaml.YAMLError):
+        return {}
+    keys = {k: k for k in [*top, *groups] if k not in ("defaults", "hydra")}
+    nested = [(k, v) for k, v in top.items() if isinstance(v, dict) and k != "hydra"]
+    nested += [(g, doc) for g, docs in groups.items() for doc in docs if isinstance(doc, dict)]
+    for parent, mapping in nested:
+        for child in mapping:
+            keys.setdefault(str(child), f"{parent}.{child}")
+    return keys
 
 
 def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -119,14 +167,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = _build_parser(command if command in COMMANDS else None)
+    parser.command, parser.argv = command, argv   # for the "did you mean" of an unrecognised flag
     args = parser.parse_args(argv)  # argparse itself exits 2 on bad flags
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's exit flush
+        return code
     except OomtuneError as exc:
         print(f"oomtune: error: {exc}", file=sys.stderr)
         return 2
     except ResumableError as exc:
         print(f"oomtune: {_resumable(str(exc))}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:   # before OSError, its base class
+        # the reader went away (``oomtune show --json | head``). Point stdout at devnull so the
+        # interpreter's final flush does not raise again, and exit 1 without a traceback, as the
+        # Python docs' "Note on SIGPIPE" does and as rich's Console.on_broken_pipe does for the
+        # commands that print through rich.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:
         from oomtune.files import disk_full_error, is_disk_full
@@ -142,11 +202,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
         print(f"oomtune: {name}", file=sys.stderr)
         return 128 + int(signum)   # as a shell reports death by that signal: 130 Ctrl-C, 143 SIGTERM
-    except BrokenPipeError:
-        # the reader went away (``oomtune show --json | head``): not an error of ours. Point stdout
-        # at devnull so the interpreter's final flush does not raise again (Python docs, "Note on
-        # SIGPIPE").
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0

@@ -132,7 +132,11 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
             f"budget {text!r} is ambiguous: give a fraction of the device in (0, 1] (e.g. 0.9) "
             "or a size with a unit (e.g. 16GiB)"
         )
-    budget_bytes = parse_size(text)
+    try:
+        budget_bytes = parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"budget={text}: {exc} (a budget may also be a fraction of the device in (0, 1], "
+                          "e.g. budget=0.9)") from exc
     if budget_bytes <= 0:
         raise ConfigError(f"budget {text!r} must be > 0")
     return "bytes", budget_bytes

@@ -48,7 +48,6 @@ def parse_size(text: str | int | float) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(
                 f"invalid size {text!r}: expected a number with a unit such as 512MiB, 16GiB or 1.5GB"
-                " (a budget may also be a fraction of the device in (0, 1], e.g. budget=0.9)"
             )
         value, unit = float(m.group(1)), m.group(2).lower()
     if not math.isfinite(value) or value < 0:

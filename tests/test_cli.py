@@ -146,3 +146,30 @@ def test_show_on_a_plan_only_directory_says_no_search_ran(tmp_path, capsys):
     empty.mkdir()
     assert main(["show", str(empty)]) == 2
     assert "is not an oomtune run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["env", "simulate"])
+def test_a_reader_that_went_away_is_exit_1_without_a_traceback(command, tmp_path):
+    """`oomtune env best.yaml | head -0`: the pipe's read end is closed before oomtune writes. Python
+    raises BrokenPipeError (it ignores SIGPIPE); print() output surfaces it at the final flush,
+    which without care prints "Exception ignored ... BrokenPipeError" and exits 120, while rich's
+    console (simulate) exits 1 silently. Both exit 1 with nothing on stderr, as the Python docs'
+    "Note on SIGPIPE" recipe does."""
+    import os
+
+    if command == "env":
+        best = tmp_path / "best.yaml"
+        best.write_text("schema_version: 1\nworkload: {model: {name: mlp}}\ndevice: {kind: cpu}\n"
+                        "best: {batch_size: 32, alloc_conf: 'expandable_segments:True'}\n")
+        args = ["env", str(best)]
+    else:
+        from pathlib import Path
+
+        args = ["simulate", str(Path(__file__).parent / "data" / "cnn-small-default.pickle")]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.run([sys.executable, "-m", "oomtune", *args], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write_end)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr

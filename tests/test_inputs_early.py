@@ -108,6 +108,41 @@ def test_a_dashed_override_is_told_to_drop_its_dashes(capsys):
     assert err.count("\n") == 1 and "written without dashes: budgt=1GiB" in err
 
 
+
+@pytest.mark.parametrize("argv, override", [
+    (["search", "--budget", "2GiB"], "budget=2GiB"),            # conf/config.yaml: budget
+    (["plan", "--budget=2GiB"], "budget=2GiB"),
+    (["search", "--workers", "4"], "search.workers=4"),         # conf/search/default.yaml: workers
+    (["search", "--n-trials=4"], "search.n_trials=4"),          # dashes for underscores, as in flags
+    (["search", "--layers", "4"], "model.layers=4"),            # conf/model/transformer.yaml: layers
+    (["search", "--budget"], "budget=VALUE"),                   # no value given: none invented
+])
+def test_a_flag_naming_a_config_key_is_told_the_override(argv, override, capsys):
+    """`oomtune search --budget 2GiB`, as a new user types it: argparse takes "2GiB" as an override
+    and refuses "--budget"; the one line names the override meant, with its value."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"written without dashes: {override} " in err
+
+
+def test_a_config_key_flag_of_a_command_without_overrides_gets_no_override(capsys):
+    """check reads a best.yaml and takes no Hydra overrides: no `search.workers=` advice there."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "best.yaml", "--workers", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --workers 4" in err and "without dashes" not in err
+
+
+def test_a_budget_that_is_not_a_size_names_the_budget_key(tmp_path, capsys):
+    assert main(["search", "budget=lots", f"hydra.run.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oomtune: error: budget=lots: invalid size 'lots'") and "budget=0.9" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------ 80 columns
 def _rows() -> list[dict]:
     def row(n, role, bs, conf, outcome, label, resv=None, alloc=None, frag=None, err=None, thr=None):
