@@ -162,9 +162,11 @@ def fault(pg, sleep_s: float, root: Path) -> dict:
             os.killpg(procs[0].pid, signal.SIGKILL)
             killed, killed_at = running[0].number, time.time()
     procs[0].wait()
-    for p in procs[1:]:
-        if p.wait() != 0:
-            raise SystemExit("a surviving worker failed")
+    for d, p in zip(dirs[1:], procs[1:]):
+        if p.wait() != 0:   # its log's end says why (the run directory is temporary)
+            tail = (d / "search.log").read_text(errors="replace").splitlines()[-15:]
+            raise SystemExit(f"a surviving worker failed (exit {p.returncode}); the end of its log:\n"
+                             + "\n".join(tail))
     trials = {t.number: t for t in _trials(url, "fault")}
     retry = min((t for t in trials.values() if t.system_attrs.get("failed_trial") == killed),
                 key=lambda t: t.number)

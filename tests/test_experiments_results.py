@@ -52,15 +52,10 @@ FIELDS = {
 }
 
 #: Results files measured before the five-line header: they carry the command and commit lines only,
-#: some were measured with uncommitted changes, and some name a commit that a rebase took out of
-#: main's history. The others were re-run at f54f045 (an ancestor of main) on the 2-core machine and
-#: carry the five lines. What remains: bench_distributed.txt was not re-run (its run takes over an
-#: hour; measured on the issue-24 branch at a commit that its rebase onto main replaced);
-#: bench_search_cpu.txt, whose script failed in that series, was re-run at 980da38 once fixed. A file
-#: re-run with the five lines must leave this set (test_to_rerun_names_only_files_that_still_need_it).
-TO_RERUN = {
-    "bench_distributed.txt",
-}
+#: Files that still carry an older header. Empty: every file was re-run at 445a0b2 (an ancestor of
+#: main) on the 2-core machine and carries the five lines. A file added here must leave once re-run
+#: (test_to_rerun_names_only_files_that_still_need_it).
+TO_RERUN: set[str] = set()
 
 
 def _head(path: Path) -> str:
