@@ -67,16 +67,17 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     m = re.search(r"unrecognized arguments: (.*)", message)
     if m:
         options = _option_strings(parser)
+        argv = list(getattr(parser, "argv", []))   # set by main
+        config_keys = _config_keys() if _takes_overrides(parser, argv) else {}
         for word in m[1].split():
             flag, eq, value = word.partition("=")
-            key = (_config_keys().get(flag[2:].replace("-", "_"))
-                   if flag.startswith("--") and _takes_overrides(parser) else None)
+            key = config_keys.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
             if key is not None:
                 # search/plan settings are Hydra overrides, key=value without dashes
                 if not eq:   # --budget 2GiB: the value is the next word, which argparse took as an override
-                    argv = list(getattr(parser, "argv", []))
-                    after = argv[argv.index(flag) + 1:argv.index(flag) + 2] if flag in argv else []
-                    value = after[0] if after and not after[0].startswith("-") and "=" not in after[0] else "VALUE"
+                    rest = argv[argv.index(flag) + 1:] if flag in argv else []
+                    after = rest[0] if rest else ""
+                    value = after if after and not after.startswith("-") and "=" not in after else "VALUE"
                 return f"; settings are Hydra overrides, written without dashes: {key}={value}"
             if flag.startswith("-"):
                 match = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
@@ -88,12 +89,17 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return ""
 
 
-def _takes_overrides(parser: argparse.ArgumentParser) -> bool:
-    """Whether the sub-command being parsed (``main`` sets ``parser.command``) takes Hydra
-    overrides (a positional ``overrides``, as search and plan do)."""
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The sub-command named in ``argv``: its first word that is not a flag (None without one)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _takes_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -> bool:
+    """Whether the sub-command ``argv`` names takes Hydra overrides (a positional ``overrides``, as
+    search and plan do)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            sub = action.choices.get(getattr(parser, "command", None))
+            sub = action.choices.get(_command_of(argv))
             return sub is not None and any(a.dest == "overrides" for a in sub._actions)
     return False
 
@@ -165,9 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from oomtune.exceptions import OomtuneError, ResumableError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
+    command = _command_of(argv)
     parser = _build_parser(command if command in COMMANDS else None)
-    parser.command, parser.argv = command, argv   # for the "did you mean" of an unrecognised flag
+    parser.argv = argv   # for the "did you mean" of an unrecognised flag (_did_you_mean)
     args = parser.parse_args(argv)  # argparse itself exits 2 on bad flags
     try:
         code = int(args.func(args) or 0)
