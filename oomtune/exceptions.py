@@ -19,6 +19,7 @@ __all__ = [
     "DiskFullError",
     "Interrupted",
     "HostMemoryRefused",
+    "UserCodeError",
 ]
 
 
@@ -89,3 +90,10 @@ class Interrupted(KeyboardInterrupt):
 class HostMemoryRefused(OomtuneError):
     """A capture that must run on the CPU (an op without a meta kernel, a data-dependent branch)
     would hold more tensors in host memory than is available: refused before the host runs out."""
+
+
+class UserCodeError(OomtuneError):
+    """The user's code (a ``target=python`` entry, its step function or data generator) failed while
+    oomtune ran it to predict memory: it raised, ran past ``trial.timeout``, exited or was killed.
+    It ran in a process of its own (:func:`oomtune.plan.parallel.fork_each`); the message is one line
+    naming the entry, the batch size, and the file:line and exception or the exit status."""

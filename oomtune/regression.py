@@ -326,8 +326,10 @@ def prepare_check(best: Any) -> PreparedCheck:
                          limit_text=limit_text, ranks=int(workload.get("ranks", 1)))
 
 
-def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:
+def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float | None = None) -> CheckReport:
     """Predict the recorded configuration with the current code and compare (see module docstring).
+    ``timeout_s``: the wall limit of each capture of a python entry, seconds (run in a process of its
+    own: :mod:`oomtune.plan.isolation`; None: :data:`oomtune.plan.predictor.CAPTURE_TIMEOUT_S`).
 
     Returns:
         a report with the cases ``fits budget (predicted)`` and ``prediction``.
@@ -361,7 +363,7 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE) -> CheckRe
         from oomtune.trial._base import worst_shape_workload
 
         workload = worst_shape_workload(workload)
-    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS)
+    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS, timeout_s=timeout_s)
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help=f"predict mode: allowed growth of the predicted peak reserved, >= 0 (default {DEFAULT_TOLERANCE})")
     p.add_argument("--device", default=None, help="run mode: cpu | cuda | cuda:N (default: the recorded kind)")
     p.add_argument("--steps", type=int, default=10, help="run mode: measured steps (default 10)")
-    p.add_argument("--timeout", type=float, default=600.0, help="run mode: trial wall limit, seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="trial wall limit, seconds (predict mode: the limit of each capture of a python entry)")
     p.add_argument("--junit", type=Path, default=None, metavar="PATH", help="write a JUnit XML report")
     p.set_defaults(func=run)
     return p
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
         mode = default_mode(best, torch.cuda.is_available())
     if mode == "predict":
-        report = check_predict(best, tolerance=args.tolerance)
+        report = check_predict(best, tolerance=args.tolerance, timeout_s=args.timeout)
     else:
         from oomtune.alloc.caching_env import check_caching_enabled
 

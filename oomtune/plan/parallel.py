@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["default_workers", "usable_cores", "fork_map", "MAX_WORKERS"]
+__all__ = ["default_workers", "usable_cores", "fork_map", "fork_each", "ChildFailed", "MAX_WORKERS"]
 
 #: Processes at most, whatever the core count (each child holds a copy-on-write image of the plan).
 MAX_WORKERS = 8
@@ -164,6 +164,156 @@ def _child(read_fd: int, write_fd: int, run_share: Callable[[], dict[int, tuple[
             data = pickle.dumps(done)
         except Exception as exc:   # noqa: BLE001 - a result or exception that does not pickle
             data = pickle.dumps({min(done, default=0): (False, RuntimeError(f"plan worker: {exc}"))})
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(data)
+    except BaseException:   # noqa: BLE001 - never return into the parent's code
+        code = 1
+    finally:
+        os._exit(code)
+
+
+class ChildFailed(RuntimeError):
+    """A process forked by :func:`fork_each` ended without its result: it ran past ``timeout_s``
+    (``timed_out``; its process group was killed), exited (``returncode`` >= 0: ``os._exit``), or was
+    killed by a signal (``returncode`` = -signal, as ``subprocess.Popen.returncode``).
+
+    Attributes:
+        item: the item the process was computing.
+        returncode: as above; None when it was stopped at its timeout.
+        timed_out: whether it was stopped at ``timeout_s``.
+        pid: the process's id (for the OOM killer's evidence: :class:`oomtune.trial.oomkill.OomKillWatch`).
+        timeout_s: the limit it ran under (seconds).
+    """
+
+    def __init__(self, item: Any, *, returncode: int | None, timed_out: bool, pid: int, timeout_s: float | None):
+        self.item, self.returncode, self.timed_out, self.pid, self.timeout_s = item, returncode, timed_out, pid, timeout_s
+        how = f"stopped after {timeout_s:g} s" if timed_out else f"ended with status {returncode}"
+        super().__init__(f"the process computing {item!r} {how} without a result")
+
+
+def fork_each(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *, timeout_s: float | None,
+              on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """``[fn(item) for item in items]``, each item computed in a process of its own, forked from this
+    one (at most ``workers`` at once, at least one), so that nothing ``fn`` does (raise, hang, call
+    ``os._exit``, die of a signal) can end or stop this process: isolation for the user's code, which
+    :func:`fork_map` runs partly in the calling process and without a limit.
+
+    Each process runs in a process group of its own (``os.setpgid``), so that what it starts is
+    killed with it; its stdout/stderr are this process's. ``timeout_s`` (seconds, None: no limit)
+    applies to each item from its fork: past it the process group gets SIGKILL. A result or exception
+    travels back pickled through a pipe (an exception that does not pickle arrives as a RuntimeError
+    with its text). On the first failure the other processes are killed and it is raised.
+    ``on_result(index, result)``: called here as each result arrives.
+
+    Raises:
+        the exception ``fn`` raised for an item (``BaseException`` too: ``SystemExit`` of ``sys.exit``
+        arrives as itself); :class:`ChildFailed` for a process that ended without a result or ran
+        past ``timeout_s``.
+    """
+    import select
+    import signal
+    import time
+
+    items = list(items)
+    workers = max(1, min(int(workers), len(items)))
+    results: dict[int, Any] = {}
+    running: dict[int, tuple[int, int, float | None, bytearray]] = {}   # read fd -> (index, pid, deadline, data)
+    queue = list(range(len(items)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+    def start(i: int) -> None:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _each_child(read_fd, write_fd, fn, items[i])
+        os.close(write_fd)
+        try:
+            os.setpgid(pid, pid)   # also here: no window in which a kill of the group misses it
+        except OSError:
+            pass
+        deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        running[read_fd] = (i, pid, deadline, bytearray())
+
+    def kill(pid: int, *, reaped: bool = False) -> None:
+        # the group (what the process started); the process itself only while unreaped (its pid is
+        # not reused before then)
+        for kill_fn in (os.killpg,) if reaped else (os.killpg, os.kill):
+            try:
+                kill_fn(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def reap(pid: int) -> int:
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                start(queue.pop(0))
+            now = time.monotonic()
+            deadlines = [d for _, _, d, _ in running.values() if d is not None]
+            wait = None if not deadlines else max(0.0, min(deadlines) - now)
+            ready, _, _ = select.select(list(running), [], [], wait)
+            for fd in ready:
+                i, pid, deadline, data = running[fd]
+                chunk = os.read(fd, 1 << 20)
+                if chunk:
+                    data.extend(chunk)
+                    continue
+                os.close(fd)
+                del running[fd]
+                code = reap(pid)
+                kill(pid, reaped=True)   # whatever it started and left behind in its group
+                if not data:
+                    raise ChildFailed(items[i], returncode=code, timed_out=False, pid=pid, timeout_s=timeout_s)
+                ok, value = pickle.loads(bytes(data))
+                if not ok:
+                    raise value
+                results[i] = value
+                if on_result is not None:
+                    on_result(i, value)
+            now = time.monotonic()
+            for fd, (i, pid, deadline, _) in list(running.items()):
+                if deadline is not None and now >= deadline:
+                    kill(pid)
+                    os.close(fd)
+                    del running[fd]
+                    reap(pid)
+                    raise ChildFailed(items[i], returncode=None, timed_out=True, pid=pid, timeout_s=timeout_s)
+    finally:
+        for fd, (_, pid, _, _) in running.items():   # a failure or an interrupt: leave no process behind
+            kill(pid)
+            os.close(fd)
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+    return [results[i] for i in range(len(items))]
+
+
+def _each_child(read_fd: int, write_fd: int, fn: Callable[[Any], Any], item: Any) -> None:
+    """A :func:`fork_each` process: its own process group, one CPU thread, ``fn(item)`` pickled to
+    ``write_fd``; never returns into the parent's code."""
+    global _in_child
+    _in_child = True
+    code = 0
+    try:
+        os.close(read_fd)
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+        _one_cpu_thread()
+        try:
+            done: tuple[bool, Any] = (True, fn(item))
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller
+            done = (False, exc)
+        try:
+            data = pickle.dumps(done)
+        except Exception as exc:   # noqa: BLE001 - a result or exception that does not pickle
+            data = pickle.dumps((False, RuntimeError(f"{type(done[1]).__name__}: {done[1]} (did not pickle: {exc})")))
         with os.fdopen(write_fd, "wb") as pipe:
             pipe.write(data)
     except BaseException:   # noqa: BLE001 - never return into the parent's code

@@ -36,6 +36,9 @@ __all__ = ["PREDICT_STEPS", "Prediction", "trial_steps", "Predictor", "capture_t
 
 #: Training steps captured per prediction (optimizer-state creation + one steady-state step).
 PREDICT_STEPS = 2
+#: The wall limit of one capture of the user's code without a ``trial.timeout`` (seconds; the
+#: config's default, conf/config.yaml).
+CAPTURE_TIMEOUT_S = 300.0
 _SEGMENT_SLACK_BYTES = 20 << 20  # the most a request's segment exceeds it (kLargeBuffer rounding)
 
 
@@ -124,6 +127,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
 
     gpu = target_from_workload(model_cfg)
     model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
+    pending = None   # the meta build's failure, said once the CPU build has worked (else the CPU's error is all)
     for device in devices:
         notes: list[Any] = []
         host_limit = None if device == "meta" else cpu_capture_limit_bytes()
@@ -135,10 +139,13 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
                     if device == "cpu" or not _target(model_cfg).user_code:
                         raise
                     # e.g. a data generator reading a tensor's value (Tensor.item() has no meaning on meta)
-                    reason = (f"the workload cannot be built on meta ({str(exc).splitlines()[0][:160]}): captured "
-                              "on cpu; make make_workload's model and batches from shapes only to capture on meta")
-                    say_now(f"note: batch {batch_size}: {reason}")
+                    reason = pending = (f"the workload cannot be built on meta ({str(exc).splitlines()[0][:160]}): "
+                                        "captured on cpu; make make_workload's model and batches from shapes only "
+                                        "to capture on meta")
                     continue
+                if pending is not None:
+                    say_now(f"note: batch {batch_size}: {pending}")
+                    pending = None
                 shapes = getattr(getattr(wl, "spec", None), "shapes", None)
                 repeat = steps > 2 and not _target(model_cfg).user_code and bool(getattr(shapes, "is_fixed", False))
 
@@ -344,10 +351,17 @@ class Predictor:
             (:func:`~oomtune.plan.stream_cache.cacheable`) are read from it when there and written to
             it when made; ``cached_batches`` lists the batch sizes it served. None: always capture.
         read_cache: False: capture every stream even when ``cache`` holds it (and write it there).
+        timeout_s: the wall limit of one capture of the user's code, seconds (``trial.timeout``; None:
+            :data:`CAPTURE_TIMEOUT_S`). A target that runs the user's code (:attr:`Target.user_code`:
+            a python entry) is captured in a forked process of its own (:mod:`oomtune.plan.isolation`):
+            whatever the code does (raise, hang, ``os._exit``, a signal) ends as one
+            :class:`oomtune.exceptions.UserCodeError`, never this process. Built-in workloads are
+            captured here (oomtune's own code; no fork's cost).
     """
 
     def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
-                 derive: bool = True, workers: int = 1, cache: Any = None, read_cache: bool = True):
+                 derive: bool = True, workers: int = 1, cache: Any = None, read_cache: bool = True,
+                 timeout_s: float | None = None):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
@@ -366,6 +380,8 @@ class Predictor:
         self.replays = 0
         self.workers = 1 if _runs_on_cpu(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
+        self.isolate = bool(_target(model_cfg).user_code)   # the user's code: each capture in a process of its own
+        self.timeout_s = float(timeout_s) if timeout_s is not None else CAPTURE_TIMEOUT_S
         from oomtune.plan.stream_cache import cacheable
 
         self.cache = cache if cache is not None and cacheable(model_cfg) else None
@@ -374,16 +390,17 @@ class Predictor:
 
     @classmethod
     def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
-                   steps: int = PREDICT_STEPS, cache: Any = None, memory_fraction: bool = True) -> "Predictor":
+                   steps: int = PREDICT_STEPS, cache: Any = None, memory_fraction: bool = True,
+                   timeout_s: float | None = None) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
         trial's ``steps`` (:func:`trial_steps`), its captures spread over the cores as a plan's
         (:func:`oomtune.plan.parallel.default_workers`); ``cache``: as for the constructor;
-        ``memory_fraction``: as for :func:`sim_geometry`."""
+        ``memory_fraction``: as for :func:`sim_geometry`; ``timeout_s``: as for the constructor."""
         from oomtune.plan.parallel import default_workers
 
         return cls(workload, sim_geometry(device, budget_bytes, memory_fraction=memory_fraction), steps=steps,
-                   cache=cache, workers=default_workers())
+                   cache=cache, workers=default_workers(), timeout_s=timeout_s)
 
     @property
     def captured_on(self) -> set[str]:
@@ -440,6 +457,9 @@ class Predictor:
             if hit is not None:
                 got[b] = hit
         rest = [b for b in batch_sizes if b not in got]
+        if self.isolate and rest:   # the user's code: every capture in a process of its own, none here
+            got.update(zip(rest, self._isolated(rest)))
+            rest = []
         if self.workers > 1 and len(rest) > 1 and not self._warm:
             # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
             # user's transformers, first calls of meta kernels): paid here once, the forked workers and
@@ -491,10 +511,31 @@ class Predictor:
             self.cached_batches.append(batch_size)
         return hit
 
+    def _isolated(self, batch_sizes: list[int]) -> list[tuple[Any, str | None]]:
+        """:meth:`_capture_here` of each of ``batch_sizes``, each in a forked process under
+        ``timeout_s`` (:func:`oomtune.plan.isolation.run_isolated`).
+
+        Raises:
+            UserCodeError: the user's code raised, hung, exited or was killed (one line).
+        """
+        from oomtune.plan.isolation import run_isolated
+
+        entry = str((self.model_cfg.get("target") or {}).get("entry"))
+        return run_isolated(self._capture_here, batch_sizes, entry=entry, workers=self.workers,
+                            timeout_s=self.timeout_s)
+
     def _capture_raw(self, batch_size: int) -> tuple[Any, str | None]:
-        """(stream, fallback reason) of one capture at ``batch_size``: :func:`capture_training_stream`
-        with cuBLAS workspaces where the geometry is a real GPU's (it has ``non_allocator_bytes``);
-        stored in ``self.cache`` when there is one (also from a forked worker)."""
+        """(stream, fallback reason) of one capture at ``batch_size``: :meth:`_capture_here`, in a
+        process of its own for the user's code (``isolate``)."""
+        if self.isolate:
+            return self._isolated([batch_size])[0]
+        return self._capture_here(batch_size)
+
+    def _capture_here(self, batch_size: int) -> tuple[Any, str | None]:
+        """(stream, fallback reason) of one capture at ``batch_size`` in this process:
+        :func:`capture_training_stream` with cuBLAS workspaces where the geometry is a real GPU's (it
+        has ``non_allocator_bytes``); stored in ``self.cache`` when there is one (also from a forked
+        worker)."""
         real_gpu = {"blas_workspaces": True} if self._blas_workspaces() else {}
         got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
         self._warm = self._warm or os.getpid() == self._pid

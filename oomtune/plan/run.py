@@ -154,12 +154,12 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
     if space.global_batch is None:
         predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,
-                              read_cache=cache)
+                              read_cache=cache, timeout_s=float(cfg.trial.timeout))
     else:   # one micro-batch per step at the top, two (accumulating) below: PredictorVariants
         from oomtune.plan.variants import PredictorVariants
 
         predictor = PredictorVariants(worst, lambda w: Predictor(w, geometry, steps=steps, cache=store,
-                                                                 read_cache=cache),
+                                                                 read_cache=cache, timeout_s=float(cfg.trial.timeout)),
                                       grad_accum_of=space.grad_accum_for)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}

@@ -507,7 +507,8 @@ def _report_predictor(p: Any) -> Any:
     from oomtune.plan.predictor import Predictor
     from oomtune.plan.stream_cache import default_cache
 
-    return Predictor.for_search(worst_shape_workload(p.workload), p.device, p.budget_bytes, cache=default_cache())
+    return Predictor.for_search(worst_shape_workload(p.workload), p.device, p.budget_bytes, cache=default_cache(),
+                                timeout_s=float(p.cfg.trial.timeout))
 
 
 def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
@@ -523,7 +524,7 @@ def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, 
     def make(w: dict[str, Any]) -> Any:
         return Predictor.for_search(worst_shape_workload(w), device, budget_bytes,
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
-                                    memory_fraction=memory_fraction)
+                                    memory_fraction=memory_fraction, timeout_s=float(trial_cfg.timeout))
 
     if space.global_batch is None and space.checkpointing is None:
         return make(workload)
