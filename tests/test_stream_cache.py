@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oomtune.exceptions import UserCodeError
 from oomtune.alloc.stream import AllocationStream
 from oomtune.plan import stream_cache as SC
 from oomtune.plan.stream_cache import StreamCache, cacheable, default_cache
@@ -194,9 +195,10 @@ def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_change
     search.prepare([8, 16, 32, 64])
     assert {b: search.predict_detail(b, "") for b in (8, 24, 64)} == want
     assert sorted(search.cached_batches) == sorted(plan._captured)
-    # the entry file changed: every capture is a miss (here the capture function refuses, so it is called)
+    # the entry file changed: every capture is a miss (here the capture function refuses, so it is called;
+    # in the capture's own process, whose exception arrives as the one-line UserCodeError)
     changed = _entry(tmp_path, width=48)
-    with pytest.raises(AssertionError, match="captured although"):
+    with pytest.raises(UserCodeError, match="raised AssertionError at .*captured although"):
         P.Predictor.for_search(changed, device, 64 << 20, cache=cache).prepare([8, 16, 32, 64])
     monkeypatch.setattr(P, "capture_training_stream", real_capture)
     for name in [m for m in sys.modules if m == "helper_mod" or m.startswith("oomtune_user_wl_")]:
