@@ -71,7 +71,7 @@ def frontier_figure(data: Any) -> Any:
     for r in sorted(rows, key=lambda r: (r.get("alloc_conf") or "") == winner):  # the winner on top
         conf = r.get("alloc_conf") or ""
         win = conf == winner
-        cells = sorted(r["batches"], key=lambda c: c["batch_size"])
+        cells = sorted((c for c in r["batches"] if c.get("predicted", True)), key=lambda c: c["batch_size"])
         xs = [c["batch_size"] for c in cells]
         ys = [c["peak_reserved_bytes"] / MiB for c in cells]
         symbols = ["circle" if c.get("fits") else ("x" if not c.get("completes", True) else "circle-open")

@@ -119,6 +119,13 @@ class PlanCell:
     fragmentation: float | None
     num_alloc_retries: int
     completes: bool = True
+    predicted: bool = True   # False: not captured, above a batch whose requests alone exceed the limit
+
+    @classmethod
+    def beyond(cls, batch_size: int) -> "PlanCell":
+        """A cell left unpredicted: above a batch whose live requests alone exceed the limit
+        (:meth:`oomtune.plan.predictor.Predictor.known_over_limit`), so it cannot fit either; no peaks."""
+        return cls(batch_size, False, 0, 0, None, 0, False, predicted=False)
 
     @classmethod
     def of(cls, pred: Any, limit_bytes: int | None = None) -> "PlanCell":
@@ -320,10 +327,22 @@ def frontier_row(predictor: Any, mapping: dict[str, Any], grid: Sequence[int], l
     def cell(b: int) -> PlanCell:
         return PlanCell.of(predictor.predict_detail(b, settings, **variant), limit_bytes)
 
-    cells = [cell(b) for b in grid]
-    best = largest_fitting(lambda b: cell(b).fits, grid, dense=dense)
+    beyond = [b for b in grid if _known_over(predictor, b, variant)]   # no capture: cannot fit
+    cells = [PlanCell.beyond(b) if b in beyond else cell(b) for b in grid]
+    predicted = [b for b in grid if b not in beyond]
+    best = largest_fitting(lambda b: cell(b).fits, predicted, dense=dense) if predicted else None
     at_max = None if best is None else cell(best)
     return PlanRow(settings.render(), {k: v for k, v in mapping.items() if v is not None}, cells, best, at_max)
+
+
+def _known_over(predictor: Any, batch_size: int, variant: dict[str, Any]) -> bool:
+    """Whether ``predictor`` knows ``batch_size`` cannot fit without predicting it (above a batch
+    whose requests alone exceed the limit, :meth:`oomtune.plan.predictor.Predictor.known_over_limit`)
+    and holds no stream for it."""
+    over = getattr(predictor, "known_over_limit", None)
+    if over is None or not over(batch_size, **variant):
+        return False
+    return not predictor.can_predict(batch_size, **variant)
 
 
 def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Sequence[int], *,
@@ -358,7 +377,7 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
                           "simulate: add native to search.space.backend (or run oomtune search on a GPU)")
     rows: list[PlanRow] = []
     if hasattr(predictor, "prepare"):  # capture the anchors of the derived streams (Predictor.prepare)
-        predictor.prepare(grid)
+        predictor.prepare(grid, limit_bytes=limit_bytes)
     if int(getattr(predictor, "workers", 1)) > 1 and len(kept) > 1:   # spread over processes
         from oomtune.plan._spread import rows_forked
 
@@ -440,6 +459,8 @@ def write_plan(plan: FeasibilityMap, path: str | Path) -> Path:
 
 
 def _cell_text(c: PlanCell) -> str:
+    if not c.predicted:
+        return "[dim]>limit[/dim] (not captured)"
     size = format_bytes(c.peak_reserved_bytes)
     if not c.completes:
         return f"[red]OOM[/red] {size}"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
+from oomtune.exceptions import HostMemoryRefused
 from oomtune.plan.derive import MIN_FIT_CAPTURES, StreamDeriver
 
 __all__ = ["PREDICT_STEPS", "Prediction", "trial_steps", "Predictor", "capture_training_stream", "python_target_workload",
@@ -381,6 +382,10 @@ class Predictor:
         self.workers = 1 if _runs_on_cpu(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         self.isolate = bool(_target(model_cfg).user_code)   # the user's code: each capture in a process of its own
+        self.limit_bytes: int | None = None     # prepare's limit: a batch whose requests alone exceed it cannot fit
+        self.over_limit_at: int | None = None   # the smallest captured batch over limit_bytes: none above is captured
+        self.host_refused_at: int | None = None   # the smallest batch whose CPU capture the host could not hold
+        self.bound_notes: list[str] = []        # one line per such bound, for the plan's and the search's notes
         self.timeout_s = float(timeout_s) if timeout_s is not None else CAPTURE_TIMEOUT_S
         from oomtune.plan.stream_cache import cacheable
 
@@ -424,11 +429,23 @@ class Predictor:
         return "; ".join(notes) if notes else None
 
     def can_predict(self, batch_size: int, **_: Any) -> bool:
-        """Whether a stream can be had for ``batch_size``: always (it is captured when needed);
-        recorded-stream predictors (:mod:`oomtune.plan.recorded`) answer otherwise."""
-        return True
+        """Whether a stream can be had for ``batch_size``: yes when it is held, else it is captured when
+        needed, except above ``over_limit_at`` (a smaller batch's requests alone exceed the limit, so no
+        larger one fits: nothing more is captured there) and from ``host_refused_at`` up (the host could
+        not hold its CPU capture). Recorded-stream predictors (:mod:`oomtune.plan.recorded`) answer
+        otherwise."""
+        if batch_size in self._streams:
+            return True
+        if self.host_refused_at is not None and batch_size >= self.host_refused_at:
+            return False
+        return self.over_limit_at is None or batch_size <= self.over_limit_at
 
-    def prepare(self, batch_sizes: Any) -> None:
+    def known_over_limit(self, batch_size: int, **_: Any) -> bool:
+        """Whether ``batch_size`` is known not to fit without a stream of its own: it lies above
+        ``over_limit_at``, a captured batch whose live requests alone exceed ``limit_bytes``."""
+        return self.over_limit_at is not None and batch_size > self.over_limit_at
+
+    def prepare(self, batch_sizes: Any, *, limit_bytes: int | None = None) -> None:
         """Make the captures that let the most of ``batch_sizes`` (all that will be asked) be derived
         (:meth:`oomtune.plan.derive.StreamDeriver.wanted`), in rounds: each round's captures are read
         from the stream cache or made at once in forked processes (``workers > 1``,
@@ -436,13 +453,26 @@ class Predictor:
         models and notes are the same as in one process. Does nothing when derivation is off or fewer
         than three distinct sizes come.
 
+        ``limit_bytes`` (the search's limit, bytes): a batch whose live requests alone exceed it
+        (:meth:`oomtune.alloc.stream.AllocationStream.peak_live_bytes`: reserved >= allocated >=
+        requested, under every allocator setting) cannot fit, and neither can a larger one (the
+        frontier's monotonicity, :func:`oomtune.plan.feasibility.largest_fitting`): sizes above the
+        first such capture are neither captured nor asked (:meth:`can_predict`). Captures made one at
+        a time (``workers`` 1: a workload captured on the CPU) go upwards and stop there; a CPU
+        capture the host cannot hold (:class:`oomtune.exceptions.HostMemoryRefused`) above a
+        smaller captured batch bounds the sizes the same way, with a note (``bound_notes``).
+
         Raises:
-            ConfigError: as :func:`capture_training_stream`.
+            ConfigError: as :func:`capture_training_stream`. HostMemoryRefused: the host cannot hold
+                even the smallest size's capture.
         """
+        if limit_bytes is not None:
+            self.limit_bytes = int(limit_bytes)
         sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
             return
         for _ in range(12):   # rounds; each adds captures, so this ends; the bound is a safety net
+            sizes = [b for b in sizes if self.can_predict(b)]
             wanted = [b for b in self._deriver.wanted(sizes) if b not in self._streams]
             if not wanted or not self.derive:
                 return
@@ -457,24 +487,52 @@ class Predictor:
             if hit is not None:
                 got[b] = hit
         rest = [b for b in batch_sizes if b not in got]
-        if self.isolate and rest:   # the user's code: every capture in a process of its own, none here
+        if self.workers > 1 and len(rest) > 1 and self.isolate:
+            # the user's code: every capture in a process of its own, none here
             got.update(zip(rest, self._isolated(rest)))
-            rest = []
-        if self.workers > 1 and len(rest) > 1 and not self._warm:
-            # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
-            # user's transformers, first calls of meta kernels): paid here once, the forked workers and
-            # this process's later captures start warm.
-            got[rest[0]] = self._capture_raw(rest[0])
-            rest = rest[1:]
-        if self.workers > 1 and len(rest) > 1:
-            from oomtune.plan.parallel import fork_map
+        elif self.workers > 1 and len(rest) > 1:
+            if not self._warm:
+                # The first capture of a process pays one-time costs (imports such as torch._dynamo or the
+                # user's transformers, first calls of meta kernels): paid here once, the forked workers and
+                # this process's later captures start warm.
+                got[rest[0]] = self._capture_raw(rest[0])
+                rest = rest[1:]
+            if len(rest) > 1:
+                from oomtune.plan.parallel import fork_map
 
-            got.update(zip(rest, fork_map(self._capture_raw, rest, self.workers)))
-        else:
-            got.update((b, self._capture_raw(b)) for b in rest)
+                got.update(zip(rest, fork_map(self._capture_raw, rest, self.workers)))
+            else:
+                got.update((b, self._capture_raw(b)) for b in rest)
+        else:   # one at a time, upwards: stop at the first batch over the limit or beyond the host
+            for b in sorted(rest):
+                if self._beyond(b, got):
+                    continue
+                try:
+                    got[b] = self._capture_raw(b)
+                except HostMemoryRefused as exc:
+                    if not got and not self._captured:
+                        raise
+                    self._host_refused(b, exc)
         self.capture_seconds += time.perf_counter() - t0   # the wall time of the (parallel) captures
         for b in sorted(got):
             self._keep_capture(b, *got[b])
+
+    def _beyond(self, batch_size: int, got: dict[int, tuple[Any, str | None]]) -> bool:
+        """Whether ``batch_size`` need not be captured: a smaller one (held, or in ``got``) has live
+        requests above ``limit_bytes``, or the host could not hold a smaller or equal one's capture."""
+        if self.host_refused_at is not None and batch_size >= self.host_refused_at:
+            return True
+        if self.limit_bytes is None:
+            return False
+        held = [(b, st) for b, st in self._captured.items()] + [(b, v[0]) for b, v in got.items()]
+        return any(b < batch_size and st.peak_live_bytes() > self.limit_bytes for b, st in held)
+
+    def _host_refused(self, batch_size: int, exc: Exception) -> None:
+        """Note that the host cannot hold ``batch_size``'s CPU capture: no size from it up is captured."""
+        if self.host_refused_at is None or batch_size < self.host_refused_at:
+            self.host_refused_at = batch_size
+            self.bound_notes.append(f"batch {batch_size} and above not predicted: {exc}")
+            say_now(f"note: batch {batch_size} and above not predicted (the host cannot hold the capture)")
 
     def stream(self, batch_size: int) -> Any:
         """The training step's allocation stream at ``batch_size`` (cached): derived where a regime's
@@ -552,7 +610,11 @@ class Predictor:
         return self._keep_capture(batch_size, stream, reason)
 
     def _keep_capture(self, batch_size: int, stream: Any, reason: str | None) -> Any:
-        """Hold a capture (and give it to the deriver); returns the stream."""
+        """Hold a capture (and give it to the deriver); returns the stream. A capture whose live
+        requests alone exceed ``limit_bytes`` bounds what is captured (``over_limit_at``)."""
+        if (self.limit_bytes is not None and stream.peak_live_bytes() > self.limit_bytes
+                and (self.over_limit_at is None or batch_size < self.over_limit_at)):
+            self.over_limit_at = batch_size
         if reason:
             self.fallback_reasons.add(reason)
         self._streams[batch_size] = self._captured[batch_size] = stream

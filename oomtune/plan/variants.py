@@ -77,16 +77,21 @@ class PredictorVariants:
         return self._member(checkpointing, self._accum(int(batch_size)))
 
     # ------------------------------------------------------------------ the Predictor API
-    def prepare(self, batch_sizes: Iterable[int], checkpointing: bool | None = None) -> None:
-        """:meth:`Predictor.prepare` of each variant with the batch sizes it answers for."""
+    def prepare(self, batch_sizes: Iterable[int], checkpointing: bool | None = None, *,
+                limit_bytes: int | None = None) -> None:
+        """:meth:`Predictor.prepare` of each variant with the batch sizes it answers for (and
+        ``limit_bytes``: sizes past the first over it are not captured)."""
         groups: dict[int, list[int]] = {}
         for b in batch_sizes:
             groups.setdefault(min(self._accum(int(b)), 2), []).append(int(b))
         for accum, sizes in groups.items():
-            self._member(checkpointing, accum).prepare(sizes)
+            self._member(checkpointing, accum).prepare(sizes, limit_bytes=limit_bytes)
 
     def can_predict(self, batch_size: int, *, checkpointing: bool | None = None) -> bool:
         return self.member(batch_size, checkpointing).can_predict(batch_size)
+
+    def known_over_limit(self, batch_size: int, *, checkpointing: bool | None = None) -> bool:
+        return self.member(batch_size, checkpointing).known_over_limit(batch_size)
 
     def stream(self, batch_size: int, checkpointing: bool | None = None) -> Any:
         return self.member(batch_size, checkpointing).stream(batch_size)

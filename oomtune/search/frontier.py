@@ -175,7 +175,7 @@ def predicted_frontiers(predictor: Any, settings_list: Sequence[dict[str, Any]],
 
     grid = list(choices) if choices is not None else grid_batches(low, high)
     if hasattr(predictor, "prepare"):   # the captures that let the grid's other streams be derived, at once
-        predictor.prepare(grid)
+        predictor.prepare(grid, limit_bytes=limit_bytes)   # none past the first batch over the limit
     out: list[ConfigFrontier] = []
     groups: dict[tuple, ConfigFrontier] = {}
     for mapping in settings_list:
@@ -186,14 +186,16 @@ def predicted_frontiers(predictor: Any, settings_list: Sequence[dict[str, Any]],
             out.append(ConfigFrontier(dict(mapping), conf, None))
             continue
         ckpt = {"checkpointing": mapping[CHECKPOINTING_KEY]} if mapping.get(CHECKPOINTING_KEY) is not None else {}
-        known = [b for b in grid if predictor.can_predict(b, **ckpt)] if hasattr(predictor, "can_predict") else grid
+        over = getattr(predictor, "known_over_limit", lambda b, **kw: False)
+        needed = [b for b in grid if not over(b, **ckpt)]   # above a batch known over the limit: cannot fit
+        known = [b for b in needed if predictor.can_predict(b, **ckpt)] if hasattr(predictor, "can_predict") else grid
         if not known:
             out.append(ConfigFrontier(dict(mapping), conf, None))
             continue
-        row = frontier_row(predictor, mapping, known, limit_bytes, dense=choices is None and known == grid)
+        row = frontier_row(predictor, mapping, known, limit_bytes, dense=choices is None and known == needed)
         at = row.at_max
         cf = ConfigFrontier(dict(mapping), conf, row.max_batch_size,
-                            None if at is None else at.peak_reserved_bytes, covered=known == grid)
+                            None if at is None else at.peak_reserved_bytes, covered=known == needed)
         key = (twin_key(row), mapping.get(CHECKPOINTING_KEY))   # the rule oomtune plan folds its rows by
         rep = groups.get(key)
         if rep is None:
