@@ -1,0 +1,177 @@
+"""A user's code cannot take the search down: the captures that predict a ``target=python`` entry run
+in a forked process of their own (oomtune/plan/isolation.py over plan/parallel.fork_each), under
+``trial.timeout``; and prediction captures nothing past the first batch size over the limit.
+
+Field reports, each a test: an entry that raises (one line naming its file:line and exception, exit 2,
+no trial), one that hangs (stopped at trial.timeout, one line, exit 2, its processes ended), one that
+calls ``os._exit(3)`` (one line with the status), one killed by SIGKILL; the same through ``plan``;
+and a DDP search whose batch range tops out far beyond what the host could capture (no refusal).
+
+Expected values come from the fixture files in tests/data/isolation/ (the line of their ``raise``, the
+status 3 they exit with, the SIGKILL they send), from POSIX wait statuses (a process killed by signal
+N reports -N as ``subprocess.Popen.returncode`` does), and from the bound's definition: reserved >=
+allocated >= live requested bytes under every allocator setting, so a batch whose live requests exceed
+the limit cannot fit, nor can a larger one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oomtune.exceptions import UserCodeError
+from oomtune.plan.parallel import ChildFailed, fork_each
+from oomtune.units import MiB
+
+DATA = Path(__file__).parent / "data" / "isolation"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _entry(name: str) -> str:
+    return f"target.entry={DATA / name}:make_workload"
+
+
+def _cli(args: list[str], tmp_path: Path, *, env: dict[str, str] | None = None,
+         timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "OOMTUNE_CACHE_DIR": str(tmp_path / "cache"), **(env or {})}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "oomtune", *args], cwd=tmp_path, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one error line on stderr (and no traceback anywhere)."""
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("oomtune: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+# ------------------------------------------------------------------ fork_each itself
+def test_fork_each_returns_results_in_order_and_raises_what_the_item_raised():
+    assert fork_each(lambda x: x * x, [3, 1, 2], 2, timeout_s=60) == [9, 1, 4]
+    with pytest.raises(ZeroDivisionError):
+        fork_each(lambda x: 1 // x, [1, 0], 1, timeout_s=60)
+
+
+def test_fork_each_reports_an_exit_status_a_signal_and_a_timeout():
+    with pytest.raises(ChildFailed) as info:
+        fork_each(lambda x: os._exit(x), [3], 1, timeout_s=60)
+    assert info.value.returncode == 3 and not info.value.timed_out
+    with pytest.raises(ChildFailed) as info:
+        fork_each(lambda x: os.kill(os.getpid(), 9), [0], 1, timeout_s=60)
+    assert info.value.returncode == -9
+    t0 = time.monotonic()
+    with pytest.raises(ChildFailed) as info:
+        fork_each(lambda x: time.sleep(3600), [0], 1, timeout_s=1.0)
+    assert info.value.timed_out and info.value.returncode is None
+    assert time.monotonic() - t0 < 30   # stopped at its limit, not after the hour
+
+
+# ------------------------------------------------------------------ search: the field reports
+SEARCH = ["search", "target=python", "budget=256MiB", "search.batch_size.low=2", "search.batch_size.high=8"]
+
+
+@pytest.mark.slow
+def test_search_an_entry_that_raises_is_one_line_with_its_file_line_and_exception_exit_2_before_any_trial(tmp_path):
+    run = tmp_path / "run"
+    proc, _ = _cli([*SEARCH, _entry("entry_raises.py"), f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = _error_line(proc)
+    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise FileNotFoundError')}"
+    assert f"raised FileNotFoundError at {where}" in line, line
+    assert "no training data at /data/train (fixture)" in line
+    assert "cannot be built on meta" not in proc.stderr   # no misleading fallback note before the error
+    assert not (run / "trials").exists()                   # no trial ran
+
+
+@pytest.mark.slow
+def test_search_an_entry_that_hangs_is_stopped_at_trial_timeout_in_one_line(tmp_path):
+    run, pidfile = tmp_path / "run", tmp_path / "pids"
+    proc, took = _cli([*SEARCH, _entry("entry_hangs.py"), "trial.timeout=3", f"hydra.run.dir={run}"], tmp_path,
+                      env={"OOMTUNE_TEST_PIDFILE": str(pidfile)})
+    assert proc.returncode == 2, proc.stderr
+    line = _error_line(proc)
+    assert "still running after trial.timeout=3 s: stopped" in line, line
+    assert not (run / "trials").exists()
+    # the capture process and the process it started are gone (its process group was killed)
+    pids = [int(p) for p in pidfile.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_search_an_entry_that_calls_os_exit_is_one_line_with_the_status(tmp_path):
+    run = tmp_path / "run"
+    proc, _ = _cli([*SEARCH, _entry("entry_exits.py"), f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr   # not the entry's 3: the search ended it, not the entry
+    line = _error_line(proc)
+    assert "exited with status 3 without a result" in line, line
+    assert not (run / "trials").exists()
+
+
+# ------------------------------------------------------------------ plan: the same
+@pytest.mark.slow
+def test_plan_an_entry_that_raises_is_the_same_one_line_exit_2_and_no_plan_file(tmp_path):
+    out = tmp_path / "plan.yaml"
+    proc, _ = _cli(["plan", "target=python", _entry("entry_raises.py"), "budget=256MiB", "search.batch_size.low=2",
+                    "search.batch_size.high=8", f"hydra.run.dir={tmp_path / 'run'}", "--out", str(out)], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = _error_line(proc)
+    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise FileNotFoundError')}"
+    assert f"raised FileNotFoundError at {where}" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_plan_an_entry_that_hangs_is_stopped_at_trial_timeout(tmp_path):
+    proc, _ = _cli(["plan", "target=python", _entry("entry_hangs.py"), "budget=256MiB", "trial.timeout=3",
+                    "search.batch_size.low=2", "search.batch_size.high=8", f"hydra.run.dir={tmp_path / 'run'}",
+                    "--out", str(tmp_path / "plan.yaml")], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "still running after trial.timeout=3 s: stopped" in _error_line(proc)
+
+
+# ------------------------------------------------------------------ the predictor (check --mode predict's too)
+def _predictor(name: str, timeout_s: float = 60):
+    from oomtune.alloc.geometry import budget_geometry
+    from oomtune.plan.predictor import Predictor
+
+    workload = {"target": {"name": "python", "entry": f"{DATA / name}:make_workload"}}
+    return Predictor(workload, budget_geometry(256 * MiB, 80 * 1024 * MiB), timeout_s=timeout_s)
+
+
+def test_predictor_an_entry_killed_by_sigkill_is_one_line_naming_the_signal():
+    with pytest.raises(UserCodeError) as info:
+        _predictor("entry_killed.py").predict_detail(4, "")
+    text = str(info.value)
+    assert "\n" not in text and "batch 4" in text and "killed by SIGKILL" in text, text
+
+
+def test_predictor_each_failure_names_the_entry_and_the_batch():
+    for name, words in (("entry_raises.py", "raised FileNotFoundError"), ("entry_exits.py", "exited with status 3")):
+        with pytest.raises(UserCodeError) as info:
+            _predictor(name).predict_detail(5, "")
+        assert f"target.entry={DATA / name}:make_workload" in str(info.value)
+        assert "batch 5" in str(info.value) and words in str(info.value)
+    with pytest.raises(UserCodeError, match=r"still running after trial.timeout=1 s"):
+        _predictor("entry_hangs.py", timeout_s=1).predict_detail(5, "")
