@@ -175,3 +175,69 @@ def test_predictor_each_failure_names_the_entry_and_the_batch():
         assert "batch 5" in str(info.value) and words in str(info.value)
     with pytest.raises(UserCodeError, match=r"still running after trial.timeout=1 s"):
         _predictor("entry_hangs.py", timeout_s=1).predict_detail(5, "")
+
+
+# ------------------------------------------------------------------ a wide range under data parallelism
+# A small transformer under DDP: captured on the CPU (rank 0 with torch's fake process group), one
+# capture at a time, so the top of a wide range would be captured in host memory. At batch 2**20 the
+# logits alone are 2**20 x 32 x 512 x 4 bytes = 64 GiB (batch x seq_len x vocab_size x fp32).
+LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "seq_len": 32, "vocab_size": 512,
+      "dropout": 0.0, "optimizer": "adamw", "lr": 1e-3, "precision": "fp32", "data": {"source": "synthetic"},
+      "parallel": "ddp", "ranks": 2, "target": {"name": "builtin"}}
+
+
+def _ddp_predictor():
+    from oomtune.alloc.geometry import budget_geometry
+    from oomtune.plan.predictor import Predictor
+
+    return Predictor(dict(LM), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=2)
+
+
+@pytest.mark.slow
+def test_a_wide_ddp_range_is_captured_only_up_to_the_first_batch_over_the_limit():
+    from oomtune.search.frontier import predicted_frontiers
+
+    p = _ddp_predictor()
+    limit = 5 * MiB
+    frontiers = predicted_frontiers(p, [{}, {"expandable_segments": True}], 4, 1 << 20, limit)
+    captured = sorted(p._captured)
+    # upwards from the low end, stopping at the first batch whose live requests alone exceed the limit
+    assert captured[-1] < 1 << 20
+    assert all(p._captured[b].peak_live_bytes() <= limit for b in captured[:-1])
+    assert p._captured[captured[-1]].peak_live_bytes() > limit
+    assert p.over_limit_at == captured[-1]
+    assert p.known_over_limit(1 << 20) and not p.can_predict(1 << 20)
+    # the frontier is still known (no batch above the over-limit one can fit): covered, not a guess
+    assert all(f.covered for f in frontiers)
+    assert all(f.predicted is None or f.predicted < captured[-1] for f in frontiers)
+
+
+@pytest.mark.slow
+def test_a_capture_the_host_cannot_hold_bounds_the_sizes_with_a_note_instead_of_ending_the_run(monkeypatch, capsys):
+    from oomtune.plan import predictor as P
+
+    monkeypatch.setattr(P, "cpu_capture_limit_bytes", lambda: 256 * MiB)   # the host holds 256 MiB of tensors
+    p = _ddp_predictor()
+    p.prepare([4, 8, 16, 1 << 16])   # no limit given: only the host bounds the captures
+    # batch 65536's embedding output alone is 65536 x 32 x 64 x 4 bytes = 512 MiB > 256 MiB
+    assert p.host_refused_at == 1 << 16
+    assert not p.can_predict(1 << 16) and p.can_predict(16)
+    assert len(p.bound_notes) == 1 and "batch 65536 and above not predicted" in p.bound_notes[0]
+    assert "batch 65536 and above not predicted" in capsys.readouterr().err
+    # the smallest size refused: nothing can be predicted, so the refusal is the error
+    monkeypatch.setattr(P, "cpu_capture_limit_bytes", lambda: 1024)
+    with pytest.raises(P.HostMemoryRefused):
+        _ddp_predictor().prepare([4, 8, 16, 1 << 16])
+
+
+@pytest.mark.slow
+def test_a_ddp_search_over_a_range_far_beyond_the_host_starts_its_trials(tmp_path):
+    run = tmp_path / "run"
+    proc, _ = _cli(["search", "model=transformer", "model.layers=2", "model.d_model=64", "model.heads=2",
+                    "model.seq_len=32", "model.vocab_size=512", "budget=8MiB", "search.batch_size.low=4",
+                    f"search.batch_size.high={1 << 20}", "trial.gpus=2", "model.parallel=ddp",
+                    f"hydra.run.dir={run}"], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused" not in proc.stderr + proc.stdout
+    assert (run / "trials").is_dir() and any((run / "trials").iterdir())   # trials ran
+    assert (run / "best.yaml").exists()
