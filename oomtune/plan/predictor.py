@@ -458,7 +458,9 @@ class Predictor:
         requested, under every allocator setting) cannot fit, and neither can a larger one (the
         frontier's monotonicity, :func:`oomtune.plan.feasibility.largest_fitting`): sizes above the
         first such capture are neither captured nor asked (:meth:`can_predict`). Captures made one at
-        a time (``workers`` 1: a workload captured on the CPU) go upwards and stop there; a CPU
+        a time (``workers`` 1: a workload captured on the CPU) go upwards through ``batch_sizes`` and
+        stop there, before derivation picks among the sizes below (so a wide range costs captures
+        only up to the limit, never the top of the range on the host); a CPU
         capture the host cannot hold (:class:`oomtune.exceptions.HostMemoryRefused`) above a
         smaller captured batch bounds the sizes the same way, with a note (``bound_notes``).
 
@@ -469,6 +471,14 @@ class Predictor:
         if limit_bytes is not None:
             self.limit_bytes = int(limit_bytes)
         sizes = sorted(set(int(b) for b in batch_sizes))
+        if self.workers <= 1 and self.limit_bytes is not None:
+            # one capture at a time (on the CPU, each costing host memory and time): upwards through the
+            # sizes until the first over the limit, before derivation picks among those below it
+            for b in sizes:
+                if not self.can_predict(b):
+                    break
+                if b not in self._streams:
+                    self._capture_many([b])
         if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
             return
         for _ in range(12):   # rounds; each adds captures, so this ends; the bound is a safety net
