@@ -88,8 +88,8 @@ def test_search_an_entry_that_raises_is_one_line_with_its_file_line_and_exceptio
     proc, _ = _cli([*SEARCH, _entry("entry_raises.py"), f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     line = _error_line(proc)
-    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise FileNotFoundError')}"
-    assert f"raised FileNotFoundError at {where}" in line, line
+    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise RuntimeError')}"
+    assert f"raised RuntimeError at {where}" in line, line
     assert "no training data at /data/train (fixture)" in line
     assert "cannot be built on meta" not in proc.stderr   # no misleading fallback note before the error
     assert not (run / "trials").exists()                   # no trial ran
@@ -137,8 +137,8 @@ def test_plan_an_entry_that_raises_is_the_same_one_line_exit_2_and_no_plan_file(
                     "search.batch_size.high=8", f"hydra.run.dir={tmp_path / 'run'}", "--out", str(out)], tmp_path)
     assert proc.returncode == 2, proc.stderr
     line = _error_line(proc)
-    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise FileNotFoundError')}"
-    assert f"raised FileNotFoundError at {where}" in line, line
+    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise RuntimeError')}"
+    assert f"raised RuntimeError at {where}" in line, line
     assert not out.exists()
 
 
@@ -168,7 +168,7 @@ def test_predictor_an_entry_killed_by_sigkill_is_one_line_naming_the_signal():
 
 
 def test_predictor_each_failure_names_the_entry_and_the_batch():
-    for name, words in (("entry_raises.py", "raised FileNotFoundError"), ("entry_exits.py", "exited with status 3")):
+    for name, words in (("entry_raises.py", "raised RuntimeError"), ("entry_exits.py", "exited with status 3")):
         with pytest.raises(UserCodeError) as info:
             _predictor(name).predict_detail(5, "")
         assert f"target.entry={DATA / name}:make_workload" in str(info.value)

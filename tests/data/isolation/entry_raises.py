@@ -2,4 +2,4 @@
 
 
 def make_workload(batch_size, device):
-    raise FileNotFoundError("no training data at /data/train (fixture)")
+    raise RuntimeError("no training data at /data/train (fixture)")
