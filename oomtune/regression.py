@@ -363,7 +363,8 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
         from oomtune.trial._base import worst_shape_workload
 
         workload = worst_shape_workload(workload)
-    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS, timeout_s=timeout_s)
+    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS, timeout_s=timeout_s,
+                          timeout_name="--timeout")
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)

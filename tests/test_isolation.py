@@ -241,3 +241,32 @@ def test_a_ddp_search_over_a_range_far_beyond_the_host_starts_its_trials(tmp_pat
     assert "refused" not in proc.stderr + proc.stdout
     assert (run / "trials").is_dir() and any((run / "trials").iterdir())   # trials ran
     assert (run / "best.yaml").exists()
+
+
+# ------------------------------------------------------------------ check --mode predict: the same
+def _best_yaml(path: Path, entry: str) -> Path:
+    """A hand-made best.yaml of a python entry on the virtual GPU (the fields check --mode predict reads)."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "schema_version": 1,
+        "workload": {"model": {"name": "custom"}, "target": {"name": "python", "entry": f"{DATA / entry}:make_workload"}},
+        "device": {"kind": "cpu", "name": "virtual GPU (CPU)", "total_memory_bytes": 80 << 30,
+                   "budget_bytes": 1 << 30, "memory_source": "simulated"},
+        "best": {"batch_size": 8, "alloc_conf": "", "settings": {},
+                 "metrics": {"throughput": 100.0, "peak_reserved_bytes": 2 * MiB, "memory_source": "simulated"},
+                 "predicted_peak_reserved_bytes": 2 * MiB}}))
+    return path
+
+
+@pytest.mark.parametrize("entry, flags, words", [
+    ("entry_raises.py", [], "raised RuntimeError at"),
+    ("entry_hangs.py", ["--timeout", "2"], "still running after --timeout=2 s"),
+    ("entry_exits.py", [], "exited with status 3"),
+])
+def test_check_predict_of_a_failing_entry_is_one_line_exit_2(entry, flags, words, tmp_path, capsys):
+    from oomtune.cli import main
+
+    assert main(["check", str(_best_yaml(tmp_path / "best.yaml", entry)), "--mode", "predict", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and "batch 8" in err, err

@@ -74,15 +74,17 @@ def raised_error(exc: BaseException, entry: str, batch_size: int) -> OomtuneErro
                          f"(make_workload({batch_size}) called alone shows the whole traceback)")
 
 
-def ended_error(failed: Any, entry: str, batch_size: int, watch: Any = None) -> UserCodeError:
+def ended_error(failed: Any, entry: str, batch_size: int, watch: Any = None, *,
+                limit_name: str = "trial.timeout") -> UserCodeError:
     """The one-line error of a capture process that ended without a result
     (:class:`oomtune.plan.parallel.ChildFailed`): stopped at ``trial.timeout``, exited with a status
     (``os._exit``), or killed by a signal (classified as a trial's: :func:`oomtune.classify.
-    classify_failure`; a SIGKILL is the OOM killer's only with ``watch``'s evidence)."""
+    classify_failure`; a SIGKILL is the OOM killer's only with ``watch``'s evidence). ``limit_name``:
+    the setting the time limit came from, as the user spells it."""
     if failed.timed_out:
-        return UserCodeError(f"{_what(entry, batch_size)}: still running after trial.timeout={failed.timeout_s:g} s: "
+        return UserCodeError(f"{_what(entry, batch_size)}: still running after {limit_name}={failed.timeout_s:g} s: "
                              "stopped (its process group killed); make make_workload and the step return, or raise "
-                             "trial.timeout")
+                             f"{limit_name}")
     code = failed.returncode
     if code is not None and code >= 0:
         return UserCodeError(f"{_what(entry, batch_size)}: its process exited with status {code} without a result "
@@ -95,10 +97,11 @@ def ended_error(failed: Any, entry: str, batch_size: int, watch: Any = None) -> 
 
 
 def run_isolated(fn: Callable[[int], Any], batch_sizes: Sequence[int], *, entry: str, workers: int,
-                 timeout_s: float | None) -> list[Any]:
+                 timeout_s: float | None, limit_name: str = "trial.timeout") -> list[Any]:
     """``[fn(b) for b in batch_sizes]``, each in a forked process of its own
     (:func:`oomtune.plan.parallel.fork_each`, ``workers`` at once), stopped past ``timeout_s``
-    seconds (``trial.timeout``; None: no limit). ``entry`` names the user's code in the messages.
+    seconds (``limit_name``, ``trial.timeout``; None: no limit). ``entry`` names the user's code in the
+    messages.
     In a process that is already a forked worker (:func:`in_child`), ``fn`` runs here.
 
     Raises:
@@ -116,7 +119,7 @@ def run_isolated(fn: Callable[[int], Any], batch_sizes: Sequence[int], *, entry:
     try:
         return fork_each(lambda b: _call(fn, b, entry), batch_sizes, workers, timeout_s=timeout_s)
     except ChildFailed as failed:
-        raise ended_error(failed, entry, failed.item, watch) from None
+        raise ended_error(failed, entry, failed.item, watch, limit_name=limit_name) from None
 
 
 def _call(fn: Callable[[int], Any], batch_size: int, entry: str) -> Any:

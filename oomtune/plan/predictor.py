@@ -358,11 +358,13 @@ class Predictor:
             whatever the code does (raise, hang, ``os._exit``, a signal) ends as one
             :class:`oomtune.exceptions.UserCodeError`, never this process. Built-in workloads are
             captured here (oomtune's own code; no fork's cost).
+        timeout_name: the setting ``timeout_s`` came from, as the messages name it (``--timeout`` for
+            ``oomtune check``).
     """
 
     def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
                  derive: bool = True, workers: int = 1, cache: Any = None, read_cache: bool = True,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, timeout_name: str = "trial.timeout"):
         self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
@@ -387,6 +389,7 @@ class Predictor:
         self.host_refused_at: int | None = None   # the smallest batch whose CPU capture the host could not hold
         self.bound_notes: list[str] = []        # one line per such bound, for the plan's and the search's notes
         self.timeout_s = float(timeout_s) if timeout_s is not None else CAPTURE_TIMEOUT_S
+        self.timeout_name = timeout_name
         from oomtune.plan.stream_cache import cacheable
 
         self.cache = cache if cache is not None and cacheable(model_cfg) else None
@@ -457,10 +460,12 @@ class Predictor:
         (:meth:`oomtune.alloc.stream.AllocationStream.peak_live_bytes`: reserved >= allocated >=
         requested, under every allocator setting) cannot fit, and neither can a larger one (the
         frontier's monotonicity, :func:`oomtune.plan.feasibility.largest_fitting`): sizes above the
-        first such capture are neither captured nor asked (:meth:`can_predict`). Captures made one at
-        a time (``workers`` 1: a workload captured on the CPU) go upwards through ``batch_sizes`` and
-        stop there, before derivation picks among the sizes below (so a wide range costs captures
-        only up to the limit, never the top of the range on the host); a CPU
+        first such capture are neither captured nor asked (:meth:`can_predict`). A workload captured
+        on the CPU by design (``model.parallel=ddp|fsdp``, :func:`_runs_on_cpu`) is captured upwards
+        through ``batch_sizes`` one at a time and stops there, before derivation picks among the
+        sizes below (so a wide range costs captures only up to the limit, never the top of the range
+        in host memory); captures on meta cost no host memory per tensor and go in rounds as before.
+        Captures made one at a time stop at the first over the limit too; a CPU
         capture the host cannot hold (:class:`oomtune.exceptions.HostMemoryRefused`) above a
         smaller captured batch bounds the sizes the same way, with a note (``bound_notes``).
 
@@ -471,9 +476,9 @@ class Predictor:
         if limit_bytes is not None:
             self.limit_bytes = int(limit_bytes)
         sizes = sorted(set(int(b) for b in batch_sizes))
-        if self.workers <= 1 and self.limit_bytes is not None:
-            # one capture at a time (on the CPU, each costing host memory and time): upwards through the
-            # sizes until the first over the limit, before derivation picks among those below it
+        if _runs_on_cpu(self.model_cfg) and self.limit_bytes is not None:
+            # captured on the CPU by design, one at a time (each costing host memory and time): upwards
+            # through the sizes until the first over the limit, before derivation picks among those below
             for b in sizes:
                 if not self.can_predict(b):
                     break
@@ -590,7 +595,7 @@ class Predictor:
 
         entry = str((self.model_cfg.get("target") or {}).get("entry"))
         return run_isolated(self._capture_here, batch_sizes, entry=entry, workers=self.workers,
-                            timeout_s=self.timeout_s)
+                            timeout_s=self.timeout_s, limit_name=self.timeout_name)
 
     def _capture_raw(self, batch_size: int) -> tuple[Any, str | None]:
         """(stream, fallback reason) of one capture at ``batch_size``: :meth:`_capture_here`, in a
