@@ -270,3 +270,37 @@ def test_check_predict_of_a_failing_entry_is_one_line_exit_2(entry, flags, words
     assert main(["check", str(_best_yaml(tmp_path / "best.yaml", entry)), "--mode", "predict", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "batch 8" in err, err
+
+
+# ------------------------------------------------------------------ the plan's cells past the bound
+class _Bounded:
+    """A predictor whose batch 16 was captured over the limit (``over_limit_at``): peaks of b MiB at
+    batch b (hand-made), every call recorded."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def can_predict(self, b: int, **_) -> bool:
+        return b <= 16
+
+    def known_over_limit(self, b: int, **_) -> bool:
+        return b > 16
+
+    def predict_detail(self, b: int, settings, **_):
+        from oomtune.plan.predictor import Prediction
+
+        self.asked.append(b)
+        return Prediction(batch_size=b, alloc_conf="", peak_reserved_bytes=b * MiB, peak_allocated_bytes=b * MiB,
+                          fragmentation=0.0, fits=True, num_alloc_retries=0, calibrated_peak_reserved_bytes=b * MiB)
+
+
+def test_plan_cells_past_the_first_batch_over_the_limit_are_not_predicted_and_the_frontier_is_unchanged():
+    from oomtune.plan.feasibility import _cell_text, frontier_row
+
+    p = _Bounded()
+    row = frontier_row(p, {}, [4, 8, 16, 32, 64], 10 * MiB)
+    assert max(p.asked) == 16                                  # nothing asked past the bound
+    assert [c.predicted for c in row.cells] == [True, True, True, False, False]
+    assert not any(c.fits for c in row.cells[3:])
+    assert row.max_batch_size == 10                            # b MiB <= 10 MiB: bisection between 8 and 16
+    assert "not captured" in _cell_text(row.cells[4]) and "not captured" not in _cell_text(row.cells[0])
