@@ -52,7 +52,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from oomtune.schema import register
+    from oomtune.schema import check_added_keys, register
 
     register()
     GlobalHydra.instance().clear()
@@ -68,6 +68,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
         raise ConfigError(message) from None
     finally:
         GlobalHydra.instance().clear()
+    check_added_keys(overrides, _option_files(cfg))   # +key: checked against the schema like any key
     try:
         for key in cfg:
             if key != "hydra":
@@ -82,6 +83,26 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def _option_files(cfg: Any) -> dict[str, Any]:
+    """The option files chosen for the ``model`` and ``target`` groups (``conf/<group>/<option>.yaml``,
+    read size- and depth-limited), as plain mappings: the keys a ``+`` override may extend.
+
+    Raises:
+        ConfigError: an option file that cannot be read (a broken installation).
+    """
+    from oomtune.safeload import read_yaml
+
+    choices = cfg.hydra.runtime.choices if "hydra" in cfg else {}
+    out: dict[str, Any] = {}
+    for group in ("model", "target"):
+        option = choices.get(group)
+        path = conf_dir() / group / f"{option}.yaml"
+        if option is not None and path.is_file():
+            data = read_yaml(path, what=f"a {group} option file")
+            out[group] = data if isinstance(data, dict) else {}
+    return out
 
 
 def check_study_name(name: Any) -> None:

@@ -1,0 +1,246 @@
+"""Bad input refused early, in one line: malformed, deeply nested or oversized files (best.yaml,
+JSON records), best.yaml's workload section validated once for ``apply_best`` and ``oomtune check``,
+``+key`` overrides checked against the schema, a study database never written by the readers, and
+the messages of a bad ``--junit`` path and of budgets without a unit.
+
+Expected values are by hand: the limits are the constants documented in oomtune/safeload.py and
+oomtune/best.py; a file nested N levels deep holds N opening brackets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from oomtune.best import BestConfig, Choice, apply_best, load_best, write_best
+from oomtune.cli import main
+from oomtune.exceptions import BestFileError, ConfigError
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("oomtune: error: "), err
+    return err
+
+
+def _deep_yaml(tmp_path: Path, levels: int = 100_000) -> Path:
+    path = tmp_path / "best.yaml"
+    path.write_text("[" * levels + "]" * levels + "\n")
+    return path
+
+
+def _good_best(tmp_path: Path, **workload) -> Path:
+    cfg = BestConfig(schema_version=1, workload={"model": {"name": "mlp"}, **workload}, device={"kind": "cpu"},
+                     best=Choice(batch_size=8, alloc_conf="expandable_segments:True"))
+    return write_best(cfg, tmp_path / "best.yaml")
+
+
+# -- deep and huge files -------------------------------------------------------------------------
+
+def test_apply_best_refuses_a_best_yaml_nested_100000_levels_with_best_file_error(tmp_path):
+    path = _deep_yaml(tmp_path)
+    with pytest.raises(BestFileError, match=r"nested more than 64 levels deep") as info:
+        apply_best(path, environ={})
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["env", "check"])
+def test_env_and_check_refuse_a_deeply_nested_best_yaml_in_one_line(tmp_path, capsys, command):
+    path = _deep_yaml(tmp_path)
+    assert main([command, str(path)]) == 2
+    line = _one_error_line(capsys)
+    assert "nested more than 64 levels deep" in line and str(path) in line
+
+
+def test_a_best_yaml_just_inside_the_depth_limit_reaches_the_schema_check(tmp_path):
+    # 64 levels are allowed: the file then fails as what it is (a list, not a best.yaml mapping)
+    path = _deep_yaml(tmp_path, 64)
+    with pytest.raises(BestFileError, match="expected a mapping at the top level"):
+        load_best(path)
+    path = _deep_yaml(tmp_path, 65)
+    with pytest.raises(BestFileError, match="nested more than 64 levels"):
+        load_best(path)
+
+
+def test_a_best_yaml_over_one_mib_is_refused_before_parsing(tmp_path, capsys):
+    path = tmp_path / "best.yaml"
+    path.write_bytes(b"# padding\n" * (2**20 // 10 + 1))   # 1 MiB + 6 bytes of comments
+    assert path.stat().st_size > 2**20
+    with pytest.raises(BestFileError, match=r"larger than 1 MiB"):
+        load_best(path)
+    assert main(["env", str(path)]) == 2
+    assert "larger than 1 MiB" in _one_error_line(capsys)
+
+
+def test_json_readers_refuse_deep_nesting_with_the_callers_error():
+    from oomtune.safeload import loads_json
+
+    text = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(BestFileError, match="nested more than 64 levels"):
+        loads_json(text, source="x.json", what="a record", error=BestFileError)
+    with pytest.raises(ConfigError, match="nested more than 64 levels"):   # below the decoder's recursion limit
+        loads_json("[" * 65 + "]" * 65, source="x.json", what="a record")
+    assert loads_json("[" * 64 + "]" * 64, source="x.json", what="a record") is not None
+
+
+def test_run_json_nested_too_deeply_is_one_line(tmp_path):
+    from oomtune.runfile import read_run_file
+
+    (tmp_path / "run.json").write_text('{"storage": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    with pytest.raises(BestFileError, match="nested more than 64 levels"):
+        read_run_file(tmp_path)
+
+
+def test_a_trial_record_nested_too_deeply_is_refused(tmp_path):
+    from oomtune.trial.record import TrialResult
+
+    path = tmp_path / "result.json"
+    path.write_text('{"outcome": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    with pytest.raises(ValueError, match="nested more than 64 levels"):
+        TrialResult.read(path)
+
+
+# -- best.yaml's workload section: one validator for apply_best and check -------------------------
+
+def test_apply_best_refuses_a_ranks_string_instead_of_skipping_the_world_size_check(tmp_path):
+    path = _good_best(tmp_path, ranks="$(touch x)")
+    env = {"WORLD_SIZE": "4"}
+    with pytest.raises(BestFileError, match=r"workload\.ranks must be an integer >= 1.*'\$\(touch x\)'"):
+        apply_best(path, environ=env)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env   # nothing applied
+
+
+def test_check_refuses_the_same_ranks_with_the_same_line_as_apply_best(tmp_path, capsys):
+    path = _good_best(tmp_path, ranks="$(touch x)")
+    with pytest.raises(BestFileError) as info:
+        apply_best(path, environ={})
+    assert main(["check", str(path), "--mode", "predict"]) == 2
+    assert _one_error_line(capsys) == f"oomtune: error: {info.value}"
+
+
+def test_prepare_check_uses_the_shared_validator(tmp_path):
+    from oomtune.regression import prepare_check
+
+    config = load_best(_good_best(tmp_path))
+    config.device.update(budget_bytes=2**30, total_memory_bytes=2**31)
+    config.workload["ranks"] = 0   # as if edited after loading: prepare_check validates again
+    with pytest.raises(BestFileError, match=r"workload\.ranks must be an integer >= 1.*got 0"):
+        prepare_check(config)
+
+
+@pytest.mark.parametrize("workload, message", [
+    ({"ranks": True}, r"workload\.ranks must be an integer"),
+    ({"ranks": 2.0}, r"workload\.ranks must be an integer"),
+    ({"target": "cmd"}, r"workload\.target must be a mapping with a 'name'"),
+    ({"training": {"grad_accum": 0}}, r"workload\.training\.grad_accum must be an integer >= 1"),
+    ({"training": {"activation_checkpointing": "yes"}}, r"activation_checkpointing must be true, false or null"),
+    ({"training": [1]}, r"workload\.training must be a mapping"),
+])
+def test_malformed_workload_keys_are_refused_by_load_best(tmp_path, workload, message):
+    with pytest.raises(BestFileError, match=message):
+        load_best(_good_best(tmp_path, **workload))
+
+
+def test_a_valid_ranks_now_meets_the_world_size_check(tmp_path):
+    from oomtune.best import RankCountError
+
+    with pytest.raises(RankCountError, match="tuned for 2 rank"):
+        apply_best(_good_best(tmp_path, ranks=2), environ={"WORLD_SIZE": "4"})
+    env = {"WORLD_SIZE": "2"}
+    apply_best(_good_best(tmp_path, ranks=2), environ=env)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+# -- +key overrides checked against the schema ---------------------------------------------------
+
+@pytest.mark.parametrize("override, needle", [
+    ("+search.n_trails=5", "unknown config key 'search.n_trails' in '+search.n_trails=5'"),
+    ("++search.n_trails=5", "did you mean 'search.n_trials'?"),
+    ("+foo=bar", "unknown config key 'foo' in '+foo=bar'"),
+    ("+trial.warmup=2", "did you mean 'trial.warmup_steps'?"),
+    ("+search.batch_size.lo=4", "did you mean 'search.batch_size.low'?"),
+    ("+plan.batch=[8]", "did you mean 'plan.batch_sizes'?"),
+    ("+model.dept=18", "did you mean 'model.depth'?"),          # model=resnet (the default) has depth
+    ("+model.data.workers=2", "model.data takes no 'workers'"),
+    ("+target.command=x", "target takes no 'command'"),           # target=builtin (the default) has name only
+])
+def test_a_plus_key_the_schema_lacks_is_refused_before_any_trial(tmp_path, capsys, override, needle):
+    rc = main(["search", override, "model=resnet", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert needle in line, line
+    assert not (tmp_path / "run").exists()   # refused before the run directory was made
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+plan.batch_sizes=[8,16]"],                                    # docs/plan-and-simulate.md
+    ["+search.space.activation_checkpointing=[false,true]"],          # conf/search/default.yaml
+    ["target=python", "target.entry=examples/my_workload.py:make_workload",
+     "+target.seq_len={low:64,high:512,pad_multiple:8}"],             # conf/target/python.yaml
+    ["+hydra.job.env_set.FOO=1"],                                     # Hydra's own config: Hydra checks it
+])
+def test_the_documented_plus_keys_still_compose(overrides):
+    from oomtune.prepared import compose_checked
+
+    cfg = compose_checked(overrides)
+    key = overrides[-1].lstrip("+").split("=", 1)[0]
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.select(cfg, key) is not None
+
+
+def test_added_key_reads_the_plus_forms():
+    from oomtune.schema import added_key
+
+    assert added_key("+search.n_trails=5") == "search.n_trails"
+    assert added_key("++foo=bar") == "foo"
+    assert added_key("search.n_trials=5") is None
+    assert added_key("~search.timeout") is None
+
+
+# -- show and report never write ----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["show", "--storage", "URL", "--study", "s"], ["show", "RUN"], ["best", "RUN"]])
+def test_a_zero_byte_study_db_is_refused_and_left_zero_bytes(tmp_path, capsys, argv):
+    db = tmp_path / "study.db"
+    db.write_bytes(b"")
+    (tmp_path / "run.json").write_text(json.dumps({"storage": "sqlite:///study.db", "study_name": "s",
+                                                   "storage_file": "study.db"}))
+    argv = [{"URL": f"sqlite:///{db}", "RUN": str(tmp_path)}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert str(db) in line and "is empty (0 bytes" in line
+    assert db.read_bytes() == b""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "study.db"]   # no journal left either
+
+
+def test_a_sqlite_file_without_optuna_tables_is_refused_unchanged(tmp_path, capsys):
+    import sqlite3
+
+    db = tmp_path / "other.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t (x INTEGER)")
+    con.commit()
+    con.close()
+    before = db.read_bytes()
+    assert main(["show", "--storage", f"sqlite:///{db}", "--study", "s"]) == 2
+    assert "without Optuna's tables" in _one_error_line(capsys)
+    assert db.read_bytes() == before
+
+
+def test_show_leaves_a_real_study_db_byte_for_byte(tmp_path, capsys):
+    import optuna
+
+    db = tmp_path / "study.db"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{db}")
+    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1.0))
+    del study
+    before = db.read_bytes()
+    assert main(["show", "--storage", f"sqlite:///{db}", "--study", "s", "--json"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), list)
+    assert db.read_bytes() == before
