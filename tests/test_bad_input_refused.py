@@ -244,3 +244,46 @@ def test_show_leaves_a_real_study_db_byte_for_byte(tmp_path, capsys):
     assert main(["show", "--storage", f"sqlite:///{db}", "--study", "s", "--json"]) == 0
     assert isinstance(json.loads(capsys.readouterr().out), list)
     assert db.read_bytes() == before
+
+
+# -- messages: the --junit path, budgets without a unit ------------------------------------------
+
+def test_a_junit_path_under_proc_names_the_given_path_and_what_to_do(tmp_path, capsys):
+    best = _good_best(tmp_path)
+    assert main(["check", str(best), "--mode", "predict", "--junit", "/proc/nope/x.xml"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("oomtune: error: --junit '/proc/nope/x.xml': cannot create the file")
+    assert "'/proc/nope' does not exist" in line and "give a path in a folder you can write to" in line
+    assert "--junit ./x.xml" in line
+
+
+# Hydra reads 1e30 as a float, which the schema's str key holds as Python writes it: 1e+30
+@pytest.mark.parametrize("given, budget", [("1024", "1024"), ("1e30", "1e+30"), ("17179869184", "17179869184"),
+                                           ("2.5", "2.5")])
+def test_a_budget_number_above_one_without_a_unit_is_ambiguous_whatever_its_size(tmp_path, capsys, given, budget):
+    rc = main(["search", "model=mlp", "device=cpu", f"budget={given}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert f"budget '{budget}' is ambiguous (a number without a unit): write budget={budget}MiB" in line
+    assert f"budget={budget}B for bytes" in line and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("budget, expected", [
+    ("1024MiB", ("bytes", 1024 * 2**20)),
+    ("17179869184B", ("bytes", 16 * 2**30)),     # the byte count, said as bytes
+    ("0.5", ("fraction", 0.5)),
+    ("1", ("fraction", 1.0)),
+    (2**30, ("bytes", 2**30)),                   # a Python int: best.yaml's device.budget_bytes
+])
+def test_budgets_with_a_unit_or_a_fraction_are_read(budget, expected):
+    from oomtune.device import parse_budget
+
+    assert parse_budget(budget) == expected
+
+
+def test_simulate_budget_follows_the_same_rule_for_large_numbers(tmp_path, capsys):
+    from oomtune.units import parse_size_with_unit
+
+    with pytest.raises(ConfigError, match=r"--budget '17179869184' is ambiguous.*--budget 17179869184B for bytes"):
+        parse_size_with_unit("17179869184", what="--budget")
+    assert parse_size_with_unit("17179869184B", what="--budget") == 16 * 2**30
