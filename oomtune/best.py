@@ -52,7 +52,7 @@ from oomtune.exceptions import BestFileError, OomtuneError
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
            "CudaAlreadyInitializedError", "RankCountError", "check_world_size", "trials_text",
            "needs_memory_fraction", "fraction_key_supported", "conf_with_fraction", "FRACTION_KEY", "check_workload",
-           "BEST_MAX_BYTES"]
+           "BEST_MAX_BYTES", "virtual_fraction_note"]
 
 SCHEMA_VERSION = 1
 #: The largest best.yaml read (bytes): the search writes a few KiB (its frontiers list included).
@@ -240,6 +240,24 @@ class BestConfig:
                 f"({self.best.alloc_conf}: garbage_collection_threshold acts only under a fraction < 1): call "
                 f"torch.cuda.set_per_process_memory_fraction({self.memory_fraction!r}) before the first CUDA "
                 "allocation")
+
+
+def virtual_fraction_note(config: BestConfig) -> str | None:
+    """One line when best.yaml's memory fraction was computed on the virtual GPU's size (the search
+    ran without a real device: ``device.memory_source`` ``simulated``, its ``total_memory_bytes`` the
+    ``virtual_device_memory``, 80 GiB unless set), not a measured GPU's: the same fraction of a GPU of
+    another size is another budget (``0.025`` of 80 GiB is 2 GiB, of 24 GiB 0.6 GiB). None when the
+    answer needs no fraction or the fraction is of a real device (``memory_source: device``)."""
+    if config.memory_fraction is None:
+        return None
+    device = config.device or {}
+    if device.get("memory_source") != "simulated" and device.get("kind") == "cuda":
+        return None
+    total = device.get("total_memory_bytes")
+    size = _gib(total) if isinstance(total, int) and not isinstance(total, bool) and total > 0 else "assumed"
+    return (f"{FRACTION_KEY}:{config.memory_fraction!r} is a fraction of the virtual GPU's {size} "
+            "(virtual_device_memory; simulated, not a real device's memory): on a GPU of another size it allows "
+            "another budget; search again with virtual_device_memory set to your GPU's memory, or on the GPU")
 
 
 def write_best(config: BestConfig, path: str | Path) -> Path:

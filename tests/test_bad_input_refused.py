@@ -287,3 +287,33 @@ def test_simulate_budget_follows_the_same_rule_for_large_numbers(tmp_path, capsy
     with pytest.raises(ConfigError, match=r"--budget '17179869184' is ambiguous.*--budget 17179869184B for bytes"):
         parse_size_with_unit("17179869184", what="--budget")
     assert parse_size_with_unit("17179869184B", what="--budget") == 16 * 2**30
+
+
+# -- oomtune env: a fraction of the virtual GPU's size is said -----------------------------------
+
+def _fraction_best(tmp_path: Path, device: dict) -> Path:
+    # garbage_collection_threshold needs a fraction (oomtune/best.py needs_memory_fraction);
+    # 0.025 of 80 GiB is the 2 GiB budget of the field report
+    cfg = BestConfig(schema_version=1, workload={"model": {"name": "mlp"}}, device=device,
+                     best=Choice(batch_size=8, alloc_conf="garbage_collection_threshold:0.8", memory_fraction=0.025))
+    return write_best(cfg, tmp_path / "best.yaml")
+
+
+def test_env_warns_once_on_stderr_when_the_fraction_is_of_the_virtual_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("oomtune.best.fraction_key_supported", lambda *a: True)
+    path = _fraction_best(tmp_path, {"kind": "cpu", "memory_source": "simulated", "total_memory_bytes": 80 * 2**30})
+    assert main(["env", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "per_process_memory_fraction:0.025" in out and "warning" not in out   # stdout stays evaluable
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("oomtune: warning: per_process_memory_fraction:0.025 is a "
+                                                   "fraction of the virtual GPU's 80.00 GiB")
+    assert "virtual_device_memory" in lines[0]
+
+
+def test_env_says_nothing_for_a_fraction_of_a_real_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("oomtune.best.fraction_key_supported", lambda *a: True)
+    path = _fraction_best(tmp_path, {"kind": "cuda", "memory_source": "device", "total_memory_bytes": 80 * 2**30})
+    assert main(["env", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "per_process_memory_fraction:0.025" in out and err == ""
