@@ -317,3 +317,30 @@ def test_env_says_nothing_for_a_fraction_of_a_real_gpu(tmp_path, capsys, monkeyp
     assert main(["env", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "per_process_memory_fraction:0.025" in out and err == ""
+
+
+# -- host memory: target=cmd commands on the virtual GPU run real CPU steps ----------------------
+
+def test_a_cmd_search_whose_budget_the_host_cannot_hold_stops_before_any_trial(tmp_path, capsys, monkeypatch):
+    from oomtune.trial import execute
+
+    # the field report: budget=64GiB on a host with 24 GiB available
+    monkeypatch.setattr(execute, "host_available_bytes", lambda meminfo="/proc/meminfo": 24 * 2**30)
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_cmd.py"
+    run_dir = tmp_path / "run"
+    rc = main(["search", "target=cmd", f"target.command='python {script} --batch-size {{batch_size}}'",
+               "budget=64GiB", "device=cpu", f"hydra.run.dir={run_dir}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert "target=cmd commands on the virtual GPU run real CPU steps" in line
+    assert "budget 64.00 GiB cannot fit in this host's available memory (24.00 GiB" in line
+    assert not list(run_dir.glob("trials/*"))   # no trial started
+
+
+def test_the_cmd_host_check_applies_on_the_virtual_gpu_only():
+    from oomtune.trial.execute import check_host_memory
+
+    with pytest.raises(ConfigError, match="target=cmd commands on the virtual GPU"):
+        check_host_memory("command", 64 * 2**30, available_bytes=24 * 2**30, simulated=True)
+    check_host_memory("command", 64 * 2**30, available_bytes=24 * 2**30, simulated=False)   # tensors on the GPU
+    check_host_memory("command", 16 * 2**30, available_bytes=24 * 2**30, simulated=True)    # fits

@@ -319,7 +319,7 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
     # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
     # cannot hold stops here (exit 2)
     check_host_memory(options.execute, budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
-                      available_bytes=options.host_available_bytes)
+                      available_bytes=options.host_available_bytes, simulated=device.simulated)
     predicts = cfg.search.prune == "predicted" and run.target.capturable
     check_launches(options, predicts=predicts, target=run.target)
     return _Prepared(run=run, options=options, dropped_gc=dropped_gc, predicts=predicts,
