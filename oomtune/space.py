@@ -134,7 +134,8 @@ class SearchSpace:
     training setting: ``activation_checkpointing``).
 
     Args:
-        batch_low / batch_high: the batch range (the micro-batch's, with ``global_batch``).
+        batch_low / batch_high: the batch range; with ``global_batch`` the smallest and the largest
+            micro-batch in the configured range that divide it (every batch run is a valid one).
         choices: allocator key -> candidate values; ``activation_checkpointing`` -> [false, true]
             is taken out as a training setting.
         data_choices: data-loader key -> candidate values.
@@ -154,9 +155,14 @@ class SearchSpace:
             raise ConfigError(
                 f"search.batch_size must satisfy 1 <= low <= high, got low={batch_low!r} high={batch_high!r}"
             )
-        self.batch_low, self.batch_high = batch_low, batch_high
         self.global_batch, self.world_size = global_batch, world_size
         self._micro = None if global_batch is None else micro_batches(global_batch, world_size, batch_low, batch_high)
+        if self._micro is not None:
+            # the range's ends become the smallest and largest valid micro-batches: whatever runs at
+            # "the smallest batch" (the smoke test's CPU step, the anchors, the frontier's floor) must
+            # divide the global batch (global_batch=100 with batch_size.low=8: 10, not 8)
+            batch_low, batch_high = self._micro[0], self._micro[-1]
+        self.batch_low, self.batch_high = batch_low, batch_high
         choices = dict(choices)
         self.checkpointing: list[bool] | None = None
         if CHECKPOINTING_KEY in choices:

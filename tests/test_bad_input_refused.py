@@ -344,3 +344,26 @@ def test_the_cmd_host_check_applies_on_the_virtual_gpu_only():
         check_host_memory("command", 64 * 2**30, available_bytes=24 * 2**30, simulated=True)
     check_host_memory("command", 64 * 2**30, available_bytes=24 * 2**30, simulated=False)   # tensors on the GPU
     check_host_memory("command", 16 * 2**30, available_bytes=24 * 2**30, simulated=True)    # fits
+
+
+# -- a global batch whose range's low end does not divide it -------------------------------------
+
+def test_a_global_batch_range_starts_at_its_smallest_micro_batch():
+    from oomtune.space import SearchSpace
+
+    # 100 = 2^2 x 5^2: its divisors in [8, 512] are 10, 20, 25, 50, 100 (by hand)
+    space = SearchSpace(8, 512, {}, global_batch=100)
+    assert space.batch_choices() == [10, 20, 25, 50, 100]
+    assert (space.batch_low, space.batch_high) == (10, 100)
+    # what runs at "the smallest batch" (the meta search's smoke test: one CPU step at batch_low)
+    # is a valid micro-batch: 100 / 10 = 10 micro-batches per optimizer step, not an error after a trial
+    assert space.grad_accum_for(space.batch_low) == 10
+    with pytest.raises(ConfigError, match="micro-batch 8 does not divide search.global_batch=100"):
+        space.grad_accum_for(8)
+
+
+def test_a_free_batch_range_keeps_its_ends():
+    from oomtune.space import SearchSpace
+
+    space = SearchSpace(8, 512, {})
+    assert (space.batch_low, space.batch_high) == (8, 512)
