@@ -367,3 +367,48 @@ def test_a_free_batch_range_keeps_its_ends():
 
     space = SearchSpace(8, 512, {})
     assert (space.batch_low, space.batch_high) == (8, 512)
+
+
+# -- a stopped worker holding SQLite's lock is not an unreachable storage -------------------------
+
+def _sqlite_error(text: str) -> Exception:
+    import sqlite3
+
+    from sqlalchemy import exc as sa_exc
+
+    return sa_exc.OperationalError("BEGIN IMMEDIATE", {}, sqlite3.OperationalError(text))
+
+
+def test_a_locked_sqlite_storage_is_named_locked_by_another_process_not_unreachable():
+    from oomtune.exceptions import StorageUnavailableError
+    from oomtune.study.reconnect import _gave_up, retrying
+
+    said: list[str] = []
+
+    def stuck():
+        raise _sqlite_error("database is locked")   # what sqlite3 raises after its busy timeout
+
+    try:
+        with pytest.raises(StorageUnavailableError) as info:
+            retrying(stuck, "claim a trial", say=said.append, delays_s=(0.0,))
+    finally:
+        _gave_up.clear()
+    message = str(info.value)
+    assert message.startswith("storage locked by another process for 0 s (1 retries")
+    assert "database is locked" in message and "SIGSTOP" in message and "unreachable" not in message
+    assert said == ["storage locked by another process while trying to claim a trial: database is locked; "
+                    "retry 1 of 1 in 0 s"]
+
+
+def test_a_lost_connection_is_still_called_unreachable():
+    from oomtune.exceptions import StorageUnavailableError
+    from oomtune.study.reconnect import _gave_up, retrying
+
+    def lost():
+        raise _sqlite_error("disk I/O error")
+
+    try:
+        with pytest.raises(StorageUnavailableError, match=r"^storage unreachable for 0 s"):
+            retrying(lost, "claim a trial", delays_s=(0.0,))
+    finally:
+        _gave_up.clear()
