@@ -55,6 +55,8 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     from oomtune.schema import check_added_keys, register
 
     register()
+    for override in overrides:
+        check_override_depth(override)   # Hydra's parser recurses per level: a RecursionError otherwise
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
@@ -83,6 +85,35 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def check_override_depth(override: str) -> None:
+    """Refuse an override whose value nests lists or dictionaries (``[``, ``{`` outside quotes) more
+    than :data:`oomtune.safeload.MAX_DEPTH` levels deep, the limit of every YAML and JSON file
+    oomtune reads: Hydra's override parser (ANTLR) recurses once per level, and 3,000 levels ended in
+    a ``RecursionError`` traceback.
+
+    Raises:
+        ConfigError: one line naming the key and the limit.
+    """
+    from oomtune.safeload import MAX_DEPTH
+
+    depth = deepest = 0
+    quote = None
+    for ch in str(override):
+        if quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_DEPTH:
+        key = str(override).split("=", 1)[0]
+        raise ConfigError(f"bad override {key}=...: its value nests lists or dictionaries {deepest} levels deep, more "
+                          f"than the {MAX_DEPTH} oomtune reads; give a flat list such as {key.lstrip('+~')}=[0,2,4]")
 
 
 def _option_files(cfg: Any) -> dict[str, Any]:

@@ -412,3 +412,29 @@ def test_a_lost_connection_is_still_called_unreachable():
             retrying(lost, "claim a trial", delays_s=(0.0,))
     finally:
         _gave_up.clear()
+
+
+def test_a_results_channel_line_nested_too_deeply_is_skipped_like_a_torn_line(tmp_path):
+    from oomtune.targets.cmd import read_channel
+
+    path = tmp_path / "channel.jsonl"
+    path.write_text('{"event": "report", "samples": 1}\n' + "[" * 100_000 + "]" * 100_000 + "\n"
+                    + '{"event": "oom"}\n')
+    assert read_channel(path) == [{"event": "report", "samples": 1}, {"event": "oom"}]
+
+
+def test_an_override_nested_3000_levels_deep_is_one_line_not_a_recursion_error(tmp_path, capsys):
+    value = "[" * 3000 + "]" * 3000
+    rc = main(["search", "device=cpu", f"search.data.num_workers={value}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert "search.data.num_workers=...: its value nests lists or dictionaries 3000 levels deep" in line
+
+
+def test_brackets_inside_quotes_do_not_count_as_nesting():
+    from oomtune.config import check_override_depth
+
+    check_override_depth("target.command='python t.py " + "[" * 100 + "'")   # one quoted string
+    with pytest.raises(ConfigError, match="65 levels deep"):
+        check_override_depth("search.space.x=" + "[" * 65 + "]" * 65)
+    check_override_depth("search.space.x=" + "[" * 64 + "]" * 64)
