@@ -55,8 +55,10 @@ def micro_batches(global_batch: int, world_size: int, low: int, high: int) -> li
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}={v!r}: expected an integer >= 1")
     if global_batch % world_size:
+        lower, upper = global_batch - global_batch % world_size, global_batch - global_batch % world_size + world_size
         raise ConfigError(f"search.global_batch={global_batch} is not divisible by the world size {world_size} "
-                          "(every rank trains the same micro-batch)")
+                          f"(trial.gpus: every rank trains the same micro-batch): give a multiple of {world_size}, "
+                          + (f"e.g. search.global_batch={lower} or {upper}" if lower else f"e.g. search.global_batch={upper}"))
     per_rank = global_batch // world_size
     small = [b for b in range(1, int(per_rank ** 0.5) + 1) if per_rank % b == 0]
     divisors = sorted(set(small) | {per_rank // b for b in small})
@@ -201,11 +203,14 @@ class SearchSpace:
             self.data_choices[key] = values
 
     @classmethod
-    def from_config(cls, search_cfg: Any) -> "SearchSpace":
-        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``).
+    def from_config(cls, search_cfg: Any, *, world_size: int = 1) -> "SearchSpace":
+        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``);
+        ``world_size``: the ranks of every trial (``trial.gpus``), over which ``search.global_batch``
+        is split (it counts samples per optimizer step over all ranks).
 
         Raises:
-            ConfigError: a bad batch range, an unknown data-loader key or an empty choice list.
+            ConfigError: a bad batch range, an unknown data-loader key, an empty choice list, or a
+                global batch the world size does not divide (before any trial runs).
             AllocatorConfigError: a search.space value the allocator does not accept.
         """
         from oomtune.config import to_container
@@ -214,7 +219,7 @@ class SearchSpace:
         global_batch = search_cfg.get("global_batch")
         return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {},
                    to_container(search_cfg.get("data")) or {},
-                   global_batch=None if global_batch is None else global_batch)
+                   global_batch=None if global_batch is None else global_batch, world_size=int(world_size))
 
     def batch_choices(self) -> list[int] | None:
         """The allowed batch sizes when only some are (a global batch: the micro-batches that divide

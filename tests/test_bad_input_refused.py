@@ -438,3 +438,29 @@ def test_brackets_inside_quotes_do_not_count_as_nesting():
     with pytest.raises(ConfigError, match="65 levels deep"):
         check_override_depth("search.space.x=" + "[" * 65 + "]" * 65)
     check_override_depth("search.space.x=" + "[" * 64 + "]" * 64)
+
+
+def test_a_global_batch_the_ranks_do_not_divide_is_refused_before_any_trial(tmp_path, capsys):
+    # 100 samples over trial.gpus=3 ranks: 100 = 3 x 33 + 1, so no equal micro-batch per rank; the
+    # nearest multiples of 3 are 99 and 102 (by hand)
+    run_dir = tmp_path / "run"
+    rc = main(["search", "model=mlp", "model.parallel=ddp", "trial.gpus=3", "device=cpu", "trial.execute=cpu",
+               "search.global_batch=100", "search.batch_size.low=2", f"hydra.run.dir={run_dir}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert line == ("oomtune: error: search.global_batch=100 is not divisible by the world size 3 (trial.gpus: every "
+                    "rank trains the same micro-batch): give a multiple of 3, e.g. search.global_batch=99 or 102")
+    assert not run_dir.exists()
+
+
+def test_a_global_batch_is_split_over_the_ranks():
+    from omegaconf import OmegaConf
+
+    from oomtune.space import SearchSpace
+
+    search = OmegaConf.create({"batch_size": {"low": 1, "high": 512}, "space": {}, "data": {},
+                               "global_batch": 96})
+    # 96 over 2 ranks: 48 per rank, whose divisors are 1, 2, 3, 4, 6, 8, 12, 16, 24, 48 (by hand)
+    space = SearchSpace.from_config(search, world_size=2)
+    assert space.batch_choices() == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    assert space.grad_accum_for(8) == 6   # 96 / (8 x 2)

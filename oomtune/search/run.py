@@ -292,7 +292,8 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
     check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
     check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
     cfg = compose_checked(overrides)
-    space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+    # allocator values: no torch needed either; a global batch split over trial.gpus ranks
+    space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
     dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
 
     def workload(cfg: Any) -> dict[str, Any]:
