@@ -464,3 +464,15 @@ def test_a_global_batch_is_split_over_the_ranks():
     space = SearchSpace.from_config(search, world_size=2)
     assert space.batch_choices() == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
     assert space.grad_accum_for(8) == 6   # 96 / (8 x 2)
+
+
+def test_report_leaves_a_zero_byte_study_db_zero_bytes(tmp_path):
+    from oomtune.htmlreport import build_report
+
+    db = tmp_path / "study.db"
+    db.write_bytes(b"")
+    (tmp_path / "run.json").write_text(json.dumps({"storage": "sqlite:///study.db", "study_name": "s",
+                                                   "storage_file": "study.db"}))
+    build_report(tmp_path, None, say=lambda line: None)   # the report is its output; the study is only read
+    assert db.read_bytes() == b""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "run.json", "study.db"]
