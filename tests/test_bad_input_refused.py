@@ -281,7 +281,7 @@ def test_budgets_with_a_unit_or_a_fraction_are_read(budget, expected):
     assert parse_budget(budget) == expected
 
 
-def test_simulate_budget_follows_the_same_rule_for_large_numbers(tmp_path, capsys):
+def test_simulate_budget_follows_the_same_rule_for_large_numbers():
     from oomtune.units import parse_size_with_unit
 
     with pytest.raises(ConfigError, match=r"--budget '17179869184' is ambiguous.*--budget 17179869184B for bytes"):
