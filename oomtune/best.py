@@ -51,9 +51,12 @@ from oomtune.exceptions import BestFileError, OomtuneError
 
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
            "CudaAlreadyInitializedError", "RankCountError", "check_world_size", "trials_text",
-           "needs_memory_fraction", "fraction_key_supported", "conf_with_fraction", "FRACTION_KEY"]
+           "needs_memory_fraction", "fraction_key_supported", "conf_with_fraction", "FRACTION_KEY", "check_workload",
+           "BEST_MAX_BYTES", "virtual_fraction_note"]
 
 SCHEMA_VERSION = 1
+#: The largest best.yaml read (bytes): the search writes a few KiB (its frontiers list included).
+BEST_MAX_BYTES = 2**20
 ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 #: The allocator key that sets the per-process memory fraction at allocator start (pytorch#161035;
 #: ``CUDAAllocatorConfig::parsePerProcessMemoryFraction``, applied in the ``DeviceCachingAllocator``
@@ -239,6 +242,24 @@ class BestConfig:
                 "allocation")
 
 
+def virtual_fraction_note(config: BestConfig) -> str | None:
+    """One line when best.yaml's memory fraction was computed on the virtual GPU's size (the search
+    ran without a real device: ``device.memory_source`` ``simulated``, its ``total_memory_bytes`` the
+    ``virtual_device_memory``, 80 GiB unless set), not a measured GPU's: the same fraction of a GPU of
+    another size is another budget (``0.025`` of 80 GiB is 2 GiB, of 24 GiB 0.6 GiB). None when the
+    answer needs no fraction or the fraction is of a real device (``memory_source: device``)."""
+    if config.memory_fraction is None:
+        return None
+    device = config.device or {}
+    if device.get("memory_source") != "simulated" and device.get("kind") == "cuda":
+        return None
+    total = device.get("total_memory_bytes")
+    size = _gib(total) if isinstance(total, int) and not isinstance(total, bool) and total > 0 else "assumed"
+    return (f"{FRACTION_KEY}:{config.memory_fraction!r} is a fraction of the virtual GPU's {size} "
+            "(virtual_device_memory; simulated, not a real device's memory): on a GPU of another size it allows "
+            "another budget; search again with virtual_device_memory set to your GPU's memory, or on the GPU")
+
+
 def write_best(config: BestConfig, path: str | Path) -> Path:
     """Write best.yaml atomically (temp file + rename: :func:`oomtune.files.write_atomic`). Returns
     the path.
@@ -285,27 +306,19 @@ def load_best(path: str | Path) -> BestConfig:
     Also accepts a run directory (reads ``<dir>/best.yaml``).
 
     Raises:
-        BestFileError: the file is missing, not YAML, not a mapping, of another schema version,
-            missing a required section, its ``alloc_conf`` is not a valid allocator string, or it
+        BestFileError: the file is missing, larger than :data:`BEST_MAX_BYTES`, nested more than
+            :data:`oomtune.safeload.MAX_DEPTH` levels, not YAML, not a mapping, of another schema
+            version, missing a required section, its ``workload`` section malformed
+            (:func:`check_workload`), its ``alloc_conf`` is not a valid allocator string, or it
             contradicts its ``settings`` mapping (the keys that differ are named).
     """
-    import yaml
+    from oomtune.safeload import read_yaml
 
     path = Path(path)
     if path.is_dir():
         path = path / "best.yaml"
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise BestFileError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise BestFileError(f"{path} is not a best.yaml: it is not a text file") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise BestFileError(f"{path} is not valid YAML{where}") from None
+    # size and depth limited: a file nested 100,000 levels deep is one line, not a RecursionError
+    data = read_yaml(path, what="a best.yaml", max_bytes=BEST_MAX_BYTES, error=BestFileError)
     if not isinstance(data, dict):
         raise BestFileError(f"{path} is not a best.yaml: expected a mapping at the top level")
     version = data.get("schema_version")
@@ -332,10 +345,53 @@ def load_best(path: str | Path) -> BestConfig:
     if data.get("baseline") is not None:
         data["baseline"] = _choice(data["baseline"], f"{path}: baseline")
     config = BestConfig(**data)
+    check_workload(config.workload, where=f"{path}: workload")
     for where, choice in (("best", config.best), ("baseline", config.baseline)):
         if choice is not None:
             _check_agreement(path, where, choice)
     return config
+
+
+def check_workload(workload: Any, *, where: str = "best.yaml workload") -> None:
+    """The one validator of best.yaml's ``workload`` section, shared by :func:`load_best` (so
+    :func:`apply_best`, ``oomtune env`` and ``oomtune show``) and ``oomtune check``
+    (:func:`oomtune.regression.prepare_check`, which also needs the model of a built-in workload).
+    Each key is optional (hand-written files may give none), but present it must be well formed:
+
+    - ``target``: a mapping with a string ``name``;
+    - ``model``: a mapping with a string ``name``;
+    - ``training``: a mapping; its ``grad_accum`` an integer >= 1, its ``activation_checkpointing``
+      true, false or null;
+    - ``ranks``: an integer >= 1 (the ranks, one GPU each, the answer was tuned for; compared with
+      ``WORLD_SIZE`` by :func:`check_world_size`): a string such as ``'$(touch x)'`` is refused rather
+      than skipped.
+
+    Raises:
+        BestFileError: the first malformed key, in one line naming it and the value.
+    """
+    if not isinstance(workload, dict):
+        raise BestFileError(f"{where} must be a mapping, got {workload!r}")
+    target = workload.get("target")
+    if target is not None and (not isinstance(target, dict) or not isinstance(target.get("name"), str)):
+        raise BestFileError(f"{where}.target must be a mapping with a 'name' string, got {target!r}")
+    model = workload.get("model")
+    if model is not None and (not isinstance(model, dict) or not isinstance(model.get("name"), str)):
+        raise BestFileError(f"{where}.model must be a mapping with a 'name' string, got {model!r}")
+    training = workload.get("training")
+    if training is not None:
+        if not isinstance(training, dict):
+            raise BestFileError(f"{where}.training must be a mapping, got {training!r}")
+        accum = training.get("grad_accum", 1)
+        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+            raise BestFileError(f"{where}.training.grad_accum must be an integer >= 1, got {accum!r}")
+        ckpt = training.get("activation_checkpointing")
+        if ckpt is not None and not isinstance(ckpt, bool):
+            raise BestFileError(f"{where}.training.activation_checkpointing must be true, false or null, "
+                                f"got {ckpt!r}")
+    ranks = workload.get("ranks")
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        raise BestFileError(f"{where}.ranks must be an integer >= 1 (the ranks the answer was tuned for), "
+                            f"got {ranks!r}")
 
 
 def _check_agreement(path: Path, where: str, choice: Choice) -> None:

@@ -109,17 +109,16 @@ def _config_keys() -> dict[str, str]:
     conf/config.yaml (``budget`` -> ``budget``, ``model`` -> ``model``) and, where the name is not
     one of those, the keys one level down, in config.yaml's mappings and in each group's files
     (``workers`` -> ``search.workers``). Empty when the conf/ directory is missing or unreadable."""
-    import yaml
-
     from oomtune.config import conf_dir
     from oomtune.exceptions import ConfigError
+    from oomtune.safeload import read_yaml
 
-    try:
+    try:   # size- and depth-limited reads (oomtune.safeload), as every YAML file oomtune reads
         conf = conf_dir()
-        top = yaml.safe_load((conf / "config.yaml").read_text()) or {}
-        groups = {p.name: [yaml.safe_load(f.read_text()) or {} for f in sorted(p.glob("*.yaml"))]
+        top = read_yaml(conf / "config.yaml", what="oomtune's config.yaml") or {}
+        groups = {p.name: [read_yaml(f, what="a config group option") or {} for f in sorted(p.glob("*.yaml"))]
                   for p in sorted(conf.iterdir()) if p.is_dir()}
-    except (ConfigError, OSError, yaml.YAMLError):
+    except (ConfigError, OSError):
         return {}
     keys = {k: k for k in [*top, *groups] if k not in ("defaults", "hydra")}
     nested = [(k, v) for k, v in top.items() if isinstance(v, dict) and k != "hydra"]

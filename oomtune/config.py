@@ -52,9 +52,11 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from oomtune.schema import register
+    from oomtune.schema import check_added_keys, register
 
     register()
+    for override in overrides:
+        check_override_depth(override)   # Hydra's parser recurses per level: a RecursionError otherwise
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
@@ -68,6 +70,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
         raise ConfigError(message) from None
     finally:
         GlobalHydra.instance().clear()
+    check_added_keys(overrides, _option_files(cfg))   # +key: checked against the schema like any key
     try:
         for key in cfg:
             if key != "hydra":
@@ -82,6 +85,55 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg
+
+
+def check_override_depth(override: str) -> None:
+    """Refuse an override whose value nests lists or dictionaries (``[``, ``{`` outside quotes) more
+    than :data:`oomtune.safeload.MAX_DEPTH` levels deep, the limit of every YAML and JSON file
+    oomtune reads: Hydra's override parser (ANTLR) recurses once per level, and 3,000 levels ended in
+    a ``RecursionError`` traceback.
+
+    Raises:
+        ConfigError: one line naming the key and the limit.
+    """
+    from oomtune.safeload import MAX_DEPTH
+
+    depth = deepest = 0
+    quote = None
+    for ch in str(override):
+        if quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_DEPTH:
+        key = str(override).split("=", 1)[0]
+        raise ConfigError(f"bad override {key}=...: its value nests lists or dictionaries {deepest} levels deep, more "
+                          f"than the {MAX_DEPTH} oomtune reads; give a flat list such as {key.lstrip('+~')}=[0,2,4]")
+
+
+def _option_files(cfg: Any) -> dict[str, Any]:
+    """The option files chosen for the ``model`` and ``target`` groups (``conf/<group>/<option>.yaml``,
+    read size- and depth-limited), as plain mappings: the keys a ``+`` override may extend.
+
+    Raises:
+        ConfigError: an option file that cannot be read (a broken installation).
+    """
+    from oomtune.safeload import read_yaml
+
+    choices = cfg.hydra.runtime.choices if "hydra" in cfg else {}
+    out: dict[str, Any] = {}
+    for group in ("model", "target"):
+        option = choices.get(group)
+        path = conf_dir() / group / f"{option}.yaml"
+        if option is not None and path.is_file():
+            data = read_yaml(path, what=f"a {group} option file")
+            out[group] = data if isinstance(data, dict) else {}
+    return out
 
 
 def check_study_name(name: Any) -> None:

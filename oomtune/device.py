@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from oomtune.exceptions import ConfigError, DeviceError
-from oomtune.units import MiB, format_bytes, parse_size
+from oomtune.units import format_bytes, parse_size
 
 __all__ = ["TargetDevice", "resolve_device", "resolve_budget", "parse_budget", "check_device_spec", "fraction_note"]
 
@@ -110,12 +110,22 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
 def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
     """The budget's syntax, checked without a device (so bad input is refused before torch is
     imported): ``("fraction", F)`` for a number in (0, 1] (a fraction of the device), ``("bytes", N)``
-    for a size (``16GiB``, ``1.5GB``, or a plain byte count of at least 1 MiB).
+    for a size with a unit (``16GiB``, ``1.5GB``, ``17179869184B``). A Python ``int`` (not text) is a
+    byte count: what oomtune itself passes (best.yaml's ``device.budget_bytes``).
+
+    A number above 1 written without a unit (``budget=1024``, ``budget=1e30``) is ambiguous, whatever
+    its size: 1024 bytes, or the 1024 MiB whoever typed it probably meant? It is refused with the
+    spellings that say it (``1024MiB``, ``1024B``); before, ``1e30`` was read as bytes while
+    ``1024`` was refused.
 
     Raises:
-        ConfigError: not a finite positive size or fraction, or a bare number in (1, 1 MiB)
-            (ambiguous: neither a fraction nor a plausible byte count).
+        ConfigError: not a finite positive size or fraction, or a number above 1 without a unit; one
+            line with the fix.
     """
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        if budget <= 0:
+            raise ConfigError(f"budget {budget!r} must be > 0")
+        return ("fraction", float(budget)) if budget == 1 else ("bytes", budget)
     text = str(budget).strip()
     try:
         number = float(text)
@@ -127,10 +137,10 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
         raise ConfigError(f"budget {text!r} must be > 0")
     if number is not None and number <= 1:
         return "fraction", number
-    if number is not None and number < MiB:
+    if number is not None:
         raise ConfigError(
-            f"budget {text!r} is ambiguous: give a fraction of the device in (0, 1] (e.g. 0.9) "
-            "or a size with a unit (e.g. 16GiB)"
+            f"budget {text!r} is ambiguous (a number without a unit): write budget={text}MiB (or GiB, "
+            f"or budget={text}B for bytes), or a fraction of the device in (0, 1] such as budget=0.9"
         )
     try:
         budget_bytes = parse_size(text)

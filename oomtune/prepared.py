@@ -47,6 +47,12 @@ class PreparedRun:
     run_dir: Path
 
 
+def _ranks(cfg: Any) -> int:
+    """``trial.gpus``: the ranks of every trial, over which ``search.global_batch`` is split."""
+    trial = cfg.get("trial")
+    return int(trial.get("gpus", 1) or 1) if trial is not None else 1
+
+
 def compose_checked(overrides: Sequence[str]) -> Any:
     """The config of ``overrides`` plus the environment's (:func:`oomtune.config.env_overrides`),
     every typed key checked (:func:`oomtune.schema.validate`), before torch is imported.
@@ -85,7 +91,7 @@ def prepare(overrides: Sequence[str], *, workload: Callable[[Any], dict[str, Any
 
     cfg = compose_checked(overrides) if cfg is None else cfg
     if space is None and not space_last:
-        space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+        space = SearchSpace.from_config(cfg.search, world_size=_ranks(cfg))   # allocator values: no torch needed either
     work = workload(cfg)
     if checked is not None:
         checked(cfg, work, space)
@@ -93,6 +99,6 @@ def prepare(overrides: Sequence[str], *, workload: Callable[[Any], dict[str, Any
     budget_bytes = resolve_budget(cfg.budget, device)
     work = resolve_gpu_key(work, device)
     if space is None:
-        space = SearchSpace.from_config(cfg.search)
+        space = SearchSpace.from_config(cfg.search, world_size=_ranks(cfg))
     return PreparedRun(overrides=tuple(overrides), cfg=cfg, workload=work, target=target_for(work), device=device,
                        budget_bytes=budget_bytes, space=space, run_dir=C.run_dir_of(cfg))

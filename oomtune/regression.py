@@ -254,19 +254,16 @@ def _workload(best: Any) -> dict[str, Any]:
 
     Raises:
         BestFileError: a malformed target, model, ``training`` or ``ranks``."""
+    from oomtune.best import check_workload
+
+    check_workload(best.workload)   # the validator load_best (apply_best, oomtune env) runs too
     target = best.workload.get("target") or {"name": "builtin"}
-    if not isinstance(target, dict) or not isinstance(target.get("name"), str):
-        raise BestFileError("best.yaml workload.target must be a mapping with a 'name'")
     gpu = (best.device or {}).get("target_gpu") if isinstance(best.device, dict) else None
     # the GPU the recorded prediction's kernels stood for (device.target_gpu; a best.yaml from before
     # it was recorded: the model group's gpu, else the default)
     extra = {"gpu": gpu["key"], "gpu_source": gpu.get("source", "model.gpu")} if isinstance(gpu, dict) and gpu.get("key") else {}
     training = best.workload.get("training") or {}
-    if not isinstance(training, dict):
-        raise BestFileError("best.yaml workload.training must be a mapping")
     ranks = best.workload.get("ranks")
-    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
-        raise BestFileError(f"best.yaml workload.ranks={ranks!r} must be an integer >= 1")
     if ranks is not None:
         extra["ranks"] = ranks
     from oomtune.trial._base import find_target

@@ -88,8 +88,10 @@ def read_run_file(run_dir: Path) -> RunStorage | None:
     path = run_dir / RUN_FILE
     if not path.is_file():
         return None
+    from oomtune.safeload import read_json
+
+    info = read_json(path, what=f"an oomtune {RUN_FILE}", max_bytes=2**20, error=BestFileError)
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
         url, name = str(info["storage"]), str(info["study_name"])
         relative = info.get("storage_file")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):

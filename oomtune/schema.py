@@ -13,7 +13,8 @@ from typing import Any, Dict, Optional
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["RootConf", "SearchConf", "TrialConf", "BatchRangeConf", "register", "validate"]
+__all__ = ["RootConf", "SearchConf", "TrialConf", "BatchRangeConf", "register", "validate", "added_key",
+           "check_added_keys", "OPEN", "SHAPE_KEYS_ADDABLE"]
 
 
 @dataclass
@@ -80,6 +81,95 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="oomtune_schema", node=RootConf)
+
+
+#: A mapping whose keys another check owns (``search.space``: the allocator's keys, refused by
+#: :class:`oomtune.space.SearchSpace`; ``search.data``: the data-loader settings; ``hydra``: Hydra's
+#: own config, where ``+hydra.job.env_set.X=...`` is Hydra's documented form).
+OPEN = object()
+#: Keys a ``+`` override may add to the ``target`` group besides its option file's keys: a python
+#: entry's shape distribution (:func:`oomtune.workloads.shapes.entry_shape_distribution`, which checks
+#: their inner keys; a built-in model's is in its option file).
+SHAPE_KEYS_ADDABLE = ("seq_len", "image_size")
+#: The keys of the ``plan`` mapping (:func:`oomtune.plan.run.plan` reads ``plan.batch_sizes``).
+_PLAN_KEYS = {"batch_sizes": OPEN}
+
+
+def added_key(override: str) -> str | None:
+    """The dotted key a Hydra override adds (``+search.n_trails=5`` and ``++foo=bar`` -> the key
+    after the plus signs), or None for an override that adds nothing (``key=value``, ``~key``)."""
+    if not override.startswith("+"):
+        return None
+    return override.lstrip("+").split("=", 1)[0].strip() or None
+
+
+def _schema_tree(groups: Dict[str, Any]) -> Dict[str, Any]:
+    """The keys each level may hold: a dataclass's fields, an option file's keys, or :data:`OPEN`."""
+    import dataclasses
+
+    def of(cls: Any) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None   # type: ignore[misc]
+            out[f.name] = of(sub) if isinstance(sub, type) and dataclasses.is_dataclass(sub) else OPEN
+        return out
+
+    def from_file(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return OPEN   # a scalar or list in the option file: what it holds is checked by its reader
+        return {str(k): from_file(v) for k, v in node.items()}
+
+    tree = of(RootConf)
+    tree["hydra"] = OPEN
+    tree["plan"] = dict(_PLAN_KEYS)
+    tree["search"]["space"] = OPEN
+    tree["search"]["data"] = OPEN
+    for group in ("model", "target"):
+        keys = from_file(groups.get(group) or {})
+        keys = keys if isinstance(keys, dict) else {}
+        if group == "target":   # a python entry's distribution (a built-in model's is in its file)
+            for shape in SHAPE_KEYS_ADDABLE:
+                keys.setdefault(shape, OPEN)
+        tree[group] = keys
+    return tree
+
+
+def check_added_keys(overrides: Any, groups: Dict[str, Any]) -> None:
+    """Refuse a ``+key=value`` (or ``++key=value``) override whose key the schema does not have,
+    as a plain ``key=value`` of an unknown key is refused (Hydra's ``+`` appends any key, so
+    ``+search.n_trails=5`` and ``+foo=bar`` were accepted silently and the search ran with the
+    default). The typed levels (the root, ``search``, ``search.batch_size``, ``trial``) allow their
+    dataclass fields; ``plan`` its ``batch_sizes``; ``model`` and ``target`` the keys of the chosen
+    option file (``groups``: ``{"model": {...}, "target": {...}}`` as read from conf/), ``target``
+    also the shape distributions :data:`SHAPE_KEYS_ADDABLE`; the :data:`OPEN` mappings are checked by
+    their owners (``hydra``, ``search.space``, ``search.data``).
+
+    Raises:
+        ConfigError: one line naming the key, the closest existing one (``difflib``'s default
+            cutoff 0.6) or the keys that level has, and how to fix it.
+    """
+    import difflib
+
+    tree = _schema_tree(groups)
+    for override in overrides:
+        dotted = added_key(str(override))
+        if dotted is None:
+            continue
+        node: Any = tree
+        path: list[str] = []
+        for part in dotted.split("."):
+            if node is OPEN:
+                break
+            if part not in node:
+                keys = [k for k in node if path or k != "hydra"]
+                close = difflib.get_close_matches(part, keys, n=1)
+                where = ".".join(path) or "the config"
+                hint = (f"did you mean {'.'.join(path + [close[0]])!r}?" if close
+                        else f"{where} has {', '.join(keys)}")
+                raise ConfigError(f"unknown config key {dotted!r} in {override!r}: '+' adds a key, but {where} "
+                                  f"takes no {part!r}; {hint}")
+            path.append(part)
+            node = node[part]
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:

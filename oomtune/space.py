@@ -55,8 +55,10 @@ def micro_batches(global_batch: int, world_size: int, low: int, high: int) -> li
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}={v!r}: expected an integer >= 1")
     if global_batch % world_size:
+        lower, upper = global_batch - global_batch % world_size, global_batch - global_batch % world_size + world_size
         raise ConfigError(f"search.global_batch={global_batch} is not divisible by the world size {world_size} "
-                          "(every rank trains the same micro-batch)")
+                          f"(trial.gpus: every rank trains the same micro-batch): give a multiple of {world_size}, "
+                          + (f"e.g. search.global_batch={lower} or {upper}" if lower else f"e.g. search.global_batch={upper}"))
     per_rank = global_batch // world_size
     small = [b for b in range(1, int(per_rank ** 0.5) + 1) if per_rank % b == 0]
     divisors = sorted(set(small) | {per_rank // b for b in small})
@@ -134,7 +136,8 @@ class SearchSpace:
     training setting: ``activation_checkpointing``).
 
     Args:
-        batch_low / batch_high: the batch range (the micro-batch's, with ``global_batch``).
+        batch_low / batch_high: the batch range; with ``global_batch`` the smallest and the largest
+            micro-batch in the configured range that divide it (every batch run is a valid one).
         choices: allocator key -> candidate values; ``activation_checkpointing`` -> [false, true]
             is taken out as a training setting.
         data_choices: data-loader key -> candidate values.
@@ -154,9 +157,14 @@ class SearchSpace:
             raise ConfigError(
                 f"search.batch_size must satisfy 1 <= low <= high, got low={batch_low!r} high={batch_high!r}"
             )
-        self.batch_low, self.batch_high = batch_low, batch_high
         self.global_batch, self.world_size = global_batch, world_size
         self._micro = None if global_batch is None else micro_batches(global_batch, world_size, batch_low, batch_high)
+        if self._micro is not None:
+            # the range's ends become the smallest and largest valid micro-batches: whatever runs at
+            # "the smallest batch" (the smoke test's CPU step, the anchors, the frontier's floor) must
+            # divide the global batch (global_batch=100 with batch_size.low=8: 10, not 8)
+            batch_low, batch_high = self._micro[0], self._micro[-1]
+        self.batch_low, self.batch_high = batch_low, batch_high
         choices = dict(choices)
         self.checkpointing: list[bool] | None = None
         if CHECKPOINTING_KEY in choices:
@@ -195,11 +203,14 @@ class SearchSpace:
             self.data_choices[key] = values
 
     @classmethod
-    def from_config(cls, search_cfg: Any) -> "SearchSpace":
-        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``).
+    def from_config(cls, search_cfg: Any, *, world_size: int = 1) -> "SearchSpace":
+        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``);
+        ``world_size``: the ranks of every trial (``trial.gpus``), over which ``search.global_batch``
+        is split (it counts samples per optimizer step over all ranks).
 
         Raises:
-            ConfigError: a bad batch range, an unknown data-loader key or an empty choice list.
+            ConfigError: a bad batch range, an unknown data-loader key, an empty choice list, or a
+                global batch the world size does not divide (before any trial runs).
             AllocatorConfigError: a search.space value the allocator does not accept.
         """
         from oomtune.config import to_container
@@ -208,7 +219,7 @@ class SearchSpace:
         global_batch = search_cfg.get("global_batch")
         return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {},
                    to_container(search_cfg.get("data")) or {},
-                   global_batch=None if global_batch is None else global_batch)
+                   global_batch=None if global_batch is None else global_batch, world_size=int(world_size))
 
     def batch_choices(self) -> list[int] | None:
         """The allowed batch sizes when only some are (a global batch: the micro-batches that divide

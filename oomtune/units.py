@@ -57,9 +57,9 @@ def parse_size(text: str | int | float) -> int:
 
 def parse_size_with_unit(text: str | int | float, *, what: str = "size") -> int:
     """:func:`parse_size` for a capacity given by a person (``--budget``, ``--max-size``), refusing a
-    bare number below 1 MiB as ambiguous: ``1024`` means 1024 bytes to :func:`parse_size` but
-    probably 1024 MiB to whoever typed it (the same rule as ``budget=`` of ``oomtune search``,
-    :func:`oomtune.device.parse_budget`). A bare count of at least 1 MiB is taken as bytes.
+    number without a unit as ambiguous, whatever its size: ``1024`` means 1024 bytes to
+    :func:`parse_size` but probably 1024 MiB to whoever typed it (the same rule as ``budget=`` of
+    ``oomtune search``, :func:`oomtune.device.parse_budget`); ``1024B`` says bytes.
 
     Raises:
         ConfigError: ``"--budget '1024' is ambiguous: ..."``, or what :func:`parse_size` raises.
@@ -69,9 +69,9 @@ def parse_size_with_unit(text: str | int | float, *, what: str = "size") -> int:
         number = float(stripped)
     except ValueError:
         number = None
-    if number is not None and math.isfinite(number) and 0 < number < MiB:
+    if number is not None and math.isfinite(number) and number > 0:
         raise ConfigError(f"{what} {stripped!r} is ambiguous (a number without a unit): give a size with a "
-                          f"unit, e.g. {what} {stripped}MiB or {what} 16GiB")
+                          f"unit, e.g. {what} {stripped}MiB or {what} 16GiB ({what} {stripped}B for bytes)")
     try:
         return parse_size(text)
     except ConfigError:

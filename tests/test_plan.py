@@ -164,7 +164,7 @@ def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, ove
     """The predicted maximum B runs in a live virtual-GPU trial and B + 1 runs out of memory."""
     _clear_alloc_env(monkeypatch)
     # headroom 0: "fits" is then exactly "the trial does not run out of memory" (the OOM boundary)
-    fmap = _plan(tmp_path, *MLP, f"budget={budget}", "search.headroom=0", "search.batch_size.low=8",
+    fmap = _plan(tmp_path, *MLP, f"budget={budget}B", "search.headroom=0", "search.batch_size.low=8",
                  f"search.batch_size.high={high}",
                  "search.space.expandable_segments=[false]", "search.space.max_split_size_mb=[null]",
                  "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]")

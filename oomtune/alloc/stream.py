@@ -204,6 +204,9 @@ class AllocationStream:
                     out.append(action, int(key), int(size), int(stream))
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{str(path)!r} is not a valid oomtune allocation stream ({exc})") from None
+        except RecursionError:   # a line nested thousands of levels deep: json recurses once per level
+            raise ConfigError(f"{str(path)!r} is not a valid oomtune allocation stream (a line is nested too "
+                              "deeply)") from None
         return out
 
 

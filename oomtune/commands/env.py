@@ -6,7 +6,8 @@ says to call ``torch.cuda.set_per_process_memory_fraction(F)`` (a comment, so ev
 core in use, the allocator variables set), torch not imported.
 
 Warns on stderr when PYTORCH_NO_CUDA_MEMORY_CACHING is set: the exported settings would do nothing
-(:mod:`oomtune.alloc.caching_env`).
+(:mod:`oomtune.alloc.caching_env`); and, in one line, when the memory fraction was computed on the
+virtual GPU's size rather than a real device's (:func:`oomtune.best.virtual_fraction_note`).
 """
 
 from __future__ import annotations
@@ -91,9 +92,12 @@ def run(args: argparse.Namespace) -> int:
     reason = caching_disabled_reason()
     if reason is not None:  # stderr, so that eval "$(oomtune env ...)" still gets only the exports
         print(f"oomtune: warning: {reason}", file=sys.stderr)
-    from oomtune.best import fraction_key_supported
+    from oomtune.best import fraction_key_supported, virtual_fraction_note
 
     supported = fraction_key_supported()
+    note = virtual_fraction_note(best)
+    if note is not None:   # stderr, one line: the fraction printed below is of the virtual GPU's size
+        print(f"oomtune: warning: {note}", file=sys.stderr)
     print(best.export_line(fraction_key=supported))
     if best.memory_fraction is not None and not supported:
         print(f"# {best.fraction_advice()}")

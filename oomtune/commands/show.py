@@ -63,10 +63,11 @@ def _locate(args: argparse.Namespace) -> Any:
 def _same_study(best_path: Path, found: Any) -> bool:
     """Whether the best.yaml at ``best_path`` names the study of the run.json beside it (its
     ``study.study_name``; the file's other sections are not needed to show the trials)."""
-    import yaml
+    from oomtune.best import BEST_MAX_BYTES
+    from oomtune.safeload import read_yaml
 
-    try:
-        data = yaml.safe_load(best_path.read_text(encoding="utf-8"))
+    try:   # size and depth limited: a deep file falls to load_best, which refuses it in one line
+        data = read_yaml(best_path, what="a best.yaml", max_bytes=BEST_MAX_BYTES)
         return data["study"]["study_name"] == found.study_name
     except Exception:  # noqa: BLE001 - not a best.yaml of this study: the caller loads it as given
         return False

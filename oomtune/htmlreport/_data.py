@@ -60,14 +60,16 @@ class RunData:
 
 
 def _read_yaml(path: Path, notes: list[str]) -> dict[str, Any] | None:
-    import yaml
+    from oomtune.exceptions import ConfigError
+    from oomtune.safeload import read_yaml
 
     if not path.is_file():
         return None
     try:
-        # libyaml's parser where installed (same objects, ~8x faster: issue 13, plan's report)
-        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        # libyaml's parser where installed (same objects, ~8x faster: issue 13, plan's report); size
+        # and depth limited (a file nested 100,000 levels deep is a note, not a RecursionError)
+        data = read_yaml(path, what=f"oomtune's {path.name}")
+    except ConfigError as exc:
         notes.append(f"{path.name} could not be read: {str(exc).splitlines()[0]}")
         return None
     if not isinstance(data, dict):

@@ -425,8 +425,12 @@ def check_writable(path: str | Path, label: str) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ConfigError(f"{label} {str(path)!r}: cannot write there ({str(parent)!r}: "
-                          f"{exc.strerror or exc})") from None
+        # the path the user gave first, then why (the nearest existing folder and what it said: /proc
+        # answers ENOENT to a new file, a read-only mount EROFS), then what to do
+        missing = "" if parent == path.absolute().parent else f"; its folder {str(path.absolute().parent)!r} does not exist"
+        raise ConfigError(f"{label} {str(path)!r}: cannot create the file{missing} and no file can be created in "
+                          f"{str(parent)!r} ({exc.strerror or exc}): give a path in a folder you can write to, "
+                          f"e.g. {label} ./{path.name}") from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"{label} {str(path)!r}: the file exists and is not writable")
     return path

@@ -25,7 +25,6 @@ micro-batch that is the whole global batch is left to a trial.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,10 @@ def load_recording(path: str | Path) -> tuple[Any, dict[str, Any]]:
 
     stream = AllocationStream.load(path)
     meta_path = Path(str(path) + ".json")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    from oomtune.safeload import read_json
+
+    try:   # size and depth limited (oomtune.safeload): one line, never a RecursionError
+        meta = read_json(meta_path, what="a recorded stream's metadata", error=ValueError) if meta_path.is_file() else {}
     except (OSError, ValueError) as exc:
         raise ConfigError(f"recorded stream metadata {str(meta_path)!r} is unreadable: {exc}") from None
     if not isinstance(meta, dict):

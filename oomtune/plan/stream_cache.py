@@ -294,7 +294,7 @@ class StreamCache:
                 raise ValueError("the stream file is not the one stored")
             stream = AllocationStream.load(stream_path)
             stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
-        except (OSError, ValueError, ConfigError):
+        except (OSError, ValueError, ConfigError, RecursionError):   # a file nested too deeply: a miss
             self.misses += 1
             return None
         self.hits += 1
@@ -341,7 +341,7 @@ class StreamCache:
         path, material = self._validated_entry(model_cfg)
         try:
             return json.loads(path.read_text(encoding="utf-8")).get("key") == _as_read_back(material)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             return False
 
     def mark_validated(self, model_cfg: dict[str, Any]) -> None:

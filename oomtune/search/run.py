@@ -292,7 +292,8 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
     check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
     check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
     cfg = compose_checked(overrides)
-    space = SearchSpace.from_config(cfg.search)   # allocator values: no torch needed either
+    # allocator values: no torch needed either; a global batch split over trial.gpus ranks
+    space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
     dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
 
     def workload(cfg: Any) -> dict[str, Any]:
@@ -319,7 +320,7 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
     # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
     # cannot hold stops here (exit 2)
     check_host_memory(options.execute, budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
-                      available_bytes=options.host_available_bytes)
+                      available_bytes=options.host_available_bytes, simulated=device.simulated)
     predicts = cfg.search.prune == "predicted" and run.target.capturable
     check_launches(options, predicts=predicts, target=run.target)
     return _Prepared(run=run, options=options, dropped_gc=dropped_gc, predicts=predicts,

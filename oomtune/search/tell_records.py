@@ -47,9 +47,11 @@ def write_record(workdir: Path, study_name: str, trial: Any, *, state: str, valu
 
 
 def _read(path: Path) -> dict[str, Any] | None:
+    from oomtune.safeload import read_json
+
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        record = read_json(path, what="a tell record", error=ValueError)   # size and depth limited
+    except (OSError, ValueError):
         return None
     keys = ("study_name", "trial_id", "number", "state", "value", "user_attrs", "constraints")
     if not isinstance(record, dict) or any(k not in record for k in keys) or record["state"] not in ("COMPLETE", "FAIL"):

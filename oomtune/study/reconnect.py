@@ -94,6 +94,13 @@ def _is_disk_full(chain: list[BaseException]) -> bool:
     return any(marker in _text(chain) for marker in _DISK_FULL)
 
 
+def _is_locked(chain: list[BaseException]) -> bool:
+    """SQLite's "database is locked" (SQLITE_BUSY after the busy timeout): the file is reachable but
+    another connection holds its write lock -- a process sharing the study that stopped (SIGSTOP,
+    Ctrl-Z) or hung inside a transaction, not a lost connection."""
+    return "database is locked" in _text(chain)
+
+
 def is_connection_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or anything in its cause chain) is a lost or refused storage connection, as
     opposed to a programming error, a constraint violation, or a permanent SQLite error (see the
@@ -176,13 +183,21 @@ def retrying(fn: Callable[[], Any], what: str, *, say: Callable[[str], None] | N
                                         f"{_first_line(exc)}") from exc
                 if not is_connection_error(exc):
                     raise
+                locked = _is_locked(exception_chain(exc))
                 if delay is None:
                     _gave_up.set()
+                    if locked:   # reachable, but another process holds the write lock: say so
+                        raise StorageUnavailableError(
+                            f"storage locked by another process for {sum(delays_s):g} s ({len(delays_s)} retries, "
+                            f"each after SQLite's busy timeout) while trying to {what}: {_first_line(exc)}; a "
+                            f"process sharing the study holds its write lock (a worker stopped with Ctrl-Z or "
+                            f"SIGSTOP, or hung): resume it (fg, kill -CONT PID) or end it (fuser FILE names it)") from exc
                     raise StorageUnavailableError(
                         f"storage unreachable for {sum(delays_s):g} s ({len(delays_s)} retries) while trying to "
                         f"{what}: {_first_line(exc)}") from exc
                 if say is not None:
-                    say(f"storage connection lost while trying to {what}: {_first_line(exc)}; retry {attempt} of "
+                    lost = "storage locked by another process" if locked else "storage connection lost"
+                    say(f"{lost} while trying to {what}: {_first_line(exc)}; retry {attempt} of "
                         f"{len(delays_s)} in {delay:g} s")
                 time.sleep(delay)
         raise AssertionError("unreachable")

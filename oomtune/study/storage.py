@@ -295,10 +295,15 @@ def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s:
 
 
 def load_study(url: str, study_name: str) -> Any:
-    """Load an existing study for reading.
+    """Load an existing study for reading (``oomtune show``, ``oomtune best``, the report): never
+    writes. Optuna's RDBStorage creates its tables and stamps their version when it opens a
+    database without them, so a SQLite file is first inspected read-only (:func:`_check_study_file`):
+    a zero-byte ``study.db`` stays zero bytes.
 
     Raises:
-        StudyNotFoundError: no study of that name in the storage (one line listing those that exist).
+        StudyNotFoundError: the SQLite file is missing, empty, or holds no Optuna study tables, or
+            no study of that name is in the storage (one line listing those that exist).
+        ConfigError: the file is not a SQLite database (:func:`storage_error_message`).
     """
     import optuna
 
@@ -306,9 +311,39 @@ def load_study(url: str, study_name: str) -> Any:
         db = Path(url[len("sqlite:///"):])
         if not db.is_file():
             raise StudyNotFoundError(f"study {study_name!r}: no storage at {db} (the SQLite file does not exist)")
+        _check_study_file(url, db, study_name)
     storage = make_storage(url)
     names = [s.study_name for s in optuna.study.get_all_study_summaries(storage, include_best_trial=False)]
     if study_name not in names:
         have = ", ".join(names) if names else "none"
         raise StudyNotFoundError(f"study {study_name!r} does not exist in {url} (studies there: {have})")
     return optuna.load_study(study_name=study_name, storage=storage)
+
+
+def _check_study_file(url: str, db: Path, study_name: str) -> None:
+    """Refuse a SQLite file that holds no Optuna study, reading it in SQLite's read-only mode
+    (``file:PATH?mode=ro``, sqlite3's URI form), so nothing is written into it.
+
+    Raises:
+        StudyNotFoundError: the file is empty (0 bytes) or has no ``studies`` table (Optuna's schema:
+            optuna/storages/_rdb/models.py, ``StudyModel.__tablename__``).
+        ConfigError: it is not a SQLite database (the message of :func:`storage_error_message`).
+    """
+    import sqlite3
+    from urllib.parse import quote
+
+    if db.stat().st_size == 0:
+        raise StudyNotFoundError(f"study {study_name!r}: {db} is empty (0 bytes, no study was ever written to it); "
+                                 "give the run directory or storage of a search that ran")
+    try:
+        con = sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True)
+        try:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(storage_error_message(url, exc)) from None
+    if "studies" not in tables:
+        raise StudyNotFoundError(f"study {study_name!r}: {db} is a SQLite database without Optuna's tables (no "
+                                 "study was ever written to it); give the run directory or storage of a search "
+                                 "that ran")

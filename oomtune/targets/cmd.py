@@ -449,7 +449,7 @@ def read_channel(path: Path) -> list[dict[str, Any]]:
         return []
     events = []
     for line in text.splitlines():
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):   # RecursionError: a line nested too deeply
             obj = json.loads(line)
             if isinstance(obj, dict):
                 events.append(obj)

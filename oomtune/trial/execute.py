@@ -21,9 +21,10 @@ samples/s decide nothing about a GPU) and costs host memory in proportion to the
 
 ``target=cmd`` trials run the user's command as it is, whatever the setting.
 
-Before a search whose CPU trials cannot fit their budget in the host's available memory
-(``MemAvailable`` in /proc/meminfo, the kernel's estimate of memory available without swapping),
-:func:`check_host_memory` stops it with one line (a ConfigError, exit 2).
+Before a search whose CPU trials (``cpu``, and ``target=cmd`` commands on the virtual GPU, which run
+real CPU steps too) cannot fit their budget in the host's available memory (``MemAvailable`` in
+/proc/meminfo, the kernel's estimate of memory available without swapping), :func:`check_host_memory`
+stops it with one line (a ConfigError, exit 2).
 """
 
 from __future__ import annotations
@@ -94,29 +95,38 @@ def host_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
 
 
 def check_host_memory(mode: str, budget_bytes: int, trials_at_once: int = 1, *,
-                      available_bytes: int | None = None) -> None:
+                      available_bytes: int | None = None, simulated: bool = True) -> None:
     """Before CPU trials: stop when ``trials_at_once`` budgets cannot fit in the host's available
     memory (a CPU trial near its frontier holds about its budget in host memory).
 
     Args:
-        mode: the resolved mode (:func:`resolve_execute`); only ``cpu`` is checked.
+        mode: the resolved mode (:func:`resolve_execute`): ``cpu`` is checked, and ``command`` (a
+            ``target=cmd`` command) on the virtual GPU (``simulated``), whose steps run on the CPU
+            for real as well; ``meta`` and ``device`` hold no host memory per tensor.
         trials_at_once: trial processes holding a budget each at once (``search.workers`` x
             ``trial.gpus``: every rank of a distributed trial has its own virtual GPU).
         available_bytes: the host's available memory (default :func:`host_available_bytes`; unknown:
             no check).
+        simulated: the trials run on the virtual GPU (device=cpu), not a CUDA device.
 
     Raises:
         ConfigError: one line naming the figures and the way out.
     """
     from oomtune.units import format_bytes
 
-    if mode != "cpu":
+    command = mode == "command" and simulated
+    if mode != "cpu" and not command:
         return
     available = host_available_bytes() if available_bytes is None else available_bytes
     need = budget_bytes * max(1, trials_at_once)
     if available is None or need <= available:
         return
     at_once = f"{trials_at_once} trials at once x " if trials_at_once > 1 else ""
+    if command:
+        raise ConfigError(f"target=cmd commands on the virtual GPU run real CPU steps, holding their tensors in host "
+                          f"memory, and {at_once}budget {format_bytes(budget_bytes)} cannot fit in this host's "
+                          f"available memory ({format_bytes(available)}, MemAvailable in /proc/meminfo): give a "
+                          "smaller budget, or run the search on the GPU (device=cuda)")
     raise ConfigError(f"CPU trials hold their tensors in host memory, and {at_once}budget {format_bytes(budget_bytes)} "
                       f"cannot fit in this host's available memory ({format_bytes(available)}, MemAvailable in "
                       "/proc/meminfo): use trial.execute=meta (memory simulated, no host memory per tensor), "

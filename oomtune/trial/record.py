@@ -483,7 +483,19 @@ class TrialResult:
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialResult":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The record at ``path`` (:meth:`from_dict`; size and depth limited by
+        :func:`oomtune.safeload.read_json`).
+
+        Raises:
+            ValueError: not JSON, nested more than 64 levels, over 64 MiB, or a malformed record.
+            OSError: unreadable.
+        """
+        from oomtune.safeload import read_json
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return cls.from_dict(read_json(path, what="a trial record (result.json)", error=ValueError))
 
     def write(self, path: str | Path) -> None:
         """Write the record atomically (:func:`oomtune.files.write_atomic`).
