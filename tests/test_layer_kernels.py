@@ -5,8 +5,8 @@ Input (2, 4, 8, 8) fp32 (2,048 bytes); expected bytes from torch's CUDA kernels
 (aten/src/ATen/native/cuda/DilatedMaxPool2d.cu, AveragePool2d.cu, AdaptiveAveragePooling.cu,
 AdaptiveMaxPooling2d.cu, UpSampleNearest2d.cu, UpSampleBilinear2d.cu, Embedding.cu; the
 CompositeImplicitAutograd adaptive_avg_pool2d in AdaptiveAveragePooling.cpp) and
-tools/autograd/derivatives.yaml. Forward and backward run in one recording (tests/test_norm_kernels.py's
-``step``); the incoming gradient exists before.
+tools/autograd/derivatives.yaml. Forward and backward run in one recording (``step``); the incoming
+gradient exists before.
 """
 
 from __future__ import annotations
@@ -15,10 +15,34 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_norm_kernels import X_BYTES, _x, step
+from oomtune.capture.cuda_kernels import emulate_cuda
+from oomtune.capture.recorder import StorageRecorder, StreamSink
+
+X_BYTES = 2 * 4 * 8 * 8 * 4
 
 POOLED = 2 * 4 * 4 * 4 * 4      # (2, 4, 4, 4) fp32: 512
 ADAPT3 = 2 * 4 * 3 * 3          # (2, 4, 3, 3): 72 elements
+
+
+def _x(device):
+    return (torch.randn(2, 4, 8, 8) if device == "cpu" else torch.empty(2, 4, 8, 8, device=device)).requires_grad_()
+
+
+def step(module, x, device, out_shape):
+    """(forward's requested sizes, bytes alive after the forward, backward's requested sizes) for
+    ``module(x)`` under emulate_cuda; the gradient of the output (``out_shape``) exists before."""
+    params = list(module.parameters()) + list(module.buffers())
+    g = torch.ones(out_shape, device=device)
+    sink = StreamSink()
+    rec = StorageRecorder(sink, device=device)
+    rec.register_existing([x, g, *params])
+    start, n = sink.live_bytes, len(sink.events)
+    with emulate_cuda("a100"), rec:
+        y = module(x)
+        m, live = len(sink.events), sink.live_bytes - start
+        torch.autograd.grad(y, [x, *[p for p in params if p.requires_grad]], g)
+    sizes = [[s for a, _, s, _ in part if a == "alloc"] for part in (sink.events[n:m], sink.events[m:])]
+    return sizes[0], live, sizes[1]
 
 CASES = {
     # max_pool2d_with_indices: output (512) and int64 indices (128 x 8 = 1,024), both kept (the
@@ -64,9 +88,6 @@ def test_embedding_backward_makes_a_dense_weight_gradient(device):
     emb = nn.Embedding(100, 8, device=device)
     ids = torch.zeros(16, dtype=torch.int64, device=device)
     g = torch.ones(16, 8, device=device)
-    from oomtune.capture.cuda_kernels import emulate_cuda
-    from oomtune.capture.recorder import StorageRecorder, StreamSink
-
     sink = StreamSink()
     rec = StorageRecorder(sink, device=device)
     rec.register_existing([emb.weight, ids, g])
