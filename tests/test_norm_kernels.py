@@ -61,12 +61,18 @@ def test_layer_norm_keeps_fp32_mean_and_rstd_per_row(device):
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
-def test_group_norm_keeps_mean_and_rstd_per_group(device):
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_keeps_mean_and_rstd_per_group_and_its_backward_makes_scratch(affine, device):
     """GroupNorm(2 groups, 4 channels): native_group_norm returns the output (2,048) and mean, rstd
     of shape (N, G) = (2, 2) fp32 (16 each), saved. Backward: grad_input (2,048), grad_weight and
-    grad_bias (4 x 4 = 16 each). Not modelled: the (N, C) fp32 scratch the CUDA backward makes."""
-    gn = nn.GroupNorm(2, 4, device=device)
-    assert step(gn, _x(device), device, (2, 4, 8, 8)) == ([X_BYTES, 16, 16], X_BYTES + 32, [X_BYTES, 16, 16])
+    grad_bias (4 x 4 = 16 each) with affine; then the CUDA kernel's scratch
+    (group_norm_kernel.cu, GroupNormBackwardKernelImplInternal), freed inside: ds, db (N, C) fp32
+    (32 each), c2, c3 (N, G) (16 each) and, with a weight, c1 = rstd x gamma (N, C) (32). Before,
+    the capture recorded no scratch."""
+    gn = nn.GroupNorm(2, 4, affine=affine, device=device)
+    grads = [X_BYTES, 16, 16] if affine else [X_BYTES]
+    scratch = [32, 32, 16, 16] + ([32] if affine else [])
+    assert step(gn, _x(device), device, (2, 4, 8, 8)) == ([X_BYTES, 16, 16], X_BYTES + 32, grads + scratch)
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])

@@ -10,6 +10,7 @@ tensors. :func:`emulate_cuda` makes the step pick CUDA's, for the target GPU
 * dropout: the fused kernel with its 1-byte mask (:mod:`oomtune.capture.dropout`);
 * RMS norm: the fused kernel and its derivative (:mod:`oomtune.capture.rms_norm`);
 * activations: Mish's backward as one fused kernel (:mod:`oomtune.capture.activations`);
+* norms: the scratch tensors of group norm's backward (:mod:`oomtune.capture.norms`);
 * losses: the input-sized storages of ``mse_loss``/``smooth_l1_loss`` and the buffers of
   ``binary_cross_entropy_with_logits`` (:mod:`oomtune.capture.losses`);
 * mixed precision: ``torch.autocast`` for cuda, cpu or meta follows CUDA's policy, also in
@@ -86,19 +87,22 @@ def active() -> bool:
 def transient_requests(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """The workspaces (bytes) CUDA's kernel for ``func`` allocates and frees inside the call, for the
     current target (:func:`oomtune.capture.sdpa.transient_requests`,
-    :func:`oomtune.capture.losses.transient_requests`); [] when not emulating."""
+    :func:`oomtune.capture.losses.transient_requests`, :func:`oomtune.capture.norms.transient_requests`);
+    [] when not emulating."""
     if _depth == 0:
         return []
-    from oomtune.capture import losses, sdpa
+    from oomtune.capture import losses, norms, sdpa
 
     sizes = sdpa.transient_requests(func, args, kwargs) if "sdpa" in _installed else []
     if "losses" in _installed:
         sizes += losses.transient_requests(func, args, kwargs)
+    if "norms" in _installed:
+        sizes += norms.transient_requests(func, args, kwargs)
     return sizes
 
 
 #: The kernel families :func:`emulate_cuda` switches (all by default).
-FAMILIES = ("sdpa", "dropout", "rms_norm", "activations", "losses", "optimizers", "autocast")
+FAMILIES = ("sdpa", "dropout", "rms_norm", "norms", "activations", "losses", "optimizers", "autocast")
 _installed: tuple[str, ...] = ()
 
 
