@@ -76,6 +76,34 @@ def test_mish_backward_on_meta_was_the_decomposition():
     assert _record(lambda: torch.autograd.grad(y, x, g, retain_graph=True), [x, y, g], "meta")[0] == bwd   # removed on exit
 
 
+#: What derivatives.yaml saves for each activation's backward: the input ``self`` or the ``result``.
+SAVED = {"tanh": "result", "sigmoid": "result", "relu": "result"}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_saves_what_derivatives_yaml_names(name):
+    """derivatives.yaml: tanh, sigmoid and relu save ``result`` (the output itself); every other
+    activation here saves ``self`` (selu through elu's entry, celu its own). Either is a tensor the
+    step holds anyway: the forward keeps no new storage besides its output."""
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    with emulate_cuda("a100"):
+        y = ACTIVATIONS[name]()(x)
+    which = SAVED.get(name, "self")
+    saved = getattr(y.grad_fn, f"_saved_{which}")
+    assert saved.data_ptr() == (y if which == "result" else x).data_ptr() and saved.shape == x.shape
+
+
+def test_mish_backward_in_bfloat16_makes_a_bfloat16_grad_input():
+    """A bf16 Mish (e.g. after a conv under autocast): CUDA's ``mish_backward`` output has the
+    promoted dtype of (grad, input), bf16: N x 2 = 1,024 bytes."""
+    x = torch.empty(2, 4, 8, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = nn.Mish()(x)
+    g = torch.empty_like(y)
+    with emulate_cuda("a100"):
+        sizes, _, (gx,) = _record(lambda: torch.autograd.grad(y, x, g), [x, y, g], "meta")
+    assert sizes == [N_BYTES // 2] and gx.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_prelu_backward_makes_an_input_sized_weight_gradient(device):
     """``_prelu_kernel_backward`` (Activation.cpp) is one TensorIterator with two outputs of the
