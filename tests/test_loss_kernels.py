@@ -117,3 +117,31 @@ def test_nll_loss_keeps_its_output_and_total_weight(device):
     total_weight, 0-dim fp32 each (4 + 4). Backward: grad_input, zeros of the input (640)."""
     x, t = _tensor((16, 10), device, grad=True), _tensor((16,), device, torch.int64)
     assert _step(lambda: F.nll_loss(x, t), [x, t], x, device) == ([4, 4], 8, [LOGITS])
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_bce_keeps_an_input_sized_storage(device):
+    """binary_cross_entropy_cuda (cuda/Loss.cu): loss = empty_like(input) (640); with reduction mean
+    the reduced 0-dim loss_reduced (4 bytes, a transient) is copied back after
+    loss.resize_as_(loss_reduced), which keeps the 640-byte storage. The CPU kernel does the same;
+    torch's meta kernel made a 4-byte scalar. Backward: binary_cross_entropy_backward_cuda's
+    empty_like(input), 640."""
+    x = torch.rand(16, 10).requires_grad_() if device == "cpu" else _tensor((16, 10), device, grad=True)
+    t = torch.rand(16, 10) if device == "cpu" else _tensor((16, 10), device)
+    sizes, live, peak, y = _record(lambda: F.binary_cross_entropy(x, t), [x, t], device)
+    assert y.shape == () and sizes == [LOGITS, 4] and live == LOGITS and peak == LOGITS + 4
+    g = torch.ones_like(y)
+    assert _record(lambda: torch.autograd.grad(y, x, g), [x, t, y, g], device)[0] == [LOGITS]
+    if device == "meta":
+        assert _record(lambda: F.binary_cross_entropy(x, t), [x, t], device, emulate=False)[:2] == ([4], 4)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_huber_loss_reduces_an_input_sized_temporary(device):
+    """huber_loss (Loss.cpp, CPU and CUDA): loss = empty_like(input) (640) filled, then
+    apply_loss_reduction makes the 0-dim output (4); the loss is freed on return. Recorded: the
+    output, then the 640-byte transient; with reduction none the loss is the output itself."""
+    x, t = _tensor((16, 10), device, grad=True), _tensor((16, 10), device)
+    sizes, live, peak, _ = _record(lambda: F.huber_loss(x, t), [x, t], device)
+    assert sizes == [4, LOGITS] and live == 4 and peak == 4 + LOGITS
+    assert _record(lambda: F.huber_loss(x, t, reduction="none"), [x, t], device)[0] == [LOGITS]
