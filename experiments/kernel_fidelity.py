@@ -12,7 +12,9 @@ allocator settings, no capacity limit), for:
 * the built-in transformer (oomtune/workloads/models.py) at GPT-2-small and Llama-2-7B shapes:
   predicted peaks with the meta kernels (what ``oomtune plan`` captured before), with each kernel
   family alone, and with all of them (the capture now); GPT-2-small also captured on the CPU with the
-  CPU's own kernels (what a virtual-GPU trial ran before).
+  CPU's own kernels (what a virtual-GPU trial ran before);
+* a CNN with Mish and batch norm (GPUMemNet's over-predicted rows are Mish CNNs): meta kernels against
+  the activation fix and all families.
 
 Every figure is simulated (virtual GPU) except the recorded ones (read from the GPU recordings).
 
@@ -126,11 +128,63 @@ def builtin_rows(label: str, cfg: dict[str, Any], batch: int, gpus: tuple[str, .
     return rows
 
 
+# -- a CNN with Mish (GPUMemNet's over-predicted rows) -------------------------------------------------
+#: A GPUMemNet-like CNN (their generator's blocks: conv, batch norm, an activation, pooling; fp32, Adam,
+#: cross-entropy): 3 x 224 x 224 images, channels 64 -> 128 -> 256 -> 512, two conv blocks per stage.
+MISH_CNN = {"image": 224, "channels": (64, 128, 256, 512), "classes": 1000, "batch": 32}
+
+
+def mish_cnn_stream(families: Any, cfg: dict[str, Any] = MISH_CNN) -> tuple[Any, list[str]]:
+    """Two Adam training steps of the CNN of ``cfg`` captured on meta with the kernel ``families``
+    of the A100 (None: meta's own kernels)."""
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    cin = 3
+    for cout in cfg["channels"]:
+        for _ in range(2):
+            layers += [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.Mish()]
+            cin = cout
+        layers.append(nn.MaxPool2d(2))
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, cfg["classes"])).to("meta")
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.empty(cfg["batch"], 3, cfg["image"], cfg["image"], device="meta")
+    y = torch.zeros(cfg["batch"], dtype=torch.int64, device="meta")
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ctx = contextlib.nullcontext() if families is None else emulate_cuda("a100", families=families)
+    with ctx as notes:
+        stream = capture_stream(step, existing=[*model.parameters(), *model.buffers(), x, y], device="meta",
+                                cuda_autocast=False, calls=2)
+    return stream, (notes.lines() if notes is not None else [])
+
+
+def mish_cnn_rows(cfg: dict[str, Any] = MISH_CNN) -> list[dict[str, Any]]:
+    """Rows: meta kernels (the capture before the activation fix), the activations family alone, all
+    families (the capture now)."""
+    rows = []
+    for what, families in (("meta kernels (plan before)", None), ("+ activations only (A100)", ("activations",)),
+                           ("A100 kernels (all)", FAMILIES)):
+        t0 = time.perf_counter()
+        stream, notes = mish_cnn_stream(families, cfg)
+        alloc, reserved = peaks(stream)
+        rows.append({"workload": "Mish CNN", "what": what, "alloc": alloc, "reserved": reserved,
+                     "seconds": time.perf_counter() - t0, "notes": notes})
+        print(f"Mish CNN | {what}: {format_bytes(alloc)} allocated, {format_bytes(reserved)} reserved", flush=True)
+    return rows
+
+
 def _pct(a: int, b: int) -> str:
     return f"{(a - b) / b:+.1%}" if b else "n/a"
 
 
-def render(rec_rows: list[tuple[str, dict, dict]], builtin: list[dict[str, Any]]) -> str:
+def render(rec_rows: list[tuple[str, dict, dict]], builtin: list[dict[str, Any]],
+           cnn: list[dict[str, Any]] | None = None) -> str:
     lines = ["", "All figures simulated on the virtual GPU (torch's default allocator settings, no capacity "
              "limit) except the recorded ones, read from the GPU recordings in tests/data. Errors are "
              "(predicted - recorded) / recorded.", "",
@@ -167,6 +221,19 @@ def render(rec_rows: list[tuple[str, dict, dict]], builtin: list[dict[str, Any]]
                      f"{_pct(row['reserved'], b['reserved'])} | {row['seconds']:.1f} |")
     notes = sorted({n for row in builtin for n in row["notes"]})
     lines += ["", "Kernels the captures ran (all families): " + "; ".join(notes) + ".", ""]
+    if cnn:
+        lines += ["## A CNN with Mish", "",
+                  f"{MISH_CNN}: 4 stages of 2 x (3 x 3 conv without bias, BatchNorm2d, Mish), 2 x 2 max pooling, "
+                  "adaptive average pooling, a linear classifier; fp32, cross-entropy, torch.optim.Adam, two "
+                  "training steps captured on meta. On meta, mish_backward ran its decomposition (nine "
+                  "input-sized tensors); CUDA's kernel makes one (docs/kernel_audit.md).", "",
+                  "| kernels | peak allocated | vs meta | peak reserved | vs meta | capture s |", "|---|---|---|---|---|---|"]
+        for row in cnn:
+            b = cnn[0]
+            lines.append(f"| {row['what']} | {format_bytes(row['alloc'])} | {_pct(row['alloc'], b['alloc'])} | "
+                         f"{format_bytes(row['reserved'])} | {_pct(row['reserved'], b['reserved'])} | "
+                         f"{row['seconds']:.1f} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     builtin = builtin_rows("GPT-2-small", gpt2, 8, ("a100", "h100", "t4"))
     builtin += builtin_rows("Llama-2-7B shape", llama, 1, ("a100", "h100"))
     builtin += builtin_rows("small (CPU capture too)", SMALL, 8, ("a100",), cpu=True, each=False)
-    text = head + render(rec_rows, builtin)
+    cnn = mish_cnn_rows(dict(MISH_CNN, image=64, batch=4) if args.quick else MISH_CNN)
+    text = head + render(rec_rows, builtin, cnn)
     write_results(args.out, text)
     print(text)
     return 0

@@ -4,7 +4,8 @@
 caching-allocator requests a CUDA run would make; :class:`VirtualGPU` feeds that stream to a
 ``CachingAllocatorSim`` while the step runs, so a simulated OOM is raised inside the step. While
 they record, the step runs the kernels a CUDA run of the target GPU would run
-(:mod:`oomtune.capture.cuda_kernels`: attention, dropout, mixed precision, optimizers).
+(:mod:`oomtune.capture.cuda_kernels`: attention, dropout, norms, activations, losses, mixed
+precision, optimizers).
 
 The names are imported lazily: :mod:`oomtune.capture.gpu_target` (the target GPU, read by ``oomtune
 plan`` before torch is imported) must not pull torch in through this package.

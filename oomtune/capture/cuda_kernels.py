@@ -9,6 +9,10 @@ tensors. :func:`emulate_cuda` makes the step pick CUDA's, for the target GPU
   (:mod:`oomtune.capture.sdpa`), with the workspaces its kernels allocate inside the call;
 * dropout: the fused kernel with its 1-byte mask (:mod:`oomtune.capture.dropout`);
 * RMS norm: the fused kernel and its derivative (:mod:`oomtune.capture.rms_norm`);
+* activations: Mish's backward as one fused kernel (:mod:`oomtune.capture.activations`);
+* norms: the scratch tensors of group norm's backward (:mod:`oomtune.capture.norms`);
+* losses: the input-sized storages of ``mse_loss``/``smooth_l1_loss`` and the buffers of
+  ``binary_cross_entropy_with_logits`` (:mod:`oomtune.capture.losses`);
 * mixed precision: ``torch.autocast`` for cuda, cpu or meta follows CUDA's policy, also in
   activation checkpointing's recomputation (:mod:`oomtune.capture.cuda_autocast`);
 * optimizers: foreach by default, fused where asked, as on CUDA (:mod:`oomtune.capture.optim`).
@@ -82,16 +86,23 @@ def active() -> bool:
 
 def transient_requests(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """The workspaces (bytes) CUDA's kernel for ``func`` allocates and frees inside the call, for the
-    current target (:func:`oomtune.capture.sdpa.transient_requests`); [] when not emulating."""
-    if _depth == 0 or "sdpa" not in _installed:
+    current target (:func:`oomtune.capture.sdpa.transient_requests`,
+    :func:`oomtune.capture.losses.transient_requests`, :func:`oomtune.capture.norms.transient_requests`);
+    [] when not emulating."""
+    if _depth == 0:
         return []
-    from oomtune.capture import sdpa
+    from oomtune.capture import losses, norms, sdpa
 
-    return sdpa.transient_requests(func, args, kwargs)
+    sizes = sdpa.transient_requests(func, args, kwargs) if "sdpa" in _installed else []
+    if "losses" in _installed:
+        sizes += losses.transient_requests(func, args, kwargs)
+    if "norms" in _installed:
+        sizes += norms.transient_requests(func, args, kwargs)
+    return sizes
 
 
 #: The kernel families :func:`emulate_cuda` switches (all by default).
-FAMILIES = ("sdpa", "dropout", "rms_norm", "optimizers", "autocast")
+FAMILIES = ("sdpa", "dropout", "rms_norm", "norms", "activations", "losses", "optimizers", "autocast")
 _installed: tuple[str, ...] = ()
 
 
@@ -109,7 +120,7 @@ def emulate_cuda(gpu: GpuTarget | str | None = None, families: Any = None) -> It
     """
     import torch
 
-    from oomtune.capture import dropout, optim, rms_norm, sdpa
+    from oomtune.capture import activations, dropout, losses, optim, rms_norm, sdpa
     from oomtune.capture.cuda_autocast import emulate_cuda_autocast
 
     chosen = FAMILIES if families is None else tuple(families)
@@ -130,6 +141,10 @@ def emulate_cuda(gpu: GpuTarget | str | None = None, families: Any = None) -> It
                 dropout.install(_lib)
             if "rms_norm" in chosen:
                 rms_norm.install(_lib)
+            if "activations" in chosen:
+                activations.install(_lib)
+            if "losses" in chosen:
+                losses.install(_lib)
             if "optimizers" in chosen:
                 optim.install(_on_optimizer)
         _depth += 1
