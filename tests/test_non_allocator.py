@@ -56,3 +56,26 @@ def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_n
     sizes_sim = [n for a, _, n, _ in sim if a == "alloc"]
     assert sizes_real.count(workspace) == 2 and sizes_sim.count(workspace) == 0
     assert len(sizes_real) == len(sizes_sim) + 2
+
+
+def test_a_device_reading_is_kept_per_gpu_driver_and_torch_and_read_by_the_plan(monkeypatch, tmp_path):
+    """A trial's reading (the larger one wins) is what a later plan of the same device plans with;
+    another driver gets the budget's estimate; OOMTUNE_CACHE_DIR=off keeps nothing."""
+    from oomtune.gpu.outside import read_measured, remember_measured
+    from oomtune.packages import installed_version
+
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(tmp_path))
+    torch_version = installed_version("torch")
+    remember_measured("NVIDIA H200", "550.54", torch_version, 1_063_780_352)   # field case C9's ~1 GB
+    remember_measured("NVIDIA H200", "550.54", torch_version, 900_000_000)     # smaller: not kept
+    assert read_measured("NVIDIA H200", "550.54", torch_version) == 1_063_780_352
+    assert read_measured("NVIDIA H200", "560.28", torch_version) is None
+    h200 = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 150_000_000_000, False, driver_version="550.54")
+    assert sim_geometry(h200, 100_000_000_000)["non_allocator_bytes"] == 1_063_780_352
+    other = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 150_000_000_000, False, driver_version="560.28")
+    assert sim_geometry(other, 100_000_000_000)["non_allocator_bytes"] == 666_632_192
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "off")
+    remember_measured("NVIDIA H200", "550.54", torch_version, 2_000_000_000)
+    assert read_measured("NVIDIA H200", "550.54", torch_version) is None
+    with pytest.raises(ValueError):
+        remember_measured("NVIDIA H200", "550.54", torch_version, -1)

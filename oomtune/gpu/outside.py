@@ -14,11 +14,16 @@ The table (bytes; "-" marks a component with no published figure, counted as 0 a
 =========================  ===============  ===================================================
 component                  bytes            source
 =========================  ===============  ===================================================
-CUDA context, lazy         287,047,680      pytorch/pytorch#86509 (measured after CUDA init with
-loading (CUDA >= 11.7)                      ``CUDA_MODULE_LOADING=LAZY``, torch's default since
-                                            1.13); ptrblck in pytorch/pytorch#107667 ("~300MB")
-CUDA context, eager        666,632,192      pytorch/pytorch#86509 (``CUDA_MODULE_LOADING=EAGER``);
-loading, or CUDA < 11.7                     ">1000MB" before CUDA 11.7 (pytorch/pytorch#107667)
+CUDA context, lazy         266,076,160      pull request pytorch/pytorch#86509: ``total - free`` =
+loading (CUDA >= 11.7)                      287,047,680 bytes with ``CUDA_MODULE_LOADING=LAZY``
+                                            (torch's default since 1.13) after one 6,400,000-byte
+                                            tensor, less that tensor's 20 MiB segment (a request
+                                            between 1 MiB and 10 MiB gets a ``kLargeBuffer``
+                                            segment, CUDACachingAllocator.cpp);
+                                            "~300MB" (ptrblck, pytorch/pytorch#107667)
+CUDA context, eager        645,660,672      the same pull request with ``CUDA_MODULE_LOADING=
+loading, or CUDA < 11.7                     DEFAULT`` (eager then): 666,632,192 bytes less 20 MiB;
+                                            ">1000MB" before CUDA 11.7 (pytorch/pytorch#107667)
 kernel modules loaded      -                lazy loading loads a kernel's whole module at its
 lazily during training                      first launch (CUDA C Programming Guide, "Lazy
                                             Loading"); no published size per torch op
@@ -37,25 +42,40 @@ same for every compute capability; what does depend on it, the cuBLAS workspace 
 (``getChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp: 8 MiB + 128 KiB below
 sm90, 32 MiB on sm90), is an allocator request and lives in :mod:`oomtune.capture.blas_workspace`.
 
+Device readings are kept (:func:`remember_measured`, by the trial process after its warm-up steps)
+per (GPU name, driver version, torch version) in ``outside_allocator.json`` beside the stream cache
+(``$OOMTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/oomtune``; ``OOMTUNE_CACHE_DIR=off``: not kept), so
+that a later ``oomtune plan`` for the same device reads the measured figure
+(:func:`read_measured`) instead of the table.
+
 :data:`CARDS`: the memory torch reports for a card (``cudaDeviceProp::totalGlobalMem``), for
 :func:`oomtune.predict`'s ``gpu=`` names.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = ["CONTEXT_LAZY_BYTES", "CONTEXT_EAGER_BYTES", "OutsideAllocator", "outside_allocator", "CARDS", "Card",
-           "card_of"]
+           "card_of", "readings_path", "read_measured", "remember_measured"]
 
-#: The CUDA context after init with lazy module loading (pytorch/pytorch#86509).
-CONTEXT_LAZY_BYTES = 287_047_680
-#: The same with eager module loading (pytorch/pytorch#86509).
-CONTEXT_EAGER_BYTES = 666_632_192
+#: The 20 MiB segment of the one tensor behind pytorch/pytorch#86509's readings (``kLargeBuffer``).
+_PR_86509_SEGMENT_BYTES = 20 << 20
+#: The CUDA context with lazy module loading: 287,047,680 bytes read in pytorch/pytorch#86509, less
+#: the allocator's segment of its one tensor.
+CONTEXT_LAZY_BYTES = 287_047_680 - _PR_86509_SEGMENT_BYTES
+#: The same with eager module loading: 666,632,192 bytes (pytorch/pytorch#86509) less that segment.
+CONTEXT_EAGER_BYTES = 666_632_192 - _PR_86509_SEGMENT_BYTES
 
 _SOURCES = {
-    "context_lazy": "CUDA context after init, lazy module loading: 287,047,680 bytes (pytorch/pytorch#86509)",
-    "context_eager": "CUDA context after init, eager module loading: 666,632,192 bytes (pytorch/pytorch#86509)",
+    "context_lazy": "CUDA context, lazy module loading: 266,076,160 bytes (pytorch/pytorch#86509's 287,047,680 "
+                    "less its tensor's 20 MiB segment)",
+    "context_eager": "CUDA context, eager module loading: 645,660,672 bytes (pytorch/pytorch#86509's 666,632,192 "
+                     "less its tensor's 20 MiB segment)",
 }
 _UNSOURCED = {
     "modules": "kernel modules loaded lazily during training (no published size per torch op)",
@@ -154,3 +174,69 @@ def card_of(name: str) -> Card | None:
     if flat.startswith("nvidia"):
         flat = flat[len("nvidia"):]
     return CARDS.get(flat)
+
+
+_OFF = {"off", "0", "none", "false", "no"}
+
+
+def readings_path() -> Path | None:
+    """Where device readings are kept: ``$OOMTUNE_CACHE_DIR/outside_allocator.json``, else
+    ``$XDG_CACHE_HOME/oomtune/outside_allocator.json`` (``~/.cache`` when unset or relative); None
+    when ``OOMTUNE_CACHE_DIR`` is ``off`` (the stream cache's switch, :mod:`oomtune.plan.stream_cache`)."""
+    where = os.environ.get("OOMTUNE_CACHE_DIR", "").strip()
+    if where.lower() in _OFF and where:
+        return None
+    if where:
+        return Path(where).expanduser().absolute() / "outside_allocator.json"
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "oomtune" / "outside_allocator.json"
+
+
+def _key(gpu_name: str, driver_version: str | None, torch_version: str | None) -> str:
+    return f"{gpu_name} | driver {driver_version or '?'} | torch {torch_version or '?'}"
+
+
+def _load(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: int(v) for k, v in data.items() if isinstance(v, int) and v >= 0} if isinstance(data, dict) else {}
+
+
+def read_measured(gpu_name: str, driver_version: str | None, torch_version: str | None) -> int | None:
+    """The memory outside the allocator measured on this (GPU, driver, torch), in bytes; None when
+    none was kept (or the file cannot be read: the table is used then)."""
+    path = readings_path()
+    return None if path is None else _load(path).get(_key(gpu_name, driver_version, torch_version))
+
+
+def remember_measured(gpu_name: str, driver_version: str | None, torch_version: str | None,
+                      measured_bytes: int) -> None:
+    """Keep a device reading (bytes): the larger of it and the one kept for the same (GPU, driver,
+    torch), written atomically (a temporary file renamed). A cache that cannot be written is skipped
+    silently: the reading is only an aid to later plans.
+
+    Raises:
+        ValueError: a negative reading.
+    """
+    if measured_bytes < 0:
+        raise ValueError(f"measured memory outside the allocator {measured_bytes} bytes is negative")
+    path = readings_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load(path)
+        key = _key(gpu_name, driver_version, torch_version)
+        if data.get(key, -1) >= measured_bytes:
+            return
+        data[key] = int(measured_bytes)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".outside-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        return

@@ -288,13 +288,20 @@ def sim_geometry(device: Any, budget_bytes: int, *, memory_fraction: bool = True
     does the virtual GPU: on CPU a device of the budget's size, on a real device its whole capacity.
     ``outside_bytes``: the memory outside the allocator to plan a real device with (bytes;
     :func:`oomtune.predict` passes :func:`oomtune.gpu.outside.outside_allocator`'s); None: the
-    budget's estimate."""
+    reading an earlier trial kept for this GPU, driver and torch (:func:`oomtune.gpu.outside.
+    read_measured`), else the budget's estimate."""
     if device.simulated:
         from oomtune.alloc.geometry import budget_geometry
 
         return budget_geometry(budget_bytes, device.total_memory_bytes if memory_fraction else budget_bytes)
     from oomtune.trial.budget import estimated_non_allocator_bytes
 
+    if outside_bytes is None:   # a reading kept by an earlier trial on this GPU, driver and torch wins
+        from oomtune.gpu.outside import read_measured
+        from oomtune.packages import installed_version
+
+        outside_bytes = read_measured(device.name, getattr(device, "driver_version", None),
+                                      installed_version("torch"))
     estimate = estimated_non_allocator_bytes() if outside_bytes is None else int(outside_bytes)
     outside = min(estimate, max(0, budget_bytes - 1))
     if not memory_fraction:
