@@ -22,6 +22,9 @@ Reported per family (MLP: both MLP collections; CNN) and band of measured memory
 * OOM agreement (CNN rows carry ``Status``): predicted "does not fit" against ``OOM_CRASH``.
 * seconds per row (capture + replay).
 
+Every usable row's rebuild is checked by parameter count (a mismatched row is not predicted); the
+"all" lines are over the sample, whose strata are equal in size, not over the population.
+
 Rows are a deterministic stratified sample (``--per-stratum`` rows per family x band, and per CNN
 status, drawn with ``random.Random(--seed)`` from the rows in file order); ``--per-stratum 0`` takes
 every row. Rows with no parameter count (``Total Parameters`` 0: the run failed before its summary;
@@ -132,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     from oomtune.gpu.outside import card_of, outside_allocator
 
     rows, skipped = load_rows(args.data)
-    chosen = sample(rows, args.per_stratum, args.seed)
-    results = []
-    mismatched = []
-    for i, row in enumerate(chosen):
+    # every usable row's rebuild checked by parameter count (on meta: no memory), not only the sample's
+    mismatched = {}
+    for row in rows:
         got, want = check_params(row)
         if got != want:
-            mismatched.append((row["Filename"], got, want))
+            mismatched[row["Filename"]] = (got, want)
+    chosen = sample(rows, args.per_stratum, args.seed)
+    results = []
+    for i, row in enumerate(chosen):
+        if row["Filename"] in mismatched:
             continue
         cnn = row["family"] == "CNN"
         t0 = time.perf_counter()
@@ -160,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
              f"sample: up to {args.per_stratum or 'all'} rows per family x band of measured memory (and per CNN "
              f"status), random.Random({args.seed}); {len(chosen)} rows drawn" if args.per_stratum else
              f"sample: every row ({len(chosen)})",
-             f"rebuild: parameter count equal to the row's for {len(chosen) - len(mismatched)} of {len(chosen)} "
-             "rows drawn" + (f" (first mismatch: {mismatched[0]})" if mismatched else ""),
+             f"rebuild: parameter count equal to the row's for {len(rows) - len(mismatched)} of {len(rows)} usable "
+             "rows" + (f" (mismatched rows are not predicted; first: {next(iter(mismatched.items()))})"
+                       if mismatched else ""),
              f"outside the allocator (table, not fitted): {outside.total_bytes / MIB:.0f} MiB = "
              f"{'; '.join(outside.sources)}; not counted (no published figure): {'; '.join(outside.unsourced)}; "
              "for CNN rows cuDNN as well",
