@@ -91,3 +91,11 @@ def test_outside_table():
     assert measured.total_bytes == 1_063_780_352 and measured.measured and measured.unsourced == ()
     with pytest.raises(ValueError):
         outside_allocator(measured_bytes=-1)
+
+
+def test_a_batch_beyond_the_card_does_not_fit():
+    """Batch 10,000,000 of the tiny MLP: the input (10^7 x 256 fp32 = 10.24 GB) and the first layer's
+    output (10^7 x 1024 fp32 = 40.96 GB) are live together, 51.2 GB > the A100-40GB's 42.5 GB."""
+    got = oomtune.predict(ENTRY, 10_000_000, steps=1)
+    assert not got.fits
+    assert got.peak_allocated_bytes >= 10_000_000 * (256 + 1024) * 4 > A100_40GB
