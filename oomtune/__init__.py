@@ -10,6 +10,8 @@ initialises CUDA):
   trial asks (micro-batch, accumulation, ...). The frameworks' one-line integrations are in
   :mod:`oomtune.integrations`.
 - :class:`AllocatorSettings`, :class:`CachingAllocatorSim`: the allocator model (virtual GPU).
+- :func:`predict` -> :class:`Prediction`: one configuration's memory on a named GPU (peak allocated,
+  reserved, outside the allocator, what nvidia-smi would show), as ``oomtune plan`` predicts it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _LAZY = {
     "trial_settings": "oomtune.script_api",
     "AllocatorSettings": "oomtune.alloc.settings",
     "CachingAllocatorSim": "oomtune.alloc.sim",
+    "predict": "oomtune.predict_api",
+    "Prediction": "oomtune.predict_api",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -37,17 +37,45 @@ def test_plan_geometry_on_a_real_device_leaves_the_context_outside_the_fraction(
     assert "non_allocator_bytes" not in sim_geometry(cpu, 8 * GiB)   # the virtual GPU has no context
 
 
-def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_not():
-    """Two 32 MiB requests (the forward's and the autograd thread's workspaces, GPU unknown) that
-    stay live: the real-device capture requests exactly two more than the simulated one."""
+@pytest.mark.parametrize("gpu, workspace", [
+    ("h100", 4096 * 8 * 1024),               # sm90: 32 MiB (getChosenWorkspaceSize, CublasHandlePool.cpp)
+    ("a100", 4096 * 1024 * 2 + 16 * 1024 * 8),   # below sm90: ':4096:2:16:8' = 8,519,680 bytes
+])
+def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_not(gpu, workspace):
+    """Two requests of the target GPU's workspace size (the forward's and the autograd thread's
+    workspaces) that stay live: the real-device capture requests exactly two more than the simulated
+    one, each of the size torch chooses for the target's compute capability."""
     from oomtune.plan.predictor import Predictor
 
-    mlp = {"name": "mlp", "in_features": 8, "hidden": 16, "layers": 1, "num_classes": 4}
-    gpu = TargetDevice("cuda:0", "cuda", 0, "H100", 80 * GiB, False)
+    mlp = {"name": "mlp", "in_features": 8, "hidden": 16, "layers": 1, "num_classes": 4, "gpu": gpu}
+    device = TargetDevice("cuda:0", "cuda", 0, gpu.upper(), 80 * GiB, False)
     cpu = TargetDevice("cpu", "cpu", None, "cpu", 16 * GiB, True)
-    real = Predictor.for_search(mlp, gpu, 40 * GiB).stream(4)
+    real = Predictor.for_search(mlp, device, 40 * GiB).stream(4)
     sim = Predictor.for_search(mlp, cpu, 8 * GiB).stream(4)
     sizes_real = [n for a, _, n, _ in real if a == "alloc"]
     sizes_sim = [n for a, _, n, _ in sim if a == "alloc"]
-    assert sizes_real.count(32 * (1 << 20)) == 2 and sizes_sim.count(32 * (1 << 20)) == 0
+    assert sizes_real.count(workspace) == 2 and sizes_sim.count(workspace) == 0
     assert len(sizes_real) == len(sizes_sim) + 2
+
+
+def test_a_device_reading_is_kept_per_gpu_driver_and_torch_and_read_by_the_plan(monkeypatch, tmp_path):
+    """A trial's reading (the larger one wins) is what a later plan of the same device plans with;
+    another driver gets the budget's estimate; OOMTUNE_CACHE_DIR=off keeps nothing."""
+    from oomtune.gpu.outside import read_measured, remember_measured
+    from oomtune.packages import installed_version
+
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(tmp_path))
+    torch_version = installed_version("torch")
+    remember_measured("NVIDIA H200", "550.54", torch_version, 1_063_780_352)   # field case C9's ~1 GB
+    remember_measured("NVIDIA H200", "550.54", torch_version, 900_000_000)     # smaller: not kept
+    assert read_measured("NVIDIA H200", "550.54", torch_version) == 1_063_780_352
+    assert read_measured("NVIDIA H200", "560.28", torch_version) is None
+    h200 = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 150_000_000_000, False, driver_version="550.54")
+    assert sim_geometry(h200, 100_000_000_000)["non_allocator_bytes"] == 1_063_780_352
+    other = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 150_000_000_000, False, driver_version="560.28")
+    assert sim_geometry(other, 100_000_000_000)["non_allocator_bytes"] == 666_632_192
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "off")
+    remember_measured("NVIDIA H200", "550.54", torch_version, 2_000_000_000)
+    assert read_measured("NVIDIA H200", "550.54", torch_version) is None
+    with pytest.raises(ValueError):
+        remember_measured("NVIDIA H200", "550.54", torch_version, -1)

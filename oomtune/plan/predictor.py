@@ -152,7 +152,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
 
                 def capture(calls: int, ends: list[int]) -> Any:
                     batches = wl.batches()
-                    workspaces = (BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+                    workspaces = (BlasWorkspaces(cublas_workspace_bytes(gpu.capability), existing=("forward",))
                                   if blas_workspaces else None)
                     return capture_stream(lambda: wl.train_step(batches), existing=wl.tensors_before_step(),
                                           device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends,
@@ -283,7 +283,8 @@ def simulable(settings: AllocatorSettings) -> bool:
     return settings.backend == "native"
 
 
-def sim_geometry(device: Any, budget_bytes: int, *, memory_fraction: bool = True) -> dict[str, Any]:
+def sim_geometry(device: Any, budget_bytes: int, *, memory_fraction: bool = True,
+                 outside_bytes: int | None = None) -> dict[str, Any]:
     """The virtual GPU a trial on ``device`` sees: the device's capacity (on CPU the virtual GPU's,
     ``virtual_device_memory``) with the budget as a memory fraction, as the trial applies it
     (:func:`oomtune.alloc.geometry.budget_geometry`). On a real device the trial's fraction is
@@ -292,14 +293,25 @@ def sim_geometry(device: Any, budget_bytes: int, *, memory_fraction: bool = True
     allocator is estimated (:func:`oomtune.trial.budget.estimated_non_allocator_bytes`).
 
     ``memory_fraction`` False (``search.memory_fraction=off``): the trials set no fraction, so neither
-    does the virtual GPU: on CPU a device of the budget's size, on a real device its whole capacity."""
+    does the virtual GPU: on CPU a device of the budget's size, on a real device its whole capacity.
+    ``outside_bytes``: the memory outside the allocator to plan a real device with (bytes;
+    :func:`oomtune.predict` passes :func:`oomtune.gpu.outside.outside_allocator`'s); None: the
+    reading an earlier trial kept for this GPU, driver and torch (:func:`oomtune.gpu.outside.
+    read_measured`), else the budget's estimate."""
     if device.simulated:
         from oomtune.alloc.geometry import budget_geometry
 
         return budget_geometry(budget_bytes, device.total_memory_bytes if memory_fraction else budget_bytes)
     from oomtune.trial.budget import estimated_non_allocator_bytes
 
-    outside = min(estimated_non_allocator_bytes(), max(0, budget_bytes - 1))
+    if outside_bytes is None:   # a reading kept by an earlier trial on this GPU, driver and torch wins
+        from oomtune.gpu.outside import read_measured
+        from oomtune.packages import installed_version
+
+        outside_bytes = read_measured(device.name, getattr(device, "driver_version", None),
+                                      installed_version("torch"))
+    estimate = estimated_non_allocator_bytes() if outside_bytes is None else int(outside_bytes)
+    outside = min(estimate, max(0, budget_bytes - 1))
     if not memory_fraction:
         return {"total_memory_bytes": device.total_memory_bytes, "non_allocator_bytes": outside,
                 "memory_fraction": 1.0}

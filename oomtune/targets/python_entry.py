@@ -62,13 +62,22 @@ from oomtune.exceptions import ConfigError
 from oomtune.targets import is_file_entry
 from oomtune.workloads.loop import Workload
 
-__all__ = ["load_entry", "build_user_workload", "UserWorkload", "PythonTarget", "TARGET"]
+__all__ = ["entry_label", "load_entry", "build_user_workload", "UserWorkload", "PythonTarget", "TARGET"]
 
 _FORMAT = "expected 'package.module:function' or 'path/to/file.py:function'"
 
 
-def load_entry(entry: str) -> Callable[..., Any]:
-    """Import the function named by ``entry`` (``pkg.mod:func`` or ``file.py:func``).
+def entry_label(entry: Any) -> str:
+    """How an entry is named in messages: the string itself, or ``module.qualname`` of a function
+    passed directly (:func:`oomtune.predict` takes ``make_workload`` itself)."""
+    if callable(entry) and not isinstance(entry, str):
+        return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', type(entry).__name__)}"
+    return str(entry)
+
+
+def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
+    """Import the function named by ``entry`` (``pkg.mod:func`` or ``file.py:func``); a function
+    passed directly (not a string) is returned as it is.
 
     A relative file path is taken from the current directory. Errors raised while the module runs
     (other than import errors) propagate unchanged.
@@ -78,6 +87,8 @@ def load_entry(entry: str) -> Callable[..., Any]:
             missing dependency or syntax error included, named in the message), a missing attribute,
             or an attribute that is not callable.
     """
+    if callable(entry) and not isinstance(entry, str):
+        return entry
     if not isinstance(entry, str) or entry.count(":") < 1 or entry.strip() in ("", "???"):
         raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
     where, _, name = entry.rpartition(":")
@@ -285,8 +296,8 @@ def check_checkpointing_argument(target_cfg: Mapping[str, Any], wanted: bool) ->
     Raises:
         ConfigError: ``wanted`` and the function lacks the parameter (or the entry is bad).
     """
-    entry = str(target_cfg.get("entry"))
-    if wanted and not _takes(load_entry(entry), "activation_checkpointing"):
+    entry = entry_label(target_cfg.get("entry"))
+    if wanted and not _takes(load_entry(target_cfg.get("entry")), "activation_checkpointing"):
         raise ConfigError(f"target.entry={entry!r}: search.space.activation_checkpointing needs the function to "
                           "take an activation_checkpointing argument (e.g. def make_workload(batch_size, device, "
                           "activation_checkpointing=False): ... model.gradient_checkpointing_enable() when true)")
@@ -315,8 +326,8 @@ def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
-    entry = str(target_cfg.get("entry"))
-    fn = load_entry(entry)
+    entry = entry_label(target_cfg.get("entry"))
+    fn = load_entry(target_cfg.get("entry"))
     device = torch.device(device)
     takes_device = _takes(fn, "device")
     kwargs: dict[str, Any] = {"device": device} if takes_device else {}

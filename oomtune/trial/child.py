@@ -307,13 +307,20 @@ def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, 
     modules loaded lazily: ``CUDA_MODULE_LOADING=LAZY``, torch's default), after the reading taken
     before them. The larger reading counts (``result.memory.non_allocator_bytes``; both kept in ``extra``),
     and a memory fraction in force is applied again for it, so that allocator plus outside memory
-    stay within the budget for the measured steps (field case C9)."""
+    stay within the budget for the measured steps (field case C9). The reading is kept for later
+    plans of the same GPU, driver and torch (:func:`oomtune.gpu.outside.remember_measured`)."""
     again = _outside_allocator(dev)
     result.extra["non_allocator_bytes_after_warmup"] = again
     if again > (result.memory.non_allocator_bytes or 0):
         result.memory = replace(result.memory, non_allocator_bytes=again)
         if "memory_fraction" in result.extra:
             _apply_fraction(spec, result, dev, total)
+    # kept per (GPU, driver, torch) for later plans of this device (oomtune.gpu.outside.read_measured)
+    from oomtune.gpu.outside import remember_measured
+    from oomtune.packages import installed_version
+
+    remember_measured(result.device.name or "?", result.device.driver_version, installed_version("torch"),
+                      int(result.memory.non_allocator_bytes or 0))
 
 
 def _outside_allocator(dev: Any) -> int:

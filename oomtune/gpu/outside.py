@@ -1,0 +1,242 @@
+"""Device memory outside the caching allocator: the table used when no GPU can be read.
+
+What ``nvidia-smi memory.used`` shows for a training process is the caching allocator's reserved
+memory plus memory the allocator never sees: the CUDA context (driver state, the device stack, the
+kernel modules loaded into it), the cuBLAS/cuBLASLt and cuDNN handles' own state, NCCL's buffers.
+On a real GPU a trial measures it once (``total - free - reserved`` after CUDA init and a cuBLAS
+warm-up: :func:`oomtune.trial.budget.non_allocator_bytes`), and that reading wins. Without a device
+(``oomtune plan`` on a laptop, :func:`oomtune.predict`) this module gives the estimate, per component,
+each with the source of its figure. Nothing here is fitted to a benchmark's rows.
+
+The table (bytes; "-" marks a component with no published figure, counted as 0 and said so in
+:attr:`OutsideAllocator.unsourced`):
+
+=========================  ===============  ===================================================
+component                  bytes            source
+=========================  ===============  ===================================================
+CUDA context, lazy         266,076,160      pull request pytorch/pytorch#86509: ``total - free`` =
+loading (CUDA >= 11.7)                      287,047,680 bytes with ``CUDA_MODULE_LOADING=LAZY``
+                                            (torch's default since 1.13) after one 6,400,000-byte
+                                            tensor, less that tensor's 20 MiB segment (a request
+                                            between 1 MiB and 10 MiB gets a ``kLargeBuffer``
+                                            segment, CUDACachingAllocator.cpp);
+                                            "~300MB" (ptrblck, pytorch/pytorch#107667)
+CUDA context, eager        645,660,672      the same pull request with ``CUDA_MODULE_LOADING=
+loading, or CUDA < 11.7                     DEFAULT`` (eager then): 666,632,192 bytes less 20 MiB;
+                                            ">1000MB" before CUDA 11.7 (pytorch/pytorch#107667)
+kernel modules loaded      -                lazy loading loads a kernel's whole module at its
+lazily during training                      first launch (CUDA C Programming Guide, "Lazy
+                                            Loading"); no published size per torch op
+cuBLAS / cuBLASLt handle   -                the workspaces are allocator requests since torch
+state                                       2.1 (:mod:`oomtune.capture.blas_workspace`); the
+                                            handle's own state and cuBLAS's kernels: no figure
+cuDNN handle and kernels   -                loaded at the first convolution; no published figure
+                                            for cuDNN 9 under lazy loading
+NCCL buffers               -                ``NCCL_BUFFSIZE`` (4 MiB) per channel and peer (NCCL
+                                            docs, environment variables); channel count depends
+                                            on the topology: not modelled
+=========================  ===============  ===================================================
+
+No published measurement separates the context by GPU architecture, so the context figure is the
+same for every compute capability; what does depend on it, the cuBLAS workspace size
+(``getChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp: 8 MiB + 128 KiB below
+sm90, 32 MiB on sm90), is an allocator request and lives in :mod:`oomtune.capture.blas_workspace`.
+
+Device readings are kept (:func:`remember_measured`, by the trial process after its warm-up steps)
+per (GPU name, driver version, torch version) in ``outside_allocator.json`` beside the stream cache
+(``$OOMTUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/oomtune``; ``OOMTUNE_CACHE_DIR=off``: not kept), so
+that a later ``oomtune plan`` for the same device reads the measured figure
+(:func:`read_measured`) instead of the table.
+
+:data:`CARDS`: the memory torch reports for a card (``cudaDeviceProp::totalGlobalMem``), for
+:func:`oomtune.predict`'s ``gpu=`` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["CONTEXT_LAZY_BYTES", "CONTEXT_EAGER_BYTES", "OutsideAllocator", "outside_allocator", "CARDS", "Card",
+           "card_of", "readings_path", "read_measured", "remember_measured"]
+
+#: The 20 MiB segment of the one tensor behind pytorch/pytorch#86509's readings (``kLargeBuffer``).
+_PR_86509_SEGMENT_BYTES = 20 << 20
+#: The CUDA context with lazy module loading: 287,047,680 bytes read in pytorch/pytorch#86509, less
+#: the allocator's segment of its one tensor.
+CONTEXT_LAZY_BYTES = 287_047_680 - _PR_86509_SEGMENT_BYTES
+#: The same with eager module loading: 666,632,192 bytes (pytorch/pytorch#86509) less that segment.
+CONTEXT_EAGER_BYTES = 666_632_192 - _PR_86509_SEGMENT_BYTES
+
+_SOURCES = {
+    "context_lazy": "CUDA context, lazy module loading: 266,076,160 bytes (pytorch/pytorch#86509's 287,047,680 "
+                    "less its tensor's 20 MiB segment)",
+    "context_eager": "CUDA context, eager module loading: 645,660,672 bytes (pytorch/pytorch#86509's 666,632,192 "
+                     "less its tensor's 20 MiB segment)",
+}
+_UNSOURCED = {
+    "modules": "kernel modules loaded lazily during training (no published size per torch op)",
+    "cublas": "cuBLAS/cuBLASLt handle state and kernels outside the allocator (no published figure)",
+    "cudnn": "cuDNN handle and kernels (no published figure for cuDNN 9 under lazy loading)",
+    "nccl": "NCCL buffers (NCCL_BUFFSIZE per channel and peer; channels depend on the topology)",
+}
+
+
+@dataclass(frozen=True)
+class OutsideAllocator:
+    """Device memory outside the caching allocator, in bytes, by component.
+
+    ``context_bytes``: the CUDA context; ``libraries_bytes``: cuBLAS, cuDNN, NCCL beyond the context
+    (0 where no figure is published); ``sources``: one line per figure used; ``unsourced``: the
+    components counted as 0 for want of a figure (the estimate is a lower bound when this is not
+    empty); ``measured``: True when the figure is a device reading, not the table."""
+
+    context_bytes: int
+    libraries_bytes: int = 0
+    sources: tuple[str, ...] = ()
+    unsourced: tuple[str, ...] = field(default=())
+    measured: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """``context_bytes + libraries_bytes``."""
+        return self.context_bytes + self.libraries_bytes
+
+    def describe(self) -> str:
+        """One line: the total in MiB and where it came from."""
+        mib = self.total_bytes / (1 << 20)
+        if self.measured:
+            return f"{mib:.0f} MiB outside the allocator (measured on the device)"
+        gap = f"; not counted: {', '.join(self.unsourced)}" if self.unsourced else ""
+        return f"{mib:.0f} MiB outside the allocator (table, no device reading: {'; '.join(self.sources)}{gap})"
+
+
+def outside_allocator(*, cuda_major: int = 12, lazy_loading: bool = True, cudnn: bool = False,
+                      nccl: bool = False, measured_bytes: int | None = None) -> OutsideAllocator:
+    """The memory outside the caching allocator of a training process, in bytes.
+
+    Args:
+        cuda_major: the CUDA major version torch was built with (11 or 12 for torch 2.x); lazy module
+            loading exists from CUDA 11.7 on, so an 11 is taken as eager (conservative).
+        lazy_loading: ``CUDA_MODULE_LOADING=LAZY`` (torch sets it unless the user chose otherwise).
+        cudnn: the process runs cuDNN (convolutions): the cuDNN part is listed as not counted.
+        nccl: the process communicates through NCCL: listed as not counted.
+        measured_bytes: a device reading (:func:`oomtune.trial.budget.non_allocator_bytes`); it wins.
+
+    Raises:
+        ValueError: a negative reading or a CUDA major below 10.
+    """
+    if measured_bytes is not None:
+        if measured_bytes < 0:
+            raise ValueError(f"measured memory outside the allocator {measured_bytes} bytes is negative")
+        return OutsideAllocator(measured_bytes, 0, ("measured on the device",), (), True)
+    if cuda_major < 10:
+        raise ValueError(f"cuda_major={cuda_major}: torch 2.x is built with CUDA 11 or 12")
+    lazy = lazy_loading and cuda_major >= 12
+    context = CONTEXT_LAZY_BYTES if lazy else CONTEXT_EAGER_BYTES
+    source = _SOURCES["context_lazy" if lazy else "context_eager"]
+    unsourced = ["modules"] if lazy else []
+    unsourced.append("cublas")
+    if cudnn:
+        unsourced.append("cudnn")
+    if nccl:
+        unsourced.append("nccl")
+    return OutsideAllocator(context, 0, (source,), tuple(_UNSOURCED[k] for k in unsourced))
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU card: its :data:`oomtune.capture.gpu_target.KNOWN_GPUS` key (compute capability, SMs),
+    ``total_memory_bytes`` as torch reports it (``cudaDeviceProp::totalGlobalMem``, below nvidia-smi's
+    ``memory.total``) and the source of that figure."""
+
+    name: str
+    gpu_key: str
+    total_memory_bytes: int
+    source: str
+
+
+#: Cards by name (case, ``-`` and spaces ignored), with torch's total memory.
+CARDS: dict[str, Card] = {c.name.lower().replace("-", ""): c for c in (
+    Card("A100-SXM4-40GB", "a100", 40_536 << 20,
+         "get_device_properties: total_memory=40536MB, 108 SMs (PaddlePaddle's device-properties docstring)"),
+    Card("A100-SXM4-80GB", "a100", 81_050 << 20,
+         "torch.cuda.get_device_properties: 79.15 GiB (oomtune.device's docstring, A100-80GB)"),
+)}
+
+
+def card_of(name: str) -> Card | None:
+    """The :class:`Card` named ``name`` (``A100-SXM4-40GB``, ``NVIDIA A100-SXM4-40GB``), or None."""
+    flat = str(name).strip().lower().replace("-", "").replace(" ", "")
+    if flat.startswith("nvidia"):
+        flat = flat[len("nvidia"):]
+    return CARDS.get(flat)
+
+
+_OFF = {"off", "0", "none", "false", "no"}
+
+
+def readings_path() -> Path | None:
+    """Where device readings are kept: ``$OOMTUNE_CACHE_DIR/outside_allocator.json``, else
+    ``$XDG_CACHE_HOME/oomtune/outside_allocator.json`` (``~/.cache`` when unset or relative); None
+    when ``OOMTUNE_CACHE_DIR`` is ``off`` (the stream cache's switch, :mod:`oomtune.plan.stream_cache`)."""
+    where = os.environ.get("OOMTUNE_CACHE_DIR", "").strip()
+    if where.lower() in _OFF and where:
+        return None
+    if where:
+        return Path(where).expanduser().absolute() / "outside_allocator.json"
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "oomtune" / "outside_allocator.json"
+
+
+def _key(gpu_name: str, driver_version: str | None, torch_version: str | None) -> str:
+    return f"{gpu_name} | driver {driver_version or '?'} | torch {torch_version or '?'}"
+
+
+def _load(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: int(v) for k, v in data.items() if isinstance(v, int) and v >= 0} if isinstance(data, dict) else {}
+
+
+def read_measured(gpu_name: str, driver_version: str | None, torch_version: str | None) -> int | None:
+    """The memory outside the allocator measured on this (GPU, driver, torch), in bytes; None when
+    none was kept (or the file cannot be read: the table is used then)."""
+    path = readings_path()
+    return None if path is None else _load(path).get(_key(gpu_name, driver_version, torch_version))
+
+
+def remember_measured(gpu_name: str, driver_version: str | None, torch_version: str | None,
+                      measured_bytes: int) -> None:
+    """Keep a device reading (bytes): the larger of it and the one kept for the same (GPU, driver,
+    torch), written atomically (a temporary file renamed). A cache that cannot be written is skipped
+    silently: the reading is only an aid to later plans.
+
+    Raises:
+        ValueError: a negative reading.
+    """
+    if measured_bytes < 0:
+        raise ValueError(f"measured memory outside the allocator {measured_bytes} bytes is negative")
+    path = readings_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load(path)
+        key = _key(gpu_name, driver_version, torch_version)
+        if data.get(key, -1) >= measured_bytes:
+            return
+        data[key] = int(measured_bytes)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".outside-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        return
