@@ -24,6 +24,15 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   third-party packages those files import (``transformers``, ...). A changed entry file, or a changed
   local module, is another key. Not seen: data files the entry reads, and modules it imports by
   other means than ``import`` statements (``oomtune plan --no-cache`` then captures afresh).
+* **what the capture read** from its process: the environment variables it read by name and
+  ``sys.argv`` when read (:mod:`oomtune.capture.reads`, recorded while the entry loads and while the
+  capture runs; module-level reads of an entry loaded once stay part of every later capture of the
+  process), each with the value read. They are stored in the entry (``reads``), not in the key,
+  since they are known only after the capture: a key holds one entry per set of values
+  (``<key>.<16 hex of the reads>.json``), and a lookup reads the newest entry whose every recorded
+  read has the same value in this process now. A changed value is a miss (captured again, and kept
+  beside the first entry: back under the first value, the first entry is read), never a stale read.
+  Not seen: reads of the whole environment (``os.environ.copy()``) and reads from native code.
 * **not cached**: built-in workloads reading real data (their checks look at files that can
   change).
 
@@ -52,7 +61,7 @@ __all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_finge
 #: Environment variable naming the cache directory; ``off`` (or ``0``, ``none``) turns it off.
 CACHE_ENV = "OOMTUNE_CACHE_DIR"
 _OFF = {"off", "0", "none", "false", "no"}
-_FORMAT = 1
+_FORMAT = 2   # 2: entries keyed by what the capture read (environment, argv)
 #: Package directories / modules (relative to the oomtune package) whose code decides a capture.
 _CODE = ("capture", "workloads", "plan/predictor.py", "plan/derive.py", "alloc/stream.py", "targets")
 
@@ -278,39 +287,53 @@ class StreamCache:
 
     def get(self, key: str, material: dict[str, Any]) -> tuple[Any, str | None] | None:
         """The cached ``(AllocationStream, fallback reason)`` under ``key``, or None (a miss: absent,
-        unreadable, another key's material, or a stream file that does not validate)."""
+        unreadable, another key's material, a stream file that does not validate, or no entry of the
+        key whose recorded reads (:mod:`oomtune.capture.reads`: environment variables, ``sys.argv``)
+        all have the values they hold in this process now). The stream's ``reads`` are the entry's."""
         from oomtune.alloc.stream import AllocationStream
+        from oomtune.capture.reads import matches
         from oomtune.exceptions import ConfigError
 
-        meta_path, stream_path = self._paths(key)
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            if not isinstance(meta, dict) or meta.get("key") != _as_read_back(material):
-                raise ValueError("another key")
-            reason = meta.get("reason")
-            if reason is not None and not isinstance(reason, str):
-                raise ValueError("bad reason")
-            if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
-                raise ValueError("the stream file is not the one stored")
-            stream = AllocationStream.load(stream_path)
-            stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
-        except (OSError, ValueError, ConfigError):
-            self.misses += 1
-            return None
-        self.hits += 1
-        return stream, reason
+        for meta_path in self._variants(key):
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                if not isinstance(meta, dict) or meta.get("key") != _as_read_back(material):
+                    raise ValueError("another key")
+                reads = meta.get("reads")
+                if not isinstance(reads, dict):
+                    raise ValueError("no reads")
+                if not matches(reads):
+                    continue   # captured under other values of what it read: another entry, not this one
+                reason = meta.get("reason")
+                if reason is not None and not isinstance(reason, str):
+                    raise ValueError("bad reason")
+                stream_path = meta_path.with_name(meta_path.name[:-len(".json")] + ".stream")
+                if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
+                    raise ValueError("the stream file is not the one stored")
+                stream = AllocationStream.load(stream_path)
+                stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
+                stream.reads = reads
+            except (OSError, ValueError, ConfigError):
+                break   # the entry for these values is damaged: a miss (written again after the capture)
+            self.hits += 1
+            return stream, reason
+        self.misses += 1
+        return None
 
     def put(self, key: str, material: dict[str, Any], stream: Any, reason: str | None) -> None:
-        """Store one capture under ``key``: the stream to a temporary file, then the metadata with its
-        SHA-256, then the stream renamed into place (a reader in between sees a checksum that does not
-        match: a miss)."""
-        meta_path, stream_path = self._paths(key)
+        """Store one capture under ``key`` and the reads it made (the stream's ``reads``, as
+        :func:`oomtune.plan.predictor.capture_training_stream` sets them; none for a stream without):
+        the stream to a temporary file, then the metadata with its SHA-256, then the stream renamed
+        into place (a reader in between sees a checksum that does not match: a miss). Captures of one
+        key under other values of their reads are other entries, kept beside it."""
+        reads = dict(getattr(stream, "reads", None) or {})
+        meta_path, stream_path = self._paths(key, reads)
         tmp = _tmp(stream_path)
         try:
             meta_path.parent.mkdir(parents=True, exist_ok=True)
             stream.save(tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-            self._write_json(meta_path, {"key": material, "reason": reason, "sha256": digest,
+            self._write_json(meta_path, {"key": material, "reads": reads, "reason": reason, "sha256": digest,
                                          "captured_on": getattr(stream, "captured_on", None)})
             os.replace(tmp, stream_path)
         except OSError:
@@ -358,9 +381,22 @@ class StreamCache:
         return self._paths(_digest(material))[0], material
 
     # -- files -------------------------------------------------------------------------------------
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        base = self.directory / key[:2] / key
-        return base.with_suffix(".json"), base.with_suffix(".stream")
+    def _paths(self, key: str, reads: dict[str, Any] | None = None) -> tuple[Path, Path]:
+        """(metadata, stream) file of ``key``'s entry for ``reads`` (a capture's reads and their
+        values; None or {}: none): ``<key[:2]>/<key>.<16 hex of the reads>.json`` / ``.stream``."""
+        variant = hashlib.sha256(_json(reads or {}).encode()).hexdigest()[:16]
+        base = self.directory / key[:2] / f"{key}.{variant}"
+        return base.with_name(base.name + ".json"), base.with_name(base.name + ".stream")
+
+    def _variants(self, key: str) -> list[Path]:
+        """The metadata files of ``key``'s entries (one per set of read values), newest first."""
+        found = []
+        for path in (self.directory / key[:2]).glob(f"{key}.*.json"):
+            try:
+                found.append((path.stat().st_mtime, path))
+            except OSError:
+                continue
+        return [p for _, p in sorted(found, key=lambda x: (-x[0], str(x[1])))]
 
     @staticmethod
     def _write_json(path: Path, obj: Any) -> None:
