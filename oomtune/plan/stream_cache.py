@@ -131,96 +131,18 @@ def entry_fingerprint(target: dict[str, Any]) -> dict[str, Any] | None:
     * ``packages``: the installed versions of the other packages those files import (standard
       library modules left out), from package metadata.
 
-    Computed once per process per entry."""
+    (:func:`oomtune.sources.fingerprint`.) Computed once per process per entry."""
     entry = target.get("entry")
     if not isinstance(entry, str) or ":" not in entry:
         return None
     if entry not in _entry_prints:
-        _entry_prints[entry] = _entry_print(entry)
+        from oomtune.sources import fingerprint
+        from oomtune.trial._base import find_target
+
+        found = find_target(target.get("name", "python"))
+        paths = found.sources(target) if found is not None else []
+        _entry_prints[entry] = fingerprint(paths[0]) if paths else None
     return _entry_prints[entry]
-
-
-def _entry_print(entry: str) -> dict[str, Any] | None:
-    from oomtune.targets import is_file_entry
-
-    where = entry.rpartition(":")[0].strip()
-    if is_file_entry(where):
-        path = Path(where).expanduser().absolute()
-    else:
-        import importlib.util
-
-        try:
-            spec = importlib.util.find_spec(where)
-        except (ImportError, ValueError):
-            return None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            return None
-        path = Path(spec.origin)
-    if not path.is_file():
-        return None
-    files: dict[str, str] = {}
-    third_party: set[str] = set()
-    todo = [path.resolve()]
-    while todo:
-        f = todo.pop()
-        if str(f) in files:
-            continue
-        try:
-            source = f.read_bytes()
-        except OSError:
-            return None
-        files[str(f)] = hashlib.sha256(source).hexdigest()
-        for name in _imported_names(source):
-            local = f.parent / f"{name}.py"
-            package = f.parent / name
-            if local.is_file():
-                todo.append(local.resolve())
-            elif (package / "__init__.py").is_file():
-                todo += sorted(p.resolve() for p in package.rglob("*.py"))
-            elif name not in sys.stdlib_module_names:
-                third_party.add(name)
-    return {"files": dict(sorted(files.items())), "packages": _versions(sorted(third_party))}
-
-
-def _imported_names(source: bytes) -> list[str]:
-    """The first component of every module an ``import`` statement in ``source`` names (absolute
-    imports; a relative one names its module's first component); [] when it does not parse."""
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [a.name.split(".")[0] for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.module:
-                names.append(node.module.split(".")[0])
-            elif node.level:
-                names += [a.name.split(".")[0] for a in node.names]
-    return list(dict.fromkeys(names))
-
-
-def _versions(modules: list[str]) -> dict[str, str | None]:
-    """``{module: version of the distribution that provides it}`` (None: not installed)."""
-    if not modules:
-        return {}
-    from importlib import metadata
-
-    from oomtune.packages import installed_version
-
-    try:
-        provides = metadata.packages_distributions()
-    except Exception:  # noqa: BLE001 - a broken distribution's metadata must not stop a plan
-        provides = {}
-    out: dict[str, str | None] = {}
-    for m in modules:
-        dists = sorted(set(provides.get(m, [m])))
-        versions = [f"{d}=={installed_version(d)}" for d in dists if installed_version(d) is not None]
-        out[m] = ",".join(versions) or None
-    return out
 
 
 def _workload_material(model_cfg: dict[str, Any]) -> dict[str, Any]:

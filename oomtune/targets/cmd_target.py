@@ -26,6 +26,23 @@ class CmdTarget(Target):
     starts_ranks = True
     records_streams = True
 
+    def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
+        """The script the command runs (``python train.py``, ``torchrun ... train.py``; or the program
+        itself when named by a path), relative to ``target.cwd``; [] when there is none or it is
+        not a file (a shell command line, ``python -m pkg``)."""
+        from oomtune.exceptions import ConfigError
+        from oomtune.targets._cmd_checks import _script_file
+        from oomtune.targets.cmd import build_command, resolve_cwd
+
+        target = dict(target_cfg)
+        try:
+            argv, shell = build_command(target, 1)
+            cwd = resolve_cwd(target)
+        except ConfigError:
+            return []
+        path = None if shell else _script_file(argv, cwd)
+        return [path] if path is not None and path.is_file() else []
+
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         from oomtune.targets._cmd_checks import check_command
         from oomtune.targets.cmd import build_command, check_program, resolve_cwd
