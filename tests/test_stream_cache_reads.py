@@ -139,3 +139,16 @@ def test_a_changed_environment_variable_is_a_miss_and_the_first_value_reads_the_
     monkeypatch.setenv("OOMTUNE_TEST_DEPTH", "3")
     with pytest.raises(AssertionError, match="captured although"):
         plan()
+
+
+def test_another_threads_reads_during_a_recording_are_not_the_workloads(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("OOMTUNE_TEST_MINE", "1")
+    monkeypatch.setenv("OOMTUNE_TEST_THEIRS", "2")
+    with RD.recording():
+        worker = threading.Thread(target=lambda: os.environ.get("OOMTUNE_TEST_THEIRS"))
+        worker.start()
+        worker.join()
+        os.environ.get("OOMTUNE_TEST_MINE")
+    assert RD.reads() == {"OOMTUNE_TEST_MINE": "1"}

@@ -53,8 +53,15 @@ _saved: dict[str, Any] = {}
 _this: set[str] = set()          # names logged in the open recording (their value is this block's)
 
 
+_threads: dict[int, int] = {}    # thread ident -> open recordings of that thread (only its reads count)
+
+
+def _recording_here() -> bool:
+    return bool(_depth) and threading.get_ident() in _threads
+
+
 def _note(key: Any) -> None:
-    if _depth and isinstance(key, str) and key not in _this and key not in _written and key not in IGNORED:
+    if _recording_here() and isinstance(key, str) and key not in _this and key not in _written and key not in IGNORED:
         _this.add(key)
         value = _saved["data"].get(_saved["encodekey"](key)) if "data" in _saved else None
         _log[key] = None if value is None else _saved["decodevalue"](value)
@@ -64,7 +71,7 @@ class _ArgvRecorder(list):
     """``sys.argv`` while a recording is open: a list that logs itself as read on any access."""
 
     def _read(self) -> None:
-        if _depth and ARGV not in _this:
+        if _recording_here() and ARGV not in _this:
             _this.add(ARGV)
             _log[ARGV] = [str(a) for a in list.__iter__(self)]
 
@@ -113,6 +120,8 @@ def _install() -> None:
         return contains(self, key)
 
     def _wrote(key: Any, value: Any) -> None:
+        if not _recording_here():
+            return
         if key not in _log:
             _written.add(key)
         else:   # read, then set (os.environ.setdefault): the process's own value from now on
@@ -146,19 +155,26 @@ def _uninstall() -> None:
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    """Log the environment variables and ``sys.argv`` read inside the block (see the module
-    docstring); nests (the outermost block installs and removes the hooks); thread-safe to enter."""
+    """Log the environment variables and ``sys.argv`` read inside the block by the thread that
+    entered it (another thread's reads meanwhile, such as a search's trial launches, are not the
+    workload's; see the module docstring); nests (the outermost block installs and removes the
+    hooks); thread-safe to enter."""
     global _depth
     with _lock:
         if _depth == 0:
             _this.clear()
             _install()
         _depth += 1
+        me = threading.get_ident()
+        _threads[me] = _threads.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
+            _threads[me] -= 1
+            if not _threads[me]:
+                del _threads[me]
             if _depth == 0:
                 _uninstall()
 
