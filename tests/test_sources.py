@@ -88,3 +88,17 @@ def test_a_commands_study_name_follows_the_variables_its_script_reads(tmp_path, 
     assert first.startswith("cmd-") and name() == first
     monkeypatch.setenv("SEQ_LEN", "32")
     assert name() != first
+
+
+def test_a_command_without_a_script_file_has_no_sources(tmp_path):
+    import sys
+
+    from oomtune.targets import get_target
+
+    cmd = get_target("cmd")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    assert cmd.sources({"name": "cmd", "command": "python train.py --batch-size {batch_size}",
+                        "cwd": str(tmp_path)}) == [tmp_path / "train.py"]
+    # an interpreter named by its path running a module: the interpreter binary is not the user's code
+    assert cmd.sources({"name": "cmd", "command": f"{sys.executable} -m mypkg.train", "cwd": str(tmp_path)}) == []
+    assert cmd.sources({"name": "cmd", "command": "python absent.py", "cwd": str(tmp_path)}) == []

@@ -28,10 +28,10 @@ class CmdTarget(Target):
 
     def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
         """The script the command runs (``python train.py``, ``torchrun ... train.py``; or the program
-        itself when named by a path), relative to ``target.cwd``; [] when there is none or it is
-        not a file (a shell command line, ``python -m pkg``)."""
+        itself when it is a script named by its path, ``./train.sh``), relative to ``target.cwd``;
+        [] when there is none (a shell command line, ``python -m pkg``, a binary)."""
         from oomtune.exceptions import ConfigError
-        from oomtune.targets._cmd_checks import _script_file
+        from oomtune.targets._cmd_checks import _SCRIPT_SUFFIXES, _script_file
         from oomtune.targets.cmd import build_command, resolve_cwd
 
         target = dict(target_cfg)
@@ -41,7 +41,10 @@ class CmdTarget(Target):
         except ConfigError:
             return []
         path = None if shell else _script_file(argv, cwd)
-        return [path] if path is not None and path.is_file() else []
+        # a script, not a program binary (an interpreter named by its path, e.g. `/usr/bin/python -m pkg`)
+        if path is None or not path.is_file() or not path.name.endswith(_SCRIPT_SUFFIXES):
+            return []
+        return [path]
 
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         from oomtune.targets._cmd_checks import check_command
