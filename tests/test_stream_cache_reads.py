@@ -152,3 +152,41 @@ def test_another_threads_reads_during_a_recording_are_not_the_workloads(monkeypa
         worker.join()
         os.environ.get("OOMTUNE_TEST_MINE")
     assert RD.reads() == {"OOMTUNE_TEST_MINE": "1"}
+
+
+@pytest.mark.slow
+def test_plans_in_fresh_processes_under_another_value_capture_again_and_the_first_value_reads_the_cache(tmp_path):
+    """The field case's shape, each command its own process: plan with VAR=a, plan with VAR=b (a
+    miss: captured again, a larger model's figures), VAR=a again (every capture read from the cache,
+    the first plan's map)."""
+    import subprocess
+
+    import yaml
+
+    (tmp_path / "envwl.py").write_text(ENTRY)
+    root = Path(__file__).resolve().parents[1]
+
+    def plan(depth: str, name: str) -> dict:
+        env = dict(os.environ, OOMTUNE_CACHE_DIR=str(tmp_path / "cache"), OOMTUNE_TEST_DEPTH=depth,
+                   OOMTUNE_TEST_WIDTH="1024", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = tmp_path / name
+        subprocess.run([sys.executable, "-m", "oomtune", "plan", "target=python", "target.entry=envwl.py:make_workload",
+                        "budget=64MiB", "device=cpu", "virtual_device_memory=1GiB", "search.batch_size.low=8",
+                        "search.batch_size.high=4096", f"hydra.run.dir={out}"],
+                       cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
+        return yaml.safe_load((out / "plan.yaml").read_text())
+
+    def rows(p: dict) -> dict:
+        return {r["alloc_conf"]: r["max_batch_size"] for r in p["configurations"]}
+
+    a = plan("1", "a")
+    assert a["timing"]["cached"] == 0 and a["timing"]["captures"] >= 3
+    b = plan("4", "b")
+    assert b["timing"]["cached"] == 0                      # another value: every capture made again
+    # by hand: one 1024 x 1024 layer is 4 MiB of fp32 weights and 4 MiB of gradients; four of them hold
+    # 32 MiB of the 64 MiB budget where one holds 8 MiB, and each sample's activations pass four layers
+    # instead of one: the default allocator's largest batch must be smaller
+    assert rows(b)[""] < rows(a)[""]
+    again = plan("1", "again")
+    assert again["timing"]["cached"] == again["timing"]["captures"] == a["timing"]["captures"]
+    assert rows(again) == rows(a)
