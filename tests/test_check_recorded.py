@@ -9,7 +9,6 @@ recorded"). Expected figures are hand calculations from CUDACachingAllocator.cpp
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from pathlib import Path
 
