@@ -10,16 +10,17 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
   change to any of them is another key, so an entry is never stale, only unused.
-* **an entry** is ``<key>.json`` (the key's material, the capture's fallback reason, the device it
-  ran on (``captured_on``) and the SHA-256 of the stream file) and ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s
-  binary format, whose loader validates every event). Both are written to temporary names and
+* **an entry** is ``<key>.<reads>.json`` (the key's material, what the capture read (below), the
+  capture's fallback reason, the device it ran on (``captured_on``) and the SHA-256 of the stream
+  file) and ``<key>.<reads>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s binary
+  format, whose loader validates every event). Both are written to temporary names and
   renamed into place, the stream last; an entry whose files are missing, unreadable, of another key,
   whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
   another entry) or whose events are invalid is a miss (and is written again after the capture),
   never an error.
 * **``target: python`` workloads** (issue 26) are keyed by the resolved target group (the entry with
   its file made absolute, so a plan and a search from the same directory share entries) and by
-  :func:`entry_fingerprint`: the SHA-256 of the entry file and of every local module it imports
+  :func:`entry_fingerprint` (:func:`oomtune.sources.fingerprint`): the SHA-256 of the entry file and of every local module it imports
   (files and packages beside it, followed transitively), and the installed versions of the
   third-party packages those files import (``transformers``, ...). A changed entry file, or a changed
   local module, is another key. Not seen: data files the entry reads, and modules it imports by
