@@ -144,6 +144,11 @@ class Choice:
     grad_accum: int = 1                  # micro-batches per optimizer step (search.global_batch)
     global_batch: int | None = None      # samples per optimizer step over all ranks, when fixed
     activation_checkpointing: bool | None = None   # when the search varied it
+    # a target whose steps oomtune cannot capture (target=cmd, HF, Lightning): the allocation stream
+    # the prediction replayed (recorded by a trial, or derived from the recordings), a file beside
+    # best.yaml in AllocationStream.save's format, and its SHA-256; `check --mode predict` replays it
+    predicted_stream: str | None = None
+    predicted_stream_sha256: str | None = None
 
     def trials_text(self) -> str | None:
         """Which trials this choice comes from, in words (:func:`trials_text`)."""
@@ -291,6 +296,9 @@ def _choice(data: Any, where: str) -> Choice:
     if not isinstance(choice.predicted_at_worst_shape, bool):
         raise BestFileError(f"{where}.predicted_at_worst_shape must be true or false, got "
                             f"{choice.predicted_at_worst_shape!r}")
+    for name in ("predicted_stream", "predicted_stream_sha256"):
+        if getattr(choice, name) is not None and not isinstance(getattr(choice, name), str):
+            raise BestFileError(f"{where}.{name} must be a string or absent, got {getattr(choice, name)!r}")
     accum = choice.grad_accum
     if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
         raise BestFileError(f"{where}.grad_accum must be a positive integer, got {accum!r}")

@@ -298,7 +298,14 @@ def default_study_name(cfg: Any) -> str:
     batch (when set) and GPUs per trial (``trial.gpus`` when not 1; ``model.parallel`` when not
     none), so rerunning the same command resumes the same study and a changed one starts a new
     study. The budget enters as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``,
-    ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9)."""
+    ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9).
+
+    For a target that runs the user's code (a python entry's file, a command's script:
+    :meth:`oomtune.trial._base.Target.sources`) the digest also covers what that code depends on
+    (:func:`oomtune.sources.fingerprint`): the SHA-256 of its file and of its local imports, the
+    versions of the packages it imports, and the values of the environment variables it names
+    (``os.environ["N_LAYER"]``, ``os.getenv("SEQ_LEN")``): ``N_LAYER=1 oomtune search ...`` after
+    ``N_LAYER=2 oomtune search ...`` starts a new study instead of resuming trials of the other model."""
     from oomtune.trial._base import find_target
 
     target = to_container(cfg.target)
@@ -326,6 +333,11 @@ def default_study_name(cfg: Any) -> str:
     gpus = int(cfg.trial.get("gpus", 1) or 1)
     if gpus != 1:
         key["gpus"] = gpus
+    sources = known.sources(target) if known is not None else []
+    if sources:   # the user's code: its files, imports, package versions and environment variables
+        from oomtune.sources import fingerprint
+
+        key["sources"] = [fingerprint(p, environ=True) for p in sources]
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
 

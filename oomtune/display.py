@@ -131,7 +131,8 @@ def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
             "device_peak_bytes": res.memory.device_peak_bytes, "fragmentation": res.memory.fragmentation,
             "memory_source": res.memory.source, "predicted_peak_reserved_bytes": predicted,
             "prediction_error": error, "feasible": R.is_feasible_ok(t),
-            "reused_from": t.user_attrs.get(R.ATTR_REUSED), "message": res.message,
+            "reused_from": t.user_attrs.get(R.ATTR_REUSED), "from_recording": t.user_attrs.get(R.ATTR_FROM_RECORDING),
+            "message": res.message,
             "data_wait_fraction": res.throughput.data_wait_fraction, **rank_fields(res),
         })
     return rows
@@ -177,7 +178,8 @@ def _unfinished_row(t: Any) -> dict[str, Any]:
             "outcome": outcome, "outcome_label": label, "throughput": None, "step_time_s": None, "peak_allocated_bytes": None,
             "peak_reserved_bytes": None, "device_peak_bytes": None, "fragmentation": None,
             "memory_source": "simulated", "predicted_peak_reserved_bytes": None, "prediction_error": None,
-            "feasible": False, "reused_from": None, "message": None, "data_wait_fraction": None}
+            "feasible": False, "reused_from": None, "from_recording": None, "message": None,
+            "data_wait_fraction": None}
 
 
 #: Outcomes of rows without a result (:func:`_unfinished_row`).
@@ -330,14 +332,15 @@ def describe(trial: Any) -> str:
 def outcome_label(trial: Any, res: Any) -> str:
     """``ok``, ``ok >limit`` (ran but its peak exceeded budget x (1 - headroom); ``ok >limit@n``: it
     stopped after step n, the first above the limit, so its figures are those of n steps), or the
-    outcome; ``=#n`` marks a measurement reused from trial n."""
+    outcome; ``=#n`` marks a measurement reused from trial n (an identical earlier trial, or the
+    recording of the same candidate: ``from_recording``)."""
     label = res.outcome.value
     if res.outcome is Outcome.OK and not R.is_feasible_ok(trial):
         label = "ok >limit"
         stopped = (res.extra or {}).get("stopped_over_limit")
         if stopped:   # the trial stopped after this step (TrialSpec.limit_bytes): figures of that many steps
             label += f"@{stopped['step']}"
-    reused = trial.user_attrs.get(R.ATTR_REUSED)
+    reused = trial.user_attrs.get(R.ATTR_REUSED, trial.user_attrs.get(R.ATTR_FROM_RECORDING))
     return label if reused is None else f"{label} =#{reused}"
 
 

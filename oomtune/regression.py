@@ -323,18 +323,30 @@ def prepare_check(best: Any) -> PreparedCheck:
                          limit_text=limit_text, ranks=int(workload.get("ranks", 1)))
 
 
-def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float | None = None) -> CheckReport:
+def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float | None = None,
+                  best_path: str | Path | None = None) -> CheckReport:
     """Predict the recorded configuration with the current code and compare (see module docstring).
-    ``timeout_s``: the wall limit of each capture of a python entry, seconds (run in a process of its
-    own: :mod:`oomtune.plan.isolation`; None: :data:`oomtune.plan.predictor.CAPTURE_TIMEOUT_S`).
+
+    A target oomtune cannot capture (``target=cmd``, the HF and Lightning integrations) is not
+    re-traced: its best.yaml names the allocation stream its prediction replayed
+    (``best.predicted_stream``, recorded by the search's trials: :mod:`oomtune.plan.recorded`), which
+    is replayed on the current virtual GPU instead. That checks the allocator model and the budget,
+    not the script (a changed script is seen by ``--mode run``, which runs it).
+
+    Args:
+        timeout_s: the wall limit of each capture of a python entry, seconds (run in a process of its
+            own: :mod:`oomtune.plan.isolation`; None: :data:`oomtune.plan.predictor.CAPTURE_TIMEOUT_S`).
+        best_path: where best.yaml was read from (the file or its run directory): the recorded
+            stream's file is found beside it (default: the current directory).
 
     Returns:
         a report with the cases ``fits budget (predicted)`` and ``prediction``.
 
     Raises:
-        BestFileError: no ``best.predicted_peak_reserved_bytes`` recorded, or a malformed workload or
-            device section. ConfigError: the workload cannot be built by the current code, or a bad
-            tolerance. ``target: cmd`` workloads cannot be traced (ConfigError).
+        BestFileError: no ``best.predicted_peak_reserved_bytes`` recorded, a malformed workload or
+            device section, or a recorded stream that is missing, unreadable or not the one
+            recorded (its SHA-256). ConfigError: the workload cannot be built by the current code,
+            or a bad tolerance; a target that cannot be traced and whose best.yaml names no stream.
     """
     from oomtune.plan.predictor import PREDICT_STEPS, Predictor
 
@@ -351,17 +363,27 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
         raise BestFileError("best.yaml has no best.predicted_peak_reserved_bytes (the search ran without "
                             "prediction, e.g. search.prune=off or a cmd target): use --mode run")
     run = prepare_check(best)
+    recorded_stream = None
     if run.target is None or not run.target.capturable:
-        raise ConfigError(f"--mode predict cannot trace target {run.workload['target'].get('name')!r}: use --mode run")
+        if not best.best.predicted_stream:
+            raise ConfigError(f"--mode predict cannot trace target {run.workload['target'].get('name')!r} and "
+                              "best.yaml names no recorded allocation stream (best.predicted_stream): use --mode run")
+        recorded_stream = _recorded_stream(best, best_path)
     t0 = time.perf_counter()
-    # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
-    workload = run.workload
-    if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
-        from oomtune.trial._base import worst_shape_workload
+    if recorded_stream is not None:
+        from oomtune.plan.recorded import RecordedPredictor
 
-        workload = worst_shape_workload(workload)
-    predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS, timeout_s=timeout_s,
-                          timeout_name="--timeout")
+        predictor = RecordedPredictor({best.best.batch_size: recorded_stream}, run.geometry,
+                                      steps=best.best.predicted_steps or 0)
+    else:
+        # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
+        workload = run.workload
+        if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
+            from oomtune.trial._base import worst_shape_workload
+
+            workload = worst_shape_workload(workload)
+        predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS,
+                              timeout_s=timeout_s, timeout_name="--timeout")
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
     elapsed = time.perf_counter() - t0
     change = relative_change(pred.peak_reserved_bytes, recorded)
@@ -389,6 +411,34 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
     if fraction.passed is False:
         tail += f"; memory fraction: {fraction.message}"
     return CheckReport("predict", cases, f"oomtune check: {verdict} {compare}{tail}", figures)
+
+
+def _recorded_stream(best: Any, best_path: str | Path | None) -> Any:
+    """The allocation stream ``best.predicted_stream`` names, beside best.yaml, checked against its
+    recorded SHA-256.
+
+    Raises:
+        BestFileError: the file is missing or unreadable, not the one recorded, or not a stream.
+    """
+    import hashlib
+
+    from oomtune.alloc.stream import AllocationStream
+
+    base = Path(best_path) if best_path is not None else Path.cwd()
+    folder = base if base.is_dir() else base.parent
+    path = folder / best.best.predicted_stream
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BestFileError(f"best.predicted_stream: cannot read {str(path)!r} ({exc.strerror or exc}); keep it "
+                            "beside best.yaml, or use --mode run") from None
+    if best.best.predicted_stream_sha256 and hashlib.sha256(data).hexdigest() != best.best.predicted_stream_sha256:
+        raise BestFileError(f"best.predicted_stream: {str(path)!r} is not the stream the search recorded (its "
+                            "SHA-256 differs from best.predicted_stream_sha256): copy the run directory whole")
+    try:
+        return AllocationStream.load(path)
+    except ConfigError as exc:
+        raise BestFileError(f"best.predicted_stream: {exc}") from None
 
 
 def _run_device(best: Any, device: str | None) -> str:

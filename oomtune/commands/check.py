@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
         mode = default_mode(best, torch.cuda.is_available())
     if mode == "predict":
-        report = check_predict(best, tolerance=args.tolerance, timeout_s=args.timeout)
+        report = check_predict(best, tolerance=args.tolerance, timeout_s=args.timeout, best_path=args.best)
     else:
         from oomtune.alloc.caching_env import check_caching_enabled
 

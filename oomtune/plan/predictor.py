@@ -94,7 +94,9 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     Returns:
         (AllocationStream, reason or None): the reason says how the capture ran other than asked: the
         CPU fallback and why, a precision the device lacks, ``torch.autocast`` on cpu/meta run under
-        CUDA's policy.
+        CUDA's policy. The stream's ``reads`` holds the environment variables (and ``sys.argv``) this
+        process's captures read, with their values (:mod:`oomtune.capture.reads`): the stream cache
+        keys on them.
 
     Raises:
         ConfigError: an invalid workload config or python target entry.
@@ -112,8 +114,12 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         reason = (f"model.parallel={model_cfg['parallel']}: captured on cpu, rank 0 of {world_size(model_cfg)} "
                   "with torch's fake process group")
         group = fake_process_group(world_size(model_cfg))
-    with group:
-        return _capture_on(model_cfg, batch_size, steps, blas_workspaces, devices, reason)
+    from oomtune.capture.reads import reads, recording
+
+    with group, recording():   # the environment variables and argv the workload reads key its cache entry
+        stream, reason = _capture_on(model_cfg, batch_size, steps, blas_workspaces, devices, reason)
+    stream.reads = reads()
+    return stream, reason
 
 
 def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_workspaces: bool,

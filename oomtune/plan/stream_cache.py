@@ -10,20 +10,30 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
   change to any of them is another key, so an entry is never stale, only unused.
-* **an entry** is ``<key>.json`` (the key's material, the capture's fallback reason, the device it
-  ran on (``captured_on``) and the SHA-256 of the stream file) and ``<key>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s
-  binary format, whose loader validates every event). Both are written to temporary names and
+* **an entry** is ``<key>.<reads>.json`` (the key's material, what the capture read (below), the
+  capture's fallback reason, the device it ran on (``captured_on``) and the SHA-256 of the stream
+  file) and ``<key>.<reads>.stream`` (:meth:`oomtune.alloc.stream.AllocationStream.save`'s binary
+  format, whose loader validates every event). Both are written to temporary names and
   renamed into place, the stream last; an entry whose files are missing, unreadable, of another key,
   whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
   another entry) or whose events are invalid is a miss (and is written again after the capture),
   never an error.
 * **``target: python`` workloads** (issue 26) are keyed by the resolved target group (the entry with
   its file made absolute, so a plan and a search from the same directory share entries) and by
-  :func:`entry_fingerprint`: the SHA-256 of the entry file and of every local module it imports
+  :func:`entry_fingerprint` (:func:`oomtune.sources.fingerprint`): the SHA-256 of the entry file and of every local module it imports
   (files and packages beside it, followed transitively), and the installed versions of the
   third-party packages those files import (``transformers``, ...). A changed entry file, or a changed
   local module, is another key. Not seen: data files the entry reads, and modules it imports by
   other means than ``import`` statements (``oomtune plan --no-cache`` then captures afresh).
+* **what the capture read** from its process: the environment variables it read by name and
+  ``sys.argv`` when read (:mod:`oomtune.capture.reads`, recorded while the entry loads and while the
+  capture runs; module-level reads of an entry loaded once stay part of every later capture of the
+  process), each with the value read. They are stored in the entry (``reads``), not in the key,
+  since they are known only after the capture: a key holds one entry per set of values
+  (``<key>.<16 hex of the reads>.json``), and a lookup reads the newest entry whose every recorded
+  read has the same value in this process now. A changed value is a miss (captured again, and kept
+  beside the first entry: back under the first value, the first entry is read), never a stale read.
+  Not seen: reads of the whole environment (``os.environ.copy()``) and reads from native code.
 * **not cached**: built-in workloads reading real data (their checks look at files that can
   change).
 
@@ -52,7 +62,7 @@ __all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_finge
 #: Environment variable naming the cache directory; ``off`` (or ``0``, ``none``) turns it off.
 CACHE_ENV = "OOMTUNE_CACHE_DIR"
 _OFF = {"off", "0", "none", "false", "no"}
-_FORMAT = 1
+_FORMAT = 2   # 2: entries keyed by what the capture read (environment, argv)
 #: Package directories / modules (relative to the oomtune package) whose code decides a capture.
 _CODE = ("capture", "workloads", "plan/predictor.py", "plan/derive.py", "alloc/stream.py", "targets")
 
@@ -122,96 +132,18 @@ def entry_fingerprint(target: dict[str, Any]) -> dict[str, Any] | None:
     * ``packages``: the installed versions of the other packages those files import (standard
       library modules left out), from package metadata.
 
-    Computed once per process per entry."""
+    (:func:`oomtune.sources.fingerprint`.) Computed once per process per entry."""
     entry = target.get("entry")
     if not isinstance(entry, str) or ":" not in entry:
         return None
     if entry not in _entry_prints:
-        _entry_prints[entry] = _entry_print(entry)
+        from oomtune.sources import fingerprint
+        from oomtune.trial._base import find_target
+
+        found = find_target(target.get("name", "python"))
+        paths = found.sources(target) if found is not None else []
+        _entry_prints[entry] = fingerprint(paths[0]) if paths else None
     return _entry_prints[entry]
-
-
-def _entry_print(entry: str) -> dict[str, Any] | None:
-    from oomtune.targets import is_file_entry
-
-    where = entry.rpartition(":")[0].strip()
-    if is_file_entry(where):
-        path = Path(where).expanduser().absolute()
-    else:
-        import importlib.util
-
-        try:
-            spec = importlib.util.find_spec(where)
-        except (ImportError, ValueError):
-            return None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            return None
-        path = Path(spec.origin)
-    if not path.is_file():
-        return None
-    files: dict[str, str] = {}
-    third_party: set[str] = set()
-    todo = [path.resolve()]
-    while todo:
-        f = todo.pop()
-        if str(f) in files:
-            continue
-        try:
-            source = f.read_bytes()
-        except OSError:
-            return None
-        files[str(f)] = hashlib.sha256(source).hexdigest()
-        for name in _imported_names(source):
-            local = f.parent / f"{name}.py"
-            package = f.parent / name
-            if local.is_file():
-                todo.append(local.resolve())
-            elif (package / "__init__.py").is_file():
-                todo += sorted(p.resolve() for p in package.rglob("*.py"))
-            elif name not in sys.stdlib_module_names:
-                third_party.add(name)
-    return {"files": dict(sorted(files.items())), "packages": _versions(sorted(third_party))}
-
-
-def _imported_names(source: bytes) -> list[str]:
-    """The first component of every module an ``import`` statement in ``source`` names (absolute
-    imports; a relative one names its module's first component); [] when it does not parse."""
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [a.name.split(".")[0] for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.module:
-                names.append(node.module.split(".")[0])
-            elif node.level:
-                names += [a.name.split(".")[0] for a in node.names]
-    return list(dict.fromkeys(names))
-
-
-def _versions(modules: list[str]) -> dict[str, str | None]:
-    """``{module: version of the distribution that provides it}`` (None: not installed)."""
-    if not modules:
-        return {}
-    from importlib import metadata
-
-    from oomtune.packages import installed_version
-
-    try:
-        provides = metadata.packages_distributions()
-    except Exception:  # noqa: BLE001 - a broken distribution's metadata must not stop a plan
-        provides = {}
-    out: dict[str, str | None] = {}
-    for m in modules:
-        dists = sorted(set(provides.get(m, [m])))
-        versions = [f"{d}=={installed_version(d)}" for d in dists if installed_version(d) is not None]
-        out[m] = ",".join(versions) or None
-    return out
 
 
 def _workload_material(model_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -278,39 +210,53 @@ class StreamCache:
 
     def get(self, key: str, material: dict[str, Any]) -> tuple[Any, str | None] | None:
         """The cached ``(AllocationStream, fallback reason)`` under ``key``, or None (a miss: absent,
-        unreadable, another key's material, or a stream file that does not validate)."""
+        unreadable, another key's material, a stream file that does not validate, or no entry of the
+        key whose recorded reads (:mod:`oomtune.capture.reads`: environment variables, ``sys.argv``)
+        all have the values they hold in this process now). The stream's ``reads`` are the entry's."""
         from oomtune.alloc.stream import AllocationStream
+        from oomtune.capture.reads import matches
         from oomtune.exceptions import ConfigError
 
-        meta_path, stream_path = self._paths(key)
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            if not isinstance(meta, dict) or meta.get("key") != _as_read_back(material):
-                raise ValueError("another key")
-            reason = meta.get("reason")
-            if reason is not None and not isinstance(reason, str):
-                raise ValueError("bad reason")
-            if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
-                raise ValueError("the stream file is not the one stored")
-            stream = AllocationStream.load(stream_path)
-            stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
-        except (OSError, ValueError, ConfigError, RecursionError):   # a file nested too deeply: a miss
-            self.misses += 1
-            return None
-        self.hits += 1
-        return stream, reason
+        for meta_path in self._variants(key):
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                if not isinstance(meta, dict) or meta.get("key") != _as_read_back(material):
+                    raise ValueError("another key")
+                reads = meta.get("reads")
+                if not isinstance(reads, dict):
+                    raise ValueError("no reads")
+                if not matches(reads):
+                    continue   # captured under other values of what it read: another entry, not this one
+                reason = meta.get("reason")
+                if reason is not None and not isinstance(reason, str):
+                    raise ValueError("bad reason")
+                stream_path = meta_path.with_name(meta_path.name[:-len(".json")] + ".stream")
+                if hashlib.sha256(stream_path.read_bytes()).hexdigest() != meta.get("sha256"):
+                    raise ValueError("the stream file is not the one stored")
+                stream = AllocationStream.load(stream_path)
+                stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
+                stream.reads = reads
+            except (OSError, ValueError, ConfigError, RecursionError):   # a file nested too deeply: a miss
+                break   # the entry for these values is damaged: a miss (written again after the capture)
+            self.hits += 1
+            return stream, reason
+        self.misses += 1
+        return None
 
     def put(self, key: str, material: dict[str, Any], stream: Any, reason: str | None) -> None:
-        """Store one capture under ``key``: the stream to a temporary file, then the metadata with its
-        SHA-256, then the stream renamed into place (a reader in between sees a checksum that does not
-        match: a miss)."""
-        meta_path, stream_path = self._paths(key)
+        """Store one capture under ``key`` and the reads it made (the stream's ``reads``, as
+        :func:`oomtune.plan.predictor.capture_training_stream` sets them; none for a stream without):
+        the stream to a temporary file, then the metadata with its SHA-256, then the stream renamed
+        into place (a reader in between sees a checksum that does not match: a miss). Captures of one
+        key under other values of their reads are other entries, kept beside it."""
+        reads = dict(getattr(stream, "reads", None) or {})
+        meta_path, stream_path = self._paths(key, reads)
         tmp = _tmp(stream_path)
         try:
             meta_path.parent.mkdir(parents=True, exist_ok=True)
             stream.save(tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-            self._write_json(meta_path, {"key": material, "reason": reason, "sha256": digest,
+            self._write_json(meta_path, {"key": material, "reads": reads, "reason": reason, "sha256": digest,
                                          "captured_on": getattr(stream, "captured_on", None)})
             os.replace(tmp, stream_path)
         except OSError:
@@ -358,9 +304,22 @@ class StreamCache:
         return self._paths(_digest(material))[0], material
 
     # -- files -------------------------------------------------------------------------------------
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        base = self.directory / key[:2] / key
-        return base.with_suffix(".json"), base.with_suffix(".stream")
+    def _paths(self, key: str, reads: dict[str, Any] | None = None) -> tuple[Path, Path]:
+        """(metadata, stream) file of ``key``'s entry for ``reads`` (a capture's reads and their
+        values; None or {}: none): ``<key[:2]>/<key>.<16 hex of the reads>.json`` / ``.stream``."""
+        variant = hashlib.sha256(_json(reads or {}).encode()).hexdigest()[:16]
+        base = self.directory / key[:2] / f"{key}.{variant}"
+        return base.with_name(base.name + ".json"), base.with_name(base.name + ".stream")
+
+    def _variants(self, key: str) -> list[Path]:
+        """The metadata files of ``key``'s entries (one per set of read values), newest first."""
+        found = []
+        for path in (self.directory / key[:2]).glob(f"{key}.*.json"):
+            try:
+                found.append((path.stat().st_mtime, path))
+            except OSError:
+                continue
+        return [p for _, p in sorted(found, key=lambda x: (-x[0], str(x[1])))]
 
     @staticmethod
     def _write_json(path: Path, obj: Any) -> None:

@@ -236,12 +236,40 @@ class Search:
                            alloc_conf=cand.alloc_conf, message=why)
 
     def _reusable(self, cand: Candidate, trials: Sequence[Any] | None = None) -> Any | None:
-        """An earlier launched trial of exactly this candidate (TPE may suggest a point twice)."""
+        """An earlier launched trial of exactly this candidate (TPE may suggest a point twice); not a
+        recording, which ran without the budget (:meth:`_from_recording` says when one counts)."""
         for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
-            if (R.result_of(t) is not None and t.user_attrs.get(R.ATTR_ROLE) != "confirm"
+            if (R.result_of(t) is not None and t.user_attrs.get(R.ATTR_ROLE) not in ("confirm", "record")
                     and R.ATTR_REUSED not in t.user_attrs
                     and t.user_attrs.get(R.ATTR_OUTCOME) != Outcome.PREDICTED_INFEASIBLE.value
                     and t.params == cand.optuna_params()):
+                return t
+        return None
+
+    def _from_recording(self, cand: Candidate) -> Any | None:
+        """A finished recording (role ``record``, :meth:`_record_streams`) whose result is this
+        candidate's own, so that the probe is not launched again: the same parameters (batch,
+        allocator settings, data-loader settings, activation checkpointing), the same step (the
+        recording's two micro-batches; under the ``batch`` objective any accumulating step of two or
+        more, whose requests repeat the second micro-batch's: :func:`oomtune.workloads.training.
+        prediction_workload`), and a run that stayed within the limit. A recording runs on an
+        unbounded virtual GPU (or without a memory fraction); one whose peak stayed within the
+        limit never reached the memory fraction, so the caching allocator made the same calls as
+        under the budget (CUDACachingAllocator.cpp, ``DeviceCachingAllocator::malloc``: the cap is
+        consulted only when a segment is about to be allocated beyond it). None when there is none
+        (always for a target whose trials record nothing)."""
+        recorded_accum = 1 if self.space.global_batch is None else 2
+        same_step = cand.grad_accum == recorded_accum or (
+            self.opt.objective != "throughput" and cand.grad_accum >= 2 and recorded_accum >= 2)
+        if not same_step or self.recording is None:   # only targets whose trials record run recordings
+            return None
+        # a read of its own: the worker's last read may predate the recordings' results
+        for t in self.study.get_trials(deepcopy=False):
+            if t.user_attrs.get(R.ATTR_ROLE) != "record" or t.params != cand.optuna_params():
+                continue
+            res = R.result_of(t)
+            if (res is not None and res.outcome is Outcome.OK and res.alloc_conf == cand.alloc_conf
+                    and R.used_bytes(res) is not None and R.violation(res, self.limit) <= 0):
                 return t
         return None
 
@@ -285,12 +313,16 @@ class Search:
             trials = self.study.get_trials(deepcopy=False)
         known = self._known_infeasible(cand, predicted, trials) if role == "search" else None
         earlier = self._reusable(cand, trials) if role == "search" and known is None else None
+        recorded = self._from_recording(cand) if known is None and earlier is None else None
         extra: dict[str, Any] = {}
         if known is not None:
             result = known
         elif earlier is not None:
             result = R.result_of(earlier)
             extra[R.ATTR_REUSED] = earlier.number
+        elif recorded is not None:
+            result = R.result_of(recorded)
+            extra[R.ATTR_FROM_RECORDING] = recorded.number
         else:
             result = self._launch(self.runner, self._spec(cand, trials=trials), self.workdir / f"trial-{trial.number:04d}")
         return self._tell(trial, result, extra)
@@ -970,7 +1002,8 @@ class Search:
             if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
                 key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
             outcomes[key] = outcomes.get(key, 0) + 1
-            if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs:
+            if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs \
+                    or R.ATTR_FROM_RECORDING in t.user_attrs:
                 saved += 1
             else:
                 launched += 1

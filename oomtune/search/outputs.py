@@ -164,6 +164,33 @@ def _target_gpu(workload: dict[str, Any]) -> dict[str, Any]:
     return target_from_workload(workload).to_dict()
 
 
+#: The file beside best.yaml holding the allocation stream a recorded target's prediction replayed.
+PREDICTED_STREAM = "best_stream.bin"
+
+
+def _keep_recorded_stream(best: Choice, predictor: Any, workload: dict[str, Any], run_dir: Path,
+                          variant: dict[str, Any]) -> None:
+    """For a target oomtune cannot capture (``target=cmd`` and the HF / Lightning integrations: its
+    predictions replay trials' recorded streams, :mod:`oomtune.plan.recorded`), write the stream the
+    answer's prediction replayed to ``run_dir/best_stream.bin`` and name it (with its SHA-256) in
+    best.yaml, so that ``oomtune check --mode predict`` can replay it again. Nothing for a capturable
+    target (check re-traces the workload) or when the file cannot be written (the check then says
+    that best.yaml records no stream)."""
+    import hashlib
+
+    from oomtune.trial._base import target_for
+
+    if target_for(workload).capturable:
+        return
+    path = run_dir / PREDICTED_STREAM
+    try:
+        predictor.stream(best.batch_size, **variant).save(path)
+        best.predicted_stream_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return
+    best.predicted_stream = PREDICTED_STREAM
+
+
 def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
                   url: str, console: Any, *, predictor: Any = None, predicted_at_worst_shape: bool = False,
                   space: Any = None,
@@ -207,6 +234,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
             best.predicted_peak_reserved_bytes = predictor.predict_raw(best.batch_size, best.alloc_conf, **variant)
             best.predicted_steps = predictor.steps
             best.predicted_at_worst_shape = predicted_at_worst_shape
+            if best.predicted_peak_reserved_bytes is not None:
+                _keep_recorded_stream(best, predictor, workload, run_dir, variant)
     config = BestConfig(
         schema_version=1,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -485,8 +485,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.htmlreport import write_search_report
 
     try:
+        # a target whose trials record their streams: the driver's predictor over the recordings
         return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
-                             predictor=predictor, space=space, workload=p.workload,
+                             predictor=predictor if predictor is not None else drive.predictor,
+                             space=space, workload=p.workload,
                              # one predictor: under a shape distribution best.yaml records the worst
                              # shape's prediction, as the frontier judged it (check predicts the same)
                              predicted_at_worst_shape=predictor is not None and p.predicts and options.variable_shapes)

@@ -16,6 +16,10 @@ ATTR_OUTCOME = "outcome"      # Outcome value, for quick filtering
 ATTR_CONF = "alloc_conf"      # the exact PYTORCH_CUDA_ALLOC_CONF string
 ATTR_PREDICTED = "predicted_peak_reserved_bytes"
 ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
+#: A probe not launched because a recording (role record) of the same candidate already measured it
+#: within the limit: the trial number of that recording. Unlike ``reused_from`` the probe counts as
+#: the candidate's measurement (the recording itself is not a probe).
+ATTR_FROM_RECORDING = "from_recording"
 ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
 ATTR_PEAK_RESERVED = "peak_reserved"  # "966.00 MiB (simulated)": for people reading the study
 ATTR_RECHECK_OF = "recheck_of"  # a re-run of an infeasible trial below a feasible one (issue 23 item 3)

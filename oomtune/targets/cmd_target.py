@@ -26,6 +26,26 @@ class CmdTarget(Target):
     starts_ranks = True
     records_streams = True
 
+    def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
+        """The script the command runs (``python train.py``, ``torchrun ... train.py``; or the program
+        itself when it is a script named by its path, ``./train.sh``), relative to ``target.cwd``;
+        [] when there is none (a shell command line, ``python -m pkg``, a binary)."""
+        from oomtune.exceptions import ConfigError
+        from oomtune.targets._cmd_checks import _SCRIPT_SUFFIXES, _script_file
+        from oomtune.targets.cmd import build_command, resolve_cwd
+
+        target = dict(target_cfg)
+        try:
+            argv, shell = build_command(target, 1)
+            cwd = resolve_cwd(target)
+        except ConfigError:
+            return []
+        path = None if shell else _script_file(argv, cwd)
+        # a script, not a program binary (an interpreter named by its path, e.g. `/usr/bin/python -m pkg`)
+        if path is None or not path.is_file() or not path.name.endswith(_SCRIPT_SUFFIXES):
+            return []
+        return [path]
+
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         from oomtune.targets._cmd_checks import check_command
         from oomtune.targets.cmd import build_command, check_program, resolve_cwd

@@ -80,7 +80,8 @@ def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
     passed directly (not a string) is returned as it is.
 
     A relative file path is taken from the current directory. Errors raised while the module runs
-    (other than import errors) propagate unchanged.
+    (other than import errors) propagate unchanged. The environment variables and ``sys.argv`` the
+    module reads while it loads are logged (:func:`oomtune.capture.reads.recording`).
 
     Raises:
         ConfigError: a malformed entry, a module or file that cannot be found or imported (its own
@@ -95,7 +96,10 @@ def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
     where, name = where.strip(), name.strip()
     if not where or not name.isidentifier():
         raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
-    module = _load_file(entry, where) if is_file_entry(where) else _import_module(entry, where)
+    from oomtune.capture.reads import recording
+
+    with recording():   # module-level reads of os.environ / sys.argv key the stream cache's entries
+        module = _load_file(entry, where) if is_file_entry(where) else _import_module(entry, where)
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"target.entry={entry!r}: {where!r} has no function {name!r}")

@@ -22,6 +22,29 @@ class PythonTarget(Target):
     capturable = True
     user_code = True
 
+    def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
+        """The entry's file: ``path/to/file.py`` of ``path/to/file.py:fn`` (relative to the current
+        directory), or the file ``importlib.util.find_spec`` finds for ``pkg.mod:fn`` (the module is
+        not imported; a parent package's ``__init__`` may be); [] when there is none."""
+        from oomtune.targets import is_file_entry
+
+        entry = target_cfg.get("entry")
+        if not isinstance(entry, str) or ":" not in entry:
+            return []
+        where = entry.rpartition(":")[0].strip()
+        if is_file_entry(where):
+            path = Path(where).expanduser().absolute()
+            return [path] if path.is_file() else []
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(where)
+        except (ImportError, ValueError):
+            return []
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return []
+        return [Path(spec.origin)]
+
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         from oomtune.targets.python_entry import load_entry
 

@@ -92,6 +92,13 @@ class Target:
         (relative ones taken from ``base``); a plain copy by default (nothing to resolve)."""
         return dict(target_cfg)
 
+    def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
+        """The user's source files the target runs (a python entry's file, a command's script): their
+        code, local imports, packages and the environment variables they name key the study name
+        and the stream cache (:func:`oomtune.sources.fingerprint`). [] by default (oomtune's own
+        code), and where no file is found (the target's checks say why)."""
+        return []
+
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         """Check the ``target`` group without running anything.
 
