@@ -1,4 +1,4 @@
-"""Helpers for issue 13's benchmarks: an old checkout to compare against, and the results header.
+"""Helpers for the speed benchmarks: an old checkout to compare against, and the results header.
 
 Every speed figure is reported next to the same measurement of the code before the change, taken in
 the same run (old and new alternate), so that load from other processes on a shared machine cancels
@@ -19,7 +19,7 @@ from _provenance import header as provenance_header  # experiments/ is on sys.pa
 ROOT = Path(__file__).resolve().parents[1]
 #: the real GPU traces, copied from ../shared/traces (a clone has them; ../shared is not beside every checkout)
 TRACES = ROOT / "tests" / "data"
-#: main just before issue 13's changes (the code the issue measured).
+#: main just before the speed changes (startup, replay, plan): the code they were measured against.
 DEFAULT_OLD = "48cfeb3"
 
 

@@ -1,4 +1,4 @@
-"""Process, output and snapshot faults for experiments/faults.py (issue 25 items 5, 6, 9).
+"""Process, output and snapshot faults for experiments/faults.py.
 
 Each scenario gets an empty scratch directory and returns ``{"fault", "done", "outcome",
 "trials_lost", "seconds"}``:
@@ -6,7 +6,7 @@ Each scenario gets an empty scratch directory and returns ``{"fault", "done", "o
 - kill -9 of the search while a ``target=cmd`` trial runs (its command has a grandchild that called
   ``setsid()``): no trial process may be left, and the same command must resume the study;
 - kill -9 of a trial's command: what the search records for it (reported as it is: its
-  classification is issue 23's), and no process left;
+  classification is :mod:`oomtune.trial.oomkill`'s), and no process left;
 - kill -9 of one rank of a 2-process ``target=cmd`` trial whose launcher, like a careless one, exits
   without stopping the other rank: the other rank must not outlive the trial;
 - a trial writing 100 MB to stderr, three times: the run directory's size and the parent's peak RSS

@@ -1,4 +1,4 @@
-"""Storage and disk faults for experiments/faults.py (issue 25 items 3 and 4).
+"""Storage and disk faults for experiments/faults.py.
 
 - PostgreSQL outage of 7 s and of 15 s mid-search: a throwaway server (tests/pg_server.py), reached
   with the README's URL form ``postgresql://oomtune@127.0.0.1:PORT/DB``, is stopped with ``pg_ctl

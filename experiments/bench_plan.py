@@ -10,7 +10,7 @@ new code with the pure-Python simulator (``OOMTUNE_PURE_PYTHON=1``: the replays 
 core, which a checkout without a built extension also runs), the new code capturing every batch size (``derive=False``, today's behaviour on today's simulator: its
 feasibility map must be identical), the new code reading every capture from a warm stream cache
 (:mod:`oomtune.plan.stream_cache`, primed by one untimed plan into a temporary directory: a repeated
-plan, which imports no torch), and the old code (``--old``, default: main before issue 13). Every
+plan, which imports no torch), and the old code (``--old``, default: main before the plan's speed changes). Every
 other variant runs with the cache off (``OOMTUNE_CACHE_DIR=off``).
 Reports, per variant, the wall time of the whole process (``python -c`` that runs the command: what
 a user waits for, torch import and interpreter exit included), the time inside ``plan()``, split
@@ -18,7 +18,7 @@ into capture (wall time of the captures), derive (deriving streams from the affi
 (wall time of the replays; with workers the parallel phase's wall time is split over capture /
 derive / replay in proportion to the workers' seconds in each) and other (``plan()`` minus those:
 config, torch import, writing plan.yaml and report.html), and the ratios against the old code.
-Target (issue 13): the whole plan <= 5 s on 2 cores.
+Target: the whole plan <= 5 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> int:
               "capturing "
               f"every batch size (same simulator): {'yes' if identical else 'NO'}",
               "identical to the old code's map: "
-              f"{'yes' if same_as_old else 'no (the simulator changed since --old: issue 11)'}",
+              f"{'yes' if same_as_old else 'no (the simulator changed since --old: its real-trace fixes)'}",
               "", "table as printed (new):", runs[new][0]["table"]]
     text = "\n".join(lines)
     write_results(args.out, text + "\n")

@@ -1,4 +1,4 @@
-"""Benchmark ``oomtune plan`` of LLM-sized workloads (issue 26): the wall time of the whole command as a
+"""Benchmark ``oomtune plan`` of LLM-sized workloads: the wall time of the whole command as a
 ratio to ``import torch`` measured in the same run, and its map against capturing every batch size.
 
 Usage: ``python experiments/bench_plan_llm.py [--repeat 3] [--old REF] [--no-gpt2]
@@ -18,12 +18,12 @@ all of them alike:
 * ``gpt2 124M entry``: ``target=python target.entry=examples/gpt2_workload.py:make_workload``
   (transformers' ``GPT2LMHeadModel(GPT2Config())``), when transformers is installed;
 * once each, the same three capturing every batch size (``derive=False``): their maps must be
-  identical; and the code before issue 26 (``--old``) on the first, for the figure it replaced.
+  identical; and the code before the LLM-scale plan changes (``--old``) on the first, for the figure it replaced.
 
 Also the capture of one GPT-2-sized training stream (2 steps, batch 4) with the recorder's memo of
 meta kernels on and off, in one process (the per-op cost the memo removes).
 
-Goal (issue 26): the first variant's wall <= 4x ``import torch``, its map identical.
+Goal: the first variant's wall <= 4x ``import torch``, its map identical.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import ROOT, TIMED_PLAN, child_env, header, old_tree  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
-#: main just before issue 26's changes.
+#: main just before the LLM-scale plan changes (derivation in regimes, the memo of every meta kernel).
 DEFAULT_OLD = "3c1a7f3"
 GPT2_SIZE = ["model=transformer", "model.layers=12", "model.d_model=768", "model.heads=12", "model.vocab_size=50257",
              "model.seq_len=1024", "model.precision=bf16", "model.optimizer=adamw", "budget=24GiB"]
@@ -104,7 +104,7 @@ def run_plan(tree: Path, overrides: list[str], derive: bool = True) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code before issue 26")
+    parser.add_argument("--old", default=DEFAULT_OLD, help="git ref of the code before the LLM-scale plan changes")
     parser.add_argument("--no-gpt2", action="store_true", help="leave out the transformers GPT-2 entry")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_plan_llm.txt")
     args = parser.parse_args()
@@ -160,7 +160,7 @@ def main() -> int:
         f = full[k]
         lines.append(f"{k:<30} {f['process_s']:7.2f}s {f['process_s'] / t_med:7.1f}x   capture {f['capture_s']:.2f} s, "
                      f"{f['captures']} captures")
-    lines.append(f"the code before issue 26 ({args.old}), gpt2-size: {old['process_s']:.2f} s "
+    lines.append(f"the code before the LLM-scale plan changes ({args.old}), gpt2-size: {old['process_s']:.2f} s "
                  f"({old['process_s'] / t_med:.1f}x import torch; capture {old['capture_s']:.2f} s, "
                  f"{old['captures']} captures); map identical to this code's: "
                  f"{'yes' if old['configurations'] == full['gpt2-size']['configurations'] else 'no'}")

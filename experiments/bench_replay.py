@@ -16,9 +16,9 @@ Measures replayed events per second on one core (process CPU time, best of ``--r
       request (work on top of the requests);
 for three codes, each in its own processes, alternating: "compiled" (this checkout with its compiled
 core, oomtune.alloc._fastcore, which must be built: ``pip install -e .``), "pure" (this checkout with
-OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before issue 13's replay changes). Checks
+OOMTUNE_PURE_PYTHON=1) and "old" (``--old``, default: main before the replay's speed changes). Checks
 that all three give byte-identical results (a SHA-256 of every replay's JSON result) and reports the
-rate ratios. Target (issue 13): >= 2 M events/s. All figures are simulated (virtual GPU).
+rate ratios. Target: >= 2 M events/s. All figures are simulated (virtual GPU).
 
 Run: python experiments/bench_replay.py [--old REF] [--events 1000000] [--repeat 3]
      [--traces tests/data] [--out experiments/results/bench_replay.txt]
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baseline import ROOT, TRACES, child_env, header, old_tree, trace_files  # noqa: E402
 from _provenance import write_results  # noqa: E402
 
-#: main after issue 11's simulator fixes, before issue 13's replay changes.
+#: main after the simulator's real-trace fidelity fixes, before the replay's speed changes.
 DEFAULT_OLD = "a53bb9e"
 CODES = ("compiled", "pure", "old")
 

@@ -1,4 +1,4 @@
-"""A GPT-2-sized search at a 24 GiB budget on a CPU-only machine (issue 26): it completes, and its
+"""A GPT-2-sized search at a 24 GiB budget on a CPU-only machine: it completes, and its
 peak host memory stays far below the budget, since the trials run their steps on the meta device.
 
 Usage: ``python experiments/bench_search_llm.py [--out experiments/results/bench_search_llm.txt]
@@ -11,7 +11,7 @@ search.batch_size.high=64`` (transformers' GPT2LMHeadModel(GPT2Config()), 124M p
 resident memory (RSS, /proc/PID/status VmRSS) of the search process and all its descendants (the fork
 server, the trial processes): the peak of their sum and the largest single process; plus the
 kernel's high-water mark of the largest waited-for descendant (``ru_maxrss`` of RUSAGE_CHILDREN).
-Before issue 26 the first trial process of this search grew to 20.8 GB RSS in its first step.
+Before trials ran their steps on meta, the first trial process of this search grew to 20.8 GB RSS in its first step.
 """
 
 from __future__ import annotations

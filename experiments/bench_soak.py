@@ -1,4 +1,4 @@
-"""Soak speed: steps per second of the virtual-GPU soak for the built-in transformer (issue 9).
+"""Soak speed: steps per second of the virtual-GPU soak for the built-in transformer.
 
 Usage: python experiments/bench_soak.py [--steps 2000] [--batch 16] [--out experiments/results/bench_soak.txt]
 

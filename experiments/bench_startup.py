@@ -1,8 +1,8 @@
-"""Benchmark (issue 13, item 1): wall time of ``oomtune --help`` and ``oomtune simulate TRACE``.
+"""Benchmark: wall time of ``oomtune --help`` and ``oomtune simulate TRACE``.
 
 Each command runs as a fresh process (``python -m oomtune ...``, bytecode cached by an untimed
 warm-up run) for the new code (this checkout) and the old code (``--old REF``, default: main before
-issue 13), alternating old and new ``--repeat`` times; reports the median and the minimum wall time
+the startup speed changes), alternating old and new ``--repeat`` times; reports the median and the minimum wall time
 of each and the ratio old/new of the medians. Simulate runs on every ``*.pickle`` in ``--traces``.
 Targets (2 cores): --help <= 0.3 s; simulate on the largest shared trace <= 0.5 s.
 

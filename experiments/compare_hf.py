@@ -1,5 +1,5 @@
 """oomtune against the Hugging Face Trainer's ``auto_find_batch_size`` on one Trainer script, on the
-virtual GPU (issue 22's measurement; every memory figure simulated).
+virtual GPU (every memory figure simulated).
 
 The script is ``examples/hf_trainer.py``: a GPT-2-shaped model built from its config (no weights),
 random token sequences, AdamW, fp32, with oomtune's one added line (``callbacks=[OomtuneCallback()]``).

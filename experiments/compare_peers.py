@@ -1,4 +1,4 @@
-"""Peers side by side (issue 9, item 6): Lightning's BatchSizeFinder (power and binsearch),
+"""Peers side by side: Lightning's BatchSizeFinder (power and binsearch),
 Accelerate's find_executable_batch_size and `oomtune search`, on the same workload and budget, on
 the virtual GPU (every memory figure simulated).
 

@@ -1,4 +1,4 @@
-"""Fault table: what oomtune does when its surroundings fail mid-run (issue 25, "Measure").
+"""Fault table: what oomtune does when its surroundings fail mid-run.
 
     python experiments/faults.py [--only NAME ...] [--out experiments/results/faults.md] [--keep DIR]
 

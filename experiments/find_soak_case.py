@@ -1,6 +1,6 @@
 """Search the built-in transformer's parameter space for a soak case: the default allocator passes
 the trial's 4 measured steps (warm-up + 3) but runs out of memory later in the soak, while
-``expandable_segments:True`` survives the whole soak (issue 9, item 7).
+``expandable_segments:True`` survives the whole soak.
 
 Usage: python experiments/find_soak_case.py [--steps 2000] [--capture cpu|meta] [--out PATH]
 

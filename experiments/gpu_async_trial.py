@@ -7,7 +7,7 @@ import, so the fork server cannot run it), reports the backend in effect and is 
     PYTHONPATH=$PWD python experiments/gpu_async_trial.py --out-dir experiments/results
 
 ResNet-50 (224x224, 1000 classes, SGD), batch 32, 1 warm-up + 3 measured steps, budget 0.99 of the
-device (a near-full budget: the trial's memory fraction is taken from torch's total, issue 23 item 6).
+device (a near-full budget: the trial's memory fraction is taken from torch's total).
 Writes ``gpu_async_trial.json`` (the command, the commit, the trial record and the verdict) and keeps
 the trial's directory (``gpu_async/``). Dry run on CPU (``--device cpu``): the virtual GPU cannot run
 cudaMallocAsync, so a tiny ResNet-18 runs the native allocator instead and the file says so.

@@ -1,13 +1,13 @@
-"""Kernel fidelity (issue 28): what capturing with the GPU's kernels changes in the predictions.
+"""Kernel fidelity: what capturing with the GPU's kernels changes in the predictions.
 
 A capture runs the training step on meta (``oomtune plan``) or CPU tensors (virtual-GPU trials);
-since issue 28 it runs the kernels a CUDA run of the target GPU runs (``oomtune.capture.
+it now runs the kernels a CUDA run of the target GPU runs (``oomtune.capture.
 cuda_kernels.emulate_cuda``: attention, dropout, RMS norm, optimizers, autocast on cpu/meta). This
 script captures the same workloads both ways and replays them on the virtual GPU (torch's default
 allocator settings, no capacity limit), for:
 
 * the shared LM recordings (tests/data/*.pickle, rebuilt as experiments/capture_fidelity.py rebuilds
-  them): recorded peaks against the predictions with the meta kernels (the capture before issue 28)
+  them): recorded peaks against the predictions with the meta kernels (the capture before it ran the GPU's kernels)
   and with the target GPU's kernels;
 * the built-in transformer (oomtune/workloads/models.py) at GPT-2-small and Llama-2-7B shapes:
   predicted peaks with the meta kernels (what ``oomtune plan`` captured before), with each kernel
@@ -72,7 +72,7 @@ def peaks(stream: Any) -> tuple[int, int]:
 # -- the recordings --------------------------------------------------------------------------------------
 def recording_row(name: str, families: Any) -> dict[str, Any]:
     """Capture recording ``name``'s workload as capture_fidelity.py does; ``families``: None for the
-    capture before issue 28 (CUDA autocast only), else the kernel families emulated."""
+    capture before it ran the GPU's kernels (CUDA autocast only), else the kernel families emulated."""
     from oomtune.trace.snapshot import load_snapshot
 
     wl = CF.WORKLOADS[name]
@@ -90,7 +90,7 @@ def recording_row(name: str, families: Any) -> dict[str, Any]:
 # -- the built-in transformer ---------------------------------------------------------------------------
 def builtin_stream(cfg: dict[str, Any], batch: int, device: str, families: Any, gpu: str) -> tuple[Any, list[str]]:
     """Two training steps of the built-in workload captured on ``device`` with the kernel
-    ``families`` of ``gpu`` (None: none, the capture before issue 28)."""
+    ``families`` of ``gpu`` (None: none, the capture before it ran the GPU's kernels)."""
     from oomtune.workloads import build_workload
 
     ctx = contextlib.nullcontext() if families is None else emulate_cuda(gpu, families=families)

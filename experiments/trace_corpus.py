@@ -1,4 +1,4 @@
-"""Corpus score of the real-trace replay, and its speed on the largest trace (issue 11).
+"""Corpus score of the real-trace replay, and its speed on the largest trace.
 
 Run: ``python experiments/trace_corpus.py [--old REF] [--repeat N]`` (about a minute on one core).
 Writes experiments/results/trace_corpus.txt and prints the same text.
@@ -7,7 +7,7 @@ Writes experiments/results/trace_corpus.txt and prints the same text.
    TRACE --json`` does with no flags, for every device that holds data. A trace counts as exact when
    every device replays every segment event (action, size, request), the peak and the final
    reserved total exactly and no OOM the device did not have. The same is asked of the code at
-   ``--old`` (default 48cfeb3, main before issue 11; it replays only device 0 and refuses some
+   ``--old`` (default 48cfeb3, main before the real-trace fidelity fixes; it replays only device 0 and refuses some
    files), through its own ``oomtune simulate --json`` in a subprocess.
 2. Speed on the largest trace (most entries): replay speed in events/s (alloc + free_completed +
    oom requests replayed, over the replay time that ``replay_snapshot`` reports: starting-state
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         f"wall time of `oomtune simulate {largest.relative_to(ROOT)}` (new process, text output): median "
         f"{nw:.2f} s (new) vs {ow:.2f} s (old {args.old}), ratio {nw / ow:.2f}; runs new "
         f"{', '.join(f'{x:.2f}' for x in new_wall)}; old {', '.join(f'{x:.2f}' for x in old_wall)}",
-        "(most of the old wall time is `import torch`, which issue 13 removed from `oomtune simulate`; "
+        "(most of the old wall time is `import torch`, which `oomtune simulate` no longer does; "
         "the replay itself is a fraction of a second either way. Wall times swing with the machine's load "
         "(the header's load line; the spread is the runs listed), the events are exact regardless.)",
     ]

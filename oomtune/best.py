@@ -29,7 +29,7 @@ settings), ``metrics_trial_number`` the trial whose measurement ``metrics`` hold
 confirmation when ``confirmed``, else the same trial. Files written before ``metrics_trial_number``
 existed read as None there (their metrics are the confirmation's when ``confirmed``).
 
-``memory_fraction`` (issue 23 item 1): the per-process memory fraction the answer needs, of
+``memory_fraction``: the per-process memory fraction the answer needs, of
 ``device.total_memory_bytes`` (the trials' fraction: the budget over the device, corrected on a GPU for
 the memory outside the allocator), or None when it needs none. Only ``garbage_collection_threshold``
 needs one: torch runs ``garbage_collect_cached_blocks`` only under a fraction < 1
@@ -403,7 +403,7 @@ def check_workload(workload: Any, *, where: str = "best.yaml workload") -> None:
 
 
 def _check_agreement(path: Path, where: str, choice: Choice) -> None:
-    """``alloc_conf`` must be a valid string and say what ``settings`` says (issue 14 item 9: a
+    """``alloc_conf`` must be a valid string and say what ``settings`` says (a
     hand-edited best.yaml whose two forms disagree would apply one and report the other). An empty
     ``settings`` mapping is not compared (hand-written files may give only the string).
 
@@ -494,7 +494,7 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     from oomtune.alloc.caching_env import caching_disabled_reason
 
     reason = caching_disabled_reason(env)
-    if reason is not None:  # issue 14 item 5: the settings just exported would do nothing
+    if reason is not None:  # the settings just exported would do nothing
         warnings.warn(f"apply_best(): {reason}", UserWarning, stacklevel=2)
     return config
 

@@ -138,7 +138,7 @@ def _option_files(cfg: Any) -> dict[str, Any]:
 
 def check_study_name(name: Any) -> None:
     """Refuse a study name that cannot be one directory name under ``runs/`` (the run directory is
-    ``runs/${study_name}``: ``study_name=../../x`` wrote outside it, issue 25 item 8).
+    ``runs/${study_name}``: ``study_name=../../x`` wrote outside it).
 
     Raises:
         ConfigError: empty, ``.`` or ``..``, a path separator (``/``, ``\\``, so no absolute path
@@ -219,7 +219,7 @@ def _closest_key(dotted: str, base: Any) -> tuple[str | None, str, list[str]]:
 
 def _unparsable_override(overrides: Sequence[str]) -> str | None:
     """The first override Hydra's grammar cannot parse, as one line that shows the quoting that
-    works, or None when every override parses (issue 14 item 7).
+    works, or None when every override parses.
 
     ``target.command="python train.py --batch-size {batch_size}"`` typed in bash reaches us as
     ``target.command=python train.py --batch-size {batch_size}`` (bash removed the quotes), and
@@ -298,7 +298,7 @@ def default_study_name(cfg: Any) -> str:
     batch (when set) and GPUs per trial (``trial.gpus`` when not 1; ``model.parallel`` when not
     none), so rerunning the same command resumes the same study and a changed one starts a new
     study. The budget enters as its parsed value (:func:`budget_key`), so ``16GiB``, ``16gib``,
-    ``"16 GiB"`` and ``17179869184B`` name one study (issue 14 item 9).
+    ``"16 GiB"`` and ``17179869184B`` name one study.
 
     For a target that runs the user's code (a python entry's file, a command's script:
     :meth:`oomtune.trial._base.Target.sources`) the digest also covers what that code depends on

@@ -5,7 +5,7 @@ device's capacity is torch's ``total_memory`` (``cudaDeviceProp::totalGlobalMem`
 ``torch.cuda.get_device_properties``, which needs no context): the figure a trial's
 ``set_per_process_memory_fraction`` is a fraction of, smaller than NVML's total (A100-80GB: 79.15 GiB
 against 80 GiB), so that ``budget=1.0`` or ``0.99`` means the same bytes in the parent and in the
-trial (issue 23 item 6). The identity (name, UUID, PCI bus id, driver) comes from NVML, matched to
+trial. The identity (name, UUID, PCI bus id, driver) comes from NVML, matched to
 torch's device by UUID (:func:`oomtune.gpu.nvml.physical_index_of_torch_device`).
 """
 
@@ -188,7 +188,7 @@ def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
 
 def fraction_note(budget: str | int | float, device: TargetDevice, budget_bytes: int) -> str | None:
     """For a budget given as a fraction on the virtual GPU, the line naming the device size it is a
-    fraction of (issue 23 item 5: ``budget=0.5`` silently meant 40 GiB, half of the assumed 80 GiB);
+    fraction of (without it ``budget=0.5`` silently meant 40 GiB, half of the assumed 80 GiB);
     None for a size, or on a real device (whose capacity is printed with the device). Never raises."""
     try:
         kind, value = parse_budget(budget)

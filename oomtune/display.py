@@ -22,8 +22,8 @@ CONF_ABBREVIATIONS = {
     "large_segment_size_mb": "ls", "max_non_split_rounding_mb": "nsr",
 }
 
-#: The legend of the search's per-trial lines, one line each (fits 100 columns; issue 12 item 7 and
-#: the fresh-user pass: labels out of the rows, into these lines).
+#: The legend of the search's per-trial lines, one line each (fits 100 columns; labels out of
+#: the rows, into these lines).
 SEARCH_LEGEND = (
     "legend: [trial n] role  bs=batch  allocator settings  outcome  peak reserved  samples/s  best #n",
     "  peak reserved: torch.cuda.max_memory_reserved; (sim) simulated on the virtual GPU, (dev) device",
@@ -249,7 +249,7 @@ def _longest_word(value: Any, *, whole_lines: bool = False) -> int:
 
 def fit_table(table: Any, width: int, *, key_columns: int = 1) -> Any:
     """``table`` laid out for ``width`` columns without ever breaking a word inside a cell (rich
-    folds a word that does not fit its column: "defau/lt", ">limi/t@1"; issue 25 item 12).
+    folds a word that does not fit its column: "defau/lt", ">limi/t@1").
 
     Each column gets its longest word (header or cell) as its minimum width, so rich wraps cells only
     between words. When even those minimums do not fit ``width``, the columns are split into
@@ -418,7 +418,7 @@ class SearchProgress:
     The running trial reads as its role, batch and settings, and, from the progress record its
     process rewrites after each step (:data:`oomtune.trial.record.PROGRESS_FILE`), its step and an
     estimate of the rest from the mean time of the steps done: ``confirm bs=493 es:T 6/10 steps ~8s
-    left`` (issue 26; refreshed twice a second by a thread while the bar is live).
+    left`` (refreshed twice a second by a thread while the bar is live).
 
     Args:
         console: a rich Console (its ``is_terminal`` picks the mode).
@@ -518,7 +518,7 @@ class SearchProgress:
         self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
         res = R.result_of(trial)
         survivors = (res.extra or {}).get("survivors") if res is not None else None
-        if survivors:   # processes the trial left that could not be killed: named, one line (issue 25)
+        if survivors:   # processes the trial left that could not be killed: named, one line
             from oomtune.trial.keeper import survivor_line
 
             self._say(survivor_line(f"[trial {trial.number}]", survivors))

@@ -1,4 +1,4 @@
-"""Writing a run's files whole or not at all (issue 25 item 4: a full disk left a 2.9 MB
+"""Writing a run's files whole or not at all (a full disk once left a 2.9 MB
 ``report.html.tmp`` and four tracebacks).
 
 :func:`write_atomic` writes to a temporary file beside the target and renames it into place

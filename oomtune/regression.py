@@ -185,7 +185,7 @@ def _geometry(best: Any) -> dict[str, Any]:
 
 def fraction_case(best: Any, *, applied: float | None = None, device_total: int | None = None,
                   ran: bool = False, geometry: dict[str, Any] | None = None) -> CheckCase:
-    """Does the answer's memory fraction travel with it (issue 23 item 1)? Only
+    """Does the answer's memory fraction travel with it? Only
     ``garbage_collection_threshold`` needs one (:func:`oomtune.best.needs_memory_fraction`).
 
     FAIL when the answer's threshold acted in the trials under a fraction < 1 that best.yaml does not
@@ -224,7 +224,7 @@ def fraction_case(best: Any, *, applied: float | None = None, device_total: int 
 
 
 def _search_limit(best: Any) -> tuple[int, str]:
-    """The limit the search judged "fits" by (issue 14 item 9): ``budget_bytes * (1 - headroom)``
+    """The limit the search judged "fits" by: ``budget_bytes * (1 - headroom)``
     with the headroom best.yaml recorded (:class:`oomtune.study.records.MemoryLimit`; 0 when a
     file from before the headroom was recorded has none). Returns (limit in bytes, a phrase).
 
@@ -487,7 +487,7 @@ def _memory_case(res: Any, metrics: dict[str, Any], limit: float) -> CheckCase:
     """Peak reserved against best.yaml's, else the device-level (NVML) peak against best.yaml's (a
     ``target=cmd`` run on a GPU without the capture hook). Without a reading the memory is not
     checked, and the case says so: FAIL when best.yaml has a reading the run did not reproduce, an
-    explicit SKIP with the reason when neither has one (issue 23 item 5: never a PASS)."""
+    explicit SKIP with the reason when neither has one (never a PASS)."""
     pairs = (("peak reserved", res.memory.peak_reserved_bytes, metrics.get("peak_reserved_bytes")),
              ("device peak (NVML)", res.memory.device_peak_bytes, metrics.get("device_peak_bytes")))
     for what, new, recorded in pairs:
@@ -539,7 +539,7 @@ def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown:
     cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.throughput.steps} steps within the "
                        f"{format_bytes(best.device.get('budget_bytes'))} budget", elapsed),
              memory, speed, fraction]
-    # a check whose memory could not be read is not a pass (issue 23 item 5)
+    # a check whose memory could not be read is not a pass
     verdict = ("FAIL" if any(c.passed is False for c in cases) else "SKIP" if memory.passed is None else "PASS")
     parts = "; ".join(c.message for c in cases[1:] if (c is not speed or max_slowdown is not None)
                       and (c is not fraction or fraction.passed is False))

@@ -1,7 +1,7 @@
 """``run.json``: which storage and study a run directory belongs to (``oomtune show RUN_DIR``,
 ``oomtune report RUN_DIR``).
 
-A run directory is self-contained (issue 25 item 7): when the study's SQLite file lies inside the
+A run directory is self-contained: when the study's SQLite file lies inside the
 directory (the default, ``RUN_DIR/study.db``), run.json stores its path relative to the directory
 (``storage_file``), so a copied or moved directory reads the study beside it, not the original's
 (a copy used to report the original study; a moved one could not read its own). ``storage`` keeps

@@ -291,7 +291,7 @@ class SearchSpace:
     def drop_garbage_collection(self) -> list[Any]:
         """Leave ``garbage_collection_threshold`` unset in every candidate (``search.memory_fraction=off``:
         torch applies the threshold only under a memory fraction < 1, so without one it is inert and
-        a configuration relying on it would not hold, issue 23 item 1). Returns the values dropped
+        a configuration relying on it would not hold). Returns the values dropped
         (torch's default, unset, is always a candidate, so something is left)."""
         values = self.choices.get("garbage_collection_threshold")
         if not values:

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for tests and benchmarks (issue 10).
+"""A throwaway PostgreSQL server for tests and benchmarks.
 
 Uses the operating system's PostgreSQL server binaries (Debian/Ubuntu package ``postgresql``, which
 ``.ci/run`` installs when missing): ``initdb`` creates a cluster in a temporary directory,
@@ -8,8 +8,8 @@ run as the unprivileged ``postgres`` user (created by the package) through ``run
 cluster directory is handed to that user.
 
 URLs are in the README's documented form, ``postgresql://USER@HOST:PORT/DB`` (no driver named:
-SQLAlchemy 2.1 opens it with psycopg 3, which the ``postgresql`` and ``dev`` extras install; issue 25
-item 2). :meth:`PgServer.stop_server` and :meth:`PgServer.start_server` take the same cluster down
+SQLAlchemy 2.1 opens it with psycopg 3, which the ``postgresql`` and ``dev`` extras install).
+:meth:`PgServer.stop_server` and :meth:`PgServer.start_server` take the same cluster down
 and up again on the same port and data directory (an outage, for the storage-fault tests).
 
 :func:`start_or_skip` is what tests call: it skips with the reason when no server can be started,

@@ -1,5 +1,5 @@
-"""Gradient accumulation, activation checkpointing and a python entry's own step (issue 22 items
-2, 4, 7): what a step trains, and what its prediction holds."""
+"""Gradient accumulation, activation checkpointing and a python entry's own step: what a step
+trains, and what its prediction holds."""
 
 from __future__ import annotations
 

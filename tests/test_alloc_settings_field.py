@@ -1,4 +1,4 @@
-"""Settings strings from the field (issue 14 item 6): accept what torch 2.14.1 accepts with a defined
+"""Settings strings from the field: accept what torch 2.14.1 accepts with a defined
 meaning (normalised), refuse what torch refuses or what has no defined meaning, and say why.
 
 Expected verdicts come from torch's own parser (``torch._C._accelerator_setAllocatorSettings``, run in

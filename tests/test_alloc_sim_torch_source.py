@@ -1,4 +1,4 @@
-"""Four behaviours of torch 2.14.1's caching allocator that the virtual GPU once got wrong (issue 11).
+"""Four behaviours of torch 2.14.1's caching allocator that the virtual GPU once got wrong.
 
 Each expected value is derived by hand from the source function named in the test. Where the
 project's reference notes (shared/reference/allocator-spec.md) and the source differ, the source

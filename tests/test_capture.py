@@ -367,7 +367,7 @@ def test_virtual_gpu_with_real_simulator_oom_inside_step():
 
 def test_oom_inside_backward_returns_the_failed_graphs_memory():
     # After an OOM inside backward() and the exception released, allocated memory returns to what
-    # it was before the step (issue 9 item 6: Accelerate's in-process retries). loss = s2 + s3 over
+    # it was before the step (Accelerate's in-process retries rely on it). loss = s2 + s3 over
     # two heads of h: AddBackward queues both SumBackward tasks; the first head's MmBackward fails
     # at its first gradient, leaving the other head's task in the CPU engine's ready queue, whose
     # Node chain holds h. On CUDA the device thread drops that task at once; so must we.
@@ -399,7 +399,7 @@ def test_oom_inside_backward_returns_the_failed_graphs_memory():
     assert sim.errors == []
 
 
-# -- the virtual GPU's geometry (issue 9, item 3) ----------------------------------------------------
+# -- the virtual GPU's geometry ---------------------------------------------------------------------
 def test_virtual_gpu_budget_is_a_memory_fraction_of_the_device():
     from oomtune.capture.virtual_gpu import budget_geometry
 

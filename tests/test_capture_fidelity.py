@@ -1,4 +1,4 @@
-"""Capture fidelity against real GPU recordings (issue 15, items 1 and 4).
+"""Capture fidelity against real GPU recordings.
 
 The recordings are the copies in tests/data (byte-identical to the project's shared traces; see
 tests/data/README.md), so these tests run, and can fail, in any clone. Expected figures come from the

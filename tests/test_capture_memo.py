@@ -1,4 +1,4 @@
-"""The recorder's memo of slow meta kernels (issue 13): the same stream as running every kernel.
+"""The recorder's memo of slow meta kernels: the same stream as running every kernel.
 
 Expected values: hand-computed storage sizes for batch norm on meta; for the built-in workloads the
 reference is the capture with the memo off (every kernel run by torch), compared event by event.

@@ -155,7 +155,7 @@ def test_hip_current_format():
     assert (info.backend, info.gpu_index, info.free_bytes) == ("HIP", 1, 1024)
     # "20.00 MiB" is the segment (kLargeBuffer) torch asked for, shared by requests below 10 MiB
     # (get_allocation_size): 1024 bytes free < the 20 MiB segment, and the request (at most
-    # 10 MiB - 512 B) <= 1024 B + 10 MiB cached: the layout stopped it (issue 25 item 10; it was
+    # 10 MiB - 512 B) <= 1024 B + 10 MiB cached: the layout stopped it (it was
     # "oom" while the cache was compared with the segment)
     assert classify_text(text).outcome is Outcome.OOM_FRAGMENTATION
     assert classify_text(text.replace("10.00 MiB is reserved", "9.00 MiB is reserved")).outcome is Outcome.OOM
@@ -166,10 +166,10 @@ def test_oldest_cached_format_raised_as_runtime_error_is_oom_by_its_text():
             "8.57 MiB already allocated; 9.28 GiB free; 4.68 MiB cached)")
     info = parse_oom_message(text)
     assert info.source_format == "legacy_cached"
-    # torch <= 1.3's "cached" is reserved - allocated (issue 14 item 1): reserved = 8.57 + 4.68 MiB
+    # torch <= 1.3's "cached" is reserved - allocated: reserved = 8.57 + 4.68 MiB
     assert info.reserved_bytes == mib(8.57) + mib(4.68) and info.requested_bytes == mib(12.50)
     assert info.cached_free_bytes == mib(4.68)
-    # 9.28 GiB free already covers the 12.50 MiB request: not fragmentation, a plain OOM (item 2)
+    # 9.28 GiB free already covers the 12.50 MiB request: not fragmentation, a plain OOM
     assert classify_text(text).outcome is Outcome.OOM
 
 
@@ -368,7 +368,7 @@ def test_sigkill_without_traceback_is_host_oom_only_with_evidence(rc):
     evidence = "memory.events: oom_kill 0 -> 1 during the trial"
     c = classify_failure(returncode=rc, stderr="loading data...\n", oom_kill_evidence=evidence)
     assert c.outcome is Outcome.HOST_OOM and "SIGKILL" in c.message and evidence in c.message
-    # issue 23 item 3: the same exit without evidence (a kill -9, a preemption) is a crash, not memory
+    # the same exit without evidence (a kill -9, a preemption) is a crash, not memory
     c = classify_failure(returncode=rc, stderr="loading data...\n", no_evidence_reason="memory.events unchanged")
     assert c.outcome is Outcome.CRASH and "no evidence of the OOM killer (memory.events unchanged)" in c.message
     assert not c.outcome.is_memory and c.outcome.is_fault

@@ -1,4 +1,4 @@
-"""Field faults of the classifier (issue 14 items 1-4): the oldest OOM format, the fragmentation rule
+"""Field faults of the classifier: the oldest OOM format, the fragmentation rule
 in every format, TensorFlow's memory failures, and a memory signal anywhere in stderr.
 
 Expected values are hand calculations from the printed figures (``X GiB`` -> round(X * 2**30),
@@ -28,7 +28,7 @@ def _traceback(exc_line: str) -> str:
             f"{exc_line}\n")
 
 
-# ------------------------------------------------------------------ item 1: torch <= 1.3, "cached"
+# ------------------------------------------------------------------ torch <= 1.3, "cached"
 OLDEST = ("RuntimeError: CUDA out of memory. Tried to allocate 32.00 MiB (GPU 0; 7.79 GiB total capacity; "
           "6.64 GiB already allocated; 21.00 MiB free; 150.86 MiB cached)")
 
@@ -56,7 +56,7 @@ def test_item1_oldest_format_with_little_cache_is_plain_oom():
     assert c.outcome is Outcome.OOM and c.oom.cached_free_bytes == mib(5.00)
 
 
-# ------------------------------------------------------------------ item 2: free alone covers the request
+# ------------------------------------------------------------------ free alone covers the request
 CURRENT_OTHERS = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 86.00 MiB. GPU 0 has a total "
                   "capacity of 23.64 GiB of which 264.00 MiB is free. Process A has 419.48 MiB memory in use. "
                   "Including non-PyTorch memory, this process has 8.04 GiB memory in use. Process B has 14.85 GiB "
@@ -114,7 +114,7 @@ def test_item2_c3_and_c8_stay_fragmentation():
     assert classify_text(c8).outcome is Outcome.OOM_FRAGMENTATION
 
 
-# ------------------------------------------------------------------ item 3: TensorFlow memory failures
+# ------------------------------------------------------------------ TensorFlow memory failures
 @pytest.mark.parametrize("text", [
     "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with "
     "shape[64,256,56,56] and type float on /job:localhost/replica:0/task:0/device:GPU:0 by allocator GPU_0_bfc",
@@ -146,7 +146,7 @@ def test_item3_unrelated_failed_to_allocate_wording_is_not_matched():
     assert classify_text("ValueError: failed to allocate a port for the dashboard").outcome is Outcome.ERROR
 
 
-# ------------------------------------------------------------------ item 4: a signal anywhere in stderr
+# ------------------------------------------------------------------ a signal anywhere in stderr
 def test_item4_nccl_warn_before_generic_traceback_is_outside_allocator():
     stderr = ("node1:123:456 [0] include/alloc.h:48 NCCL WARN Cuda failure 'out of memory'\n"
               "node1:123:456 [0] NCCL INFO init.cc:1234 -> 1\n"

@@ -1,4 +1,4 @@
-"""Field out-of-memory texts of kinds the classifier did not know (issue 25 item 10): MPS's message,
+"""Field out-of-memory texts of kinds the classifier did not know: MPS's message,
 out-of-tree backends copying torch's legacy format (torch_npu, Cambricon), intel-extension-for-
 pytorch's XPU figures, a platform's per-allocation size limit (not memory), and the fragmentation
 rule comparing free memory with the segment torch asks the device for.

@@ -260,7 +260,7 @@ def test_settings_line_names_the_settings_once(tmp_path, capsys, recorded, args,
 def test_points_to_the_device_that_recorded_the_oom(capsys):
     # The DataParallel trace was dumped after an out-of-memory error on device 1 (tests/data/
     # README.md); its device 1 trace holds the one `oom` entry, device 0's holds none. A replay of
-    # device 0 alone must say where the error is; the default replays every device (issue 25).
+    # device 0 alone must say where the error is; the default replays every device.
     gnn = Path(__file__).resolve().parent / "data" / "gnn-dataparallel-expandable-oom.pickle"
     assert main(["simulate", str(gnn), "--device", "0"]) == 0
     out = capsys.readouterr().out

@@ -32,7 +32,7 @@ def test_study_name_is_stable_and_config_dependent():
 
 
 def test_model_gpu_auto_keeps_the_study_names_of_before():
-    """model.gpu (issue 28) enters the study name only when set: the README's study of
+    """model.gpu enters the study name only when set: the README's study of
     `oomtune search model=resnet` keeps its name (resnet-3d853044, experiments/results/
     readme_main_command.log) and resumes; another target GPU is another study."""
     assert compose(["model=resnet"]).study_name == "resnet-3d853044"
@@ -156,7 +156,7 @@ def test_apply_best_refuses_a_backend_change_after_import(tmp_path, monkeypatch)
 
 
 def test_a_study_created_before_model_gpu_still_resumes():
-    """A study's stored workload from before issue 28 has no ``gpu``: compared without it (resumes);
+    """A study's stored workload from before ``model.gpu`` existed has no ``gpu``: compared without it (resumes);
     a stored one with another gpu is another workload (refused)."""
     import optuna
 

@@ -1,4 +1,4 @@
-"""CUDA autocast policy on meta/CPU captures, and cuBLAS workspaces (issue 15, items 2 and 3).
+"""CUDA autocast policy on meta/CPU captures, and cuBLAS workspaces.
 
 Expected sizes are hand-computed from shapes and dtypes; policies come from autocast_mode.h
 (AT_FORALL_LOWER_PRECISION_FP / FP32 / FP32_SET_OPT_DTYPE) and the cache rule of ``cached_cast``.
@@ -100,7 +100,7 @@ def test_users_torch_autocast_cuda_is_emulated_without_a_gpu():
                 assert lin(x).dtype == BF16
             with torch.autocast("cuda"):                  # CUDA's default dtype: fp16
                 assert lin(x).dtype == torch.float16
-            with torch.autocast("cpu", dtype=BF16):       # cpu too (issue 28): CUDA's lists, exp in fp32
+            with torch.autocast("cpu", dtype=BF16):       # cpu too: CUDA's lists, exp in fp32
                 y = torch.mm(torch.randn(2, 2), torch.randn(2, 2))
                 assert y.dtype == BF16 and y.exp().dtype == torch.float32
         with emulate_cuda_autocast(map_devices=False):

@@ -1,4 +1,4 @@
-"""A capture runs the target GPU's kernels (issue 28): dropout, RMS norm, optimizers, autocast on
+"""A capture runs the target GPU's kernels: dropout, RMS norm, optimizers, autocast on
 cpu/meta, checkpoint recomputation, the CPU fallback, the HF decoders and the built-in transformer.
 
 Expected sizes are computed by hand from torch's source, cited per test.

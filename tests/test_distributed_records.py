@@ -160,7 +160,7 @@ def test_a_rank_sigkilled_by_the_oom_killer_is_host_oom_only_with_evidence():
         m.extra["rank_pids"] = [4100, 4101]
         return m
 
-    # no evidence (issue 23): a SIGKILL from outside is a crash, and it stays one
+    # no evidence of the OOM killer: a SIGKILL from outside is a crash, and it stays one
     plain = merged()
     assert plain.outcome is Outcome.CRASH
     asked: list = []

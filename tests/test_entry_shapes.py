@@ -1,4 +1,4 @@
-"""Shape distributions for users' own models (issue 22 item 6): a python entry declares its lengths
+"""Shape distributions for users' own models: a python entry declares its lengths
 in ``target.seq_len``; the trial's batches follow them, the frontier is predicted at the worst one
 and the virtual-GPU soak replays them."""
 

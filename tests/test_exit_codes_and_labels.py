@@ -1,4 +1,4 @@
-"""Labels and exit codes (issue 25 item 11): a deduplicated probe is a duplicate of the trial that
+"""Labels and exit codes: a deduplicated probe is a duplicate of the trial that
 ran it, with its batch, never "interrupted" with batch None; SIGTERM exits 143 and Ctrl-C 130
 (128 + the signal number, as a shell reports a process killed by that signal)."""
 

@@ -1,4 +1,4 @@
-"""Results that reproduce (issue 14 item 8, issue 27 item 5): every file in experiments/results/ starts
+"""Results that reproduce: every file in experiments/results/ starts
 with experiments/_provenance.py's five lines, in this order::
 
     # command: python experiments/<script> <args>      (a script in experiments/ that exists)

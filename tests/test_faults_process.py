@@ -1,5 +1,6 @@
 """The process / output / snapshot scenarios of the fault table (experiments/_faults_process.py, run by
-experiments/faults.py): each runs, returns the table's keys, and shows the behaviour issue 25 asks for.
+experiments/faults.py): each runs, returns the table's keys, and shows the behaviour wanted
+(no process left, a bounded output, the study resumed).
 Every scenario starts real processes (seconds to a minute each): marked slow."""
 
 from __future__ import annotations

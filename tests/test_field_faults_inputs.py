@@ -1,4 +1,4 @@
-"""Field faults of user input (issue 14 items 5, 7, 9): each is refused or explained before any
+"""Field faults of user input: each is refused or explained before any
 trial, in one line with exit status 2, or reported as data rather than display text.
 
 Expected values come from the issue's cases, torch's documented behaviour (PYTORCH_NO_CUDA_MEMORY_CACHING
@@ -35,7 +35,7 @@ def _one_line_error(capsys) -> str:
     return err
 
 
-# ------------------------------------------------------------------ item 5: caching allocator turned off
+# ------------------------------------------------------------------ caching allocator turned off
 @pytest.mark.parametrize("value", ["1", "0", ""])
 def test_item5_any_value_turns_caching_off(value):
     reason = caching_disabled_reason({NO_CACHING_ENV: value})
@@ -101,7 +101,7 @@ def test_item5_apply_best_warns(tmp_path):
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
-# ------------------------------------------------------------------ item 7: Hydra's "mismatched input '{'"
+# ------------------------------------------------------------------ Hydra's "mismatched input '{'"
 def test_item7_unquoted_braces_show_the_quoting_that_works():
     # bash turns target.command="python train.py --batch-size {batch_size}" into this argument:
     given = "target.command=python train.py --batch-size {batch_size}"
@@ -125,7 +125,7 @@ def test_item7_other_unparsable_values_get_the_same_fix(given):
     assert compose(["target=cmd", f"{key}='{value}'"]).target.command == value
 
 
-# ------------------------------------------------------------------ item 9: target=cmd checks
+# ------------------------------------------------------------------ target=cmd checks
 @pytest.mark.parametrize("argv, script", [
     (["python", "train.py", "--bs", "4"], "train.py"),
     (["python3.11", "-u", "-W", "ignore", "src/train.py"], "src/train.py"),
@@ -208,7 +208,7 @@ def test_item9_search_prints_the_conversion_once(tmp_path, capsys, monkeypatch):
     assert combined.count("16 MB = 16,000,000 bytes = 15.26 MiB") == 1, combined   # 16e6 / 2^20 = 15.2588
 
 
-# ------------------------------------------------------------------ item 9: best.yaml, show --json, check
+# ------------------------------------------------------------------ best.yaml, show --json, check
 def test_item9_best_yaml_alloc_conf_contradicting_settings_is_refused(tmp_path, capsys):
     path = _best(tmp_path, conf="expandable_segments:True,max_split_size_mb:512",
                  settings={"expandable_segments": True, "max_split_size_mb": 256})

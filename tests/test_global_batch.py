@@ -1,5 +1,5 @@
 """A fixed global batch (``search.global_batch``), command placeholders, activation checkpointing as
-a search dimension, and best.yaml's micro-batch and accumulation (issue 22 items 2-4)."""
+a search dimension, and best.yaml's micro-batch and accumulation."""
 
 from __future__ import annotations
 

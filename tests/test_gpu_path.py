@@ -1,4 +1,4 @@
-"""The GPU path on a CPU (issue 23 item 6), through the code it fixes: fake NVML, patched torch
+"""The GPU path on a CPU, through the code it fixes: fake NVML, patched torch
 totals, a forced bad fork; and the same checks on a device (``cuda`` marks, skipped without one).
 
 Figures: an A100-80GB as the issue gives it, NVML total 81920 MiB against torch's ``total_memory``

@@ -259,7 +259,7 @@ def test_gpu_check_script_syntax_and_out_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu_check.log").read_text()
     assert "torch 2." in log and "gpu_check done" in log
-    # issue 23 item 7: the worst case (every step's limit and kill grace) leaves room for a rerun
+    # the worst case (every step's limit and kill grace) leaves room for a rerun
     assert int(re.search(r"^== worst case: (\d+) s", log, re.M).group(1)) <= 400
     assert re.search(r"^== step env \(limit \d+ s", log, re.M)
 

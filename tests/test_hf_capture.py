@@ -1,4 +1,4 @@
-"""HF decoders captured on meta as CUDA runs them (issue 28, item 5).
+"""HF decoders captured on meta as CUDA runs them.
 
 Llama, Mistral, Qwen2, Gemma, Phi-3 and GPT-2 built from tiny configs (``from_config``: no weights
 downloaded), ``attn_implementation`` sdpa and eager. transformers comes with the dev extra

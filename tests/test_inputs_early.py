@@ -1,4 +1,4 @@
-"""Input checked early (issue 25 item 12): an invalid allocator string left in the user's shell, a
+"""Input checked early: an invalid allocator string left in the user's shell, a
 model key the builders refuse, a mistyped sub-command or flag, each refused in one line with exit 2
 before torch is imported; and the final tables fit an 80-column terminal without cutting a word.
 

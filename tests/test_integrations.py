@@ -1,4 +1,4 @@
-"""The one-line integrations (issue 22 items 1 and 8): Hugging Face Trainer, Lightning and a plain
+"""The one-line integrations: Hugging Face Trainer, Lightning and a plain
 loop, on the virtual GPU: the script runs unchanged without oomtune; under oomtune the trial's
 micro-batch and accumulation are applied, the steps stop after warm-up + measured, the global samples
 are counted once (accumulation and ranks included), the allocation stream is recorded; an oomtune

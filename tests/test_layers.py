@@ -1,7 +1,7 @@
 """Import direction between layers: the trial protocol knows the target contract
-(oomtune.trial._base), never the targets package (issue 10, item 5); no code outside the targets
+(oomtune.trial._base), never the targets package; no code outside the targets
 compares a target's name, and the package-level import graph -- deferred and string imports
-included -- has no circle (issue 27, items 1-2)."""
+included -- has no circle."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_every_target_module_implements_the_contract():
 
 
 def test_targets_state_what_they_can_do():
-    """The capabilities code outside oomtune/targets asks instead of the name (issue 27 item 2)."""
+    """The capabilities code outside oomtune/targets asks instead of the name."""
     from oomtune.targets import get_target
 
     builtin, python, cmd = get_target("builtin"), get_target("python"), get_target("cmd")
@@ -80,7 +80,7 @@ def test_unknown_target_name_is_one_line():
         get_target("nope")
 
 
-# --- No branching on a target's name outside oomtune/targets/ (issue 27 item 2) -------------------
+# --- No branching on a target's name outside oomtune/targets/ -------------------------------------
 
 #: The registered target names (oomtune.targets); outside that package code asks the Target object.
 TARGET_NAME_LITERALS = ("builtin", "python", "cmd")
@@ -131,7 +131,7 @@ def test_no_code_outside_targets_branches_on_a_target_name():
     assert offenders == {}
 
 
-# --- The package-level import graph has no circle (issue 27 item 2) -------------------------------
+# --- The package-level import graph has no circle -------------------------------------------------
 # Every import counts: module level, deferred (inside a function) and string imports
 # (importlib.import_module / __import__ of a literal, or of a module-level string constant); only
 # imports under ``if TYPE_CHECKING:`` (never executed) do not. A node is a subpackage or top-level

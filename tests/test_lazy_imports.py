@@ -1,4 +1,4 @@
-"""Commands that do not run a model start without importing torch (issue 13, item 1).
+"""Commands that do not run a model start without importing torch.
 
 Each check runs in a fresh interpreter (a subprocess), because other tests in this session import
 torch, and reads ``sys.modules`` after the command finished. The speed these imports cost is

@@ -1,4 +1,4 @@
-"""The memory fraction travels with the answer (issue 23 item 1): best.yaml records it when the answer
+"""The memory fraction travels with the answer: best.yaml records it when the answer
 needs it (``garbage_collection_threshold`` acts only under a fraction < 1: torch calls
 ``garbage_collect_cached_blocks`` only with ``allowed_memory_maximum`` set), ``apply_best`` and
 ``oomtune env`` apply it (``per_process_memory_fraction``, accepted by torch 2.14.1), and

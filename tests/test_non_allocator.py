@@ -1,4 +1,4 @@
-"""Memory outside the request stream where the budget is computed (issue 15, item 3).
+"""Memory outside the request stream where the budget is computed.
 
 Figures: pytorch/pytorch#86509 (CUDA context 287,047,680 bytes lazy / 666,632,192 eager) and the
 fraction rule of field case C9, ``fraction = (budget - non_allocator) / total``.

@@ -247,7 +247,7 @@ def test_sampler_thread_device_fallback(monkeypatch):
     assert (sampler.result.peak_used_bytes, sampler.result.peak_source) == (8 * GiB, "device")
 
 
-# -- device=auto without importing torch (oomtune.device.cuda_surely_absent, issue 13) -------------------
+# -- device=auto without importing torch (oomtune.device.cuda_surely_absent) ----------------------------
 
 
 class _InitFails:

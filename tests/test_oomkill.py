@@ -1,4 +1,4 @@
-"""Evidence of the OOM killer for a SIGKILL (issue 23 item 3): cgroup counters and the kernel log,
+"""Evidence of the OOM killer for a SIGKILL: cgroup counters and the kernel log,
 read from fake /proc and /sys trees written here (formats: Documentation/admin-guide/cgroup-v2.rst
 memory.events, cgroup-v1/memory.rst memory.oom_control, Documentation/ABI/testing/dev-kmsg)."""
 

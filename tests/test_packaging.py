@@ -1,4 +1,4 @@
-"""A regular (wheel) install holds all of oomtune: every package directory (issue 25 item 1: without
+"""A regular (wheel) install holds all of oomtune: every package directory (without
 ``__init__.py``, ``find_packages`` left oomtune/search and oomtune/commands out of the wheel and every
 command failed with ModuleNotFoundError), the Hydra configs (conf/ installed as oomtune/conf: the
 config must be reachable from an installed package) and, with Cython and a compiler present, the
@@ -20,7 +20,7 @@ from wheel_build import REPO, clean_clone_wheel, package_dirs  # noqa: E402
 
 def test_every_directory_with_python_files_is_a_regular_package():
     dirs = package_dirs(REPO)
-    assert "oomtune/search" in dirs and "oomtune/commands" in dirs   # the two of issue 25
+    assert "oomtune/search" in dirs and "oomtune/commands" in dirs   # the two once left out of the wheel
     missing = [d for d in dirs if not (REPO / d / "__init__.py").is_file()]
     assert missing == [], f"add an __init__.py to {missing}: find_packages leaves them out of the wheel"
 

@@ -1,5 +1,5 @@
 """The peers compared in experiments/compare_peers.py must recognise the virtual GPU's simulated
-out-of-memory error through their own code (issue 9, item 6): Lightning's ``is_oom_error`` (its
+out-of-memory error through their own code: Lightning's ``is_oom_error`` (its
 BatchSizeFinder) and Accelerate's ``should_reduce_batch_size`` (find_executable_batch_size). Skipped
 unless the optional ``peers`` extra is installed."""
 

@@ -267,7 +267,7 @@ def test_plan_header_and_yaml_show_the_limit(tmp_path, capsys):
 
 
 def test_plan_header_and_yaml_name_the_target_gpu(tmp_path, capsys):
-    """model.gpu (issue 28): printed in the header (with how it was chosen) and recorded in plan.yaml."""
+    """model.gpu: printed in the header (with how it was chosen) and recorded in plan.yaml."""
     out = tmp_path / "plan.yaml"
     assert main(["plan", "device=cpu", *MLP, "budget=4MiB", "+plan.batch_sizes=[8]", *SINGLE, "--out", str(out)]) == 0
     out_text = " ".join(capsys.readouterr().out.split())   # the console wraps long lines
@@ -343,7 +343,7 @@ def test_predict_raw_is_none_for_cuda_malloc_async_and_the_replay_otherwise(monk
     assert predictor.predict_raw(8, "") == 2 * MiB   # one kSmallBuffer segment (hand calculation above)
 
 
-# -- issue 23 item 2: a plan under a shape distribution predicts at its worst shape, and survives the soak
+# -- a plan under a shape distribution predicts at its worst shape, and survives the soak
 TINY_LM = ["model=transformer", "model.layers=2", "model.d_model=256", "model.vocab_size=32000", "budget=2GiB",
            "search.batch_size.low=1", "search.batch_size.high=64", "search.space.max_split_size_mb=[null]",
            "search.space.roundup_power2_divisions=[null]"]
@@ -378,7 +378,7 @@ def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_sur
 def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp_path):
     """find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of
     64) at 200 MiB (found by scanning budgets 60..300 MiB with `oomtune plan` under the fused-SDPA
-    kernels of issue 28): the default allocator fits its largest batch at length 512 on a fresh
+    kernels a capture runs as on the GPU): the default allocator fits its largest batch at length 512 on a fresh
     allocator but runs out of memory in the soak, so its planned batch is the largest that survives
     (each checked here with the soak itself), while expandable_segments:True keeps its batch."""
     from oomtune.trial.soak import soak

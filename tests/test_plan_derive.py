@@ -1,4 +1,4 @@
-"""Derived request streams (issue 13, item 3): the affine model, its checks, and plans identical to
+"""Derived request streams: the affine model, its checks, and plans identical to
 capturing every batch size.
 
 Expected values: hand-computed sizes for the synthetic streams; for the built-in workloads the
@@ -243,7 +243,7 @@ def test_plan_with_derived_streams_equals_plan_capturing_every_batch(monkeypatch
 
 
 def test_transformer_plan_from_batch_1_with_derived_streams_equals_capturing_every_batch(monkeypatch):
-    """Issue 26: the built-in transformer's step makes other requests at batch 1 (captured alone);
+    """The built-in transformer's step makes other requests at batch 1 (captured alone);
     2..64 are derived from polynomial fits; the map equals the one that captures every batch size."""
     from oomtune.plan.feasibility import build_plan, grid_batches
 

@@ -1,4 +1,4 @@
-"""The plan's work spread over forked processes (issue 13, item 3): the same results as one process.
+"""The plan's work spread over forked processes: the same results as one process.
 
 Expected values: hand-computed for fork_map and the replay groups; for whole plans, the reference is
 the plan computed in one process capturing every batch size (no derivation, no workers).

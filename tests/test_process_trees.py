@@ -1,5 +1,5 @@
-"""Every process a trial starts ends with it (issue 25 item 5), and a trial's output stays bounded
-(item 6): the keeper (oomtune.trial.keeper) under each launcher (spawn, fork server, target=cmd).
+"""Every process a trial starts ends with it, and a trial's output stays bounded: the keeper
+(oomtune.trial.keeper) under each launcher (spawn, fork server, target=cmd).
 
 Processes are found again by their pid and by a token unique to the test in their command line, so a
 recycled pid cannot pass for a dead process. Before the keeper, a grandchild that called setsid()
@@ -247,7 +247,7 @@ def test_descendants_follow_parent_links_through_setsid(tmp_path):
         proc.wait()
 
 
-# ------------------------------------------------------------------ bounded output (item 6)
+# ------------------------------------------------------------------ bounded output
 def test_100_mb_of_stderr_leaves_a_bounded_file_and_the_classifier_sees_the_tail(tmp_path):
     script = tmp_path / "noisy.py"
     script.write_text(textwrap.dedent("""

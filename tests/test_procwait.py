@@ -1,4 +1,4 @@
-"""oomtune.trial.procwait: waiting for a trial process's exit without polling (issue 10)."""
+"""oomtune.trial.procwait: waiting for a trial process's exit without polling."""
 
 from __future__ import annotations
 

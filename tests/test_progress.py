@@ -1,4 +1,4 @@
-"""The progress bar tells the wait (issue 26 item 5): the running trial's role, its step and an
+"""The progress bar tells the wait: the running trial's role, its step and an
 estimate of the rest from the steps measured so far, read from the progress record the trial
 process rewrites after each step.
 
@@ -35,7 +35,7 @@ def test_the_progress_record_round_trips_and_old_records_still_read(tmp_path):
     write_progress(path, 3, 10, step_s=1.25)
     assert read_progress_record(path) == {"steps_done": 3, "steps_total": 10, "step_s": 1.25, "phase": "steps"}
     assert read_progress(path) == (3, 10)
-    path.write_text('{"steps_done": 2, "steps_total": 4}')    # written before issue 26
+    path.write_text('{"steps_done": 2, "steps_total": 4}')    # written before step_s and phase
     assert read_progress_record(path) == {"steps_done": 2, "steps_total": 4, "step_s": None, "phase": "steps"}
     assert read_progress_record(tmp_path / "absent.json") is None
 

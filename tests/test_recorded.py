@@ -1,5 +1,5 @@
 """Allocator tuning for users' own commands: the trial's recorded allocation stream and the
-predictions made from recordings (issue 22 item 0)."""
+predictions made from recordings."""
 
 from __future__ import annotations
 

@@ -373,7 +373,7 @@ def test_predict_mode_refuses_cuda_malloc_async_with_advice(tmp_path, capsys):
     assert "cannot simulate" in err and "--mode run" in err and len(err.splitlines()) == 1
 
 
-# -- issue 23 item 5: no memory reading is never a PASS ------------------------------------------------
+# -- no memory reading is never a PASS ----------------------------------------------------------------
 def test_run_without_any_memory_reading_is_an_explicit_skip_not_a_pass(tmp_path):
     best = load_best(write_best(tmp_path / "best.yaml", metrics={"throughput": 100.0, "memory_source": "simulated"}))
     report = evaluate_run(best, _result(peak_reserved_bytes=None), max_memory_growth=0.05, max_slowdown=None)
@@ -400,7 +400,7 @@ def test_run_of_a_command_compares_the_device_peak_when_there_is_no_allocator_re
     assert memory.passed is False and "device peak (NVML) 1.02 GiB (device) vs recorded 953.67 MiB (+10.00%" in memory.message
 
 
-# -- issue 23 item 1: the memory fraction travels with the answer ---------------------------------------
+# -- the memory fraction travels with the answer -------------------------------------------------------
 GC = "garbage_collection_threshold:0.8"
 
 
@@ -417,7 +417,7 @@ def _with(path, **best_fields):
 
 def test_predict_fails_an_answer_whose_threshold_relied_on_an_unrecorded_fraction(tmp_path, capsys):
     # A best.yaml from before the fraction was recorded: its trials ran under 1 GiB / 80 GiB = 0.0125,
-    # where the threshold acts; applied without a fraction it is inert (issue 23, GPT-2 at 8 GiB).
+    # where the threshold acts; applied without a fraction it is inert (seen with GPT-2 at 8 GiB).
     path = write_best(tmp_path / "best.yaml", alloc_conf=GC)
     assert main(["check", str(path), "--mode", "predict"]) == 1
     out = capsys.readouterr().out

@@ -232,7 +232,7 @@ def test_importing_the_html_report_keeps_oomtune_report_the_scripts_function():
 @pytest.mark.slow
 def test_peak_segments_of_the_readme_runs_step_sum_to_the_segments_drawn():
     """The README main command's winner: ResNet-18 (64x64, 100 classes) at batch 493 under
-    expandable_segments:True, 1 GiB budget on the 80 GiB virtual GPU, 4 steps (issue 23 item 5). An
+    expandable_segments:True, 1 GiB budget on the 80 GiB virtual GPU, 4 steps. An
     expandable segment grows by mapping pages (20 MiB in the large pool, 2 MiB in the small one) and a
     block may span pages mapped at different times: the panel drew each mapped range as a segment,
     "957.6 MiB allocated + 124.6 MiB free over segments that sum to 972 MiB" and a "20 MiB" segment

@@ -1,4 +1,4 @@
-"""A run directory is self-contained (issue 25 item 7): run.json stores the study.db that lies inside
+"""A run directory is self-contained: run.json stores the study.db that lies inside
 it relative to it, so ``oomtune show`` and ``oomtune report`` of a copied directory read the copy's
 study (they read the original's before) and those of a moved directory read the study beside them
 (they failed before); both say in one line which storage they read (oomtune/runfile.py).

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention captured as CUDA runs it (issue 28, items 1, 6, 7).
+"""Scaled dot-product attention captured as CUDA runs it.
 
 Expected backends come from the rules of aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (the
 function named in each case); expected sizes from the CUDA kernels and torch's meta kernels

@@ -1,4 +1,4 @@
-"""Contradictions are checked, not believed (issue 23 item 3): a crash is run once more, an
+"""Contradictions are checked, not believed: a crash is run once more, an
 infeasible result below a feasible batch of the same configuration is re-run once, a gain is never
 claimed for a configuration over itself, and a stray SIGKILL of a baseline trial (a kill -9 from
 outside, no OOM killer) leaves its point feasible. The fake runner's memory model is hand-computable:

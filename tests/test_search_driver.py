@@ -432,7 +432,7 @@ class DeviceRecorder(ScriptedThroughput):
 
 
 def test_throughput_confirmation_interleaves_three_repeats_on_one_gpu_over_time_windows(tmp_path):
-    """Issue 23 item 6: 2 repeats per side let a 2% gain pass by chance 1 time in 6 (4!/(2!2!) orders of
+    """Before, 2 repeats per side let a 2% gain pass by chance 1 time in 6 (4!/(2!2!) orders of
     4 runs), and grouped runs on different GPUs compare cards, not settings. Now: the baseline and
     the candidate alternate in rotating order (base, cand; cand, base; base, cand), 3 runs each, all
     on the first worker's GPU, each timed over a window of seconds (search.window)."""

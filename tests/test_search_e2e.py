@@ -93,7 +93,7 @@ def test_interrupted_search_resumes_from_its_storage(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     err = err_path.read_text()
-    assert proc.returncode == 143, err   # 128 + SIGTERM (issue 25 item 11)
+    assert proc.returncode == 143, err   # 128 + SIGTERM
     assert "resume" in err
     before = {t.number: t.params for t in _finished(info["storage"], info["study_name"])}
     assert len(before) >= 3

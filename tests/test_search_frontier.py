@@ -1,4 +1,4 @@
-"""Frontier-first search on the README's default workload (issue 9, item 7, first test).
+"""Frontier-first search on the README's default workload.
 
 `oomtune search model=resnet` on the virtual GPU must answer with a batch of at least 0.98 x the
 largest predicted frontier among the searched configurations, launching at most 14 trial processes

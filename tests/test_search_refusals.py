@@ -1,5 +1,5 @@
-"""A search that cannot run, or cannot fit anything, is refused before any trial (issue 23 items 4
-and 5), and the advice at the end of a failed search matches how its trials failed."""
+"""A search that cannot run, or cannot fit anything, is refused before any trial, and
+the advice at the end of a failed search matches how its trials failed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shape distributions and the virtual-GPU soak (issue 9, item 4 and its test in item 7).
+"""Shape distributions and the virtual-GPU soak.
 
 Expected figures are hand calculations (the hand-checkable soak below, the token-file documents)
 or a live virtual-GPU trial of the same steps; the variable-length case asserts qualitative facts.
@@ -201,7 +201,7 @@ def test_skipping_repeated_steps_changes_nothing(monkeypatch):
 
 def test_rounded_sizes_are_derived_and_a_rounding_the_anchors_hide_is_caught():
     """Sizes linear in the length rounded up to a block (the fused attention kernels' logsumexp and
-    workspaces, issue 28) are derived exactly; when the anchors and the first check are all multiples
+    workspaces) are derived exactly; when the anchors and the first check are all multiples
     of the block (128 here) a quadratic would fit them, so the length with the fewest factors of two
     is captured as well and rules it out."""
     from oomtune.alloc.stream import AllocationStream
@@ -287,7 +287,7 @@ CPU_CASE_BUDGET = 76 * MiB
 
 # ------------------------------------------------------------------------------- compiled core
 def test_soak_runs_on_the_compiled_core_with_the_python_simulators_results(monkeypatch):
-    """The soak's virtual GPU is ``make_simulator``'s: the compiled core when built (issue 13). Every
+    """The soak's virtual GPU is ``make_simulator``'s: the compiled core when built. Every
     figure of the soak (per step, at the failure, the OOM message) is the pure-Python simulator's:
     a passing and a failing (fragmentation) case, expandable segments, a memory fraction with
     garbage collection, max_split_size, and the trial's own virtual GPU (``budgeted_sim``)."""

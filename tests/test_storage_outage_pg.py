@@ -1,4 +1,4 @@
-"""The documented PostgreSQL route and a real server outage mid-search (issue 25 items 2 and 3).
+"""The documented PostgreSQL route and a real server outage mid-search.
 
 The server is tests/pg_server.py's throwaway cluster, reached with the README's URL form
 ``postgresql://oomtune@127.0.0.1:PORT/DB`` (no driver named: SQLAlchemy 2.1 loads psycopg 3, which the

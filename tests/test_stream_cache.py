@@ -1,4 +1,4 @@
-"""The on-disk cache of captured streams (oomtune.plan.stream_cache; issue 13, plan speed).
+"""The on-disk cache of captured streams (oomtune.plan.stream_cache: plan speed).
 
 What must hold: a stream read back equals the one stored, event by event; any change of what a
 capture depends on is another key; a damaged entry is a miss, never an error; a plan read from a

@@ -1,4 +1,4 @@
-"""A study name is one directory name under runs/ (issue 25 item 8: ``study_name=../../x`` wrote
+"""A study name is one directory name under runs/ (``study_name=../../x`` once wrote
 outside runs/): names with a path separator, ``.``/``..``, NUL or control characters, empty, or
 longer than a file name may be are refused in one line, exit 2, before anything is written or
 torch is imported (oomtune.config.check_study_name, called by compose for every command)."""

@@ -1,4 +1,4 @@
-"""Tests that cannot hide (issue 27 item 4): read from the test sources themselves.
+"""Tests that cannot hide: read from the test sources themselves.
 
 - No ``pytest.importorskip`` of oomtune's own modules: an import error in oomtune must fail the tests
   that need the module, never turn them into skips. importorskip of optional third-party packages
@@ -90,6 +90,6 @@ def test_the_checks_can_fail():
 
 def test_every_recording_listed_in_the_data_readme_is_here():
     listed = set(re.findall(r"^\| ([\w.-]+\.pickle) \|", (DATA / "README.md").read_text(), re.M))
-    # tests/data/README.md's table: the cnn trace and the seven added by issue 11
+    # tests/data/README.md's table: the cnn trace and the seven added for real-trace fidelity
     assert len(listed) == 8
     assert sorted(p.name for p in DATA.glob("*.pickle")) == sorted(listed)

@@ -1,4 +1,4 @@
-"""Every real GPU recording in tests/data replays exactly, by default (issue 11).
+"""Every real GPU recording in tests/data replays exactly, by default.
 
 The figures below were read from the traces themselves (not from any replay): per device, the
 number of segment_alloc / segment_free / segment_map / segment_unmap / oom entries, the bytes of

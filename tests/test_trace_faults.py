@@ -1,4 +1,4 @@
-"""The trace faults of issue 11, each on a small hand-made snapshot in torch's format.
+"""Real-trace replay faults the virtual GPU once had, each on a small hand-made snapshot in torch's format.
 
 Expected values are worked out by hand from c10/cuda/CUDACachingAllocator.cpp (round to 512 B; a
 large-pool block is split only when the remainder is > 1 MiB, ``should_split``; <= 1 MiB -> small
@@ -196,4 +196,4 @@ def test_multi_device_default_is_a_device_with_events():
     empty = replay_snapshot(snap, device=2)
     assert empty.recorded_segment_events == [] and empty.devices_with_data == [1]
     assert any("device 2 holds no trace entries or segments; devices with data: 1" in n for n in empty.notes)
-    assert empty.exact is False   # nothing compared: never "exact" (issue 25 item 9)
+    assert empty.exact is False   # nothing compared: never "exact"

@@ -229,7 +229,7 @@ def test_a_file_too_large_for_memory_is_one_error(tmp_path, monkeypatch):
         load_snapshot(path)
 
 
-# ------------------------------------------------------------------ issue 25 item 9
+# ------------------------------------------------------------------ shared frames: work bounded by the file's size
 class _CountingList(list):
     """A list that counts the walks over it (each ``for`` over it is one)."""
 

@@ -1,4 +1,4 @@
-"""Where a trial's steps run on the virtual GPU: ``trial.execute=auto|meta|cpu`` (issue 26).
+"""Where a trial's steps run on the virtual GPU: ``trial.execute=auto|meta|cpu``.
 
 What must hold: a trial on the meta device sees the same request stream as the same trial on the CPU
 wherever the kernels allocate alike (the memory figures, the out-of-memory request, the soak), so
@@ -6,7 +6,7 @@ the answers do not change; it needs no host memory for its tensors; it measures 
 search runs one real CPU step first (the smoke test), keeps its clean-process confirmation, and a
 CPU trial whose budget the host cannot hold stops with one line before anything runs.
 
-Expected values: the CPU run of the same spec (the behaviour before issue 26), hand arithmetic for
+Expected values: the CPU run of the same spec (the behaviour before ``trial.execute``), hand arithmetic for
 tensor sizes, and /proc/meminfo-style text written here.
 """
 

@@ -1,4 +1,4 @@
-"""Writing a trial's values in one transaction (oomtune.search.trial_writes, issue 10): the rows
+"""Writing a trial's values in one transaction (oomtune.search.trial_writes): the rows
 must be what Optuna's own Trial API writes, read back through Optuna's own readers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A regular install works as well as an editable one (issue 25 item 1): the wheel of a clean clone
+"""A regular install works as well as an editable one: the wheel of a clean clone
 (tests/wheel_build.py) installed into a fresh virtual environment, not editable, then from outside
 the source tree ``oomtune --help``, ``oomtune search --help`` and a one-trial search of the MLP on
 the virtual GPU.

@@ -1,4 +1,4 @@
-"""Several `oomtune search` processes sharing one study on a real PostgreSQL server (issue 10).
+"""Several `oomtune search` processes sharing one study on a real PostgreSQL server.
 
 The server is a throwaway cluster (tests/pg_server.py: the OS package's initdb/pg_ctl on 127.0.0.1,
 run as the ``postgres`` user under root). These tests skip when it cannot start, except under CI.

@@ -52,7 +52,7 @@ def test_optimizers_and_precision():
     wl = build_workload({**MLP, "precision": "bf16"}, 2, "cpu")
     assert wl.precision == "bf16" and wl.fallback_reason is None
     wl.step(next(wl.batches()))
-    # meta stands for a CUDA run: bf16 is kept and CUDA's autocast policy applied (issue 15)
+    # meta stands for a CUDA run: bf16 is kept and CUDA's autocast policy applied
     meta = build_workload({**MLP, "precision": "bf16"}, 2, "meta")
     assert meta.precision == "bf16" and meta.fallback_reason is None
     x, _ = next(meta.batches())

@@ -12,7 +12,7 @@ says nothing about the caching allocator, so:
 - ``oomtune env`` and :func:`oomtune.apply_best` warn: the exported settings would do nothing.
 
 The same commands refuse an invalid ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` left in the
-user's shell (:func:`check_alloc_env`, issue 25 item 12) before torch is imported: the parent imports
+user's shell (:func:`check_alloc_env`) before torch is imported: the parent imports
 torch with the user's environment, and a malformed string makes ``import torch`` abort with a C++
 stack trace (exit 134; pytorch#186453) or makes the first allocation raise. Trials get their own
 strings; the user's are never passed on.

@@ -77,7 +77,7 @@ class SimulatedOutOfMemoryError(RuntimeError):
     it as a real OOM. All sizes are in bytes.
 
     The allocator layer does not import torch (``oomtune simulate`` replays a snapshot without it,
-    issue 13), so the instance's class is chosen when it is made: if ``torch`` is in ``sys.modules``
+    to start fast), so the instance's class is chosen when it is made: if ``torch`` is in ``sys.modules``
     the instance is of a subclass of both this class and ``torch.OutOfMemoryError`` (so of
     RuntimeError), same name; otherwise of this class alone (a RuntimeError). Code that can name
     ``torch.OutOfMemoryError`` has imported torch, so it always catches the simulated OOM; catch

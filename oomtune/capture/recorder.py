@@ -42,7 +42,7 @@ Known differences from a real CUDA run (the recorded stream omits or differs in)
 * Tensors created with the mode inactive (other threads, e.g. a DataLoader pin-memory thread, or
   ``no_dispatch``) are not recorded; releases are recorded from any thread (under a lock).
 
-Speed (issue 13): on meta, a few ops' kernels are Python decompositions that cost far more than the
+Speed: on meta, a few ops' kernels are Python decompositions that cost far more than the
 rest of the step (batch norm forward and backward: ~70% of a ResNet-50 capture). Their outputs
 depend only on the inputs' metadata, so :class:`StorageRecorder` runs each such op once per
 signature (:data:`MEMO_OPS`, :func:`_signature`) and afterwards makes outputs of the same shapes,
@@ -66,8 +66,8 @@ from oomtune.capture import cuda_kernels as _kernels
 __all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream", "MEMO_OPS", "HostMemoryError"]
 
 _aten = torch.ops.aten
-#: Ops whose meta kernels are slow Python decompositions (issue 13; kept for reference: since issue 26
-#: every op whose outputs pass :func:`_output_spec`'s checks is memoized, these included).
+#: Ops whose meta kernels are slow Python decompositions (kept for reference: every op whose outputs
+#: pass :func:`_output_spec`'s checks is now memoized, these included).
 MEMO_OPS = frozenset({_aten.native_batch_norm.default, _aten.native_batch_norm_backward.default,
                       _aten.threshold_backward.default})
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)

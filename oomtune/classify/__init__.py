@@ -8,23 +8,23 @@ Rule order (first match wins) and why:
 
 1. ``limit`` for element-count / 32-bit indexing limits (field case C2): these never mention memory and
    no allocator setting helps, so they come before anything memory-like. So do a platform's limits on
-   the size of one allocation (issue 25 item 10): MPS's "Invalid buffer size: X GB" and MPSNDArray's
+   the size of one allocation: MPS's "Invalid buffer size: X GB" and MPSNDArray's
    "total bytes of NDArray > 2**32", intel-extension-for-pytorch's "can NOT allocate memory block with
    size larger than 4GB", and c10's "out of memory. Tried to allocate more than 1EB memory" (raised as
    an OutOfMemoryError, yet no memory would hold it).
 2. TensorFlow's memory failures (``ResourceExhaustedError: OOM when allocating tensor``, "failed to
    allocate", "Dst tensor is not initialized"): ``oom`` (``host_oom`` on TF's CPU allocator); PyTorch's
-   allocator settings do not apply to TF's allocator, the advice says so (issue 14 item 3).
+   allocator settings do not apply to TF's allocator, the advice says so.
 2b. The caching allocator's OOM (``CUDA out of memory. Tried to allocate``), split by cause:
    ``oom_fragmentation`` when free < the segment torch asked the device for and the request <= free +
    reserved-but-unallocated (:func:`oomtune.classify._rules.segment_and_request`: the printed "Tried
-   to allocate" is the segment, ``get_allocation_size`` of the request; issue 25 item 10), "free"
-   capped by what the fraction still allows (C3, C8; issue 14 item 2: free memory alone covering the
+   to allocate" is the segment, ``get_allocation_size`` of the request), "free"
+   capped by what the fraction still allows (C3, C8; free memory alone covering the
    segment is not fragmentation), else ``fraction_cap`` when an ``allowed`` figure below the total capacity was
    printed (C4), else ``oom``. Fragmentation wins over the fraction cap: the request fits inside the
    cap and only the layout of the cached blocks stopped it; an allocator setting (expandable_segments
    / max_split_size_mb) fixes it under the same budget, whereas "fraction cap" would send the user to
-   raise the budget. torch <= 1.3's "C cached" is reserved - allocated (issue 14 item 1). Any backend
+   raise the budget. torch <= 1.3's "C cached" is reserved - allocated. Any backend
    prefix in torch's formats counts (NPU, XPU, CNRT: out-of-tree allocators copy the message), and
    MPS's "MPS backend out of memory (MPS allocated: ..., max allowed: ...)" is ``oom`` with MPS's own
    advice (its high-watermark limit; CUDA allocator settings do not apply).
@@ -40,7 +40,7 @@ Rule order (first match wins) and why:
    Python ``MemoryError`` -> ``host_oom``. A plain RuntimeError is never an OOM by its type.
 
 For a dead process (:func:`classify_failure`), the exceptions of its tracebacks decide first; when
-they are not recognised, a memory signal anywhere in stderr counts (issue 14 item 4: NCCL's
+they are not recognised, a memory signal anywhere in stderr counts (e.g. NCCL's
 "Cuda failure 'out of memory'" before a generic RuntimeError).
 
 The v2.13 ``LOG(WARNING)`` line "memory allocation failed with OOM on device ..." fires on retries that

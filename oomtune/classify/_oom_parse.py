@@ -6,7 +6,7 @@ one of torch 1.x-2.0 (incl. the "capacty" misspelling and torch <= 1.3's "cached
 (c10/cuda/CUDAMallocAsyncAllocator.cpp), torch 2.14's preemptive rejection by the per-process memory
 fraction, and MPS's (aten/src/ATen/mps/MPSAllocator.mm).
 
-Whole kinds, not strings (issue 25 item 10): the current and legacy formats are parsed whatever the
+Whole kinds, not strings: the current and legacy formats are parsed whatever the
 backend's prefix (``CUDA``, ``HIP``, ``XPU``, and out-of-tree backends that copy torch's allocator and
 its message: torch_npu's ``NPU out of memory. Tried to allocate ... (NPU 0; ...; ... current active;
 ...)``, Cambricon's ``CNRT ... (MLU 0; ...)``) and whatever the device word in the parenthesis
@@ -66,7 +66,7 @@ _LEG_FREE = _w(r"SIZE free")
 _LEG_ALLOWED = _w(r"SIZE allowed")
 _LEG_RESERVED = _w(r"SIZE reserved in total by PyTorch")
 # torch <= 1.3 printed "C cached" where C is cached but not allocated (reserved - allocated): in every
-# such report it is smaller than "already allocated" (issue 14 item 1), so reserved = A + C.
+# such report it is smaller than "already allocated", so reserved = A + C.
 _LEG_CACHED = _w(r"SIZE cached")
 _ASYNC_HEAD = _w(r"Allocation on device (\d+) would exceed allowed memory")
 _ASYNC_ALLOC = _w(r"Currently allocated\s*: SIZE")
@@ -148,7 +148,7 @@ def _parse_legacy(text: str) -> OomInfo | None:
     """Format of torch 1.x-2.0: ``(GPU 0; T total capacity; A already allocated; F free; [W allowed; ]
     R reserved in total by PyTorch)``. torch <= 1.3 printed ``C cached`` instead, C being the cached
     memory not allocated (reserved - allocated, always below "already allocated" in the reports), so
-    there reserved = A + C and the cache is C itself (issue 14 item 1)."""
+    there reserved = A + C and the cache is C itself."""
     m = _LEG_HEAD.search(text)
     if m is None:
         return None

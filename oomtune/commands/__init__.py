@@ -2,6 +2,6 @@
 :mod:`oomtune.cli` imports them by name).
 
 Kept empty on purpose: a command module is imported only when its command runs. This file makes
-the directory a regular package, so that ``setuptools.find_packages`` puts it in the wheel (issue
-25: without it a non-editable install failed every command with ``ModuleNotFoundError``).
+the directory a regular package, so that ``setuptools.find_packages`` puts it in the wheel (without
+it a non-editable install failed every command with ``ModuleNotFoundError``).
 """

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     plan(args.overrides, out=args.out, console=console, cache=not args.no_cache)
     # The process ends next: move every object to the permanent generation so that the interpreter's
     # shutdown does not walk the ~10^6 objects of torch & co. with the cyclic collector (0.5-1 s of
-    # the plan's wall time, issue 13). Nothing here is needed any more.
+    # the plan's wall time). Nothing here is needed any more.
     import gc
 
     gc.freeze()

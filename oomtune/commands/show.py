@@ -74,7 +74,7 @@ def _same_study(best_path: Path, found: Any) -> bool:
 
 
 def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, Any]]:
-    """The rows for ``--json``: data, not display strings (issue 14 item 9). ``alloc_conf`` is the
+    """The rows for ``--json``: data, not display strings. ``alloc_conf`` is the
     exact PYTORCH_CUDA_ALLOC_CONF string ("" for torch's defaults, never "(default)"), ``settings``
     its keys (``{torch key: value}``, {} for the defaults; None when the string does not parse) and
     ``data`` the searched data-loader settings (``{"num_workers": 2}``)."""

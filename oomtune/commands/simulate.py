@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     settings = [AllocatorSettings.parse(c) for c in args.conf] if args.conf else [RECORDED]
     if fraction is None and any(getattr(x, "garbage_collection_threshold", 0) > 0 for x in settings):
         # torch collects garbage only under a per-process memory fraction (garbage_collect_cached_blocks
-        # runs when set_fraction is true); issue 14 item 9
+        # runs when set_fraction is true): without one the threshold does nothing, so say so
         from oomtune.display import wrapped
 
         for part in wrapped("oomtune: note: garbage_collection_threshold does nothing without a memory fraction "

@@ -262,7 +262,7 @@ def physical_index_of_torch_device(props: Any, torch_index: int = 0,
 
     ``CUDA_VISIBLE_DEVICES`` integers are CUDA's enumeration order (``CUDA_DEVICE_ORDER``, fastest
     first by default), while NVML indexes devices by PCI bus: on a host with mixed GPUs the N-th CUDA
-    device is not NVML's N-th (issue 23 item 6). So the device is matched by its UUID
+    device is not NVML's N-th. So the device is matched by its UUID
     (``props.uuid``), else its PCI bus id; only when torch gives neither does the old index rule
     (:func:`physical_index_for`) apply, exact with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs.
 

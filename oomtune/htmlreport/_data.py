@@ -66,7 +66,7 @@ def _read_yaml(path: Path, notes: list[str]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        # libyaml's parser where installed (same objects, ~8x faster: issue 13, plan's report); size
+        # libyaml's parser where installed (same objects, ~8x faster: the plan's report reads these); size
         # and depth limited (a file nested 100,000 levels deep is a note, not a RecursionError)
         data = read_yaml(path, what=f"oomtune's {path.name}")
     except ConfigError as exc:

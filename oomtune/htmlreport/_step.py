@@ -163,7 +163,7 @@ def _segments_at(trace: list[dict[str, Any]], index: int) -> list[dict[str, int]
     ``segment_map`` of pages at its end and shrinks by ``segment_unmap`` (c10/cuda/
     CUDACachingAllocator.cpp ``ExpandableSegment``), and one block may span pages mapped at different
     times, so contiguous mapped ranges are one segment: each segment then holds its blocks whole and
-    its allocated bytes never exceed its size (issue 23 item 5: counting each mapped range as a
+    its allocated bytes never exceed its size (counting each mapped range as a
     segment drew a "20 MiB" segment holding 41 MiB)."""
     import bisect
 

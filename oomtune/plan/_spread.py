@@ -1,4 +1,4 @@
-"""The plan's replays spread over processes (issue 13, item 3): which configurations go together,
+"""The plan's replays spread over processes: which configurations go together,
 and how a forked child's work comes back into the parent's :class:`~oomtune.plan.predictor.Predictor`.
 
 :func:`rows_forked` runs :func:`oomtune.plan.feasibility.frontier_row` for groups of configurations

@@ -1,4 +1,4 @@
-"""Request streams at other batch sizes without capturing them (issue 13 item 3; issue 26 item 1).
+"""Request streams at other batch sizes without capturing them.
 
 Across batch sizes a training step usually makes the same requests in the same order (the same
 operators run), and each request's size is a low-degree polynomial in the batch size ``b``, in bytes:
@@ -210,7 +210,7 @@ def _fit_fast(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[int, tuple[int,
 
 
 class AffineStreamModel:
-    """The affine model of issue 13: :class:`PolynomialStreamModel` of degree <= 1 on at least three
+    """The affine model: :class:`PolynomialStreamModel` of degree <= 1 on at least three
     captures, the third checking the line (kept for callers of the first derivation; the predictor
     uses :class:`StreamDeriver`)."""
 
@@ -396,7 +396,7 @@ def _spread_picks(candidates: list[int], have: list[int], n: int) -> list[int]:
 def repeat_steady_step(stream: Any, start: int, times: int) -> Any | None:
     """``stream`` followed by ``times`` more copies of its last step ``stream[start:]`` (the steady
     state), each copy's keys shifted past every key in use, so that a stream of ``k`` captured steps
-    stands for ``k + times`` steps without running them on meta (issue 13: the predictor captures
+    stands for ``k + times`` steps without running them on meta (the predictor captures
     2 steps and replays the trial's ``warmup + measure``).
 
     A fixed-shape training step after the first makes the same requests in the same order (the same

@@ -193,8 +193,8 @@ class FeasibilityMap:
     total_s: float = 0.0
     captures: int = 0
     replays: int = 0
-    derived: int = 0   # batch sizes whose stream was derived, not captured (issue 13)
-    derive_s: float = 0.0   # seconds deriving streams from the affine model (issue 13)
+    derived: int = 0   # batch sizes whose stream was derived, not captured
+    derive_s: float = 0.0   # seconds deriving streams from the affine model
     cached: int = 0   # of the captures, those read from the stream cache (oomtune.plan.stream_cache)
     fallback: list[str] = field(default_factory=list)
     headroom: float = 0.0

@@ -1,4 +1,4 @@
-"""Spreading ``oomtune plan``'s work over the CPU cores with forked processes (issue 13, item 3).
+"""Spreading ``oomtune plan``'s work over the CPU cores with forked processes.
 
 The plan's work splits into independent pieces: the anchor captures of the affine model (one per
 batch size) and the replays of each allocator configuration (:func:`oomtune.plan.feasibility.

@@ -11,7 +11,7 @@ blocks by age, so a later step can peak higher: ResNet-18 at batch 456 under
 ``garbage_collection_threshold:0.8`` peaks at 988 MiB in step 4, above what 2 steps show), so the
 prediction is the peak of exactly the steps the trial measures.
 
-Most batch sizes are not captured at all (issues 13 and 26): captures whose streams share one structure
+Most batch sizes are not captured at all: captures whose streams share one structure
 fit every request's size as a polynomial of low degree in the batch size, checked and verified by
 further captures (:class:`oomtune.plan.derive.StreamDeriver`), and the streams of the batch sizes
 between them are derived; batch sizes where the step makes other requests (batch 1, often) are
@@ -714,7 +714,7 @@ class Predictor:
         else the same) for ``stream`` under ``settings``; cached by (batch size, settings).
 
         A garbage_collection_threshold T reuses the replays under the same settings without it when
-        they prove it idle (exact, issue 13): ``garbage_collect_cached_blocks`` returns at once while
+        they prove it idle (exact): ``garbage_collect_cached_blocks`` returns at once while
         reserved memory <= T x allowed (:meth:`CachingAllocatorSim._garbage_collect`), and reserved
         memory never exceeds its peak, so when the replay without T peaked at or below that, the
         replay with T makes the same calls with the same results; and a replay without a limit has

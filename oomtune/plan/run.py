@@ -58,7 +58,7 @@ def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
     if known.uses_model_group:
         from oomtune.workloads.keys import check_model_keys
 
-        check_model_keys(workload)   # the model keys, before torch is imported (issue 25 item 12)
+        check_model_keys(workload)   # the model keys, before torch is imported (a typo costs no seconds of imports)
         if cache is not None and cache.validated(workload):
             return
         from oomtune.workloads import validate_workload_config
@@ -147,7 +147,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     path = check_writable(out if out is not None else prepared.run_dir / "plan.yaml", "--out")
     from oomtune.plan.parallel import default_workers
 
-    # Under a shape distribution: predicted at its worst shape, with the search's code (issue 23 item 2)
+    # Under a shape distribution: predicted at its worst shape, with the search's code (so both agree)
     from oomtune.trial._base import worst_shape_workload
 
     worst = worst_shape_workload(workload)

@@ -5,7 +5,7 @@ padded length or image size, :func:`oomtune.trial._base.worst_shape_workload`), 
 predicts its frontier: no configuration's planned batch then exceeds its planned batch at that fixed
 length. A batch that fits the worst shape on a fresh allocator can still run out of memory after
 hundreds of steps of mixed shapes, when the cache has fragmented (the 2000-step soak of a GPT-2-sized
-answer at 24 GiB failed at step 12 with length 944; issue 23 item 2). The search soaks every trial of
+answer at 24 GiB failed at step 12 with length 944). The search soaks every trial of
 such a workload, so a plan that did not would recommend batches the search rejects. Here each
 configuration's largest batch is soaked (:mod:`oomtune.trial.soak`: ``trial.soak_steps`` steps in the
 data's order, on the trial's virtual GPU); when it fails, the largest batch below it that survives

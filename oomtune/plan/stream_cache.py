@@ -2,7 +2,7 @@
 
 Capturing a training step on the meta device needs torch (and, for the vision models, torchvision,
 which imports ``torch._dynamo``): about 5 s of imports on a 2-core machine before the first request
-is recorded (issue 13). A captured stream is a pure function of what went into it, so it is kept:
+is recorded. A captured stream is a pure function of what went into it, so it is kept:
 
 * **the key** is the SHA-256 of everything the capture depends on: the ``model`` group (plain
   dict, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
@@ -18,7 +18,7 @@ is recorded (issue 13). A captured stream is a pure function of what went into i
   whose stream file's SHA-256 is not the recorded one (a flipped bit, a file copied over from
   another entry) or whose events are invalid is a miss (and is written again after the capture),
   never an error.
-* **``target: python`` workloads** (issue 26) are keyed by the resolved target group (the entry with
+* **``target: python`` workloads** are keyed by the resolved target group (the entry with
   its file made absolute, so a plan and a search from the same directory share entries) and by
   :func:`entry_fingerprint` (:func:`oomtune.sources.fingerprint`): the SHA-256 of the entry file and of every local module it imports
   (files and packages beside it, followed transitively), and the installed versions of the

@@ -1,4 +1,4 @@
-"""A seeded sampler whose random draws depend on the trial, not on the process that asks (issue 10).
+"""A seeded sampler whose random draws depend on the trial, not on the process that asks.
 
 With ``search.seed`` set, every process of a shared study used to build the same seeded sampler, so
 the processes drew the same sequence of candidates: measured with 3 ``oomtune search`` processes on

@@ -1,5 +1,5 @@
 """Fewer storage round trips per trial: what a trial writes, in one transaction where the storage
-is an RDB storage (issue 10: with 8 workers on PostgreSQL the in-study time per trial beyond its
+is an RDB storage (with 8 workers on PostgreSQL the in-study time per trial beyond its
 process grew from 70 ms to 470 ms, spent mostly in storage calls; experiments/bench_workers.py).
 
 Optuna's Trial API opens, checks and commits one transaction per value (``set_user_attr``,
@@ -8,8 +8,8 @@ the same rows, with the same checks, through Optuna's own storage method and tab
 (``RDBStorage._set_trial_attr_without_commit``, ``TrialParamModel``; see :func:`_write`), several
 in one session; for other storages (journal, in-memory) they fall back to the Trial API unchanged.
 
-Each write outlasts a lost database connection like Optuna's own calls do (issue 25 item 3:
-:func:`oomtune.study.reconnect.retrying`, one line per retry through the storage's ``say``); a
+Each write outlasts a lost database connection like Optuna's own calls do
+(:func:`oomtune.study.reconnect.retrying`, one line per retry through the storage's ``say``); a
 retry after a connection lost at the commit does not insert a parameter twice (:func:`_write`).
 """
 

@@ -1,4 +1,4 @@
-"""Storage calls that outlast a lost database connection (issue 25 item 3).
+"""Storage calls that outlast a lost database connection.
 
 A PostgreSQL (or MySQL) server that restarts, fails over or drops the network for a while must not
 end a search that has measured trials: every storage call is retried with backoff

@@ -22,7 +22,7 @@ ATTR_REUSED = "reused_from"   # trial number whose measurement this one repeats
 ATTR_FROM_RECORDING = "from_recording"
 ATTR_CONFIRMS = "confirms"    # for role=confirm: the trial number confirmed
 ATTR_PEAK_RESERVED = "peak_reserved"  # "966.00 MiB (simulated)": for people reading the study
-ATTR_RECHECK_OF = "recheck_of"  # a re-run of an infeasible trial below a feasible one (issue 23 item 3)
+ATTR_RECHECK_OF = "recheck_of"  # a re-run of an infeasible trial below a feasible one
 ATTR_DUPLICATE_OF = "oomtune.duplicate_of"  # a trial finished as a duplicate of this trial number
 #: The objective's name, shown by optuna-dashboard (``Study.set_metric_names``).
 METRIC_NAME = "throughput (samples/s)"
@@ -36,7 +36,7 @@ def used_bytes(result: TrialResult) -> int | None:
     trial's processes (sampled every 20 ms) and the allocator's exact peak reserved plus the measured
     non-allocator memory (CUDA context; field case C9). A sampled peak can miss the moment of the
     peak (``garbage_collection_threshold`` or a release-and-retry frees memory within a step), and
-    taking it alone would favour exactly those configurations (issue 23 item 6); the allocator's peak
+    taking it alone would favour exactly those configurations; the allocator's peak
     cannot miss it. On the virtual GPU: peak reserved (no NVML reading). None without any reading.
     """
     exact = None

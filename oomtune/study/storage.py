@@ -82,7 +82,7 @@ def driver_url(url: str) -> str:
     """``url`` with a driver SQLAlchemy can load here. A ``postgresql://`` (or ``mysql://``) URL
     that names no driver means SQLAlchemy's default driver for the scheme (``registry.load(scheme)``:
     psycopg 3 since SQLAlchemy 2.1, psycopg2 before); when that driver's module is not installed,
-    the first installed one of :data:`_SCHEME_DRIVERS` is named instead (issue 25 item 2: the
+    the first installed one of :data:`_SCHEME_DRIVERS` is named instead (without it the
     documented ``postgresql://`` failed where only psycopg2 was installed). URLs naming a driver,
     other schemes, and URLs none of whose drivers is installed are returned unchanged (the error then
     names the package to install: :func:`storage_error_message`)."""

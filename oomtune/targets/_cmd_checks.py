@@ -1,4 +1,4 @@
-"""Checks of a ``target=cmd`` command before any trial runs (issue 14 items 5 and 9).
+"""Checks of a ``target=cmd`` command before any trial runs.
 
 - The script an interpreter is given must exist (``python trian.py`` would otherwise run a trial
   that dies with "can't open file" and exit status 2 without a result record).
@@ -113,7 +113,7 @@ def _script_file(argv: list[str], cwd: str | None) -> Path | None:
 
 def check_training_reaches_command(command: object, argv: list[str], cwd: str | None, *,
                                    accumulates: bool, checkpointing: bool) -> None:
-    """Refuse a search whose training settings would not reach the command (issue 22 item 3):
+    """Refuse a search whose training settings would not reach the command:
 
     - with ``search.global_batch`` the micro-batches per optimizer step vary by trial: the command
       needs ``{grad_accum}`` (or ``{global_batch}``, from which the script divides), or a script
@@ -145,7 +145,7 @@ def check_training_reaches_command(command: object, argv: list[str], cwd: str | 
 
 
 def check_batch_size_reaches_command(command: object, argv: list[str], cwd: str | None) -> None:
-    """Refuse a command that never receives the trial's batch size (issue 14 item 9).
+    """Refuse a command that never receives the trial's batch size.
 
     Accepted: ``{batch_size}`` in the command; ``OOMTUNE_BATCH_SIZE`` named in it (``$OOMTUNE_BATCH_SIZE``
     in a shell command); or its script (see :func:`script_of`; an executable program given as a path

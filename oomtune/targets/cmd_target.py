@@ -55,7 +55,7 @@ class CmdTarget(Target):
         cwd = resolve_cwd(target)
         if not shell:
             check_program(argv, cwd)
-        check_command(target.get("command"), argv, shell, cwd)  # issue 14 items 5, 9
+        check_command(target.get("command"), argv, shell, cwd)
 
     def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
         """``cwd`` made absolute; unset means ``base`` itself (the directory the command inherits

@@ -7,7 +7,7 @@ SIZE_MAX read as int64), ``garbage_collection_threshold``, ``expandable_segments
 division count), ``PYTORCH_CUDA_ALLOC_CONF`` (the text), and pinned-memory keys the device
 allocator never reads. Newer torch versions may add ``max_non_split_rounding_size`` /
 ``large_segment_size`` (bytes); they are read when present. These are the default replay settings
-of :func:`oomtune.trace.replay_snapshot` (issue 11).
+of :func:`oomtune.trace.replay_snapshot`.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _frames_verdict(entries: list[dict], cache: dict[int, bool | None] | None = 
     """True: empty_cache in the frames; False: the allocator's malloc; None: frames say nothing.
 
     ``cache``: verdicts by ``id(frames)``: a frames list shared by many entries (one object through
-    the pickle's memo) is read once (issue 25 item 9); the caller keeps the lists alive."""
+    the pickle's memo) is read once (work bounded by the file's size); the caller keeps the lists alive."""
     for e in entries:
         frames = e.get("frames")
         if not frames:

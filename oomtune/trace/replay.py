@@ -112,7 +112,7 @@ class SnapshotReplay:
     def exact(self) -> bool:
         """Every segment event, the peak and the final reserved total as recorded, no extra OOM, on a
         device that holds data (a device with neither trace entries nor segments compares nothing:
-        never exact, issue 25 item 9)."""
+        never exact)."""
         return (self.device in self.devices_with_data
                 and self.first_divergence is None and self.oom_at is None
                 and self.peak_reserved_bytes == self.recorded_peak_reserved_bytes

@@ -17,7 +17,7 @@ look up a global. The shipped real trace (tests/data/cnn-small-default.pickle, i
 pickletools) holds no GLOBAL/STACK_GLOBAL/REDUCE opcode at all, so nothing needs admitting; torch
 writes ``segment_pool_id`` as a tuple, also a plain opcode (TUPLE2).
 
-Work bounded by the file's size (issue 25 item 9). A pickle's memo lets one object appear many times
+Work bounded by the file's size. A pickle's memo lets one object appear many times
 for 2 bytes a reference: every trace entry can hold the same 100,000-frame list, and a 1.4 MB file
 then asked for 10^10 frame checks. Containers that torch itself shares, or that a memo may share
 harmlessly (``frames`` lists and frame dicts), are checked once, by identity (:class:`_Seen`), so

@@ -1,4 +1,4 @@
-"""A real GPU's memory history as an allocation stream (issue 22 item 0, on a GPU).
+"""A real GPU's memory history as an allocation stream.
 
 A ``target=cmd`` trial on CUDA cannot be captured by oomtune, but torch records every request its
 caching allocator serves when ``torch.cuda.memory._record_memory_history`` is on, and

@@ -211,7 +211,7 @@ def target_for(workload: Mapping[str, Any]) -> Target:
 def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
     """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
     shape (:meth:`Target.worst_shape`; for a built-in workload :func:`oomtune.workloads.shapes.
-    worst_shapes`): what the search's frontier and ``oomtune plan`` predict at (issue 23 item 2: the
+    worst_shapes`): what the search's frontier and ``oomtune plan`` predict at (the
     same code for both). ``workload`` itself when its shapes are
     fixed. The distribution and its shapes are the target's (:meth:`Target.shapes` / :meth:`Target.
     at_shape`: a python entry may declare one; a command's are not known).

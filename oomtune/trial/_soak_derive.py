@@ -1,9 +1,9 @@
-"""Deriving the soak's per-shape streams from a few captures (issue 9: a soak in seconds).
+"""Deriving the soak's per-shape streams from a few captures (a soak in seconds).
 
 A built-in training step makes the same requests in the same order at every ``seq_len`` /
 ``image_size``; only their sizes change. For the transformer each size is either a polynomial of
 degree at most 2 in the length (embeddings and linear layers: ``N*T*d``; math attention's scores:
-``N*h*T*T``) or, for the fused attention kernels a capture runs as on the GPU (issue 28), linear in
+``N*h*T*T``) or, for the fused attention kernels a capture runs as on the GPU, linear in
 the length rounded up to a block: memory-efficient attention's logsumexp ``N*h*ceil(T/32)*32``,
 FlashAttention's backward ``softmax_d`` and ``dq_accum`` in ``ceil(T/128)*128``. So each request's
 size follows one of the models ``quadratic in T`` or ``a*roundup(T, m) + b`` (m = 32, 64, 128,

@@ -13,7 +13,7 @@ nvidia-smi showed 6,509 MB for the process (about 1 GB of context). A budget ``B
 fraction must therefore subtract the measured non-allocator memory:
 ``fraction = (B - non_allocator) / total``, so that ``fraction * total + non_allocator <= B``.
 
-Memory outside the request stream (issue 15), and what the recordings can show of it:
+Memory outside the request stream, and what the recordings can show of it:
 
 * cuBLAS workspaces are *inside* the allocator since torch 2.1 (``getNewWorkspace`` in
   CublasHandlePool.cpp allocates them through ``CUDACachingAllocator``): one per cuBLAS handle (per

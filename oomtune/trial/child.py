@@ -301,7 +301,7 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
 
 
 def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
-    """After the warm-up steps: measure the memory outside the allocator again (issue 23 item 6).
+    """After the warm-up steps: measure the memory outside the allocator again.
 
     It grows during the first steps (cuDNN/cuBLAS handles and workspaces created at first use, kernel
     modules loaded lazily: ``CUDA_MODULE_LOADING=LAZY``, torch's default), after the reading taken
@@ -531,7 +531,7 @@ def _run_test_hook(result: TrialResult) -> None:
     name, _, arg = hook.partition(":")
     if name in ("sleep", "setsid"):  # a grandchild, then hang: the runner must kill both
         # sleep: the grandchild stays in our process group; setsid: it leaves it (its own session),
-        # out of reach of a process-group kill (issue 25 item 5)
+        # out of reach of a process-group kill
         child = subprocess.Popen(["sleep", str(float(arg) + 60)], start_new_session=name == "setsid")
         Path("grandchild.pid").write_text(str(child.pid))
         time.sleep(float(arg))

@@ -1,4 +1,4 @@
-"""Where a trial's training steps execute (``trial.execute=auto|meta|cpu``, issue 26).
+"""Where a trial's training steps execute (``trial.execute=auto|meta|cpu``).
 
 On the virtual GPU (no CUDA device) a trial's memory figures come from the simulator, which sees
 the step's request stream; running the step's arithmetic on the CPU adds nothing to them (the CPU's
@@ -11,12 +11,12 @@ samples/s decide nothing about a GPU) and costs host memory in proportion to the
   kernels allocate what the CPU kernels do (tests/test_trial_execute.py compares the two), in
   seconds. Throughput is not measured (None). The search adds one real CPU step at the smallest
   batch, once, as a smoke test of the code (:meth:`oomtune.search.driver.Search.smoke_test`).
-* ``cpu``: the steps run on the CPU for real (the behaviour before issue 26): throughput is the
+* ``cpu``: the steps run on the CPU for real (the only behaviour before this setting): throughput is the
   CPU's, and every tensor lives in host memory.
 * ``auto``: ``meta`` on the virtual GPU, unless the objective is throughput (which needs real steps),
   the workload reads real data (the meta device takes synthetic data only) or trains under
   ``model.parallel=ddp|fsdp`` (its ranks' collectives move real tensors through gloo, DDP broadcasts
-  the parameters and FSDP2 materialises its shards: issue 24): then ``cpu``; on a GPU the trial runs
+  the parameters and FSDP2 materialises its shards): then ``cpu``; on a GPU the trial runs
   on the device and this setting does not apply.
 
 ``target=cmd`` trials run the user's command as it is, whatever the setting.

@@ -31,7 +31,7 @@ still alive after :data:`FINAL_WAIT_S` seconds of SIGKILL (uninterruptible sleep
 named in the keeper's status file (:data:`STATUS_FILE`), and the launcher's sweep by environment
 marker (:func:`sweep`) names them in one line.
 
-Bounded output (issue 25 item 6): each of stdout and stderr keeps its first :data:`HEAD_BYTES`
+Bounded output: each of stdout and stderr keeps its first :data:`HEAD_BYTES`
 bytes and its last :data:`TAIL_BYTES` bytes (1 MiB + 2 MiB: a few MiB per trial whatever the trial
 prints), with one line in between saying how many bytes were left out. The tail is rewritten at most
 once a second while the trial runs, so a keeper killed mid-way still leaves a recent tail. Readers

@@ -3,7 +3,7 @@
 A trial process that dies of SIGKILL without a Python traceback was often killed by the host's OOM
 killer (field case C5), but a user's ``kill -9``, a cluster's preemption or a supervisor's cleanup
 look exactly the same from the exit status. Calling every SIGKILL ``host_oom`` made one stray kill
-an infeasible point (issue 23 item 3), so a SIGKILL counts as the OOM killer's only with evidence,
+an infeasible point, so a SIGKILL counts as the OOM killer's only with evidence,
 read where the system lets us read it:
 
 * cgroup v2: ``memory.events`` of the trial's cgroup, its ``oom_kill`` counter ("the number of

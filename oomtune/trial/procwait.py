@@ -1,4 +1,4 @@
-"""Waiting for a trial process to exit without polling (issue 10: launch overhead with many trials at once).
+"""Waiting for a trial process to exit without polling (polling's delays add up with many trials at once).
 
 ``subprocess.Popen.wait(timeout)`` polls: CPython sleeps between ``waitpid(WNOHANG)`` calls, up to
 50 ms at a time, so each trial's end was noticed up to 50 ms late, and with N trials at once N

@@ -539,7 +539,7 @@ def _nest_flat(data: dict[str, Any]) -> dict[str, Any]:
 #: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N,
 #: "step_s": mean seconds of the steps done (null before one), "phase": "steps" | "soak"}`` (warm-up and
 #: measured steps), rewritten after each step so that a parent can show how far it got and estimate
-#: the rest (issue 26).
+#: the rest.
 PROGRESS_FILE = "progress.json"
 
 

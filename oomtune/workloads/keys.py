@@ -1,4 +1,4 @@
-"""The built-in workloads' ``model`` keys, checked without torch (issue 25 item 12).
+"""The built-in workloads' ``model`` keys, checked without torch.
 
 Refusing ``model.depth=19`` used to wait for ``import torch`` and torchvision (seconds; 17 s on a
 loaded machine): the builders in :mod:`oomtune.workloads.models` validate their keys as they build.

@@ -1,4 +1,4 @@
-"""How a step trains, torch-free: gradient accumulation and activation checkpointing (issue 22).
+"""How a step trains, torch-free: gradient accumulation and activation checkpointing.
 
 These keys describe how a workload's step trains rather than what it trains, and every target honours
 them (built-in workloads, python entries, commands through their placeholders and environment). They
