@@ -420,9 +420,11 @@ class Executor:
         self._run_workers(self._claim, done)
         return [state["found"][k] for k in keys]
 
-    def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> None:
+    def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> bool:
         """Sampler trials until the study holds ``n_trials`` of ``role`` (finished with a result,
-        or running), counting every process's; WAITING trials of any role are run first.
+        or running), counting every process's; WAITING trials of any role are run first. Returns
+        whether ``timeout_s`` (seconds from this call: ``search.timeout``) ended the phase before
+        ``n_trials`` were reached.
 
         With several processes the count is read before each ask, so the study may end with up
         to (processes - 1) more trials than ``n_trials``; within a process it never overshoots."""
@@ -437,6 +439,8 @@ class Executor:
 
         # the phase's end is decided by _next_sampler_trial from its own read of the study
         self._run_workers(lambda: self._next_sampler_trial(n_trials, role, stopped), stopped)
+        return (deadline is not None and time.monotonic() >= deadline
+                and count_sampler(self._trials(), role) < n_trials)
 
     def drain(self, roles: Sequence[str] = ("baseline", "search")) -> None:
         """Work until no trial of ``roles`` is WAITING or RUNNING anywhere (every process's
