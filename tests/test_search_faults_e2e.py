@@ -100,3 +100,52 @@ def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configura
     assert (f"no verdict on the allocator settings: search.timeout=1 s ended the search after 1 of 12 sampler "
             f"trials: {len(untried)} of 3 allocator configurations were never tried ({', '.join(untried)})") in out
     assert "no allocator gain" not in out and "the default allocator won" not in out
+
+
+# ---------------------------------------------------------------- failures every configuration repeats
+def _run(tmp_path: Path, cmd: str, run: Path, capsys) -> tuple[int, str]:
+    code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=30",
+                 f"hydra.run.dir={run}"])
+    captured = capsys.readouterr()
+    return code, " ".join((captured.out + captured.err).split())
+
+
+def test_a_command_that_never_reports_stops_after_one_trial_with_the_callback_hint_and_reruns_once_fixed(
+        tmp_path, capsys):
+    # e.g. a Lightning script that does not pass OomtuneCallback: it trains and exits 0, never reporting
+    script = tmp_path / "train.py"
+    script.write_text("print('training done')\n")
+    cmd, run = f"{PY} {shlex.quote(str(script))}", tmp_path / "run"
+    code, text = _run(tmp_path, cmd, run, capsys)
+    assert code == 2
+    assert len(_study(run).get_trials()) == 1                          # found after the first trial
+    assert ("oomtune: error: trial 0 (batch 4, default allocator) failed in a way every allocator configuration "
+            "would repeat, so the search stops: the command never called oomtune.report()") in text
+    assert "callbacks=[OomtuneCallback()]" in text and f"{run}/trials/trial-0000/stderr.txt" in text
+    # fixed, the same command runs that candidate again (its failure is no result)
+    script.write_text(textwrap.dedent(REPORT.replace("SAMPLES", "b * 4")))
+    code, text = _run(tmp_path, cmd, run, capsys)
+    assert code == 0
+    first = [t for t in _study(run).get_trials() if t.params.get("batch_size") == 4 and not t.user_attrs.get("alloc_conf")]
+    assert [t.user_attrs["outcome"] for t in first if t.user_attrs.get("role") == "baseline"] == ["error", "ok"]
+
+
+@pytest.mark.parametrize("body, line", [
+    # an integration's usage error: oomtune/integrations/_session.py fail() prints one line and exits 2
+    ("import sys\nprint('oomtune: training ended after 3 optimizer steps, before the 4 the trial needs', "
+     "file=sys.stderr)\nsys.exit(2)\n",
+     "exited with status 2: oomtune: training ended after 3 optimizer steps, before the 4 the trial needs"),
+    # argparse's usage error: ArgumentParser.error exits 2 with "PROG: error: MESSAGE" (Lib/argparse.py)
+    ("import argparse\np = argparse.ArgumentParser(prog='train.py')\np.add_argument('--bs', type=int)\np.parse_args()\n",
+     "exited with status 2: train.py: error: unrecognized arguments: 4"),
+    # an import crash: the traceback's last line
+    ("import oomtune_no_such_module_xyz\n", "ModuleNotFoundError: No module named 'oomtune_no_such_module_xyz'"),
+])
+def test_a_hidden_cause_is_shown_on_the_console_and_stops_the_search_after_one_trial(tmp_path, capsys, body, line):
+    cmd, run = _script(tmp_path, "train.py", body), tmp_path / "run"
+    code, text = _run(tmp_path, cmd, run, capsys)
+    assert code == 2
+    (trial,) = _study(run).get_trials()
+    assert trial.user_attrs["outcome"] == "error" and trial.user_attrs["result"]["message"].endswith(line)
+    assert f"[trial 0] baseline bs=4 default error {trial.user_attrs['result']['message']}" in text   # with its outcome
+    assert f"so the search stops: {trial.user_attrs['result']['message']}" in text

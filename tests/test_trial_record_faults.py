@@ -123,3 +123,34 @@ def test_a_malformed_result_json_of_a_trial_process_is_a_bad_record(tmp_path):
     path.write_text(json.dumps({"outcome": "fine"}))
     res = _read_result(_spec(), {"result": path, "stderr": tmp_path / "stderr.txt"}, 0, False)
     assert res.outcome is Outcome.BAD_RECORD and "unknown trial outcome 'fine'" in res.message
+
+
+# ---------------------------------------------------------------- the cause of a failed trial process
+def test_an_integrations_line_on_exit_2_is_the_message_not_status_2_without_a_record():
+    from oomtune.classify import classify_failure
+
+    stderr = "Epoch 0: 100%|####| 3/3\noomtune: the LightningModule has no batch_size attribute\n"
+    cls = classify_failure(returncode=2, stderr=stderr, timed_out=False)
+    assert cls.outcome is Outcome.ERROR
+    assert cls.message == "exited with status 2: oomtune: the LightningModule has no batch_size attribute"
+    # argparse: ArgumentParser.error -> exit(2, "%(prog)s: error: %(message)s\n") (Lib/argparse.py)
+    cls = classify_failure(returncode=2, stderr="usage: t.py [-h] [--bs BS]\nt.py: error: unrecognized arguments: 4\n",
+                           timed_out=False)
+    assert cls.message == "exited with status 2: t.py: error: unrecognized arguments: 4"
+    cls = classify_failure(returncode=1, stderr="", timed_out=False)
+    assert cls.message == "exited with status 1 without a result record"
+
+
+def test_own_error_line_and_what_every_configuration_repeats():
+    from oomtune.classify._repeats import own_error_line, repeats_everywhere
+
+    tb = ("Traceback (most recent call last):\n  File \"t.py\", line 3, in <module>\n"
+          "oomtune.exceptions.ConfigError: oomtune.report(samples='x'): expected a finite number >= 0\n")
+    assert own_error_line(tb) == "ConfigError: oomtune.report(samples='x'): expected a finite number >= 0"
+    assert own_error_line("oomtune: first\noomtune: second\n") == "oomtune: first"
+    assert own_error_line("RuntimeError: boom\n") is None
+    assert repeats_everywhere(returncode=2, message="exited with status 2: t.py: error: x")
+    assert repeats_everywhere(returncode=1, message="ModuleNotFoundError: No module named 'x'")
+    assert repeats_everywhere(returncode=1, message="SyntaxError: invalid syntax")
+    assert not repeats_everywhere(returncode=1, message="RuntimeError: CUDA error: an illegal memory access")
+    assert not repeats_everywhere(returncode=None, message=None)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from oomtune.exceptions import OomtuneError
 from oomtune.outcome import Outcome
 from oomtune.search import ranking as K
 from oomtune.study import records as R
@@ -42,11 +43,12 @@ from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_f
 from oomtune.space import Candidate, SearchSpace
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
+from oomtune.search.claims import ATTR_STOPPED_SEARCH
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
-__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault"]
+__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFault"]
 
 #: Roles whose trials measure candidates (confirmations re-measure them).
 PROBE_ROLES = ("baseline", "frontier", "search")
@@ -54,6 +56,12 @@ PROBE_ROLES = ("baseline", "frontier", "search")
 
 class SetupFault(RuntimeError):
     """The workload fails even at the smallest batch with the default allocator: not a tuning result."""
+
+
+class RepeatedFault(OomtuneError):
+    """A trial failed in a way that every allocator configuration and batch size would repeat (a
+    usage error of its command, an import error, a command that never reports), before any trial
+    succeeded: the search stops after that trial (exit status 2 on the command line, one line)."""
 
 
 def _disk_full_text(result: TrialResult) -> bool:
@@ -247,7 +255,7 @@ class Search:
         """An earlier launched trial of exactly this candidate (TPE may suggest a point twice)."""
         for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
             if (R.result_of(t) is not None and t.user_attrs.get(R.ATTR_ROLE) != "confirm"
-                    and R.ATTR_REUSED not in t.user_attrs
+                    and R.ATTR_REUSED not in t.user_attrs and ATTR_STOPPED_SEARCH not in t.user_attrs
                     and t.user_attrs.get(R.ATTR_OUTCOME) != Outcome.PREDICTED_INFEASIBLE.value
                     and t.params == cand.optuna_params()):
                 return t
@@ -344,8 +352,10 @@ class Search:
                                 f"({self.workdir / f'trial-{trial.number:04d}'}): free space on its file system")
         # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
         # memory constraint: one storage round trip
+        stop = self._repeated_fault(trial, result) if outcome.is_fault else None
         user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome.value,
-                      R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {})}
+                      R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {}),
+                      **({ATTR_STOPPED_SEARCH: True} if stop is not None else {})}
         constraints = {} if outcome.is_fault else {"memory": R.violation(result, self.limit)}
         value = (None if outcome.is_fault
                  else float(result.throughput.samples_per_s or 0.0) if outcome is Outcome.OK else 0.0)
@@ -363,9 +373,32 @@ class Search:
                 self.say(f"[trial {trial.number}] its result came after another worker had failed it (no heartbeat "
                          f"while the storage was unreachable); kept in {record_path(self.workdir, trial.number)}, "
                          "and the candidate runs again")
+        if stop is not None:
+            self.executor.stop(stop)   # after this trial is told and shown
         if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)
         return float(value or 0.0)
+
+    def _repeated_fault(self, trial: Any, result: TrialResult) -> "RepeatedFault | None":
+        """The :class:`RepeatedFault` that stops the search after this trial when it failed in a way
+        every configuration would repeat (:func:`oomtune.classify._repeats.repeats_everywhere`, or a
+        command that never reported) and no trial of the study has succeeded (a failure after a
+        success depends on the batch or the settings); None otherwise."""
+        from oomtune.classify._repeats import repeats_everywhere
+
+        if result.outcome is not Outcome.ERROR:
+            return None
+        no_report = bool(result.extra.get("no_report"))
+        if not no_report and not repeats_everywhere(returncode=result.extra.get("returncode"), message=result.message):
+            return None
+        if any(t.user_attrs.get(R.ATTR_OUTCOME) == Outcome.OK.value for t in self.study.get_trials(deepcopy=False)):
+            return None
+        where = self.workdir / f"trial-{trial.number:04d}"
+        advice = f"; {result.advice}" if no_report and result.advice else ""
+        return (RepeatedFault(
+            f"trial {trial.number} (batch {result.batch_size}, {result.alloc_conf or 'default allocator'}) failed in a "
+            f"way every allocator configuration would repeat, so the search stops: {result.message}{advice} (its "
+            f"output: {where}/stderr.txt); fix it and run the same command again"))
 
     def _run_batch(self, cands: list[Candidate], role: str,
                    extra_attrs: Sequence[dict[str, Any]] | None = None) -> list[Any]:

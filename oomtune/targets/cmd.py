@@ -90,7 +90,9 @@ __all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_siz
 
 NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
 _NO_REPORT_ADVICE = ("call oomtune.report(samples=..., seconds=...) after the measured steps "
-                     "(import oomtune; see examples/train_cmd.py)")
+                     "(import oomtune; see examples/train_cmd.py), or with Lightning or the Hugging Face "
+                     "Trainer pass callbacks=[OomtuneCallback()] (from oomtune.integrations.lightning or "
+                     "oomtune.integrations.huggingface)")
 _SHELL_TOKENS = frozenset({"|", "||", "&", "&&", ";", ";;", "<", ">", ">>", "<<", "(", ")", ">&", "<&"})
 _STDERR_TAIL_CHARS = 4000
 _STDERR_TAIL_BYTES = 16384   # read from the end of stderr.txt by seeking (it may hold MiBs)
@@ -517,6 +519,7 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
             result.extra["oom_caught_by_script"] = True
     elif not reports:
         _set(result, Outcome.ERROR, NO_REPORT_MESSAGE, _NO_REPORT_ADVICE, _tail(stderr))
+        result.extra["no_report"] = True   # every configuration would repeat it (oomtune.search.driver)
     else:
         _set(result, Outcome.OK, None, None, None)
     if result.outcome is not Outcome.OK:   # a failed trial has no values (Optuna's rule)
