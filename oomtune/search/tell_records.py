@@ -117,8 +117,9 @@ def replay(study: Any, workdir: Path, say: Callable[[str], None] | None = None) 
 
 def reconcile(study: Any, frozen: Any, record: dict[str, Any]) -> bool:
     """Add the result of ``record`` (a trial's ``tell.json``) to ``study`` as a new finished trial
-    when the storage holds its trial (``frozen``) as finished without a result (the user attribute
-    ``result`` missing) and no earlier reconciliation added it; returns whether it was added.
+    when the storage holds its trial (``frozen``) as FAIL without a result (the user attribute
+    ``result`` missing), no earlier reconciliation added it and its candidate has not run again
+    (no trial with its candidate key, or retrying it, has a result); returns whether it was added.
 
     The new trial has the original's parameters and distributions, its user attributes (role,
     candidate key, allocator string) with the record's, the record's state, value and memory
@@ -132,11 +133,18 @@ def reconcile(study: Any, frozen: Any, record: dict[str, Any]) -> bool:
     from oomtune.search.trial_writes import _constraint_key
     from oomtune.study import records as R
 
-    if R.ATTR_RESULT in frozen.user_attrs or R.ATTR_RESULT not in record["user_attrs"]:
+    from oomtune.search.claims import ATTR_KEY, has_result
+
+    if (frozen.state is not TrialState.FAIL or R.ATTR_RESULT in frozen.user_attrs
+            or R.ATTR_RESULT not in record["user_attrs"]):
         return False
-    number = int(record["number"])
-    if any(t.user_attrs.get(ATTR_TOLD_FROM_RECORD) == number for t in study.get_trials(deepcopy=False)):
-        return False
+    number, key = int(record["number"]), frozen.user_attrs.get(ATTR_KEY)
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get(ATTR_TOLD_FROM_RECORD) == number:
+            return False   # restored already
+        if has_result(t) and ((key is not None and t.user_attrs.get(ATTR_KEY) == key)
+                              or t.system_attrs.get("failed_trial") == number):
+            return False   # its candidate ran again meanwhile (Optuna's retry of a failed trial, or a re-enqueue)
     state = TrialState[record["state"]]
     key_of = _constraint_key()
     system = {} if key_of is None else {key_of(k): float(v) for k, v in record["constraints"].items()}
