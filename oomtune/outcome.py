@@ -27,7 +27,8 @@ class Outcome(str, enum.Enum):
     CRASH = "crash"                          # killed by a signal (other than host OOM)
     ERROR = "error"                          # anything else (setup fault, bug): traceback tail kept
     BAD_RECORD = "bad_record"                # the trial's result record is malformed (wrong type, NaN, ...)
-    PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU or a smaller OOM says so; never launched
+    PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU, a smaller OOM or the default's hang
+    #                                                  at a batch no larger says so; never launched
 
     def __str__(self) -> str:
         """The stored value (``"ok"``), so that messages and tables print what records hold."""
