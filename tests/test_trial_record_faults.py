@@ -154,3 +154,18 @@ def test_own_error_line_and_what_every_configuration_repeats():
     assert repeats_everywhere(returncode=1, message="SyntaxError: invalid syntax")
     assert not repeats_everywhere(returncode=1, message="RuntimeError: CUDA error: an illegal memory access")
     assert not repeats_everywhere(returncode=None, message=None)
+
+
+def test_a_ranks_malformed_record_is_that_ranks_bad_record_not_a_missing_one(tmp_path):
+    from oomtune.trial.rank_records import merge_rank_files
+
+    spec = TrialSpec(workload={"name": "mlp"}, batch_size=4, ranks=2)
+    good = TrialResult(outcome=Outcome.OK, batch_size=4)
+    good.write(tmp_path / "result.rank0.json")
+    (tmp_path / "result.rank1.json").write_text(json.dumps({"outcome": "ok", "batch_size": 4,
+                                                            "memory": {"peak_reserved_bytes": float("nan")}}))
+    merged = merge_rank_files(spec, tmp_path / "result.json")
+    assert merged.outcome is Outcome.BAD_RECORD and merged.failed_rank == 1
+    assert merged.message.startswith("rank 1 of 2: malformed result record (result.rank1.json): "
+                                     "memory.peak_reserved_bytes must be a non-negative int number of bytes or None, "
+                                     "got nan")

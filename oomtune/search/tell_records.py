@@ -138,6 +138,10 @@ def reconcile(study: Any, frozen: Any, record: dict[str, Any]) -> bool:
     if (frozen.state is not TrialState.FAIL or R.ATTR_RESULT in frozen.user_attrs
             or R.ATTR_RESULT not in record["user_attrs"]):
         return False
+    try:   # a record edited or damaged by hand is no result: the trial runs again
+        R.TrialResult.from_dict(record["user_attrs"][R.ATTR_RESULT])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
     number, key = int(record["number"]), frozen.user_attrs.get(ATTR_KEY)
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get(ATTR_TOLD_FROM_RECORD) == number:
