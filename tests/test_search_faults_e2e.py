@@ -112,9 +112,14 @@ def _run(tmp_path: Path, cmd: str, run: Path, capsys) -> tuple[int, str]:
 
 def test_a_command_that_never_reports_stops_after_one_trial_with_the_callback_hint_and_reruns_once_fixed(
         tmp_path, capsys):
-    # e.g. a Lightning script that does not pass OomtuneCallback: it trains and exits 0, never reporting
+    # e.g. a Lightning script that does not pass OomtuneCallback: it trains and exits 0, never reporting.
+    # The fix here is outside the script (a file it reads), so the study name (which digests the
+    # script's text: a changed script is another study) stays the same and the resumed study is read.
     script = tmp_path / "train.py"
-    script.write_text("print('training done')\n")
+    flag = tmp_path / "callback_added"
+    report = textwrap.indent(textwrap.dedent(REPORT.replace("SAMPLES", "b * 4")), "    ")
+    script.write_text(f"import os\nif not os.path.exists({str(flag)!r}):\n    print('training done')\n"
+                      f"else:\n{report}")
     cmd, run = f"{PY} {shlex.quote(str(script))}", tmp_path / "run"
     code, text = _run(tmp_path, cmd, run, capsys)
     assert code == 2
@@ -123,7 +128,7 @@ def test_a_command_that_never_reports_stops_after_one_trial_with_the_callback_hi
             "would repeat, so the search stops: the command never called oomtune.report()") in text
     assert "callbacks=[OomtuneCallback()]" in text and f"{run}/trials/trial-0000/stderr.txt" in text
     # fixed, the same command runs that candidate again (its failure is no result)
-    script.write_text(textwrap.dedent(REPORT.replace("SAMPLES", "b * 4")))
+    flag.write_text("yes\n")
     code, text = _run(tmp_path, cmd, run, capsys)
     assert code == 0
     first = [t for t in _study(run).get_trials() if t.params.get("batch_size") == 4 and not t.user_attrs.get("alloc_conf")]
