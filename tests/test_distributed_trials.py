@@ -117,9 +117,16 @@ def _gloo_held_bytes(parallel: str) -> int:
     return 2 * _round512(largest)
 
 
+@pytest.fixture(scope="module")
+def two_rank(runner, tmp_path_factory):
+    """The 2-rank DDP and the 2-rank FSDP2 trial of ``_spec``, each run once for the tests that read
+    them (every rank measured, the plan's bounds, FSDP2 below DDP): {"ddp": result, "fsdp": result}."""
+    return {mode: runner.run(_spec(mode), workdir=tmp_path_factory.mktemp(mode)) for mode in ("ddp", "fsdp")}
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(tmp_path, runner, parallel):
-    res = runner.run(_spec(parallel), workdir=tmp_path)
+def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(two_rank, parallel):
+    res = two_rank[parallel]
     assert res.outcome == "ok", res.message
     ranks = res.ranks
     assert [r.rank for r in ranks] == [0, 1] and res.extra["world_size"] == 2
@@ -149,9 +156,8 @@ def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(tmp_path, ru
     _no_orphans(res)
 
 
-def test_fsdp_rank_holds_less_than_a_ddp_rank(tmp_path, runner):
-    ddp = runner.run(_spec("ddp"), workdir=tmp_path / "ddp")
-    fsdp = runner.run(_spec("fsdp"), workdir=tmp_path / "fsdp")
+def test_fsdp_rank_holds_less_than_a_ddp_rank(two_rank):
+    ddp, fsdp = two_rank["ddp"], two_rank["fsdp"]
     assert ddp.outcome == fsdp.outcome == "ok"
     # parameters + gradients + AdamW states = 4 x the parameter bytes on a DDP rank (plus its buckets,
     # another copy of the gradients, 5 x 670720 bytes); FSDP2 keeps a half of the first three on each of
