@@ -26,7 +26,9 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"                      # per-trial wall limit, process group killed
     CRASH = "crash"                          # killed by a signal (other than host OOM)
     ERROR = "error"                          # anything else (setup fault, bug): traceback tail kept
-    PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU or a smaller OOM says so; never launched
+    BAD_RECORD = "bad_record"                # the trial's result record is malformed (wrong type, NaN, ...)
+    PREDICTED_INFEASIBLE = "predicted_infeasible"  # virtual GPU, a smaller OOM or the default's hang
+    #                                                  at a batch no larger says so; never launched
 
     def __str__(self) -> str:
         """The stored value (``"ok"``), so that messages and tables print what records hold."""
@@ -55,7 +57,7 @@ class Outcome(str, enum.Enum):
 
     @property
     def is_fault(self) -> bool:
-        """True for ``error`` and ``crash``: the trial says nothing about the configuration's
+        """True for ``error``, ``crash`` and ``bad_record``: the trial says nothing about the configuration's
         feasibility (told to Optuna as FAIL); every other outcome is a result (COMPLETE: ok, or
         infeasible with a violated memory constraint, so the sampler learns from it)."""
         return self in _FAULTS
@@ -64,4 +66,4 @@ class Outcome(str, enum.Enum):
 _DEVICE_MEMORY = frozenset(
     {Outcome.OOM, Outcome.OOM_FRAGMENTATION, Outcome.FRACTION_CAP, Outcome.OOM_OUTSIDE_ALLOCATOR}
 )
-_FAULTS = frozenset({Outcome.ERROR, Outcome.CRASH})
+_FAULTS = frozenset({Outcome.ERROR, Outcome.CRASH, Outcome.BAD_RECORD})

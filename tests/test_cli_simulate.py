@@ -97,7 +97,10 @@ def test_text_output_labels(synthetic, capsys):
     assert "OOM (simulated): no" in out
 
 
-def test_several_confs_print_a_table(synthetic, capsys):
+def test_several_confs_print_a_table(synthetic, capsys, monkeypatch):
+    # the table as printed when COLUMNS is unset (not squeezed: 200 columns); pytest-xdist's workers
+    # run with COLUMNS=80, which wraps the rows
+    monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["simulate", str(synthetic), "--conf", "", "--conf", "expandable_segments:True"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("default ", "es:T "))}

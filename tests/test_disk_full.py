@@ -151,3 +151,62 @@ def test_a_search_on_a_real_full_file_system_says_so_in_one_line(tmp_path):
         assert load_best(run / "best.yaml").best.trial_number == 0   # what fitted was written whole
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_telling_the_storage_keeps_the_result_and_the_resume_does_not_run_it_again(
+        tmp_path, monkeypatch, capsys):
+    # The field case: trial-0000/tell.json holds the COMPLETE result, the storage's write of it fails
+    # for lack of space (oomtune.study.reconnect turns SQLite's "database or disk is full" into
+    # DiskFullError), the worker tells the storage FAIL, the search stops with one line. The same
+    # command must tell the storage the result from tell.json, not run the trial again.
+    import json
+
+    import optuna
+
+    from oomtune.search import driver
+    from oomtune.trial.runner import TrialRunner
+
+    run = tmp_path / "run"
+    args = ["search", *ONE_TRIAL, f"hydra.run.dir={run}"]
+    real_set = driver.set_trial_attrs
+
+    def full(trial, user_attrs, constraints=None):
+        if "result" in user_attrs:
+            raise DiskFullError("no space left for the storage while trying to set a trial's attributes: "
+                                "database or disk is full")
+        return real_set(trial, user_attrs, constraints)
+
+    with monkeypatch.context() as m:
+        m.setattr(driver, "set_trial_attrs", full)
+        assert main(args) == 1
+    assert "database or disk is full; then run the same command to resume" in capsys.readouterr().err
+    record = json.loads((run / "trials" / "trial-0000" / "tell.json").read_text())
+    assert record["state"] == "COMPLETE" and record["user_attrs"]["outcome"] == "ok"
+    study = optuna.load_study(study_name=json.loads((run / "run.json").read_text())["study_name"],
+                              storage=f"sqlite:///{run / 'study.db'}")
+    (first,) = study.get_trials()
+    assert first.state.name == "FAIL" and "result" not in first.user_attrs      # the storage says FAIL
+
+    launched = []
+    real_run = TrialRunner.run
+
+    def counting(self, spec, **kw):
+        launched.append(spec.batch_size)
+        return real_run(self, spec, **kw)
+
+    monkeypatch.setattr(TrialRunner, "run", counting)
+    assert main(args) == 0                                                     # the same command
+    err = capsys.readouterr().err
+    assert launched == []                                                      # nothing ran again
+    assert "restored the result of trial 0 from" in err and "not run again" in err
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    restored = trials[1]
+    assert restored.user_attrs["told_from_record"] == 0 and restored.params == first.params
+    assert restored.value == record["value"] and restored.user_attrs["result"] == record["user_attrs"]["result"]
+    from oomtune.best import load_best
+
+    assert load_best(run / "best.yaml").best.trial_number == 1                 # the restored result answers
+    assert main(args) == 0                                                     # and a third run adds nothing
+    assert len(study.get_trials()) == 2 and launched == []

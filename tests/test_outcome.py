@@ -3,8 +3,9 @@
 from oomtune.outcome import Outcome
 
 
-def test_faults_are_error_and_crash_only():
-    assert {o for o in Outcome if o.is_fault} == {Outcome.ERROR, Outcome.CRASH}
+def test_faults_are_error_crash_and_bad_record_only():
+    # a malformed result record says nothing about the configuration either: FAIL, like an error
+    assert {o for o in Outcome if o.is_fault} == {Outcome.ERROR, Outcome.CRASH, Outcome.BAD_RECORD}
 
 
 def test_memory_outcomes_are_the_device_memory_ones():

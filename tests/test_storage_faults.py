@@ -241,3 +241,34 @@ def test_an_executor_leaves_its_trial_running_when_the_storage_stays_unreachable
         Executor(study, ["cpu"], evaluate).run_batch([({"x": 1}, "baseline", {})])
     (t,) = study.get_trials()
     assert t.state is TrialState.RUNNING        # not told FAIL: its record is told by the next run
+
+
+def test_a_trial_failed_without_its_recorded_result_is_restored_once_unless_its_candidate_ran_again(tmp_path):
+    # Telling the storage failed after tell.json was written (a full disk): the worker told FAIL.
+    from oomtune.search.claims import ATTR_KEY
+    from oomtune.search.tell_records import replay, write_record
+
+    study = _study(tmp_path, name="rec")
+    workdir = tmp_path / "trials"
+    lost, rerun, again = study.ask(), study.ask(), study.ask()
+    for trial, key in ((lost, "k-lost"), (rerun, "k-rerun")):
+        trial.suggest_int("batch_size", 8, 512)
+        trial.set_user_attr(ATTR_KEY, key)
+        trial.set_user_attr("role", "baseline")
+        write_record(workdir, "rec", trial, state="COMPLETE", value=42.0,
+                     user_attrs={"result": {"outcome": "ok"}, "outcome": "ok"}, constraints={"memory": -0.25})
+        study.tell(trial, state=TrialState.FAIL)
+    # the second candidate ran again meanwhile: its re-run holds the result
+    again.suggest_int("batch_size", 8, 512)
+    again.set_user_attr(ATTR_KEY, "k-rerun")
+    again.set_user_attr("result", {"outcome": "ok"})
+    study.tell(again, 7.0)
+    lines: list[str] = []
+    assert replay(study, workdir, lines.append) == [lost.number]
+    restored = study.get_trials()[-1]
+    assert restored.number == 3 and restored.state is TrialState.COMPLETE and restored.value == 42.0
+    assert restored.params == study.get_trials()[lost.number].params and restored.constraints == {"memory": -0.25}
+    assert restored.user_attrs == {ATTR_KEY: "k-lost", "role": "baseline", "result": {"outcome": "ok"},
+                                   "outcome": "ok", "told_from_record": lost.number}
+    assert len(lines) == 1 and lines[0].startswith(f"restored the result of trial {lost.number} from ")
+    assert replay(study, workdir, lines.append) == [] and len(study.get_trials()) == 4   # once

@@ -132,7 +132,9 @@ def test_hanging_command_times_out_and_its_process_group_is_gone(tmp_path):
     """)
     res = run_cmd_trial(_cmd_spec(cmd, timeout_s=2.0), workdir=tmp_path / "t", grace_s=1.0)
     assert res.outcome is Outcome.TIMEOUT
-    assert res.wall_s < 30
+    # only the timeout's kill ends the trial before the script's own 120 s sleep: a bound set by the
+    # script, not by how fast a loaded machine starts and kills processes
+    assert res.wall_s < 120
     assert not group_alive(res.extra["pid"])
 
 

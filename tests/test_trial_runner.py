@@ -97,7 +97,9 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     t0 = time.monotonic()
     r = run_trial(_spec(timeout_s=2.0), workdir=tmp_path, env={HOOK: "sleep:60"})
     assert r.outcome == "timeout"
-    assert time.monotonic() - t0 < 30                # not the 60 s the child wanted
+    # not the 60 s the child wanted: only the timeout's kill ends it sooner (a bound set by the hook,
+    # not by how fast a loaded machine spawns and kills processes)
+    assert time.monotonic() - t0 < 60
     assert not group_alive(r.extra["pid"])
     # A spawned child may still be importing torch at 2 s; the forked variant below (which starts in
     # milliseconds) checks that a grandchild started by the trial dies with it.

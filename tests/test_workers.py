@@ -27,10 +27,13 @@ def _study(tmp_path, name="s"):
 class _Recorder:
     """evaluate(trial, slot): suggests x, stores a result, counts concurrent calls."""
 
-    def __init__(self, sleep_s=0.0, fail_x=None):
+    def __init__(self, sleep_s=0.0, fail_x=None, together=0):
         self.calls, self.slots, self.live, self.max_live = [], [], 0, 0
         self.sleep_s, self.fail_x = sleep_s, fail_x
         self.lock = threading.Lock()
+        # together=N: each call waits until N calls are running at once (threading.Barrier; broken,
+        # and the call fails, when they are not all running within 60 s)
+        self.barrier = threading.Barrier(together, timeout=60) if together else None
 
     def __call__(self, trial, slot):
         x = trial.suggest_int("x", 0, 100)
@@ -40,6 +43,8 @@ class _Recorder:
             self.live += 1
             self.max_live = max(self.max_live, self.live)
         try:
+            if self.barrier is not None:
+                self.barrier.wait()
             time.sleep(self.sleep_s)
             trial.set_user_attr(R.ATTR_RESULT, {"x": x})
             if x == self.fail_x:
@@ -52,13 +57,15 @@ class _Recorder:
 
 def test_run_batch_returns_one_trial_per_candidate_in_order_and_runs_them_at_once(tmp_path):
     study = _study(tmp_path)
-    ev = _Recorder(sleep_s=0.3)
+    # each evaluation waits (a barrier) until all 3 run at once: run one after another, the first
+    # one's barrier breaks and its trial fails; no reliance on sleeps overlapping on a loaded machine
+    ev = _Recorder(together=3)
     ex = Executor(study, ["cpu"] * 3, ev, poll_s=0.05)
     out = ex.run_batch([({"x": x}, "baseline", {}) for x in (5, 7, 9)])
     assert [t.params["x"] for t in out] == [5, 7, 9]
     assert [t.value for t in out] == [5.0, 7.0, 9.0]
     assert sorted(ev.calls) == [5, 7, 9]
-    assert ev.max_live >= 2  # 3 slots, 3 candidates of 0.3 s each: they overlapped
+    assert ev.max_live == 3 and not ev.barrier.broken
 
 
 def test_a_candidate_already_run_is_not_run_again(tmp_path):

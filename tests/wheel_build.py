@@ -1,5 +1,7 @@
 """The wheel of a clean clone, built once per test session (tests/test_packaging.py and
-tests/test_wheel_install.py share it: the build compiles the replay core, about a minute).
+tests/test_wheel_install.py share it: the build compiles the replay core, about a minute). Under
+pytest-xdist the workers of one run share it too: the first builds it in a directory named after
+the run (``PYTEST_XDIST_TESTRUNUID``) under a file lock, the others wait for it and reuse it.
 
 ``git clone`` of the repository (its committed HEAD: what CI and a release build see, without the
 working tree's untracked or ignored files), then ``pip wheel --no-build-isolation`` (the build
@@ -8,6 +10,7 @@ requirements, setuptools and Cython, are in the ``dev`` extra; no index is reach
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -44,8 +47,28 @@ def clean_clone_wheel() -> Path:
         _unavailable("setuptools is not installed (pip install -e '.[dev]')")
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
         _unavailable(f"{REPO} is not a git checkout")
-    work = Path(tempfile.mkdtemp(prefix="oomtune-wheel-"))
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    if run.isalnum():   # pytest-xdist: one build for all the run's workers
+        work = Path(tempfile.gettempdir()) / f"oomtune-wheel-{run}"
+        work.mkdir(exist_ok=True)
+        with open(work / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes: after the build below
+            built = sorted((work / "dist").glob("oomtune-*.whl"))
+            if not built:
+                _build(work)
+            (wheel,) = (work / "dist").glob("oomtune-*.whl")
+    else:
+        work = Path(tempfile.mkdtemp(prefix="oomtune-wheel-"))
+        _build(work)
+        (wheel,) = (work / "dist").glob("oomtune-*.whl")
+    _BUILT["wheel"], _BUILT["clone"] = wheel, work / "src"
+    return wheel
+
+
+def _build(work: Path) -> None:
+    """Clone the repository into ``work/src`` and build its wheel into ``work/dist``."""
     clone = work / "src"
+    shutil.rmtree(clone, ignore_errors=True)   # a build an earlier worker left half done
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)], check=True,
                    capture_output=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -53,9 +76,6 @@ def clean_clone_wheel() -> Path:
                             "--disable-pip-version-check", "-q", "-w", str(work / "dist")],
                            capture_output=True, text=True, env=env, cwd=work)
     assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = (work / "dist").glob("oomtune-*.whl")
-    _BUILT["wheel"], _BUILT["clone"] = wheel, clone
-    return wheel
 
 
 def package_dirs(root: Path) -> list[str]:

@@ -211,5 +211,12 @@ def classify_process(*, returncode: int | None, stderr: str, timed_out: bool = F
     if text_result is not None:
         return text_result
     status = "unknown exit status" if returncode is None else f"exited with status {returncode}"
+    from oomtune.classify._repeats import USAGE_STATUS, own_error_line, usage_error_line
+
+    # the line that says why: oomtune's own error line in the trial (an integration's usage error),
+    # or for a usage error (exit 2) argparse's / the interpreter's
+    why = usage_error_line(stderr) if returncode == USAGE_STATUS else own_error_line(stderr)
+    if why:
+        return Classification(Outcome.ERROR, f"{status}: {why}", ADVICE[Outcome.ERROR], traceback_tail=tail)
     return Classification(Outcome.ERROR, f"{status} without a result record", ADVICE[Outcome.ERROR],
                           traceback_tail=tail)

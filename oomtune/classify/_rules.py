@@ -61,6 +61,8 @@ ADVICE = {
     Outcome.CRASH: "a native crash or a kill from outside (kill -9, preemption), not memory: the search retries "
                    "it once; rerun the trial alone to reproduce it",
     Outcome.ERROR: "a setup fault or a bug, not a memory limit: see the traceback tail",
+    Outcome.BAD_RECORD: "the script wrote a malformed result record: report numbers through oomtune.report("
+                        "samples=..., seconds=...) instead of writing OOMTUNE_RESULT_FILE by hand",
 }
 _TF_ADVICE = ("TensorFlow's allocator ran out (PyTorch allocator settings do not apply to it): lower the batch "
               "size, or set TF_GPU_ALLOCATOR=cuda_malloc_async / TF_FORCE_GPU_ALLOW_GROWTH=true")

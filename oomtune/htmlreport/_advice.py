@@ -25,6 +25,8 @@ ADVICE: dict[str, str] = {
     "timeout": "the trial exceeded trial.timeout: raise it, or lower trial.measure_steps",
     "crash": "the process was killed by a signal: see the trial's stderr in the run's trials/ folder",
     "error": "the workload raised an error unrelated to memory: see the traceback tail in trials.json",
+    "bad_record": "the script's result record was malformed (its message quotes the line): report through "
+                  "oomtune.report(samples=..., seconds=...) rather than writing the results file by hand",
     "predicted_infeasible": "never launched: the virtual GPU (or a smaller batch that ran out of memory "
                             "under the same settings) showed it cannot fit",
     "interrupted": "stopped by Ctrl-C or SIGTERM: run the same command again to resume",

@@ -20,7 +20,7 @@ _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#
             "#7f7f7f", "#d62728"]
 _FAIL_SYMBOLS = {"oom": "x", "oom_fragmentation": "x-open", "fraction_cap": "square-x", "oom_outside_allocator":
                  "diamond-x", "host_oom": "hourglass", "limit": "triangle-down", "timeout": "hexagon",
-                 "crash": "star-triangle-down", "error": "cross", "predicted_infeasible": "circle-x-open",
+                 "crash": "star-triangle-down", "error": "cross", "bad_record": "cross-open", "predicted_infeasible": "circle-x-open",
                  "ok >limit": "circle-open"}
 
 

@@ -141,8 +141,9 @@ class RecordedPredictor(Predictor):
         self._derivable[batch_size] = out
         return out
 
-    def prepare(self, batch_sizes: Any) -> None:
-        """Nothing to capture ahead: streams are recorded by trials."""
+    def prepare(self, batch_sizes: Any, *, limit_bytes: int | None = None) -> None:
+        """Nothing to capture ahead: streams are recorded by trials (``limit_bytes``, the bound on
+        what a capturing predictor captures, has nothing to bound here)."""
 
     def predict(self, candidate: Any) -> int | None:
         """As :meth:`Predictor.predict`; None also when no stream is known for the batch size."""
@@ -277,5 +278,6 @@ class RecordedVariants:
     def cached_batches(self) -> list[int]:
         return []
 
-    def prepare(self, batch_sizes: Any, checkpointing: Any = None) -> None:
-        """Nothing to capture ahead: streams are recorded by trials."""
+    def prepare(self, batch_sizes: Any, checkpointing: Any = None, *, limit_bytes: int | None = None) -> None:
+        """Nothing to capture ahead: streams are recorded by trials (``limit_bytes``, the bound on
+        what a capturing predictor captures, has nothing to bound here)."""

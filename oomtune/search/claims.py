@@ -24,8 +24,16 @@ def trial_key(role: str, params: dict[str, Any], attrs: dict[str, Any] | None = 
     return f"{role}|{json.dumps(params, sort_keys=True)}|{json.dumps(attrs or {}, sort_keys=True)}"
 
 
+#: User attribute of a trial whose failure stopped the search (every configuration would repeat it:
+#: :class:`oomtune.search.driver.RepeatedFault`). Its result is kept for the reports, but it is no
+#: candidate's result: the same command, run again once the script is fixed, runs it again.
+ATTR_STOPPED_SEARCH = "stopped_search"
+
+
 def has_result(t: Any) -> bool:
-    return t.state.name in ("COMPLETE", "FAIL") and R.ATTR_RESULT in t.user_attrs
+    """A finished trial that holds its candidate's result (not one whose failure stopped the search)."""
+    return (t.state.name in ("COMPLETE", "FAIL") and R.ATTR_RESULT in t.user_attrs
+            and ATTR_STOPPED_SEARCH not in t.user_attrs)
 
 
 def is_live(t: Any) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from oomtune.exceptions import OomtuneError
 from oomtune.outcome import Outcome
 from oomtune.search import ranking as K
 from oomtune.study import records as R
@@ -42,11 +43,12 @@ from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_f
 from oomtune.space import Candidate, SearchSpace
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
+from oomtune.search.claims import ATTR_STOPPED_SEARCH
 from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
-__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault"]
+__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFault"]
 
 #: Roles whose trials measure candidates (confirmations re-measure them).
 PROBE_ROLES = ("baseline", "frontier", "search")
@@ -54,6 +56,12 @@ PROBE_ROLES = ("baseline", "frontier", "search")
 
 class SetupFault(RuntimeError):
     """The workload fails even at the smallest batch with the default allocator: not a tuning result."""
+
+
+class RepeatedFault(OomtuneError):
+    """A trial failed in a way that every allocator configuration and batch size would repeat (a
+    usage error of its command, an import error, a command that never reports), before any trial
+    succeeded: the search stops after that trial (exit status 2 on the command line, one line)."""
 
 
 def _disk_full_text(result: TrialResult) -> bool:
@@ -132,6 +140,8 @@ class SearchSummary:
     execute: str = "cpu"                 # where the virtual GPU's trials ran their steps: meta | cpu
     configs_known: tuple[int, int] = (0, 0)   # configurations predicted or tried, of all (oomtune.search.frontier)
     global_batch: int | None = None
+    timeout_note: str | None = None       # search.timeout ended the search: what was left untried
+    causes: list[str] = field(default_factory=list)   # why trials failed, said with the answer or its absence
 
 
 class Search:
@@ -167,6 +177,7 @@ class Search:
         self._local = threading.local()  # the device of the worker thread running a trial
         self._batch_low: int | None = None
         self._contradicted_numbers: set[int] = set()  # trials a passing re-run contradicted (not believed)
+        self.timeout_ended = False   # search.timeout ended the sampler's phase (run_search)
         self.executor = Executor(study, list(slots or [options.device]), self._work_on, on_trial=self.on_trial,
                                  say=self.say, poll_s=poll_s, interrupt=self._kill_trials)
 
@@ -222,6 +233,11 @@ class Search:
                 why = (f"batch {t.params['batch_size']} already ran out of device memory under the same "
                        f"allocator settings (trial {t.number})")
                 return self._not_launched(cand, why)
+        hang = _default_hang(trials)
+        if hang is not None and cand.batch_size >= int(hang.params["batch_size"]):
+            why = (f"the default allocator's trial at batch {hang.params['batch_size']} ran past trial.timeout "
+                   f"(trial {hang.number}): a hang is not an allocator's doing, so it is not waited for again")
+            return self._not_launched(cand, why)
         if self.prune_margin is None:
             return None
         if predicted is not None and predicted > self.limit.limit_bytes * (1 + self.prune_margin):
@@ -240,7 +256,7 @@ class Search:
         recording, which ran without the budget (:meth:`_from_recording` says when one counts)."""
         for t in (self.study.get_trials(deepcopy=False) if trials is None else trials):
             if (R.result_of(t) is not None and t.user_attrs.get(R.ATTR_ROLE) not in ("confirm", "record")
-                    and R.ATTR_REUSED not in t.user_attrs
+                    and R.ATTR_REUSED not in t.user_attrs and ATTR_STOPPED_SEARCH not in t.user_attrs
                     and t.user_attrs.get(R.ATTR_OUTCOME) != Outcome.PREDICTED_INFEASIBLE.value
                     and t.params == cand.optuna_params()):
                 return t
@@ -368,8 +384,10 @@ class Search:
                                 f"({self.workdir / f'trial-{trial.number:04d}'}): free space on its file system")
         # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
         # memory constraint: one storage round trip
+        stop = self._repeated_fault(trial, result) if outcome.is_fault else None
         user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome.value,
-                      R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {})}
+                      R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {}),
+                      **({ATTR_STOPPED_SEARCH: True} if stop is not None else {})}
         constraints = {} if outcome.is_fault else {"memory": R.violation(result, self.limit)}
         value = (None if outcome.is_fault
                  else float(result.throughput.samples_per_s or 0.0) if outcome is Outcome.OK else 0.0)
@@ -387,9 +405,32 @@ class Search:
                 self.say(f"[trial {trial.number}] its result came after another worker had failed it (no heartbeat "
                          f"while the storage was unreachable); kept in {record_path(self.workdir, trial.number)}, "
                          "and the candidate runs again")
+        if stop is not None:
+            self.executor.stop(stop)   # after this trial is told and shown
         if outcome.is_fault:
             raise _TrialErrored(result.message or outcome.value)
         return float(value or 0.0)
+
+    def _repeated_fault(self, trial: Any, result: TrialResult) -> "RepeatedFault | None":
+        """The :class:`RepeatedFault` that stops the search after this trial when it failed in a way
+        every configuration would repeat (:func:`oomtune.classify._repeats.repeats_everywhere`, or a
+        command that never reported) and no trial of the study has succeeded (a failure after a
+        success depends on the batch or the settings); None otherwise."""
+        from oomtune.classify._repeats import repeats_everywhere
+
+        if result.outcome is not Outcome.ERROR:
+            return None
+        no_report = bool(result.extra.get("no_report"))
+        if not no_report and not repeats_everywhere(returncode=result.extra.get("returncode"), message=result.message):
+            return None
+        if any(t.user_attrs.get(R.ATTR_OUTCOME) == Outcome.OK.value for t in self.study.get_trials(deepcopy=False)):
+            return None
+        where = self.workdir / f"trial-{trial.number:04d}"
+        advice = f"; {result.advice}" if no_report and result.advice else ""
+        return (RepeatedFault(
+            f"trial {trial.number} (batch {result.batch_size}, {result.alloc_conf or 'default allocator'}) failed in a "
+            f"way every allocator configuration would repeat, so the search stops: {result.message}{advice} (its "
+            f"output: {where}/stderr.txt); fix it and run the same command again"))
 
     def _run_batch(self, cands: list[Candidate], role: str,
                    extra_attrs: Sequence[dict[str, Any]] | None = None) -> list[Any]:
@@ -599,7 +640,8 @@ class Search:
             got: dict[int, Any] = {}
             predictor, failed, done = None, [], 0
             while done < len(anchors) and not failed:
-                batch_of = anchors[done:3] if done == 0 else anchors[done:done + 1]
+                # the smallest anchor alone first: a command that fails (or hangs) at it is not run twice more
+                batch_of = anchors[:1] if done == 0 else anchors[done:3] if done < 3 else anchors[done:done + 1]
                 trials = self._run_batch([self.space.candidate(b, params) for b in batch_of], role)
                 done += len(batch_of)
                 for b, t in zip(batch_of, trials):
@@ -608,15 +650,20 @@ class Search:
                         got[r[0]] = r[1]
                     elif R.result_of(t) is None or R.result_of(t).outcome is not Outcome.OK:
                         failed.append(b)
-                if failed or len(got) < 3:
+                        res = R.result_of(t)
+                        how = ("no result" if res is None else
+                               f"{res.outcome}: {res.message}" if res.message else str(res.outcome))
+                if failed or len(got) < done:   # a failure, or a run that recorded no stream
                     break
+                if len(got) < 3:
+                    continue
                 predictor = self.recording(got, steps, lambda b: self._recorded_accum(b) == accum)
                 if predictor.usable:
                     break
             what = "" if ckpt is None else f" (activation checkpointing {'on' if ckpt else 'off'})"
             if len(got) < 3 or predictor is None:
-                why = (f"the default allocator did not run batch {', '.join(map(str, failed))}{what} within the "
-                       "budget" if failed else "the command recorded no allocation stream (call "
+                why = (f"the default allocator's trial at batch {', '.join(map(str, failed))}{what} failed ({how})"
+                       if failed else "the command recorded no allocation stream (call "
                        "oomtune.capture_hook() or use an integration, oomtune.integrations)")
                 self.recording_note = f"no predictions: {why}; every allocator configuration is probed by trials"
                 return None
@@ -688,6 +735,9 @@ class Search:
             return   # a re-run of the same candidate passed: this result is not believed
         c = (planner.find(trial.user_attrs.get(R.ATTR_CONF, ""), trial.params.get("activation_checkpointing"))
              if res is not None else None)
+        if c is not None and c.is_default and res.outcome is Outcome.TIMEOUT:
+            batch = int(trial.params["batch_size"])
+            planner.hung_at = batch if planner.hung_at is None else min(planner.hung_at, batch)
         if c is None or res.outcome.is_fault or R.ATTR_REUSED in trial.user_attrs \
                 or res.outcome is Outcome.PREDICTED_INFEASIBLE or c.alloc_conf != res.alloc_conf:
             return
@@ -818,7 +868,33 @@ class Search:
         if self.opt.n_trials - len(self._finished("search")) <= 0:
             return
         self._batch_low = baseline.params["batch_size"] // 4 if baseline is not None else None
-        self.executor.run_sampler(self.opt.n_trials, "search", self.opt.timeout_s)
+        self.timeout_ended = self.executor.run_sampler(self.opt.n_trials, "search", self.opt.timeout_s)
+
+    def timeout_note(self) -> str | None:
+        """One line when ``search.timeout`` ended the sampler's phase before ``search.n_trials``: how
+        many sampler trials ran, and the allocator configurations no trial ran (so that a missing
+        gain is not read as the others having lost); None otherwise."""
+        if not self.timeout_ended:
+            return None
+        trials = self.study.get_trials(deepcopy=False)
+        tried = {t.user_attrs.get(R.ATTR_CONF) or "" for t in trials
+                 if t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and R.result_of(t) is not None
+                 and t.user_attrs.get(R.ATTR_OUTCOME) != Outcome.PREDICTED_INFEASIBLE.value
+                 and R.ATTR_REUSED not in t.user_attrs}
+        from oomtune.alloc.settings import AllocatorSettings
+        from oomtune.display import short_conf
+
+        every = list(dict.fromkeys(AllocatorSettings.from_mapping({k: v for k, v in m.items() if v is not None}).render()
+                                   for m in self.space.all_settings()))
+        untried = [c for c in every if c not in tried]
+        ran = len(self._finished("search"))
+        text = (f"search.timeout={self.opt.timeout_s:g} s ended the search after {ran} of {self.opt.n_trials} "
+                "sampler trials")
+        if not untried:
+            return text + f"; every one of the {len(every)} allocator configurations ran at least one trial"
+        shown = ", ".join(short_conf(c) for c in untried[:8]) + (", ..." if len(untried) > 8 else "")
+        return (text + f": {len(untried)} of {len(every)} allocator configurations were never tried ({shown}); "
+                "raise search.timeout or run the same command again to resume")
 
     # ---------------------------------------------------------------- 3. ranking and confirmation
     def _candidates(self, trials: Sequence[Any] | None = None) -> list[Any]:
@@ -990,11 +1066,18 @@ class Search:
         """Counts over the whole study (every session of a resumed one): outcomes (``ok_over_limit``:
         ran but exceeded the limit; ``interrupted``: killed by Ctrl-C/SIGTERM), trial processes
         launched, and launches saved by prediction or by reusing an identical earlier trial."""
+        from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
+
         outcomes: dict[str, int] = {}
         saved = launched = 0
-        for t in self.study.get_trials(deepcopy=False):
+        trials = self.study.get_trials(deepcopy=False)
+        restored = {t.user_attrs[ATTR_TOLD_FROM_RECORD] for t in trials if ATTR_TOLD_FROM_RECORD in t.user_attrs}
+        for t in trials:
             key = t.user_attrs.get(R.ATTR_OUTCOME)
             if key is None:
+                if t.number in restored:
+                    launched += 1   # ran; its result is the restored trial's
+                    continue
                 if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs and ATTR_DUPLICATE_OF not in t.user_attrs:
                     outcomes["interrupted"] = outcomes.get("interrupted", 0) + 1
                     launched += 1
@@ -1002,6 +1085,8 @@ class Search:
             if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
                 key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
             outcomes[key] = outcomes.get(key, 0) + 1
+            if ATTR_TOLD_FROM_RECORD in t.user_attrs:
+                continue   # its launch is the original trial's (counted there)
             if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs \
                     or R.ATTR_FROM_RECORDING in t.user_attrs:
                 saved += 1
@@ -1014,7 +1099,31 @@ class Search:
                              at_top_of_range=top, execute=self.opt.execute,
                              configs_known=self.planner.predicted_or_tried() if self.planner else (0, 0),
                              global_batch=self.space.global_batch,
-                             notes=[self.recording_note] if self.recording_note else [])
+                             notes=[self.recording_note] if self.recording_note else [],
+                             causes=[n for n in (hang_note(self.study.get_trials(deepcopy=False),
+                                                           self.opt.trial_timeout_s),) if n],
+                             timeout_note=self.timeout_note())
+
+
+def _default_hang(trials: Sequence[Any]) -> Any | None:
+    """The default allocator's (no allocator key, no activation checkpointing) probe or sampler trial
+    that timed out at the smallest batch; None when none did."""
+    hung = [t for t in trials if t.user_attrs.get(R.ATTR_OUTCOME) == Outcome.TIMEOUT.value
+            and t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and not (t.user_attrs.get(R.ATTR_CONF) or "")
+            and not t.params.get("activation_checkpointing") and "batch_size" in t.params]
+    return min(hung, key=lambda t: (int(t.params["batch_size"]), t.number)) if hung else None
+
+
+def hang_note(trials: Sequence[Any], timeout_s: float) -> str | None:
+    """One line when the default allocator's trial hung (ran past ``trial.timeout``): the batch, the
+    trial, and that no other configuration was run at it or above; None when none hung."""
+    hang = _default_hang(trials)
+    if hang is None:
+        return None
+    batch = hang.params["batch_size"]
+    return (f"the command hung: the default allocator's trial at batch {batch} ran past trial.timeout={timeout_s:g} s "
+            f"(trial {hang.number}); a hang is not an allocator's doing, so no other configuration was run at batch "
+            f"{batch} or above (see its stderr.txt in the run's trials/ folder, or raise trial.timeout)")
 
 
 def _ratio(value: int | None, base: int | None) -> float | None:

@@ -240,6 +240,9 @@ class FrontierPlanner:
         self.choices = sorted(choices) if choices is not None else None
         self.probe_unpredicted = probe_unpredicted
         self.device_ratio = 1.0  # the study's median measured/predicted, for unmeasured configurations
+        # the smallest batch at which the default allocator's trial ran past trial.timeout: a hang is
+        # not an allocator's doing, so no other configuration is probed at it or above
+        self.hung_at: int | None = None
         for c in configs:
             c.choices = self.choices
         default = self.default
@@ -426,10 +429,12 @@ class FrontierPlanner:
         return self._at_most(int(hi * 0.9), lo, hi)  # failed below the prediction: step down 10%
 
     def next_round(self) -> list[tuple[ConfigFrontier, int]]:
-        """(configuration, batch) pairs to run now, default first; empty when the frontier phase is done."""
+        """(configuration, batch) pairs to run now, default first; empty when the frontier phase is done.
+        Once the default allocator has timed out at a batch (:attr:`hung_at`), no other configuration
+        is probed at that batch or above: the wait would repeat once per configuration."""
         out = []
         for c in sorted(self.configs, key=lambda c: (not c.is_default, -(c.predicted or 0), c.n_keys)):
             batch = self.next_probe(c)
-            if batch is not None:
+            if batch is not None and not (not c.is_default and self.hung_at is not None and batch >= self.hung_at):
                 out.append((c, batch))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from oomtune import __version__
@@ -214,7 +215,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if summary.best is None:
-        raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json"))
+        raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json",
+                                                causes=getattr(summary, "causes", ())))
     mode = str(cfg.search.get("memory_fraction", "auto"))
     best = _choice(summary.best, summary.best_result, summary.confirmed,
                    measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode, space)
@@ -264,7 +266,9 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
             console.print(line, highlight=False, markup=False)
     from oomtune.display import wrapped
 
-    lines = list(summary.notes)
+    lines = list(summary.notes) + list(getattr(summary, "causes", ()))
+    if getattr(summary, "timeout_note", None) and (summary.gain or {}).get("claimed"):
+        lines.append(summary.timeout_note)
     lines += summary_lines(summary, best, baseline, simulated=device.simulated,
                            confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high))
     if summary.verdict is not None and summary.verdict.input_bound:
@@ -285,11 +289,12 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     return path
 
 
-def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path) -> str:
+def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path, *, causes: Sequence[str] = ()) -> str:
     """Why no configuration is the answer, with advice that matches how the trials ended (issue 23
     item 4): memory outcomes (and ``ok_over_limit``) -> lower the batch or raise the budget; a
     timeout, crash or error is not memory and gets its own class's advice
-    (:data:`oomtune.classify.ADVICE`). ``outcomes``: the summary's counts by outcome."""
+    (:data:`oomtune.classify.ADVICE`). ``outcomes``: the summary's counts by outcome; ``causes``:
+    lines the search found about why (a hang of the command), appended."""
     from oomtune.classify import ADVICE
     from oomtune.outcome import Outcome
 
@@ -308,7 +313,7 @@ def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path) -> str:
             advice.append(f"{k}: {ADVICE[Outcome(k)]}")
     what = "ran out of memory or above the limit" if counts.keys() <= memory else "failed"
     text = f"no configuration ran within the budget: the trials {what} ({said}; see {trials_path})"
-    return text + ("; " + "; ".join(advice) if advice else "")
+    return text + ("; " + "; ".join(advice) if advice else "") + "".join(f"; {c}" for c in causes)
 
 
 def frontier_table(frontiers: list[Any], best_conf: str, *, simulated: bool = True,
@@ -389,7 +394,11 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
                      "oomtune env apply it with the settings")
     gain = summary.gain or {}
     known, total = getattr(summary, "configs_known", (0, 0))
-    if baseline is not None and gain.get("same_configuration"):
+    timeout_note = getattr(summary, "timeout_note", None)
+    if timeout_note and not gain.get("claimed"):
+        # the clock ended the search, not the other configurations' results: no "no gain" verdict
+        lines.append(f"no verdict on the allocator settings: {timeout_note}")
+    elif baseline is not None and gain.get("same_configuration"):
         lines.append(f"no allocator gain: the answer is the baseline's own configuration "
                      f"({best.alloc_conf or 'the default allocator'}) at batch {best.batch_size}")
     elif baseline is not None and gain.get("objective") == "batch":

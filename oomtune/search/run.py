@@ -545,16 +545,24 @@ def _rendered(space: SearchSpace) -> list[str]:
 
 
 def _count(study: Any, role: str) -> int:
+    from oomtune.search.claims import ATTR_STOPPED_SEARCH
+
+    # a trial whose failure stopped the search is no result: it runs again
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.user_attrs.get(R.ATTR_ROLE) == role and R.ATTR_RESULT in t.user_attrs)
+               if t.user_attrs.get(R.ATTR_ROLE) == role and R.ATTR_RESULT in t.user_attrs
+               and ATTR_STOPPED_SEARCH not in t.user_attrs)
 
 
 def _resume_line(study: Any) -> str | None:
     counts = {role: _count(study, role) for role in ("baseline", "frontier", "search", "confirm")}
     counts = {role: n for role, n in counts.items() if n} or counts
-    interrupted = sum(1 for t in study.get_trials(deepcopy=False)
+    from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
+
+    trials = study.get_trials(deepcopy=False)
+    restored = {t.user_attrs[ATTR_TOLD_FROM_RECORD] for t in trials if ATTR_TOLD_FROM_RECORD in t.user_attrs}
+    interrupted = sum(1 for t in trials
                       if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs
-                      and ATTR_DUPLICATE_OF not in t.user_attrs)
+                      and ATTR_DUPLICATE_OF not in t.user_attrs and t.number not in restored)
     if not any(counts.values()) and not interrupted:
         return None
     line = ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())

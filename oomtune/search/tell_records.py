@@ -9,8 +9,15 @@ directory tells the storage those records (:func:`replay`) before Optuna's stale
 fail them for their stopped heartbeat, so a measurement is never lost to an outage.
 
 A record is told only while its trial is RUNNING in the study it names (study name, trial id and
-number must all match): a trial that has since finished (told, or failed by another worker and
-run again) is left as the study has it.
+number must all match). A trial that the storage holds as finished *without* a result is
+reconciled from its record instead (:func:`reconcile`): a full disk, or any failure, between
+writing ``tell.json`` and telling the storage leaves the storage saying FAIL (the worker tells FAIL
+when its tell raises), while the run directory holds the finished result. Optuna never changes a
+finished trial, so the result is added to the study as a new finished trial with the same
+parameters, role and candidate key (``told_from_record`` names the original's number): the
+workers find the candidate's result and the resumed search does not run it again (the docs
+promise that a finished trial never runs twice). A trial that has a result in the storage is left
+as the study has it.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["RECORD_FILE", "record_path", "write_record", "replay"]
+__all__ = ["RECORD_FILE", "ATTR_TOLD_FROM_RECORD", "record_path", "write_record", "replay", "reconcile"]
 
 RECORD_FILE = "tell.json"
+#: User attribute of a trial added from a run-directory record (:func:`reconcile`): the number of the
+#: trial the storage holds as finished without that result.
+ATTR_TOLD_FROM_RECORD = "told_from_record"
 
 
 def record_path(workdir: Path, number: int) -> Path:
@@ -72,7 +82,7 @@ def replay(study: Any, workdir: Path, say: Callable[[str], None] | None = None) 
 
     from oomtune.search.trial_writes import write_trial_attrs
 
-    storage, told = study._storage, []
+    storage, told, reconciled = study._storage, [], []
     for path in sorted(Path(workdir).glob(f"trial-*/{RECORD_FILE}")):
         record = _read(path)
         if record is None or record["study_name"] != study.study_name:
@@ -81,7 +91,14 @@ def replay(study: Any, workdir: Path, say: Callable[[str], None] | None = None) 
             trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, int(record["number"]))
         except KeyError:
             continue
-        if trial_id != record["trial_id"] or storage.get_trial(trial_id).state is not TrialState.RUNNING:
+        if trial_id != record["trial_id"]:
+            continue
+        frozen = storage.get_trial(trial_id)
+        if frozen.state.is_finished():
+            if reconcile(study, frozen, record):
+                reconciled.append(int(record["number"]))
+            continue
+        if frozen.state is not TrialState.RUNNING:
             continue
         value = record["value"]
         try:
@@ -94,4 +111,53 @@ def replay(study: Any, workdir: Path, say: Callable[[str], None] | None = None) 
     if told and say is not None:
         say(f"told the storage {len(told)} trial{'s' if len(told) != 1 else ''} that finished while it was "
             f"unreachable, from their records in {workdir}: {', '.join(map(str, told))}")
-    return told
+    if reconciled and say is not None:
+        say(f"restored the result of trial{'s' if len(reconciled) != 1 else ''} {', '.join(map(str, reconciled))} "
+            f"from {workdir}/trial-*/{RECORD_FILE} (the storage had failed them without it): not run again")
+    return told + reconciled
+
+
+def reconcile(study: Any, frozen: Any, record: dict[str, Any]) -> bool:
+    """Add the result of ``record`` (a trial's ``tell.json``) to ``study`` as a new finished trial
+    when the storage holds its trial (``frozen``) as FAIL without a result (the user attribute
+    ``result`` missing), no earlier reconciliation added it and its candidate has not run again
+    (no trial with its candidate key, or retrying it, has a result); returns whether it was added.
+
+    The new trial has the original's parameters and distributions, its user attributes (role,
+    candidate key, allocator string) with the record's, the record's state, value and memory
+    constraint, and :data:`ATTR_TOLD_FROM_RECORD` = the original's number.
+
+    Raises:
+        StorageUnavailableError / DiskFullError: the storage cannot be written.
+    """
+    from optuna.trial import TrialState, create_trial
+
+    from oomtune.search.trial_writes import _constraint_key
+    from oomtune.study import records as R
+
+    from oomtune.search.claims import ATTR_KEY, has_result
+
+    if (frozen.state is not TrialState.FAIL or R.ATTR_RESULT in frozen.user_attrs
+            or R.ATTR_RESULT not in record["user_attrs"]):
+        return False
+    try:   # a record edited or damaged by hand is no result: the trial runs again
+        R.TrialResult.from_dict(record["user_attrs"][R.ATTR_RESULT])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
+    number, key = int(record["number"]), frozen.user_attrs.get(ATTR_KEY)
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get(ATTR_TOLD_FROM_RECORD) == number:
+            return False   # restored already
+        if has_result(t) and ((key is not None and t.user_attrs.get(ATTR_KEY) == key)
+                              or t.system_attrs.get("failed_trial") == number):
+            return False   # its candidate ran again meanwhile (Optuna's retry of a failed trial, or a re-enqueue)
+    state = TrialState[record["state"]]
+    key_of = _constraint_key()
+    system = {} if key_of is None else {key_of(k): float(v) for k, v in record["constraints"].items()}
+    value = record["value"]
+    trial = create_trial(state=state, value=None if value is None or state is not TrialState.COMPLETE else float(value),
+                         params=dict(frozen.params), distributions=dict(frozen.distributions),
+                         user_attrs={**frozen.user_attrs, **record["user_attrs"], ATTR_TOLD_FROM_RECORD: number},
+                         system_attrs=system)
+    study.add_trial(trial)
+    return True

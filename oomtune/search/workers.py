@@ -103,7 +103,16 @@ class Executor:
         self._asked: set[int] = set()     # numbers of the sampler trials this process asked for
         self._last_stale_check = 0.0
         self._error: BaseException | None = None
+        self._stop: BaseException | None = None   # stop(): raised once the workers have stopped
         self.stats = {"storage_calls": 0, "storage_s": 0.0, "claimed": 0, "duplicates": 0}
+
+    def stop(self, error: BaseException) -> None:
+        """Stop the search after the trials running now: each worker finishes (and reports) the trial
+        it runs and takes no other; the phase that runs them (:meth:`run_batch`, :meth:`run_sampler`,
+        :meth:`drain`) then raises ``error`` (the first one given). Called by an evaluate function,
+        e.g. for a failure that every configuration would repeat."""
+        with self._lock:
+            self._stop = self._stop or error
 
     # ------------------------------------------------------------------ storage helpers
     def study_here(self) -> Any:
@@ -310,7 +319,7 @@ class Executor:
         # the report (e.g. the progress line's leader) needs no read of its own.
         report = None
         try:
-            while self._error is None and not done():
+            while self._error is None and self._stop is None and not done():
                 with self._changed:
                     generation = self._generation
                 trial = next_trial()
@@ -336,8 +345,12 @@ class Executor:
     def _run_workers(self, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
         """Every slot works until ``done()``; the first exception of any worker is re-raised here
         after the others stop (a KeyboardInterrupt in the main thread stops them too)."""
+        if self._stop is not None:
+            raise self._stop
         if len(self.slots) == 1:
             self._work(0, next_trial, done)
+            if self._stop is not None:
+                raise self._stop
             return
         self._error = None
         for index in range(len(self.slots)):  # every worker's Study object ready before any starts
@@ -367,6 +380,8 @@ class Executor:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._stop is not None:
+            raise self._stop
 
     # ------------------------------------------------------------------ public API
     def run_batch(self, items: Sequence[tuple[dict[str, Any], str, dict[str, Any]]]) -> list[Any]:
@@ -420,9 +435,11 @@ class Executor:
         self._run_workers(self._claim, done)
         return [state["found"][k] for k in keys]
 
-    def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> None:
+    def run_sampler(self, n_trials: int, role: str = "search", timeout_s: float | None = None) -> bool:
         """Sampler trials until the study holds ``n_trials`` of ``role`` (finished with a result,
-        or running), counting every process's; WAITING trials of any role are run first.
+        or running), counting every process's; WAITING trials of any role are run first. Returns
+        whether ``timeout_s`` (seconds from this call: ``search.timeout``) ended the phase before
+        ``n_trials`` were reached.
 
         With several processes the count is read before each ask, so the study may end with up
         to (processes - 1) more trials than ``n_trials``; within a process it never overshoots."""
@@ -437,6 +454,8 @@ class Executor:
 
         # the phase's end is decided by _next_sampler_trial from its own read of the study
         self._run_workers(lambda: self._next_sampler_trial(n_trials, role, stopped), stopped)
+        return (deadline is not None and time.monotonic() >= deadline
+                and count_sampler(self._trials(), role) < n_trials)
 
     def drain(self, roles: Sequence[str] = ("baseline", "search")) -> None:
         """Work until no trial of ``roles`` is WAITING or RUNNING anywhere (every process's

@@ -73,7 +73,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from oomtune.classify import classify_failure, classify_text
+from oomtune.classify import ADVICE, classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV,
@@ -86,11 +86,13 @@ from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED,
 
 __all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_size", "PLACEHOLDERS",
            "placeholder_values", "STREAM_FILE", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
-           "NO_REPORT_MESSAGE", "CmdTarget", "TARGET"]
+           "NO_REPORT_MESSAGE", "bad_channel_line", "CmdTarget", "TARGET"]
 
 NO_REPORT_MESSAGE = "the command never called oomtune.report(): no throughput to rank"
 _NO_REPORT_ADVICE = ("call oomtune.report(samples=..., seconds=...) after the measured steps "
-                     "(import oomtune; see examples/train_cmd.py)")
+                     "(import oomtune; see examples/train_cmd.py), or with Lightning or the Hugging Face "
+                     "Trainer pass callbacks=[OomtuneCallback()] (from oomtune.integrations.lightning or "
+                     "oomtune.integrations.huggingface)")
 _SHELL_TOKENS = frozenset({"|", "||", "&", "&&", ";", ";;", "<", ">", ">>", "<<", "(", ")", ">&", "<&"})
 _STDERR_TAIL_CHARS = 4000
 _STDERR_TAIL_BYTES = 16384   # read from the end of stderr.txt by seeking (it may hold MiBs)
@@ -466,6 +468,14 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     cuda = spec.device.startswith("cuda")
     result = TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                          memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED))
+    bad = bad_channel_line(events)
+    if bad is not None and timed_out:   # the hang decides; the unreadable lines are left out
+        events = [e for e in events if bad_channel_line([e]) is None]
+    elif bad is not None:   # the script's record is malformed: this trial's failure, never the search's
+        _set(result, Outcome.BAD_RECORD, bad, ADVICE[Outcome.BAD_RECORD], _tail(stderr))
+        result.extra["reports"] = sum(1 for e in events if e.get("event") == "report")
+        result.extra["memory_unknown"] = True
+        return result
     reports = [e for e in events if e.get("event") == "report"]
     ooms = sorted((e for e in events if e.get("event") == "oom"), key=lambda e: e.get("time") or 0.0)
     result.extra["reports"] = len(reports)
@@ -509,11 +519,115 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
             result.extra["oom_caught_by_script"] = True
     elif not reports:
         _set(result, Outcome.ERROR, NO_REPORT_MESSAGE, _NO_REPORT_ADVICE, _tail(stderr))
+        result.extra["no_report"] = True   # every configuration would repeat it (oomtune.search.driver)
     else:
         _set(result, Outcome.OK, None, None, None)
     if result.outcome is not Outcome.OK:   # a failed trial has no values (Optuna's rule)
         result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None)
     return result
+
+
+#: The largest figure a channel line may hold (2**63: no count of samples, steps or bytes comes
+#: near it; beyond it a float loses the units and a sum may overflow to inf).
+_HUGE = float(2 ** 63)
+_QUOTE_CHARS = 200
+
+
+def _number_problem(name: str, value: Any, *, positive: bool = False, integer: bool = False,
+                    optional: bool = False) -> str | None:
+    """Why ``value`` cannot be the channel field ``name`` (None: it can): a number (not a bool, not
+    a string), finite, >= 0 (> 0 when ``positive``), below 2**63, an int when ``integer``; None is
+    allowed when ``optional``."""
+    if value is None and optional:
+        return None
+    bound = "> 0" if positive else ">= 0"
+    kind = "an integer" if integer else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        return f"{name}={value!r} is not {kind} {bound}"
+    try:
+        number = float(value)
+    except OverflowError:
+        return f"{name}={value!r} is too large (at most 2**63)"
+    if number != number or number in (float("inf"), float("-inf")):
+        return f"{name}={value!r} is not {kind} {bound}"
+    if number < 0 or (positive and number == 0):
+        return f"{name}={value!r} is not {kind} {bound}"
+    if number > _HUGE:
+        return f"{name}={value!r} is too large (at most 2**63)"
+    return None
+
+
+def _line_problem(event: dict[str, Any]) -> str | None:
+    """Why one channel line cannot be read (None: it can), as :func:`oomtune.report`,
+    :func:`oomtune.capture_hook` and the integrations write them (:mod:`oomtune.script_api`): every
+    field the record is built from is checked, for its type, NaN/inf, sign and size."""
+    kind = event.get("event")
+    if kind not in ("report", "oom", "memory"):
+        return None   # not a line the record reads
+    checks = [_number_problem("time", event.get("time"), optional=True),
+              _number_problem("rank", event.get("rank"), integer=True, optional=True),
+              _number_problem("world_size", event.get("world_size"), positive=True, integer=True, optional=True)]
+    if kind == "report":
+        samples, seconds = event.get("samples"), event.get("seconds")
+        checks += [_number_problem("samples", samples), _number_problem("seconds", seconds, positive=True),
+                   _number_problem("steps", event.get("steps"), integer=True, optional=True),
+                   _number_problem("data_wait_seconds", event.get("data_wait_seconds"), optional=True)]
+        extra = event.get("extra")
+        if extra is not None and not isinstance(extra, dict):
+            checks.append(f"extra={extra!r} is not a mapping")
+    elif kind == "oom":
+        message = event.get("message")
+        if message is not None and not isinstance(message, str):
+            checks.append(f"message={message!r} is not a string")
+        checks.append(_number_problem("requested_bytes", event.get("requested_bytes"), integer=True, optional=True))
+    memory = event.get("memory")
+    if memory is not None or kind == "memory":
+        checks.append(_memory_problem(memory))
+    return next((c for c in checks if c is not None), None)
+
+
+#: The ``memory_stats()`` keys a record reads (torch's ``torch.cuda.memory_stats``; the virtual GPU's same keys).
+_STATS_READ = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "active_bytes.all.peak",
+               "num_alloc_retries", "num_ooms")
+
+
+def _memory_problem(memory: Any) -> str | None:
+    """Why a line's ``memory`` (``{"source": ..., "stats": memory_stats()}``) cannot be read."""
+    if not isinstance(memory, dict):
+        return f"memory={memory!r} is not a mapping"
+    source = memory.get("source")
+    if source is not None and source not in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
+        return f"memory.source={source!r} is not {MEMORY_SOURCE_DEVICE!r} or {MEMORY_SOURCE_SIMULATED!r}"
+    stats = memory.get("stats")
+    if stats is None:
+        return None
+    if not isinstance(stats, dict):
+        return f"memory.stats={stats!r} is not a mapping"
+    for key in _STATS_READ:
+        problem = _number_problem(f"memory.stats[{key!r}]", stats.get(key), integer=True, optional=True)
+        if problem:
+            return problem
+    return None
+
+
+def bad_channel_line(events: list[dict[str, Any]]) -> str | None:
+    """The first channel line whose fields cannot be read, as one line naming the field and quoting
+    the line (``malformed result record (record 2 in OOMTUNE_RESULT_FILE): samples='lots' is not a
+    finite number >= 0: {"event": ...}``; records count the readable JSON lines); None
+    when every line can be read. Also a throughput the lines' figures make infinite (huge samples
+    over tiny seconds). Never raises."""
+    for i, event in enumerate(events, 1):
+        problem = _line_problem(event)
+        if problem is None and event.get("event") == "report":
+            with contextlib.suppress(TypeError, ValueError, OverflowError, ZeroDivisionError):
+                rate = float(event["samples"]) / float(event["seconds"])
+                if rate > _HUGE:
+                    problem = f"samples/seconds = {rate:g} samples/s is not a throughput"
+        if problem is not None:
+            text = json.dumps(event, default=repr)
+            quoted = text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + "..."
+            return f"malformed result record (record {i} in {RESULT_FILE_ENV}): {problem}: {quoted}"
+    return None
 
 
 def _rank_of(event: dict[str, Any]) -> int | None:

@@ -55,13 +55,26 @@ def rank_stderr_path(workdir: str | Path, rank: int) -> Path:
 
 
 def read_rank_results(result_path: str | Path, ranks: int) -> list[TrialResult | None]:
-    """Each rank's record, None where a rank wrote none (killed, or never started)."""
+    """Each rank's record, None where a rank wrote none (killed, or never started); a record that
+    cannot be read (a field of the wrong type, NaN, a negative count: :class:`TrialResult`'s checks)
+    is that rank's ``bad_record``, its first 200 characters quoted."""
+    from oomtune.classify import ADVICE
+
     out: list[TrialResult | None] = []
     for rank in range(ranks):
+        path = rank_result_path(result_path, rank)
         try:
-            out.append(TrialResult.read(rank_result_path(result_path, rank)))
-        except (OSError, ValueError, TypeError):
+            out.append(TrialResult.read(path))
+        except OSError:
             out.append(None)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace").strip()
+            except OSError:
+                text = ""
+            quoted = text if len(text) <= 200 else text[:200] + "..."
+            out.append(TrialResult(outcome=Outcome.BAD_RECORD, message=f"malformed result record ({path.name}): "
+                                   f"{exc}: {quoted}", advice=ADVICE[Outcome.BAD_RECORD]))
     return out
 
 

@@ -456,8 +456,14 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
     none: :func:`oomtune.trial.rank_records.merge_rank_files`), or a classified failure built from
     the exit status and stderr; a SIGKILL is the host OOM killer's only with ``watch``'s evidence
     (:mod:`oomtune.trial.oomkill`)."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
+    try:
         result = TrialResult.read(paths["result"])
+    except OSError:
+        pass   # no record: the trial process died before writing one
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:   # written whole (atomically), but malformed
+        if not timed_out:
+            return _bad_record(spec, paths["result"], exc)
+    else:
         if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
             result.extra["hung_after_record"] = True
         return result
@@ -492,6 +498,23 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
     if outcome in (Outcome.ERROR, Outcome.CRASH) and stderr.strip():
         result.traceback_tail = "\n".join(stderr.strip().splitlines()[-20:])
     return result
+
+
+def _bad_record(spec: TrialSpec, path: Path, exc: BaseException) -> TrialResult:
+    """``bad_record``: the trial process wrote a record that cannot be read (a field of the wrong
+    type, NaN, a negative count: :class:`TrialResult`'s checks), with its first line quoted."""
+    from oomtune.classify import ADVICE
+
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        text = ""
+    quoted = text if len(text) <= 200 else text[:200] + "..."
+    return TrialResult(outcome=Outcome.BAD_RECORD, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                       message=f"malformed result record ({path.name}): {exc}: {quoted}",
+                       advice=ADVICE[Outcome.BAD_RECORD],
+                       memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if spec.device.startswith("cuda")
+                                             else MEMORY_SOURCE_SIMULATED))
 
 
 _DEFAULT_RUNNER = TrialRunner(launcher="spawn")
