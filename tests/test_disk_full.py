@@ -1,4 +1,4 @@
-"""A full disk in the run directory (issue 25 item 4): one line naming the file, exit 1 with "run the
+"""A full disk in the run directory: one line naming the file, exit 1 with "run the
 same command to resume", no temporary file left behind, nothing measured lost.
 
 ENOSPC is simulated in-process where the writes happen (:func:`oomtune.files.write_atomic`'s

@@ -182,7 +182,7 @@ def test_oom_on_rank_1_only_is_infeasible_and_names_it(tmp_path, runner):
 
 def test_sigkill_of_one_rank_is_a_failure_of_that_rank_without_orphans(tmp_path, runner, monkeypatch):
     # The host's OOM-killer evidence (cgroup counters, kernel log) is the machine's, not the trial's:
-    # read as none here, so the SIGKILL the hook sends is a crash (issue 23's rule), exactly.
+    # read as none here, so the SIGKILL the hook sends is a crash (no evidence, no host_oom), exactly.
     from oomtune.trial.oomkill import OomKillWatch
 
     monkeypatch.setattr(OomKillWatch, "evidence", lambda self, pids: None)

@@ -1,4 +1,4 @@
-"""Storage calls outlast a lost connection, whatever exception carries it (issue 25 item 3), and a
+"""Storage calls outlast a lost connection, whatever exception carries it, and a
 finished trial's outcome is kept in its run directory until the storage is told
 (oomtune/study/reconnect.py, oomtune/search/tell_records.py).
 

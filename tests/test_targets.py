@@ -98,7 +98,7 @@ def test_command_that_never_reports_is_an_error(tmp_path):
 
 
 def test_sigkill_without_evidence_of_the_oom_killer_is_a_crash(tmp_path):
-    # issue 23 item 3: a kill -9 leaves the cgroup's oom_kill counter and the kernel log unchanged
+    # a kill -9 leaves the cgroup's oom_kill counter and the kernel log unchanged
     res = run_cmd_trial(_cmd_spec(_script(tmp_path, "import os\nos.kill(os.getpid(), 9)\n")),
                         workdir=tmp_path / "t")
     assert res.outcome is Outcome.CRASH, res.message

@@ -106,7 +106,7 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
 
 
 def test_sigkill_without_evidence_is_a_crash(tmp_path):
-    # issue 23 item 3: SIGKILL is the OOM killer's only with evidence; a kill from inside is not
+    # SIGKILL is the OOM killer's only with evidence; a kill from inside is not
     r = run_trial(_spec(), workdir=tmp_path, env={HOOK: f"signal:{int(signal.SIGKILL)}"})
     assert r.outcome == "crash", r.message
     assert "no evidence of the OOM killer" in r.message

@@ -1,4 +1,4 @@
-"""Workers sharing a study (oomtune.search.workers) and the storage helpers they rely on (issue 10).
+"""Workers sharing a study (oomtune.search.workers) and the storage helpers they rely on.
 
 The Executor is driven here with a fake evaluate function on SQLite studies; the searches of
 several processes on a real PostgreSQL server are in test_workers_pg.py.

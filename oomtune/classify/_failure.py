@@ -163,7 +163,7 @@ def classify_process(*, returncode: int | None, stderr: str, timed_out: bool = F
     Returns:
         ``timeout``; the traceback's class when recognised; for SIGKILL without a Python traceback
         ``host_oom`` with ``oom_kill_evidence`` (the kernel OOM killer, field case C5), else
-        ``crash`` (a ``kill -9``, a preemption: issue 23 item 3; the search retries a crash once);
+        ``crash`` (a ``kill -9``, a preemption; the search retries a crash once);
         ``crash`` for other signals; ``ok`` for exit 0
         without a traceback (the "memory allocation failed with OOM" warning alone never fails a trial;
         the runner judges a missing record itself); else ``error`` with the stderr tail. Never raises.
@@ -179,7 +179,7 @@ def classify_process(*, returncode: int | None, stderr: str, timed_out: bool = F
     if result is not None and result.outcome is not Outcome.ERROR:
         return result
     if returncode != 0 or blocks:
-        # A memory signal anywhere counts, even when a generic traceback follows it (issue 14 item 4:
+        # A memory signal anywhere counts, even when a generic traceback follows it (e.g.
         # "NCCL WARN Cuda failure 'out of memory'", then a RuntimeError from the collective).
         found = memory_signal(stderr, **kw)
         if found is not None:

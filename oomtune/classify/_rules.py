@@ -85,11 +85,11 @@ is_element_limit = _rx(r"INT_MAX", r"canUse32BitIndexMath", r"32-bit index", r"i
                        r"more than 2\^31")
 is_allocator_oom = _rx(r"\b(?:CUDA|HIP|XPU) out of memory\.", r"would exceed allowed memory",
                        r"preemptively rejected",
-                       # any backend copying torch's allocator message (NPU, CNRT, ...; issue 25 item 10)
+                       # any backend copying torch's allocator message (NPU, CNRT, ...)
                        r"\b[A-Z][A-Za-z]{1,11} out of memory\.\s+Tried to allocate",
                        r"\bMPS backend out of memory")
 # A platform's limit on the size of one allocation, not memory: no allocator setting and no free
-# memory helps, a smaller tensor (batch) does (issue 25 item 10). MPS/Metal: MPSAllocator.mm's
+# memory helps, a smaller tensor (batch) does. MPS/Metal: MPSAllocator.mm's
 # "Invalid buffer size: 50.62 GB" (above the device's maxBufferLength) and MPSNDArray's "total bytes
 # of NDArray > 2**32"; intel-extension-for-pytorch's XPU allocator: "Current platform can NOT allocate
 # memory block with size larger than 4GB!"; c10's caching allocators: "CUDA out of memory. Tried to
@@ -108,8 +108,8 @@ is_host_oom = _rx(r"DefaultCPUAllocator: (?:not enough memory|can't allocate mem
                   r"DataLoader worker \(pid \d+\) is killed by signal: (?:Bus error|Killed)",
                   r"out of shared memory", r"insufficient shared memory",
                   r"unable to allocate shared memory", r"unable to write to file </torch_.*No space left")
-# TensorFlow's own allocator (BFC) and its memory failures: users run TF scripts through target=cmd
-# (issue 14 item 3). tensorflow/core/common_runtime/bfc_allocator.cc, framework/op_kernel.cc,
+# TensorFlow's own allocator (BFC) and its memory failures: users run TF scripts through target=cmd.
+# tensorflow/core/common_runtime/bfc_allocator.cc, framework/op_kernel.cc,
 # common_runtime/gpu/gpu_util.cc ("Dst tensor is not initialized": the copy destination got no memory).
 is_tensorflow_oom = _rx(r"ResourceExhaustedError", r"\bRESOURCE_EXHAUSTED\b", r"OOM when allocating tensor",
                         r"Dst tensor is not initialized", r"ran out of memory trying to allocate",
@@ -213,8 +213,8 @@ def segment_and_request(printed: int | None) -> tuple[int | None, int | None]:
 
 
 def _is_fragmentation(info: OomInfo) -> bool:
-    """``free < segment`` and ``request <= free + cached``, in every format (issue 14 item 2; field
-    cases C3, C8; issue 25 item 10: the device is asked for the segment
+    """``free < segment`` and ``request <= free + cached``, in every format (field
+    cases C3, C8; the device is asked for the segment
     (:func:`segment_and_request`), not the request, so its free memory is compared with the segment,
     and the cached memory with the request it would have served).
 
@@ -304,7 +304,7 @@ def memory_signal(text: str, **kw) -> Classification | None:
 
     Unlike :func:`classify_text`, which judges one exception, this looks for any memory signal
     (allocator OOM, TensorFlow, outside the allocator, host) in any line, e.g. NCCL's
-    ``NCCL WARN Cuda failure 'out of memory'`` logged before a generic traceback (issue 14 item 4).
+    ``NCCL WARN Cuda failure 'out of memory'`` logged before a generic traceback.
     ``kw`` as for :func:`classify_text`. Never raises.
     """
     text = _drop_warnings(text)

@@ -1,4 +1,4 @@
-"""How a worker takes a trial of the shared study, and how it recognises the study's trials (issue 10).
+"""How a worker takes a trial of the shared study, and how it recognises the study's trials.
 
 Small pieces of :mod:`oomtune.search.workers` that speak only to Optuna: the identity of an
 enqueued candidate (:func:`trial_key`), which trials count as the sampler's, whether the storage

@@ -346,8 +346,8 @@ class Search:
     def _launch(self, runner: Any, spec: TrialSpec, workdir: Path) -> TrialResult:
         """Run ``spec`` on ``runner``; a ``crash`` (a signal without a record: a native crash, or a
         kill from outside such as ``kill -9`` or a preemption, told from the OOM killer by
-        :mod:`oomtune.trial.oomkill`) is run once more, and the second result stands (issue 23 item
-        3: one stray kill must not decide a point). ``extra["retried_after"]`` keeps the first."""
+        :mod:`oomtune.trial.oomkill`) is run once more, and the second result stands (one
+        stray kill must not decide a point). ``extra["retried_after"]`` keeps the first."""
         result = runner.run(spec, workdir=workdir, **self._trial_env())
         if result.outcome is not Outcome.CRASH or self.executor.interrupted.is_set():
             return result
@@ -812,7 +812,7 @@ class Search:
         self._recalibrate(planner)
 
     def recheck_contradictions(self) -> bool:
-        """Contradictions are checked, not believed (issue 23 item 3): for one configuration (the same
+        """Contradictions are checked, not believed: for one configuration (the same
         allocator and data-loader settings), an infeasible result at a batch below one measured
         feasible is run once more (role ``frontier``, ``recheck_of`` the trial's number; the baseline's
         role for the default allocator). When the re-run passes, the first result is disregarded
@@ -962,7 +962,7 @@ class Search:
         objective), one run at a time in rotating order (A B C, B C A, C A B, ...) on one device
         (the first worker's, :data:`ATTR_DEVICE`), so that every candidate meets the same drift of
         the machine (clocks, temperature, other load) as the baseline and no two are timed on
-        different GPUs (issue 23 item 6)."""
+        different GPUs."""
         done: dict[int, list[Any]] = {}
         for t in self._finished("confirm"):
             done.setdefault(t.user_attrs.get(R.ATTR_CONFIRMS), []).append(t)
@@ -1020,7 +1020,7 @@ class Search:
         same = _same_allocator(winner, base)
         self.gain = {"objective": "batch", "batch_size_ratio": winner.params["batch_size"] / base.params["batch_size"],
                      "peak_reserved_ratio": _ratio(res.memory.peak_reserved_bytes, base_res.memory.peak_reserved_bytes),
-                     # never a gain of a configuration over itself (issue 23 item 3)
+                     # never a gain of a configuration over itself
                      "claimed": winner.params["batch_size"] > base.params["batch_size"] and not same,
                      "from": "the winner's clean-process confirmation vs the baseline's frontier probe"}
         if same:

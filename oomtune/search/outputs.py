@@ -80,8 +80,8 @@ def _rank_metrics(res: TrialResult) -> dict[str, Any]:
 
 
 def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> float | None:
-    """The per-process memory fraction an answer needs (best.yaml ``memory_fraction``, issue 23 item
-    1): the fraction its measuring trial ran under (``extra["memory_fraction"]``: the budget over the
+    """The per-process memory fraction an answer needs (best.yaml ``memory_fraction``):
+    the fraction its measuring trial ran under (``extra["memory_fraction"]``: the budget over the
     device, on a GPU corrected for the memory outside the allocator) when its settings rely on one
     (:func:`oomtune.best.needs_memory_fraction`: ``garbage_collection_threshold``); None otherwise,
     with ``search.memory_fraction=off``, or when the trial ran without a fraction < 1 (the threshold
@@ -290,8 +290,8 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
 
 
 def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path, *, causes: Sequence[str] = ()) -> str:
-    """Why no configuration is the answer, with advice that matches how the trials ended (issue 23
-    item 4): memory outcomes (and ``ok_over_limit``) -> lower the batch or raise the budget; a
+    """Why no configuration is the answer, with advice that matches how the trials ended:
+    memory outcomes (and ``ok_over_limit``) -> lower the batch or raise the budget; a
     timeout, crash or error is not memory and gets its own class's advice
     (:data:`oomtune.classify.ADVICE`). ``outcomes``: the summary's counts by outcome; ``causes``:
     lines the search found about why (a hang of the command), appended."""

@@ -71,7 +71,7 @@ def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> None:
-    """Refuse, before anything starts, a search that could launch no trial at all (issue 23 item 4):
+    """Refuse, before anything starts, a search that could launch no trial at all:
     the batch objective has no sampler, so its trials are the frontier probes; without the baseline
     (``search.baseline=false``) those are the ``search.frontier_configs`` configurations the virtual
     GPU predicts above the default, and there are none without a prediction (``target=cmd``: its
@@ -104,7 +104,7 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> No
 
 def check_fits(planner: Any, predictor: Any, *, device: Any, budget_bytes: int, headroom: float,
                prune_margin: float) -> None:
-    """Refuse, before any trial, a budget nothing fits in (issue 23 item 5): no configuration is
+    """Refuse, before any trial, a budget nothing fits in: no configuration is
     predicted to fit even the smallest batch. On the virtual GPU the prediction is what the trials
     measure, so that is certain; on a device, where predictions are calibrated only by trials, the
     smallest predicted peak must also exceed the limit by more than ``search.prune_margin`` (the
@@ -142,7 +142,7 @@ def check_fits(planner: Any, predictor: Any, *, device: Any, budget_bytes: int, 
 def check_planned_launches(planner: Any, options: SearchOptions) -> None:
     """After the frontier prediction: refuse a search whose frontier probes select nothing and that
     has no sampler to run instead (``search.baseline=false`` and no configuration predicted above the
-    default allocator's frontier), before any trial (issue 23 item 4).
+    default allocator's frontier), before any trial.
 
     Raises:
         ConfigError: one line naming the settings.
@@ -247,7 +247,7 @@ def workload_of(cfg: Any) -> dict[str, Any]:
         return workload
     from oomtune.workloads.keys import check_model_keys
 
-    check_model_keys(C.to_container(cfg.model))   # before torch is imported (issue 25 item 12)
+    check_model_keys(C.to_container(cfg.model))   # before torch is imported (a typo costs no seconds of imports)
     from oomtune.workloads import validate_workload_config
 
     workload = resolve_workload({**C.to_container(cfg.model), "target": target})
@@ -399,14 +399,14 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         for part in wrapped(line):   # 100 columns at spaces
             _say(console, part)
     if C.budget_note(cfg.budget):
-        _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once (issue 14 item 9)
+        _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once
     from oomtune.device import fraction_note
 
     if p.dropped_gc:
         _say(console, f"search.memory_fraction=off: garbage_collection_threshold {p.dropped_gc} not searched "
                       "(torch applies it only under a memory fraction < 1; without one it does nothing)")
     if fraction_note(cfg.budget, device, p.budget_bytes):
-        _say(console, fraction_note(cfg.budget, device, p.budget_bytes))   # 0.5 of which device (issue 23)
+        _say(console, fraction_note(cfg.budget, device, p.budget_bytes))   # 0.5 of which device
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)

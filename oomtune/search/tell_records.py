@@ -1,4 +1,4 @@
-"""A finished trial's outcome, kept in its run directory before the storage is told (issue 25 item 3).
+"""A finished trial's outcome, kept in its run directory before the storage is told.
 
 When a trial process ends, the search writes what it will tell the study (the state, the objective
 value, the result attributes and the memory constraint) to ``trials/trial-NNNN/tell.json`` in the

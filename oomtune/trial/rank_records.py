@@ -261,7 +261,7 @@ def merge_rank_files(spec: TrialSpec, result_path: str | Path, *, timed_out: boo
 def rank_oom_kill(result: TrialResult, evidence: Any) -> None:
     """Make a distributed trial whose failed rank was killed by SIGKILL without a record (``crash``:
     no evidence could be read inside the trial) ``host_oom`` when the host's OOM killer did it, as
-    :func:`oomtune.classify.classify_failure` decides for one process (issue 23: SIGKILL is the
+    :func:`oomtune.classify.classify_failure` decides for one process (SIGKILL is the
     OOM killer's only with evidence). ``evidence``: called with the rank's pid
     (``extra["rank_pids"]``), returns one line of evidence or None
     (:meth:`oomtune.trial.oomkill.OomKillWatch.evidence`). Changes ``result`` in place; never raises.

@@ -147,7 +147,7 @@ def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dic
         out["CUDA_VISIBLE_DEVICES"] = ",".join(_by_uuid(entries))
     from oomtune.alloc.caching_env import check_caching_enabled
 
-    check_caching_enabled(out, where="the trial environment")  # issue 14 item 5
+    check_caching_enabled(out, where="the trial environment")  # caching off: settings do nothing
     return out
 
 
