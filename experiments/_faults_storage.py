@@ -171,7 +171,8 @@ def pg_outage_past_retries(scratch: Path) -> dict[str, Any]:
                 "done": f"retries shortened to 1 + 1 s (OOMTUNE_STORAGE_RETRY_S=1,1); `pg_ctl stop -m fast` while "
                         f"trial {mid} ran, started again once the search had stopped; then the same command",
                 "outcome": f"exit {rc}, last line: {last}; trial {mid} left {before} (its record in trials/); "
-                           f"rerun exit {again.returncode}: {told}; study: {_states(trials)}",
+                           f"rerun exit {again.returncode}: {told.replace(str(run_dir), 'RUN_DIR')}; "
+                           f"study: {_states(trials)}",
                 "trials_lost": lost, "seconds": seconds}
     finally:
         pg.stop()
