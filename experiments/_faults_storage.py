@@ -12,6 +12,13 @@
   the ~5 MB report); it must stop in one line leaving no temporary file; after the file system is
   made larger (``mount -o remount,size=64m``) the same command must finish without re-running a
   trial. Needs permission to mount (root); otherwise the row says so.
+- Disk full while telling the storage: the study (``storage=sqlite:///...``) on a 4 MiB tmpfs, the
+  run directory elsewhere; the trial's command fills the tmpfs before it reports, so the trial's
+  record (``trials/trial-0000/tell.json``) is written and the storage's write of the result is not.
+  The search must stop in one line; once the space is freed the same command must restore the
+  result from tell.json without running the trial again (the command counts its launches).
+- A zero-byte study.db through ``oomtune show`` (by run directory and by ``--storage``): refused
+  in one line, exit 2, the file left at 0 bytes and no journal created.
 
 The trials of the PostgreSQL rows are tests/data/sleep_trial.py (``target=cmd``: sleeps, "runs out
 of memory" above batch 48, throughput = batch), so the answer is known: batch 48, default allocator.
@@ -164,7 +171,8 @@ def pg_outage_past_retries(scratch: Path) -> dict[str, Any]:
                 "done": f"retries shortened to 1 + 1 s (OOMTUNE_STORAGE_RETRY_S=1,1); `pg_ctl stop -m fast` while "
                         f"trial {mid} ran, started again once the search had stopped; then the same command",
                 "outcome": f"exit {rc}, last line: {last}; trial {mid} left {before} (its record in trials/); "
-                           f"rerun exit {again.returncode}: {told}; study: {_states(trials)}",
+                           f"rerun exit {again.returncode}: {told.replace(str(run_dir), 'RUN_DIR')}; "
+                           f"study: {_states(trials)}",
                 "trials_lost": lost, "seconds": seconds}
     finally:
         pg.stop()
@@ -215,9 +223,124 @@ def disk_full(scratch: Path) -> dict[str, Any]:
         subprocess.run(["umount", str(disk)], check=False)
 
 
+# A target=cmd trial that, on its first launch only, fills the file system of DISK (writes FILLER
+# until ENOSPC) and then reports like tests/data/sleep_trial.py (throughput = batch). Every launch
+# appends a line to LAUNCHES.
+FILLING = """
+import os, sys
+batch, filler, marker, launches = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+with open(launches, "a") as f:
+    f.write(f"{batch}\\n")
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"x" * chunk)
+            except OSError:
+                pass
+import oomtune
+oomtune.report(samples=batch, seconds=1.0)
+"""
+
+
+def disk_full_telling(scratch: Path) -> dict[str, Any]:
+    import optuna
+
+    disk, run = scratch / "disk", scratch / "run"
+    disk.mkdir()
+    script = scratch / "fill.py"
+    script.write_text(FILLING)
+    filler, launches = disk / "filler", scratch / "launches"
+    command = f"{sys.executable} {script} {{batch_size}} {filler} {scratch / 'filled'} {launches}"
+    args = [sys.executable, "-m", "oomtune", "search", "target=cmd", f"target.command='{command}'", "device=cpu",
+            "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=1", "search.baseline=false",
+            "search.confirm=false", "search.objective=throughput", "search.repeats=1", "search.finalists=1",
+            "trial.timeout=120", f"storage=sqlite:///{disk / 'study.db'}", "study_name=full",
+            f"hydra.run.dir={run}"]
+    fault = "disk full while telling the storage"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        return {"fault": fault, "done": "a 4 MiB tmpfs holding the study",
+                "outcome": f"not run: mount is not permitted here ({mounted.stderr.strip()[:120]})",
+                "trials_lost": "-", "seconds": 0.0}
+    try:
+        started = time.monotonic()
+        first = subprocess.run(args, cwd=scratch, capture_output=True, text=True, timeout=900, env=ENV)
+        err = first.stderr.strip().splitlines()
+        last = (err[-1] if err else "").replace(str(disk), "DISK").replace(str(run), "RUN_DIR")
+        records = {int(json.loads(p.read_text())["number"]): json.loads(p.read_text())
+                   for p in (run / "trials").glob("trial-*/tell.json")}
+        ran = len(launches.read_text().split()) if launches.exists() else 0
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
+        url = f"sqlite:///{disk / 'study.db'}"
+        storage = optuna.storages.RDBStorage(url)
+        before = _states(optuna.load_study(study_name="full", storage=storage).get_trials(deepcopy=False))
+        storage.engine.dispose()
+        filler.unlink()                                   # the space is freed
+        second = subprocess.run(args, cwd=scratch, capture_output=True, text=True, timeout=900, env=ENV)
+        seconds = time.monotonic() - started
+        (scratch / "search1.log").write_text(first.stdout + first.stderr)
+        (scratch / "search2.log").write_text(second.stdout + second.stderr)
+        batches = launches.read_text().split()
+        again = ", ".join(batches[ran:]) or "none"
+        restored = next((line for line in second.stderr.splitlines() if "restored the result" in line
+                         or line.startswith("told the storage")), "no 'restored' line")
+        storage = optuna.storages.RDBStorage(url)
+        trials = optuna.load_study(study_name="full", storage=storage).get_trials(deepcopy=False)
+        storage.engine.dispose()   # the file system is unmounted below
+        results = [t.user_attrs.get("result") for t in trials]
+        lost = sum(1 for r in records.values() if r["state"] == "COMPLETE" and r["user_attrs"].get("result")
+                   not in results)
+        told = ", ".join(f"trial {n} {r['state']} at batch {r['user_attrs']['result'].get('batch_size', '?')}"
+                         for n, r in sorted(records.items())) or "none"
+        shown = "; ".join(f"trial {t.number} {t.state.name} batch {t.params.get('batch_size')}"
+                          + (f" {t.user_attrs.get('role')}" if t.user_attrs.get('role') else "")
+                          + (f" (from trial {t.user_attrs['told_from_record']}'s record)"
+                             if "told_from_record" in t.user_attrs else "") for t in trials)
+        return {"fault": fault,
+                "done": "`oomtune search target=cmd` (1 trial) with storage=sqlite:/// on a 4 MiB tmpfs and the run "
+                        "directory elsewhere; the trial's command fills the tmpfs before it reports; then the filler "
+                        "deleted and the same command",
+                "outcome": f"exit {first.returncode}, {first.stderr.count('Traceback')} tracebacks, last line: {last}; "
+                           f"records in trials/: {told}; storage: {before}; rerun exit {second.returncode} "
+                           f"({restored.replace(str(run), 'RUN_DIR')}); batches the command ran in the rerun: {again}; "
+                           f"study: {shown}",
+                "trials_lost": lost, "seconds": seconds}
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def zero_byte_study_db(scratch: Path) -> dict[str, Any]:
+    db = scratch / "study.db"
+    db.write_bytes(b"")
+    (scratch / "run.json").write_text(json.dumps({"storage": "sqlite:///study.db", "study_name": "s",
+                                                  "storage_file": "study.db"}))
+    started = time.monotonic()
+    parts = []
+    for args in (["show", str(scratch)], ["show", "--storage", f"sqlite:///{db}", "--study", "s"]):
+        out = subprocess.run([sys.executable, "-m", "oomtune", *args], cwd=scratch, capture_output=True, text=True,
+                             timeout=300, env=ENV)
+        lines = out.stderr.strip().splitlines()
+        shown = " ".join(a if a != str(scratch) else "RUN_DIR" for a in args).replace(str(db), "RUN_DIR/study.db")
+        parts.append(f"`oomtune {shown}`: exit {out.returncode}, {len(lines)} stderr line(s)"
+                     + (f" ({lines[0].replace(str(db), 'RUN_DIR/study.db')})" if lines else "")
+                     + f", study.db {db.stat().st_size} bytes after")
+    files = sorted(p.name for p in scratch.iterdir())
+    return {"fault": "zero-byte study.db",
+            "done": "`oomtune show` of a run directory whose study.db is empty, by the directory and by "
+                    "`--storage sqlite:///`",
+            "outcome": "; ".join(parts) + f"; files in the directory: {', '.join(files)}",
+            "trials_lost": "-", "seconds": time.monotonic() - started}
+
+
 SCENARIOS = [
     ("PostgreSQL outage 7 s mid-search", pg_outage(7)),
     ("PostgreSQL outage 15 s mid-search", pg_outage(15)),
     ("PostgreSQL outage longer than the retries", pg_outage_past_retries),
     ("disk full in the run directory", disk_full),
+    ("disk full while telling the storage", disk_full_telling),
+    ("zero-byte study.db", zero_byte_study_db),
 ]

@@ -13,7 +13,10 @@ ignored), e.g. ``--only postgresql``.
 
 Writes a Markdown table to ``--out`` (default experiments/results/faults.md) after the provenance
 header (experiments/_provenance.py: the command and the commit; run it on a clean committed tree).
-Modules: experiments/_faults_storage.py (PostgreSQL outages, a full disk); others add their own.
+Modules: experiments/_faults_process.py (kills, a noisy trial, a shared-frames snapshot),
+experiments/_faults_storage.py (PostgreSQL outages, full disks, a zero-byte study.db),
+experiments/_faults_usercode.py (target=python entries that raise, hang or exit; target=cmd scripts
+with a malformed record or that hang; a deeply nested best.yaml); others add their own.
 """
 
 from __future__ import annotations
