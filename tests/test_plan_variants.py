@@ -95,3 +95,21 @@ def test_a_plan_over_variants_spread_over_processes_equals_one_process():
         for b in grid:
             assert forked.predict_detail(b, conf) == one.predict_detail(b, conf)
     assert forked.replays == replays   # nothing replayed again: the children's work was merged
+
+
+def test_a_plan_over_recorded_variants_counts_their_recordings():
+    # Recordings of a command's trials, with and without activation checkpointing: a plan over them
+    # (one process: RecordedVariants has one worker) counts the five recorded streams as its captures.
+    from oomtune.alloc.stream import AllocationStream
+    from oomtune.plan.recorded import RecordedPredictor, RecordedVariants
+
+    def recorded(b: int, scale: int) -> AllocationStream:
+        return AllocationStream([("alloc", 1, scale * 4096 * b), ("alloc", 2, 1024), ("free", 2), ("free", 1)])
+
+    variants = RecordedVariants({False: RecordedPredictor({b: recorded(b, 2) for b in (8, 16, 32)}, GEOMETRY),
+                                 True: RecordedPredictor({b: recorded(b, 1) for b in (8, 32)}, GEOMETRY)})
+    fmap = build_plan(variants, [{"expandable_segments": None, "activation_checkpointing": True}], [8, 32],
+                      workload=WORKLOAD, device={})
+    assert fmap.captures == 3 + 2
+    # no limit: a batch fits when its replay completes (build_plan), so the largest grid batch is it
+    assert fmap.rows[0].max_batch_size == 32
