@@ -174,7 +174,7 @@ def test_apply_best_returns_the_micro_batch_and_the_accumulation(tmp_path):
 
 # -- end to end: a built-in workload under a global batch ----------------------------------------------
 @pytest.mark.slow
-def test_search_keeps_the_global_batch_and_records_the_accumulation(tmp_path):
+def test_search_keeps_the_global_batch_and_records_the_accumulation(tmp_path, capsys):
     # A wide-input MLP (65536 -> 16 -> 16 -> 10) whose inputs dominate memory, at a budget where the
     # whole global batch does not fit in one micro-batch with the default allocator.
     run = tmp_path / "gb"
@@ -196,8 +196,52 @@ def test_search_keeps_the_global_batch_and_records_the_accumulation(tmp_path):
     specs = [json.loads(p.read_text()) for p in (run / "trials").glob("trial-*/spec.json")]
     assert specs and all(s["batch_size"] * s["workload"].get("grad_accum", 1) == 96 for s in specs)
     assert any(s["workload"].get("grad_accum", 1) > 1 for s in specs)   # accumulating trials ran
+    # the report's frontier and the winner's step are written (the search's predictor is one per
+    # variant: one micro-batch per step, or two standing for more)
+    out = capsys.readouterr().out
+    assert "not written" not in out
+    _check_frontier_and_winner_step(run, best, choices)
     # the CI check re-traces the same micro-batch and accumulation
     assert main(["check", str(run / "best.yaml"), "--mode", "predict"]) == 0
+
+
+def _check_frontier_and_winner_step(run: Path, best: object, choices: list[int]) -> None:
+    """frontier.yaml's figure at the winner and winner_step.pickle are the winner's variant's: a
+    Predictor of the workload accumulating two micro-batches (module docstring of
+    oomtune.plan.variants), at frontier.yaml's geometry and the trial's steps (warmup + measure)."""
+    import pickle
+
+    from oomtune import config as C
+    from oomtune.plan.predictor import Predictor, trial_steps
+    from oomtune.plan.variants import variant_workload
+
+    plan = yaml.safe_load((run / "frontier.yaml").read_text())
+    assert plan["batch_sizes"] == choices and plan["memory_source"] == "simulated"
+    row = next(r for r in plan["configurations"] if r["alloc_conf"] == (best.best.alloc_conf or ""))
+    cell = next(c for c in row["batches"] if c["batch_size"] == best.batch_size)
+    steps = trial_steps(C.compose(["model=mlp", "trial.measure_steps=1"]).trial)
+    assert best.grad_accum > 1   # the budget leaves the whole global batch out of one micro-batch
+
+    def own(grad_accum: int) -> Predictor:
+        return Predictor(variant_workload(plan["workload"], grad_accum=grad_accum, checkpointing=None),
+                         plan["geometry"], steps=steps)
+
+    mine, single = own(2), own(1)
+    expected = mine.predict_detail(best.batch_size, best.best.alloc_conf or "")
+    assert (cell["peak_reserved_bytes"], cell["peak_allocated_bytes"]) == (
+        expected.peak_reserved_bytes, expected.peak_allocated_bytes)
+    # Not the one-micro-batch step's figure: the second micro-batch's first-layer gradients (a
+    # 65536 x 16 fp32 weight, 4 MiB, and a 16-float bias in one 512-byte block, kMinBlockSize in
+    # CUDACachingAllocator.cpp) are live beside the accumulated .grad until AccumulateGrad adds them.
+    alone = single.predict_detail(best.batch_size, best.best.alloc_conf or "")
+    assert cell["peak_allocated_bytes"] - alone.peak_allocated_bytes == 65536 * 16 * 4 + 512
+    # the winner's step replays the winner's variant's stream: its requests, in order
+    snap = pickle.loads((run / "winner_step.pickle").read_bytes())
+    sizes = [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert sizes == [size for action, _key, size, _s in mine.stream(best.batch_size) if action == "alloc"]
+    # each micro-batch requests its hidden activations (batch x 16 fp32) as often as the other
+    hidden = best.batch_size * 16 * 4
+    assert sizes.count(hidden) == 2 * [s for a, _k, s, _st in single.stream(best.batch_size) if a == "alloc"].count(hidden)
 
 
 def test_another_global_batch_is_another_study():
@@ -209,3 +253,24 @@ def test_another_global_batch_is_another_study():
     # null is unset: the key is left out of the digest, as before global batches existed
     assert C.default_study_name(C.compose(["model=mlp"])) == C.default_study_name(
         C.compose(["model=mlp", "search.global_batch=null"]))
+
+
+def test_a_search_that_predicted_nothing_reports_the_winners_own_variant():
+    # search.prune=off: the report's predictor is made at the end of the search; under a global batch
+    # of 96 it is one per variant, so micro-batch 48 (2 micro-batches per step) replays the
+    # accumulating workload and 96 (the whole global batch) the one-micro-batch workload.
+    from types import SimpleNamespace
+
+    from oomtune import config as C
+    from oomtune.device import resolve_device
+    from oomtune.search.run import _report_predictor
+
+    cfg = C.compose(["model=mlp", "search.global_batch=96", "search.batch_size.low=8", "search.prune=off"])
+    space = SearchSpace.from_config(cfg.search, world_size=1)
+    workload = {"name": "mlp", "in_features": 64, "hidden": 16, "layers": 1, "num_classes": 10,
+                "target": {"name": "builtin"}}
+    p = SimpleNamespace(target=SimpleNamespace(capturable=True), workload=workload, device=resolve_device("cpu"),
+                        budget_bytes=1 << 30, cfg=cfg)
+    predictor = _report_predictor(p, space)
+    assert predictor.member(48).model_cfg.get("grad_accum") == 2
+    assert "grad_accum" not in predictor.member(96).model_cfg

@@ -72,8 +72,11 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
         workload: the trial workload mapping (built-in model or ``target=python``; a ``cmd`` target
             cannot be captured and nothing is written).
         device: the resolved :class:`oomtune.device.TargetDevice`; budget_bytes / headroom: the search's.
-        predictor: the search's :class:`oomtune.plan.predictor.Predictor` (built once per search, by
-            :mod:`oomtune.search.run`; its captures are reused); None: nothing to predict with (a
+        predictor: the search's :class:`oomtune.plan.predictor.Predictor`, or its
+            :class:`oomtune.plan.variants.PredictorVariants` when the candidates train different
+            steps (a global batch's accumulation, activation checkpointing searched: the winner's
+            step is then its own variant's stream). Built once per search, by
+            :mod:`oomtune.search.run`; its captures are reused. None: nothing to predict with (a
             ``cmd`` target whose trials recorded no streams).
         predicted_frontiers: whether ``predictor`` predicted the search's frontiers
             (``search.prune=predicted``: the whole map is in its cache); default: it did when given.
@@ -131,7 +134,7 @@ def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: A
         rows = []
         for conf in frontier_settings(data.best or {}, data.trials, candidates):
             settings = AllocatorSettings.parse(conf)
-            cells = [PlanCell.of(predictor.predict_detail(b, settings), limit_bytes) for b in grid]
+            cells = [PlanCell.of(predictor.predict_detail(b, settings, **variant), limit_bytes) for b in grid]
             fitting = [c for c in cells if c.fits]
             rows.append(PlanRow(settings.render(), settings.as_mapping(), cells,
                                 fitting[-1].batch_size if fitting else None, fitting[-1] if fitting else None))

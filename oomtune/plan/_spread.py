@@ -4,8 +4,14 @@ and how a forked child's work comes back into the parent's :class:`~oomtune.plan
 :func:`rows_forked` runs :func:`oomtune.plan.feasibility.frontier_row` for groups of configurations
 in this process and forked children (:func:`oomtune.plan.parallel.fork_map`). A child starts from a
 copy of the predictor at the fork; what it adds (predictions, replays, streams derived or captured,
-counters) travels back as a *delta* (:func:`delta`) and is merged (:func:`merge`), so the parent
-ends up holding what one process would hold.
+counters) travels back as a *delta* and is merged, so the parent ends up holding what one process
+would hold.
+
+:func:`rows_forked` asks the predictor itself for that (``fork_mark()``, ``fork_delta(since)``,
+``fork_merge(gained)``): a :class:`~oomtune.plan.predictor.Predictor` answers with :func:`mark`,
+:func:`delta` and :func:`merge` of its own state; a
+:class:`~oomtune.plan.variants.PredictorVariants` with theirs for each of its members (one
+predictor per workload variant, whose predictions of one batch size differ).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["replay_groups", "rows_forked", "mark", "delta", "merge"]
+__all__ = ["replay_groups", "rows_forked", "mark", "delta", "merge", "NOTHING"]
 
 _SECONDS = ("capture_seconds", "derive_seconds", "replay_seconds")
 
@@ -37,10 +43,15 @@ def mark(predictor: Any) -> tuple:
             set(predictor.cached_batches), *(getattr(predictor, name) for name in _SECONDS))
 
 
-def delta(predictor: Any, since: tuple) -> dict[str, Any]:
-    """What ``predictor`` gained since ``since`` (:func:`mark`), picklable, for :func:`merge`:
-    predictions and replays, streams captured or derived, counters and seconds."""
-    cache, streams, derived, replays, cached, *seconds = since
+#: :func:`mark` of a predictor that holds nothing (one made after the mark was taken).
+NOTHING: tuple = (set(), set(), set(), 0, set(), *(0.0 for _ in _SECONDS))
+
+
+def delta(predictor: Any, since: tuple | None) -> dict[str, Any]:
+    """What ``predictor`` gained since ``since`` (:func:`mark`; None: everything it holds, as for a
+    predictor made after the mark), picklable, for :func:`merge`: predictions and replays, streams
+    captured or derived, counters and seconds (the seconds under the names of ``_SECONDS``)."""
+    cache, streams, derived, replays, cached, *seconds = NOTHING if since is None else since
     out = {"cache": {k: v for k, v in predictor._cache.items() if k not in cache},
            "replayed": {k: v for k, v in predictor._replays.items() if k not in cache},
            "streams": {b: s for b, s in predictor._streams.items() if b not in streams},
@@ -74,16 +85,18 @@ def rows_forked(predictor: Any, kept: Sequence[dict[str, Any]], grid: Sequence[i
     """``frontier_row(predictor, mapping, grid, limit_bytes)`` of every mapping, the groups of
     :func:`replay_groups` spread over ``predictor.workers`` processes (this one and forked children);
     each group runs the same calls as in one process. The children's work is merged into
-    ``predictor``; the phase's wall time is split over capture / derive / replay seconds in
+    ``predictor`` through its ``fork_mark`` / ``fork_delta`` / ``fork_merge`` (a Predictor's or a
+    PredictorVariants'; each delta carries the seconds of ``_SECONDS``, and the seconds must be
+    settable); the phase's wall time is split over capture / derive / replay seconds in
     proportion to the seconds spent in each. ``on_row`` is called in the order of ``kept``."""
     from oomtune.plan.parallel import fork_map
 
     groups = replay_groups(kept)
 
     def work(group: list[int]) -> tuple[int, list[Any], dict[str, Any]]:
-        before = mark(predictor)
+        before = predictor.fork_mark()
         rows = [frontier_row(predictor, kept[i], grid, limit_bytes) for i in group]
-        return os.getpid(), rows, delta(predictor, before)
+        return os.getpid(), rows, predictor.fork_delta(before)
 
     done: dict[int, Any] = {}
     shown = 0
@@ -103,7 +116,7 @@ def rows_forked(predictor: Any, kept: Sequence[dict[str, Any]], grid: Sequence[i
     spent = [0.0] * len(_SECONDS)
     for pid, _, gained in results:
         if pid != os.getpid():   # a child's work (this process's own is in predictor already)
-            merge(predictor, gained)
+            predictor.fork_merge(gained)
         spent = [x + gained[name] for x, name in zip(spent, _SECONDS)]
     if sum(spent) > 0:
         for name, b, x in zip(_SECONDS, before, spent):

@@ -393,7 +393,7 @@ def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Se
         workload=workload, device=device, geometry=dict(predictor.geometry), batch_sizes=list(grid),
         rows=rows, capture_s=predictor.capture_seconds, replay_s=predictor.replay_seconds,
         derive_s=getattr(predictor, "derive_seconds", 0.0),
-        total_s=time.perf_counter() - t0, captures=getattr(predictor, "captures", len(predictor._streams)),
+        total_s=time.perf_counter() - t0, captures=predictor.captures if hasattr(predictor, "captures") else len(predictor._streams),
         derived=len(getattr(predictor, "derived_batches", ())),
         cached=len(set(getattr(predictor, "cached_batches", ())) & set(getattr(predictor, "_captured", ()))), replays=getattr(predictor, "replays", 0), fallback=sorted(predictor.fallback_reasons),
         headroom=float(headroom), limit_bytes=limit_bytes, skipped=skipped,

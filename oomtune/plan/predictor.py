@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
+from oomtune.plan import _spread
 from oomtune.exceptions import HostMemoryRefused
 from oomtune.plan.derive import MIN_FIT_CAPTURES, StreamDeriver
 
@@ -782,3 +783,20 @@ class Predictor:
             mid = len(ratios) // 2
             self.calibration = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
         return self.calibration
+
+    # ------------------------------------------------------------------ work done in forked children
+    def fork_mark(self) -> tuple:
+        """What this predictor holds now (:func:`oomtune.plan._spread.mark`), for :meth:`fork_delta`
+        in a forked child (:func:`oomtune.plan._spread.rows_forked`)."""
+        return _spread.mark(self)
+
+    def fork_delta(self, since: tuple | None) -> dict[str, Any]:
+        """What this predictor gained since :meth:`fork_mark` gave ``since`` (None: everything it
+        holds), picklable, for :meth:`fork_merge` in the parent (:func:`oomtune.plan._spread.delta`;
+        the seconds gained under ``capture_seconds`` / ``derive_seconds`` / ``replay_seconds``)."""
+        return _spread.delta(self, since)
+
+    def fork_merge(self, gained: dict[str, Any]) -> None:
+        """Take a child's :meth:`fork_delta` in (:func:`oomtune.plan._spread.merge`; seconds are the
+        caller's to account)."""
+        _spread.merge(self, gained)

@@ -26,6 +26,9 @@ __all__ = ["PredictorVariants", "variant_workload"]
 #: layer does not import the search layer).
 _CKPT = "activation_checkpointing"
 
+#: The phase seconds a Predictor counts (and :func:`oomtune.plan._spread.rows_forked` sets).
+_SECONDS = ("capture_seconds", "derive_seconds", "replay_seconds")
+
 
 def variant_workload(workload: dict[str, Any], *, grad_accum: int, checkpointing: bool | None) -> dict[str, Any]:
     """``workload`` training ``grad_accum`` micro-batches per optimizer step (the key left out for 1)
@@ -56,6 +59,7 @@ class PredictorVariants:
         self._make = make
         self._accum = grad_accum_of or (lambda b: 1)
         self._members: dict[tuple, Any] = {}
+        self._seconds_set = {name: 0.0 for name in _SECONDS}   # seconds set on top of the members' sums
         self.calibration = 1.0
         first = self._member(None, 1)
         self.geometry, self.steps = first.geometry, first.steps
@@ -64,10 +68,14 @@ class PredictorVariants:
 
     # ------------------------------------------------------------------ routing
     def _member(self, checkpointing: bool | None, grad_accum: int) -> Any:
-        key = (checkpointing, min(grad_accum, 2))
+        return self._keyed((checkpointing, min(grad_accum, 2)))
+
+    def _keyed(self, key: tuple) -> Any:
+        """The member of ``key`` = (checkpointing, micro-batches captured per step: 1 or 2), made on
+        first use."""
         member = self._members.get(key)
         if member is None:
-            member = self._make(variant_workload(self.model_cfg, grad_accum=key[1], checkpointing=checkpointing))
+            member = self._make(variant_workload(self.model_cfg, grad_accum=key[1], checkpointing=key[0]))
             member.calibration = self.calibration
             self._members[key] = member
         return member
@@ -115,21 +123,47 @@ class PredictorVariants:
             m.calibration = self.calibration
         return self.calibration
 
+    # ------------------------------------------------------------------ work done in forked children
+    def fork_mark(self) -> dict[tuple, tuple]:
+        """What each member holds now (:meth:`Predictor.fork_mark` by variant), for :meth:`fork_delta`
+        in a forked child (:func:`oomtune.plan._spread.rows_forked`)."""
+        return {key: m.fork_mark() for key, m in self._members.items()}
+
+    def fork_delta(self, since: dict[tuple, tuple]) -> dict[str, Any]:
+        """What each member gained since :meth:`fork_mark` gave ``since`` (a member made since then:
+        everything it holds), picklable, for :meth:`fork_merge`: ``{"members": {variant: delta}}``
+        plus the seconds gained by all of them under ``capture_seconds`` / ``derive_seconds`` /
+        ``replay_seconds`` (as :meth:`Predictor.fork_delta` gives them)."""
+        members = {key: m.fork_delta(since.get(key)) for key, m in self._members.items()}
+        out: dict[str, Any] = {"members": members}
+        out.update({name: sum(d[name] for d in members.values()) for name in _SECONDS})
+        return out
+
+    def fork_merge(self, gained: dict[str, Any]) -> None:
+        """Take a child's :meth:`fork_delta` in, each variant's into its member (made here when only the
+        child had made it); seconds are the caller's to account (settable, as a Predictor's)."""
+        for key, part in gained["members"].items():
+            self._keyed(key).fork_merge(part)
+
     # ------------------------------------------------------------------ summed figures
     def _sum(self, name: str) -> Any:
         return sum(getattr(m, name) for m in self._members.values())
 
-    @property
-    def capture_seconds(self) -> float:
-        return self._sum("capture_seconds")
+    def _seconds(self, name: str) -> float:
+        return self._sum(name) + self._seconds_set[name]
 
-    @property
-    def replay_seconds(self) -> float:
-        return self._sum("replay_seconds")
+    def _set_seconds(self, name: str, value: float) -> None:
+        self._seconds_set[name] = float(value) - self._sum(name)
 
-    @property
-    def derive_seconds(self) -> float:
-        return self._sum("derive_seconds")
+    capture_seconds = property(lambda self: self._seconds("capture_seconds"),
+                               lambda self, v: self._set_seconds("capture_seconds", v),
+                               doc="Seconds spent capturing, all variants (settable: the wall time of forked work).")
+    replay_seconds = property(lambda self: self._seconds("replay_seconds"),
+                              lambda self, v: self._set_seconds("replay_seconds", v),
+                              doc="Seconds spent replaying, all variants (settable, as capture_seconds).")
+    derive_seconds = property(lambda self: self._seconds("derive_seconds"),
+                              lambda self, v: self._set_seconds("derive_seconds", v),
+                              doc="Seconds spent deriving streams, all variants (settable, as capture_seconds).")
 
     @property
     def replays(self) -> int:

@@ -497,21 +497,36 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
         write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
                             budget_bytes=p.budget_bytes, headroom=options.headroom,
-                            predictor=predictor if predictor is not None else _report_predictor(p),
+                            predictor=predictor if predictor is not None else _report_predictor(p, space),
                             predicted_frontiers=predictor is not None, space=space)
 
 
-def _report_predictor(p: Any) -> Any:
+def _report_predictor(p: Any, space: SearchSpace) -> Any:
     """The predictor of a search that predicted nothing (``search.prune=off``), for its report's
-    frontier and winner's step: the workload at its worst shape, replayed under the search's geometry; None
-    for a target oomtune cannot capture (``cmd``)."""
+    frontier and winner's step: the workload at its worst shape, replayed under the search's geometry
+    (one per variant when the candidates train different steps, as :func:`search_predictor`'s, so the
+    winner's step is its own variant's); None for a target oomtune cannot capture (``cmd``)."""
     if not p.target.capturable:
         return None
     from oomtune.plan.predictor import Predictor
     from oomtune.plan.stream_cache import default_cache
 
-    return Predictor.for_search(worst_shape_workload(p.workload), p.device, p.budget_bytes, cache=default_cache(),
-                                timeout_s=float(p.cfg.trial.timeout))
+    def make(w: dict[str, Any]) -> Any:
+        return Predictor.for_search(worst_shape_workload(w), p.device, p.budget_bytes, cache=default_cache(),
+                                    timeout_s=float(p.cfg.trial.timeout))
+
+    return _per_variant(p.workload, space, make)
+
+
+def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any:
+    """``make(workload)``, or one ``make`` per workload variant
+    (:class:`oomtune.plan.variants.PredictorVariants`) when the candidates train different steps (a
+    global batch's accumulation, activation checkpointing searched)."""
+    if space.global_batch is None and space.checkpointing is None:
+        return make(workload)
+    from oomtune.plan.variants import PredictorVariants
+
+    return PredictorVariants(workload, make, grad_accum_of=space.grad_accum_for)
 
 
 def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
@@ -529,11 +544,7 @@ def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, 
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
                                     memory_fraction=memory_fraction, timeout_s=float(trial_cfg.timeout))
 
-    if space.global_batch is None and space.checkpointing is None:
-        return make(workload)
-    from oomtune.plan.variants import PredictorVariants
-
-    return PredictorVariants(workload, make, grad_accum_of=space.grad_accum_for)
+    return _per_variant(workload, space, make)
 
 
 def _rendered(space: SearchSpace) -> list[str]:
