@@ -38,6 +38,7 @@ def check_user_code(workload: Mapping[str, Any], *, timeout_s: float | None,
     target_cfg = dict(workload.get("target") or {})
     if not target.user_code:
         return
+    target.warm()   # oomtune's imports (torch) here: trial.timeout is the user's code's alone
     facts = run_isolated(lambda _: target.inspect(target_cfg), [0], entry=str(target_cfg.get("entry")), workers=1,
                          timeout_s=timeout_s, limit_name=limit_name, stage=IMPORT_STAGE)[0]
     target.inspected(target_cfg, facts)

@@ -104,6 +104,11 @@ class PythonTarget(Target):
         except (TypeError, ValueError):  # builtins / C functions without a signature
             return None
 
+    def warm(self) -> None:
+        """Import :mod:`oomtune.targets.python_entry` (and torch with it): oomtune's code, not the
+        user's."""
+        import oomtune.targets.python_entry  # noqa: F401
+
     def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
         """Keep what :meth:`inspect` found (in another process) for this process's checks
         (:func:`known_parameters`: does the function take ``activation_checkpointing``)."""

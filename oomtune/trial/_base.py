@@ -116,6 +116,11 @@ class Target:
         """
         return None
 
+    def warm(self) -> None:
+        """Import oomtune's own modules that :meth:`inspect` needs (torch), in this process before it
+        forks the inspecting one, so that the limit on that process times the user's code only.
+        Nothing by default."""
+
     def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
         """Keep :meth:`inspect`'s answer ``facts`` (made in another process) in this one."""
 
