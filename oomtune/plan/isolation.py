@@ -73,7 +73,8 @@ def raised_error(exc: BaseException, entry: str, batch_size: int, *, stage: str 
         return exc
     what = _what(entry, batch_size, stage)
     if isinstance(exc, SystemExit):
-        must = "the module must define the function, not exit" if stage else "make_workload must return the workload, not exit"
+        must = ("the module must define the function, not exit" if stage
+                else "make_workload must return the workload, not exit")
         return UserCodeError(f"{what}: the code called sys.exit({exc.code!r}); {must}")
     where = user_frame(exc.__traceback__)
     at = f" at {where[0]}:{where[1]}" if where else ""
