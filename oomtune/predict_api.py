@@ -102,9 +102,9 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
         raise ConfigError(f"steps={steps!r}: expected an integer >= 1 (or None for the trial's default)")
     settings = AllocatorSettings.parse(alloc_conf)
     if isinstance(entry, str):
-        from oomtune.targets import validate_target
+        from oomtune.targets.python_entry import load_entry
 
-        validate_target({"name": "python", "entry": entry})
+        load_entry(entry)   # the caller's own process: its module imported here, as the caller would
     elif not callable(entry):
         raise ConfigError(f"entry={entry!r}: expected make_workload itself or 'file.py:function'")
     steps = _default_steps() if steps is None else steps

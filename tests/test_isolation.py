@@ -304,3 +304,109 @@ def test_plan_cells_past_the_first_batch_over_the_limit_are_not_predicted_and_th
     assert not any(c.fits for c in row.cells[3:])
     assert row.max_batch_size == 10                            # b MiB <= 10 MiB: bisection between 8 and 16
     assert "not captured" in _cell_text(row.cells[4]) and "not captured" not in _cell_text(row.cells[0])
+
+
+# ------------------------------------------------------------------ the entry's import, before any trial
+# The check of an entry (does it exist, is it a function, does it take device / activation_checkpointing)
+# imports its module, which runs the module's own code: in a process of its own under trial.timeout
+# (oomtune/plan/entry_check.py). Fixtures: import_raises.py raises at its line 4, import_exits.py calls
+# os._exit(3), import_hangs.py sleeps 10**6 s at module level.
+IMPORT_STAGE = "its module imported to check the function before any trial"
+
+
+def _import_case(name: str) -> tuple[list[str], str]:
+    if name == "import_raises.py":
+        where = f"{DATA / name}:{_line_of(DATA / name, 'raise RuntimeError')}"
+        return [], f"raised RuntimeError at {where}: no config at /etc/fixture.yaml (fixture, module level)"
+    if name == "import_exits.py":
+        return [], "its process exited with status 3 without a result"
+    return ["trial.timeout=3"], "still running after trial.timeout=3 s: stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["search", "plan"])
+@pytest.mark.parametrize("name", ["import_raises.py", "import_exits.py", "import_hangs.py"])
+def test_an_entry_whose_import_fails_is_one_line_exit_2_before_any_trial(command, name, tmp_path):
+    run, out, pidfile = tmp_path / "run", tmp_path / "plan.yaml", tmp_path / "pids"
+    flags, words = _import_case(name)
+    extra = ["--out", str(out)] if command == "plan" else []
+    proc, took = _cli([command, "target=python", _entry(name), "budget=256MiB", "search.batch_size.low=2",
+                       "search.batch_size.high=8", *flags, f"hydra.run.dir={run}", *extra], tmp_path,
+                      env={"OOMTUNE_TEST_PIDFILE": str(pidfile)})
+    assert proc.returncode == 2, proc.stderr   # not the entry's 3: oomtune ended, not the entry's process
+    line = _error_line(proc)
+    assert f"target.entry={DATA / name}:make_workload, {IMPORT_STAGE}: {words}" in line, line
+    assert not (run / "trials").exists() and not out.exists()   # no trial ran, no plan written
+    if name == "import_hangs.py":   # the importing process was a child, and it is gone
+        pids = [int(p) for p in pidfile.read_text().split()]
+        assert pids and os.getpid() not in pids
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), pids
+
+
+def _user_modules(name: str) -> list[str]:
+    """Modules of this process loaded from ``DATA / name`` (load_entry names a file's module
+    oomtune_user_<stem>_<digest>)."""
+    path = str((DATA / name).resolve())
+    return [m for m, mod in list(sys.modules.items()) if getattr(mod, "__file__", None) == path]
+
+
+def test_check_user_code_never_imports_the_module_here_and_keeps_the_functions_parameters():
+    from oomtune.plan.entry_check import check_user_code
+    from oomtune.targets.python_target import known_parameters
+
+    # entry_raises.py's make_workload(batch_size, device): importing it is harmless, calling it raises
+    entry = f"{DATA / 'entry_raises.py'}:make_workload"
+    check_user_code({"target": {"name": "python", "entry": entry}}, timeout_s=60)
+    assert known_parameters(entry) == frozenset({"batch_size", "device"})
+    assert _user_modules("entry_raises.py") == []
+    with pytest.raises(UserCodeError) as info:
+        check_user_code({"target": {"name": "python", "entry": f"{DATA / 'import_hangs.py'}:make_workload"}},
+                        timeout_s=1.0)
+    assert "still running after trial.timeout=1 s" in str(info.value) and "\n" not in str(info.value)
+    assert _user_modules("import_hangs.py") == []
+
+
+def test_checkpointing_is_refused_from_the_checked_parameters_without_importing_here():
+    from oomtune.exceptions import ConfigError
+    from oomtune.plan.entry_check import check_user_code
+    from oomtune.targets.python_entry import check_checkpointing_argument
+
+    # entry_raises.py's make_workload takes no activation_checkpointing parameter
+    target = {"name": "python", "entry": f"{DATA / 'entry_raises.py'}:make_workload"}
+    check_user_code({"target": target}, timeout_s=60)
+    with pytest.raises(ConfigError, match="needs the function to take an activation_checkpointing argument"):
+        check_checkpointing_argument(target, True)
+    assert _user_modules("entry_raises.py") == []
+
+
+# ------------------------------------------------------------------ the plan's soak under a shape distribution
+def _soak_rows(name: str, timeout_s: float):
+    from types import SimpleNamespace
+
+    from oomtune.plan.soak_frontier import soak_rows
+
+    row = SimpleNamespace(max_batch_size=4, alloc_conf="", soak=None, at_max=None, worst_shape_max_batch_size=None)
+    workload = {"target": {"name": "python", "entry": f"{DATA / name}:make_workload",
+                           "seq_len": {"low": 8, "high": 32, "pad_multiple": 8, "seed": 3}}}
+    geometry = {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0, "non_allocator_bytes": 0}
+    return soak_rows([row], workload, geometry, steps=20, low=1, cell=lambda b, s: None, timeout_s=timeout_s)
+
+
+def test_a_soak_capture_of_an_entry_that_raises_is_one_line_and_ran_in_another_process():
+    with pytest.raises(UserCodeError) as info:
+        _soak_rows("entry_raises.py", 60)
+    text = str(info.value)
+    where = f"{DATA / 'entry_raises.py'}:{_line_of(DATA / 'entry_raises.py', 'raise RuntimeError')}"
+    assert "\n" not in text and "captured at batch 4" in text and f"raised RuntimeError at {where}" in text, text
+    assert _user_modules("entry_raises.py") == []   # the capture ran in a forked process, not here
+
+
+def test_a_soak_capture_of_an_entry_that_hangs_is_stopped_at_its_limit():
+    t0 = time.monotonic()
+    with pytest.raises(UserCodeError) as info:
+        _soak_rows("entry_hangs.py", 2.0)
+    assert "still running after trial.timeout=2 s: stopped" in str(info.value)
+    assert time.monotonic() - t0 < 60

@@ -20,7 +20,7 @@ from typing import Any
 
 from oomtune.exceptions import OomtuneError, UserCodeError
 
-__all__ = ["run_isolated", "in_child", "user_frame", "raised_error", "ended_error"]
+__all__ = ["run_isolated", "in_child", "user_frame", "raised_error", "ended_error", "IMPORT_STAGE"]
 
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the oomtune package
 
@@ -53,55 +53,68 @@ def user_frame(tb: Any) -> tuple[str, int] | None:
     return None if pick is None else (pick.filename, int(pick.lineno or 0))
 
 
-def _what(entry: str, batch_size: int) -> str:
+#: ``stage`` of the check of an entry before any trial (:mod:`oomtune.plan.entry_check`): its module
+#: imported, its function looked up, in a process of its own.
+IMPORT_STAGE = "its module imported to check the function before any trial"
+
+
+def _what(entry: str, batch_size: int, stage: str | None = None) -> str:
+    if stage is not None:
+        return f"target.entry={entry}, {stage}"
     return f"target.entry={entry}, captured at batch {batch_size} for prediction before any trial"
 
 
-def raised_error(exc: BaseException, entry: str, batch_size: int) -> OomtuneError:
-    """The one-line error of the user's code raising ``exc`` during a capture: ``file:line``
-    (:func:`user_frame`), the exception's type and first line. oomtune's own errors
-    (:class:`OomtuneError`: a bad config, the host-memory refusal) are returned unchanged."""
+def raised_error(exc: BaseException, entry: str, batch_size: int, *, stage: str | None = None) -> OomtuneError:
+    """The one-line error of the user's code raising ``exc`` during a capture (or, with ``stage``,
+    during that stage: :data:`IMPORT_STAGE`): ``file:line`` (:func:`user_frame`), the exception's
+    type and first line. oomtune's own errors (:class:`OomtuneError`: a bad config, the host-memory
+    refusal) are returned unchanged."""
     if isinstance(exc, OomtuneError):
         return exc
+    what = _what(entry, batch_size, stage)
     if isinstance(exc, SystemExit):
-        return UserCodeError(f"{_what(entry, batch_size)}: the code called sys.exit({exc.code!r}); make_workload "
-                             "must return the workload, not exit")
+        must = ("the module must define the function, not exit" if stage
+                else "make_workload must return the workload, not exit")
+        return UserCodeError(f"{what}: the code called sys.exit({exc.code!r}); {must}")
     where = user_frame(exc.__traceback__)
     at = f" at {where[0]}:{where[1]}" if where else ""
     text = str(exc).strip().splitlines()
     detail = f": {text[0][:300]}" if text else ""
-    return UserCodeError(f"{_what(entry, batch_size)}: raised {type(exc).__name__}{at}{detail}; fix the entry "
-                         f"(make_workload({batch_size}) called alone shows the whole traceback)")
+    alone = "importing the module alone" if stage else f"make_workload({batch_size}) called alone"
+    return UserCodeError(f"{what}: raised {type(exc).__name__}{at}{detail}; fix the entry ({alone} shows the whole "
+                         "traceback)")
 
 
 def ended_error(failed: Any, entry: str, batch_size: int, watch: Any = None, *,
-                limit_name: str = "trial.timeout") -> UserCodeError:
+                limit_name: str = "trial.timeout", stage: str | None = None) -> UserCodeError:
     """The one-line error of a capture process that ended without a result
     (:class:`oomtune.plan.parallel.ChildFailed`): stopped at ``trial.timeout``, exited with a status
     (``os._exit``), or killed by a signal (classified as a trial's: :func:`oomtune.classify.
     classify_failure`; a SIGKILL is the OOM killer's only with ``watch``'s evidence). ``limit_name``:
-    the setting the time limit came from, as the user spells it."""
+    the setting the time limit came from, as the user spells it; ``stage``: what the process did
+    when not a capture (:data:`IMPORT_STAGE`)."""
+    what = _what(entry, batch_size, stage)
     if failed.timed_out:
-        return UserCodeError(f"{_what(entry, batch_size)}: still running after {limit_name}={failed.timeout_s:g} s: "
-                             "stopped (its process group killed); make make_workload and the step return, or raise "
-                             f"{limit_name}")
+        finish = "make the module's import return" if stage else "make make_workload and the step return"
+        return UserCodeError(f"{what}: still running after {limit_name}={failed.timeout_s:g} s: "
+                             f"stopped (its process group killed); {finish}, or raise {limit_name}")
     code = failed.returncode
     if code is not None and code >= 0:
-        return UserCodeError(f"{_what(entry, batch_size)}: its process exited with status {code} without a result "
+        return UserCodeError(f"{what}: its process exited with status {code} without a result "
                              "(os._exit or a library's exit in the entry's code)")
     from oomtune.classify import classify_failure
 
     evidence = watch.evidence([failed.pid]) if watch is not None else None
     found = classify_failure(returncode=code, stderr="", oom_kill_evidence=evidence)
-    return UserCodeError(f"{_what(entry, batch_size)}: its process was {found.message}; {found.advice}")
+    return UserCodeError(f"{what}: its process was {found.message}; {found.advice}")
 
 
 def run_isolated(fn: Callable[[int], Any], batch_sizes: Sequence[int], *, entry: str, workers: int,
-                 timeout_s: float | None, limit_name: str = "trial.timeout") -> list[Any]:
+                 timeout_s: float | None, limit_name: str = "trial.timeout", stage: str | None = None) -> list[Any]:
     """``[fn(b) for b in batch_sizes]``, each in a forked process of its own
     (:func:`oomtune.plan.parallel.fork_each`, ``workers`` at once), stopped past ``timeout_s``
     seconds (``limit_name``, ``trial.timeout``; None: no limit). ``entry`` names the user's code in the
-    messages.
+    messages; ``stage`` what the processes do when they do not capture (:data:`IMPORT_STAGE`).
     In a process that is already a forked worker (:func:`in_child`), ``fn`` runs here.
 
     Raises:
@@ -111,18 +124,18 @@ def run_isolated(fn: Callable[[int], Any], batch_sizes: Sequence[int], *, entry:
     """
     batch_sizes = list(batch_sizes)
     if in_child():
-        return [_call(fn, b, entry) for b in batch_sizes]
+        return [_call(fn, b, entry, stage) for b in batch_sizes]
     from oomtune.plan.parallel import ChildFailed, fork_each
     from oomtune.trial.oomkill import OomKillWatch
 
     watch = OomKillWatch()
     try:
-        return fork_each(lambda b: _call(fn, b, entry), batch_sizes, workers, timeout_s=timeout_s)
+        return fork_each(lambda b: _call(fn, b, entry, stage), batch_sizes, workers, timeout_s=timeout_s)
     except ChildFailed as failed:
-        raise ended_error(failed, entry, failed.item, watch, limit_name=limit_name) from None
+        raise ended_error(failed, entry, failed.item, watch, limit_name=limit_name, stage=stage) from None
 
 
-def _call(fn: Callable[[int], Any], batch_size: int, entry: str) -> Any:
+def _call(fn: Callable[[int], Any], batch_size: int, entry: str, stage: str | None = None) -> Any:
     """``fn(batch_size)`` with the user's exception turned into its one-line error (in the child,
     where its traceback still exists: a traceback does not pickle)."""
     try:
@@ -130,5 +143,5 @@ def _call(fn: Callable[[int], Any], batch_size: int, entry: str) -> Any:
     except BaseException as exc:   # noqa: BLE001 - SystemExit of the user's sys.exit included
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise raised_error(exc, entry, batch_size) from None
+        raise raised_error(exc, entry, batch_size, stage=stage) from None
 

@@ -38,10 +38,11 @@ def _explicit_batches(cfg: Any) -> list[int] | None:
 def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
     """Built-in: :func:`validate_workload_config` (skipped when ``cache``, a :class:`oomtune.plan.
     stream_cache.StreamCache`, records that the same config passed under the same versions and code:
-    the check imports torch); python target: the entry must load.
+    the check imports torch); python target: the entry's form (its import, in a process of its own:
+    :func:`oomtune.plan.entry_check.check_user_code`).
 
     Raises:
-        ConfigError: unknown model, bad model key, unloadable entry, a cmd target.
+        ConfigError: unknown model, bad model key, a malformed entry, a cmd target.
     """
     from oomtune.exceptions import ConfigError
     from oomtune.targets import target_config, validate_target
@@ -128,6 +129,10 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
             store = None
         unwritable = store.unwritable() if store is not None else None
         _validate_workload(workload, store if cache else None)
+        from oomtune.plan.entry_check import check_user_code
+
+        # the user's entry imported and inspected in a process of its own, under trial.timeout
+        check_user_code(workload, timeout_s=float(cfg.trial.timeout))
 
     # the model.gpu key resolved by prepare: the kernels the captures run (auto: the device)
     prepared = prepare(overrides, cfg=cfg, workload=plan_workload, checked=checked, space_last=True)
@@ -233,7 +238,8 @@ def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predi
 
     limit = fmap.limit_bytes
     done = soak_rows(fmap.rows, workload, predictor.geometry, steps=steps, low=low,
-                     cell=lambda b, st: PlanCell.of(predictor.predict_detail(b, st), limit))
+                     cell=lambda b, st: PlanCell.of(predictor.predict_detail(b, st), limit),
+                     timeout_s=predictor.timeout_s, limit_name=predictor.timeout_name)
     fmap.shapes.update(soak_captures=done.captures, soak_s=round(done.seconds, 3),
                        stepped_down={k: list(v) for k, v in done.stepped_down.items()})
     if done.stepped_down:

@@ -12,9 +12,12 @@ data's order, on the trial's virtual GPU); when it fails, the largest batch belo
 is found by bisection (assuming that a batch that survives the soak survives it with fewer samples),
 and that becomes the configuration's planned batch. Every figure is simulated.
 
-The rows are independent: each row's largest batch is captured first, in this process, then the rows
-are soaked in forked processes over the CPU cores (:func:`oomtune.plan.parallel.fork_map`; the same
-code per row, so the same results as in one process).
+The rows are independent: each row's largest batch is captured first, then the rows are soaked in
+forked processes over the CPU cores (:func:`oomtune.plan.parallel.fork_map`; the same code per row,
+so the same results as in one process). A built-in workload is captured in this process; a user's
+entry (a target with ``user_code``) never is: each of its captures runs in a forked process of its
+own under ``trial.timeout`` (:func:`oomtune.plan.isolation.run_isolated`), so an entry that raises,
+hangs or exits in a soak capture ends the plan with one line, as in the map's captures.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class SoakedFrontier:
 
 
 def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mapping[str, Any], *, steps: int,
-              low: int, cell: Callable[[int, Any], Any]) -> SoakedFrontier:
+              low: int, cell: Callable[[int, Any], Any], timeout_s: float | None = None,
+              limit_name: str = "trial.timeout") -> SoakedFrontier:
     """Soak every row's largest fitting batch and step it down until it survives (module docstring).
 
     Each row (a :class:`oomtune.plan.feasibility.PlanRow`) gets ``worst_shape_max_batch_size`` (its
@@ -61,22 +65,44 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
         steps: soak steps (``trial.soak_steps``, >= 1).
         low: the smallest batch of the plan's range.
         cell: ``cell(batch, settings) -> PlanCell`` at the worst shape (for a lowered row's ``at_max``).
+        timeout_s: wall seconds a capture of the user's code may take (``limit_name``, as the user
+            spells it: ``trial.timeout``); None: no limit. Each capture of a target with ``user_code``
+            (a python entry) runs in a forked process of its own
+            (:func:`oomtune.plan.isolation.run_isolated`), so that an entry that raises, hangs or
+            exits ends the plan with one line, not a traceback or a hang.
 
     Raises:
         ConfigError: a bad workload or shape distribution.
+        UserCodeError: the user's code raised, exited, was killed or ran past ``timeout_s`` in a
+            soak capture (one line).
     """
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.plan.parallel import default_workers, fork_map
     from oomtune.trial.soak import capture_soak, replay_soak
 
+    from oomtune.plan.isolation import run_isolated
+    from oomtune.trial._base import target_for
+
     t0 = time.perf_counter()
-    cfg = {k: v for k, v in model_cfg.items() if k != "target"}
+    cfg = dict(model_cfg)   # the target too: capture_soak builds the workload it names (Target.for_capture)
     streams: dict[int, Any] = {}
     out = SoakedFrontier(steps=steps)
+    user_code = target_for(cfg).user_code
+    entry = str((cfg.get("target") or {}).get("entry"))
+
+    def captured(batches: Sequence[int], workers: int = 1) -> list[Any]:
+        """The soak streams of ``batches``: the user's code each in a process of its own (in a
+        forked row worker: there, :func:`run_isolated` runs it in place); oomtune's own here."""
+        def one(batch: int) -> Any:
+            return capture_soak(cfg, batch, steps, capture_device="meta")
+
+        if not user_code:
+            return [one(b) for b in batches]
+        return run_isolated(one, batches, entry=entry, workers=workers, timeout_s=timeout_s, limit_name=limit_name)
 
     def soaked(batch: int, settings: AllocatorSettings) -> Any:
         if batch not in streams:
-            streams[batch] = capture_soak(cfg, batch, steps, capture_device="meta")
+            streams[batch] = captured([batch])[0]
         return replay_soak(streams[batch], settings, device_memory_bytes=int(geometry["total_memory_bytes"]),
                            memory_fraction=float(geometry.get("memory_fraction", 1.0)),
                            non_allocator_bytes=int(geometry.get("non_allocator_bytes", 0) or 0))
@@ -104,8 +130,8 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
     todo = [i for i, row in enumerate(rows) if row.max_batch_size is not None]
     # every row's first batch captured here, before the rows are spread over forked processes (they
     # inherit the streams; a bisection's further captures are made where it runs)
-    for batch in sorted({rows[i].max_batch_size for i in todo}):
-        streams[batch] = capture_soak(cfg, batch, steps, capture_device="meta")
+    firsts = sorted({rows[i].max_batch_size for i in todo})
+    streams.update(zip(firsts, captured(firsts, default_workers())))
     results = fork_map(soak_row, todo, default_workers())
     captured: set[int] = set(streams)
     for i, (record, batches) in zip(todo, results):

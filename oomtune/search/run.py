@@ -303,8 +303,11 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
         return {**workload_of(cfg), "gpu": C.to_container(cfg.model).get("gpu", "auto")}
 
     def checked(cfg: Any, work: dict[str, Any], space: Any) -> None:
+        from oomtune.plan.entry_check import check_user_code
         from oomtune.trial._base import target_for
 
+        # the user's entry imported and inspected in a process of its own, under trial.timeout
+        check_user_code(work, timeout_s=float(cfg.trial.timeout))
         target_for(work).check_training(   # the training settings must reach the trials
             work, accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))

@@ -64,8 +64,6 @@ from oomtune.workloads.loop import Workload
 
 __all__ = ["entry_label", "load_entry", "build_user_workload", "UserWorkload", "PythonTarget", "TARGET"]
 
-_FORMAT = "expected 'package.module:function' or 'path/to/file.py:function'"
-
 
 def entry_label(entry: Any) -> str:
     """How an entry is named in messages: the string itself, or ``module.qualname`` of a function
@@ -90,12 +88,9 @@ def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
     """
     if callable(entry) and not isinstance(entry, str):
         return entry
-    if not isinstance(entry, str) or entry.count(":") < 1 or entry.strip() in ("", "???"):
-        raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
-    where, _, name = entry.rpartition(":")
-    where, name = where.strip(), name.strip()
-    if not where or not name.isidentifier():
-        raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
+    from oomtune.targets.python_target import split_entry
+
+    where, name = split_entry(entry)
     from oomtune.capture.reads import recording
 
     with recording():   # module-level reads of os.environ / sys.argv key the stream cache's entries
@@ -286,6 +281,18 @@ def _check(entry: str, parts: Mapping[str, Any]) -> None:
             raise ConfigError(f"target.entry={entry!r}: {message}")
 
 
+def _entry_takes(entry: Any, name: str) -> bool:
+    """Whether ``entry``'s function has a parameter ``name``: what the check before any trial found
+    (:func:`oomtune.targets.python_target.known_parameters`, the module imported in a process of its
+    own), else from the function itself (imported here: a trial or capture process, the API)."""
+    from oomtune.targets.python_target import known_parameters
+
+    known = known_parameters(entry)
+    if known is False:
+        return _takes(load_entry(entry), name)
+    return known is not None and name in known
+
+
 def _takes(fn: Callable[..., Any], name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters
@@ -301,7 +308,7 @@ def check_checkpointing_argument(target_cfg: Mapping[str, Any], wanted: bool) ->
         ConfigError: ``wanted`` and the function lacks the parameter (or the entry is bad).
     """
     entry = entry_label(target_cfg.get("entry"))
-    if wanted and not _takes(load_entry(target_cfg.get("entry")), "activation_checkpointing"):
+    if wanted and not _entry_takes(target_cfg.get("entry"), "activation_checkpointing"):
         raise ConfigError(f"target.entry={entry!r}: search.space.activation_checkpointing needs the function to "
                           "take an activation_checkpointing argument (e.g. def make_workload(batch_size, device, "
                           "activation_checkpointing=False): ... model.gradient_checkpointing_enable() when true)")

@@ -9,7 +9,38 @@ from typing import Any
 
 from oomtune.trial._base import Target, register_target
 
-__all__ = ["PythonTarget", "TARGET"]
+__all__ = ["PythonTarget", "TARGET", "split_entry", "known_parameters"]
+
+_FORMAT = "expected 'package.module:function' or 'path/to/file.py:function'"
+
+#: entry string -> the parameter names of its function (None: it has no signature), as the check before
+#: any trial found them in a process of its own (:meth:`PythonTarget.inspected`); read instead of
+#: importing the user's module here (:func:`known_parameters`).
+_PARAMETERS: dict[str, frozenset[str] | None] = {}
+
+
+def split_entry(entry: Any) -> tuple[str, str]:
+    """``(module or file, function name)`` of an entry string, checked for its form only (nothing is
+    imported or opened).
+
+    Raises:
+        ConfigError: not ``pkg.mod:func`` / ``file.py:func`` (one line with the expected form).
+    """
+    from oomtune.exceptions import ConfigError
+
+    if not isinstance(entry, str) or entry.count(":") < 1 or entry.strip() in ("", "???"):
+        raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
+    where, _, name = entry.rpartition(":")
+    where, name = where.strip(), name.strip()
+    if not where or not name.isidentifier():
+        raise ConfigError(f"target.entry={entry!r}: {_FORMAT}")
+    return where, name
+
+
+def known_parameters(entry: Any) -> frozenset[str] | None | bool:
+    """The parameter names of ``entry``'s function found by the check before any trial (None: the
+    function has no signature), or False when this process has not checked it."""
+    return _PARAMETERS.get(entry, False) if isinstance(entry, str) else False
 
 
 class PythonTarget(Target):
@@ -46,9 +77,44 @@ class PythonTarget(Target):
         return [Path(spec.origin)]
 
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
+        """The entry's form only (:func:`split_entry`): importing its module runs the user's code,
+        which the search and plan do in a process of their own (:meth:`inspect`,
+        :func:`oomtune.plan.entry_check.check_user_code`); a function passed directly is accepted."""
+        entry = target_cfg.get("entry")
+        if not callable(entry) or isinstance(entry, str):
+            split_entry(entry)
+
+    def inspect(self, target_cfg: Mapping[str, Any]) -> frozenset[str] | None:
+        """Import the entry (:func:`oomtune.targets.python_entry.load_entry`: this runs the user's
+        module, so the caller runs it in a process of its own) and return its function's parameter
+        names (None: no signature, a builtin).
+
+        Raises:
+            ConfigError: a module or file that cannot be found or imported, a missing or
+                non-callable attribute (:func:`~oomtune.targets.python_entry.load_entry`). What the
+                module raises while it runs propagates unchanged.
+        """
+        import inspect
+
         from oomtune.targets.python_entry import load_entry
 
-        load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
+        fn = load_entry(target_cfg.get("entry"))  # type: ignore[arg-type]
+        try:
+            return frozenset(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):  # builtins / C functions without a signature
+            return None
+
+    def warm(self) -> None:
+        """Import :mod:`oomtune.targets.python_entry` (and torch with it): oomtune's code, not the
+        user's."""
+        import oomtune.targets.python_entry  # noqa: F401
+
+    def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
+        """Keep what :meth:`inspect` found (in another process) for this process's checks
+        (:func:`known_parameters`: does the function take ``activation_checkpointing``)."""
+        entry = target_cfg.get("entry")
+        if isinstance(entry, str):
+            _PARAMETERS[entry] = facts
 
     def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
         """A file entry (``path/to/file.py:function``) made absolute; module entries unchanged."""

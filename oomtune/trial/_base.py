@@ -106,7 +106,25 @@ class Target:
             ConfigError: the first problem, in one line.
         """
 
-    def shapes(self, workload: Mapping[str, Any]) -> Any:
+    def inspect(self, target_cfg: Mapping[str, Any]) -> Any:
+        """What the checks before any trial need from the user's code (for ``target=python``: the
+        entry's parameter names), obtained by running it: called only in a process of its own
+        (:func:`oomtune.plan.entry_check.check_user_code`). None by default (nothing to run).
+
+        Raises:
+            ConfigError: the code cannot be found or loaded. What the user's code raises propagates.
+        """
+        return None
+
+    def warm(self) -> None:
+        """Import oomtune's own modules that :meth:`inspect` needs (torch), in this process before it
+        forks the inspecting one, so that the limit on that process times the user's code only.
+        Nothing by default."""
+
+    def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
+        """Keep :meth:`inspect`'s answer ``facts`` (made in another process) in this one."""
+
+
         """The workload's per-step shape distribution (:class:`oomtune.workloads.shapes.
         ShapeDistribution`); fixed (no key) by default.
 
