@@ -78,6 +78,29 @@ def test_fork_each_reports_an_exit_status_a_signal_and_a_timeout():
     assert time.monotonic() - t0 < 30   # stopped at its limit, not after the hour
 
 
+def _fail_late_or_early(x: int) -> int:
+    # item 0 fails after a while, item 3 at once: the one that fails first in time is item 3
+    if x == 0:
+        time.sleep(1.0)
+        raise ValueError("item 0")
+    if x == 3:
+        raise ValueError("item 3")
+    time.sleep(0.2)
+    return x
+
+
+def test_fork_each_raises_the_earliest_items_failure_not_the_first_in_time():
+    # items start in order, so the earliest failing item is the same whatever the processes' timing;
+    # a run's message naming another batch each time would be an answer that changes from run to run
+    for _ in range(3):
+        with pytest.raises(ValueError, match="item 0"):
+            fork_each(_fail_late_or_early, [0, 1, 2, 3], 4, timeout_s=60)
+    # a hang of an earlier item is waited for to its limit and reported, not a later item's raise
+    with pytest.raises(ChildFailed) as info:
+        fork_each(lambda x: time.sleep(3600) if x == 0 else 1 // 0, [0, 1], 2, timeout_s=1.0)
+    assert info.value.item == 0 and info.value.timed_out
+
+
 # ------------------------------------------------------------------ search: the field reports
 SEARCH = ["search", "target=python", "budget=256MiB", "search.batch_size.low=2", "search.batch_size.high=8"]
 

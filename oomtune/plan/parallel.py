@@ -202,7 +202,10 @@ def fork_each(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *, t
     killed with it; its stdout/stderr are this process's. ``timeout_s`` (seconds, None: no limit)
     applies to each item from its fork: past it the process group gets SIGKILL. A result or exception
     travels back pickled through a pipe (an exception that does not pickle arrives as a RuntimeError
-    with its text). On the first failure the other processes are killed and it is raised.
+    with its text). On a failure no further item starts and the processes of later items are killed;
+    the earlier items still running are waited for (each within its limit), and the failure of the
+    earliest failing item is raised: items start in order, so that is the same failure whatever the
+    processes' timing (the first to fail in time would change from run to run).
     ``on_result(index, result)``: called here as each result arrives.
 
     Raises:
@@ -248,6 +251,20 @@ def fork_each(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *, t
         _, status = os.waitpid(pid, 0)
         return os.waitstatus_to_exitcode(status)
 
+    failed: list[tuple[int, BaseException]] = []   # the earliest failing item so far: (index, exception)
+
+    def fail(i: int, exc: BaseException) -> None:
+        if failed and failed[0][0] < i:
+            return
+        failed[:] = [(i, exc)]
+        queue.clear()
+        for fd, (j, pid, _, _) in list(running.items()):   # later items: their outcome no longer matters
+            if j > i:
+                kill(pid)
+                os.close(fd)
+                del running[fd]
+                reap(pid)
+
     try:
         while queue or running:
             while queue and len(running) < workers:
@@ -257,6 +274,8 @@ def fork_each(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *, t
             wait = None if not deadlines else max(0.0, min(deadlines) - now)
             ready, _, _ = select.select(list(running), [], [], wait)
             for fd in ready:
+                if fd not in running:   # killed above as a later item than a failure
+                    continue
                 i, pid, deadline, data = running[fd]
                 chunk = os.read(fd, 1 << 20)
                 if chunk:
@@ -267,21 +286,25 @@ def fork_each(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *, t
                 code = reap(pid)
                 kill(pid, reaped=True)   # whatever it started and left behind in its group
                 if not data:
-                    raise ChildFailed(items[i], returncode=code, timed_out=False, pid=pid, timeout_s=timeout_s)
+                    fail(i, ChildFailed(items[i], returncode=code, timed_out=False, pid=pid, timeout_s=timeout_s))
+                    continue
                 ok, value = pickle.loads(bytes(data))
                 if not ok:
-                    raise value
+                    fail(i, value)
+                    continue
                 results[i] = value
                 if on_result is not None:
                     on_result(i, value)
             now = time.monotonic()
             for fd, (i, pid, deadline, _) in list(running.items()):
-                if deadline is not None and now >= deadline:
+                if fd in running and deadline is not None and now >= deadline:
                     kill(pid)
                     os.close(fd)
                     del running[fd]
                     reap(pid)
-                    raise ChildFailed(items[i], returncode=None, timed_out=True, pid=pid, timeout_s=timeout_s)
+                    fail(i, ChildFailed(items[i], returncode=None, timed_out=True, pid=pid, timeout_s=timeout_s))
+        if failed:
+            raise failed[0][1]
     finally:
         for fd, (_, pid, _, _) in running.items():   # a failure or an interrupt: leave no process behind
             kill(pid)
