@@ -124,7 +124,7 @@ class Target:
     def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
         """Keep :meth:`inspect`'s answer ``facts`` (made in another process) in this one."""
 
-
+    def shapes(self, workload: Mapping[str, Any]) -> Any:
         """The workload's per-step shape distribution (:class:`oomtune.workloads.shapes.
         ShapeDistribution`); fixed (no key) by default.
 
