@@ -315,11 +315,14 @@ def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, 
         result.memory = replace(result.memory, non_allocator_bytes=again)
         if "memory_fraction" in result.extra:
             _apply_fraction(spec, result, dev, total)
-    # kept per (GPU, driver, torch) for later plans of this device (oomtune.gpu.outside.read_measured)
+    # kept per (GPU, driver, torch) for later plans of this device (oomtune.gpu.outside.read_measured);
+    # a reading whose device is not identified cannot be keyed, so it is not kept
+    if result.device is None or not result.device.name:
+        return
     from oomtune.gpu.outside import remember_measured
     from oomtune.packages import installed_version
 
-    remember_measured(result.device.name or "?", result.device.driver_version, installed_version("torch"),
+    remember_measured(result.device.name, result.device.driver_version, installed_version("torch"),
                       int(result.memory.non_allocator_bytes or 0))
 
 
