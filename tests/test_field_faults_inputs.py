@@ -299,8 +299,11 @@ def test_item9_python_target_docs_agree_on_dict_and_tuple():
 
 
 def test_item9_readme_documents_the_cpu_wheel():
+    # torch and torchvision together: a torchvision that needs another torch makes the project's install
+    # replace the CPU torch with the CUDA build (a new user's torch-only step was undone that way)
     for page in ("README.md", "docs/install.md"):
-        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (REPO / page).read_text()
+        assert ("pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+                in (REPO / page).read_text())
 
 
 @pytest.mark.parametrize("headroom, code", [(0.05, 1), (0.0, 0), (None, 0)])
