@@ -11,12 +11,18 @@ gradient exists before.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from oomtune.capture.cuda_kernels import emulate_cuda
 from oomtune.capture.recorder import StorageRecorder, StreamSink
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_step import step  # noqa: E402
 
 X_BYTES = 2 * 4 * 8 * 8 * 4
 
@@ -27,22 +33,6 @@ ADAPT3 = 2 * 4 * 3 * 3          # (2, 4, 3, 3): 72 elements
 def _x(device):
     return (torch.randn(2, 4, 8, 8) if device == "cpu" else torch.empty(2, 4, 8, 8, device=device)).requires_grad_()
 
-
-def step(module, x, device, out_shape):
-    """(forward's requested sizes, bytes alive after the forward, backward's requested sizes) for
-    ``module(x)`` under emulate_cuda; the gradient of the output (``out_shape``) exists before."""
-    params = list(module.parameters()) + list(module.buffers())
-    g = torch.ones(out_shape, device=device)
-    sink = StreamSink()
-    rec = StorageRecorder(sink, device=device)
-    rec.register_existing([x, g, *params])
-    start, n = sink.live_bytes, len(sink.events)
-    with emulate_cuda("a100"), rec:
-        y = module(x)
-        m, live = len(sink.events), sink.live_bytes - start
-        torch.autograd.grad(y, [x, *[p for p in params if p.requires_grad]], g)
-    sizes = [[s for a, _, s, _ in part if a == "alloc"] for part in (sink.events[n:m], sink.events[m:])]
-    return sizes[0], live, sizes[1]
 
 CASES = {
     # max_pool2d_with_indices: output (512) and int64 indices (128 x 8 = 1,024), both kept (the
