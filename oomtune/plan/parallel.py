@@ -152,6 +152,17 @@ def _one_cpu_thread() -> None:
         torch.set_num_threads(1)
 
 
+def _send(write_fd: int, done: Any, instead: Callable[[Exception], Any]) -> None:
+    """Write ``done`` pickled to ``write_fd`` (a forked worker's reply to its parent); a result or
+    exception that does not pickle is replaced by ``instead(the pickling error)``."""
+    try:
+        data = pickle.dumps(done)
+    except Exception as exc:   # noqa: BLE001 - a result or exception that does not pickle
+        data = pickle.dumps(instead(exc))
+    with os.fdopen(write_fd, "wb") as pipe:
+        pipe.write(data)
+
+
 def _child(read_fd: int, write_fd: int, run_share: Callable[[], dict[int, tuple[bool, Any]]]) -> None:
     global _in_child
     _in_child = True
@@ -160,12 +171,7 @@ def _child(read_fd: int, write_fd: int, run_share: Callable[[], dict[int, tuple[
         os.close(read_fd)
         _one_cpu_thread()
         done = run_share()
-        try:
-            data = pickle.dumps(done)
-        except Exception as exc:   # noqa: BLE001 - a result or exception that does not pickle
-            data = pickle.dumps({min(done, default=0): (False, RuntimeError(f"plan worker: {exc}"))})
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(data)
+        _send(write_fd, done, lambda exc: {min(done, default=0): (False, RuntimeError(f"plan worker: {exc}"))})
     except BaseException:   # noqa: BLE001 - never return into the parent's code
         code = 1
     finally:
@@ -333,12 +339,8 @@ def _each_child(read_fd: int, write_fd: int, fn: Callable[[Any], Any], item: Any
             done: tuple[bool, Any] = (True, fn(item))
         except BaseException as exc:   # noqa: BLE001 - handed to the caller
             done = (False, exc)
-        try:
-            data = pickle.dumps(done)
-        except Exception as exc:   # noqa: BLE001 - a result or exception that does not pickle
-            data = pickle.dumps((False, RuntimeError(f"{type(done[1]).__name__}: {done[1]} (did not pickle: {exc})")))
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(data)
+        _send(write_fd, done,
+              lambda exc: (False, RuntimeError(f"{type(done[1]).__name__}: {done[1]} (did not pickle: {exc})")))
     except BaseException:   # noqa: BLE001 - never return into the parent's code
         code = 1
     finally:
