@@ -41,6 +41,11 @@ Known differences from a real CUDA run (the recorded stream omits or differs in)
   outside, so the local temporaries it frees before returning are not recorded.
 * Tensors created with the mode inactive (other threads, e.g. a DataLoader pin-memory thread, or
   ``no_dispatch``) are not recorded; releases are recorded from any thread (under a lock).
+* Collectives (``c10d`` ops: gloo on a CPU rank) run through
+  :func:`oomtune.capture.collectives.run_collective`: the communication thread gets non-owning
+  aliases and the call waits for it, so a storage given to a collective dies on the thread that drops
+  it, in program order, as under NCCL (not whenever gloo's worker lets go of its work), and gloo's
+  own reduce-scatter buffer is never seen.
 
 Speed: on meta, a few ops' kernels are Python decompositions that cost far more than the
 rest of the step (batch norm forward and backward: ~70% of a ResNet-50 capture). Their outputs
@@ -61,6 +66,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from oomtune.capture import collectives as _collectives
 from oomtune.capture import cuda_kernels as _kernels
 
 __all__ = ["AllocationSink", "StreamSink", "StorageRecorder", "capture_stream", "MEMO_OPS", "HostMemoryError"]
@@ -343,10 +349,13 @@ class StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         tensors: list = []
-        key = (_signature(func, args, kwargs, tensors) if self._memo is not None and not _is_view(func)
-               else None)
+        collective = _collectives.is_collective(func)
+        key = (_signature(func, args, kwargs, tensors)
+               if self._memo is not None and not collective and not _is_view(func) else None)
         spec = None if key is None else self._memo.get(key)
-        if spec is not None and spec is not _NO_MEMO:
+        if collective:   # its storages die on this thread, in program order (capture/collectives.py)
+            out = _collectives.run_collective(func, args, kwargs)
+        elif spec is not None and spec is not _NO_MEMO:
             out = _rebuild(spec, tensors)
         else:
             before = [_state(t) for t in tensors] if key is not None else None

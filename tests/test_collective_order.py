@@ -1,0 +1,169 @@
+"""Collectives under a recording: a storage dies where the program drops it, not where a
+communication thread lets go of it (oomtune/capture/collectives.py).
+
+Why: gloo's worker thread keeps a completed work, and the tensors it was given, until it comes round
+its loop (ProcessGroupGloo::runLoop); when the rank's thread dropped its own reference first, the
+release reached the virtual GPU whenever that thread ran, and a DDP search answered batch 7 at
+6.00 MiB in one trial and 8.00 MiB in its confirmation. On CUDA, ProcessGroupNCCL releases on the
+calling thread (its stash is cleared by Work::wait), so the release is in program order.
+
+The backend below stands in for a worker that is late without limit: it keeps every tensor it was
+given for ever. Without the aliasing, the recorded tensor could never be released.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch._C._distributed_c10d import _create_work_from_future
+
+from oomtune.capture import StorageRecorder, StreamSink
+from oomtune.capture.collectives import COLLECTIVES
+
+
+class _Keeping(C10dBackend):
+    """A one-rank backend that multiplies by 2 as its all-reduce, broadcasts as a no-op, and keeps
+    every tensor list it was given (a communication thread that never lets go)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.kept: list[list[torch.Tensor]] = []
+
+    def _done(self, tensors: list[torch.Tensor]):  # noqa: ANN202
+        self.kept.append(tensors)
+        future = torch.futures.Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future)
+
+    def allreduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        for t in tensors:
+            t.mul_(2)
+        return self._done(tensors)
+
+    def broadcast(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        return self._done(tensors)
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return "keeping"
+
+
+def _group() -> tuple[dist.ProcessGroup, _Keeping]:
+    backend = _Keeping()
+    pg = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    return pg, backend
+
+
+def test_a_tensor_the_backend_keeps_is_released_where_the_program_drops_it():
+    pg, backend = _group()
+    sink = StreamSink()
+    with StorageRecorder(sink) as rec:
+        x = torch.ones(256)                      # 1,024 bytes: one request
+        ptr = x.data_ptr()
+        work = pg.allreduce([x])
+        work.wait()
+        returned = work.get_future().value()[0]
+        assert returned is x                     # the caller's own tensor comes back, not an alias
+        del returned, work
+        del x
+        assert rec.live_bytes == 0               # released here, on this thread
+    assert [(e[0], e[2]) for e in sink.events] == [("alloc", 1024), ("free", 1024)]
+    kept = backend.kept[0][0]
+    assert kept.data_ptr() == ptr                # the backend worked on the same memory ...
+    assert kept.untyped_storage().nbytes() == 1024
+
+
+def test_the_backend_reduces_the_callers_memory_and_the_result_is_kept_by_the_work():
+    pg, _ = _group()
+    sink = StreamSink()
+    with StorageRecorder(sink) as rec:
+        x = torch.full((4,), 3.0)
+        work = pg.allreduce([x])
+        work.wait()
+        assert x.tolist() == [6.0, 6.0, 6.0, 6.0]   # _Keeping doubles: it wrote through the alias
+        del x
+        # as with NCCL, a work still held keeps its tensors (its future's value) alive
+        assert rec.live_bytes == 16
+        del work
+        assert rec.live_bytes == 0
+
+
+def test_every_collective_schema_of_this_torch_is_known():
+    """COLLECTIVES names torch's c10d ops; a renamed op would silently lose the ordering."""
+    names = {str(s.name).split("::")[1] for s in torch._C._jit_get_all_schemas() if str(s.name).startswith("c10d::")}
+    assert COLLECTIVES <= names
+    # the ones left out are point to point or no collective (see the module's docstring)
+    assert names - COLLECTIVES <= {"send", "recv_", "recv_any_source_", "check_for_nan", "monitored_barrier_"}
+
+
+def _ddp_rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    sink = StreamSink()
+    frees_on: set[int] = set()
+    on_free = sink.on_free
+
+    def note(key: int) -> None:
+        frees_on.add(threading.get_ident())
+        on_free(key)
+
+    sink.on_free = note
+    with StorageRecorder(sink):
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        for _ in range(3):                       # the buckets are rebuilt after the first
+            ddp(torch.randn(8, 16)).sum().backward()
+    grad = model[0].weight.grad.sum().item()
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{grad!r} {sorted(frees_on) == [threading.get_ident()]}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_over_gloo_under_a_recording_syncs_gradients_and_releases_on_the_ranks_thread(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
+                       start_method="spawn")
+    lines = [(tmp_path / f"out.{r}").read_text().split() for r in range(2)]
+    assert lines[0][0] == lines[1][0]            # the all-reduce ran: both ranks hold the same gradient
+    assert all(flag == "True" for _, flag in lines)
+
+
+def _reduce_scatter_rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    sink = StreamSink()
+    with StorageRecorder(sink):
+        full = torch.full((6,), float(rank + 1))   # 24 bytes
+        shard = torch.empty(3)                     # 12 bytes
+        dist.reduce_scatter_tensor(shard, full)
+        value = shard.tolist()
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(repr(([(e[0], e[2]) for e in sink.events], value)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gloos_reduce_scatter_buffer_is_not_recorded(tmp_path):
+    """gloo's reduce-scatter reduces into a buffer of its own and copies the rank's part out when
+    waited on; a CUDA reduce-scatter (NCCL) writes the output directly. Only the program's two
+    tensors are requests: 24 + 12 bytes."""
+    import ast
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_reduce_scatter_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        events, value = ast.literal_eval((tmp_path / f"out.{rank}").read_text())
+        assert events == [("alloc", 24), ("alloc", 12)]
+        assert value == [3.0, 3.0, 3.0]          # 1 + 2, each rank's three elements
