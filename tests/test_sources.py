@@ -102,3 +102,25 @@ def test_a_command_without_a_script_file_has_no_sources(tmp_path):
     # an interpreter named by its path running a module: the interpreter binary is not the user's code
     assert cmd.sources({"name": "cmd", "command": f"{sys.executable} -m mypkg.train", "cwd": str(tmp_path)}) == []
     assert cmd.sources({"name": "cmd", "command": "python absent.py", "cwd": str(tmp_path)}) == []
+
+
+def test_a_module_entry_is_found_without_running_its_packages_init(tmp_path, monkeypatch):
+    """``target.entry=pkg.mod:fn``: the file is located level by level; importlib.util.find_spec
+    would import ``pkg`` and run its ``__init__`` (user code) in the search process."""
+    import sys
+
+    from oomtune.targets import get_target
+
+    pkg = tmp_path / "userpkg_src" / "userpkg"
+    (pkg / "sub").mkdir(parents=True)
+    marker = tmp_path / "init_ran"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "train.py").write_text("def make_workload(batch_size, device):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "userpkg_src"))
+    python = get_target("python")
+    assert python.sources({"name": "python", "entry": "userpkg.sub.train:make_workload"}) == \
+        [pkg / "sub" / "train.py"]
+    assert not marker.exists() and "userpkg" not in sys.modules
+    assert python.sources({"name": "python", "entry": "userpkg.absent:make_workload"}) == []
+    assert python.sources({"name": "python", "entry": "no_such_top_pkg.train:make_workload"}) == []

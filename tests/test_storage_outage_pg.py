@@ -155,7 +155,8 @@ def test_an_outage_longer_than_the_retries_stops_in_one_line_and_the_rerun_tells
     out = subprocess.run(_args(url, run_dir, "long"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO), "OOMTUNE_TEST_SLEEP_S": "0.2"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert f"told the storage 1 trial that finished while it was unreachable, from their records in " \
+    assert f"told the storage 1 trial whose result it could not take when it finished (unreachable or out of " \
+           f"space), from their records in " \
            f"{run_dir / 'trials'}: {mid}" in out.stderr + out.stdout
     trials = {t.number: t for t in _trials(url, "long")}
     assert trials[mid].state.name == "COMPLETE" and trials[mid].user_attrs["result"] == record["user_attrs"]["result"]

@@ -109,8 +109,9 @@ def replay(study: Any, workdir: Path, say: Callable[[str], None] | None = None) 
             continue  # another worker finished it meanwhile
         told.append(int(record["number"]))
     if told and say is not None:
-        say(f"told the storage {len(told)} trial{'s' if len(told) != 1 else ''} that finished while it was "
-            f"unreachable, from their records in {workdir}: {', '.join(map(str, told))}")
+        say(f"told the storage {len(told)} trial{'s' if len(told) != 1 else ''} whose result it could not take "
+            f"when {'they' if len(told) != 1 else 'it'} finished (unreachable or out of space), from their records "
+            f"in {workdir}: {', '.join(map(str, told))}")
     if reconciled and say is not None:
         say(f"restored the result of trial{'s' if len(reconciled) != 1 else ''} {', '.join(map(str, reconciled))} "
             f"from {workdir}/trial-*/{RECORD_FILE} (the storage had failed them without it): not run again")

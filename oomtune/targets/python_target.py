@@ -55,8 +55,8 @@ class PythonTarget(Target):
 
     def sources(self, target_cfg: Mapping[str, Any]) -> list[Path]:
         """The entry's file: ``path/to/file.py`` of ``path/to/file.py:fn`` (relative to the current
-        directory), or the file ``importlib.util.find_spec`` finds for ``pkg.mod:fn`` (the module is
-        not imported; a parent package's ``__init__`` may be); [] when there is none."""
+        directory), or the file of ``pkg.mod`` for ``pkg.mod:fn`` (:func:`_module_file`: found
+        without importing the module or its parent packages); [] when there is none."""
         from oomtune.targets import is_file_entry
 
         entry = target_cfg.get("entry")
@@ -66,15 +66,8 @@ class PythonTarget(Target):
         if is_file_entry(where):
             path = Path(where).expanduser().absolute()
             return [path] if path.is_file() else []
-        import importlib.util
-
-        try:
-            spec = importlib.util.find_spec(where)
-        except (ImportError, ValueError):
-            return []
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            return []
-        return [Path(spec.origin)]
+        origin = _module_file(where)
+        return [] if origin is None else [origin]
 
     def validate(self, target_cfg: Mapping[str, Any]) -> None:
         """The entry's form only (:func:`split_entry`): importing its module runs the user's code,
@@ -162,3 +155,37 @@ class PythonTarget(Target):
 
 
 TARGET = register_target(PythonTarget())
+
+
+def _module_file(dotted: str) -> Path | None:
+    """The ``.py`` file of the module ``dotted`` (``pkg.mod``), found as the import system would find
+    it but without executing anything: ``importlib.util.find_spec`` imports the parent packages (their
+    ``__init__`` runs: user code), so each level is looked up by the finders themselves, the top one in
+    ``sys.meta_path`` (which holds editable installs' finders), each sub-level in its parent's
+    ``submodule_search_locations``. None when a level is not found or the module is not a ``.py`` file.
+    """
+    import importlib.machinery
+    import sys
+
+    parts = dotted.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    spec = None
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(parts[0], None)
+        except Exception:   # noqa: BLE001 - a third-party finder's failure means "not found here"
+            spec = None
+        if spec is not None:
+            break
+    for depth in range(1, len(parts)):
+        locations = None if spec is None else spec.submodule_search_locations
+        if not locations:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth + 1]), list(locations))
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return Path(spec.origin)
