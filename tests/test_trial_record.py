@@ -249,3 +249,42 @@ def test_a_study_holding_old_flat_records_is_read_by_the_search_and_the_report()
     (rec,) = trial_records([trial])
     assert (rec["throughput"], rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], rec["memory_source"]) == \
         (812.5, 20 * MiB, 10 * MiB, "simulated")
+
+
+# ------------------------------------------------------------------ TrialSpec read from spec.json
+@pytest.mark.parametrize("change, message", [
+    ({"batch_size": "8"}, "trial spec: batch_size='8': expected int"),
+    ({"batch_size": True}, "trial spec: batch_size=True: expected int"),
+    ({"timeout_s": "300"}, "trial spec: timeout_s='300': expected int or float"),
+    ({"budget_bytes": 1.5}, "trial spec: budget_bytes=1.5: expected int or null"),
+    ({"memory_fraction": 1}, "trial spec: memory_fraction=1: expected bool"),
+    ({"workload": ["mlp"]}, "trial spec: workload=['mlp']: expected dict"),
+    ({"batch_sise": 8}, "trial spec: unknown field(s) batch_sise"),
+])
+def test_a_spec_read_from_json_is_checked_field_by_field(change, message):
+    import json
+
+    from oomtune.trial.record import TrialSpec
+
+    data = json.loads(TrialSpec(workload={"name": "mlp"}, batch_size=4).to_json())
+    with pytest.raises(ValueError) as err:
+        TrialSpec.from_json(json.dumps({**data, **change}))
+    assert str(err.value) == message
+
+
+def test_a_spec_round_trips_and_every_field_has_a_json_type():
+    import dataclasses
+    import json
+
+    from oomtune.trial.record import TrialSpec
+
+    spec = TrialSpec(workload={"name": "mlp", "data": {"source": "synthetic"}}, batch_size=4, budget_bytes=1 << 30,
+                     timeout_s=30, ranks=2, device="cuda:0,1")
+    assert TrialSpec.from_json(spec.to_json()) == spec
+    # every field can be read: a field added without its JSON type is refused when read
+    full = json.loads(spec.to_json())
+    assert set(full) == {f.name for f in dataclasses.fields(TrialSpec)}
+    with pytest.raises(ValueError, match="missing field batch_size"):
+        TrialSpec.from_json(json.dumps({"workload": {}}))
+    with pytest.raises(ValueError, match="a trial spec is a JSON object, got list"):
+        TrialSpec.from_json("[1, 2]")

@@ -106,7 +106,40 @@ class TrialSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "TrialSpec":
-        return cls(**json.loads(text))
+        """The spec that :meth:`to_json` wrote, checked field by field as it is read (the trial
+        process reads it from ``spec.json``, a file anything could have changed).
+
+        Raises:
+            ValueError: not a JSON object, a missing ``workload``/``batch_size``, a key that is no
+                field, or a field of the wrong type (bool is not a number; an int is a float), named.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a trial spec is a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"trial spec: unknown field(s) {', '.join(unknown)}")
+        for name in ("workload", "batch_size"):
+            if name not in data:
+                raise ValueError(f"trial spec: missing field {name}")
+        for name, value in data.items():
+            kinds = _SPEC_TYPES[name]
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                expected = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"trial spec: {name}={value!r}: expected {expected}")
+        return cls(**data)
+
+
+#: The JSON types each :class:`TrialSpec` field may be read as (:meth:`TrialSpec.from_json`).
+_SPEC_TYPES: dict[str, tuple[type, ...]] = {
+    "workload": (dict,), "batch_size": (int,), "alloc_conf": (str,), "device": (str,),
+    "budget_bytes": (int, type(None)), "warmup_steps": (int,), "measure_steps": (int,),
+    "timeout_s": (int, float), "seed": (int,), "smaller_batch_succeeded": (bool,),
+    "device_memory_bytes": (int, type(None)), "soak_steps": (int,), "shapes": (str,),
+    "limit_bytes": (int, type(None)), "execute": (str,), "memory_fraction": (bool,),
+    "measure_seconds": (int, float), "ranks": (int,),
+}
 
 
 def _check_bytes(section: str, name: str, value: Any) -> None:
