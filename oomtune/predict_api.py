@@ -69,7 +69,7 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
             ``"package.module:function"`` (the ``target=python`` protocol,
             :mod:`oomtune.targets.python_entry`).
         batch_size: samples per step (>= 1).
-        gpu: a card of :data:`oomtune.gpu.outside.CARDS` (``A100-SXM4-40GB``, ``A100-SXM4-80GB``):
+        gpu: a card of the device catalogue with a memory figure (``A100-SXM4-40GB``, ``l4``, ``h100-80gb``; :mod:`oomtune.gpu.catalogue`):
             its compute capability picks the kernels (attention backends, cuBLAS workspace size) and
             its memory (``cudaDeviceProp::totalGlobalMem``) is the budget.
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` value (native backend only).
@@ -95,7 +95,7 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
 
     card = card_of(gpu)
     if card is None:
-        raise ConfigError(f"gpu={gpu!r}: unknown card; choose one of {', '.join(c.name for c in CARDS.values())}")
+        raise ConfigError(f"gpu={gpu!r}: unknown card; choose one of {', '.join(c.display_name for c in CARDS.values())}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -109,14 +109,14 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
         raise ConfigError(f"entry={entry!r}: expected make_workload itself or 'file.py:function'")
     steps = _default_steps() if steps is None else steps
     workload = {"target": {"name": "python", "entry": entry}, "gpu": card.gpu_key, "gpu_source": "model.gpu"}
-    device = TargetDevice(spec="cuda:0", kind="cuda", index=0, name=card.name,
+    device = TargetDevice(spec="cuda:0", kind="cuda", index=0, name=card.display_name,
                           total_memory_bytes=card.total_memory_bytes, simulated=False)
     # the outside part decides the card's allocator share
     outside = outside_allocator(lazy_loading=lazy_loading, cudnn=bool(cudnn))
     geometry = sim_geometry(device, card.total_memory_bytes, outside_bytes=outside.total_bytes)
     predictor = Predictor(workload, geometry, steps=steps, derive=False)
     pred = predictor.predict_detail(batch_size, settings)
-    notes = [f"simulated on the virtual GPU: {card.name} ({card.total_memory_bytes / 2**20:.0f} MiB, "
+    notes = [f"simulated on the virtual GPU: {card.display_name} ({card.total_memory_bytes / 2**20:.0f} MiB, "
              f"{card.source}), {steps} steps, alloc_conf={settings.render()!r}", outside.describe()]
     notes.extend(sorted(predictor.fallback_reasons))
     return Prediction(peak_allocated_bytes=int(pred.peak_allocated_bytes),

@@ -74,6 +74,7 @@ class RootConf:
     study_name: Optional[str] = None
     trial: TrialConf = field(default_factory=TrialConf)
     plan: Dict[str, Any] = field(default_factory=dict)
+    gpu: Any = None   # oomtune plan across cards: a catalogue name, a card file, a list, or all (oomtune.gpu.catalogue)
 
 
 def register() -> None:
@@ -92,7 +93,7 @@ OPEN = object()
 #: their inner keys; a built-in model's is in its option file).
 SHAPE_KEYS_ADDABLE = ("seq_len", "image_size")
 #: The keys of the ``plan`` mapping (:func:`oomtune.plan.run.plan` reads ``plan.batch_sizes``).
-_PLAN_KEYS = {"batch_sizes": OPEN}
+_PLAN_KEYS = {"batch_sizes": OPEN, "batch": OPEN}
 
 
 def added_key(override: str) -> str | None:

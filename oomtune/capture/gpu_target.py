@@ -66,25 +66,32 @@ class GpuTarget:
                 "sm_count": self.sm_count, "key": self.key, "source": self.source}
 
 
-#: name -> (display name, major, minor, SM count), from NVIDIA's data sheets (the SXM parts where a
-#: PCIe one differs: H100 PCIe has 114 SMs, give ``sm90:114``).
-KNOWN_GPUS: dict[str, tuple[str, int, int, int]] = {
-    "v100": ("V100", 7, 0, 80),
-    "t4": ("T4", 7, 5, 40),
-    "a100": ("A100", 8, 0, 108),
-    "a10": ("A10", 8, 6, 72),
-    "a10g": ("A10G", 8, 6, 80),
-    "a40": ("A40", 8, 6, 84),
-    "a6000": ("RTX A6000", 8, 6, 84),
-    "rtx3090": ("RTX 3090", 8, 6, 82),
-    "l4": ("L4", 8, 9, 58),
-    "l40s": ("L40S", 8, 9, 142),
-    "rtx4090": ("RTX 4090", 8, 9, 128),
-    "h100": ("H100", 9, 0, 132),
-    "h200": ("H200", 9, 0, 132),
-    "b200": ("B200", 10, 0, 148),
-    "rtx5090": ("RTX 5090", 12, 0, 170),
-}
+def _known_gpus() -> dict[str, tuple[str, int, int, int]]:
+    """The named kernel families of the device catalogue (:mod:`oomtune.gpu.catalogue`, the one
+    source): family -> (display name, major, minor, SM count). Every card of a family has the same
+    compute capability and SM count (``a100``: A100-SXM4-40GB and -80GB); a MIG slice's family is
+    its capability with its SM count (``sm80:14``), not a name.
+
+    Raises:
+        ConfigError: two cards of one family that disagree (a broken catalogue).
+    """
+    from oomtune.gpu.catalogue import catalogue
+
+    out: dict[str, tuple[str, int, int, int]] = {}
+    for card in catalogue().values():
+        if card.family.startswith("sm"):
+            continue
+        entry = (card.family_name or card.family.upper(), *card.compute_capability, card.sm_count)
+        if out.setdefault(card.family, entry) != entry:
+            raise ConfigError(f"device catalogue: {card.path} puts family {card.family} at {entry[1:]}, "
+                              f"another card of it at {out[card.family][1:]}")
+    return out
+
+
+#: name -> (display name, major, minor, SM count): the catalogue's named families (``conf/devices/``,
+#: sourced there: NVIDIA's data sheets; the SXM parts where a PCIe one differs: H100 PCIe has 114
+#: SMs, give ``sm90:114``).
+KNOWN_GPUS: dict[str, tuple[str, int, int, int]] = _known_gpus()
 #: The target when ``model.gpu=auto`` and the run has no GPU of its own.
 DEFAULT_GPU = "a100"
 
@@ -105,6 +112,11 @@ def parse_gpu(value: Any, *, source: str = "model.gpu") -> GpuTarget:
     if text in KNOWN_GPUS:
         name, major, minor, sms = KNOWN_GPUS[text]
         return GpuTarget(name, major, minor, sms, text, source)
+    from oomtune.gpu.catalogue import card_named
+
+    card = card_named(text)
+    if card is not None:   # a catalogue card (a100-40gb, h100-80gb-3g.40gb): its family's kernels
+        return parse_gpu(card.family, source=source)
     m = _SM.fullmatch(text)
     if m:
         major = int(m.group(1) or m.group(3))
@@ -120,6 +132,11 @@ def parse_gpu(value: Any, *, source: str = "model.gpu") -> GpuTarget:
 def _from_name(device_name: str) -> str | None:
     """The :data:`KNOWN_GPUS` key in an NVML/torch device name (``NVIDIA A100-SXM4-80GB`` -> a100),
     longest match first (``a10g`` before ``a10``); None if none matches."""
+    from oomtune.gpu.catalogue import card_named
+
+    card = card_named(device_name)   # the catalogue's display names first (NVIDIA H200 -> its family)
+    if card is not None and card.family in KNOWN_GPUS:
+        return card.family
     flat = device_name.lower().replace("-", "").replace(" ", "")
     for key in sorted(KNOWN_GPUS, key=len, reverse=True):
         display = KNOWN_GPUS[key][0].lower().replace(" ", "")

@@ -48,8 +48,9 @@ per (GPU name, driver version, torch version) in ``outside_allocator.json`` besi
 that a later ``oomtune plan`` for the same device reads the measured figure
 (:func:`read_measured`) instead of the table.
 
-:data:`CARDS`: the memory torch reports for a card (``cudaDeviceProp::totalGlobalMem``), for
-:func:`oomtune.predict`'s ``gpu=`` names.
+:data:`CARDS`: the device catalogue's cards with the memory torch reports (``cudaDeviceProp::totalGlobalMem``),
+for :func:`oomtune.predict`'s ``gpu=`` names; every catalogue card's ``outside_allocator_bytes`` is
+:data:`CONTEXT_LAZY_BYTES` from the table above.
 """
 
 from __future__ import annotations
@@ -147,33 +148,28 @@ def outside_allocator(*, cuda_major: int = 12, lazy_loading: bool = True, cudnn:
     return OutsideAllocator(context, 0, (source,), tuple(_UNSOURCED[k] for k in unsourced))
 
 
-@dataclass(frozen=True)
-class Card:
-    """A GPU card: its :data:`oomtune.capture.gpu_target.KNOWN_GPUS` key (compute capability, SMs),
-    ``total_memory_bytes`` as torch reports it (``cudaDeviceProp::totalGlobalMem``, below nvidia-smi's
-    ``memory.total``) and the source of that figure."""
-
-    name: str
-    gpu_key: str
-    total_memory_bytes: int
-    source: str
+from oomtune.gpu.catalogue import Card  # noqa: E402 - the card record lives in the device catalogue
 
 
-#: Cards by name (case, ``-`` and spaces ignored), with torch's total memory.
-CARDS: dict[str, Card] = {c.name.lower().replace("-", ""): c for c in (
-    Card("A100-SXM4-40GB", "a100", 40_536 << 20,
-         "get_device_properties: total_memory=40536MB, 108 SMs (PaddlePaddle's device-properties docstring)"),
-    Card("A100-SXM4-80GB", "a100", 81_050 << 20,
-         "torch.cuda.get_device_properties: 79.15 GiB (oomtune.device's docstring, A100-80GB)"),
-)}
+def _cards() -> dict[str, Card]:
+    from oomtune.gpu.catalogue import catalogue
+
+    return {c.display_name.lower().replace("-", "").replace(" ", ""): c for c in catalogue().values()
+            if c.total_memory_bytes is not None}
+
+
+#: Cards with a memory figure by display name (case, ``-`` and spaces ignored), from the device
+#: catalogue (``conf/devices/``, :mod:`oomtune.gpu.catalogue`: the one source).
+CARDS: dict[str, Card] = _cards()
 
 
 def card_of(name: str) -> Card | None:
-    """The :class:`Card` named ``name`` (``A100-SXM4-40GB``, ``NVIDIA A100-SXM4-40GB``), or None."""
-    flat = str(name).strip().lower().replace("-", "").replace(" ", "")
-    if flat.startswith("nvidia"):
-        flat = flat[len("nvidia"):]
-    return CARDS.get(flat)
+    """The catalogue card named ``name`` (``A100-SXM4-40GB``, ``NVIDIA A100-SXM4-40GB``, ``a100-40gb``)
+    that has a memory figure, or None (:func:`oomtune.gpu.catalogue.card_named`)."""
+    from oomtune.gpu.catalogue import card_named
+
+    card = card_named(name)
+    return card if card is not None and card.total_memory_bytes is not None else None
 
 
 _OFF = {"off", "0", "none", "false", "no"}

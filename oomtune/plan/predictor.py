@@ -183,6 +183,8 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
                     f"memory (at most {_gib(cpu_capture_limit_bytes())} of it)")
             continue
         stream.captured_on = device   # the capture's device, a field (never read back from the reason's words)
+        # the attention backends the step ran (the target GPU's choice: flash on an A100, efficient on a T4)
+        stream.sdpa = dict(sum((n.sdpa for n in notes), start=__import__("collections").Counter()))
         notes_text = "; ".join(line for n in notes[:1] for line in n.translations())
         for extra in (wl.fallback_reason, notes_text or None):
             if extra:
@@ -436,6 +438,29 @@ class Predictor:
         return {d for d in self._capture_devices.values() if d is not None}
 
     @property
+    def sdpa_backends(self) -> dict[str, int]:
+        """The ``scaled_dot_product_attention`` backends this predictor's captures ran, with their call
+        counts summed over the captures (``{"flash": 24}``; empty: no attention, or captures read from
+        a stream cache entry written before the backends were recorded)."""
+        total: dict[str, int] = {}
+        for stream in self._captured.values():
+            for name, count in (getattr(stream, "sdpa", None) or {}).items():
+                total[name] = total.get(name, 0) + int(count)
+        return total
+
+    def retarget(self, geometry: dict[str, Any]) -> None:
+        """Replay the same captures on another card of the same kernels (``geometry``: its
+        :func:`sim_geometry`): the streams, regimes and derivations are kept, the replays (which depend
+        on the card's capacity and fraction) are dropped, and the bound on what is captured is
+        recomputed by :meth:`prepare` for the new limit. A multi-card plan calls it between cards of
+        one kernel family (:mod:`oomtune.plan.cards`)."""
+        self.geometry = dict(geometry)
+        self._cache.clear()
+        self._replays.clear()
+        self.limit_bytes = None
+        self.over_limit_at = None
+
+    @property
     def captures(self) -> int:
         """Batch sizes captured on the meta device (those read from the stream cache count too:
         ``cached_batches``)."""
@@ -494,6 +519,9 @@ class Predictor:
         """
         if limit_bytes is not None:
             self.limit_bytes = int(limit_bytes)
+            over = [b for b, st in self._captured.items() if st.peak_live_bytes() > self.limit_bytes]
+            if over and (self.over_limit_at is None or min(over) < self.over_limit_at):
+                self.over_limit_at = min(over)   # held captures bound a retargeted predictor too
         sizes = sorted(set(int(b) for b in batch_sizes))
         if _runs_on_cpu(self.model_cfg) and self.limit_bytes is not None:
             # captured on the CPU by design, one at a time (each costing host memory and time): upwards

@@ -102,6 +102,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     # torch is imported by the workload check: bad input exits at once
     cfg = compose_checked(overrides)
     headroom = validate_headroom(cfg.search.get("headroom", 0.0))
+    cards = _cards_of(cfg, overrides)   # gpu=[l4,a100-40gb]: checked here, before any import of torch
     from oomtune.plan.stream_cache import cacheable, default_cache
 
     store = default_cache()
@@ -156,6 +157,12 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from oomtune.trial._base import worst_shape_workload
 
     worst = worst_shape_workload(workload)
+    if cards is not None:
+        from oomtune.plan.cards import plan_multi
+
+        return plan_multi(cards, cfg, workload=worst, shaped=worst is not workload, settings=settings, skipped=skipped,
+                          grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
+                          global_batch=space.global_batch, label=prepared.target.label(workload))
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
     if space.global_batch is None:
         predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,
@@ -217,6 +224,27 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if path.name == "plan.yaml" and write_report is not None:
         write_report(path.parent, say)
     return fmap
+
+
+def _cards_of(cfg: Any, overrides: list[str]) -> Any:
+    """``gpu=``'s cards and budgets (:func:`oomtune.gpu.catalogue.resolve_cards`,
+    :func:`oomtune.plan.cards.card_budgets`: each card's memory unless ``budget=`` was given), or
+    None without ``gpu=`` (the single-card plan of ``model.gpu``).
+
+    Raises:
+        ConfigError / DeviceError: an unknown card, a bad card file, a budget above a card.
+    """
+    value = cfg.get("gpu")
+    if value is None:
+        return None
+    from oomtune import config as C
+    from oomtune.gpu.catalogue import resolve_cards
+    from oomtune.plan.cards import card_budgets
+
+    cards = resolve_cards(value if isinstance(value, (str, int, float)) else C.to_container(value))
+    given = any(o.lstrip("+").split("=", 1)[0].strip() == "budget" for o in list(overrides) + C.env_overrides())
+    budget = str(cfg.budget) if given else None
+    return cards, card_budgets(cards, budget), budget
 
 
 def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predictor: Any, steps: int, low: int,

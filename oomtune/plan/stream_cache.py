@@ -236,6 +236,9 @@ class StreamCache:
                 stream = AllocationStream.load(stream_path)
                 stream.captured_on = meta.get("captured_on") if meta.get("captured_on") in ("meta", "cpu") else None
                 stream.reads = reads
+                sdpa = meta.get("sdpa")
+                stream.sdpa = ({str(k): int(v) for k, v in sdpa.items()} if isinstance(sdpa, dict)
+                               and all(isinstance(v, int) for v in sdpa.values()) else None)
             except (OSError, ValueError, ConfigError, RecursionError):   # a file nested too deeply: a miss
                 break   # the entry for these values is damaged: a miss (written again after the capture)
             self.hits += 1
@@ -257,7 +260,8 @@ class StreamCache:
             stream.save(tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
             self._write_json(meta_path, {"key": material, "reads": reads, "reason": reason, "sha256": digest,
-                                         "captured_on": getattr(stream, "captured_on", None)})
+                                         "captured_on": getattr(stream, "captured_on", None),
+                                         "sdpa": getattr(stream, "sdpa", None)})
             os.replace(tmp, stream_path)
         except OSError:
             pass
