@@ -29,7 +29,9 @@ Without a process group (``oomtune plan``, the search's predictions) the stream 
 captured in one process with torch's fake process group (:func:`fake_process_group`:
 ``FakeProcessGroup``, world size N, rank 0; collectives do nothing, every allocation the
 strategy makes is the same); all ranks hold the same amount, FSDP2 pads every shard to the same
-size.
+size. A DDP rank is captured on the meta device (:mod:`oomtune.workloads._meta_rank`: DDP's two
+reads of exchanged values answered for the fake group's one rank), an FSDP2 rank on the CPU
+(:func:`captures_on_meta`).
 """
 
 from __future__ import annotations
