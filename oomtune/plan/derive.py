@@ -307,7 +307,7 @@ class StreamDeriver:
             for r in out:
                 reason = self._kinds[r.structure][1]
                 if reason is not None and "captured on cpu" in reason:
-                    why = ("model.parallel: DDP/FSDP2 need real tensors" if "model.parallel" in reason
+                    why = ("model.parallel: FSDP2 needs a device for its mesh" if "model.parallel" in reason
                            else "a meta kernel is missing")
                     r.why = f"captured on the CPU ({why}), which may follow other code paths"
                     continue

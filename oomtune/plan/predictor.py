@@ -103,18 +103,23 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
-    from oomtune.workloads.parallel import fake_process_group, world_size
+    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, world_size
 
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
     if _target(model_cfg).distributed(model_cfg):
-        # DDP checks and broadcasts real parameters, FSDP2 materialises its shards: no meta device.
-        # One rank's stream, through torch's fake process group (rank 0 of the world).
-        devices = ("cpu",)
-        reason = (f"model.parallel={model_cfg['parallel']}: captured on cpu, rank 0 of {world_size(model_cfg)} "
-                  "with torch's fake process group")
+        # One rank's stream, through torch's fake process group (rank 0 of the world): DDP on meta
+        # (oomtune/workloads/_meta_rank.py), FSDP2 on the CPU (it materialises its shards on the
+        # device of its mesh, and a meta mesh has none: captures_on_meta).
         group = fake_process_group(world_size(model_cfg))
+        if captures_on_meta(model_cfg):
+            reason = (f"model.parallel={model_cfg['parallel']}: rank 0 of {world_size(model_cfg)} with torch's fake "
+                      "process group")
+        else:
+            devices = ("cpu",)
+            reason = (f"model.parallel={model_cfg['parallel']}: captured on cpu, rank 0 of {world_size(model_cfg)} "
+                      "with torch's fake process group")
     from oomtune.capture.reads import reads, recording
 
     with group, recording():   # the environment variables and argv the workload reads key its cache entry
@@ -241,12 +246,15 @@ def _target(model_cfg: dict[str, Any]) -> Any:
 
 def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
     """Whether every capture of ``model_cfg`` runs its arithmetic on the CPU: a workload trained by
-    ranks (``model.parallel=ddp|fsdp``: :meth:`Target.distributed`, :func:`capture_training_stream`).
+    ranks (:meth:`Target.distributed`) that cannot be captured on meta (``model.parallel=fsdp``:
+    :func:`oomtune.workloads.parallel.captures_on_meta`; DDP is captured on meta).
     Such a predictor works in this process only (``workers`` 1): a process forked after this one ran
     CPU kernels waits forever in its first parallel CPU kernel (GNU OpenMP's thread pool does not
     survive ``fork``; seen in a forked capture's embedding), so neither its captures nor its replays
     (which may capture) are forked."""
-    return _target(model_cfg).distributed(model_cfg)
+    from oomtune.workloads.parallel import captures_on_meta
+
+    return _target(model_cfg).distributed(model_cfg) and not captures_on_meta(model_cfg)
 
 
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:

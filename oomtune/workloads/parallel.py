@@ -29,7 +29,9 @@ Without a process group (``oomtune plan``, the search's predictions) the stream 
 captured in one process with torch's fake process group (:func:`fake_process_group`:
 ``FakeProcessGroup``, world size N, rank 0; collectives do nothing, every allocation the
 strategy makes is the same); all ranks hold the same amount, FSDP2 pads every shard to the same
-size.
+size. A DDP rank is captured on the meta device (:mod:`oomtune.workloads._meta_rank`: DDP's two
+reads of exchanged values answered for the fake group's one rank), an FSDP2 rank on the CPU
+(:func:`captures_on_meta`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed", "require_process_group",
+__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed", "captures_on_meta",
+           "require_process_group",
            "fsdp_model", "wrap_lazily", "fake_process_group", "strategy_notes"]
 
 #: ``model.parallel`` values.
@@ -93,6 +96,22 @@ def with_ranks(workload: dict[str, Any], gpus: int) -> dict[str, Any]:
 def is_distributed(cfg: Mapping[str, Any]) -> bool:
     """Whether the workload trains under a data-parallel strategy (``model.parallel`` not none)."""
     return parallel_mode(cfg) != "none"
+
+
+def captures_on_meta(cfg: Mapping[str, Any]) -> bool:
+    """Whether one rank of the workload can be captured on the meta device under the fake process
+    group (:func:`fake_process_group`): without a strategy, and under ``ddp`` (its two reads of
+    exchanged values are answered for the fake group's one rank: :mod:`oomtune.workloads._meta_rank`).
+    Not under ``fsdp``: FSDP2 places its shards and its all-gather / reduce-scatter buffers on the
+    device of its mesh (``_get_device_from_mesh`` in torch/distributed/fsdp/_fully_shard/
+    _fsdp_init.py asks that device type's handle for the current device, and meta has no handle),
+    and refuses parameters left on meta at its first forward (``FSDPParamGroup.
+    _validate_no_meta_params``): its ranks are captured on the CPU.
+
+    Raises:
+        ConfigError: an unknown ``parallel`` value (:func:`parallel_mode`).
+    """
+    return parallel_mode(cfg) != "fsdp"
 
 
 def require_process_group(mode: str) -> Any:
@@ -171,8 +190,13 @@ def _wrap_ddp(module: Any, device: Any) -> Any:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from oomtune.workloads._meta_rank import meta_ddp, on_meta_under_fake_group
+
     ids = [device] if getattr(device, "type", None) == "cuda" else None
-    ddp = DistributedDataParallel(module, device_ids=ids)
+    if on_meta_under_fake_group(module):   # a plan's capture of one rank on meta (workloads/_meta_rank.py)
+        ddp = meta_ddp(module, device_ids=ids)
+    else:
+        ddp = DistributedDataParallel(module, device_ids=ids)
     if dist.get_backend() == "fake":
         # The fake group's all-reduce future holds no tensor, which DDP's built-in hook needs
         # (c10d/comm.cpp parseHookResult). Its hook divides the bucket in place and all-reduces it in
