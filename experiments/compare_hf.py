@@ -35,7 +35,11 @@ structure (GPT2Config) with 2 layers of width 128, at a budget of 1 GiB, where t
 the language-model head (50257 x 128) and the logits (50257 per token) dominate memory as in GPT-2.
 ``--runs gpt2:8GiB:full`` runs the issue's size where time allows.
 
-Run: python experiments/compare_hf.py [--runs small:1GiB:full] [--parts peer,oomtune]
+Trials' steps: with ``--execute auto`` (the default) the integration runs each trial's steps on the
+meta device and the search runs one real CPU step as its smoke test; ``--execute cpu`` runs every
+trial's steps on the CPU for real (the behaviour before meta steps).
+
+Run: python experiments/compare_hf.py [--runs small:1GiB:full] [--parts peer,oomtune] [--execute auto|cpu]
 Writes experiments/results/compare_hf.txt (first lines: the command and the commit).
 """
 
@@ -172,14 +176,15 @@ def clean_run(model: dict, seq_len: int, micro: int, accum: int, alloc_conf: str
 
 
 # ------------------------------------------------------------------ oomtune
-def run_oomtune_search(model: dict, seq_len: int, global_batch: int, budget: str, run_dir: Path) -> dict:
+def run_oomtune_search(model: dict, seq_len: int, global_batch: int, budget: str, run_dir: Path,
+                       execute: str = "auto") -> dict:
     import yaml
 
     command = " ".join([sys.executable, *script_args(model, seq_len)])
     argv = ["search", "target=cmd", f"target.command='{command}'", f"budget={budget}", "device=cpu",
             f"search.global_batch={global_batch}", "search.batch_size.low=1",
             "+search.space.activation_checkpointing=[false,true]", "trial.warmup_steps=0", "trial.measure_steps=1",
-            "trial.confirm_steps=1", "trial.timeout=86400", f"hydra.run.dir={run_dir}"]
+            "trial.confirm_steps=1", "trial.timeout=86400", f"trial.execute={execute}", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "oomtune", *argv], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -311,6 +316,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--parts", default="peer,oomtune")
+    ap.add_argument("--execute", default="auto",
+                    help="oomtune's trial.execute: auto (the integration runs the steps on meta, one real CPU step "
+                         "as the smoke test) or cpu (every trial runs real CPU steps)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--budget", default="8GiB", help=argparse.SUPPRESS)   # the peer child's
     ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
@@ -355,7 +363,8 @@ def main() -> None:
             if "oomtune" in args.parts:
                 load = round(os.getloadavg()[0], 1)
                 if mode == "full":
-                    r = run_oomtune_search(model, args.seq_len, args.global_batch, budget, work / "search")
+                    r = run_oomtune_search(model, args.seq_len, args.global_batch, budget, work / "search",
+                                           args.execute)
                 else:
                     r = run_oomtune_predict(model, args.seq_len, args.global_batch, budget, work)
                     if "error" not in r:

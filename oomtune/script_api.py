@@ -43,7 +43,8 @@ from typing import Any
 
 __all__ = ["report", "capture_hook", "launched", "trial_settings", "TrialSettings", "CaptureHook",
            "RESULT_FILE_ENV", "BUDGET_ENV", "BATCH_SIZE_ENV", "DEVICE_ENV", "GPU_ENV", "GRAD_ACCUM_ENV",
-           "GLOBAL_BATCH_ENV", "CHECKPOINTING_ENV", "STREAM_FILE_ENV", "WARMUP_ENV", "MEASURE_ENV"]
+           "GLOBAL_BATCH_ENV", "CHECKPOINTING_ENV", "STREAM_FILE_ENV", "WARMUP_ENV", "MEASURE_ENV", "EXECUTE_ENV",
+           "META_UNSUPPORTED_EVENT"]
 
 #: The JSON-lines results file the parent reads (set only when oomtune launched the script).
 RESULT_FILE_ENV = "OOMTUNE_RESULT_FILE"
@@ -68,6 +69,11 @@ CHECKPOINTING_ENV = "OOMTUNE_ACTIVATION_CHECKPOINTING"
 STREAM_FILE_ENV = "OOMTUNE_STREAM_FILE"
 #: Warm-up and measured optimizer steps of the trial.
 WARMUP_ENV, MEASURE_ENV = "OOMTUNE_WARMUP_STEPS", "OOMTUNE_MEASURE_STEPS"
+#: Where a CPU trial's steps run (``meta``: an integration runs them on the meta device,
+#: :mod:`oomtune.integrations._meta`; ``cpu`` or unset: for real on the CPU).
+EXECUTE_ENV = "OOMTUNE_EXECUTE"
+#: The channel event of a trial whose steps could not run on meta (the parent runs it again on the CPU).
+META_UNSUPPORTED_EVENT = "meta_unsupported"
 
 #: Virtual-GPU capacity when no budget is given: large enough never to run out.
 _UNBOUNDED_SIM_BYTES = 1 << 50
@@ -91,6 +97,8 @@ class TrialSettings:
         activation_checkpointing: True/False when the search varies it, None when not.
         warmup_steps / measure_steps: optimizer steps before timing / timed.
         device: ``"cpu"`` (the virtual GPU) or ``"cuda"``.
+        execute: on the virtual GPU, where the steps run: ``"meta"`` (no arithmetic, through an
+            integration) or ``"cpu"`` (for real).
     """
 
     batch_size: int
@@ -100,6 +108,7 @@ class TrialSettings:
     warmup_steps: int = 1
     measure_steps: int = 3
     device: str = "cpu"
+    execute: str = "cpu"
 
 
 def _env_int(name: str, default: int | None, minimum: int) -> int | None:
@@ -133,7 +142,8 @@ def trial_settings() -> TrialSettings | None:
         global_batch=_env_int(GLOBAL_BATCH_ENV, None, 1),
         activation_checkpointing=None if ckpt in (None, "") else ckpt not in ("0", "false", "False"),
         warmup_steps=_env_int(WARMUP_ENV, 1, 0), measure_steps=_env_int(MEASURE_ENV, 3, 1),
-        device=os.environ.get(DEVICE_ENV, "cpu"))
+        device=os.environ.get(DEVICE_ENV, "cpu"),
+        execute="meta" if os.environ.get(EXECUTE_ENV) == "meta" and os.environ.get(DEVICE_ENV, "cpu") == "cpu" else "cpu")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -294,8 +304,9 @@ class CaptureHook:
     Usable as a context manager (stops at exit) or left running until the process exits.
     """
 
-    def __init__(self, tensors: list[Any], reason: str | None) -> None:
+    def __init__(self, tensors: list[Any], reason: str | None, device: str = "cpu") -> None:
         self.sim: Any = None
+        self.device = device   # the device type whose storages stand for GPU memory: cpu, or meta
         self.reason = reason
         self._vgpu: Any = None
         self._tee: Any = None
@@ -329,7 +340,7 @@ class CaptureHook:
 
             self._tee = StreamSink()
         self._recording_sim = _RecordingSim(self.sim, self)
-        self._vgpu = VirtualGPU(self._recording_sim, device="cpu", gpu=os.environ.get(GPU_ENV) or None, tee=self._tee)
+        self._vgpu = VirtualGPU(self._recording_sim, device=self.device, gpu=os.environ.get(GPU_ENV) or None, tee=self._tee)
         _ACTIVE.append(self)
         self._vgpu.__enter__()
         self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
@@ -349,7 +360,7 @@ class CaptureHook:
             flat += list(t) if isinstance(t, (list, tuple)) else [t]
         return self._vgpu.register(flat)
 
-    def _write_stream(self, stream: Any = None, source: str = "capture_hook (cpu)") -> None:
+    def _write_stream(self, stream: Any = None, source: str | None = None) -> None:
         """Write the recorded stream (the virtual GPU's, or ``stream``) and its marks
         (``OOMTUNE_STREAM_FILE`` and ``<file>.json``), unless the run ran out of memory (an incomplete
         stream would mislead the predictions)."""
@@ -362,6 +373,7 @@ class CaptureHook:
         if rank > 0:   # rank 0's stream stands for the trial (data-parallel ranks run the same step)
             path = f"{path}.rank{rank}"
         stream.save(path)
+        source = source or f"capture_hook ({self.device})"
         meta = {"format": "oomtune-recorded-stream", "version": 1, "source": source,
                 "rank": rank, "world_size": world, "events": len(stream), "precision": self.precision}
         with open(path + ".json", "w", encoding="utf-8") as f:
@@ -434,7 +446,7 @@ def _tensors(model: Any, optimizer: Any, tensors: tuple[Any, ...]) -> list[Any]:
     return out
 
 
-def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> CaptureHook:
+def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any, device: str = "cpu") -> CaptureHook:
     """Run the rest of a CPU training script on the virtual GPU, so it runs out of memory where the
     budgeted GPU would.
 
@@ -453,6 +465,10 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> Cap
     no cuBLAS/cuDNN workspaces (see :mod:`oomtune.capture.recorder`).
 
     Use as ``hook = capture_hook(model, opt)`` (runs until exit) or ``with capture_hook(model, opt):``.
+
+    ``device="meta"``: the storages of meta tensors stand for GPU memory instead of CPU ones (an
+    integration running the steps on meta, :mod:`oomtune.integrations._meta`; CPU tensors, such as
+    Adam's host-side step counters, stay off the virtual GPU as on CUDA).
 
     On CUDA (under oomtune) nothing is simulated; with a budget, the caching allocator is capped at
     it with ``torch.cuda.set_per_process_memory_fraction`` (corrected for the memory outside the
@@ -485,7 +501,7 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any) -> Cap
         return hook
     if _ACTIVE:
         raise RuntimeError("oomtune.capture_hook() is already active in this process")
-    return CaptureHook(_tensors(model, optimizer, tensors), None)
+    return CaptureHook(_tensors(model, optimizer, tensors), None, device)
 
 
 def _apply_cuda_budget(torch: Any) -> float | None:

@@ -155,7 +155,12 @@ BUILTIN = {"name": "resnet", "target": {"name": "builtin"}}
     ("meta", False, "throughput", BUILTIN, "device"),        # a GPU trial runs on the GPU
     ("cpu", True, "batch", BUILTIN, "cpu"),
     ("meta", True, "batch", {"target": {"name": "python", "entry": "x.py:f"}}, "meta"),
-    ("meta", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
+    # a command is asked for meta steps on the virtual GPU (its integration runs them there, or the CPU)
+    ("meta", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "meta"),
+    ("auto", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "meta"),
+    ("cpu", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
+    ("auto", True, "throughput", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
+    ("auto", False, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
 ])
 def test_resolve_execute(setting, simulated, objective, workload, mode):
     assert resolve_execute(setting, simulated=simulated, objective=objective, workload=workload)[0] == mode

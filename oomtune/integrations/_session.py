@@ -11,6 +11,14 @@ the device is synchronised before each reading (``torch.cuda.synchronize``), as 
 do. Samples: ``micro-batch x grad_accum x world size`` per optimizer step (``world size`` from
 ``torch.distributed`` when initialised), reported by rank 0 only, so that they are counted once;
 every rank's memory is written by its capture hook (the parent keeps the highest).
+
+Meta steps: on a CPU trial whose settings say ``execute="meta"`` (``OOMTUNE_EXECUTE``), the first
+:meth:`TrialSession.attach` moves the model to the meta device, records meta storages on the virtual
+GPU and makes ``cpu`` mean ``meta`` from then until :meth:`TrialSession.finish`
+(:mod:`oomtune.integrations._meta`). A step that cannot run there ends the process with an
+uncaught error after a ``meta_unsupported`` channel line, and the parent runs the trial again on the
+CPU. Several ranks (``OOMTUNE_GPUS`` or ``WORLD_SIZE`` above 1) keep CPU steps: gloo's collectives
+move real tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import time
 from typing import Any
 
 from oomtune.exceptions import ConfigError
-from oomtune.script_api import TrialSettings, capture_hook, rank_and_world, report, trial_settings
+from oomtune.script_api import (META_UNSUPPORTED_EVENT, TrialSettings, _append, capture_hook, rank_and_world, report,
+                                trial_settings)
 
 __all__ = ["TrialSession", "IntegrationError", "fail"]
 
@@ -47,6 +56,10 @@ class TrialSession:
         framework: named in messages (``"Hugging Face Trainer"``, ``"Lightning"``, ``"loop"``).
         settings: the trial's settings (default: :func:`oomtune.script_api.trial_settings`; None
             makes the session inactive).
+        placeholder_reads: the framework's files whose value reads of meta tensors (its loss
+            logging) get a placeholder (:class:`oomtune.integrations._meta.MetaSteps`).
+        answers: value reads of meta tensors the framework's integration can answer
+            (:class:`oomtune.integrations._meta.MetaSteps`).
 
     Attributes:
         active: oomtune launched the process.
@@ -54,9 +67,12 @@ class TrialSession:
         steps_done: optimizer steps finished so far.
         done: warm-up and measured steps are over (the framework should stop training).
         reported: the report line was written.
+        meta: the :class:`~oomtune.integrations._meta.MetaSteps` in force while the steps run on
+            the meta device (None: they run on the CPU, or not yet started).
     """
 
-    def __init__(self, framework: str, settings: TrialSettings | None = None) -> None:
+    def __init__(self, framework: str, settings: TrialSettings | None = None,
+                 placeholder_reads: tuple[str, ...] = (), answers: dict[tuple[str, str], Any] | None = None) -> None:
         self.framework = framework
         self.settings = settings if settings is not None else trial_settings()
         self.active = self.settings is not None
@@ -68,6 +84,19 @@ class TrialSession:
         self.samples_per_step: float | None = None   # this rank's samples per optimizer step, if not the trial's
         self._t0: float | None = None
         self._t_end: float | None = None
+        self.placeholder_reads = placeholder_reads
+        self.answers = answers
+        self.meta: Any = None
+
+    @property
+    def on_meta(self) -> bool:
+        """The trial asks for meta steps and can have them (one rank: gloo moves real tensors)."""
+        import os
+
+        if not self.active or self.settings.execute != "meta":
+            return False
+        ranks = [os.environ.get(k, "") for k in ("OOMTUNE_GPUS", "WORLD_SIZE")]
+        return not any(r.isdigit() and int(r) > 1 for r in ranks)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -87,12 +116,49 @@ class TrialSession:
         if not self.active:
             return
         if self.hook is None:
+            if self.on_meta:
+                self._start_meta(model, optimizer, tensors)
+                return
             self.hook = capture_hook(model, optimizer, *tensors)
             self.hook.precision = self.precision
             return
         from oomtune.script_api import _tensors
 
         self.hook.register(_tensors(model, optimizer, tensors))
+
+    def _start_meta(self, model: Any, optimizer: Any, tensors: tuple) -> None:
+        """Move ``model`` to meta, start the capture hook on meta storages and make ``cpu`` mean
+        ``meta`` (:class:`~oomtune.integrations._meta.MetaSteps`); an uncaught error from then on
+        writes the ``meta_unsupported`` line first (the parent runs the trial again on the CPU)."""
+        from oomtune.integrations._meta import MetaSteps, move_to_meta
+
+        if optimizer is not None and optimizer.state:
+            fail(f"{self.framework}: the optimizer has state before the steps start, so the steps cannot move to "
+                 "the meta device")
+        if model is not None:
+            move_to_meta(model)
+        self.hook = capture_hook(model, optimizer, *tensors, device="meta")
+        self.hook.precision = self.precision
+        self.meta = MetaSteps(self.placeholder_reads, self.answers)
+        self.meta.__enter__()
+        previous = sys.excepthook
+
+        def on_error(kind: Any, value: Any, tb: Any) -> None:
+            import torch
+
+            if not isinstance(value, torch.OutOfMemoryError):
+                line = (str(value).strip().splitlines() or [kind.__name__])[0][:300]
+                _append({"event": META_UNSUPPORTED_EVENT, "time": time.time(),
+                         "reason": f"{kind.__name__}: {line}"})
+            previous(kind, value, tb)
+
+        sys.excepthook = on_error
+
+    def _stop_meta(self) -> None:
+        """Leave :class:`~oomtune.integrations._meta.MetaSteps` (``cpu`` is the CPU again)."""
+        if self.meta is not None:
+            meta, self.meta = self.meta, None
+            meta.__exit__(None, None, None)
 
     def require_optimizer(self, optimizer: Any) -> None:
         """Refuse to measure steps without an optimizer (one line, exit status 2): the integration was
@@ -138,6 +204,8 @@ class TrialSession:
             return
         self.reported = True
         measured = self.steps_done - self.settings.warmup_steps
+        meta = self.meta
+        self._stop_meta()   # the hook's own modes sit below it on the mode stack
         if not self.done:
             if self.hook is not None:
                 self.hook.stop()
@@ -154,6 +222,12 @@ class TrialSession:
                                      "grad_accum": s.grad_accum, "world_size": world}
             if self.precision is not None:
                 extra["precision"] = self.precision
+            if meta is not None:
+                extra["execute"] = "meta"
+                extra["meta_placeholder_reads"] = meta.placeholder_count
             report(samples=per_step * measured, seconds=seconds, steps=measured, **extra)
         if self.hook is not None:
             self.hook.stop()
+        if meta is not None:   # the framework's code after the steps still sees a meta model
+            self.meta = meta
+            meta.__enter__()

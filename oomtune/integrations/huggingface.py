@@ -61,7 +61,30 @@ class OomtuneCallback(TrainerCallback):
     a no-op when oomtune did not launch the process."""
 
     def __init__(self) -> None:
-        self.session = TrialSession("Hugging Face Trainer")
+        # the Trainer's own value reads (its isnan loss filter, tr_loss.item(), grad_norm.item()) feed its
+        # logs only: on meta they get a placeholder (oomtune.integrations._meta)
+        self.session = TrialSession("Hugging Face Trainer", placeholder_reads=("transformers/trainer.py",),
+                                    answers={("transformers/masking_utils.py", "find_packed_sequence_indices"):
+                                             self._not_packed})
+        self._batch_keys: set[str] = set()
+
+    def _not_packed(self) -> bool:
+        """On meta: transformers' packed-sequence check (``find_packed_sequence_indices`` reading
+        ``(packed_sequence_mask[:, -1] == 0).all()``) is True, one sequence per row, when the batch
+        carries no ``position_ids`` (the model made them with ``arange``); a batch that carries them
+        (a packing collator) needs their values: the steps run on the CPU.
+
+        Raises:
+            MetaStepUnsupported: the batch carries ``position_ids``.
+        """
+        from oomtune.integrations._meta import MetaStepUnsupported
+
+        if "position_ids" in self._batch_keys:
+            raise MetaStepUnsupported("the batch carries position_ids, and whether they are packed is in their values")
+        return True
+
+    def _see_batch(self, module: Any, args: Any, kwargs: dict) -> None:
+        self._batch_keys = set(kwargs)
 
     # -------------------------------------------------------------- set-up
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -84,6 +107,8 @@ class OomtuneCallback(TrainerCallback):
                     setattr(args, name, bool(t.activation_checkpointing))
         s.precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
         s.attach(model)
+        if s.meta is not None and model is not None:
+            model.register_forward_pre_hook(self._see_batch, with_kwargs=True)
         return control
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,

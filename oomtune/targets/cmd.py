@@ -24,6 +24,12 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
 - ``OOMTUNE_GRAD_ACCUM``, ``OOMTUNE_GLOBAL_BATCH`` (with ``search.global_batch``),
   ``OOMTUNE_ACTIVATION_CHECKPOINTING`` (``1``/``0``, when searched), read by the integrations
   (:mod:`oomtune.integrations`);
+- ``OOMTUNE_EXECUTE`` (a CPU trial): ``meta`` when the trial's steps may run on the meta device
+  (``TrialSpec.execute``; an integration does it, :mod:`oomtune.integrations._meta`), else ``cpu``.
+  A meta trial whose steps cannot run there writes a ``meta_unsupported`` line and fails; the
+  command is then run again with ``cpu`` in the same trial directory, and the record says why in
+  ``extra["meta_fallback"]``; a trial whose steps ran on meta (its report says ``"execute": "meta"``)
+  has no throughput (nothing was computed), as a built-in meta trial;
 - ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
   (``stream.bin`` in the trial directory, with ``stream.bin.json``); when written, the record's
   ``extra["stream_file"]`` names it and the search replays it under every allocator configuration
@@ -77,7 +83,8 @@ from oomtune.classify import ADVICE, classify_failure, classify_text
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, DEVICE_ENV, DEVICE_MEMORY_ENV,
-                                GLOBAL_BATCH_ENV, GPU_ENV, GRAD_ACCUM_ENV, RESULT_FILE_ENV, STREAM_FILE_ENV)
+                                EXECUTE_ENV, GLOBAL_BATCH_ENV, GPU_ENV, GRAD_ACCUM_ENV, META_UNSUPPORTED_EVENT,
+                                RESULT_FILE_ENV, STREAM_FILE_ENV)
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
@@ -251,6 +258,9 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
     gpu = (spec.workload or {}).get("gpu")
     if gpu and str(gpu).lower() != "auto":
         out[GPU_ENV] = str(gpu)   # the target GPU whose kernels capture_hook's virtual GPU runs
+    out.pop(EXECUTE_ENV, None)
+    if not spec.device.startswith("cuda"):
+        out[EXECUTE_ENV] = "meta" if spec.execute == "meta" else "cpu"
     out.pop(DEVICE_MEMORY_ENV, None)
     if spec.device_memory_bytes is not None and not spec.device.startswith("cuda"):
         out[DEVICE_MEMORY_ENV] = str(int(spec.device_memory_bytes))  # the virtual GPU's size (capture_hook)
@@ -293,6 +303,10 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
                   grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:
     """Run one ``target=cmd`` trial and return its record; never raises for a trial failure.
 
+    A trial asked to run its steps on meta (``spec.execute == "meta"``) whose command says they
+    cannot (a ``meta_unsupported`` line) is run again with CPU steps; its record's
+    ``extra["meta_fallback"]`` holds the reason and ``extra["execute"]`` where the steps ran.
+
     Args:
         spec: the trial; ``spec.workload["target"]`` is ``{"name": "cmd", "command": ..., "cwd": ...}``.
         workdir: created; holds ``results.jsonl`` (the channel), ``stdout.txt``, ``stderr.txt`` and
@@ -311,6 +325,19 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     Raises:
         ConfigError, AllocatorConfigError: a bad command, cwd, device or spec (nothing launched).
     """
+    result = _run_once(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
+    fallback = result.extra.pop("meta_unsupported", None)
+    if fallback is not None:
+        result = _run_once(replace(spec, execute="cpu"), workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
+        result.extra["meta_fallback"] = fallback
+        result.write(Path(workdir).resolve() / "result.json")
+    return result
+
+
+def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, grace_s: float,
+              on_start: Callable[[int], None] | None) -> TrialResult:
+    """One run of the command (:func:`run_cmd_trial`); ``extra["meta_unsupported"]``: the reason its
+    meta steps failed, when they did (the caller runs it again on the CPU)."""
     from oomtune.trial.runner import validate_spec
 
     from oomtune.workloads.training import checkpointing_of, grad_accum_of
@@ -375,6 +402,15 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     result.wall_s = max(0.0, time.time() - started)   # the record refuses a negative time (clock step)
     result.extra.update(pid=proc.pid, returncode=returncode, command=argv if not shell else argv[-1],
                         launcher="cmd", grad_accum=grad_accum_of(spec.workload))
+    lines = read_channel(channel)
+    unsupported = [ln for ln in lines if isinstance(ln, dict) and ln.get("event") == META_UNSUPPORTED_EVENT]
+    if spec.execute == "meta" and unsupported and result.outcome is not Outcome.OK:
+        result.extra["meta_unsupported"] = str(unsupported[0].get("reason", "?"))
+    on_meta = any(isinstance(r, dict) and r.get("execute") == "meta" for r in result.extra.get("reported", []))
+    if not spec.device.startswith("cuda"):
+        result.extra["execute"] = "meta" if on_meta else "cpu"
+    if on_meta:   # nothing was computed: the meta steps' times are no throughput
+        result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None, data_wait_fraction=None)
     stream = workdir / STREAM_FILE
     if stream.is_file() and result.outcome is Outcome.OK:
         result.extra["stream_file"] = str(stream)   # the step's allocation stream (oomtune.plan.recorded)

@@ -19,7 +19,11 @@ samples/s decide nothing about a GPU) and costs host memory in proportion to the
   the parameters and FSDP2 materialises its shards): then ``cpu``; on a GPU the trial runs
   on the device and this setting does not apply.
 
-``target=cmd`` trials run the user's command as it is, whatever the setting.
+``target=cmd`` trials run the user's command. On the virtual GPU with ``auto``/``meta`` (and not the
+throughput objective) they are asked for meta steps (``OOMTUNE_EXECUTE=meta``): an integration
+(:mod:`oomtune.integrations`) then runs the model's steps on meta, and a step that cannot run there
+makes the trial run the command again on the CPU (:func:`oomtune.targets.cmd.run_cmd_trial`); the
+search's smoke test runs one real CPU step first, as for built-in workloads.
 
 Before a search whose CPU trials (``cpu``, and ``target=cmd`` commands on the virtual GPU, which run
 real CPU steps too) cannot fit their budget in the host's available memory (``MemAvailable`` in
@@ -55,10 +59,17 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     from oomtune.trial._base import target_for
 
     target = target_for(workload)
-    if target.own_process:
-        return "command", f"target={target.name} runs its own command"
     if not simulated:
-        return "device", "trials run on the GPU"
+        return ("command", f"target={target.name} runs its own command") if target.own_process else (
+            "device", "trials run on the GPU")
+    if target.own_process:
+        # an integration (oomtune.integrations) runs the command's steps on meta when asked (OOMTUNE_EXECUTE);
+        # a command without one, or a step meta cannot run, runs them on the CPU (said in its record)
+        if setting == "cpu" or objective == "throughput":
+            return "command", (f"target={target.name} runs its own command, its steps on the CPU (trial.execute="
+                               f"{setting}{', search.objective=throughput' if objective == 'throughput' else ''})")
+        return "meta", (f"target={target.name} on the virtual GPU: an integration runs the steps on the meta device "
+                        "(a command without one, or a step meta cannot run, runs them on the CPU)")
     if setting == "meta":
         if objective == "throughput":
             raise ConfigError("trial.execute=meta measures no throughput, and search.objective=throughput ranks by it: "

@@ -1,0 +1,143 @@
+"""A user's Hugging Face Trainer script runs its trial's steps on the meta device (``OOMTUNE_EXECUTE=meta``).
+
+What must hold: the meta steps' recorded request stream is the CPU steps' stream, event for event,
+except for the host-side requests a CPU recording counts and a CUDA run keeps on the host; a step
+that meta cannot run makes the trial run again on the CPU and say why; tied weights stay tied on meta.
+
+Expected values: the CPU run of the same script (the behaviour before meta steps) and hand arithmetic
+for the host-side tensors (torch/utils/data/dataloader.py's ``_BaseDataLoaderIter.__init__`` draws its
+base seed as ``torch.empty((), dtype=torch.int64).random_()``: 8 bytes; ``RandomSampler.__iter__``
+draws ``torch.randperm(n)``: n x 8 bytes, int64).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = '''
+import sys, tempfile, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from oomtune.integrations.huggingface import OomtuneCallback
+
+class Rows(torch.utils.data.Dataset):   # python lists: the collator makes the batch's tensors
+    def __init__(self, n, seq):
+        self.rows = [[(7 * i + j) % 256 for j in range(seq)] for i in range(n)]
+    def __len__(self):
+        return len(self.rows)
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+class Reads(GPT2LMHeadModel):   # a model that reads a value in its forward: meta has none
+    def forward(self, input_ids=None, **kw):
+        if READS:
+            float(self.transformer.wte.weight.sum())
+        return super().forward(input_ids=input_ids, **kw)
+
+READS = "--reads" in sys.argv
+torch.manual_seed(0)
+model = Reads(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2, n_positions=32))
+with tempfile.TemporaryDirectory() as out:
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, report_to=[],
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                             remove_unused_columns=False)
+    Trainer(model=model, args=args, train_dataset=Rows(64, 32), callbacks=[OomtuneCallback()]).train()
+'''
+
+
+def _trial(tmp_path: Path, execute: str, *extra: str):
+    from oomtune.targets.cmd import run_cmd_trial
+    from oomtune.trial.record import TrialSpec
+    from oomtune.units import GiB
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    work = tmp_path / execute
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": [sys.executable, str(script), *extra]},
+                               "grad_accum": 2},
+                     batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
+                     warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
+    return run_cmd_trial(spec, workdir=work, env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"}), work
+
+
+def _events(path: Path) -> list[tuple[str, int]]:
+    """The stream as (A|F, size in bytes), in order (keys differ between runs, sizes do not)."""
+    from oomtune.alloc.stream import AllocationStream
+
+    s = AllocationStream.load(str(path))
+    size: dict[int, int] = {}
+    out = []
+    for action, key, nbytes in zip(s.actions, s.keys, s.sizes):
+        if action == 0:
+            size[key] = nbytes
+        out.append(("A" if action == 0 else "F", size[key]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="with a list dataset the CPU recording holds 6 batch-sized (1024 B) requests "
+                   "before the first step where the meta recording holds 4: two collation-side CPU tensors not yet "
+                   "accounted for (examples/hf_trainer.py's tensor dataset differs only by the host-side seed, "
+                   "randperm and the dataset's own storage)")
+def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_path):
+    cpu, cpu_dir = _trial(tmp_path, "cpu")
+    meta, meta_dir = _trial(tmp_path, "meta")
+    assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
+    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    host = [("A", 8), ("F", 8), ("A", 64 * 8), ("F", 64 * 8)]   # the loader's seed, RandomSampler's randperm(64)
+    got_cpu, got_meta = _events(cpu_dir / "stream.bin"), _events(meta_dir / "stream.bin")
+    # the host-side pairs come before the first batch, once per epoch (one epoch: 2 steps x 2 x 4 < 64 rows)
+    first = got_cpu.index(("A", 8))
+    assert got_cpu[first:first + 4] == host
+    assert got_cpu[:first] + got_cpu[first + 4:] == got_meta
+    assert meta.memory.peak_allocated_bytes == cpu.memory.peak_allocated_bytes
+    assert meta.memory.peak_reserved_bytes == cpu.memory.peak_reserved_bytes
+    # nothing was computed on meta: no throughput
+    assert cpu.throughput.samples_per_s > 0 and meta.throughput.samples_per_s is None
+
+
+@pytest.mark.slow
+def test_a_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
+    r, _ = _trial(tmp_path, "meta", "--reads")
+    assert r.outcome == "ok", r.message
+    assert r.extra["execute"] == "cpu"
+    assert "reads a tensor's value (__float__()" in r.extra["meta_fallback"]
+    assert r.throughput.samples_per_s > 0
+
+
+def test_moving_a_model_to_meta_keeps_tied_weights_one_tensor():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oomtune.integrations._meta import move_to_meta
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    n = len(list(model.parameters()))
+    move_to_meta(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.device.type == "meta" and len(list(model.parameters())) == n
+    # Module.to would untie them: a cpu -> meta move makes a new Parameter per module
+    other = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8)).to("meta")
+    assert other.lm_head.weight is not other.transformer.wte.weight
+
+
+def test_value_reads_outside_the_frameworks_logging_are_refused_on_meta():
+    import torch
+
+    from oomtune.integrations._meta import MetaSteps, MetaStepUnsupported
+
+    x = torch.empty(3, device="meta")
+    with MetaSteps(placeholder_reads=("nowhere/",)):
+        assert torch.zeros(2, device="cpu").device.type == "meta"         # cpu means meta
+        assert torch.ones(2).to("cpu").device.type == "meta"
+        assert torch.tensor(1.0, device="cpu").device.type == "meta"
+        assert torch.arange(3).device.type == "cpu"                       # no device: the host
+        assert x.cpu() is x
+        with pytest.raises(MetaStepUnsupported, match="reads a tensor's value"):
+            bool(x.sum() > 0)
+    with MetaSteps(placeholder_reads=("test_meta_steps.py",)):
+        assert bool(x.sum() > 0) is False and x.sum().item() == 0.0
