@@ -16,23 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from oomtune.confdir import conf_dir
 from oomtune.exceptions import ConfigError
 
 __all__ = ["conf_dir", "compose", "check_study_name", "run_dir_of", "default_study_name", "budget_key", "budget_note", "to_container"]
-
-
-def conf_dir() -> Path:
-    """The directory holding config.yaml: ``oomtune/conf`` in an installed wheel (force-included at
-    build time), else the repository's top-level ``conf/`` (editable installs and checkouts).
-
-    Raises:
-        ConfigError: neither exists (a broken installation).
-    """
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise ConfigError(f"oomtune's conf/ directory was not found next to {here}; reinstall oomtune")
 
 
 def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):

@@ -69,9 +69,11 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
             ``"package.module:function"`` (the ``target=python`` protocol,
             :mod:`oomtune.targets.python_entry`).
         batch_size: samples per step (>= 1).
-        gpu: a card of the device catalogue with a memory figure (``A100-SXM4-40GB``, ``l4``, ``h100-80gb``; :mod:`oomtune.gpu.catalogue`):
-            its compute capability picks the kernels (attention backends, cuBLAS workspace size) and
-            its memory (``cudaDeviceProp::totalGlobalMem``) is the budget.
+        gpu: a card of the device catalogue with a memory figure, by its catalogue name (``l4``,
+            ``h100-80gb``, the MIG slice ``a100-40gb-1g.5gb``) or the name torch reports
+            (``A100-SXM4-40GB``, ``NVIDIA H100 80GB HBM3``; :mod:`oomtune.gpu.catalogue`): its
+            compute capability and SM count pick the kernels (attention backends, cuBLAS workspace
+            size) and its memory (``cudaDeviceProp::totalGlobalMem``) is the budget.
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` value (native backend only).
         steps: optimizer steps to capture; None: the default trial's ``warmup_steps +
             measure_steps`` (4), what ``oomtune plan`` captures.
@@ -93,9 +95,10 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
     from oomtune.gpu.outside import CARDS, card_of, outside_allocator
     from oomtune.plan.predictor import Predictor, sim_geometry
 
-    card = card_of(gpu)
+    card = card_of(gpu) if isinstance(gpu, str) else None
     if card is None:
-        raise ConfigError(f"gpu={gpu!r}: unknown card; choose one of {', '.join(c.display_name for c in CARDS.values())}")
+        raise ConfigError(f"gpu={gpu!r}: unknown card; choose one of the device catalogue's "
+                          f"{', '.join(c.name for c in CARDS.values())} (or a display name such as A100-SXM4-40GB)")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r}: expected an integer >= 1")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

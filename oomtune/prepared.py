@@ -32,7 +32,9 @@ class PreparedRun:
             the target GPU ``gpu``; :func:`oomtune.search.run.workload_of`).
         target: the :class:`oomtune.trial._base.Target` serving ``workload``: what it can do.
         device: the resolved :class:`oomtune.device.TargetDevice` (the virtual GPU on the CPU).
-        budget_bytes: the memory budget in bytes (:func:`oomtune.device.resolve_budget`).
+        budget_bytes: the memory budget in bytes (:func:`oomtune.device.resolve_budget`); None when
+            the caller checks ``budget=`` against other devices (``prepare(device_budget=False)``: a
+            multi-card plan, each card's own memory, :func:`oomtune.plan.cards.card_budgets`).
         space: the :class:`oomtune.space.SearchSpace` of ``search.space`` and ``search.batch_size``.
         run_dir: the run directory (``hydra.run.dir``).
     """
@@ -42,7 +44,7 @@ class PreparedRun:
     workload: Mapping[str, Any]
     target: Any
     device: Any
-    budget_bytes: int
+    budget_bytes: int | None
     space: Any
     run_dir: Path
 
@@ -70,12 +72,15 @@ def compose_checked(overrides: Sequence[str]) -> Any:
 
 def prepare(overrides: Sequence[str], *, workload: Callable[[Any], dict[str, Any]],
             cfg: Any = None, space: Any = None, space_last: bool = False,
-            checked: Callable[[Any, dict[str, Any], Any], None] | None = None) -> PreparedRun:
+            checked: Callable[[Any, dict[str, Any], Any], None] | None = None,
+            device_budget: bool = True) -> PreparedRun:
     """Compose and validate once (:func:`compose_checked`, unless ``cfg`` is given), then resolve
     in this order: the search space (no torch; ``space`` when already made), the workload
     (``workload(cfg)``, the command's recipe: it validates the model and target), ``checked(cfg,
     workload, space)`` (the command's checks that need the workload; ``space`` None with
-    ``space_last``), the device and the budget, and the target GPU (``model.gpu``; auto: the
+    ``space_last``), the device and the budget (``device_budget`` False: ``budget=`` is not a budget
+    of this device, whose check would refuse a budget above the virtual GPU that fits the cards a
+    multi-card plan checks it against instead; ``budget_bytes`` is then None), and the target GPU (``model.gpu``; auto: the
     device, or the default on the CPU: :func:`oomtune.capture.gpu_target.resolve_gpu_key`); with
     ``space_last`` the search space last (the order in which ``oomtune plan`` reports bad input).
 
@@ -96,7 +101,7 @@ def prepare(overrides: Sequence[str], *, workload: Callable[[Any], dict[str, Any
     if checked is not None:
         checked(cfg, work, space)
     device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
-    budget_bytes = resolve_budget(cfg.budget, device)
+    budget_bytes = resolve_budget(cfg.budget, device) if device_budget else None
     work = resolve_gpu_key(work, device)
     if space is None:
         space = SearchSpace.from_config(cfg.search, world_size=_ranks(cfg))

@@ -53,7 +53,7 @@ from oomtune.units import format_bytes
 __all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "PreparedCheck", "prepare_check", "default_mode", "relative_change", "within_limit",
            "within_drop", "evaluate_run", "check_predict", "check_run", "write_junit", "validate_limits",
            "check_junit_path", "default_max_slowdown", "DEFAULT_MAX_SLOWDOWN", "DEFAULT_MAX_MEMORY_GROWTH",
-           "DEFAULT_TOLERANCE", "SIMULATED_SLOWDOWN_NOTE"]
+           "DEFAULT_TOLERANCE", "SIMULATED_SLOWDOWN_NOTE", "recorded_headroom"]
 
 CHECK_MODES = ("run", "predict")
 DEFAULT_MAX_SLOWDOWN = 0.10
@@ -223,6 +223,21 @@ def fraction_case(best: Any, *, applied: float | None = None, device_total: int 
                      f"recorded and applied ({FRACTION_KEY} by apply_best / oomtune env)")
 
 
+def recorded_headroom(best: Any) -> float:
+    """The search's headroom best.yaml recorded (``device.headroom``, a fraction of the budget kept
+    free; 0.0 when a file from before it was recorded has none).
+
+    Raises:
+        BestFileError: a recorded headroom outside [0, 1).
+    """
+    headroom = best.device.get("headroom", 0.0)
+    if headroom is None:
+        headroom = 0.0
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise BestFileError(f"best.yaml device.headroom={headroom!r} must be a fraction in [0, 1)")
+    return float(headroom)
+
+
 def _search_limit(best: Any) -> tuple[int, str]:
     """The limit the search judged "fits" by: ``budget_bytes * (1 - headroom)``
     with the headroom best.yaml recorded (:class:`oomtune.study.records.MemoryLimit`; 0 when a
@@ -234,12 +249,8 @@ def _search_limit(best: Any) -> tuple[int, str]:
     from oomtune.study.records import MemoryLimit
 
     budget = int(best.device["budget_bytes"])
-    headroom = best.device.get("headroom", 0.0)
-    if headroom is None:
-        headroom = 0.0
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise BestFileError(f"best.yaml device.headroom={headroom!r} must be a fraction in [0, 1)")
-    limit = MemoryLimit(budget, float(headroom)).limit_bytes
+    headroom = recorded_headroom(best)
+    limit = MemoryLimit(budget, headroom).limit_bytes
     if not headroom:
         return limit, f"the {format_bytes(budget)} budget"
     return limit, (f"the search's limit {format_bytes(limit)} (budget {format_bytes(budget)} minus "

@@ -140,3 +140,42 @@ def test_plan_across_three_cards(tmp_path, monkeypatch):
     assert written["smallest_card_fitting_batch"] == (small.card.name if small else None)
     assert small is None or min((r.card.total_memory_bytes for r in got.results if r.fits(200))) == \
         small.card.total_memory_bytes
+
+
+def test_a_budget_above_the_virtual_gpu_is_checked_against_each_card(tmp_path, monkeypatch):
+    """budget=100GiB: above the virtual GPU's default 80 GiB, within the H200's 143,156 MiB (139.80 GiB),
+    above the H100 80GB's 81,082 MiB (79.18 GiB). Across cards each card's memory is the bound."""
+    from rich.console import Console
+
+    from oomtune.exceptions import DeviceError
+    from oomtune.plan.run import plan
+
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "off")
+    quiet = dict(console=Console(file=io.StringIO(), width=120))
+    out = tmp_path / "plan.yaml"
+    got = plan(["model=mlp", "gpu=h200", "budget=100GiB", "+plan.batch_sizes=[8]"], out=out, **quiet)
+    (only,) = got.results
+    assert only.budget_bytes == 100 * 2**30 and only.fits(8)
+    assert yaml.safe_load(out.read_text())["cards"][0]["budget_bytes"] == 107_374_182_400
+    with pytest.raises(DeviceError, match=r"above NVIDIA H100 80GB HBM3's 79\.18 GiB"):
+        plan(["model=mlp", "gpu=[h200,h100-80gb]", "budget=100GiB", "+plan.batch_sizes=[8]"],
+             out=tmp_path / "p2.yaml", **quiet)
+    with pytest.raises(DeviceError, match=r"above virtual GPU \(CPU\)'s 80\.00 GiB"):   # one card: as before
+        plan(["model=mlp", "budget=100GiB", "+plan.batch_sizes=[8]"], out=tmp_path / "p3.yaml", **quiet)
+
+
+@pytest.mark.parametrize("value, advice", [
+    # the L4's catalogue memory: (23,034 - 441) MiB = 22,593 x 1,048,576 = 23,690,477,568 bytes
+    ("l4", "use model.gpu=l4 virtual_device_memory=23690477568 (its kernels and its memory in bytes)"),
+    ("[l4,h200]", "use model.gpu=NAME for the kernels its captures run"),
+])
+def test_search_refuses_gpu_in_one_line_exit_2(tmp_path, value, advice):
+    """gpu= is plan's list of cards; a search would run without reading it (the default GPU's kernels
+    on the default 80 GiB virtual GPU), so it is refused before anything is written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OOMTUNE_CACHE_DIR": "off"}
+    got = subprocess.run([sys.executable, "-m", "oomtune", "search", "model=mlp", f"gpu={value}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 2, got.stderr
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is oomtune plan's list of cards" in lines[0] and advice in lines[0], got.stderr
+    assert not (tmp_path / "run").exists()

@@ -68,7 +68,8 @@ def test_callable_entry_equals_file_entry():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"gpu": "B300-SXM"}, r"^gpu='B300-SXM': unknown card; choose one of [^\n]*A100-SXM4-40GB, A100-SXM4-80GB[^\n]*$"),
+    ({"gpu": "B300-SXM"}, r"^gpu='B300-SXM': unknown card; choose one of the device catalogue's [^\n]*a100-40gb, "
+                          r"a100-80gb[^\n]*h100-80gb[^\n]*l4[^\n]* \(or a display name such as A100-SXM4-40GB\)$"),
     ({"steps": 0}, r"^steps=0: expected an integer >= 1"),
 ])
 def test_bad_input_is_one_line(kwargs, message):
@@ -99,3 +100,24 @@ def test_a_batch_beyond_the_card_does_not_fit():
     got = oomtune.predict(ENTRY, 10_000_000, steps=1)
     assert not got.fits
     assert got.peak_allocated_bytes >= 10_000_000 * (256 + 1024) * 4 > A100_40GB
+
+
+@pytest.mark.parametrize("name", ["l4", "h100-80gb", "a100-40gb-1g.5gb", "NVIDIA H100 80GB HBM3"])
+def test_catalogue_names_are_accepted(name):
+    """The catalogue's names and the names torch reports; the memory in the notes is the card's
+    (h100-80gb: 81,082 MiB; the 1g.5gb slice: 4.75 GiB = 4,864 MiB; l4: 22,593 MiB)."""
+    got = oomtune.predict(ENTRY, 8, gpu=name, steps=1)
+    mib = {"l4": 22_593, "h100-80gb": 81_082, "a100-40gb-1g.5gb": 4_864, "NVIDIA H100 80GB HBM3": 81_082}[name]
+    assert got.fits and f"({mib} MiB, " in got.notes[0]
+
+
+def test_a_batch_fits_the_80gb_card_not_the_mig_slice():
+    """Batch 1,000,000 of the tiny MLP: while ReLU runs, the input (256 floats a sample), the first
+    layer's output and ReLU's output (1024 each) are live: 10^6 x 2304 x 4 = 9.216 GB, above the
+    1g.5gb slice's 5,100,273,664 bytes; everything the step can hold at once (input, two 1024-wide
+    activations and their two gradients, the 16-wide logits) stays below 10^6 x 4,500 x 4 = 18 GB,
+    far below the H100 80GB's 85,020,639,232."""
+    big = oomtune.predict(ENTRY, 1_000_000, gpu="h100-80gb", steps=1)
+    mig = oomtune.predict(ENTRY, 1_000_000, gpu="a100-40gb-1g.5gb", steps=1)
+    assert big.fits and big.peak_allocated_bytes < 18_000_000_000
+    assert not mig.fits and mig.peak_allocated_bytes >= 9_216_000_000 > 5_100_273_664

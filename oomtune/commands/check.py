@@ -8,6 +8,10 @@ XML report with one testcase per check. Flags and the JUnit path are validated b
 the virtual GPU (CPU) the slowdown is not checked unless ``--max-slowdown`` is given (CPU step times
 on shared machines swing ~3x), and a note says so; the memory checks apply either way.
 
+``--gpu l4,a100-40gb`` (predict mode): best.yaml's answer predicted on each named card of the device
+catalogue, one line per card, exit 1 when any card fails (:mod:`oomtune.regression_cards`); an
+unknown card, or ``--gpu`` with ``--mode run``, is one line, exit 2, before best.yaml is read.
+
 ``--mode run`` prints progress on stderr while the trial runs: what runs, a line per step done (from
 the trial's progress record), and the trial's end.
 """
@@ -43,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "CUDA best.yaml; not checked for a virtual-GPU (CPU) best.yaml unless given)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="FRACTION",
                    help=f"predict mode: allowed growth of the predicted peak reserved, >= 0 (default {DEFAULT_TOLERANCE})")
+    p.add_argument("--gpu", default=None, metavar="CARDS",
+                   help="predict mode: predict the answer on each of these cards of the device catalogue "
+                   "(comma-separated names such as l4,a100-40gb,h100-80gb, all, or a card YAML file); one line "
+                   "per card, exit 1 when any does not fit")
     p.add_argument("--device", default=None, help="run mode: cpu | cuda | cuda:N (default: the recorded kind)")
     p.add_argument("--steps", type=int, default=10, help="run mode: measured steps (default 10)")
     p.add_argument("--timeout", type=float, default=600.0, help="trial wall limit, seconds (predict mode: the limit of each capture of a python entry)")
@@ -63,13 +71,29 @@ def run(args: argparse.Namespace) -> int:
                     tolerance=args.tolerance)
     if args.junit is not None:
         check_junit_path(args.junit)
+    cards = None
+    if args.gpu is not None:
+        from oomtune.exceptions import ConfigError
+        from oomtune.regression_cards import resolve_check_cards
+
+        if args.mode == "run":
+            raise ConfigError("--gpu predicts the answer on catalogue cards (--mode predict); --mode run measures the "
+                              "device it runs on: drop --gpu, or use --mode predict")
+        cards = resolve_check_cards(args.gpu)
     best = load_best(args.best)
     mode = args.mode
     if mode is None:
-        import torch
+        if cards is not None:
+            mode = "predict"
+        else:
+            import torch
 
-        mode = default_mode(best, torch.cuda.is_available())
-    if mode == "predict":
+            mode = default_mode(best, torch.cuda.is_available())
+    if cards is not None:
+        from oomtune.regression_cards import check_cards
+
+        report = check_cards(best, cards, timeout_s=args.timeout)
+    elif mode == "predict":
         report = check_predict(best, tolerance=args.tolerance, timeout_s=args.timeout, best_path=args.best)
     else:
         from oomtune.alloc.caching_env import check_caching_enabled
@@ -79,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
                            device=args.device, steps=args.steps, timeout_s=args.timeout, say=_progress)
     for note in [*(report.figures.get("fallback") or ()), *(report.figures.get("notes") or ())]:
         print(f"note: {note}")
+    for line in report.figures.get("lines") or ():
+        print(line)
     print(report.summary)
     if args.junit is not None:
         write_junit(report, args.junit)

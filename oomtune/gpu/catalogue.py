@@ -220,7 +220,7 @@ def load_card(path: str | Path) -> Card:
 
 
 def _devices_dir() -> Path:
-    from oomtune.config import conf_dir
+    from oomtune.confdir import conf_dir
 
     return conf_dir() / "devices"
 
@@ -251,9 +251,10 @@ def card_named(name: str) -> Card | None:
     return None
 
 
-def resolve_cards(value: Any) -> list[Card]:
+def resolve_cards(value: Any, *, flag: str = "gpu=") -> list[Card]:
     """The cards of a ``gpu=`` value: a catalogue name, a YAML file path, a list of either, or
     ``all`` (every catalogue card with a memory figure). Duplicates are dropped, order is kept.
+    ``flag``: how the messages name the setting (``gpu=`` for plan, ``--gpu `` for ``oomtune check``).
 
     Raises:
         ConfigError: one line naming an unknown card or a bad file, before any work.
@@ -262,7 +263,7 @@ def resolve_cards(value: Any) -> list[Card]:
     if len(items) == 1 and isinstance(items[0], str) and "," in items[0]:
         items = [s for s in items[0].split(",") if s.strip()]
     if not items:
-        raise ConfigError("gpu=[]: name at least one card, e.g. gpu=[l4,a100-40gb] or gpu=all")
+        raise ConfigError(f"{flag}[]: name at least one card, e.g. {flag}l4,a100-40gb or {flag}all")
     out: list[Card] = []
     for item in items:
         text = str(item).strip()
@@ -275,7 +276,7 @@ def resolve_cards(value: Any) -> list[Card]:
         card = card_named(text)
         if card is None:
             names = ", ".join(catalogue())
-            raise ConfigError(f"gpu={text!r}: unknown card; choose from {names}, all, or give a card YAML file "
+            raise ConfigError(f"{flag}{text!r}: unknown card; choose from {names}, all, or give a card YAML file "
                               "(copy one of oomtune's conf/devices/*.yaml)")
         out.append(card)
     seen: set[str] = set()

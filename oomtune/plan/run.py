@@ -136,12 +136,13 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
         check_user_code(workload, timeout_s=float(cfg.trial.timeout))
 
     # the model.gpu key resolved by prepare: the kernels the captures run (auto: the device)
-    prepared = prepare(overrides, cfg=cfg, workload=plan_workload, checked=checked, space_last=True)
+    # across cards budget= is each card's (card_budgets, checked above), not the virtual GPU's
+    prepared = prepare(overrides, cfg=cfg, workload=plan_workload, checked=checked, space_last=True,
+                       device_budget=cards is None)
     workload, device, budget_bytes, space = prepared.workload, prepared.device, prepared.budget_bytes, prepared.space
     from oomtune.capture.gpu_target import target_from_workload
 
     gpu = target_from_workload(workload)
-    limit_bytes = limit_bytes_of(budget_bytes, headroom)
     choices = space.batch_choices()   # a global batch: its micro-batches only
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())
@@ -163,6 +164,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
         return plan_multi(cards, cfg, workload=worst, shaped=worst is not workload, settings=settings, skipped=skipped,
                           grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
                           global_batch=space.global_batch, label=prepared.target.label(workload))
+    limit_bytes = limit_bytes_of(budget_bytes, headroom)
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
     if space.global_batch is None:
         predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,

@@ -279,6 +279,33 @@ class _Prepared:
     run_dir = property(lambda self: self.run.run_dir)
 
 
+def refuse_plan_cards(cfg: Any) -> None:
+    """``gpu=`` names the cards of a multi-card plan (``oomtune plan gpu=[...]``); a search tunes one
+    device and would ignore it, so it is refused, pointing at what a search reads instead:
+    ``model.gpu`` (the kernels its captures run; a catalogue name is accepted there) and
+    ``virtual_device_memory`` (the virtual GPU's memory: for one catalogue card, its
+    ``total_memory_bytes``).
+
+    Raises:
+        ConfigError: ``gpu=`` is set; one line, before anything else is checked or imported.
+    """
+    value = cfg.get("gpu")
+    if value is None:
+        return
+    shown = C.to_container(value) if not isinstance(value, (str, int, float)) else value
+    text = ",".join(map(str, shown)) if isinstance(shown, list) else str(shown)
+    from oomtune.gpu.catalogue import card_named
+
+    card = card_named(text) if "," not in text else None
+    if card is not None and card.total_memory_bytes is not None:
+        use = (f"model.gpu={card.name} virtual_device_memory={card.total_memory_bytes} (its kernels and its "
+               f"memory in bytes)")
+    else:
+        use = "model.gpu=NAME for the kernels its captures run (virtual_device_memory= for the card's memory)"
+    raise ConfigError(f"gpu={text} is oomtune plan's list of cards; a search tunes one device and would ignore it: use "
+                      f"{use}, or compare the cards first with oomtune plan gpu=[...]")
+
+
 def prepare_search(overrides: Sequence[str]) -> _Prepared:
     """Compose and validate the search's config once (:func:`oomtune.prepared.prepare`), then the
     search's own checks, in the order bad input is reported.
@@ -292,6 +319,7 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
     check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
     check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
     cfg = compose_checked(overrides)
+    refuse_plan_cards(cfg)
     # allocator values: no torch needed either; a global batch split over trial.gpus ranks
     space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
     dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
