@@ -103,16 +103,18 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
-    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, world_size
+    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, meta_rank_scope, world_size
 
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
     if _target(model_cfg).distributed(model_cfg):
-        # One rank's stream, through torch's fake process group (rank 0 of the world): DDP on meta
-        # (oomtune/workloads/_meta_rank.py), FSDP2 on the CPU (it materialises its shards on the
-        # device of its mesh, and a meta mesh has none: captures_on_meta).
-        group = fake_process_group(world_size(model_cfg))
+        # One rank's stream, through torch's fake process group (rank 0 of the world), on meta: DDP
+        # (oomtune/workloads/_meta_rank.py) and FSDP2 (oomtune/workloads/_meta_fsdp.py, whose mesh on
+        # meta needs its stand-ins for the whole capture: meta_rank_scope).
+        group = contextlib.ExitStack()
+        group.enter_context(fake_process_group(world_size(model_cfg)))
+        group.enter_context(meta_rank_scope(model_cfg))
         if captures_on_meta(model_cfg):
             reason = (f"model.parallel={model_cfg['parallel']}: rank 0 of {world_size(model_cfg)} with torch's fake "
                       "process group")
