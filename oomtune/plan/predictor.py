@@ -259,6 +259,16 @@ def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
     return _target(model_cfg).distributed(model_cfg) and not captures_on_meta(model_cfg)
 
 
+def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
+    """Whether a process that captured ``model_cfg`` may fork workers that capture. Not under FSDP2:
+    after one FSDP2 capture on meta, a forked child's first backward raises "Unable to handle
+    autograd's threading in combination with fork-based multiprocessing" (the autograd engine's
+    ``track_bad_autograd_forks``, torch/csrc/autograd/engine.cpp, registered when it starts device
+    threads; seen in this process after an FSDP2 capture, not after a DDP one), so its captures stay
+    in this process (derived all the same)."""
+    return model_cfg.get("parallel") != "fsdp"
+
+
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     """The workload to capture on ``device``: the target's (:meth:`Target.for_capture`: a built-in
     workload on synthetic data), the user's code built as :func:`python_target_workload` does."""
@@ -412,7 +422,7 @@ class Predictor:
         self.derive_seconds = 0.0
         self.replay_seconds = 0.0
         self.replays = 0
-        self.workers = 1 if _runs_on_cpu(model_cfg) else max(1, int(workers))
+        self.workers = 1 if _runs_on_cpu(model_cfg) or not _forks_after_capture(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         self.isolate = bool(_target(model_cfg).user_code)   # the user's code: each capture in a process of its own
         self.limit_bytes: int | None = None     # prepare's limit: a batch whose requests alone exceed it cannot fit
