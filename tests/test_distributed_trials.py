@@ -3,9 +3,9 @@ trials of a built-in workload, an out-of-memory on rank 1 only, a SIGKILL of one
 through torchrun for a ``target=cmd`` command, and a search with ``trial.gpus=2``.
 
 Expected memory figures come from the plan's capture of one rank (torch's fake process group, the
-same DDP/FSDP2 code, every collective complete when it returns; DDP on meta, FSDP2 on the CPU). A trial
-rank measures exactly that figure (a DDP rank on the CPU plus AdamW's host step counters, which a GPU
-rank keeps on the host): under a recording, gloo's worker threads hold no recorded storage
+same DDP/FSDP2 code, every collective complete when it returns; on meta). A trial rank measures
+exactly that figure (a rank on the CPU plus AdamW's host step counters, which a GPU rank keeps on the
+host): under a recording, gloo's worker threads hold no recorded storage
 (oomtune/capture/collectives.py), so every buffer dies where the program drops it, as with the fake
 group, on every run and on both ranks. No orphan process may survive a trial: the rank processes are
 checked after each run.
@@ -107,12 +107,12 @@ def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(two_rank, pa
     # gloo's worker thread a layer late) and a DDP search's confirmation one 2 MiB segment above its
     # trial: exact equality here is what catches any such release by another thread coming back.
     reserved, allocated = _predicted(parallel, 4, 3)
-    # A DDP rank is captured on meta: what a GPU rank allocates on its device. A CPU rank's virtual GPU
-    # also counts AdamW's host ``step`` counters (one 4-byte tensor per parameter, a 512-byte block each:
-    # the known difference of a CPU trial, tests/test_trial_execute.py), alive at the peak and held in
-    # the small pool's segment, so the peak reserved is the same. FSDP2 is captured on the CPU: exact.
+    # A rank of either strategy is captured on meta: what a GPU rank allocates on its device. A CPU
+    # rank's virtual GPU also counts AdamW's host ``step`` counters (one 4-byte tensor per parameter, a
+    # 512-byte block each: the known difference of a CPU trial, tests/test_trial_execute.py), alive at
+    # the peak and held in the small pool's segment, so the peak reserved is the same.
     assert _parameter_tensors() == 29
-    host_counters = 512 * 29 if parallel == "ddp" else 0
+    host_counters = 512 * 29
     assert [(r.peak_allocated_bytes, r.peak_reserved_bytes) for r in ranks] == \
         [(allocated + host_counters, reserved)] * 2
     # global samples/s: 2 ranks x 4 samples per step over the slowest rank's step
@@ -222,37 +222,12 @@ def test_search_with_two_gpus_per_trial_records_every_rank(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
-def test_plan_with_workers_captures_an_fsdp_workload_in_this_process(monkeypatch):
-    # An FSDP2 workload is captured on the CPU (its mesh needs a device: workloads/parallel.py
-    # captures_on_meta), and a process forked after this one ran CPU kernels waits forever in its first
-    # parallel CPU kernel (GNU OpenMP): its captures and replays are never forked, whatever the
-    # workers; the answer is the one process's
-    from oomtune.alloc.geometry import budget_geometry
-    from oomtune.plan import parallel
-    from oomtune.plan.predictor import Predictor
-
-    def no_fork(*args, **kwargs):
-        raise AssertionError("a capture of an FSDP2 workload was forked")
-
-    cfg = {**LM, "parallel": "fsdp", "ranks": 2, "target": {"name": "builtin"}}
-    geometry = budget_geometry(256 * MiB, 80 * 1024 * MiB)
-    one = Predictor(cfg, geometry, workers=1)
-    one.prepare([2, 3, 4, 5, 6])
-    monkeypatch.setattr(parallel, "fork_map", no_fork)
-    many = Predictor(cfg, geometry, workers=2)
-    many.prepare([2, 3, 4, 5, 6])
-    assert many.workers == 1 and many.captures == one.captures >= 3
-    # CPU captures are not derived; the note says why the CPU, not "a meta kernel is missing"
-    assert "captured on the CPU (model.parallel: FSDP2 needs a device for its mesh)" in one.derivation_note
-    assert [many.predict_detail(b, "").peak_reserved_bytes for b in (2, 6)] == \
-        [one.predict_detail(b, "").peak_reserved_bytes for b in (2, 6)]
-
-
-@pytest.mark.timeout(300)
-def test_plan_with_workers_forks_and_derives_ddp_captures_on_meta(monkeypatch):
-    # A DDP rank is captured on meta (no CPU kernel runs: forking is safe, as for one rank), so its
-    # captures spread over forked workers and the batch sizes between them are derived; the answer is
-    # the one process's, which captures every size
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_plan_with_workers_forks_and_derives_captures_on_meta(monkeypatch, mode):
+    # A DDP or FSDP2 rank is captured on meta (workloads/_meta_rank.py, workloads/_meta_fsdp.py), so
+    # the batch sizes between its captures are derived; DDP's captures spread over forked workers (no
+    # CPU kernel runs, as for one rank), FSDP2's stay in this process (an FSDP2 capture leaves autograd
+    # unable to fork); the answer is the one process's, which captures every size
     from oomtune.alloc.geometry import budget_geometry
     from oomtune.plan import parallel
     from oomtune.plan.predictor import Predictor
@@ -264,14 +239,16 @@ def test_plan_with_workers_forks_and_derives_ddp_captures_on_meta(monkeypatch):
         forked.append(list(items))
         return original(fn, items, workers)
 
-    cfg = {**LM, "parallel": "ddp", "ranks": 2, "target": {"name": "builtin"}}
+    cfg = {**LM, "parallel": mode, "ranks": 2, "target": {"name": "builtin"}}
     geometry = budget_geometry(256 * MiB, 80 * 1024 * MiB)
     sizes = list(range(2, 17))
     every = Predictor(cfg, geometry, workers=1, derive=False)
     monkeypatch.setattr(parallel, "fork_map", counting)
     many = Predictor(cfg, geometry, workers=2)
     many.prepare(sizes)
-    assert many.workers == 2 and forked and many.captured_on == {"meta"}
+    # FSDP2 captures stay in this process (predictor.py _forks_after_capture), derived all the same
+    assert many.workers == (2 if mode == "ddp" else 1) and bool(forked) == (mode == "ddp")
+    assert many.captured_on == {"meta"}
     assert many.derived_batches == [] and many.captures < len(sizes)
     got = [(many.predict_detail(b, "").peak_reserved_bytes, many.predict_detail(b, "").peak_allocated_bytes)
            for b in sizes]

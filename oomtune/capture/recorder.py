@@ -81,7 +81,8 @@ _NO_MEMO = object()   # a signature whose outputs cannot be rebuilt (aliases, od
 
 
 class _Unkeyable(Exception):
-    """An argument that does not fit in a memo key (a tensor off meta, an object not plain)."""
+    """An argument that does not fit in a memo key (a tensor off meta or a wrapper subclass, an object
+    not plain)."""
 
 
 def _key(x: Any, tensors: list | None) -> Any:
@@ -89,7 +90,9 @@ def _key(x: Any, tensors: list | None) -> Any:
     plain value with its type (``True`` is not ``1``), a list or tuple of keys; appends every tensor
     met to ``tensors`` in order. Raises :class:`_Unkeyable` otherwise."""
     if isinstance(x, torch.Tensor):
-        if not x.is_meta or x.layout is not torch.strided:
+        # a wrapper subclass on meta (DTensor on a mesh on meta: workloads/_meta_fsdp.py) is no plain
+        # meta tensor: its op's outputs are subclasses too, which empty_strided would not rebuild
+        if not x.is_meta or x.layout is not torch.strided or is_traceable_wrapper_subclass(x):
             raise _Unkeyable
         if tensors is not None:
             tensors.append(x)
@@ -158,7 +161,8 @@ def _output_spec(out: Any, tensors: list, before: list | None = None) -> Any:
         if j is not None:
             rebuilt.append(("arg", j))
             continue
-        if not t.is_meta or t.layout is not torch.strided or t.storage_offset() != 0:
+        if (not t.is_meta or t.layout is not torch.strided or t.storage_offset() != 0
+                or is_traceable_wrapper_subclass(t)):
             return _NO_MEMO
         st = t.untyped_storage()
         extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))

@@ -307,9 +307,9 @@ class StreamDeriver:
             for r in out:
                 reason = self._kinds[r.structure][1]
                 if reason is not None and "captured on cpu" in reason:
-                    why = ("model.parallel: FSDP2 needs a device for its mesh" if "model.parallel" in reason
-                           else "a meta kernel is missing")
-                    r.why = f"captured on the CPU ({why}), which may follow other code paths"
+                    # every workload, distributed ones included, is captured on meta first
+                    # (workloads/parallel.py captures_on_meta): the CPU is a fallback
+                    r.why = "captured on the CPU (a meta kernel is missing), which may follow other code paths"
                     continue
                 r.model, r.why, r.degree = PolynomialStreamModel.fit_or_why(
                     {b: self._streams[b] for b in r.batches}, max_degree=self.max_degree, verify=self.verify)

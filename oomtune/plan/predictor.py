@@ -103,16 +103,18 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
-    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, world_size
+    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, meta_rank_scope, world_size
 
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
     if _target(model_cfg).distributed(model_cfg):
-        # One rank's stream, through torch's fake process group (rank 0 of the world): DDP on meta
-        # (oomtune/workloads/_meta_rank.py), FSDP2 on the CPU (it materialises its shards on the
-        # device of its mesh, and a meta mesh has none: captures_on_meta).
-        group = fake_process_group(world_size(model_cfg))
+        # One rank's stream, through torch's fake process group (rank 0 of the world), on meta: DDP
+        # (oomtune/workloads/_meta_rank.py) and FSDP2 (oomtune/workloads/_meta_fsdp.py, whose mesh on
+        # meta needs its stand-ins for the whole capture: meta_rank_scope).
+        group = contextlib.ExitStack()
+        group.enter_context(fake_process_group(world_size(model_cfg)))
+        group.enter_context(meta_rank_scope(model_cfg))
         if captures_on_meta(model_cfg):
             reason = (f"model.parallel={model_cfg['parallel']}: rank 0 of {world_size(model_cfg)} with torch's fake "
                       "process group")
@@ -255,6 +257,16 @@ def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
     from oomtune.workloads.parallel import captures_on_meta
 
     return _target(model_cfg).distributed(model_cfg) and not captures_on_meta(model_cfg)
+
+
+def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
+    """Whether a process that captured ``model_cfg`` may fork workers that capture. Not under FSDP2:
+    after one FSDP2 capture on meta, a forked child's first backward raises "Unable to handle
+    autograd's threading in combination with fork-based multiprocessing" (the autograd engine's
+    ``track_bad_autograd_forks``, torch/csrc/autograd/engine.cpp, registered when it starts device
+    threads; seen in this process after an FSDP2 capture, not after a DDP one), so its captures stay
+    in this process (derived all the same)."""
+    return model_cfg.get("parallel") != "fsdp"
 
 
 def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
@@ -410,7 +422,7 @@ class Predictor:
         self.derive_seconds = 0.0
         self.replay_seconds = 0.0
         self.replays = 0
-        self.workers = 1 if _runs_on_cpu(model_cfg) else max(1, int(workers))
+        self.workers = 1 if _runs_on_cpu(model_cfg) or not _forks_after_capture(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         self.isolate = bool(_target(model_cfg).user_code)   # the user's code: each capture in a process of its own
         self.limit_bytes: int | None = None     # prepare's limit: a batch whose requests alone exceed it cannot fit

@@ -29,9 +29,9 @@ Without a process group (``oomtune plan``, the search's predictions) the stream 
 captured in one process with torch's fake process group (:func:`fake_process_group`:
 ``FakeProcessGroup``, world size N, rank 0; collectives do nothing, every allocation the
 strategy makes is the same); all ranks hold the same amount, FSDP2 pads every shard to the same
-size. A DDP rank is captured on the meta device (:mod:`oomtune.workloads._meta_rank`: DDP's two
-reads of exchanged values answered for the fake group's one rank), an FSDP2 rank on the CPU
-(:func:`captures_on_meta`).
+size. A rank is captured on the meta device: under DDP with its two reads of exchanged values
+answered for the fake group's one rank (:mod:`oomtune.workloads._meta_rank`), under FSDP2 on a mesh
+on meta (:mod:`oomtune.workloads._meta_fsdp`, within :func:`meta_rank_scope`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 from oomtune.exceptions import ConfigError
 
 __all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed", "captures_on_meta",
-           "require_process_group",
+           "meta_rank_scope", "require_process_group",
            "fsdp_model", "wrap_lazily", "fake_process_group", "strategy_notes"]
 
 #: ``model.parallel`` values.
@@ -100,18 +100,35 @@ def is_distributed(cfg: Mapping[str, Any]) -> bool:
 
 def captures_on_meta(cfg: Mapping[str, Any]) -> bool:
     """Whether one rank of the workload can be captured on the meta device under the fake process
-    group (:func:`fake_process_group`): without a strategy, and under ``ddp`` (its two reads of
-    exchanged values are answered for the fake group's one rank: :mod:`oomtune.workloads._meta_rank`).
-    Not under ``fsdp``: FSDP2 places its shards and its all-gather / reduce-scatter buffers on the
-    device of its mesh (``_get_device_from_mesh`` in torch/distributed/fsdp/_fully_shard/
-    _fsdp_init.py asks that device type's handle for the current device, and meta has no handle),
-    and refuses parameters left on meta at its first forward (``FSDPParamGroup.
-    _validate_no_meta_params``): its ranks are captured on the CPU.
+    group (:func:`fake_process_group`): every mode can. Under ``ddp`` its two reads of exchanged
+    values are answered for the fake group's one rank (:mod:`oomtune.workloads._meta_rank`); under
+    ``fsdp`` FSDP2's mesh is on meta, with a device module standing in for meta's and FSDP2's two
+    meta-parameter checks taken as a materialised rank takes them (:mod:`oomtune.workloads._meta_fsdp`,
+    within :func:`meta_rank_scope`).
 
     Raises:
         ConfigError: an unknown ``parallel`` value (:func:`parallel_mode`).
     """
-    return parallel_mode(cfg) != "fsdp"
+    parallel_mode(cfg)
+    return True
+
+
+@contextlib.contextmanager
+def meta_rank_scope(cfg: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, a rank of ``cfg``'s mode can be built and trained on meta: for ``fsdp``,
+    :func:`oomtune.workloads._meta_fsdp.fsdp_on_meta` (FSDP2 consults its mesh's device module at
+    every step, so the block spans the whole capture); nothing for the other modes.
+
+    Raises:
+        ConfigError: an unknown ``parallel`` value (:func:`parallel_mode`).
+    """
+    if parallel_mode(cfg) != "fsdp":
+        yield
+        return
+    from oomtune.workloads._meta_fsdp import fsdp_on_meta
+
+    with fsdp_on_meta():
+        yield
 
 
 def require_process_group(mode: str) -> Any:
@@ -158,20 +175,35 @@ def fsdp_model(module: Any, device: Any) -> Any:
     """``module``, built on the meta device, sharded by FSDP2 over the default process group: every
     shard unit and then the root get ``fully_shard``, and the shards are materialised on ``device``
     and initialised (FSDP2's meta-device initialisation, as its documentation recommends: no rank
-    ever holds the full model). Returns the same module, its parameters now DTensors.
+    ever holds the full model). Returns the same module, its parameters now DTensors. On
+    ``device`` meta (a plan's capture under the fake group, within :func:`meta_rank_scope`) the mesh
+    is on meta (:func:`oomtune.workloads._meta_fsdp.meta_mesh`); otherwise FSDP2's default mesh.
 
     Raises:
         ConfigError: no process group (:func:`require_process_group`).
+        RuntimeError: ``device`` meta outside :func:`meta_rank_scope`.
     """
     from torch.distributed.fsdp import fully_shard
 
-    require_process_group("fsdp")
+    dist = require_process_group("fsdp")
+    mesh = None      # FSDP2's default: the accelerator's (cuda on a GPU rank, cpu on a CPU rank)
+    if _device_type(device) == "meta":
+        # a plan's capture of one rank on meta under the fake group (workloads/_meta_fsdp.py)
+        from oomtune.workloads._meta_fsdp import meta_mesh
+
+        mesh = meta_mesh(dist.get_world_size())
     for unit in _shard_units(module):
-        fully_shard(unit)
-    fully_shard(module)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
     module.to_empty(device=device)
     _reset(module)
     return module
+
+
+def _device_type(device: Any) -> str:
+    import torch
+
+    return torch.device(device).type
 
 
 def wrap_lazily(workload: Any) -> None:
