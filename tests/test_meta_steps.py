@@ -163,3 +163,64 @@ def test_value_reads_outside_the_frameworks_logging_are_refused_on_meta():
             bool(x.sum() > 0)
     with MetaSteps(placeholder_reads=("test_meta_steps.py",)):
         assert bool(x.sum() > 0) is False and x.sum().item() == 0.0
+
+
+def _loop_trial(tmp_path: Path, execute: str):
+    from oomtune.targets.cmd import run_cmd_trial
+    from oomtune.trial.record import TrialSpec
+    from oomtune.units import GiB
+
+    command = [sys.executable, str(ROOT / "examples" / "global_batch.py"), "--micro-batch", "4", "--grad-accum", "2"]
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(ROOT)}, "grad_accum": 2},
+                     batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
+                     warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
+    work = tmp_path / execute
+    return run_cmd_trial(spec, workdir=work, env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"}), work
+
+
+@pytest.mark.slow
+def test_a_plain_loops_meta_steps_make_its_cpu_steps_requests_less_adams_host_step_counters(tmp_path):
+    # examples/global_batch.py makes its AdamW before steps(): the optimizer must step the meta parameters
+    # (stepping the host ones, which get no gradients, would record no exp_avg / exp_avg_sq at all)
+    cpu, cpu_dir = _loop_trial(tmp_path, "cpu")
+    meta, meta_dir = _loop_trial(tmp_path, "meta")
+    assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
+    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    got_cpu, got_meta = _events(cpu_dir / "stream.bin"), _events(meta_dir / "stream.bin")
+    # torch/optim/adam.py with capturable=False keeps each parameter's step counter on the host
+    # (torch.tensor(0.0, dtype=float32): 4 bytes, made in _init_group at the first step) and, in the foreach
+    # step a CUDA run takes, adds a host scalar torch.tensor(1.0, device="cpu") to them once per step (4 bytes,
+    # freed): the CPU recording counts both, a CUDA run (and meta) neither
+    # GPT-2 of 2 layers: wte, wpe, 12 tensors a block (ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj: weight
+    # and bias each), ln_f's 2; lm_head is wte (tied): 2 + 2 x 12 + 2 = 28 counters; 2 steps: 2 host scalars
+    counters, scalars = 2 + 2 * 12 + 2, 2
+    assert sum(e == ("A", 4) for e in got_cpu) - sum(e == ("A", 4) for e in got_meta) == counters + scalars
+    kept, j = [], 0   # the CPU stream, less 4-byte requests where the meta stream has none, is the meta stream
+    for e in got_cpu:
+        if j < len(got_meta) and e == got_meta[j]:
+            kept.append(e)
+            j += 1
+        else:
+            assert e[1] == 4, e
+    assert kept == got_meta
+    # the counters are held from the first step on (each a 512-byte block, the allocator's smallest); the
+    # scalars are freed at once. Without the optimizer repointed, meta would also lack every exp_avg/exp_avg_sq
+    assert meta.memory.peak_allocated_bytes == cpu.memory.peak_allocated_bytes - counters * 512
+    assert meta.memory.peak_reserved_bytes == cpu.memory.peak_reserved_bytes
+
+
+@pytest.mark.slow
+def test_lightning_asked_for_meta_steps_runs_cpu_steps_and_says_why(tmp_path):
+    from oomtune.targets.cmd import run_cmd_trial
+    from oomtune.trial.record import TrialSpec
+    from oomtune.units import GiB
+
+    command = [sys.executable, str(ROOT / "examples" / "lightning_module.py")]
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(ROOT)}, "grad_accum": 2},
+                     batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
+                     warmup_steps=1, measure_steps=1, timeout_s=300, execute="meta")
+    r = run_cmd_trial(spec, workdir=tmp_path / "t", env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"})
+    assert r.outcome == "ok", r.message
+    assert r.extra["execute"] == "cpu" and "meta_fallback" not in r.extra   # one launch: no meta attempt
+    assert r.extra["meta_note"].startswith("Lightning: the steps ran on the CPU: ")
+    assert r.throughput.samples_per_s > 0
