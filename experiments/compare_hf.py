@@ -37,9 +37,11 @@ the language-model head (50257 x 128) and the logits (50257 per token) dominate 
 
 Trials' steps: with ``--execute auto`` (the default) the integration runs each trial's steps on the
 meta device and the search runs one real CPU step as its smoke test; ``--execute cpu`` runs every
-trial's steps on the CPU for real (the behaviour before meta steps).
+trial's steps on the CPU for real (the behaviour before meta steps); ``--execute auto,cpu`` runs the
+search both ways and says whether their answers (micro-batch, accumulation, checkpointing, allocator,
+confirmed peak reserved, every frontier's predicted and measured batch) are the same.
 
-Run: python experiments/compare_hf.py [--runs small:1GiB:full] [--parts peer,oomtune] [--execute auto|cpu]
+Run: python experiments/compare_hf.py [--runs small:1GiB:full] [--parts peer,oomtune] [--execute auto|cpu|auto,cpu]
 Writes experiments/results/compare_hf.txt (first lines: the command and the commit).
 """
 
@@ -272,6 +274,35 @@ def run_oomtune_predict(model: dict, seq_len: int, global_batch: int, budget: st
 
 
 # ------------------------------------------------------------------ the file
+ANSWER_KEYS = ("micro_batch", "grad_accum", "activation_checkpointing", "alloc_conf", "peak_reserved_bytes")
+
+
+def same_answer(rows: list[dict]) -> list[str]:
+    """One line per (preset, budget) searched with more than one ``trial.execute``: whether the
+    searches' answers and frontiers are the same, naming what differs."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "execute" in r and "error" not in r:
+            groups.setdefault((r["preset"], r["budget"]), []).append(r)
+    for (preset, budget), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        a, b = rs[0], rs[1]
+        diff = [k for k in ANSWER_KEYS if a.get(k) != b.get(k)]
+
+        def fronts(r: dict) -> list:
+            return sorted((f["alloc_conf"], bool(f.get("activation_checkpointing")), f["predicted_max_batch"],
+                           f["measured_max_batch"], f["measured_fail_batch"]) for f in r.get("frontiers") or [])
+        if fronts(a) != fronts(b):
+            diff.append("frontiers (predicted or measured batches)")
+        names = f"trial.execute={a['execute']} and trial.execute={b['execute']}"
+        out.append(f"# {preset} at {budget}: {names}: " + ("the same answer (micro-batch, accumulation, checkpointing, "
+                                                            "allocator, confirmed peak reserved, every frontier)"
+                                                            if not diff else "answers differ in " + ", ".join(diff)))
+    return out
+
+
 def user_lines() -> list[str]:
     """The lines each example adds for oomtune (those naming it), per framework."""
     out = []
@@ -317,7 +348,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--parts", default="peer,oomtune")
     ap.add_argument("--execute", default="auto",
-                    help="oomtune's trial.execute: auto (the integration runs the steps on meta, one real CPU step "
+                    help="oomtune's trial.execute, or several comma-separated (auto,cpu: both searches, compared): "
+                         "auto (the integration runs the steps on meta, one real CPU step "
                          "as the smoke test) or cpu (every trial runs real CPU steps)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--budget", default="8GiB", help=argparse.SUPPRESS)   # the peer child's
@@ -363,8 +395,17 @@ def main() -> None:
             if "oomtune" in args.parts:
                 load = round(os.getloadavg()[0], 1)
                 if mode == "full":
-                    r = run_oomtune_search(model, args.seq_len, args.global_batch, budget, work / "search",
-                                           args.execute)
+                    for execute in args.execute.split(","):
+                        r = run_oomtune_search(model, args.seq_len, args.global_batch, budget,
+                                               work / f"search-{execute}", execute)
+                        if "error" not in r:
+                            r["tool"] = f"oomtune (trial.execute={execute})"
+                        rows.append({"preset": preset, "budget": budget, "load_at_start": load, "execute": execute,
+                                     **r})
+                        print(json.dumps(rows[-1]), flush=True)
+                        write(out, head, notes + same_answer(rows), rows)
+                        load = round(os.getloadavg()[0], 1)
+                    continue
                 else:
                     r = run_oomtune_predict(model, args.seq_len, args.global_batch, budget, work)
                     if "error" not in r:

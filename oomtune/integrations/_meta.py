@@ -13,8 +13,8 @@ framework name for the model, ``cpu``, means ``meta``:
   become ``meta``: a batch a data loader or collator built on the CPU is moved to meta where the
   framework moves it to the model's device (a CUDA run copies it to the device at the same point,
   so the request stands where the CUDA run makes it); ``Tensor.cpu()`` of a meta tensor returns it;
-- functions with no device argument keep their default (the CPU): host-side tensors stay on the
-  host and off the virtual GPU, as on CUDA (Adam's ``step`` counters with ``capturable=False``,
+- functions with no device argument keep their default (the CPU), and so does ``device=cpu`` in
+  torch's optimizers (``_HOST_MEANT``): host-side tensors stay on the host and off the virtual GPU, as on CUDA (Adam's ``step`` counters with ``capturable=False``,
   a sampler's ``randperm``).
 
 A meta tensor holds no values. A read of one (``item``, ``bool``, ``float``, ``int``, ``tolist``,
@@ -60,12 +60,31 @@ def _is_cpu(device: Any) -> bool:
     return False
 
 
-def move_to_meta(module: Any) -> None:
+#: Files whose explicit ``device="cpu"`` names the host, as it does on CUDA: torch's optimizers keep
+#: their step counters on the host when ``capturable=False`` and add a host scalar to them
+#: (torch/optim/adam.py ``_multi_tensor_adam``: ``torch.tensor(1.0, device="cpu")``); made on meta, it
+#: would move the counters to meta and the bias correction's ``_get_value(step).item()`` would fail.
+_HOST_MEANT = ("torch/optim/",)
+
+
+def _host_side(frame: Any) -> bool:
+    path = frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
+    return any(p in path for p in _HOST_MEANT)
+
+
+def move_to_meta(module: Any, optimizer: Any = None) -> None:
     """Move ``module``'s parameters and buffers to the meta device in place. Each distinct tensor is
     converted once and put back under every name it had, so tied weights stay one tensor (GPT-2's
     ``lm_head.weight`` is ``transformer.wte.weight``; ``Module.to`` would make a new ``Parameter`` per
     module for a cpu -> meta move, whose shallow-copy types differ, and untie them). Their values are
     gone: the module can no longer be saved or evaluated for real.
+
+    An ``optimizer`` made before the move (a plain loop passes it to ``steps``) has its
+    ``param_groups`` pointed at the meta parameters, each replacing the one it was moved from (a
+    parameter the module does not hold is moved too): otherwise it would keep stepping the host
+    parameters, which get no gradients from the meta model, so ``torch.optim``'s ``step`` skips them
+    and makes no state (Adam's ``exp_avg``/``exp_avg_sq`` never requested). Its state must be empty
+    (the caller checks).
 
     Meta tensors are kept as they are.
     """
@@ -83,10 +102,13 @@ def move_to_meta(module: Any) -> None:
             done[id(t)] = new
         return done[id(t)]
 
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, t in list(table.items()):
-                table[name] = convert(t)
+    if module is not None:
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, t in list(table.items()):
+                    table[name] = convert(t)
+    for group in getattr(optimizer, "param_groups", ()):
+        group["params"] = [convert(p) for p in group["params"]]
 
 
 class MetaSteps(TorchFunctionMode):
@@ -123,7 +145,7 @@ class MetaSteps(TorchFunctionMode):
             return self._placeholder(name, first)
         if name == "cpu" and isinstance(first, torch.Tensor) and first.device.type == "meta":
             return first
-        if _is_cpu(kwargs.get("device")):
+        if _is_cpu(kwargs.get("device")) and not _host_side(sys._getframe(1)):
             if func in _FROM_DATA:
                 # made from data on the CPU, then copied: the copy is the request a CUDA run makes (the
                 # recorder does not see torch.tensor's own meta storage: tensor_ctor hides it)

@@ -60,6 +60,8 @@ class TrialSession:
             logging) get a placeholder (:class:`oomtune.integrations._meta.MetaSteps`).
         answers: value reads of meta tensors the framework's integration can answer
             (:class:`oomtune.integrations._meta.MetaSteps`).
+        cpu_steps_because: the framework's steps cannot run on meta, and why: a trial that asks for
+            meta steps runs them on the CPU, and its report says so (``extra["meta_note"]``).
 
     Attributes:
         active: oomtune launched the process.
@@ -72,7 +74,8 @@ class TrialSession:
     """
 
     def __init__(self, framework: str, settings: TrialSettings | None = None,
-                 placeholder_reads: tuple[str, ...] = (), answers: dict[tuple[str, str], Any] | None = None) -> None:
+                 placeholder_reads: tuple[str, ...] = (), answers: dict[tuple[str, str], Any] | None = None,
+                 cpu_steps_because: str | None = None) -> None:
         self.framework = framework
         self.settings = settings if settings is not None else trial_settings()
         self.active = self.settings is not None
@@ -87,16 +90,25 @@ class TrialSession:
         self.placeholder_reads = placeholder_reads
         self.answers = answers
         self.meta: Any = None
+        self.cpu_steps_because = cpu_steps_because
 
     @property
     def on_meta(self) -> bool:
         """The trial asks for meta steps and can have them (one rank: gloo moves real tensors)."""
         import os
 
-        if not self.active or self.settings.execute != "meta":
-            return False
+        return self.active and self.settings.execute == "meta" and self._cpu_steps_note() is None
+
+    def _cpu_steps_note(self) -> str | None:
+        """Why a trial that asks for meta steps runs them on the CPU (None: it need not)."""
+        import os
+
+        if self.cpu_steps_because is not None:
+            return f"{self.framework}: the steps ran on the CPU: {self.cpu_steps_because}"
         ranks = [os.environ.get(k, "") for k in ("OOMTUNE_GPUS", "WORLD_SIZE")]
-        return not any(r.isdigit() and int(r) > 1 for r in ranks)
+        if any(r.isdigit() and int(r) > 1 for r in ranks):
+            return "several ranks: the steps ran on the CPU: gloo's collectives move real tensors"
+        return None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -135,8 +147,8 @@ class TrialSession:
         if optimizer is not None and optimizer.state:
             fail(f"{self.framework}: the optimizer has state before the steps start, so the steps cannot move to "
                  "the meta device")
-        if model is not None:
-            move_to_meta(model)
+        if model is not None or optimizer is not None:
+            move_to_meta(model, optimizer)
         self.hook = capture_hook(model, optimizer, *tensors, device="meta")
         self.hook.precision = self.precision
         self.meta = MetaSteps(self.placeholder_reads, self.answers)
@@ -225,6 +237,8 @@ class TrialSession:
             if meta is not None:
                 extra["execute"] = "meta"
                 extra["meta_placeholder_reads"] = meta.placeholder_count
+            elif s.execute == "meta" and self._cpu_steps_note() is not None:
+                extra["meta_note"] = self._cpu_steps_note()
             report(samples=per_step * measured, seconds=seconds, steps=measured, **extra)
         if self.hook is not None:
             self.hook.stop()

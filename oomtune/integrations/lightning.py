@@ -19,6 +19,11 @@ Without oomtune the callback does nothing. Under oomtune (``oomtune search targe
   reports global samples (micro-batch x accumulation x world size) from rank 0 and the memory of
   every rank; passes ``trainer.precision`` on in the report.
 
+On the virtual GPU the steps run on the CPU even when the trial asks for meta steps
+(``trial.execute=auto``): Lightning's fit reads tensor values before the first step (the loader's
+length reduced over ranks, lightning/pytorch/utilities/data.py ``has_len_all_ranks``), which a meta
+tensor does not have; the report says so in one line (``extra["meta_note"]``).
+
 Batches and datasets that ``train_dataloader()`` creates as tensors on the main thread count as
 device memory on the virtual GPU (every CPU storage does there; build datasets before ``fit`` or in
 DataLoader workers to keep them out).
@@ -40,7 +45,11 @@ class OomtuneCallback(Callback):
     docstring); a no-op when oomtune did not launch the process."""
 
     def __init__(self) -> None:
-        self.session = TrialSession("Lightning")
+        # checked with lightning 2.6: its fit reads values meta has none of before the first step
+        # (has_len_all_ranks in lightning/pytorch/utilities/data.py: the data loader's length, reduced over
+        # ranks as a tensor on the root device, compared with 0), so its steps stay on the CPU
+        self.session = TrialSession("Lightning", cpu_steps_because=(
+            "Lightning's fit reads tensor values that meta has none of (has_len_all_ranks' reduced length)"))
         self._steps_seen = 0
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

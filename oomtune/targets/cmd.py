@@ -29,7 +29,8 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
   A meta trial whose steps cannot run there writes a ``meta_unsupported`` line and fails; the
   command is then run again with ``cpu`` in the same trial directory, and the record says why in
   ``extra["meta_fallback"]``; a trial whose steps ran on meta (its report says ``"execute": "meta"``)
-  has no throughput (nothing was computed), as a built-in meta trial;
+  has no throughput (nothing was computed), as a built-in meta trial; an integration that runs its
+  steps on the CPU all the same (Lightning; several ranks) says why in ``extra["meta_note"]``;
 - ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
   (``stream.bin`` in the trial directory, with ``stream.bin.json``); when written, the record's
   ``extra["stream_file"]`` names it and the search replays it under every allocator configuration
@@ -409,6 +410,9 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
     on_meta = any(isinstance(r, dict) and r.get("execute") == "meta" for r in result.extra.get("reported", []))
     if not spec.device.startswith("cuda"):
         result.extra["execute"] = "meta" if on_meta else "cpu"
+    notes = [r["meta_note"] for r in result.extra.get("reported", []) if isinstance(r, dict) and r.get("meta_note")]
+    if spec.execute == "meta" and not on_meta and notes:   # the integration ran CPU steps, and says why
+        result.extra["meta_note"] = str(notes[0])
     if on_meta:   # nothing was computed: the meta steps' times are no throughput
         result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None, data_wait_fraction=None)
     stream = workdir / STREAM_FILE
