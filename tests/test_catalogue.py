@@ -179,3 +179,24 @@ def test_search_refuses_gpu_in_one_line_exit_2(tmp_path, value, advice):
     lines = [ln for ln in got.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is oomtune plan's list of cards" in lines[0] and advice in lines[0], got.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_top_of_the_range_reads_as_at_least_and_a_batch_above_it_is_refused(tmp_path, monkeypatch):
+    """A card whose every planned size fits has no known limit: the table says ">=N", not N; a
+    +plan.batch above the range cannot be answered (no size above search.batch_size.high is planned)."""
+    from rich.console import Console
+
+    from oomtune.exceptions import ConfigError
+    from oomtune.plan.run import plan
+
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "off")
+    text = io.StringIO()
+    # an MLP at batch <= 16 on 40 GB cards: a few MiB, far below either card's memory
+    got = plan(["model=mlp", "gpu=[a100-40gb,l4]", "search.batch_size.high=16"], out=tmp_path / "p.yaml",
+               console=Console(file=text, width=160))
+    assert all(r.max_batch_size == 16 for r in got.results)
+    table = text.getvalue()
+    assert ">=16" in table and "none above 16 planned" in table
+    with pytest.raises(ConfigError, match=r"^plan.batch=17 is above the planned range \(search.batch_size.high=16\)"):
+        plan(["model=mlp", "gpu=[a100-40gb,l4]", "search.batch_size.high=16", "+plan.batch=17"],
+             out=tmp_path / "q.yaml", console=Console(file=io.StringIO()))

@@ -216,6 +216,14 @@ def write_cards_plan(plan: CardsPlan, path: str | Path) -> Path:
         raise ConfigError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
 
 
+def _batch_cell(largest: int | None, top: int) -> str:
+    """``largest`` as the table shows it: ``>=N`` when it is the top of the planned range (every size
+    fits; none above was planned), ``none`` when no size fits."""
+    if largest is None:
+        return "none"
+    return f">={largest}" if largest >= top else str(largest)
+
+
 def cards_table(plan: CardsPlan) -> Any:
     """The terminal table: one row per card (figures simulated; ``device used`` is the whole card)."""
     from rich.table import Table
@@ -231,7 +239,7 @@ def cards_table(plan: CardsPlan) -> Any:
         attention = ", ".join(sorted(r.sdpa)) or "-"
         best = "-" if r.best is None else (r.best["alloc_conf"] or "default")
         row = [r.card.name, format_bytes(r.card.total_memory_bytes), r.card.family, attention, best,
-               str(r.max_batch_size) if r.max_batch_size is not None else "none",
+               _batch_cell(r.max_batch_size, plan.batch_sizes[-1]),
                format_bytes(used) if used is not None else "-"]
         if plan.batch is not None:
             row.append("yes" if r.fits(plan.batch) else "no")
@@ -263,6 +271,9 @@ def plan_multi(cards: Any, cfg: Any, *, workload: dict[str, Any], shaped: bool, 
     batch = node.get("batch") if isinstance(node, dict) else None
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError(f"plan.batch={batch!r}: expected an integer >= 1, e.g. +plan.batch=64")
+    if batch is not None and batch > grid[-1]:
+        raise ConfigError(f"plan.batch={batch} is above the planned range (search.batch_size.high={grid[-1]}): "
+                          f"give search.batch_size.high={batch} or more")
 
     def say(text: str) -> None:
         console.print(text, highlight=False, markup=False)
@@ -283,6 +294,9 @@ def plan_multi(cards: Any, cfg: Any, *, workload: dict[str, Any], shaped: bool, 
     console.print(cards_table(plan))
     say("device used = the allocator's peak reserved + the memory outside it (CUDA context: the catalogue's "
         "outside_allocator_bytes): the whole card, as nvidia-smi would show; memory as torch reports it")
+    if any(r.max_batch_size is not None and r.max_batch_size >= grid[-1] for r in plan.results):
+        say(f">=N: every batch up to the top of the range fits (none above {grid[-1]} planned: raise "
+            "search.batch_size.high to find the card's limit)")
     if batch is not None:
         small = plan.smallest_fitting()
         say(f"smallest card that fits batch {batch} (simulated): "
