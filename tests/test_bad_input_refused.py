@@ -163,7 +163,7 @@ def test_a_valid_ranks_now_meets_the_world_size_check(tmp_path):
     ("+foo=bar", "unknown config key 'foo' in '+foo=bar'"),
     ("+trial.warmup=2", "did you mean 'trial.warmup_steps'?"),
     ("+search.batch_size.lo=4", "did you mean 'search.batch_size.low'?"),
-    ("+plan.batch=[8]", "did you mean 'plan.batch_sizes'?"),
+    ("+plan.batch_size=[8]", "did you mean 'plan.batch_sizes'?"),
     ("+model.dept=18", "did you mean 'model.depth'?"),          # model=resnet (the default) has depth
     ("+model.data.workers=2", "model.data takes no 'workers'"),
     ("+target.command=x", "target takes no 'command'"),           # target=builtin (the default) has name only
@@ -324,12 +324,13 @@ def test_env_says_nothing_for_a_fraction_of_a_real_gpu(tmp_path, capsys, monkeyp
 def test_a_cmd_search_whose_budget_the_host_cannot_hold_stops_before_any_trial(tmp_path, capsys, monkeypatch):
     from oomtune.trial import execute
 
-    # the field report: budget=64GiB on a host with 24 GiB available
+    # the field report: budget=64GiB on a host with 24 GiB available, the command's steps run for real on the
+    # CPU (trial.execute=cpu; meta steps hold no tensor data in host memory)
     monkeypatch.setattr(execute, "host_available_bytes", lambda meminfo="/proc/meminfo": 24 * 2**30)
     script = Path(__file__).resolve().parents[1] / "examples" / "train_cmd.py"
     run_dir = tmp_path / "run"
     rc = main(["search", "target=cmd", f"target.command='python {script} --batch-size {{batch_size}}'",
-               "budget=64GiB", "device=cpu", f"hydra.run.dir={run_dir}"])
+               "budget=64GiB", "device=cpu", "trial.execute=cpu", f"hydra.run.dir={run_dir}"])
     assert rc == 2
     line = _one_error_line(capsys)
     assert "target=cmd commands on the virtual GPU run real CPU steps" in line

@@ -72,7 +72,9 @@ def test_a_malformed_record_fails_its_trial_and_the_search_completes(tmp_path, c
 def test_a_command_that_hangs_is_waited_for_once_not_once_per_configuration(tmp_path, capsys):
     cmd = _script(tmp_path, "hang.py", "import time\ntime.sleep(600)\n")
     run = tmp_path / "run"
-    code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=2",
+    # trial.execute=cpu: every trial runs the command's steps (with meta steps its one-step smoke test
+    # meets the hang first and ends the search: test_a_command_that_hangs_in_its_smoke_test_...)
+    code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=2", "trial.execute=cpu",
                  f"hydra.run.dir={run}"])
     captured = capsys.readouterr()
     err = " ".join((captured.out + captured.err).split())
@@ -81,6 +83,20 @@ def test_a_command_that_hangs_is_waited_for_once_not_once_per_configuration(tmp_
     assert trial.user_attrs["outcome"] == "timeout" and trial.params["batch_size"] == 4
     assert ("the command hung: the default allocator's trial at batch 4 ran past trial.timeout=2 s (trial 0); a hang "
             "is not an allocator's doing, so no other configuration was run at batch 4 or above") in err
+
+
+def test_a_command_that_hangs_in_its_smoke_test_ends_the_search_before_any_trial(tmp_path, capsys):
+    cmd = _script(tmp_path, "hang.py", "import time\ntime.sleep(600)\n")
+    run = tmp_path / "run"
+    code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=2",
+                 f"hydra.run.dir={run}"])
+    captured = capsys.readouterr()
+    err = " ".join((captured.out + captured.err).split())
+    assert code == 2                                                   # the workload fails: bad input, one line
+    assert ("the workload fails on the CPU at batch 4 (the smoke test: one real step, default allocator): timeout: "
+            "trial exceeded its 2 s limit") in err
+    (trial,) = _study(run).get_trials()                                # the baseline's probe, then the smoke test
+    assert trial.user_attrs["outcome"] == "timeout" and trial.params["batch_size"] == 4
 
 
 def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configurations(tmp_path, capsys):
