@@ -73,7 +73,7 @@ def test_a_command_that_hangs_is_waited_for_once_not_once_per_configuration(tmp_
     cmd = _script(tmp_path, "hang.py", "import time\ntime.sleep(600)\n")
     run = tmp_path / "run"
     # trial.execute=cpu: every trial runs the command's steps (with meta steps its one-step smoke test
-    # meets the hang first and ends the search: test_a_command_that_hangs_in_its_smoke_test_...)
+    # meets the hang first and ends the search: test_a_command_that_hangs_in_its_smoke_test_ends_the_search_in_one_line)
     code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=2", "trial.execute=cpu",
                  f"hydra.run.dir={run}"])
     captured = capsys.readouterr()
@@ -85,14 +85,14 @@ def test_a_command_that_hangs_is_waited_for_once_not_once_per_configuration(tmp_
             "is not an allocator's doing, so no other configuration was run at batch 4 or above") in err
 
 
-def test_a_command_that_hangs_in_its_smoke_test_ends_the_search_before_any_trial(tmp_path, capsys):
+def test_a_command_that_hangs_in_its_smoke_test_ends_the_search_in_one_line(tmp_path, capsys):
     cmd = _script(tmp_path, "hang.py", "import time\ntime.sleep(600)\n")
     run = tmp_path / "run"
     code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=2",
                  f"hydra.run.dir={run}"])
     captured = capsys.readouterr()
     err = " ".join((captured.out + captured.err).split())
-    assert code == 2                                                   # the workload fails: bad input, one line
+    assert code == 1                                                   # nothing can run: a setup fault, one line
     assert ("the workload fails on the CPU at batch 4 (the smoke test: one real step, default allocator): timeout: "
             "trial exceeded its 2 s limit") in err
     (trial,) = _study(run).get_trials()                                # the baseline's probe, then the smoke test
