@@ -207,3 +207,20 @@ def test_local_jobs_get_their_gpus_and_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     plan = J._plan(overrides, _cfg(*overrides), Prepared())
     assert plan.envs == [{"OOMTUNE_TORCH_THREADS": "3"}] * 2 and plan.per_job == 1
+
+
+def test_a_submission_sbatch_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    from oomtune.exceptions import ConfigError
+    from oomtune.search import jobs as J
+
+    bin_dir = _fake_slurm(tmp_path, monkeypatch)
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpux' >&2\n"
+                                    "echo 'sbatch: error: Batch job submission failed: Invalid partition name "
+                                    "specified' >&2\nexit 1\n")
+    overrides = ["target=cmd", f"target.command='python {SCRIPT} {{batch_size}}'", "launcher=slurm",
+                 "launcher.partition=gpux", "search.workers=2", f"storage={PG}", f"hydra.run.dir={tmp_path / 'run'}"]
+    plan = J._plan(overrides, _cfg(*overrides), None)
+    with pytest.raises(ConfigError, match=r"^launcher=slurm: the worker jobs could not be submitted: sbatch: error: "
+                                          r"Batch job submission failed: Invalid partition name specified$"):
+        J._submit(plan)
+    assert capsys.readouterr().err == ""          # sbatch's lines are not printed a second time by submitit

@@ -220,6 +220,9 @@ def _submit(plan: _Plan) -> list[Any]:
         ConfigError: the scheduler refused the submission (sbatch's message: an unknown partition or
             account), in one line.
     """
+    import contextlib
+    import io
+
     import submitit
 
     from oomtune.search import launchers as L
@@ -229,18 +232,19 @@ def _submit(plan: _Plan) -> list[Any]:
                             run_dir=worker_dir(plan.run_dir, i).resolve(), workers=plan.per_job)
             for i in range(plan.n_jobs)]
     try:
-        if plan.kind == "slurm":
-            executor = submitit.SlurmExecutor(folder=plan.folder)
-            executor.update_parameters(**L.slurm_parameters(plan.cfg, plan.n_jobs))
-            return executor.map_array(run_worker, args, list(range(plan.n_jobs)), plan.envs)
-        executor = submitit.LocalExecutor(folder=plan.folder)
-        executor.update_parameters(**L.local_parameters(plan.cfg))
-        return [executor.submit(run_worker, args[i], i, plan.envs[i]) for i in range(plan.n_jobs)]
-    except Exception as exc:  # sbatch's refusal: subprocess.CalledProcessError / submitit's FailedJobError
-        text = " ".join(str(getattr(exc, "stderr", b"") or exc).split()) if not isinstance(exc, OomtuneError) else ""
-        if isinstance(exc, OomtuneError):
-            raise
-        raise ConfigError(f"launcher={plan.kind}: the worker jobs could not be submitted: {text[:300]}") from None
+        # submitit prints sbatch's stderr itself before raising it (CommandFunction): said once, below
+        with contextlib.redirect_stderr(io.StringIO()):
+            if plan.kind == "slurm":
+                executor = submitit.SlurmExecutor(folder=plan.folder)
+                executor.update_parameters(**L.slurm_parameters(plan.cfg, plan.n_jobs))
+                return executor.map_array(run_worker, args, list(range(plan.n_jobs)), plan.envs)
+            executor = submitit.LocalExecutor(folder=plan.folder)
+            executor.update_parameters(**L.local_parameters(plan.cfg))
+            return [executor.submit(run_worker, args[i], i, plan.envs[i]) for i in range(plan.n_jobs)]
+    except Exception as exc:  # noqa: BLE001 - sbatch's refusal (submitit's FailedJobError holds its stderr)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = lines[-1] if lines else type(exc).__name__
+        raise ConfigError(f"launcher={plan.kind}: the worker jobs could not be submitted: {why[:300]}") from None
 
 
 def _log_of(job: Any) -> Path:
