@@ -37,6 +37,8 @@ __all__ = ["JobReport", "run_worker", "launch", "JOBS_FILE", "WORKERS_DIR", "wor
 WORKERS_DIR = "workers"
 #: What the parent records about its jobs (ids, logs, how each ended), in :data:`WORKERS_DIR`.
 JOBS_FILE = "jobs.json"
+#: Seconds between forced looks at the jobs' states (SLURM: one sacct call for all of them).
+FORCE_CHECK_S = 60.0
 
 
 def worker_dir(run_dir: Path, index: int) -> Path:
@@ -273,6 +275,7 @@ class _Follower:
         self.seen = {t.number for t in trials if t.state.is_finished()}
         self.running: dict[int, Path] = {}   # trial number -> its key on the live bar
         self.states: str | None = None
+        self._forced = time.monotonic()      # the last forced look at the jobs' states
 
     def _workdir(self, number: int) -> Path | None:
         found = sorted((self.run_dir / WORKERS_DIR).glob(f"worker-*/trials/trial-{number:04d}"))
@@ -311,7 +314,14 @@ class _Follower:
             self.say(f"worker jobs: {states}")
 
     def done(self) -> bool:
-        return all(job.done() for job in self.jobs)
+        """Whether every job has ended: its result file is there, or the scheduler says so. submitit
+        asks SLURM (sacct) at growing intervals, up to every 10 minutes (``SlurmInfoWatcher``); a
+        job that ended without a result (killed, its node lost) is asked about at least every
+        :data:`FORCE_CHECK_S` seconds here."""
+        force = time.monotonic() - self._forced >= FORCE_CHECK_S
+        if force:
+            self._forced = time.monotonic()
+        return all(job.done(force_check=force) for job in self.jobs)
 
 
 def _report_of(job: Any, index: int) -> JobReport:
