@@ -49,8 +49,9 @@ optuna.logging.set_verbosity(optuna.logging.ERROR)
 url, name, n, start_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 study = optuna.load_study(study_name=name, storage=make_storage(url, heartbeat_interval_s=10, grace_period_s=60))
 def evaluate(trial, slot):
-    trial.set_user_attr(R.ATTR_RESULT, {"x": trial.params["x"]})
-    return float(trial.params["x"])
+    x = trial.suggest_int("x", 0, 10**6)   # the enqueued value (Optuna's fixed parameters)
+    trial.set_user_attr(R.ATTR_RESULT, {"x": x})
+    return float(x)
 while time.time() < start_at:   # every process starts the round together
     time.sleep(0.01)
 Executor(study, ["cpu"], evaluate, poll_s=0.05).run_batch([({"x": x}, "baseline", {}) for x in range(n)])
@@ -94,6 +95,8 @@ def _claims(server, db_name: str, url: str, name: str, processes: int, n: int) -
     after = _commits(server, db_name)
     trials = [t for t in optuna.load_study(study_name=name, storage=make_storage(url)).trials
               if t.user_attrs.get("result") is not None]
+    if not trials:
+        raise SystemExit(f"no trial ran: {next((e for e in errors if e.strip()), '')[-2000:]}")
     params = [t.params["x"] for t in trials]
     first = min(t.datetime_start for t in trials)
     last = max(t.datetime_complete for t in trials)
