@@ -224,3 +224,23 @@ def test_a_submission_sbatch_refuses_is_one_line(tmp_path, monkeypatch, capsys):
                                           r"Batch job submission failed: Invalid partition name specified$"):
         J._submit(plan)
     assert capsys.readouterr().err == ""          # sbatch's lines are not printed a second time by submitit
+
+
+def test_the_answer_comes_from_a_job_that_finished_else_one_line():
+    from oomtune.exceptions import ConfigError, WorkerJobsFailed
+    from oomtune.search.jobs import JobReport, answer_of
+
+    done = JobReport(index=1, exit_code=0, summary="S1")
+    nothing_fitted = JobReport(index=2, exit_code=1, line="oomtune: no configuration ran within the budget",
+                               summary="S2")
+    killed = JobReport(index=0, exit_code=1, line="the job ended without a result (failed): killed")
+    assert answer_of([killed, done, nothing_fitted], PG) is done        # a finished job's summary first
+    assert answer_of([killed, nothing_fitted], PG) is nothing_fitted    # else one that reached a summary
+    refused = [JobReport(index=i, exit_code=2, line="oomtune: error: budget 90GiB exceeds cuda:0 (79.25 GiB)")
+               for i in range(3)]
+    with pytest.raises(ConfigError, match=r"^budget 90GiB exceeds cuda:0 \(79.25 GiB\)$"):
+        answer_of(refused, PG)                                           # bad input on every node: exit 2
+    with pytest.raises(WorkerJobsFailed, match=r"^none of the 2 worker jobs reached an answer \(worker job 0: the "
+                                               r"job ended without a result \(failed\): killed, log /l0\); finished "
+                                               r"trials are kept in postgresql://"):
+        answer_of([killed, refused[1]], PG, [Path("/l0"), Path("/l1")])

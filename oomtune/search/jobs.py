@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError, OomtuneError, ResumableError, WorkerJobsFailed
 
-__all__ = ["JobReport", "run_worker", "launch", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
+__all__ = ["JobReport", "run_worker", "launch", "answer_of", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
 
 #: The run directory's folder of the worker jobs' own run directories (and, by default, submitit's
 #: folder: the jobs' pickles and logs).
@@ -388,6 +388,28 @@ def _write_jobs_file(plan: _Plan, jobs: Sequence[Any], reports: Sequence[JobRepo
     write_atomic(plan.run_dir / WORKERS_DIR / JOBS_FILE, json.dumps({"launcher": plan.kind, "jobs": rows}, indent=1))
 
 
+def answer_of(reports: Sequence[JobReport], url: str, logs: Sequence[Path] = ()) -> JobReport:
+    """The job report the run's outputs are written from: the last job (by index) that finished,
+    else the last that reached a summary (nothing fitted: the outputs say why).
+
+    Raises:
+        ConfigError: no job reached a summary and every job refused its input (exit status 2: a
+            SLURM node's device or budget; the first job's line, once).
+        WorkerJobsFailed: no job reached a summary otherwise (killed, out of time, the storage
+            away); one line naming the first job's line and log.
+    """
+    answered = [r for r in reports if r.summary is not None]
+    if answered:
+        return next((r for r in reversed(answered) if r.exit_code == 0), answered[-1])
+    if reports and all(r.exit_code == 2 and r.line for r in reports):
+        raise ConfigError(str(reports[0].line).removeprefix("oomtune: error: "))
+    first = next((r for r in reports if r.line), None)
+    log = f", log {logs[first.index]}" if first is not None and first.index < len(logs) else ""
+    raise WorkerJobsFailed(f"none of the {len(reports)} worker jobs reached an answer"
+                           + (f" (worker job {first.index}: {first.line}{log})" if first else "")
+                           + f"; finished trials are kept in {url}")
+
+
 def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, out: Any,
            poll_s: float | None = None) -> Path:
     """``oomtune search ... launcher=local|slurm``: submit ``search.workers`` worker jobs, follow
@@ -476,19 +498,11 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         signal.signal(signal.SIGTERM, previous)
     reports = [_report_of(job, i) for i, job in enumerate(jobs)]
     _write_jobs_file(plan, jobs, reports)
-    answered = [r for r in reports if r.summary is not None]
+    rep = answer_of(reports, plan.url, [_log_of(job) for job in jobs])
     for job, r in zip(jobs, reports):
         if r.line:
             say(f"note: worker job {r.index} ({job.job_id}{', ' + r.host if r.host else ''}) ended early: {r.line}; "
                 f"its log: {_log_of(job)}")
-    if not answered:
-        if reports and all(r.exit_code == 2 for r in reports):
-            raise ConfigError(reports[0].line.removeprefix("oomtune: error: "))
-        first = next((r for r in reports if r.line), None)
-        raise WorkerJobsFailed(f"none of the {len(reports)} worker jobs reached an answer"
-                               + (f" (worker job {first.index}: {first.line})" if first else "")
-                               + f"; finished trials are kept in {plan.url}")
-    rep = next((r for r in reversed(answered) if r.exit_code == 0), answered[-1])
     outcomes, launched_n, saved = study_counts(study.get_trials(deepcopy=False))
     summary = dataclasses.replace(rep.summary, outcomes=outcomes, launches=launched_n, launches_saved=saved)
     from oomtune.htmlreport import write_report
