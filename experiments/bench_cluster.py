@@ -5,10 +5,12 @@
 Starts a throwaway PostgreSQL server (tests/pg_server.py) and ``oomtune storage-proxy`` in front of
 it (127.0.0.1), then measures each storage, alternating (direct, proxy, direct, proxy: --repeats):
 
-1. Claims. --processes worker processes run oomtune's worker loop (:class:`oomtune.search.workers.
-   Executor`, one worker each, with the storage's heartbeat) over the same round of --claims
-   candidates (``Executor.run_batch``: each candidate enqueued once, claimed by one worker, told
-   COMPLETE), whose evaluation does nothing but store a result attribute: the coordination alone.
+1. Claims. --claims candidates are enqueued (WAITING trials), then --processes worker processes
+   run oomtune's worker loop on them (:class:`oomtune.search.workers.Executor`, one worker each,
+   with the storage's heartbeat; ``Executor.drain``: claim a WAITING trial, run it, tell it
+   COMPLETE, until none is left), whose evaluation does nothing but store a result attribute: the
+   coordination alone. (Not ``run_batch`` with the same round in every process: each process would
+   enqueue its own copy of every candidate, the copies finished as duplicates.)
    Reported: claims per second over the round (candidates / seconds from the round's first trial
    start to its last completion, the study's own timestamps), candidates run twice (target 0), and
    the database's transactions per candidate (``pg_stat_database.xact_commit``; through the proxy,
@@ -54,7 +56,7 @@ def evaluate(trial, slot):
     return float(x)
 while time.time() < start_at:   # every process starts the round together
     time.sleep(0.01)
-Executor(study, ["cpu"], evaluate, poll_s=0.05).run_batch([({"x": x}, "baseline", {}) for x in range(n)])
+Executor(study, ["cpu"], evaluate, poll_s=0.05).drain(("baseline",))
 """
 
 
@@ -83,7 +85,8 @@ def _claims(server, db_name: str, url: str, name: str, processes: int, n: int) -
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(storage=make_storage(url), study_name=name, direction="maximize")
-    study.set_user_attr("bench", True)
+    for x in range(n):
+        study.enqueue_trial({"x": x}, user_attrs={"role": "baseline"})
     time.sleep(1.0)   # pg_stat_database is reported by the server with a delay
     before = _commits(server, db_name)
     start_at = time.time() + 8.0   # the processes import optuna and open the study first
