@@ -195,7 +195,7 @@ def grpc_storage_class() -> type:
             def call() -> bool:
                 attempts.append(1)
                 try:
-                    return GrpcStorageProxy.set_trial_state_values(self, trial_id, state, values)
+                    return self._noting_outages(GrpcStorageProxy.set_trial_state_values, trial_id, state, values)
                 except UpdateFinishedTrialError:
                     if len(attempts) > 1 and GrpcStorageProxy.get_trial(self, trial_id).state == state:
                         return True
@@ -221,6 +221,7 @@ def grpc_storage_class() -> type:
             except Exception as exc:  # noqa: BLE001 - classified; the heartbeat thread must live on
                 if not is_connection_error(exc):
                     raise
+                self._outage_at = time.monotonic()
                 if self.say is not None:
                     self.say(f"storage connection lost while recording a heartbeat: {_first_line(exc)}; next try "
                              f"in {self.heartbeat_interval} s")
