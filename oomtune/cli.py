@@ -31,6 +31,7 @@ COMMANDS = {
     "env": "env",
     "report": "report",
     "best": "best",
+    "storage-proxy": "storage_proxy",
 }
 
 
@@ -156,6 +157,7 @@ _HELP = {
     "env": "print the export line of a best.yaml",
     "report": "write the HTML report of a run directory (search or plan)",
     "best": "print the best.yaml recorded in a study's storage (any machine)",
+    "storage-proxy": "serve a study database to many workers through Optuna's gRPC storage proxy",
 }
 
 

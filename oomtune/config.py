@@ -52,7 +52,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
         message = _unparsable_override(overrides) or _with_override(_one_line(exc), overrides)
         m = re.search(r"Could not override '([\w.]+)'", message)
         if m:
-            groups = [o for o in overrides if o.split("=", 1)[0] in ("model", "search", "target")]
+            groups = [o for o in overrides if o.split("=", 1)[0] in ("model", "search", "target", "launcher")]
             message = _unknown_key(m.group(1), config_name, groups) or message
         raise ConfigError(message) from None
     finally:
@@ -104,7 +104,7 @@ def check_override_depth(override: str) -> None:
 
 
 def _option_files(cfg: Any) -> dict[str, Any]:
-    """The option files chosen for the ``model`` and ``target`` groups (``conf/<group>/<option>.yaml``,
+    """The option files chosen for the ``model``, ``target`` and ``launcher`` groups (``conf/<group>/<option>.yaml``,
     read size- and depth-limited), as plain mappings: the keys a ``+`` override may extend.
 
     Raises:
@@ -114,7 +114,7 @@ def _option_files(cfg: Any) -> dict[str, Any]:
 
     choices = cfg.hydra.runtime.choices if "hydra" in cfg else {}
     out: dict[str, Any] = {}
-    for group in ("model", "target"):
+    for group in ("model", "target", "launcher"):
         option = choices.get(group)
         path = conf_dir() / group / f"{option}.yaml"
         if option is not None and path.is_file():

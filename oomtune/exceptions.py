@@ -17,6 +17,7 @@ __all__ = [
     "ResumableError",
     "StorageUnavailableError",
     "DiskFullError",
+    "WorkerJobsFailed",
     "Interrupted",
     "HostMemoryRefused",
     "UserCodeError",
@@ -72,6 +73,11 @@ class DiskFullError(ResumableError):
     """A file of the run could not be written: no space left on the device (``ENOSPC``) or the
     user's quota is exhausted (``EDQUOT``); also SQLite's "database or disk is full". Its
     temporary file has been removed (:func:`oomtune.files.write_atomic`)."""
+
+
+class WorkerJobsFailed(ResumableError):
+    """Every worker job of ``launcher=local|slurm`` ended without an answer (killed, out of time,
+    stopped by the storage): the study keeps what they finished, and the same command resumes it."""
 
 
 class Interrupted(KeyboardInterrupt):

@@ -67,6 +67,7 @@ class RootConf:
     model: Any = None
     search: SearchConf = field(default_factory=SearchConf)
     target: Any = None
+    launcher: Any = None
     budget: str = "1GiB"
     device: str = "auto"
     virtual_device_memory: str = "80GiB"
@@ -125,12 +126,14 @@ def _schema_tree(groups: Dict[str, Any]) -> Dict[str, Any]:
     tree["plan"] = dict(_PLAN_KEYS)
     tree["search"]["space"] = OPEN
     tree["search"]["data"] = OPEN
-    for group in ("model", "target"):
+    for group in ("model", "target", "launcher"):
         keys = from_file(groups.get(group) or {})
         keys = keys if isinstance(keys, dict) else {}
         if group == "target":   # a python entry's distribution (a built-in model's is in its file)
             for shape in SHAPE_KEYS_ADDABLE:
                 keys.setdefault(shape, OPEN)
+        if group == "launcher" and "sbatch" in keys:   # any sbatch option (oomtune.search.launchers checks it)
+            keys["sbatch"] = OPEN
         tree[group] = keys
     return tree
 
@@ -140,10 +143,11 @@ def check_added_keys(overrides: Any, groups: Dict[str, Any]) -> None:
     as a plain ``key=value`` of an unknown key is refused (Hydra's ``+`` appends any key, so
     ``+search.n_trails=5`` and ``+foo=bar`` were accepted silently and the search ran with the
     default). The typed levels (the root, ``search``, ``search.batch_size``, ``trial``) allow their
-    dataclass fields; ``plan`` its ``batch_sizes``; ``model`` and ``target`` the keys of the chosen
-    option file (``groups``: ``{"model": {...}, "target": {...}}`` as read from conf/), ``target``
-    also the shape distributions :data:`SHAPE_KEYS_ADDABLE`; the :data:`OPEN` mappings are checked by
-    their owners (``hydra``, ``search.space``, ``search.data``).
+    dataclass fields; ``plan`` its ``batch_sizes``; ``model``, ``target`` and ``launcher`` the keys
+    of the chosen option file (``groups``: ``{"model": {...}, "target": {...}, "launcher": {...}}`` as
+    read from conf/), ``target`` also the shape distributions :data:`SHAPE_KEYS_ADDABLE`; the
+    :data:`OPEN` mappings are checked by their owners (``hydra``, ``search.space``, ``search.data``,
+    ``launcher.sbatch``).
 
     Raises:
         ConfigError: one line naming the key, the closest existing one (``difflib``'s default

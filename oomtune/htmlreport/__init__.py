@@ -130,11 +130,12 @@ def write_report(run_dir: str | Path, say: Any) -> Path | None:
     return path
 
 
-def write_search_report(run_dir: str | Path, say: Any, **artifacts: Any) -> Path | None:
+def write_search_report(run_dir: str | Path, say: Any, *, html: bool = True, **artifacts: Any) -> Path | None:
     """End of ``oomtune search``: the frontier and the winner's step
     (:func:`oomtune.htmlreport._artifacts.write_search_artifacts`, keyword arguments passed on), then
-    report.html. Each problem is one ``note:`` line through ``say``; nothing here fails the search,
-    except a full disk.
+    report.html (not with ``html=False``: a worker job of ``launcher=local|slurm``, whose parent
+    writes the report of the run). Each problem is one ``note:`` line through ``say``; nothing here
+    fails the search, except a full disk.
 
     Raises:
         DiskFullError: no space left for frontier.yaml, winner_step.pickle or report.html.
@@ -150,4 +151,4 @@ def write_search_report(run_dir: str | Path, say: Any, **artifacts: Any) -> Path
     except Exception as exc:  # noqa: BLE001 - the search's answer (best.yaml) is already written
         first = str(exc).splitlines()[0] if str(exc) else ""
         say(f"note: frontier and winner's step not written: {type(exc).__name__}: {first}")
-    return write_report(run_dir, say)
+    return write_report(run_dir, say) if html else None

@@ -48,7 +48,7 @@ from oomtune.search.workers import ATTR_DUPLICATE_OF, Executor, TrialErrored
 from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
-__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFault"]
+__all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFault", "study_counts"]
 
 #: Roles whose trials measure candidates (confirmations re-measure them).
 PROBE_ROLES = ("baseline", "frontier", "search")
@@ -1066,32 +1066,7 @@ class Search:
         """Counts over the whole study (every session of a resumed one): outcomes (``ok_over_limit``:
         ran but exceeded the limit; ``interrupted``: killed by Ctrl-C/SIGTERM), trial processes
         launched, and launches saved by prediction or by reusing an identical earlier trial."""
-        from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
-
-        outcomes: dict[str, int] = {}
-        saved = launched = 0
-        trials = self.study.get_trials(deepcopy=False)
-        restored = {t.user_attrs[ATTR_TOLD_FROM_RECORD] for t in trials if ATTR_TOLD_FROM_RECORD in t.user_attrs}
-        for t in trials:
-            key = t.user_attrs.get(R.ATTR_OUTCOME)
-            if key is None:
-                if t.number in restored:
-                    launched += 1   # ran; its result is the restored trial's
-                    continue
-                if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs and ATTR_DUPLICATE_OF not in t.user_attrs:
-                    outcomes["interrupted"] = outcomes.get("interrupted", 0) + 1
-                    launched += 1
-                continue
-            if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
-                key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
-            outcomes[key] = outcomes.get(key, 0) + 1
-            if ATTR_TOLD_FROM_RECORD in t.user_attrs:
-                continue   # its launch is the original trial's (counted there)
-            if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs \
-                    or R.ATTR_FROM_RECORDING in t.user_attrs:
-                saved += 1
-            else:
-                launched += 1
+        outcomes, launched, saved = study_counts(self.study.get_trials(deepcopy=False))
         top = best is not None and best.params["batch_size"] >= self.space.top_batch
         return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
@@ -1103,6 +1078,41 @@ class Search:
                              causes=[n for n in (hang_note(self.study.get_trials(deepcopy=False),
                                                            self.opt.trial_timeout_s),) if n],
                              timeout_note=self.timeout_note())
+
+
+def study_counts(trials: Sequence[Any]) -> tuple[dict[str, int], int, int]:
+    """``(outcomes, launched, saved)`` over a study's trials (every session and process of it):
+    outcomes by name (``ok_over_limit``: ran but exceeded the limit; ``interrupted``: killed by
+    Ctrl-C/SIGTERM, FAIL without a result), trial processes launched, and launches saved by
+    prediction or by reusing an identical earlier trial. A trial restored from its run-directory
+    record (:mod:`oomtune.search.tell_records`) counts its outcome once and its launch once (the
+    original's)."""
+    from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
+
+    outcomes: dict[str, int] = {}
+    saved = launched = 0
+    restored = {t.user_attrs[ATTR_TOLD_FROM_RECORD] for t in trials if ATTR_TOLD_FROM_RECORD in t.user_attrs}
+    for t in trials:
+        key = t.user_attrs.get(R.ATTR_OUTCOME)
+        if key is None:
+            if t.number in restored:
+                launched += 1   # ran; its result is the restored trial's
+                continue
+            if t.state.name == "FAIL" and R.ATTR_ROLE in t.user_attrs and ATTR_DUPLICATE_OF not in t.user_attrs:
+                outcomes["interrupted"] = outcomes.get("interrupted", 0) + 1
+                launched += 1
+            continue
+        if key == Outcome.OK.value and t.state.name == "COMPLETE" and not R.is_feasible_ok(t):
+            key = "ok_over_limit"  # ran, but its peak exceeded budget x (1 - headroom)
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if ATTR_TOLD_FROM_RECORD in t.user_attrs:
+            continue   # its launch is the original trial's (counted there)
+        if key == Outcome.PREDICTED_INFEASIBLE.value or R.ATTR_REUSED in t.user_attrs \
+                or R.ATTR_FROM_RECORDING in t.user_attrs:
+            saved += 1
+        else:
+            launched += 1
+    return outcomes, launched, saved
 
 
 def _default_hang(trials: Sequence[Any]) -> Any | None:

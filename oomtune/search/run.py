@@ -23,7 +23,8 @@ from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
 
-__all__ = ["search", "RUN_FILE"]
+__all__ = ["search", "search_here", "write_search_outputs", "compose_search", "prepare_search", "Searched",
+           "RUN_FILE"]
 
 from oomtune.runfile import RUN_FILE, write_run_file  # noqa: E402 - run.json: `oomtune show RUN_DIR` finds the study
 
@@ -306,20 +307,36 @@ def refuse_plan_cards(cfg: Any) -> None:
                       f"{use}, or compare the cards first with oomtune plan gpu=[...]")
 
 
-def prepare_search(overrides: Sequence[str]) -> _Prepared:
-    """Compose and validate the search's config once (:func:`oomtune.prepared.prepare`), then the
-    search's own checks, in the order bad input is reported.
+def compose_search(overrides: Sequence[str]) -> Any:
+    """The search's config, composed and checked before torch is imported: the allocator's
+    environment, every typed key (:func:`oomtune.prepared.compose_checked`), a stray ``gpu=``
+    (:func:`refuse_plan_cards`) and the ``launcher``
+    group (:func:`oomtune.search.launchers.check_launcher`).
 
     Raises:
-        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts and
-            before anything is written.
+        ConfigError: bad input, in one line.
     """
     from oomtune.alloc.caching_env import check_alloc_env, check_caching_enabled
+    from oomtune.search.launchers import check_launcher
 
     check_caching_enabled()   # PYTORCH_NO_CUDA_MEMORY_CACHING would make every setting a no-op
     check_alloc_env()         # a malformed string in the shell would abort `import torch` (exit 134)
     cfg = compose_checked(overrides)
     refuse_plan_cards(cfg)
+    check_launcher(cfg)       # before anything is opened or submitted
+    return cfg
+
+
+def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
+    """Compose and validate the search's config once (:func:`compose_search`, unless ``cfg`` is that
+    config already, then :func:`oomtune.prepared.prepare`), then the search's own checks, in the
+    order bad input is reported.
+
+    Raises:
+        ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts and
+            before anything is written.
+    """
+    cfg = compose_search(overrides) if cfg is None else cfg
     # allocator values: no torch needed either; a global batch split over trial.gpus ranks
     space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
     dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
@@ -361,6 +378,10 @@ def prepare_search(overrides: Sequence[str]) -> _Prepared:
 def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     """Run the whole search; returns the path of the written best.yaml.
 
+    With ``launcher=inprocess`` (the default) the trials run on ``search.workers`` worker threads of
+    this process; with ``launcher=local|slurm`` on ``search.workers`` worker jobs, which this process
+    submits, follows and whose answer it writes (:func:`oomtune.search.jobs.launch`).
+
     Raises:
         ConfigError / DeviceError / AllocatorConfigError: bad input, before any trial starts and
             before anything is written.
@@ -369,15 +390,45 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     """
     import optuna
 
-    from oomtune.trial.runner import TrialRunner
-
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported by oomtune
     console = console or _console(stderr=True)
     out = _console(stderr=False) if console.stderr else console
     from oomtune.display import starting
+    from oomtune.search.launchers import launched, launcher_name
 
     with starting(console):  # a spinner on a terminal while the config is checked and torch imported
-        p = prepare_search(overrides)
+        cfg = compose_search(overrides)
+        # a SLURM job's device is its node's: this machine (a login node) resolves none of it
+        p = None if launcher_name(cfg) == "slurm" else prepare_search(overrides, cfg=cfg)
+    if launched(cfg):
+        from oomtune.search.jobs import launch
+
+        return launch(overrides, cfg, p, console=console, out=out)
+    return write_search_outputs(search_here(p, overrides, console=console), out=out)
+
+
+@dataclass
+class Searched:
+    """A search this process ran to its end (:func:`search_here`), before its outputs are written
+    (:func:`write_search_outputs`): what a worker job hands back to the process that launched it."""
+
+    prepared: _Prepared
+    study: Any
+    url: str
+    summary: Any                 # oomtune.search.driver.SearchSummary
+    predictor: Any               # the frontier's predictor (None: not predicted)
+    drive_predictor: Any         # a recorded target's predictor over its trials' streams
+
+
+def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Searched:
+    """The search's trials on this process's worker threads, from the prepared config to the
+    summary: the study opened (or joined), frontier probes, the sampler, the confirmation.
+
+    Raises:
+        SetupFault / KeyboardInterrupt / StorageUnavailableError: as :func:`search`.
+    """
+    from oomtune.trial.runner import TrialRunner
+
     cfg, device, space, options = p.cfg, p.device, p.space, p.options
     url = storage_url(cfg.storage, p.run_dir)
     say = lambda line: _say(console, line)  # noqa: E731
@@ -511,14 +562,29 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     from oomtune.files import write_atomic
 
     write_atomic(p.run_dir / "workers.json", json.dumps({"slots": slots, **drive.executor.stats}))
+    return Searched(prepared=p, study=study, url=url, summary=summary, predictor=predictor,
+                    drive_predictor=drive.predictor)
+
+
+def write_search_outputs(run: Searched, *, out: Any, html: bool = True) -> Path:
+    """best.yaml, trials.json, the final table and the report of a search this process ran
+    (:func:`oomtune.search.outputs.write_outputs`, :func:`oomtune.htmlreport.write_search_report`);
+    ``html=False``: the report's frontier and winner's step without report.html (a worker job: its
+    parent writes the run's report).
+
+    Raises:
+        SetupFault: no configuration ran within the budget (the report is written all the same).
+        DiskFullError: a file could not be written for lack of space.
+    """
     from oomtune.search.outputs import write_outputs
 
     from oomtune.htmlreport import write_search_report
 
+    p, predictor, space, options = run.prepared, run.predictor, run.prepared.space, run.prepared.options
     try:
         # a target whose trials record their streams: the driver's predictor over the recordings
-        return write_outputs(cfg, p.run_dir, study, summary, device, p.budget_bytes, url, out,
-                             predictor=predictor if predictor is not None else drive.predictor,
+        return write_outputs(p.cfg, p.run_dir, run.study, run.summary, p.device, p.budget_bytes, run.url, out,
+                             predictor=predictor if predictor is not None else run.drive_predictor,
                              space=space, workload=p.workload,
                              # one predictor: under a shape distribution best.yaml records the worst
                              # shape's prediction, as the frontier judged it (check predicts the same)
@@ -526,8 +592,8 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
         # the report draws with the search's predictor; without one (search.prune=off) the one
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
-        write_search_report(p.run_dir, lambda text: _say(out, text), workload=p.workload, device=device,
-                            budget_bytes=p.budget_bytes, headroom=options.headroom,
+        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=p.workload,
+                            device=p.device, budget_bytes=p.budget_bytes, headroom=options.headroom,
                             predictor=predictor if predictor is not None else _report_predictor(p, space),
                             predicted_frontiers=predictor is not None, space=space)
 

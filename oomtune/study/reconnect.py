@@ -12,7 +12,9 @@ exception carries the lost connection:
   raises for *any* SQLAlchemy error during a session ("An exception is raised during the commit")
   with the original as its ``__cause__``: the chain is searched;
 - the drivers' own (``psycopg.OperationalError``, ``psycopg2.OperationalError`` ...) where they
-  escape SQLAlchemy.
+  escape SQLAlchemy;
+- gRPC's ``UNAVAILABLE`` from a storage proxy that went away or restarts (``storage=grpc://``:
+  :mod:`oomtune.study.grpc_proxy`).
 
 Three layers use :func:`retrying`: Optuna's storage methods (:func:`reconnecting_storage_class`, a
 subclass of Optuna's ``RDBStorage``), the batched writes of :mod:`oomtune.search.trial_writes`, and
@@ -124,10 +126,22 @@ def is_connection_error(exc: BaseException) -> bool:
         if isinstance(e, ConnectionError):
             return True
         module = (type(e).__module__ or "").split(".")[0]
+        if module == "grpc" and _grpc_code(e) == "UNAVAILABLE":
+            return True   # a gRPC storage proxy that went away (or is restarting): oomtune.study.grpc_proxy
         names = {c.__name__ for c in type(e).__mro__}
         if module in _DRIVER_MODULES and names & {"OperationalError", "InterfaceError"}:
             return True
     return False
+
+
+def _grpc_code(exc: BaseException) -> str | None:
+    """The status code name of a gRPC call's error (``grpc.RpcError`` that is also a ``grpc.Call``:
+    ``UNAVAILABLE``), None for anything else."""
+    code = getattr(exc, "code", None)
+    try:
+        return getattr(code(), "name", None) if callable(code) else None
+    except Exception:  # noqa: BLE001 - not a gRPC call after all
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -137,6 +151,9 @@ def _first_line(exc: BaseException) -> str:
     chain = exception_chain(exc)
     wrappers = ("optuna", "oomtune")
     for e in chain:
+        if (type(e).__module__ or "").split(".")[0] == "grpc" and _grpc_code(e) is not None:
+            details = getattr(e, "details", None)
+            return f"{_grpc_code(e)}: {details() if callable(details) else ''}".strip()[:200]
         orig = getattr(e, "orig", None)
         if orig is not None and str(orig).strip():
             return str(orig).strip().splitlines()[0][:200]

@@ -32,7 +32,8 @@ def storage_url(storage: str | None, run_dir: Path) -> str:
 
 def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
                  grace_period_s: int = GRACE_PERIOD_S, say: Any = None) -> Any:
-    """An Optuna storage for ``url`` (RDB with heartbeat, or a JournalStorage for ``journal:PATH``).
+    """An Optuna storage for ``url`` (RDB with heartbeat, a JournalStorage for ``journal:PATH``, or
+    the client of a gRPC storage proxy for ``grpc://HOST:PORT``: :mod:`oomtune.study.grpc_proxy`).
 
     RDB storages get Optuna's heartbeat (``heartbeat_interval``, ``grace_period``) and its retry
     callback (``RetryHeartbeatStaleTrialCallback``, ``RetryFailedTrialCallback`` before Optuna 4.9):
@@ -48,6 +49,18 @@ def make_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
     """
     import optuna
 
+    from oomtune.study.grpc_proxy import is_grpc_url
+
+    if is_grpc_url(url):   # Optuna's gRPC storage proxy, with heartbeats and reconnection added
+        from oomtune.study.grpc_proxy import make_grpc_storage
+
+        import warnings
+
+        with warnings.catch_warnings():   # ExperimentalWarning: Optuna's retry callback
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            callback = next(iter(_retry_callback(optuna).values()))
+        return make_grpc_storage(url, heartbeat_interval_s=int(heartbeat_interval_s), grace_period_s=int(grace_period_s),
+                                 say=say, stale_callback=callback)
     try:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend
@@ -230,11 +243,14 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     - RDB storages: a plain INSERT into Optuna's ``study_system_attributes`` table, whose unique
       (study_id, key) constraint lets exactly one concurrent INSERT commit; the losers read the
       winner's value.
+    - a gRPC storage proxy: the creator of a lock study wins (:mod:`oomtune.study.grpc_proxy`).
     - other storages (journal, in-memory): read, then write if absent (safe within one process).
     """
     import json
 
     storage = study._storage
+    if hasattr(storage, "record_once"):   # a gRPC storage proxy: its own one-writer record
+        return storage.record_once(study._study_id, study.study_name, key, value)
     stored = storage.get_study_system_attrs(study._study_id).get(key)
     if stored is not None:
         return stored
@@ -313,7 +329,10 @@ def load_study(url: str, study_name: str) -> Any:
             raise StudyNotFoundError(f"study {study_name!r}: no storage at {db} (the SQLite file does not exist)")
         _check_study_file(url, db, study_name)
     storage = make_storage(url)
-    names = [s.study_name for s in optuna.study.get_all_study_summaries(storage, include_best_trial=False)]
+    from oomtune.study.grpc_proxy import is_lock_study
+
+    names = [s.study_name for s in optuna.study.get_all_study_summaries(storage, include_best_trial=False)
+             if not is_lock_study(s.study_name)]
     if study_name not in names:
         have = ", ".join(names) if names else "none"
         raise StudyNotFoundError(f"study {study_name!r} does not exist in {url} (studies there: {have})")

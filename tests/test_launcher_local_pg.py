@@ -1,0 +1,208 @@
+"""``oomtune search ... launcher=local search.workers=2``: two worker jobs, real subprocesses started
+through submitit's LocalExecutor (the code path of launcher=slurm), sharing one study on a throwaway
+PostgreSQL server (tests/pg_server.py; skipped when it cannot start, except under CI).
+
+The target of the first tests is tests/data/sleep_trial.py: each trial sleeps, "runs out of memory"
+above batch 48 and reports throughput = batch, so the answer is known by hand: batch 48 under the
+default allocator (no setting changes the throughput; the default wins ties, search.min_gain), and
+the default allocator's probes are 8, 16, 32, 64 (doubling from search.batch_size.low until the
+first failure), then 48, 56, 52 (bisecting 32..64 to search.baseline_precision 0.1 x 48 < 8): the same
+probes tests/test_workers_pg.py finds with three processes started by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pg_server import start_or_skip  # noqa: E402
+
+pytest.importorskip("submitit")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
+PROBES = [8, 16, 32, 48, 52, 56, 64]
+
+
+@pytest.fixture(scope="module")
+def pg():
+    server = start_or_skip()
+    yield server
+    server.stop()
+
+
+def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
+    return ["target=cmd", f"target.command='{sys.executable} {SCRIPT} {{batch_size}}'", "device=cpu",
+            "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
+            "search.objective=throughput", "search.heartbeat_interval=1", "search.grace_period=3",
+            "trial.timeout=120", f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}",
+            "launcher=local", "search.workers=2", *extra]
+
+
+def _start(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:
+    env = {**os.environ, "OOMTUNE_TEST_SLEEP_S": str(sleep_s), "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "oomtune", "search", *overrides], cwd=REPO, env=env,
+                            stdout=open(log.with_suffix(".out"), "wb"), stderr=open(log.with_suffix(".err"), "wb"),
+                            start_new_session=True)
+
+
+def _study(url: str, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=url)
+
+
+def _launched(study, role: str) -> list:
+    """Trials of ``role`` that ran a trial process and hold its result."""
+    from oomtune.study import records as R
+
+    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == role
+            and R.ATTR_RESULT in t.user_attrs and R.ATTR_REUSED not in t.user_attrs
+            and R.ATTR_FROM_RECORDING not in t.user_attrs and t.user_attrs.get(R.ATTR_OUTCOME) != "predicted_infeasible"]
+
+
+def _check_every_trial_told_once(study, run_dir: Path) -> dict[int, list[Path]]:
+    """No trial lost or duplicated: every trial finished; each trial that ran has exactly one
+    directory and one run-directory record (tell.json, written before the storage is told) over
+    all worker jobs, and that record is what the study holds. Returns trial number -> its dirs."""
+    from oomtune.search.workers import ATTR_DUPLICATE_OF
+
+    trials = study.get_trials(deepcopy=False)
+    assert not [t.number for t in trials if t.state.name in ("RUNNING", "WAITING")]
+    dirs: dict[int, list[Path]] = {}
+    for d in (run_dir / "workers").glob("worker-*/trials/trial-*"):
+        dirs.setdefault(int(d.name.split("-")[1]), []).append(d)
+    assert {n: ds for n, ds in dirs.items() if len(ds) > 1} == {}            # no trial ran in two jobs
+    from oomtune.study import records as R
+
+    for t in trials:
+        if (ATTR_DUPLICATE_OF in t.user_attrs or R.ATTR_RESULT not in t.user_attrs or R.ATTR_REUSED in t.user_attrs
+                or R.ATTR_FROM_RECORDING in t.user_attrs or t.user_attrs.get(R.ATTR_OUTCOME) == "predicted_infeasible"):
+            continue   # no trial process: nothing to tell from a run directory
+        (d,) = dirs[t.number]
+        record = json.loads((d / "tell.json").read_text())
+        assert (record["number"], record["trial_id"], record["state"]) == (t.number, t._trial_id, t.state.name)
+        assert record["value"] == t.value and record["user_attrs"][R.ATTR_RESULT] == t.user_attrs[R.ATTR_RESULT]
+    return dirs
+
+
+def test_two_local_worker_jobs_find_the_answer_and_tell_every_trial_once(pg, tmp_path):
+    from oomtune.best import load_best
+
+    url = pg.create_database()
+    run_dir = tmp_path / "run"
+    proc = _start(_overrides(url, "jobs", run_dir), tmp_path / "parent", sleep_s=1.0)
+    assert proc.wait(timeout=900) == 0, (tmp_path / "parent.err").read_text()[-3000:]
+    err = (tmp_path / "parent.err").read_text()
+
+    best = load_best(run_dir / "best.yaml").best
+    assert (best.batch_size, best.alloc_conf) == (48, "")                    # by hand: module docstring
+    # one answer: the run directory's best.yaml is the study's recorded one, as each job wrote it
+    text = (run_dir / "best.yaml").read_text()
+    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == [text] * 2
+    assert len(list(run_dir.rglob("best.yaml"))) == 3 and (run_dir / "report.html").is_file()
+    assert not list((run_dir / "workers").glob("worker-*/report.html"))      # the parent writes the report
+
+    study = _study(url, "jobs")
+    dirs = _check_every_trial_told_once(study, run_dir)
+    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES   # each probe once
+    assert len(_launched(study, "search")) == 4
+    # the jobs shared the work: each ran trials
+    assert {d[0].parent.parent.name for d in dirs.values()} == {"worker-0", "worker-1"}
+
+    # the workers' logs, named where the user sees them and in workers/jobs.json
+    jobs = json.loads((run_dir / "workers" / "jobs.json").read_text())["jobs"]
+    assert [j["index"] for j in jobs] == [0, 1] and all(j["exit_code"] == 0 for j in jobs)
+    for j in jobs:
+        log = Path(j["log"])
+        assert f"worker job {j['index']}: pid {j['job_id']}, log {log}" in err
+        assert f"oomtune worker job {j['index']} on " in log.read_text()
+        assert Path(j["run_dir"]) == (run_dir / "workers" / f"worker-{j['index']}").resolve()
+    # the parent's progress: one line per trial that ran, as the in-process search prints them
+    for t in _launched(study, "baseline"):
+        assert f"[trial {t.number}] baseline" in err
+    assert "worker jobs: 2 running" in err and "worker jobs: 2 finished" in err
+    out = (tmp_path / "parent.out").read_text()
+    assert "best: batch 48, the default allocator" in out and f"wrote {run_dir / 'best.yaml'}" in out
+
+
+def test_ctrl_c_cancels_the_jobs_and_the_same_command_resumes(pg, tmp_path):
+    url = pg.create_database()
+    run_dir = tmp_path / "run"
+    overrides = _overrides(url, "cancel", run_dir)
+    proc = _start(overrides, tmp_path / "first", sleep_s=3.0)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:   # both jobs have a trial process running
+        running = [p for p in (run_dir / "workers").glob("worker-*/trials/trial-*/stdout.txt")
+                   if not (p.parent / "tell.json").exists()]
+        if len({p.parent.parent.parent.name for p in running}) == 2:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the jobs never ran a trial each: " + (tmp_path / "first.err").read_text()[-2000:])
+    os.kill(proc.pid, signal.SIGINT)                                         # Ctrl-C in the parent only
+    assert proc.wait(timeout=120) == 130
+    err = (tmp_path / "first.err").read_text()
+    assert "interrupted: cancelling 2 worker jobs" in err and err.rstrip().endswith("oomtune: interrupted")
+    # the jobs and their trial processes are gone
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert left == []
+    study = _study(url, "cancel")
+    trials = study.get_trials(deepcopy=False)
+    assert not [t.number for t in trials if t.state.name in ("RUNNING", "WAITING")]
+    interrupted = [t for t in trials if t.state.name == "FAIL" and "result" not in t.user_attrs]
+    assert len(interrupted) >= 2                                             # each job's running trial
+    finished_before = {t.number: t.user_attrs["result"] for t in trials if "result" in t.user_attrs}
+
+    proc = _start(overrides, tmp_path / "second", sleep_s=0.5)
+    assert proc.wait(timeout=900) == 0, (tmp_path / "second.err").read_text()[-3000:]
+    assert "already finished" in (tmp_path / "second.err").read_text()
+    from oomtune.best import load_best
+
+    best = load_best(run_dir / "best.yaml").best
+    assert (best.batch_size, best.alloc_conf) == (48, "")
+    study = _study(url, "cancel")
+    after = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert all(after[n].user_attrs["result"] == r for n, r in finished_before.items())   # nothing lost
+    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES  # none run twice
+    _check_every_trial_told_once(study, run_dir)
+
+
+def test_a_built_in_model_through_local_jobs(pg, tmp_path):
+    # the brief's workload: a tiny MLP on the virtual GPU (objective batch: frontier probes, confirmation)
+    from oomtune.best import load_best
+
+    url = pg.create_database()
+    run_dir = tmp_path / "run"
+    overrides = ["model=mlp", "model.in_features=1024", "model.hidden=1024", "model.layers=2", "budget=48MiB",
+                 "device=cpu", "search.batch_size.low=8", "search.batch_size.high=4096", "trial.timeout=120",
+                 "search.heartbeat_interval=1", "search.grace_period=5", f"storage={url}", "study_name=mlp",
+                 f"hydra.run.dir={run_dir}", "launcher=local", "search.workers=2"]
+    proc = _start(overrides, tmp_path / "parent", sleep_s=0)
+    assert proc.wait(timeout=900) == 0, (tmp_path / "parent.err").read_text()[-3000:]
+    best = load_best(run_dir / "best.yaml")
+    study = _study(url, "mlp")
+    _check_every_trial_told_once(study, run_dir)
+    winner = study.trials[best.best.trial_number]
+    # the answer is a trial that ran within the limit, confirmed in a clean process of its own
+    assert winner.params["batch_size"] == best.batch_size and winner.user_attrs["outcome"] == "ok"
+    assert best.best.confirmed and best.best.metrics["peak_reserved_bytes"] <= 0.95 * 48 * 2**20
+    assert best.best.metrics["memory_source"] == "simulated"
+    # each probe ran once: no two trials that ran share a candidate
+    from oomtune.search.workers import ATTR_KEY
+
+    keys = [t.user_attrs[ATTR_KEY] for t in study.trials if "result" in t.user_attrs and ATTR_KEY in t.user_attrs]
+    assert len(keys) == len(set(keys))
+    for name in ("frontier.yaml", "winner_step.pickle", "report.html", "trials.json"):
+        assert (run_dir / name).is_file(), name
+    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == \
+        [(run_dir / "best.yaml").read_text()] * 2
