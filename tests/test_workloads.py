@@ -253,3 +253,24 @@ def test_bad_model_overrides_exit_2_on_the_command_line(override, needle, tmp_pa
     assert code == 2 and err.startswith("oomtune: error: ") and needle in err, err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()   # refused before anything was written
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_both(monkeypatch):
+    """A CPU torch from one index and torchvision from another: importing torchvision raises
+    "operator torchvision::nms does not exist" (its compiled ops do not load); the new user saw a
+    traceback. Now a ConfigError names the versions and the fix."""
+    import importlib
+
+    real = importlib.import_module
+
+    def broken(name, *args, **kwargs):
+        if name == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ConfigError) as err:
+        build_workload({"name": "resnet", "depth": 18, "image_size": 32}, batch_size=2, device="cpu")
+    text = str(err.value)
+    assert "\n" not in text and f"with torch {torch.__version__}" in text
+    assert "operator torchvision::nms does not exist" in text and "pip install torch torchvision together" in text

@@ -38,8 +38,30 @@ class ModelSpec:
         self.shapes = shape_distribution({})
 
 
+def _torchvision() -> Any:
+    """``torchvision``, imported.
+
+    Raises:
+        ConfigError: it is not installed, or it was built for another torch (its compiled operators
+            fail to load: ``operator torchvision::nms does not exist``), in one line naming both
+            versions (read from package metadata) and the fix.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module("torchvision")
+    except (ImportError, RuntimeError, OSError) as exc:
+        from oomtune.packages import installed_version
+
+        tv = installed_version("torchvision")
+        what = "is not installed" if tv is None else f"{tv} does not work with torch {torch.__version__}"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model=resnet needs torchvision, which {what} ({first}): install the torchvision built "
+                          "for this torch (pip install torch torchvision together, from the same index)") from None
+
+
 def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
-    import torchvision
+    torchvision = _torchvision()
 
     depth = cfg_choice(cfg, "depth", 50, RESNET_DEPTHS)
     shapes = shape_distribution(cfg)   # image_size: one size, or a list (multi-scale)
