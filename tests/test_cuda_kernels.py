@@ -7,6 +7,7 @@ Expected sizes are computed by hand from torch's source, cited per test.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import warnings
 
 import pytest
@@ -203,18 +204,7 @@ def test_fallback_is_said_at_once_and_refused_over_host_memory(tmp_path, monkeyp
     from oomtune.exceptions import HostMemoryRefused
     from oomtune.plan import predictor
 
-    entry = tmp_path / "wl.py"
-    entry.write_text(
-        "import torch\n"
-        "def make_workload(batch_size, device):\n"
-        "    model = torch.nn.Linear(64, 64, device=device)\n"
-        "    def batches():\n"
-        "        while True:\n"
-        "            yield torch.randn(batch_size, 64, device=device), torch.randint(0, 64, (batch_size,), device=device)\n"
-        "    def loss_fn(out, y):\n"
-        "        return out.sum() * float(out.abs().max())\n"   # data-dependent: no value on meta
-        "    return {'model': model, 'optimizer': torch.optim.SGD(model.parameters(), lr=0.1), 'batches': batches(),"
-        " 'loss_fn': loss_fn}\n")
+    entry = Path(__file__).parent / "data" / "entry_reads_a_value.py"
     cfg = {"target": {"name": "python", "entry": f"{entry}:make_workload"}}
     stream, reason = predictor.capture_training_stream(cfg, 8, steps=1)
     assert "captured on cpu" in reason

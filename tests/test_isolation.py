@@ -236,28 +236,13 @@ def test_a_wide_ddp_range_is_captured_only_up_to_the_first_batch_over_the_limit(
     assert all(f.predicted is None or f.predicted < captured[-1] for f in frontiers)
 
 
-_READS_A_VALUE = (
-    "import torch\n"
-    "def make_workload(batch_size, device):\n"
-    "    model = torch.nn.Linear(64, 64, device=device)\n"
-    "    def batches():\n"
-    "        while True:\n"
-    "            yield torch.randn(batch_size, 64, device=device), torch.randint(0, 64, (batch_size,), device=device)\n"
-    "    def loss_fn(out, y):\n"
-    "        return out.sum() * float(out.abs().max())\n"   # data-dependent: no value on meta, captured on the CPU
-    "    return {'model': model, 'optimizer': torch.optim.SGD(model.parameters(), lr=0.1), 'batches': batches(),"
-    " 'loss_fn': loss_fn}\n")
-
-
 @pytest.mark.slow
 def test_a_capture_the_host_cannot_hold_bounds_the_sizes_with_a_note_instead_of_ending_the_run(tmp_path, monkeypatch,
                                                                                                 capsys):
     from oomtune.alloc.geometry import budget_geometry
     from oomtune.plan import predictor as P
 
-    entry = tmp_path / "reads_a_value.py"
-    entry.write_text(_READS_A_VALUE)
-    cfg = {"target": {"name": "python", "entry": f"{entry}:make_workload"}}
+    cfg = {"target": {"name": "python", "entry": f"{DATA.parent / 'entry_reads_a_value.py'}:make_workload"}}
 
     def predictor():
         return P.Predictor(dict(cfg), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=1, workers=1)

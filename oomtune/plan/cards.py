@@ -195,25 +195,15 @@ def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: dict[str,
 
 
 def write_cards_plan(plan: CardsPlan, path: str | Path) -> Path:
-    """Write the multi-card plan.yaml atomically (:func:`oomtune.files.write_atomic`).
+    """Write the multi-card plan.yaml atomically, as a single-card one is written
+    (:func:`oomtune.plan.feasibility.write_plan`).
 
     Raises:
         DiskFullError: no space left. ConfigError: the file cannot be written otherwise.
     """
-    import yaml
+    from oomtune.plan.feasibility import write_plan
 
-    from oomtune.exceptions import ConfigError
-    from oomtune.files import disk_full_error, is_disk_full, write_atomic
-
-    path = Path(path)
-    text = yaml.dump(plan.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomic(path, text)
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise disk_full_error(path, exc) from None
-        raise ConfigError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    return write_plan(plan, path)
 
 
 def _batch_cell(largest: int | None, top: int) -> str:

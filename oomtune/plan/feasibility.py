@@ -436,9 +436,9 @@ def check_writable(path: str | Path, label: str) -> Path:
     return path
 
 
-def write_plan(plan: FeasibilityMap, path: str | Path) -> Path:
-    """Write plan.yaml atomically (temp file + rename: :func:`oomtune.files.write_atomic`). Returns
-    the path.
+def write_plan(plan: Any, path: str | Path) -> Path:
+    """Write plan.yaml atomically (temp file + rename: :func:`oomtune.files.write_atomic`): ``plan``'s
+    ``to_dict()`` (a :class:`FeasibilityMap`, or a multi-card plan). Returns the path.
 
     Raises:
         DiskFullError: no space left (no temporary file is left behind).
