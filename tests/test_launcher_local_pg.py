@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pg_server import start_or_skip  # noqa: E402
 
 pytest.importorskip("submitit")
 pytestmark = pytest.mark.slow
@@ -31,13 +29,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 PROBES = [8, 16, 32, 48, 52, 56, 64]
-
-
-@pytest.fixture(scope="module")
-def pg():
-    server = start_or_skip()
-    yield server
-    server.stop()
 
 
 def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:

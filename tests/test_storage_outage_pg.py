@@ -21,20 +21,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pg_server import start_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
-
-
-@pytest.fixture(scope="module")
-def pg():
-    server = start_or_skip()
-    yield server
-    server.stop()
 
 
 def _args(url: str, run_dir: Path, study: str) -> list[str]:

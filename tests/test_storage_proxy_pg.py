@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pg_server import start_or_skip  # noqa: E402
 
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
@@ -34,13 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 PROBES = [8, 16, 32, 48, 52, 56, 64]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-
-
-@pytest.fixture(scope="module")
-def pg():
-    server = start_or_skip()
-    yield server
-    server.stop()
 
 
 def _free_port() -> int:
