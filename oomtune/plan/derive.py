@@ -307,8 +307,8 @@ class StreamDeriver:
             for r in out:
                 reason = self._kinds[r.structure][1]
                 if reason is not None and "captured on cpu" in reason:
-                    # every workload, distributed ones included, is captured on meta first
-                    # (workloads/parallel.py captures_on_meta): the CPU is a fallback
+                    # every workload, distributed ones included, is captured on meta first (a rank
+                    # under torch's fake process group): the CPU is a fallback
                     r.why = "captured on the CPU (a meta kernel is missing), which may follow other code paths"
                     continue
                 r.model, r.why, r.degree = PolynomialStreamModel.fit_or_why(

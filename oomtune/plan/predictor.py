@@ -103,7 +103,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         ConfigError: an invalid workload config or python target entry.
         HostMemoryRefused: the CPU capture would exceed the host memory available.
     """
-    from oomtune.workloads.parallel import captures_on_meta, fake_process_group, meta_rank_scope, world_size
+    from oomtune.workloads.parallel import fake_process_group, meta_rank_scope, world_size
 
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
@@ -115,13 +115,8 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
         group = contextlib.ExitStack()
         group.enter_context(fake_process_group(world_size(model_cfg)))
         group.enter_context(meta_rank_scope(model_cfg))
-        if captures_on_meta(model_cfg):
-            reason = (f"model.parallel={model_cfg['parallel']}: rank 0 of {world_size(model_cfg)} with torch's fake "
-                      "process group")
-        else:
-            devices = ("cpu",)
-            reason = (f"model.parallel={model_cfg['parallel']}: captured on cpu, rank 0 of {world_size(model_cfg)} "
-                      "with torch's fake process group")
+        reason = (f"model.parallel={model_cfg['parallel']}: rank 0 of {world_size(model_cfg)} with torch's fake "
+                  "process group")
     from oomtune.capture.reads import reads, recording
 
     with group, recording():   # the environment variables and argv the workload reads key its cache entry
@@ -244,19 +239,6 @@ def _target(model_cfg: dict[str, Any]) -> Any:
     from oomtune.trial._base import target_for
 
     return target_for(model_cfg)
-
-
-def _runs_on_cpu(model_cfg: dict[str, Any]) -> bool:
-    """Whether every capture of ``model_cfg`` runs its arithmetic on the CPU: a workload trained by
-    ranks (:meth:`Target.distributed`) that cannot be captured on meta (``model.parallel=fsdp``:
-    :func:`oomtune.workloads.parallel.captures_on_meta`; DDP is captured on meta).
-    Such a predictor works in this process only (``workers`` 1): a process forked after this one ran
-    CPU kernels waits forever in its first parallel CPU kernel (GNU OpenMP's thread pool does not
-    survive ``fork``; seen in a forked capture's embedding), so neither its captures nor its replays
-    (which may capture) are forked."""
-    from oomtune.workloads.parallel import captures_on_meta
-
-    return _target(model_cfg).distributed(model_cfg) and not captures_on_meta(model_cfg)
 
 
 def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
@@ -387,8 +369,7 @@ class Predictor:
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
             build_plan`'s replays (forked, :mod:`oomtune.plan.parallel`); 1: all in this process.
             The results are the same either way, only where they are computed changes. A workload
-            captured on the CPU by design (``model.parallel=ddp|fsdp``) always gets 1
-            (:func:`_runs_on_cpu`).
+            whose process cannot fork after a capture (:func:`_forks_after_capture`) gets 1.
         cache: a :class:`oomtune.plan.stream_cache.StreamCache`: captures of a cacheable workload
             (:func:`~oomtune.plan.stream_cache.cacheable`) are read from it when there and written to
             it when made; ``cached_batches`` lists the batch sizes it served. None: always capture.
@@ -422,7 +403,7 @@ class Predictor:
         self.derive_seconds = 0.0
         self.replay_seconds = 0.0
         self.replays = 0
-        self.workers = 1 if _runs_on_cpu(model_cfg) or not _forks_after_capture(model_cfg) else max(1, int(workers))
+        self.workers = 1 if not _forks_after_capture(model_cfg) else max(1, int(workers))
         self._pid, self._warm = os.getpid(), False   # whether this process has captured (warmed up) yet
         self.isolate = bool(_target(model_cfg).user_code)   # the user's code: each capture in a process of its own
         self.limit_bytes: int | None = None     # prepare's limit: a batch whose requests alone exceed it cannot fit
@@ -524,12 +505,8 @@ class Predictor:
         (:meth:`oomtune.alloc.stream.AllocationStream.peak_live_bytes`: reserved >= allocated >=
         requested, under every allocator setting) cannot fit, and neither can a larger one (the
         frontier's monotonicity, :func:`oomtune.plan.feasibility.largest_fitting`): sizes above the
-        first such capture are neither captured nor asked (:meth:`can_predict`). A workload captured
-        on the CPU by design (``model.parallel=ddp|fsdp``, :func:`_runs_on_cpu`) is captured upwards
-        through ``batch_sizes`` one at a time and stops there, before derivation picks among the
-        sizes below (so a wide range costs captures only up to the limit, never the top of the range
-        in host memory); captures on meta cost no host memory per tensor and go in rounds as before.
-        Captures made one at a time stop at the first over the limit too; a CPU
+        first such capture are neither captured nor asked (:meth:`can_predict`). Captures go in
+        rounds chosen by the deriver; those made one at a time stop at the first over the limit; a CPU
         capture the host cannot hold (:class:`oomtune.exceptions.HostMemoryRefused`) above a
         smaller captured batch bounds the sizes the same way, with a note (``bound_notes``).
 
@@ -543,14 +520,6 @@ class Predictor:
             if over and (self.over_limit_at is None or min(over) < self.over_limit_at):
                 self.over_limit_at = min(over)   # held captures bound a retargeted predictor too
         sizes = sorted(set(int(b) for b in batch_sizes))
-        if _runs_on_cpu(self.model_cfg) and self.limit_bytes is not None:
-            # captured on the CPU by design, one at a time (each costing host memory and time): upwards
-            # through the sizes until the first over the limit, before derivation picks among those below
-            for b in sizes:
-                if not self.can_predict(b):
-                    break
-                if b not in self._streams:
-                    self._capture_many([b])
         if not self.derive or len(sizes) < MIN_FIT_CAPTURES:
             return
         for _ in range(12):   # rounds; each adds captures, so this ends; the bound is a safety net

@@ -42,7 +42,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed", "captures_on_meta",
+__all__ = ["PARALLEL_MODES", "parallel_mode", "world_size", "with_ranks", "is_distributed",
            "meta_rank_scope", "require_process_group",
            "fsdp_model", "wrap_lazily", "fake_process_group", "strategy_notes"]
 
@@ -96,21 +96,6 @@ def with_ranks(workload: dict[str, Any], gpus: int) -> dict[str, Any]:
 def is_distributed(cfg: Mapping[str, Any]) -> bool:
     """Whether the workload trains under a data-parallel strategy (``model.parallel`` not none)."""
     return parallel_mode(cfg) != "none"
-
-
-def captures_on_meta(cfg: Mapping[str, Any]) -> bool:
-    """Whether one rank of the workload can be captured on the meta device under the fake process
-    group (:func:`fake_process_group`): every mode can. Under ``ddp`` its two reads of exchanged
-    values are answered for the fake group's one rank (:mod:`oomtune.workloads._meta_rank`); under
-    ``fsdp`` FSDP2's mesh is on meta, with a device module standing in for meta's and FSDP2's two
-    meta-parameter checks taken as a materialised rank takes them (:mod:`oomtune.workloads._meta_fsdp`,
-    within :func:`meta_rank_scope`).
-
-    Raises:
-        ConfigError: an unknown ``parallel`` value (:func:`parallel_mode`).
-    """
-    parallel_mode(cfg)
-    return True
 
 
 @contextlib.contextmanager
