@@ -164,3 +164,17 @@ def start_or_skip() -> PgServer:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"PostgreSQL test server could not start under CI: {reason}")
     pytest.skip(f"no PostgreSQL test server: {reason}")
+
+
+def sleep_search_overrides(url: str, study: str, run_dir: Path, *extra: str, grace_period_s: int) -> list[str]:
+    """``oomtune search`` overrides of the shared-study tests: tests/data/sleep_trial.py as a command
+    target (batch 8..64, 4 trials, the throughput objective, so frontier probes, sampled trials and
+    repeated confirmations all run), heartbeats every second and a dead worker's trial failed after
+    ``grace_period_s`` seconds, on ``url`` (a PostgreSQL or grpc:// storage) as study ``study``."""
+    import sys
+
+    script = Path(__file__).resolve().parent / "data" / "sleep_trial.py"
+    return ["target=cmd", f"target.command='{sys.executable} {script} {{batch_size}}'", "device=cpu",
+            "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
+            "search.objective=throughput", "search.heartbeat_interval=1", f"search.grace_period={grace_period_s}",
+            "trial.timeout=120", f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]

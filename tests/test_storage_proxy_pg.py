@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import sleep_search_overrides
 
 
 pytest.importorskip("grpc")
@@ -82,10 +83,7 @@ def proxy(pg, tmp_path):
 
 
 def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
-    return ["target=cmd", f"target.command='{sys.executable} {SCRIPT} {{batch_size}}'", "device=cpu",
-            "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
-            "search.objective=throughput", "search.heartbeat_interval=1", "search.grace_period=5",
-            "trial.timeout=120", f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]
+    return sleep_search_overrides(url, study, run_dir, *extra, grace_period_s=5)
 
 
 def _start(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:
