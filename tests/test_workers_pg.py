@@ -172,7 +172,7 @@ def test_worker_threads_claim_and_ask_at_once_on_postgresql_and_run_each_trial_o
     url = pg.create_database()
     # Heartbeats on (the Executor's path with a heartbeat storage), but a grace period no loaded
     # machine reaches: a trial failed as stale because its heartbeat thread waited 2 s for a core is
-    # another test's subject (test_killed_worker...), and here it would be miscounted as a lost claim.
+    # test_a_worker_killed_mid_trial_loses_nothing's subject, and here it would be miscounted as a lost claim.
     study = optuna.create_study(storage=make_storage(url, heartbeat_interval_s=1, grace_period_s=300),
                                 study_name="threads", direction="maximize")
     assert C.claims_row_locked(study)
