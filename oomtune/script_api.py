@@ -370,7 +370,7 @@ class CaptureHook:
         if not path or stream is None or self._oom:
             return
         rank, world = rank_and_world()
-        if rank > 0:   # rank 0's stream stands for the trial (data-parallel ranks run the same step)
+        if rank > 0:   # each rank its own file: the search replays the worst rank's (oomtune.targets.cmd)
             path = f"{path}.rank{rank}"
         stream.save(path)
         source = source or f"capture_hook ({self.device})"

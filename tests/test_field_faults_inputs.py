@@ -133,6 +133,10 @@ def test_item7_other_unparsable_values_get_the_same_fix(given):
     (["python", "-c", "pass"], None),
     (["bash", "run.sh", "4"], "run.sh"),
     (["torchrun", "--nproc_per_node", "2", "train.py", "--bs", "4"], "train.py"),
+    # torch's docs: ``python -m torch.distributed.run`` is torchrun
+    (["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "train.py", "--bs", "4"],
+     "train.py"),
+    (["python3", "-mtorch.distributed.launch", "--nproc_per_node=2", "train.py"], "train.py"),
     (["accelerate", "launch", "--num_processes=2", "scripts/train.py"], "scripts/train.py"),
     (["./train", "4"], None),
     (["ls", "train.py"], None),

@@ -161,6 +161,9 @@ BUILTIN = {"name": "resnet", "target": {"name": "builtin"}}
     ("cpu", True, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
     ("auto", True, "throughput", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
     ("auto", False, "batch", {"target": {"name": "cmd", "command": "python t.py"}}, "command"),
+    # a command of two ranks (trial.gpus=2): its gloo process group moves real tensors, so CPU steps, no smoke test
+    ("auto", True, "batch", {"target": {"name": "cmd", "command": "torchrun t.py"}, "ranks": 2}, "command"),
+    ("meta", False, "batch", {"target": {"name": "cmd", "command": "torchrun t.py"}, "ranks": 2}, "command"),
 ])
 def test_resolve_execute(setting, simulated, objective, workload, mode):
     assert resolve_execute(setting, simulated=simulated, objective=objective, workload=workload)[0] == mode
@@ -171,6 +174,9 @@ def test_meta_where_it_cannot_work_is_one_clear_error():
         resolve_execute("meta", simulated=True, objective="throughput", workload=BUILTIN)
     with pytest.raises(ConfigError, match="synthetic data only"):
         resolve_execute("meta", simulated=True, objective="batch", workload={**BUILTIN, "data": {"source": "tokens"}})
+    with pytest.raises(ConfigError, match="trial.execute=meta cannot run target=cmd with trial.gpus=2"):
+        resolve_execute("meta", simulated=True, objective="batch",
+                        workload={"target": {"name": "cmd", "command": "torchrun t.py"}, "ranks": 2})
 
 
 def test_host_available_memory_reads_memavailable(tmp_path):

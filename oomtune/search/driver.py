@@ -625,8 +625,8 @@ class Search:
         accumulates, as a capture does (:func:`oomtune.workloads.loop.prediction_workload`)."""
         anchors = self.anchor_batches()
         if len(anchors) < 3:
-            self.recording_note = (f"only {len(anchors)} batch sizes to record: the allocator configurations are "
-                                   "probed by trials")
+            self.recording_note = (f"only {len(anchors)} batch size{'' if len(anchors) == 1 else 's'} to record: the "
+                                   "allocator configurations are probed by trials")
             return None
         accum = 1 if self.space.global_batch is None else 2
         # without a global batch the anchors are the default allocator's first baseline probes; with one,

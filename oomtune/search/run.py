@@ -472,7 +472,8 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     execute_why = resolve_execute(str(cfg.trial.execute), simulated=device.simulated, objective=options.objective,
                                   workload=p.workload)[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
-                   "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(options.execute)
+                   "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
+        "cpu" if options.execute == "command" and device.simulated else options.execute)
     for line in (f"device: {device_words(device)}, budget {format_bytes(p.budget_bytes)}, headroom "
                  f"{options.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
                  f"{space.batch_low}..{space.batch_high}",

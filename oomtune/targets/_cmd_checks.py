@@ -29,6 +29,10 @@ INTEGRATION_MARK = "oomtune.integrations"
 _INTERPRETER_RE = re.compile(r"^(?:python[\d.]*|pypy[\d.]*|bash|sh|zsh|dash|ksh|node|perl|ruby|Rscript|julia)$")
 # Launchers whose script is the first argument that looks like a file (after their own options).
 _LAUNCHERS = frozenset({"torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "srun", "uv", "poetry"})
+# Launcher modules run as ``python -m MODULE ... train.py``: torch's docs give ``python -m
+# torch.distributed.run`` as the same as ``torchrun`` (torch/distributed/run.py; ``launch`` is its
+# deprecated predecessor, which takes the same script argument).
+_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
 _SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".pl", ".rb", ".R", ".jl")
 # python options that take a value in the next argument; -c/-m end the interpreter's options.
 _PY_OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
@@ -41,7 +45,8 @@ def script_of(argv: list[str]) -> str | None:
     there is none (``python -c ...``, ``python -m pkg``, a program that is not an interpreter).
 
     ``python [options] SCRIPT ...``: the first positional argument. ``torchrun ... train.py``,
-    ``accelerate launch ... train.py``: the first argument ending in a script suffix (.py, .sh, ...).
+    ``python -m torch.distributed.run ... train.py``, ``accelerate launch ... train.py``: the first
+    argument ending in a script suffix (.py, .sh, ...).
     """
     if not argv:
         return None
@@ -50,8 +55,13 @@ def script_of(argv: list[str]) -> str | None:
         i = 1
         while i < len(argv):
             arg = argv[i]
-            if arg in ("-c", "-m") or (prog.startswith(("python", "pypy")) and arg.startswith(("-c", "-m"))
-                                         and len(arg) > 2 and not arg.startswith("--")):
+            if arg == "-m" or (prog.startswith(("python", "pypy")) and arg.startswith("-m") and len(arg) > 2):
+                module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:]
+                rest = argv[i + (2 if arg == "-m" else 1):]
+                if module in _LAUNCHER_MODULES:
+                    return next((a for a in rest if not a.startswith("-") and a.endswith(_SCRIPT_SUFFIXES)), None)
+                return None
+            if arg == "-c" or (prog.startswith(("python", "pypy")) and arg.startswith("-c") and len(arg) > 2):
                 return None
             if arg == "--":
                 return argv[i + 1] if i + 1 < len(argv) else None

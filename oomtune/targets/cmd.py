@@ -32,9 +32,10 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
   has no throughput (nothing was computed), as a built-in meta trial; an integration that runs its
   steps on the CPU all the same (Lightning; several ranks) says why in ``extra["meta_note"]``;
 - ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
-  (``stream.bin`` in the trial directory, with ``stream.bin.json``); when written, the record's
-  ``extra["stream_file"]`` names it and the search replays it under every allocator configuration
-  (:mod:`oomtune.plan.recorded`).
+  (``stream.bin`` in the trial directory, with ``stream.bin.json``; rank R of several writes
+  ``stream.bin.rank<R>``); when written, the record's ``extra["stream_file"]`` names it (the worst
+  rank's: the one whose peak reserved is the trial's) and the search replays it under every allocator
+  configuration (:mod:`oomtune.plan.recorded`).
 
 How the record is built (:func:`result_from_channel`):
 
@@ -416,6 +417,8 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
     if on_meta:   # nothing was computed: the meta steps' times are no throughput
         result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None, data_wait_fraction=None)
     stream = workdir / STREAM_FILE
+    if result.worst_rank:   # several ranks: the worst rank's stream (stream.bin.rank<R>) decides, as its peak does
+        stream = workdir / f"{STREAM_FILE}.rank{result.worst_rank}"
     if stream.is_file() and result.outcome is Outcome.OK:
         result.extra["stream_file"] = str(stream)   # the step's allocation stream (oomtune.plan.recorded)
     result.write(workdir / "result.json")

@@ -23,7 +23,9 @@ samples/s decide nothing about a GPU) and costs host memory in proportion to the
 throughput objective) they are asked for meta steps (``OOMTUNE_EXECUTE=meta``): an integration
 (:mod:`oomtune.integrations`) then runs the model's steps on meta, and a step that cannot run there
 makes the trial run the command again on the CPU (:func:`oomtune.targets.cmd.run_cmd_trial`); the
-search's smoke test runs one real CPU step first, as for built-in workloads.
+search's smoke test runs one real CPU step first, as for built-in workloads. A command of several
+ranks (``trial.gpus`` above 1: torchrun, Lightning's DDP launcher) runs its steps on the CPU (``auto``;
+``meta`` is refused), as ``model.parallel=ddp|fsdp`` does.
 
 Before a search whose CPU trials (``cpu``, and ``target=cmd`` commands on the virtual GPU, which run
 real CPU steps too) cannot fit their budget in the host's available memory (``MemAvailable`` in
@@ -51,8 +53,9 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     Raises:
         ConfigError: ``meta`` asked where it cannot work: with the throughput objective (nothing
             to measure), a built-in workload reading real data (the meta device takes synthetic
-            data only) or trained by several ranks (``model.parallel=ddp|fsdp``: gloo moves real
-            tensors); an unknown setting (the schema rejects it first).
+            data only) or trained by several ranks (``model.parallel=ddp|fsdp``, or a command with
+            ``trial.gpus`` above 1: gloo moves real tensors); an unknown setting (the schema
+            rejects it first).
     """
     if setting not in EXECUTE_SETTINGS:
         raise ConfigError(f"trial.execute={setting!r}: choose one of {', '.join(EXECUTE_SETTINGS)}")
@@ -65,6 +68,16 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     if target.own_process:
         # an integration (oomtune.integrations) runs the command's steps on meta when asked (OOMTUNE_EXECUTE);
         # a command without one, or a step meta cannot run, runs them on the CPU (said in its record)
+        ranks = int(workload.get("ranks", 1) or 1)
+        if simulated and ranks > 1:
+            # the command's own process group (gloo on the CPU) moves real tensors between its ranks, which
+            # meta tensors are not: its integration runs every rank's steps on the CPU
+            # (oomtune.integrations._session), so asking for meta would only add a smoke-test launch
+            if setting == "meta":
+                raise ConfigError(f"trial.execute=meta cannot run target={target.name} with trial.gpus={ranks}: its "
+                                  "ranks exchange real tensors (gloo), so use trial.execute=cpu (or auto)")
+            return "command", (f"target={target.name} with trial.gpus={ranks}: every rank's steps on the CPU, "
+                               "the ranks exchange real tensors (gloo)")
         if setting == "cpu" or objective == "throughput":
             return "command", (f"target={target.name} runs its own command, its steps on the CPU (trial.execute="
                                f"{setting}{', search.objective=throughput' if objective == 'throughput' else ''})")

@@ -8,7 +8,8 @@ virtual GPU); its DataLoader's micro-batch is ``self.batch_size`` (oomtune sets 
 
 Test knobs (arguments): ``--rank1-hold BYTES`` makes rank 1 allocate a float32 tensor of that many
 bytes at its first training step and keep it (rank 1 holds more than rank 0, e.g. an uneven
-shard); ``--pid-dir DIR`` makes every rank write its pid to ``DIR/rank<R>.pid`` at ``setup``.
+shard); ``--rank1-hold-per-sample BYTES`` adds BYTES x the micro-batch to it (rank 1's excess grows
+with the batch); ``--pid-dir DIR`` makes every rank write its pid to ``DIR/rank<R>.pid`` at ``setup``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from oomtune.integrations.lightning import OomtuneCallback
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, batch_size: int = 8, rank1_hold: int = 0, pid_dir: str | None = None) -> None:
+    def __init__(self, batch_size: int = 8, rank1_hold: int = 0, pid_dir: str | None = None,
+                 rank1_hold_per_sample: int = 0) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.rank1_hold = rank1_hold
+        self.rank1_hold_per_sample = rank1_hold_per_sample
         self.pid_dir = pid_dir
         self.held: torch.Tensor | None = None
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -41,8 +44,9 @@ class MLP(pl.LightningModule):
             Path(self.pid_dir, f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.global_rank == 1 and self.rank1_hold and self.held is None:
-            self.held = torch.ones(self.rank1_hold // 4)   # rank 1 only: kept until the end
+        hold = self.rank1_hold + self.rank1_hold_per_sample * self.batch_size
+        if self.global_rank == 1 and hold and self.held is None:
+            self.held = torch.ones(hold // 4)   # rank 1 only: kept until the end
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
@@ -57,11 +61,12 @@ class MLP(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank1-hold", type=int, default=0)
+    parser.add_argument("--rank1-hold-per-sample", type=int, default=0)
     parser.add_argument("--pid-dir", default=None)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = MLP(rank1_hold=args.rank1_hold, pid_dir=args.pid_dir)
+    model = MLP(rank1_hold=args.rank1_hold, pid_dir=args.pid_dir, rank1_hold_per_sample=args.rank1_hold_per_sample)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[OomtuneCallback()])

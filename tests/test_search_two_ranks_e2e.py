@@ -1,0 +1,111 @@
+"""Two CPU ranks (gloo) searched end to end through the integrations: the Hugging Face Trainer under
+torchrun (``python -m torch.distributed.run --nproc_per_node 2``) and Lightning under its own DDP
+launcher (``Trainer(strategy="ddp", devices=2, accelerator="cpu")``, which starts rank 1 itself), each
+as ``oomtune search target=cmd trial.gpus=2 search.global_batch=8``. One answer (one best.yaml),
+the samples of a step counted once over the ranks, the worst rank's peak as the trial's, and
+``oomtune check`` of the answer passes.
+
+Hand calculation (no figure here comes from running the code under test):
+
+- global batch 8 over 2 ranks: 4 samples per rank per optimizer step; with
+  ``search.batch_size.low=2`` the micro-batches are 2 (2 accumulation steps) and 4 (1).
+- Each script's rank 1 keeps a float32 tensor of ``HOLD`` = 8 MiB per sample of its micro-batch
+  (``--rank1-hold-per-sample``): 16 MiB at micro-batch 2, 32 MiB at 4. A block of 10 MiB or more
+  gets a segment of its own, rounded up to 2 MiB (PyTorch c10/cuda/CUDACachingAllocator.cpp,
+  ``get_allocation_size``: ``kMinLargeAlloc`` 10 MiB, ``kRoundLarge`` 2 MiB), so rank 1's peak
+  reserved is rank 0's plus exactly 16 MiB at micro-batch 2; and 32 MiB does not fit the 24 MiB
+  budget: the micro-batch 4 trial runs out of memory on rank 1 only.
+- So the answer is micro-batch 2 x 2 accumulation steps, and each step trains
+  2 (micro-batch) x 2 (ranks) x 2 (accumulation) = 8 samples, once: only rank 0 reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import oomtune
+from oomtune.cli import main
+from oomtune.targets.cmd import read_channel
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+MiB = 2**20
+HOLD = 8 * MiB        # rank 1's extra bytes per sample of its micro-batch
+GLOBAL_BATCH, RANKS = 8, 2
+
+COMMANDS = {
+    "hf-torchrun": f"{sys.executable} -m torch.distributed.run --nproc_per_node {RANKS} --standalone "
+                   f"{DATA / 'hf_torchrun_train.py'} --rank1-hold-per-sample {HOLD}",
+    "lightning-ddp": f"{sys.executable} {DATA / 'launchers' / 'lightning_ddp_train.py'} --rank1-hold-per-sample {HOLD}",
+}
+
+
+def _rank_peaks(trial_dir: Path) -> dict[int, int]:
+    """Each rank's peak reserved from its own memory line in the trial's channel (results.jsonl)."""
+    peaks = {}
+    for line in read_channel(trial_dir / "results.jsonl"):
+        if line.get("event") == "memory":
+            assert line["rank"] not in peaks            # one memory line per rank
+            peaks[line["rank"]] = line["memory"]["stats"]["reserved_bytes.all.peak"]
+    return peaks
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_two_rank_search_gives_one_answer_counts_samples_once_and_keeps_the_worst_ranks_peak(
+        name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = tmp_path / "run"
+    code = main(["search", "target=cmd", f"target.command='{COMMANDS[name]}'", f"trial.gpus={RANKS}", "device=cpu",
+                 "budget=24MiB", f"search.global_batch={GLOBAL_BATCH}", "search.batch_size.low=2",
+                 "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
+                 "search.space.garbage_collection_threshold=[null]", "search.space.expandable_segments=[false]",
+                 "search.confirm=false", "trial.measure_steps=1", "trial.timeout=300", f"hydra.run.dir={run}"])
+    assert code == 0
+    said = capsys.readouterr()
+    out = said.out + said.err   # the search's progress goes to stderr
+    # the ranks' gloo collectives move real tensors: CPU steps, said before the first trial; no meta smoke test
+    assert "trials: their steps on the CPU" in out and "trial.gpus=2" in out and "smoke test" not in out
+
+    # one answer: micro-batch 2 x 2 accumulation steps over 2 ranks, the answer tuned for 2 ranks
+    best = oomtune.load_best(run / "best.yaml")
+    assert (best.batch_size, best.grad_accum, best.best.global_batch) == (2, 2, GLOBAL_BATCH)
+    assert best.workload["ranks"] == RANKS
+
+    rows = {r["batch_size"]: r for r in json.loads((run / "trials.json").read_text())}
+    assert set(rows) == {2, 4}
+    trial = run / "trials" / f"trial-{rows[2]['number']:04d}"
+    record = json.loads((trial / "result.json").read_text())
+    assert record["outcome"] == "ok" and record["extra"]["execute"] == "cpu"   # gloo: CPU steps
+
+    # samples counted once: one report, from rank 0, of 2 x 2 ranks x 2 accumulation = 8 samples per step
+    reports = [e for e in read_channel(trial / "results.jsonl") if e["event"] == "report"]
+    assert len(reports) == 1 and reports[0]["rank"] == 0
+    assert reports[0]["samples"] / reports[0]["steps"] == 2 * RANKS * 2 == GLOBAL_BATCH
+    tp = record["throughput"]   # samples/s x s/step of the trial's record: samples per step
+    assert tp["samples_per_s"] * tp["step_time_s"] == pytest.approx(GLOBAL_BATCH, rel=1e-9)
+
+    # the worst rank's peak: rank 1's, 16 MiB (its held tensor's own segment) above rank 0's
+    peaks = _rank_peaks(trial)
+    assert set(peaks) == {0, 1}
+    assert peaks[1] - peaks[0] == 2 * HOLD
+    assert record["memory"]["peak_reserved_bytes"] == max(peaks.values()) == peaks[1]
+    assert record["worst_rank"] == 1
+    assert {r["rank"]: r["peak_reserved_bytes"] for r in record["ranks"]} == peaks
+    assert best.best.metrics["peak_reserved_bytes"] == peaks[1]
+    # the search's predictions would replay the worst rank's recorded stream, not rank 0's
+    assert Path(record["extra"]["stream_file"]).name == "stream.bin.rank1"
+
+    # micro-batch 4: rank 1's 32 MiB does not fit its 24 MiB; the trial is infeasible and names rank 1
+    failed = json.loads((run / "trials" / f"trial-{rows[4]['number']:04d}" / "result.json").read_text())
+    assert failed["failed_rank"] == 1 and failed["message"].startswith("rank 1 of 2:")
+    assert rows[4]["feasible"] is False
+
+    # the answer, run again in a clean process of 2 ranks, passes oomtune check
+    assert main(["check", str(run / "best.yaml"), "--mode", "run", "--steps", "2"]) == 0
