@@ -33,7 +33,12 @@ every row. Rows with no parameter count (``Total Parameters`` 0: the run failed 
 Usage::
 
     python experiments/fidelity_public.py [--per-stratum 60] [--seed 20261204] [--steps 2]
-        [--data /work/shared/benchmarks/gpumemnet] [--out experiments/results/fidelity_public.txt]
+        [--family MLP|CNN] [--data /work/shared/benchmarks/gpumemnet]
+        [--out experiments/results/fidelity_public.txt]
+
+``--family``: predict one family's rows only (the sample is drawn as for every family, then the
+other family's rows are dropped, so an MLP-only run predicts the same MLP rows as a full run);
+the OOM agreement line needs the CNN rows.
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-stratum", type=int, default=60)
     ap.add_argument("--seed", type=int, default=20261204)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--family", choices=sorted(set(FILES.values())), default=None,
+                    help="predict only this family's rows (default: every family)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "fidelity_public.txt")
     args = ap.parse_args(argv)
     if not (args.data / "cnn_dev.csv").is_file():
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if got != want:
             mismatched[row["Filename"]] = (got, want)
     chosen = sample(rows, args.per_stratum, args.seed)
+    if args.family is not None:   # after the draw: the same rows of this family as a full run
+        chosen = [row for row in chosen if row["family"] == args.family]
     results = []
     for i, row in enumerate(chosen):
         if row["Filename"] in mismatched:
@@ -156,16 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fidelity_public: {i + 1}/{len(chosen)} rows", file=sys.stderr, flush=True)
 
     card = card_of("A100-SXM4-40GB")
-    outside = outside_allocator(cudnn=False)
+    outside = outside_allocator(cudnn=False, capability=card.compute_capability)
     lines = [head.rstrip("\n"), "",
              "GPUMemNet rows (real A100-SXM4-40GB, nvidia-smi memory.used, torch 2.4/2.5, CUDA 12) against",
              "oomtune.predict (virtual GPU, simulated; gpu=A100-SXM4-40GB, "
              f"{card.total_memory_bytes // MIB} MiB; {args.steps} steps; default allocator settings)",
              f"rows: {len(rows)} usable ({skipped} CNN rows left out: no parameter count, the run failed before "
              "its summary)",
-             f"sample: up to {args.per_stratum or 'all'} rows per family x band of measured memory (and per CNN "
-             f"status), random.Random({args.seed}); {len(chosen)} rows drawn" if args.per_stratum else
-             f"sample: every row ({len(chosen)})",
+             (f"sample: up to {args.per_stratum or 'all'} rows per family x band of measured memory (and per CNN "
+              f"status), random.Random({args.seed}); {len(chosen)} rows drawn" if args.per_stratum else
+              f"sample: every row ({len(chosen)})")
+             + (f" ({args.family} rows only)" if args.family else ""),
              f"rebuild: parameter count equal to the row's for {len(rows) - len(mismatched)} of {len(rows)} usable "
              "rows" + (f" (mismatched rows are not predicted; first: {next(iter(mismatched.items()))})"
                        if mismatched else ""),
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                             "residual MiB", "s/row"))
     lines.append(fmt.format("", "", "", "used", "used", "reserved", "reserved", "med [p10,p90]", "med"))
     summary: dict[str, dict[str, float]] = {}
-    for family in ("MLP", "CNN"):
+    for family in ("MLP", "CNN") if args.family is None else (args.family,):
         fam_rows = [r for r in results if r[0]["family"] == family and r[0].get("Status") != "OOM_CRASH"
                     and float(r[0]["Max GPU Memory (MiB)"]) > 0]
         bands = sorted({band_of(float(r[0]["Max GPU Memory (MiB)"])) for r in fam_rows},
@@ -212,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     oom_pct = 100.0 * agree / len(oom_rows) if oom_rows else float("nan")
     all_secs = [s for _, _, s in results]
     lines += ["",
-              f"OOM agreement (CNN, Status): {agree}/{len(oom_rows)} = {oom_pct:.1f}% "
-              f"({missed} OOM_CRASH rows predicted to fit, {false_oom} SUCCESSFUL rows predicted not to fit)",
+              (f"OOM agreement (CNN, Status): {agree}/{len(oom_rows)} = {oom_pct:.1f}% "
+               f"({missed} OOM_CRASH rows predicted to fit, {false_oom} SUCCESSFUL rows predicted not to fit)"
+               if oom_rows else "OOM agreement (CNN, Status): no CNN rows in this run"),
               f"seconds per row: median {statistics.median(all_secs):.2f}, p90 {pct(all_secs, 0.9):.2f}, "
               f"max {max(all_secs):.2f} (capture on meta + replay, this machine)", ""]
     verdicts = []
@@ -221,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         verdicts.append(f"{family} median {s['median']:+.1f}% (goal |median| <= {GOALS['median']:.0f}%: "
                         f"{'met' if abs(s['median']) <= GOALS['median'] else 'NOT met'}), p90 {s['p90']:.1f}% "
                         f"(goal <= {GOALS['p90']:.0f}%: {'met' if s['p90'] <= GOALS['p90'] else 'NOT met'})")
-    verdicts.append(f"OOM agreement {oom_pct:.1f}% (goal >= {GOALS['oom']:.0f}%: "
-                    f"{'met' if oom_pct >= GOALS['oom'] else 'NOT met'}); median s/row "
+    oom_verdict = (f"OOM agreement {oom_pct:.1f}% (goal >= {GOALS['oom']:.0f}%: "
+                   f"{'met' if oom_pct >= GOALS['oom'] else 'NOT met'})" if oom_rows else "OOM agreement: not run")
+    verdicts.append(f"{oom_verdict}; median s/row "
                     f"{statistics.median(all_secs):.2f} (goal <= {GOALS['seconds']:.0f} s: "
                     f"{'met' if statistics.median(all_secs) <= GOALS['seconds'] else 'NOT met'})")
     lines += ["goals: " + "; ".join(verdicts),

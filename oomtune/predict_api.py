@@ -115,7 +115,7 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
     device = TargetDevice(spec="cuda:0", kind="cuda", index=0, name=card.display_name,
                           total_memory_bytes=card.total_memory_bytes, simulated=False)
     # the outside part decides the card's allocator share
-    outside = outside_allocator(lazy_loading=lazy_loading, cudnn=bool(cudnn))
+    outside = outside_allocator(lazy_loading=lazy_loading, cudnn=bool(cudnn), capability=card.compute_capability)
     geometry = sim_geometry(device, card.total_memory_bytes, outside_bytes=outside.total_bytes)
     predictor = Predictor(workload, geometry, steps=steps, derive=False)
     pred = predictor.predict_detail(batch_size, settings)

@@ -132,7 +132,8 @@ class VirtualGPU:
             run makes below the Python dispatch level: ``"default"`` models the main thread's as
             existing (sent with the first :meth:`register`, as a trial creates it before
             measuring) and the autograd thread's at the first backward matmul, each
-            ``cublas_workspace_bytes()``; a ``BlasWorkspaces`` instance; or ``None`` (none, the
+            ``cublas_workspace_bytes`` of ``gpu``'s compute capability (8 MiB + 128 KiB on the default
+            A100, 32 MiB on sm90 and later); a ``BlasWorkspaces`` instance; or ``None`` (none, the
             default: only the requests the enclosed code makes itself).
         gpu: the target GPU whose kernels the enclosed code runs (a ``GpuTarget`` or ``model.gpu``
             value; None: the default, :data:`oomtune.capture.gpu_target.DEFAULT_GPU`).
@@ -158,7 +159,10 @@ class VirtualGPU:
         if isinstance(blas_workspaces, str) and blas_workspaces == "default":
             from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
 
-            blas_workspaces = BlasWorkspaces(cublas_workspace_bytes(), existing=("forward",))
+            from oomtune.capture.gpu_target import GpuTarget, gpu_of
+
+            target = gpu if isinstance(gpu, GpuTarget) else gpu_of(gpu)   # None: the default GPU, as the kernels
+            blas_workspaces = BlasWorkspaces(cublas_workspace_bytes(target.capability), existing=("forward",))
         self.sim = sim
         self._sink = _SimSink(sim, stream, tee)
         self.recorder = StorageRecorder(self._sink, device=device, blas_workspaces=blas_workspaces)

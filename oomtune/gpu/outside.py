@@ -8,39 +8,73 @@ warm-up: :func:`oomtune.trial.budget.non_allocator_bytes`), and that reading win
 (``oomtune plan`` on a laptop, :func:`oomtune.predict`) this module gives the estimate, per component,
 each with the source of its figure. Nothing here is fitted to a benchmark's rows.
 
-The table (bytes; "-" marks a component with no published figure, counted as 0 and said so in
-:attr:`OutsideAllocator.unsourced`):
+The table (:data:`TABLE`; bytes; "-" marks a component with no published figure, counted as 0 and
+said so in :attr:`OutsideAllocator.unsourced`; "0" a component that is sourced and lies inside the
+allocator, so counting it here would count it twice):
 
-=========================  ===============  ===================================================
-component                  bytes            source
-=========================  ===============  ===================================================
-CUDA context, lazy         266,076,160      pull request pytorch/pytorch#86509: ``total - free`` =
-loading (CUDA >= 11.7)                      287,047,680 bytes with ``CUDA_MODULE_LOADING=LAZY``
-                                            (torch's default since 1.13) after one 6,400,000-byte
-                                            tensor, less that tensor's 20 MiB segment (a request
-                                            between 1 MiB and 10 MiB gets a ``kLargeBuffer``
-                                            segment, CUDACachingAllocator.cpp);
-                                            "~300MB" (ptrblck, pytorch/pytorch#107667)
-CUDA context, eager        645,660,672      the same pull request with ``CUDA_MODULE_LOADING=
-loading, or CUDA < 11.7                     DEFAULT`` (eager then): 666,632,192 bytes less 20 MiB;
-                                            ">1000MB" before CUDA 11.7 (pytorch/pytorch#107667)
-kernel modules loaded      -                lazy loading loads a kernel's whole module at its
-lazily during training                      first launch (CUDA C Programming Guide, "Lazy
-                                            Loading"); no published size per torch op
-cuBLAS / cuBLASLt handle   -                the workspaces are allocator requests since torch
-state                                       2.1 (:mod:`oomtune.capture.blas_workspace`); the
-                                            handle's own state and cuBLAS's kernels: no figure
-cuDNN handle and kernels   -                loaded at the first convolution; no published figure
-                                            for cuDNN 9 under lazy loading
-NCCL buffers               -                ``NCCL_BUFFSIZE`` (4 MiB) per channel and peer (NCCL
-                                            docs, environment variables); channel count depends
-                                            on the topology: not modelled
-=========================  ===============  ===================================================
+=====================  ==============  ===============  ============================================
+component              stack           bytes            source
+=====================  ==============  ===============  ============================================
+CUDA context, lazy     CUDA 11-12,     266,076,160      pull request pytorch/pytorch#86509 (torch
+loading                any GPU (the                     1.13, CUDA 11.7; the GPU is not stated):
+                       source names                     ``total - free`` = 287,047,680 bytes with
+                       none)                            ``CUDA_MODULE_LOADING=LAZY`` after one
+                                                        6,400,000-byte tensor, less that tensor's
+                                                        20 MiB segment (a request between 1 MiB and
+                                                        10 MiB gets a ``kLargeBuffer`` segment,
+                                                        CUDACachingAllocator.cpp). Bracketed by
+                                                        ptrblck's "~300MB" (pytorch/pytorch#107667)
+                                                        and "around 400MB" (pytorch/pytorch#109888)
+CUDA context, lazy     CUDA 13,        446,693,376      unslothai/unsloth-zoo pull request #1053:
+loading                sm89 (also                       ``nvidia-smi`` 426 MiB for a process whose
+                       used for other                   only CUDA call is ``torch.cuda.mem_get_info``
+                       GPUs on CUDA                     (torch 2.10.0+cu130, RTX 6000 Ada, torch
+                       13: no other                     allocated/reserved 0 / 0): 426 x 2^20
+                       figure)
+CUDA context, eager    CUDA 11-12,     645,660,672      pytorch/pytorch#86509 with
+loading                any GPU                          ``CUDA_MODULE_LOADING=DEFAULT``: 666,632,192
+                                                        bytes less the 20 MiB segment
+CUDA context, eager    CUDA 11 (before 1,406,140,416    Hugging Face transformers docs, "Model
+loading                11.7), sm70                      training anatomy": NVML ``used`` 1343 MiB
+                       (V100)                           (``info.used // 1024**2``, driver 460.91,
+                                                        Tesla V100-SXM2-16GB) after
+                                                        ``torch.ones((1, 1)).to("cuda")``, less that
+                                                        tensor's 2 MiB small-pool segment: 1341 MiB
+cuBLAS workspace       torch >= 2.1    0 (allocator)    ``getCurrentCUDABlasHandle`` takes it from
+                                                        the caching allocator
+                                                        (aten/src/ATen/cuda/CublasHandlePool.cpp;
+                                                        the 8,519,680 bytes ``memory_allocated``
+                                                        shows in pytorch/pytorch#95668):
+                                                        :mod:`oomtune.capture.blas_workspace`
+cuBLASLt workspace     torch >= 2.1    0 (allocator)    aten/src/ATen/cuda/CUDABlas.cpp: per call
+                                                        ``CUDACachingAllocator::get()->allocate(
+                                                        workspaceSize)`` (torch 2.4-2.5), later a
+                                                        per-(handle, stream) allocator block or the
+                                                        cuBLAS workspace itself
+                                                        (``getCUDABlasLtWorkspaceSize``)
+kernel modules loaded  any             -                lazy loading loads a module at the first
+lazily in training                                      use of one of its kernels (CUDA C
+                                                        Programming Guide, "Lazy Loading"); no
+                                                        published size per torch op or library
+cuBLAS / cuBLASLt      any             -                ``cublasCreate``/``cublasLtCreate``: no
+handle state, kernels                                   published size
+cuDNN handle, kernels  any             -                loaded at the first convolution; no
+                                                        published figure for cuDNN 9 under lazy
+                                                        loading
+NCCL buffers           distributed     -                ``NCCL_BUFFSIZE`` (4 MiB) per channel and
+                                                        peer (NCCL docs, environment variables); the
+                                                        channel count depends on the topology
+=====================  ==============  ===============  ============================================
 
-No published measurement separates the context by GPU architecture, so the context figure is the
-same for every compute capability; what does depend on it, the cuBLAS workspace size
-(``getChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp: 8 MiB + 128 KiB below
-sm90, 32 MiB on sm90), is an allocator request and lives in :mod:`oomtune.capture.blas_workspace`.
+Choosing a context row: the rows for the CUDA major and loading mode; among them the one measured
+on the card's compute capability, else one whose source names no GPU, else the other GPU's (said
+in the source line). CUDA 11 with lazy loading is taken as eager: lazy loading needs CUDA 11.7 and a
+driver that supports it (CUDA C Programming Guide, "Lazy Loading"), which the major alone does not
+tell (conservative). The GPUMemNet A100 rows (torch 2.4-2.5, CUDA 12) show about 1.4 GiB outside the
+allocator for MLPs: the uncounted rows above, which no source sizes, hold the rest (docs/limits.md).
+
+The cuBLAS workspace size follows the GPU (``getChosenWorkspaceSize``: 8 MiB + 128 KiB below sm90,
+32 MiB on sm90 and later): an allocator request, in :mod:`oomtune.capture.blas_workspace`.
 
 Device readings are kept (:func:`remember_measured`, by the trial process after its warm-up steps)
 per (GPU name, driver version, torch version) in ``outside_allocator.json`` beside the stream cache
@@ -50,7 +84,7 @@ that a later ``oomtune plan`` for the same device reads the measured figure
 
 :data:`CARDS`: the device catalogue's cards with the memory torch reports (``cudaDeviceProp::totalGlobalMem``),
 for :func:`oomtune.predict`'s ``gpu=`` names; every catalogue card's ``outside_allocator_bytes`` is
-:data:`CONTEXT_LAZY_BYTES` from the table above.
+the CUDA 12 lazy-loading row (:data:`CONTEXT_LAZY_BYTES`: no CUDA 12 source names an architecture).
 """
 
 from __future__ import annotations
@@ -61,8 +95,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CONTEXT_LAZY_BYTES", "CONTEXT_EAGER_BYTES", "OutsideAllocator", "outside_allocator", "CARDS", "Card",
-           "card_of", "readings_path", "read_measured", "remember_measured"]
+__all__ = ["CONTEXT_LAZY_BYTES", "CONTEXT_EAGER_BYTES", "CONTEXT_LAZY_CUDA13_SM89_BYTES",
+           "CONTEXT_EAGER_SM70_CUDA11_BYTES", "ContextFigure", "TABLE", "OutsideAllocator", "outside_allocator",
+           "CARDS", "Card", "card_of", "readings_path", "read_measured", "remember_measured"]
 
 #: The 20 MiB segment of the one tensor behind pytorch/pytorch#86509's readings (``kLargeBuffer``).
 _PR_86509_SEGMENT_BYTES = 20 << 20
@@ -71,19 +106,67 @@ _PR_86509_SEGMENT_BYTES = 20 << 20
 CONTEXT_LAZY_BYTES = 287_047_680 - _PR_86509_SEGMENT_BYTES
 #: The same with eager module loading: 666,632,192 bytes (pytorch/pytorch#86509) less that segment.
 CONTEXT_EAGER_BYTES = 666_632_192 - _PR_86509_SEGMENT_BYTES
+#: CUDA 13, lazy loading, RTX 6000 Ada (sm89): nvidia-smi's 426 MiB for a process with no allocator
+#: memory (unslothai/unsloth-zoo pull request #1053, torch 2.10.0+cu130).
+CONTEXT_LAZY_CUDA13_SM89_BYTES = 426 << 20
+#: CUDA 11 before 11.7 (eager), Tesla V100 (sm70): NVML ``used`` 1343 MiB after a 1 x 1 tensor (Hugging
+#: Face transformers docs, "Model training anatomy"), less that tensor's 2 MiB small-pool segment.
+CONTEXT_EAGER_SM70_CUDA11_BYTES = (1343 - 2) << 20
 
-_SOURCES = {
-    "context_lazy": "CUDA context, lazy module loading: 266,076,160 bytes (pytorch/pytorch#86509's 287,047,680 "
-                    "less its tensor's 20 MiB segment)",
-    "context_eager": "CUDA context, eager module loading: 645,660,672 bytes (pytorch/pytorch#86509's 666,632,192 "
-                     "less its tensor's 20 MiB segment)",
-}
+
+@dataclass(frozen=True)
+class ContextFigure:
+    """One published figure of the CUDA context (bytes), with the stack it was read on.
+
+    ``cuda_majors``: the CUDA majors it stands for; ``lazy``: the module loading mode;
+    ``capability``: the GPU's compute capability when the source names the GPU, else None;
+    ``source``: where the figure comes from and how it was derived."""
+
+    bytes: int
+    cuda_majors: tuple[int, ...]
+    lazy: bool
+    capability: tuple[int, int] | None
+    source: str
+
+
+#: The context rows of the module docstring's table.
+TABLE: tuple[ContextFigure, ...] = (
+    ContextFigure(CONTEXT_LAZY_BYTES, (11, 12), True, None,
+                  "CUDA context, lazy module loading: 266,076,160 bytes (pytorch/pytorch#86509's 287,047,680 "
+                  "less its tensor's 20 MiB segment; torch 1.13, CUDA 11.7, GPU not stated)"),
+    ContextFigure(CONTEXT_LAZY_CUDA13_SM89_BYTES, (13,), True, (8, 9),
+                  "CUDA context, lazy module loading, CUDA 13: 446,693,376 bytes (unslothai/unsloth-zoo#1053: "
+                  "nvidia-smi 426 MiB, torch 2.10.0+cu130, RTX 6000 Ada sm89, no allocator memory)"),
+    ContextFigure(CONTEXT_EAGER_BYTES, (11, 12), False, None,
+                  "CUDA context, eager module loading: 645,660,672 bytes (pytorch/pytorch#86509's 666,632,192 "
+                  "less its tensor's 20 MiB segment)"),
+    ContextFigure(CONTEXT_EAGER_SM70_CUDA11_BYTES, (11,), False, (7, 0),
+                  "CUDA context, eager module loading, V100: 1,406,140,416 bytes (Hugging Face transformers docs, "
+                  "'Model training anatomy': NVML 1343 MiB after a 1 x 1 tensor, less its 2 MiB segment)"),
+)
+
 _UNSOURCED = {
     "modules": "kernel modules loaded lazily during training (no published size per torch op)",
-    "cublas": "cuBLAS/cuBLASLt handle state and kernels outside the allocator (no published figure)",
+    "cublas": "cuBLAS/cuBLASLt handle state and kernels outside the allocator (no published figure; their "
+              "workspaces are allocator requests)",
     "cudnn": "cuDNN handle and kernels (no published figure for cuDNN 9 under lazy loading)",
     "nccl": "NCCL buffers (NCCL_BUFFSIZE per channel and peer; channels depend on the topology)",
 }
+
+
+def _context_row(cuda_major: int, lazy: bool, capability: tuple[int, int] | None) -> ContextFigure:
+    """The context row for the stack (module docstring: "Choosing a context row")."""
+    rows = [r for r in TABLE if cuda_major in r.cuda_majors and r.lazy == lazy]
+    if not rows:   # a CUDA major without a row of this mode: the nearest major's row of the mode
+        same_mode = [r for r in TABLE if r.lazy == lazy]
+        nearest = min(same_mode, key=lambda r: min(abs(m - cuda_major) for m in r.cuda_majors))
+        rows = [nearest]
+    for pick in (lambda r: capability is not None and r.capability == capability,
+                 lambda r: r.capability is None, lambda r: True):
+        chosen = [r for r in rows if pick(r)]
+        if chosen:
+            return chosen[0]
+    raise AssertionError("unreachable: rows is not empty")
 
 
 @dataclass(frozen=True)
@@ -116,15 +199,19 @@ class OutsideAllocator:
 
 
 def outside_allocator(*, cuda_major: int = 12, lazy_loading: bool = True, cudnn: bool = False,
-                      nccl: bool = False, measured_bytes: int | None = None) -> OutsideAllocator:
-    """The memory outside the caching allocator of a training process, in bytes.
+                      nccl: bool = False, capability: tuple[int, int] | None = None,
+                      measured_bytes: int | None = None) -> OutsideAllocator:
+    """The memory outside the caching allocator of a training process, in bytes (the module
+    docstring's table).
 
     Args:
-        cuda_major: the CUDA major version torch was built with (11 or 12 for torch 2.x); lazy module
-            loading exists from CUDA 11.7 on, so an 11 is taken as eager (conservative).
+        cuda_major: the CUDA major version torch was built with (11, 12 or 13); lazy module loading
+            exists from CUDA 11.7 on, so an 11 is taken as eager (conservative).
         lazy_loading: ``CUDA_MODULE_LOADING=LAZY`` (torch sets it unless the user chose otherwise).
         cudnn: the process runs cuDNN (convolutions): the cuDNN part is listed as not counted.
         nccl: the process communicates through NCCL: listed as not counted.
+        capability: the GPU's compute capability ``(major, minor)``: a context row measured on it is
+            preferred; None: the row whose source names no GPU.
         measured_bytes: a device reading (:func:`oomtune.trial.budget.non_allocator_bytes`); it wins.
 
     Raises:
@@ -135,17 +222,16 @@ def outside_allocator(*, cuda_major: int = 12, lazy_loading: bool = True, cudnn:
             raise ValueError(f"measured memory outside the allocator {measured_bytes} bytes is negative")
         return OutsideAllocator(measured_bytes, 0, ("measured on the device",), (), True)
     if cuda_major < 10:
-        raise ValueError(f"cuda_major={cuda_major}: torch 2.x is built with CUDA 11 or 12")
+        raise ValueError(f"cuda_major={cuda_major}: torch 2.x is built with CUDA 11, 12 or 13")
     lazy = lazy_loading and cuda_major >= 12
-    context = CONTEXT_LAZY_BYTES if lazy else CONTEXT_EAGER_BYTES
-    source = _SOURCES["context_lazy" if lazy else "context_eager"]
+    row = _context_row(cuda_major, lazy, capability)
     unsourced = ["modules"] if lazy else []
     unsourced.append("cublas")
     if cudnn:
         unsourced.append("cudnn")
     if nccl:
         unsourced.append("nccl")
-    return OutsideAllocator(context, 0, (source,), tuple(_UNSOURCED[k] for k in unsourced))
+    return OutsideAllocator(row.bytes, 0, (row.source,), tuple(_UNSOURCED[k] for k in unsourced))
 
 
 from oomtune.gpu.catalogue import Card  # noqa: E402 - the card record lives in the device catalogue
