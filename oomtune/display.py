@@ -110,11 +110,13 @@ def conf_legend(confs: list[str]) -> str:
 
 def trial_rows(trials: list[Any]) -> list[dict[str, Any]]:
     """One plain dict per trial with a stored result (bytes and floats, no formatting)."""
+    from optuna.trial import TrialState
+
     rows = []
     for t in trials:
         res = R.result_of(t)
         if res is None:
-            if t.state.name in ("FAIL", "RUNNING") and R.ATTR_ROLE in t.user_attrs:
+            if t.state in (TrialState.FAIL, TrialState.RUNNING) and R.ATTR_ROLE in t.user_attrs:
                 rows.append(_unfinished_row(t))
             continue
         predicted = t.user_attrs.get(R.ATTR_PREDICTED)
@@ -168,10 +170,12 @@ def _unfinished_row(t: Any) -> dict[str, Any]:
     """A trial without a result: a duplicate (a probe another trial already ran, finished without
     launching anything: ``duplicate =#n``), interrupted (FAIL: Ctrl-C/SIGTERM; a resumed search
     re-runs it) or still running (another worker, or a process that was killed)."""
+    from optuna.trial import TrialState
+
     from oomtune.study.records import ATTR_DUPLICATE_OF
 
     original = t.user_attrs.get(ATTR_DUPLICATE_OF)
-    outcome = ("duplicate" if original is not None else "interrupted" if t.state.name == "FAIL" else "running")
+    outcome = ("duplicate" if original is not None else "interrupted" if t.state is TrialState.FAIL else "running")
     label = outcome if original is None else f"duplicate =#{original}"
     return {"number": t.number, "state": t.state.name, "role": t.user_attrs.get(R.ATTR_ROLE, ""),
             "batch_size": planned_batch(t), "alloc_conf": describe(t),

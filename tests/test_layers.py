@@ -1,7 +1,8 @@
 """Import direction between layers: the trial protocol knows the target contract
 (oomtune.trial._base), never the targets package; no code outside the targets
-compares a target's name, and the package-level import graph -- deferred and string imports
-included -- has no circle."""
+compares a target's name; the search's objectives sit below the driver (the driver asks them, they
+never import it) and the driver never compares an objective's name; and the package-level import
+graph -- deferred and string imports included -- has no circle."""
 
 from __future__ import annotations
 
@@ -129,6 +130,51 @@ def test_no_code_outside_targets_branches_on_a_target_name():
         if found:
             offenders[str(path.relative_to(ROOT))] = found
     assert offenders == {}
+
+
+# --- The search's objectives sit below the driver ------------------------------------------------
+
+#: Modules of oomtune.search above the objectives: they use an objective, an objective never uses them.
+ABOVE_OBJECTIVES = ("oomtune.search.driver", "oomtune.search.run", "oomtune.search.jobs", "oomtune.search.workers",
+                    "oomtune.search.outputs", "oomtune.search.smoke", "oomtune.search.recordings",
+                    "oomtune.search.summary")
+
+#: The resolved objective names (oomtune.search.objectives.OBJECTIVES).
+OBJECTIVE_NAME_LITERALS = ("batch", "throughput")
+
+
+def test_the_objectives_import_nothing_that_runs_the_search():
+    pkg = ROOT / "search" / "objectives"
+    offenders = {}
+    for p in sorted(pkg.glob("*.py")):
+        module = "oomtune.search.objectives" + ("" if p.stem == "__init__" else "." + p.stem)
+        names = _imports(p) | imported_modules(p.read_text(), module, is_package=p.stem == "__init__")
+        offenders[p.name] = sorted(n for n in names if n.startswith(ABOVE_OBJECTIVES))
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_every_objective_implements_the_contract_in_a_module_of_its_own():
+    from oomtune.search.objectives import OBJECTIVES, Objective
+
+    for name, cls in OBJECTIVES.items():
+        assert issubclass(cls, Objective) and cls.name == name and not cls.__abstractmethods__
+        assert cls.__module__ == f"oomtune.search.objectives.{name}"
+
+
+def test_the_driver_and_its_modules_never_compare_an_objectives_name():
+    found = {}
+    for module in ("driver", "confirmation", "summary", "smoke", "recordings", "trial_sets", "faults", "outputs"):
+        source = (ROOT / "search" / f"{module}.py").read_text()
+        hits = []
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(x, ast.Constant) and x.value in OBJECTIVE_NAME_LITERALS for x in operands):
+                    hits.append((node.lineno, ast.unparse(node)))
+        if hits:
+            found[module] = hits
+    assert found == {}
 
 
 # --- The package-level import graph has no circle -------------------------------------------------

@@ -52,8 +52,10 @@ class RunData:
     @property
     def memory_source(self) -> str | None:
         """``"device"`` or ``"simulated"`` for the measured trials (None without any)."""
+        from oomtune.outcome import Outcome
+
         sources = {t["memory_source"] for t in self.trials
-                   if t.get("memory_source") and t["outcome"] != "predicted_infeasible"}
+                   if t.get("memory_source") and t["outcome"] != Outcome.PREDICTED_INFEASIBLE.value}
         if "device" in sources:
             return "device"
         return "simulated" if sources else None
@@ -122,6 +124,10 @@ def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
     peak_reserved_bytes, peak_allocated_bytes, fragmentation, memory_source, predicted_bytes,
     feasible, start (datetime or None), duration_s, message, advice, reused_from. Missing -> None.
     """
+    from optuna.trial import TrialState
+
+    from oomtune.outcome import Outcome
+
     out = []
     for t in trials:
         attrs = t.user_attrs
@@ -129,7 +135,7 @@ def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
         values = list((getattr(t, "constraints", None) or {}).values())
         outcome = attrs.get("outcome") or res.get("outcome") or (
             "duplicate" if attrs.get(ATTR_DUPLICATE_OF) is not None
-            else "interrupted" if t.state.name == "FAIL" else t.state.name.lower())
+            else "interrupted" if t.state is TrialState.FAIL else t.state.name.lower())
         fixed = (getattr(t, "system_attrs", None) or {}).get("fixed_params") or {}
         start, end = t.datetime_start, t.datetime_complete
         out.append({
@@ -140,7 +146,7 @@ def trial_records(trials: list[Any]) -> list[dict[str, Any]]:
             "throughput": res.get("throughput"), "peak_reserved_bytes": res.get("peak_reserved_bytes"),
             "peak_allocated_bytes": res.get("peak_allocated_bytes"), "fragmentation": res.get("fragmentation"),
             "memory_source": res.get("memory_source"), "predicted_bytes": attrs.get("predicted_peak_reserved_bytes"),
-            "feasible": (outcome == "ok" and t.state.name == "COMPLETE" and all(v <= 0 for v in values)),
+            "feasible": (outcome == Outcome.OK.value and t.state is TrialState.COMPLETE and all(v <= 0 for v in values)),
             "start": start, "duration_s": (end - start).total_seconds() if start and end else None,
             "message": res.get("message"), "advice": res.get("advice"), "reused_from": attrs.get("reused_from", attrs.get(ATTR_DUPLICATE_OF)),
             "data": {k[len("data."):]: v for k, v in t.params.items() if k.startswith("data.")},

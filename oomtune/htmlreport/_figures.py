@@ -9,10 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from oomtune.display import recommended_configuration, short_conf
+from oomtune.outcome import Outcome
 from oomtune.units import MiB
 
 __all__ = ["frontier_figure", "throughput_figure", "timeline_figure", "step_figure", "peak_segments_figure",
            "source_label"]
+
+#: The outcome of a trial that ran (report rows hold a trial's outcome as stored: its string value).
+OK = Outcome.OK.value
 
 #: Frontier lines drawn at most (a 24-configuration space would be unreadable; the table has all).
 MAX_LINES = 8
@@ -91,7 +95,7 @@ def frontier_figure(data: Any) -> Any:
                 name=f"largest batch {r['max_batch_size']}", legendgroup=conf, showlegend=False,
                 hovertemplate=f"{conf or '(default)'}<br>largest fitting batch %{{x}}<br>%{{y:.1f}} MiB"
                               "<extra>simulated</extra>"))
-    measured = [t for t in data.trials if t.get("peak_reserved_bytes") and t.get("outcome") == "ok"]
+    measured = [t for t in data.trials if t.get("peak_reserved_bytes") and t.get("outcome") == OK]
     if measured:
         src = data.memory_source
         fig.add_trace(go.Scatter(
@@ -148,13 +152,13 @@ def throughput_figure(data: Any) -> Any:
 
     # confirmations repeat candidates; recordings (role record) train another accumulation than the candidates
     trials = [t for t in data.trials if t.get("batch_size") is not None and t.get("role") not in ("confirm", "record")]
-    if not any(t["outcome"] == "ok" and t.get("throughput") for t in trials):
+    if not any(t["outcome"] == OK and t.get("throughput") for t in trials):
         return None   # nothing measured (trial.execute=meta times nothing): no chart of zeros
     confs = sorted({t["alloc_conf"] for t in trials}, key=lambda c: (c != "", c))
     colors = _colors(confs)
     fig = go.Figure()
     for conf in confs:
-        ok = sorted((t for t in trials if t["alloc_conf"] == conf and t["outcome"] == "ok" and t["throughput"]),
+        ok = sorted((t for t in trials if t["alloc_conf"] == conf and t["outcome"] == OK and t["throughput"]),
                     key=lambda t: t["batch_size"])
         if ok:
             fig.add_trace(go.Scatter(
@@ -165,7 +169,7 @@ def throughput_figure(data: Any) -> Any:
                 hovertemplate=f"{conf or '(default)'}<br>%{{text}}<br>batch %{{x}}<br>%{{y:.1f}} samples/s<extra></extra>"))
     failures: dict[str, list[dict[str, Any]]] = {}
     for t in trials:
-        if t["outcome"] != "ok":
+        if t["outcome"] != OK:
             failures.setdefault(t["outcome"], []).append(t)
     for outcome, group in sorted(failures.items()):
         fig.add_trace(go.Scatter(
@@ -189,11 +193,11 @@ def timeline_figure(data: Any) -> Any:
     if not timed:
         return None
     t0 = min(t["start"] for t in timed)
-    outcomes = sorted({t["outcome"] for t in timed}, key=lambda o: (o != "ok", o))
+    outcomes = sorted({t["outcome"] for t in timed}, key=lambda o: (o != OK, o))
     others = ["#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22", "#1f77b4"]
-    colors = {o: ("#2ca02c" if o == "ok" else others[i % len(others)]) for i, o in enumerate(o for o in outcomes
-                                                                                              if o != "ok")}
-    colors.setdefault("ok", "#2ca02c")
+    colors = {o: ("#2ca02c" if o == OK else others[i % len(others)]) for i, o in enumerate(o for o in outcomes
+                                                                                              if o != OK)}
+    colors.setdefault(OK, "#2ca02c")
     fig = go.Figure()
     for o in outcomes:
         group = [t for t in timed if t["outcome"] == o]

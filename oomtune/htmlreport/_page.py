@@ -9,9 +9,13 @@ from typing import Any
 from oomtune.best import trials_text
 from oomtune.display import conf_legend, plan_recommendation
 from oomtune.htmlreport._advice import advice_for
+from oomtune.outcome import Outcome
 from oomtune.units import format_bytes
 
 __all__ = ["render_page"]
+
+#: The outcome of a trial that ran (report rows hold a trial's outcome as stored: its string value).
+OK = Outcome.OK.value
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
@@ -100,10 +104,12 @@ def _summary(data: Any) -> str:
 
 
 def _failures(data: Any) -> str:
+    from optuna.trial import TrialState
+
     counts: dict[str, int] = {}
     for t in data.trials:
-        label = t["outcome"] if t["outcome"] != "ok" or t["feasible"] or t["state"] != "COMPLETE" else "ok >limit"
-        if label != "ok":
+        label = t["outcome"] if t["outcome"] != OK or t["feasible"] or t["state"] != TrialState.COMPLETE.name else "ok >limit"
+        if label != OK:
             counts[label] = counts.get(label, 0) + 1
     if not counts:
         return ""
@@ -118,7 +124,7 @@ def _trials_table(data: Any) -> str:
     rows = []
     for t in data.trials:
         rows.append([str(t["number"]), _e(t["role"]), _e(t["batch_size"]), _conf(t['alloc_conf']),
-                     _e(t["outcome"] + ("" if t["feasible"] or t["outcome"] != "ok" else " >limit")),
+                     _e(t["outcome"] + ("" if t["feasible"] or t["outcome"] != OK else " >limit")),
                      _e(None if t["throughput"] is None else f"{t['throughput']:.1f}"),
                      _e(format_bytes(t["peak_reserved_bytes"]) if t["peak_reserved_bytes"] else None),
                      _e(_pct(t["fragmentation"])), _e(t["memory_source"]),

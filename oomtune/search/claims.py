@@ -32,20 +32,27 @@ ATTR_STOPPED_SEARCH = "stopped_search"
 
 def has_result(t: Any) -> bool:
     """A finished trial that holds its candidate's result (not one whose failure stopped the search)."""
-    return (t.state.name in ("COMPLETE", "FAIL") and R.ATTR_RESULT in t.user_attrs
+    from optuna.trial import TrialState
+
+    return (t.state in (TrialState.COMPLETE, TrialState.FAIL) and R.ATTR_RESULT in t.user_attrs
             and ATTR_STOPPED_SEARCH not in t.user_attrs)
 
 
 def is_live(t: Any) -> bool:
-    return t.state.name in ("WAITING", "RUNNING")
+    """A trial waiting to be claimed or running."""
+    from optuna.trial import TrialState
+
+    return t.state in (TrialState.WAITING, TrialState.RUNNING)
 
 
 def count_sampler(trials: Sequence[Any], role: str) -> int:
     """Sampler trials of ``role`` in ``trials`` (finished with a result, or running; a RUNNING
     trial without role or key is one the sampler just created, its role not yet set)."""
+    from optuna.trial import TrialState
+
     return sum(1 for t in trials if ATTR_KEY not in t.user_attrs
-               and ((t.user_attrs.get(R.ATTR_ROLE) == role and (has_result(t) or t.state.name == "RUNNING"))
-                    or (R.ATTR_ROLE not in t.user_attrs and t.state.name == "RUNNING")))
+               and ((t.user_attrs.get(R.ATTR_ROLE) == role and (has_result(t) or t.state is TrialState.RUNNING))
+                    or (R.ATTR_ROLE not in t.user_attrs and t.state is TrialState.RUNNING)))
 
 
 def claims_row_locked(study: Any) -> bool:

@@ -283,6 +283,8 @@ class _Follower:
 
     def poll(self) -> None:
         """One look at the study and the jobs."""
+        from optuna.trial import TrialState
+
         from oomtune.study import records as R
         from oomtune.search.workers import ATTR_DUPLICATE_OF
 
@@ -298,7 +300,7 @@ class _Follower:
                 continue   # a copy finished without running, or a trial that never started
             self.progress(t, t.user_attrs.get(R.ATTR_ROLE, "search"))
         for t in trials:
-            if t.state.name == "RUNNING" and t.number not in self.running and "batch_size" in t.params:
+            if t.state is TrialState.RUNNING and t.number not in self.running and "batch_size" in t.params:
                 # the bar's key: the trial's directory in its job's run directory (its progress record)
                 key = self._workdir(t.number) or self.run_dir / WORKERS_DIR / f"trial-{t.number:04d}"
                 self.running[t.number] = key

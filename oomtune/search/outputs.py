@@ -297,14 +297,15 @@ def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path, *, cause
     lines the search found about why (a hang of the command), appended."""
     from oomtune.classify import ADVICE
     from oomtune.outcome import Outcome
+    from oomtune.search.summary import OK_OVER_LIMIT
 
     counts = {k: n for k, n in outcomes.items() if n and k != Outcome.OK.value}
     if not counts:
         return (f"no configuration ran within the budget: no trial finished with a result (see {trials_path}); "
                 "check the run's trials/ folder")
     said = ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    memory = {k for k in counts if k == "ok_over_limit" or (k in Outcome._value2member_map_
-                                                            and (Outcome(k).is_memory or k == "predicted_infeasible"))}
+    memory = {k for k in counts if k == OK_OVER_LIMIT or (k in Outcome._value2member_map_ and (
+        Outcome(k).is_memory or Outcome(k) is Outcome.PREDICTED_INFEASIBLE))}
     advice = []
     if memory:
         advice.append("memory: lower search.batch_size.low or raise budget")
@@ -392,8 +393,9 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
         lines.append(f"memory fraction: this answer needs per_process_memory_fraction {best.memory_fraction!r} (its "
                      "garbage_collection_threshold acts only under a fraction < 1); oomtune.apply_best and "
                      "oomtune env apply it with the settings")
+    from oomtune.search.objectives import OBJECTIVES, objective_for
+
     gain = summary.gain or {}
-    known, total = getattr(summary, "configs_known", (0, 0))
     timeout_note = getattr(summary, "timeout_note", None)
     if timeout_note and not gain.get("claimed"):
         # the clock ended the search, not the other configurations' results: no "no gain" verdict
@@ -401,37 +403,10 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
     elif baseline is not None and gain.get("same_configuration"):
         lines.append(f"no allocator gain: the answer is the baseline's own configuration "
                      f"({best.alloc_conf or 'the default allocator'}) at batch {best.batch_size}")
-    elif baseline is not None and gain.get("objective") == "batch":
-        if gain.get("claimed"):
-            lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
-                         f"{gain['batch_size_ratio']:.2f}x batch ({best.batch_size} vs {baseline.batch_size}) "
-                         f"within the same budget ({src} memory)")
-        elif summary.at_top_of_range and best.batch_size == baseline.batch_size:
-            top = ("the whole global batch in one micro-batch" if best.global_batch is not None
-                   else "the top of the searched range")
-            lines.append(f"the default allocator already fits batch {baseline.batch_size}, {top}: no allocator "
-                         "setting can show a larger batch here")
-        elif not total:
-            lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size}")
-        elif known < total:
-            lines.append(f"no allocator setting tried fits a batch above {baseline.batch_size}; {total - known} of "
-                         f"{total} configurations were not predicted at every batch size nor tried, so a larger batch "
-                         "with them is not ruled out")
-        else:
-            how = "predicted on the virtual GPU or tried" if known else "tried"
-            lines.append(f"the default allocator won: no allocator setting fits a batch above {baseline.batch_size} "
-                         f"(all {total} configurations {how})")
-    elif baseline is not None and gain.get("objective") == "throughput":
-        w, b = gain.get("candidate") or gain["winner"], gain["baseline"]
-        noise = (f"{w['mean']:.1f} [{min(w['throughputs']):.1f}-{max(w['throughputs']):.1f}] vs "
-                 f"{b['mean']:.1f} [{min(b['throughputs']):.1f}-{max(b['throughputs']):.1f}] samples/s, "
-                 f"{len(w['throughputs'])} clean runs each")
-        if gain.get("claimed"):
-            lines.append(f"vs the default allocator at its largest batch ({baseline.batch_size}): "
-                         f"{gain['throughput_ratio']:.2f}x throughput ({noise})")
-        else:
-            lines.append(f"the default allocator won: no allocator setting beat it beyond the measured noise "
-                         f"({noise})")
+    elif baseline is not None and gain.get("objective") in OBJECTIVES:
+        # the objective that made the figures says what they mean (oomtune.search.objectives)
+        lines.append(objective_for(gain["objective"]).gain_line(gain, summary=summary, best=best, baseline=baseline,
+                                                                memory_source=src))
     lines.append(f"objective: {summary.objective} ({summary.objective_reason})")
     if summary.at_top_of_range and best.global_batch is not None:
         lines.append(f"note: micro-batch {best.batch_size} is the whole global batch per rank (no accumulation)")

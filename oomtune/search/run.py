@@ -665,12 +665,14 @@ def _count(study: Any, role: str) -> int:
 def _resume_line(study: Any) -> str | None:
     counts = {role: _count(study, role) for role in ("baseline", "frontier", "search", "confirm")}
     counts = {role: n for role, n in counts.items() if n} or counts
+    from optuna.trial import TrialState
+
     from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
 
     trials = study.get_trials(deepcopy=False)
     restored = {t.user_attrs[ATTR_TOLD_FROM_RECORD] for t in trials if ATTR_TOLD_FROM_RECORD in t.user_attrs}
     interrupted = sum(1 for t in trials
-                      if t.state.name == "FAIL" and R.ATTR_RESULT not in t.user_attrs
+                      if t.state is TrialState.FAIL and R.ATTR_RESULT not in t.user_attrs
                       and ATTR_DUPLICATE_OF not in t.user_attrs and t.number not in restored)
     if not any(counts.values()) and not interrupted:
         return None

@@ -28,6 +28,10 @@ from typing import Any, Callable
 
 __all__ = ["RECORD_FILE", "ATTR_TOLD_FROM_RECORD", "record_path", "write_record", "replay", "reconcile"]
 
+#: The states a record may hold, as a record spells them: the names of Optuna's ``TrialState``
+#: members COMPLETE and FAIL (read back with ``TrialState[name]``).
+_TOLD_STATES = ("COMPLETE", "FAIL")
+
 RECORD_FILE = "tell.json"
 #: User attribute of a trial added from a run-directory record (:func:`reconcile`): the number of the
 #: trial the storage holds as finished without that result.
@@ -39,15 +43,21 @@ def record_path(workdir: Path, number: int) -> Path:
     return Path(workdir) / f"trial-{number:04d}" / RECORD_FILE
 
 
-def write_record(workdir: Path, study_name: str, trial: Any, *, state: str, value: float | None,
+def write_record(workdir: Path, study_name: str, trial: Any, *, state: Any, value: float | None,
                  user_attrs: dict[str, Any], constraints: dict[str, float]) -> Path:
-    """Write the record of ``trial`` (an ``optuna.Trial``) that is about to be told ``state``
-    (``"COMPLETE"`` or ``"FAIL"``) with ``value`` (samples/s, None for FAIL).
+    """Write the record of ``trial`` (an ``optuna.Trial``) that is about to be told ``state`` (Optuna's
+    ``TrialState.COMPLETE`` or ``FAIL``, or its name; the record holds the name) with ``value``
+    (samples/s, None for FAIL).
 
     Raises:
         DiskFullError: no space left (:func:`oomtune.files.write_atomic`); OSError otherwise.
+        ValueError: ``state`` is neither COMPLETE nor FAIL.
     """
     from oomtune.files import write_atomic
+
+    state = getattr(state, "name", state)   # the record spells the state by its name
+    if state not in _TOLD_STATES:
+        raise ValueError(f"a tell record holds a finished trial's state: COMPLETE or FAIL, not {state!r}")
 
     path = record_path(workdir, trial.number)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +74,7 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     keys = ("study_name", "trial_id", "number", "state", "value", "user_attrs", "constraints")
-    if not isinstance(record, dict) or any(k not in record for k in keys) or record["state"] not in ("COMPLETE", "FAIL"):
+    if not isinstance(record, dict) or any(k not in record for k in keys) or record["state"] not in _TOLD_STATES:
         return None
     return record
 

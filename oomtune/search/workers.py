@@ -220,12 +220,13 @@ class Executor:
         is still asking for while that ask is also counted as reserved: the caller then waits for
         that ask to end (:meth:`_work`), not for a poll interval."""
         import optuna
+        from optuna.trial import TrialState
 
         self._fail_stale()
         study = self.study_here()
         self._tls.trials = None
         trials = self._tls.trials = self._trials()
-        if any(t.state.name == "WAITING" for t in trials):
+        if any(t.state is TrialState.WAITING for t in trials):
             with self._claim_lock:
                 trial_id = self._call("claim a trial", study._pop_waiting_trial_id)
             if trial_id is not None:
@@ -235,7 +236,7 @@ class Executor:
             counted = count_sampler(trials, role) + self._reserved + sum(1 for n in self._asked if n not in present)
             if counted >= n_trials or stopped():
                 finished = count_sampler(trials, role) >= n_trials or stopped()
-                return _DONE if finished and not any(t.state.name == "WAITING" for t in trials) else None
+                return _DONE if finished and not any(t.state is TrialState.WAITING for t in trials) else None
             self._reserved += 1
         trial = None
         try:
@@ -395,6 +396,8 @@ class Executor:
             per item, the trial holding its result (reused when the study already had one), or
             the last failed attempt after :data:`MAX_ATTEMPTS` attempts without a result.
         """
+        from optuna.trial import TrialState
+
         keys = [trial_key(role, params, attrs) for params, role, attrs in items]
         wanted = set(keys)
         attempts = dict.fromkeys(keys, 0)
@@ -419,7 +422,7 @@ class Executor:
                     user_attrs = {R.ATTR_ROLE: role, ATTR_KEY: key, **attrs}
                     study = self.study_here()
                     self._call("enqueue", lambda: study.enqueue_trial(params, user_attrs=user_attrs))
-            leftover = any(t.state.name == "WAITING" and t.user_attrs.get(ATTR_KEY) in found for t in trials)
+            leftover = any(t.state is TrialState.WAITING and t.user_attrs.get(ATTR_KEY) in found for t in trials)
             return found, leftover
 
         state: dict[str, Any] = {"at": time.monotonic()}

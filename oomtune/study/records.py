@@ -8,7 +8,7 @@ from typing import Any
 from oomtune.outcome import Outcome
 from oomtune.trial.record import TrialResult
 
-__all__ = ["ATTR_DUPLICATE_OF", "MemoryLimit", "used_bytes", "violation", "result_of", "ATTR_RESULT", "ATTR_ROLE"]
+__all__ = ["ATTR_DUPLICATE_OF", "MemoryLimit", "used_bytes", "violation", "result_of", "outcome_of", "ATTR_RESULT", "ATTR_ROLE"]
 
 ATTR_RESULT = "result"        # TrialResult.to_dict()
 ATTR_ROLE = "role"            # "baseline" | "search" | "confirm"
@@ -65,13 +65,26 @@ def result_of(trial: Any) -> TrialResult | None:
     return None if data is None else TrialResult.from_dict(data)
 
 
+def outcome_of(trial: Any) -> Outcome | None:
+    """The :class:`~oomtune.outcome.Outcome` a trial's user attribute ``outcome`` holds (stored as its
+    string value); None when it holds none, or a string that names no outcome (an older or edited
+    study). Code compares the enum; the storage keeps the string."""
+    value = trial.user_attrs.get(ATTR_OUTCOME)
+    if not isinstance(value, str):
+        return None
+    try:
+        return Outcome(value)
+    except ValueError:
+        return None
+
+
 def is_feasible_ok(trial: Any) -> bool:
     """A COMPLETE trial that ran ok within the memory limit."""
     import optuna
 
     if trial.state != optuna.trial.TrialState.COMPLETE:
         return False
-    if trial.user_attrs.get(ATTR_OUTCOME) != Outcome.OK.value:
+    if outcome_of(trial) is not Outcome.OK:
         return False
     return all(v <= 0 for v in trial.constraints.values())
 
