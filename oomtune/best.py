@@ -361,45 +361,17 @@ def load_best(path: str | Path) -> BestConfig:
 
 
 def check_workload(workload: Any, *, where: str = "best.yaml workload") -> None:
-    """The one validator of best.yaml's ``workload`` section, shared by :func:`load_best` (so
-    :func:`apply_best`, ``oomtune env`` and ``oomtune show``) and ``oomtune check``
-    (:func:`oomtune.regression.prepare_check`, which also needs the model of a built-in workload).
-    Each key is optional (hand-written files may give none), but present it must be well formed:
-
-    - ``target``: a mapping with a string ``name``;
-    - ``model``: a mapping with a string ``name``;
-    - ``training``: a mapping; its ``grad_accum`` an integer >= 1, its ``activation_checkpointing``
-      true, false or null;
-    - ``ranks``: an integer >= 1 (the ranks, one GPU each, the answer was tuned for; compared with
-      ``WORLD_SIZE`` by :func:`check_world_size`): a string such as ``'$(touch x)'`` is refused rather
-      than skipped.
+    """The one validator of best.yaml's ``workload`` section
+    (:func:`oomtune.workload_spec.check_record`), shared by :func:`load_best` (so :func:`apply_best`,
+    ``oomtune env`` and ``oomtune show``) and ``oomtune check``
+    (:meth:`oomtune.workload_spec.WorkloadSpec.from_best`).
 
     Raises:
-        BestFileError: the first malformed key, in one line naming it and the value.
+        BestFileError: the first malformed or unknown key, in one line naming it and the value.
     """
-    if not isinstance(workload, dict):
-        raise BestFileError(f"{where} must be a mapping, got {workload!r}")
-    target = workload.get("target")
-    if target is not None and (not isinstance(target, dict) or not isinstance(target.get("name"), str)):
-        raise BestFileError(f"{where}.target must be a mapping with a 'name' string, got {target!r}")
-    model = workload.get("model")
-    if model is not None and (not isinstance(model, dict) or not isinstance(model.get("name"), str)):
-        raise BestFileError(f"{where}.model must be a mapping with a 'name' string, got {model!r}")
-    training = workload.get("training")
-    if training is not None:
-        if not isinstance(training, dict):
-            raise BestFileError(f"{where}.training must be a mapping, got {training!r}")
-        accum = training.get("grad_accum", 1)
-        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
-            raise BestFileError(f"{where}.training.grad_accum must be an integer >= 1, got {accum!r}")
-        ckpt = training.get("activation_checkpointing")
-        if ckpt is not None and not isinstance(ckpt, bool):
-            raise BestFileError(f"{where}.training.activation_checkpointing must be true, false or null, "
-                                f"got {ckpt!r}")
-    ranks = workload.get("ranks")
-    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
-        raise BestFileError(f"{where}.ranks must be an integer >= 1 (the ranks the answer was tuned for), "
-                            f"got {ranks!r}")
+    from oomtune.workload_spec import check_record
+
+    check_record(workload, where=where)
 
 
 def _check_agreement(path: Path, where: str, choice: Choice) -> None:

@@ -8,6 +8,7 @@ under ``<run dir>/.hydra/`` as Hydra itself does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -297,13 +298,14 @@ def default_study_name(cfg: Any) -> str:
 
     target = to_container(cfg.target)
     known = find_target(target.get("name"))
-    builtin = known is not None and known.uses_model_group   # the model group describes the workload
     model = to_container(cfg.model)
     gpu = model.pop("gpu", "auto") if isinstance(model, dict) else "auto"
     if isinstance(model, dict) and model.get("parallel") in (None, "none"):
         model.pop("parallel", None)   # the default leaves the names of single-process studies as they were
+    # the model group's keys where they describe the workload (a built-in one), else None
+    described = known.model_keys(model) if known is not None and isinstance(model, dict) else None
     key = {
-        "model": model if builtin else None,
+        "model": described,
         "target": target,
         "budget": budget_key(cfg.budget),
         "device": str(cfg.device),
@@ -326,7 +328,7 @@ def default_study_name(cfg: Any) -> str:
 
         key["sources"] = [fingerprint(p, environ=True) for p in sources]
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"{cfg.model.name if builtin else target.get('name')}-{digest}"
+    return f"{described['name'] if described is not None else target.get('name')}-{digest}"
 
 
 def budget_key(budget: Any) -> Any:
@@ -394,8 +396,9 @@ def run_dir_of(cfg: Any) -> Path:
     return path
 
 
-def save_config(cfg: Any, run_dir: Path, overrides: Sequence[str]) -> None:
-    """Write ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` into the run dir, as Hydra does.
+def save_config(conf: Any, run_dir: Path, overrides: Sequence[str]) -> None:
+    """Write ``.hydra/config.yaml`` and ``.hydra/overrides.yaml`` into the run dir, as Hydra does;
+    ``conf``: the config as the schema's objects (:func:`oomtune.schema.typed`: every key but Hydra's).
 
     Raises:
         DiskFullError: no space left (:func:`oomtune.files.write_atomic`).
@@ -406,7 +409,7 @@ def save_config(cfg: Any, run_dir: Path, overrides: Sequence[str]) -> None:
 
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
-    plain = {k: to_container(cfg[k]) for k in cfg if k != "hydra"}
+    plain = dataclasses.asdict(conf)
     write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
     write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 

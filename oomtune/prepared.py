@@ -4,20 +4,27 @@ commands read instead of the config (:class:`PreparedRun`, built by :func:`prepa
 ``oomtune search`` (:mod:`oomtune.search.run`) and ``oomtune plan`` (:mod:`oomtune.plan.run`) start
 from the same Hydra overrides: :func:`compose_checked` composes them (with the ``OOMTUNE_*``
 environment overrides) and checks every typed key once (:func:`oomtune.schema.validate`: bad values
-exit before torch is imported), and :func:`prepare` resolves what both need -- the device, the budget
-in bytes, the search space, the workload and its :class:`oomtune.trial._base.Target` -- each command
-giving the recipe of its workload (the search resolves paths for trials that run elsewhere; the plan
-keeps its stream cache's keys). Below both commands (it imports neither), above the config.
+exit before torch is imported), and :func:`prepare` resolves what both need -- the config as the
+schema's objects, the device, the budget in bytes, the search space, the workload
+(:class:`oomtune.workload_spec.WorkloadSpec`, built by its target) and that
+:class:`oomtune.trial._base.Target`. Below both commands (it imports neither), above the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PreparedRun", "compose_checked", "prepare"]
+if TYPE_CHECKING:
+    from oomtune.device import TargetDevice
+    from oomtune.schema import RootConf
+    from oomtune.space import SearchSpace
+    from oomtune.trial._base import Target
+    from oomtune.workload_spec import WorkloadSpec
+
+__all__ = ["PreparedRun", "compose_checked", "prepare", "workload_spec_of"]
 
 
 @dataclass(frozen=True)
@@ -26,10 +33,9 @@ class PreparedRun:
 
     Attributes:
         overrides: the Hydra overrides given (without the environment's).
-        cfg: the composed config (an OmegaConf DictConfig; saved as config.yaml, and the keys no
-            field below covers: ``search.workers``, ``trial.*``, ``storage``).
-        workload: the trial workload mapping (``model`` keys for a built-in workload, ``target``,
-            the target GPU ``gpu``; :func:`oomtune.search.run.workload_of`).
+        conf: the composed config as the schema's objects (:func:`oomtune.schema.typed`; saved as
+            the run's config.yaml): what the commands read of ``search.*``, ``trial.*``, ``storage``.
+        workload: the :class:`oomtune.workload_spec.WorkloadSpec` (its target GPU resolved).
         target: the :class:`oomtune.trial._base.Target` serving ``workload``: what it can do.
         device: the resolved :class:`oomtune.device.TargetDevice` (the virtual GPU on the CPU).
         budget_bytes: the memory budget in bytes (:func:`oomtune.device.resolve_budget`); None when
@@ -40,19 +46,13 @@ class PreparedRun:
     """
 
     overrides: tuple[str, ...]
-    cfg: Any
-    workload: Mapping[str, Any]
-    target: Any
-    device: Any
+    conf: RootConf
+    workload: WorkloadSpec
+    target: Target
+    device: TargetDevice
     budget_bytes: int | None
-    space: Any
+    space: SearchSpace
     run_dir: Path
-
-
-def _ranks(cfg: Any) -> int:
-    """``trial.gpus``: the ranks of every trial, over which ``search.global_batch`` is split."""
-    trial = cfg.get("trial")
-    return int(trial.get("gpus", 1) or 1) if trial is not None else 1
 
 
 def compose_checked(overrides: Sequence[str]) -> Any:
@@ -70,40 +70,62 @@ def compose_checked(overrides: Sequence[str]) -> Any:
     return cfg
 
 
-def prepare(overrides: Sequence[str], *, workload: Callable[[Any], dict[str, Any]],
-            cfg: Any = None, space: Any = None, space_last: bool = False,
-            checked: Callable[[Any, dict[str, Any], Any], None] | None = None,
+def workload_spec_of(conf: RootConf, *, resolve_paths: bool) -> WorkloadSpec:
+    """The workload of a config, built by its target (:meth:`oomtune.trial._base.Target.
+    workload_spec`) from the ``target`` and ``model`` groups and ``trial.gpus``; ``resolve_paths``:
+    the user's paths made absolute from the current directory (the search: trials run in their own
+    directories), else kept as given (the plan: its stream cache's keys). Nothing is imported or run.
+
+    Raises:
+        ConfigError: an unknown target name, several GPUs per trial the target cannot train.
+    """
+    import os
+
+    from oomtune.trial._base import get_target
+
+    target = conf.target if isinstance(conf.target, dict) else {"name": "builtin"}
+    model = conf.model if isinstance(conf.model, dict) else {}
+    return get_target(target.get("name", "builtin")).workload_spec(
+        target, model, gpus=conf.trial.gpus, base=Path(os.getcwd()) if resolve_paths else None)
+
+
+def prepare(overrides: Sequence[str], *, resolve_paths: bool, cfg: Any = None, space: SearchSpace | None = None,
+            space_last: bool = False,
+            checked: Callable[[RootConf, WorkloadSpec, SearchSpace | None], None] | None = None,
             device_budget: bool = True) -> PreparedRun:
     """Compose and validate once (:func:`compose_checked`, unless ``cfg`` is given), then resolve
     in this order: the search space (no torch; ``space`` when already made), the workload
-    (``workload(cfg)``, the command's recipe: it validates the model and target), ``checked(cfg,
-    workload, space)`` (the command's checks that need the workload; ``space`` None with
-    ``space_last``), the device and the budget (``device_budget`` False: ``budget=`` is not a budget
-    of this device, whose check would refuse a budget above the virtual GPU that fits the cards a
-    multi-card plan checks it against instead; ``budget_bytes`` is then None), and the target GPU (``model.gpu``; auto: the
-    device, or the default on the CPU: :func:`oomtune.capture.gpu_target.resolve_gpu_key`); with
-    ``space_last`` the search space last (the order in which ``oomtune plan`` reports bad input).
+    (:func:`workload_spec_of`), ``checked(conf, workload, space)`` (the command's checks that need
+    the workload; ``space`` None with ``space_last``), the device and the budget (``device_budget``
+    False: ``budget=`` is not a budget of this device, whose check would refuse a budget above the
+    virtual GPU that fits the cards a multi-card plan checks it against instead; ``budget_bytes``
+    is then None), and the target GPU (``model.gpu``; auto: the device, or the default on the CPU:
+    :func:`oomtune.capture.gpu_target.gpu_of`); with ``space_last`` the search space last (the
+    order in which ``oomtune plan`` reports bad input).
 
     Raises:
         ConfigError / AllocatorConfigError / DeviceError: bad input, before anything runs or is
             written.
     """
     from oomtune import config as C
-    from oomtune.capture.gpu_target import resolve_gpu_key
+    from oomtune.capture.gpu_target import gpu_of
     from oomtune.device import resolve_budget, resolve_device
+    from oomtune.schema import typed
     from oomtune.space import SearchSpace
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target
 
     cfg = compose_checked(overrides) if cfg is None else cfg
-    if space is None and not space_last:
-        space = SearchSpace.from_config(cfg.search, world_size=_ranks(cfg))   # allocator values: no torch needed either
-    work = workload(cfg)
+    conf = typed(cfg)
+    if space is None and not space_last:   # allocator values: no torch needed either
+        space = SearchSpace.from_config(conf.search, world_size=conf.trial.gpus)
+    work = workload_spec_of(conf, resolve_paths=resolve_paths)
     if checked is not None:
-        checked(cfg, work, space)
-    device = resolve_device(cfg.device, virtual_device_memory=cfg.virtual_device_memory)
-    budget_bytes = resolve_budget(cfg.budget, device) if device_budget else None
-    work = resolve_gpu_key(work, device)
+        checked(conf, work, space)
+    device = resolve_device(conf.device, virtual_device_memory=conf.virtual_device_memory)
+    budget_bytes = resolve_budget(conf.budget, device) if device_budget else None
+    gpu = gpu_of(work.gpu, device)
+    work = replace(work, gpu=gpu.key, gpu_source=gpu.source)
     if space is None:
-        space = SearchSpace.from_config(cfg.search, world_size=_ranks(cfg))
-    return PreparedRun(overrides=tuple(overrides), cfg=cfg, workload=work, target=target_for(work), device=device,
-                       budget_bytes=budget_bytes, space=space, run_dir=C.run_dir_of(cfg))
+        space = SearchSpace.from_config(conf.search, world_size=conf.trial.gpus)
+    return PreparedRun(overrides=tuple(overrides), conf=conf, workload=work, target=get_target(work.target_name),
+                       device=device, budget_bytes=budget_bytes, space=space, run_dir=C.run_dir_of(cfg))

@@ -36,6 +36,7 @@ message says why); the memory checks still apply. On a CUDA best.yaml the defaul
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 import threading
@@ -44,11 +45,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomtune.outcome import Outcome
 from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.units import format_bytes
+from oomtune.workload_spec import WorkloadSpec
+
+if TYPE_CHECKING:
+    from oomtune.trial._base import Target
 
 __all__ = ["CHECK_MODES", "CheckCase", "CheckReport", "PreparedCheck", "prepare_check", "default_mode", "relative_change", "within_limit",
            "within_drop", "evaluate_run", "check_predict", "check_run", "write_junit", "validate_limits",
@@ -257,35 +262,25 @@ def _search_limit(best: Any) -> tuple[int, str]:
                    f"{float(headroom):.0%} headroom)")
 
 
-def _workload(best: Any) -> dict[str, Any]:
-    """The trial workload recorded in best.yaml: ``{**model, target}`` for built-in workloads,
-    ``{target}`` for target=python|cmd (their model group is not used), with the target GPU
-    (``device.target_gpu``), the answer's training settings (``workload.training``: ``grad_accum``,
-    ``activation_checkpointing``) and the rank count (``workload.ranks``, a distributed trial's).
+def _workload(best: Any) -> tuple[WorkloadSpec, Target | None]:
+    """The workload recorded in best.yaml (:meth:`oomtune.workload_spec.WorkloadSpec.from_best`:
+    the target, the model group of a built-in workload, the target GPU ``device.target_gpu``, the
+    answer's training settings ``workload.training`` and the rank count ``workload.ranks``), and the
+    :class:`oomtune.trial._base.Target` serving it (None: a target this oomtune does not know, whose
+    model group is then not read).
 
     Raises:
-        BestFileError: a malformed target, model, ``training`` or ``ranks``."""
-    from oomtune.best import check_workload
-
-    check_workload(best.workload)   # the validator load_best (apply_best, oomtune env) runs too
-    target = best.workload.get("target") or {"name": "builtin"}
-    gpu = (best.device or {}).get("target_gpu") if isinstance(best.device, dict) else None
-    # the GPU the recorded prediction's kernels stood for (device.target_gpu; a best.yaml from before
-    # it was recorded: the model group's gpu, else the default)
-    extra = {"gpu": gpu["key"], "gpu_source": gpu.get("source", "model.gpu")} if isinstance(gpu, dict) and gpu.get("key") else {}
-    training = best.workload.get("training") or {}
-    ranks = best.workload.get("ranks")
-    if ranks is not None:
-        extra["ranks"] = ranks
+        BestFileError: a malformed or unknown key, or a built-in workload without its model."""
     from oomtune.trial._base import find_target
 
-    known = find_target(target["name"])
-    if known is None or not known.uses_model_group:   # only the target group describes the workload
-        return {"target": target, **extra, **training}
-    model = best.workload.get("model")
-    if not isinstance(model, dict) or "name" not in model:
-        raise BestFileError("best.yaml workload.model must be a mapping with a 'name'")
-    return {**model, **extra, **training, "target": target}
+    device = best.device if isinstance(best.device, dict) else {}
+    spec = WorkloadSpec.from_best(best.workload, device.get("target_gpu"))
+    target = find_target(spec.target_name)
+    try:
+        model = target.model_keys(spec.model) if target is not None else None
+    except ConfigError as exc:
+        raise BestFileError(f"best.yaml workload.{exc}") from None
+    return dataclasses.replace(spec, model=model), target
 
 
 @dataclass(frozen=True)
@@ -296,8 +291,8 @@ class PreparedCheck:
 
     Attributes:
         best: the loaded :class:`oomtune.best.BestConfig`.
-        workload: the trial workload (:func:`_workload`: model keys, target, target GPU, training
-            settings, ranks).
+        workload: the recorded :class:`oomtune.workload_spec.WorkloadSpec` (:func:`_workload`: model
+            keys, target, target GPU, training settings, ranks).
         target: the :class:`oomtune.trial._base.Target` serving it (None: a target this oomtune
             does not know).
         geometry: the virtual GPU of the recorded trials (:func:`_geometry`: ``total_memory_bytes``,
@@ -308,8 +303,8 @@ class PreparedCheck:
     """
 
     best: Any
-    workload: dict[str, Any]
-    target: Any
+    workload: WorkloadSpec
+    target: Target | None
     geometry: dict[str, Any]
     budget_bytes: int
     limit_bytes: int
@@ -324,14 +319,12 @@ def prepare_check(best: Any) -> PreparedCheck:
         BestFileError: a malformed budget, device size, headroom, target, model, training settings
             or rank count (one line naming the key).
     """
-    from oomtune.trial._base import find_target
-
     geometry = _geometry(best)
-    workload = _workload(best)
+    workload, target = _workload(best)
     limit_bytes, limit_text = _search_limit(best)
-    return PreparedCheck(best=best, workload=workload, target=find_target(workload["target"].get("name")),
+    return PreparedCheck(best=best, workload=workload, target=target,
                          geometry=geometry, budget_bytes=int(best.device["budget_bytes"]), limit_bytes=limit_bytes,
-                         limit_text=limit_text, ranks=int(workload.get("ranks", 1)))
+                         limit_text=limit_text, ranks=workload.ranks or 1)
 
 
 def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float | None = None,
@@ -377,7 +370,7 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
     recorded_stream = None
     if run.target is None or not run.target.capturable:
         if not best.best.predicted_stream:
-            raise ConfigError(f"--mode predict cannot trace target {run.workload['target'].get('name')!r} and "
+            raise ConfigError(f"--mode predict cannot trace target {run.workload.target_name!r} and "
                               "best.yaml names no recorded allocation stream (best.predicted_stream): use --mode run")
         recorded_stream = _recorded_stream(best, best_path)
     t0 = time.perf_counter()
@@ -388,7 +381,7 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
                                       steps=best.best.predicted_steps or 0)
     else:
         # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
-        workload = run.workload
+        workload = run.workload.trial_workload()
         if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
             from oomtune.trial._base import worst_shape_workload
 
@@ -594,7 +587,7 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     where = _run_device(best, device)
     if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
         where = _rank_gpus(ranks, where)
-    spec = TrialSpec(workload=run.workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+    spec = TrialSpec(workload=run.workload.trial_workload(), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=where, budget_bytes=run.budget_bytes,
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
                      device_memory_bytes=run.geometry["total_memory_bytes"],

@@ -112,9 +112,9 @@ def check_cards(best: Any, cards: list[Any], *, timeout_s: float | None = None) 
     run = prepare_check(best)
     if run.target is None or not run.target.capturable:
         raise ConfigError(f"--gpu predicts by capturing the workload with each card's kernels, which target "
-                          f"{run.workload['target'].get('name')!r} cannot be: check it with --mode run on each card")
+                          f"{run.workload.target_name!r} cannot be: check it with --mode run on each card")
     headroom = recorded_headroom(best)
-    workload = run.workload
+    workload = run.workload.trial_workload()
     if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
         from oomtune.trial._base import worst_shape_workload
 

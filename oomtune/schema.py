@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["RootConf", "SearchConf", "TrialConf", "BatchRangeConf", "register", "validate", "added_key",
+__all__ = ["RootConf", "SearchConf", "TrialConf", "BatchRangeConf", "register", "typed", "validate", "added_key",
            "check_added_keys", "OPEN", "SHAPE_KEYS_ADDABLE"]
 
 
@@ -83,6 +83,23 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="oomtune_schema", node=RootConf)
+
+
+def typed(cfg: Any) -> RootConf:
+    """The composed config as the schema's objects (``OmegaConf.to_object`` of each key:
+    :class:`SearchConf`, :class:`TrialConf`; the ``model``, ``target``, ``launcher``, ``plan`` and
+    ``gpu`` groups as plain containers), without Hydra's own ``hydra`` key (the run directory is
+    :func:`oomtune.config.run_dir_of`'s). Read after :func:`validate`: the values are checked.
+    """
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    def plain(key: str) -> Any:
+        value = cfg.get(key)
+        return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+
+    return RootConf(**{f.name: plain(f.name) for f in dataclasses.fields(RootConf) if f.name in cfg})
 
 
 #: A mapping whose keys another check owns (``search.space``: the allocator's keys, refused by

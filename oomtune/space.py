@@ -204,7 +204,8 @@ class SearchSpace:
 
     @classmethod
     def from_config(cls, search_cfg: Any, *, world_size: int = 1) -> "SearchSpace":
-        """From the composed ``search`` config group (``batch_size.low/high``, ``space``, ``data``);
+        """From the ``search`` config group (:class:`oomtune.schema.SearchConf`, or the composed node:
+        ``batch_size.low/high``, ``space``, ``data``, ``global_batch``, read as attributes);
         ``world_size``: the ranks of every trial (``trial.gpus``), over which ``search.global_batch``
         is split (it counts samples per optimizer step over all ranks).
 
@@ -215,10 +216,10 @@ class SearchSpace:
         """
         from oomtune.config import to_container
 
-        bs = to_container(search_cfg.batch_size)
-        global_batch = search_cfg.get("global_batch")
-        return cls(int(bs["low"]), int(bs["high"]), to_container(search_cfg.space) or {},
-                   to_container(search_cfg.get("data")) or {},
+        bs = search_cfg.batch_size
+        global_batch = getattr(search_cfg, "global_batch", None)
+        return cls(int(bs.low), int(bs.high), to_container(search_cfg.space) or {},
+                   to_container(getattr(search_cfg, "data", None)) or {},
                    global_batch=None if global_batch is None else global_batch, world_size=int(world_size))
 
     def batch_choices(self) -> list[int] | None:

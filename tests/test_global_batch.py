@@ -267,10 +267,13 @@ def test_a_search_that_predicted_nothing_reports_the_winners_own_variant():
 
     cfg = C.compose(["model=mlp", "search.global_batch=96", "search.batch_size.low=8", "search.prune=off"])
     space = SearchSpace.from_config(cfg.search, world_size=1)
-    workload = {"name": "mlp", "in_features": 64, "hidden": 16, "layers": 1, "num_classes": 10,
-                "target": {"name": "builtin"}}
+    from oomtune.schema import typed
+    from oomtune.workload_spec import WorkloadSpec
+
+    workload = WorkloadSpec(target={"name": "builtin"},
+                            model={"name": "mlp", "in_features": 64, "hidden": 16, "layers": 1, "num_classes": 10})
     p = SimpleNamespace(target=SimpleNamespace(capturable=True), workload=workload, device=resolve_device("cpu"),
-                        budget_bytes=1 << 30, cfg=cfg)
+                        budget_bytes=1 << 30, conf=typed(cfg))
     predictor = _report_predictor(p, space)
     assert predictor.member(48).model_cfg.get("grad_accum") == 2
     assert "grad_accum" not in predictor.member(96).model_cfg

@@ -195,15 +195,18 @@ def test_local_jobs_get_their_gpus_and_threads(tmp_path, monkeypatch):
     overrides = ["target=cmd", f"target.command='python {SCRIPT} {{batch_size}}'", "launcher=local",
                  "launcher.gpus_per_job=2", "search.workers=2", f"hydra.run.dir={tmp_path / 'run'}"]
 
-    class Prepared:   # a resolved CUDA device (this machine has none): what _plan reads of it
+    class Run:   # the prepared run of a resolved CUDA device (this machine has none): what _plan reads of it
         run_dir, space = tmp_path / "run", None
         device = type("D", (), {"simulated": False})()
+
+    class Prepared:
+        run = Run
         options = type("O", (), {"objective": "throughput", "execute": "cpu"})()
 
     plan = J._plan(overrides, _cfg(*overrides), Prepared())
     assert plan.envs == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
     assert plan.per_job == 2 and plan.url == f"sqlite:///{(tmp_path / 'run' / 'study.db').resolve()}"
-    Prepared.device.simulated = True
+    Run.device.simulated = True
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     plan = J._plan(overrides, _cfg(*overrides), Prepared())
     assert plan.envs == [{"OOMTUNE_TORCH_THREADS": "3"}] * 2 and plan.per_job == 1

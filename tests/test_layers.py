@@ -315,3 +315,55 @@ def test_oomtune_has_no_import_circle():
     found = circles(graph)
     edges = {f"{a} -> {b}": graph[a][b][:3] for comp in found for a in comp for b in comp if b in graph.get(a, {})}
     assert found == [], edges
+
+
+# --- The data in the corridors is typed: no untyped field on the prepared run or the workload ------
+
+def untyped_fields(source: str, class_name: str) -> list[str]:
+    """The fields of class ``class_name`` in ``source`` whose annotation names ``typing.Any`` anywhere
+    (``Any``, ``Mapping[str, Any]``, ``dict[str, Any] | None``, ``Optional[Any]``): such a field says
+    nothing of what it carries. Read from the source's annotations."""
+    import re
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    text = ast.unparse(item.annotation)
+                    if re.search(r"\bAny\b", text):
+                        found.append(f"{item.target.id}: {text}")
+    return found
+
+
+def test_untyped_field_finder_finds_each_form():
+    source = ("class A:\n    a: Any\n    b: Mapping[str, Any]\n    c: Any | None\n    d: dict[str, Any] | None\n"
+              "    e: Optional[Any]\n    f: int\n    g: Mapping[str, JsonValue]\n    h: Anything\n"
+              "class B:\n    x: Any\n")
+    assert untyped_fields(source, "A") == ["a: Any", "b: Mapping[str, Any]", "c: Any | None",
+                                           "d: dict[str, Any] | None", "e: Optional[Any]"]
+
+
+def test_prepared_run_and_workload_spec_fields_are_typed():
+    """What every command reads once prepared (the config's schema objects, the workload, the target,
+    the device, the space) is typed: no field of PreparedRun or WorkloadSpec is ``Any`` or an
+    untyped mapping, and the workload spec is frozen and slotted."""
+    import dataclasses
+
+    from oomtune.prepared import PreparedRun
+    from oomtune.workload_spec import WorkloadSpec
+
+    offenders = {"PreparedRun": untyped_fields((ROOT / "prepared.py").read_text(), "PreparedRun"),
+                 "WorkloadSpec": untyped_fields((ROOT / "workload_spec.py").read_text(), "WorkloadSpec")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+    # the classes read are the ones imported (a field added elsewhere would not be checked)
+    assert [f.name for f in dataclasses.fields(PreparedRun)] == [
+        line.split(":")[0].strip() for line in _field_lines((ROOT / "prepared.py").read_text(), "PreparedRun")]
+    assert WorkloadSpec.__dataclass_params__.frozen and "__slots__" in WorkloadSpec.__dict__
+
+
+def _field_lines(source: str, class_name: str) -> list[str]:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return [ast.unparse(i) for i in node.body if isinstance(i, ast.AnnAssign)]
+    return []

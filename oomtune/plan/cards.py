@@ -257,7 +257,7 @@ def plan_multi(cards: Any, cfg: Any, *, workload: dict[str, Any], shaped: bool, 
     if global_batch is not None:
         raise ConfigError("gpu=[...] plans micro-batches of search.batch_size, not a search.global_batch: "
                           "drop search.global_batch, or plan one card with model.gpu=")
-    node = C.to_container(cfg.plan) if cfg.get("plan") is not None else {}
+    node = C.to_container(cfg.plan) if cfg.plan is not None else {}
     batch = node.get("batch") if isinstance(node, dict) else None
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError(f"plan.batch={batch!r}: expected an integer >= 1, e.g. +plan.batch=64")

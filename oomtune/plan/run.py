@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["plan"]
 
 
-def _explicit_batches(cfg: Any) -> list[int] | None:
+def _explicit_batches(conf: Any) -> list[int] | None:
+    """``plan.batch_sizes`` of the typed config (:class:`oomtune.schema.RootConf`), None when unset.
+
+    Raises:
+        ConfigError: ``plan`` not a mapping, or ``batch_sizes`` not a list.
+    """
     from oomtune.config import to_container
     from oomtune.exceptions import ConfigError
 
-    node = cfg.get("plan")
+    node = conf.plan
     if node is None:
         return None
     plan_cfg = to_container(node)
@@ -35,31 +43,29 @@ def _explicit_batches(cfg: Any) -> list[int] | None:
     return value
 
 
-def _validate_workload(workload: dict[str, Any], cache: Any = None) -> None:
-    """Built-in: :func:`validate_workload_config` (skipped when ``cache``, a :class:`oomtune.plan.
-    stream_cache.StreamCache`, records that the same config passed under the same versions and code:
-    the check imports torch); python target: the entry's form (its import, in a process of its own:
-    :func:`oomtune.plan.entry_check.check_user_code`).
+def _validate_workload(spec: WorkloadSpec, cache: Any = None) -> None:
+    """A built-in workload: :func:`validate_workload_config` (skipped when ``cache``, a
+    :class:`oomtune.plan.stream_cache.StreamCache`, records that the same config passed under the same
+    versions and code: the check imports torch); a python target: the entry's form (its import, in a
+    process of its own: :func:`oomtune.plan.entry_check.check_user_code`).
 
     Raises:
         ConfigError: unknown model, bad model key, a malformed entry, a cmd target.
     """
     from oomtune.exceptions import ConfigError
-    from oomtune.targets import target_config, validate_target
-    from oomtune.trial._base import find_target, target_names
+    from oomtune.targets import validate_target
+    from oomtune.trial._base import find_target, get_target, target_names
 
-    target = target_config(workload)
-    name = target.get("name", "builtin")
-    known = find_target(name)
-    if known is not None and not known.capturable:
+    if not get_target(spec.target_name).capturable:
         able = " or ".join(f"target={n}" for n in target_names() if find_target(n).capturable)
-        raise ConfigError(f"oomtune plan needs {able}, not target={name}: "
+        raise ConfigError(f"oomtune plan needs {able}, not target={spec.target_name}: "
                           "a training command cannot be traced without running it")
-    validate_target(target)
-    if known.uses_model_group:
+    validate_target(spec.target)
+    if spec.model is not None:   # a built-in workload: the model group describes it
         from oomtune.workloads.keys import check_model_keys
 
-        check_model_keys(workload)   # the model keys, before torch is imported (a typo costs no seconds of imports)
+        check_model_keys(spec.model)   # before torch is imported (a typo costs no seconds of imports)
+        workload = spec.trial_workload()
         if cache is not None and cache.validated(workload):
             return
         from oomtune.workloads import validate_workload_config
@@ -90,7 +96,6 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     """
     from rich.console import Console
 
-    from oomtune import config as C
     from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, split_simulable,
                                           validate_headroom, write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry, trial_steps
@@ -108,43 +113,29 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     store = default_cache()
     unwritable = None
 
-    def plan_workload(cfg: Any) -> dict[str, Any]:
-        from oomtune.trial._base import find_target
-
-        target = C.to_container(cfg.target)
-        # the model group describes built-in workloads only (a python entry builds its own model)
-        known = find_target(target.get("name", "builtin"))
-        workload = ({**C.to_container(cfg.model), "target": target} if known is not None and known.uses_model_group
-                    else {"target": target})
-        if workload.get("parallel") in (None, "none") and int(cfg.trial.gpus) == 1:
-            workload.pop("parallel", None)   # one process: the workload (and its cache keys) as before
-        else:   # model.parallel: one rank's stream of trial.gpus (imports torch: a distributed plan captures anyway)
-            from oomtune.workloads.parallel import with_ranks
-
-            workload = with_ranks(workload, int(cfg.trial.gpus))
-        return workload
-
-    def checked(cfg: Any, workload: dict[str, Any], space: Any) -> None:
+    def checked(conf: Any, spec: WorkloadSpec, space: Any) -> None:
         nonlocal store, unwritable
-        if store is not None and not cacheable(workload):
+        if store is not None and not cacheable(spec.trial_workload()):
             store = None
         unwritable = store.unwritable() if store is not None else None
-        _validate_workload(workload, store if cache else None)
+        _validate_workload(spec, store if cache else None)
         from oomtune.plan.entry_check import check_user_code
 
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(workload, timeout_s=float(cfg.trial.timeout))
+        check_user_code(spec.trial_workload(), timeout_s=conf.trial.timeout)
 
-    # the model.gpu key resolved by prepare: the kernels the captures run (auto: the device)
-    # across cards budget= is each card's (card_budgets, checked above), not the virtual GPU's
-    prepared = prepare(overrides, cfg=cfg, workload=plan_workload, checked=checked, space_last=True,
+    # the workload's paths as given (the stream cache's keys); the model.gpu key resolved by
+    # prepare: the kernels the captures run (auto: the device); across cards budget= is each card's
+    # (card_budgets, checked above), not the virtual GPU's
+    prepared = prepare(overrides, resolve_paths=False, cfg=cfg, checked=checked, space_last=True,
                        device_budget=cards is None)
-    workload, device, budget_bytes, space = prepared.workload, prepared.device, prepared.budget_bytes, prepared.space
+    device, budget_bytes, space = prepared.device, prepared.budget_bytes, prepared.space
+    conf, workload = prepared.conf, prepared.workload.trial_workload()
     from oomtune.capture.gpu_target import target_from_workload
 
     gpu = target_from_workload(workload)
     choices = space.batch_choices()   # a global batch: its micro-batches only
-    grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(cfg)) if choices is None else choices
+    grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(conf)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())
     if not settings:
         from oomtune.exceptions import ConfigError
@@ -161,19 +152,19 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if cards is not None:
         from oomtune.plan.cards import plan_multi
 
-        return plan_multi(cards, cfg, workload=worst, shaped=worst is not workload, settings=settings, skipped=skipped,
+        return plan_multi(cards, conf, workload=worst, shaped=worst is not workload, settings=settings, skipped=skipped,
                           grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
                           global_batch=space.global_batch, label=prepared.target.label(workload))
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
-    geometry, steps = sim_geometry(device, budget_bytes), trial_steps(cfg.trial)
+    geometry, steps = sim_geometry(device, budget_bytes), trial_steps(conf.trial)
     if space.global_batch is None:
         predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,
-                              read_cache=cache, timeout_s=float(cfg.trial.timeout))
+                              read_cache=cache, timeout_s=conf.trial.timeout)
     else:   # one micro-batch per step at the top, two (accumulating) below: PredictorVariants
         from oomtune.plan.variants import PredictorVariants
 
         predictor = PredictorVariants(worst, lambda w: Predictor(w, geometry, steps=steps, cache=store,
-                                                                 read_cache=cache, timeout_s=float(cfg.trial.timeout)),
+                                                                 read_cache=cache, timeout_s=conf.trial.timeout),
                                       grad_accum_of=space.grad_accum_for)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
            "budget_bytes": budget_bytes, "memory_source": device.memory_source, "target_gpu": gpu.to_dict()}
@@ -198,7 +189,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from oomtune.config import budget_note
     from oomtune.device import fraction_note
 
-    for note in (budget_note(cfg.budget), fraction_note(cfg.budget, device, budget_bytes)):
+    for note in (budget_note(conf.budget), fraction_note(conf.budget, device, budget_bytes)):
         if note:
             say(note)
     with _capture_progress(console, len(settings)) as on_row:
@@ -207,7 +198,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     captured_on = set(predictor.captured_on)   # the map's captures (the soak may add more)
     fmap.skipped = skipped
     if worst is not workload:
-        _soak_plan(fmap, workload, worst, predictor, int(cfg.trial.soak_steps), grid[0], say)
+        _soak_plan(fmap, workload, worst, predictor, conf.trial.soak_steps, grid[0], say)
     _print_plan(console, say, fmap)
     for reason in fmap.fallback:
         say(f"note: {reason}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError, OomtuneError, ResumableError, WorkerJobsFailed
+from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["JobReport", "run_worker", "launch", "answer_of", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
 
@@ -60,7 +61,7 @@ class JobReport:
         run_dir: its own run directory.
         summary: its :class:`oomtune.search.driver.SearchSummary` (None when it stopped before one).
         device / budget_bytes / workload: its resolved device (a SLURM node's own), budget in bytes and
-            trial workload, which best.yaml records.
+            workload (:meth:`oomtune.workload_spec.WorkloadSpec.to_dict`), which best.yaml records.
     """
 
     index: int
@@ -71,7 +72,7 @@ class JobReport:
     summary: Any = None
     device: Any = None
     budget_bytes: int | None = None
-    workload: dict[str, Any] | None = None
+    workload: JsonObject | None = None
 
 
 def run_worker(overrides: Sequence[str], index: int, env: dict[str, str] | None = None) -> JobReport:
@@ -108,8 +109,8 @@ def run_worker(overrides: Sequence[str], index: int, env: dict[str, str] | None 
     report = JobReport(index=index, exit_code=0, host=host)
     try:
         p = prepare_search(overrides)
-        report.run_dir, report.device, report.budget_bytes = str(p.run_dir), p.device, p.budget_bytes
-        report.workload = dict(p.workload)
+        report.run_dir, report.device, report.budget_bytes = str(p.run.run_dir), p.run.device, p.run.budget_bytes
+        report.workload = p.run.workload.to_dict()
         searched = search_here(p, overrides, console=console)
         report.summary = searched.summary
         write_search_outputs(searched, out=out, html=False)   # the parent writes the run's report.html
@@ -157,13 +158,15 @@ def _light_checks(cfg: Any) -> Any:
     Raises:
         ConfigError / AllocatorConfigError: bad input, before anything is submitted.
     """
-    from oomtune.search.run import workload_of
+    from oomtune.schema import typed
+    from oomtune.search.run import search_workload
     from oomtune.space import SearchSpace
 
-    space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
-    if str(cfg.search.get("memory_fraction", "auto")) == "off":
+    conf = typed(cfg)
+    space = SearchSpace.from_config(conf.search, world_size=conf.trial.gpus)
+    if conf.search.memory_fraction == "off":
         space.drop_garbage_collection()
-    workload_of(cfg)
+    search_workload(conf)
     return space
 
 
@@ -186,7 +189,7 @@ def _plan(overrides: Sequence[str], cfg: Any, prepared: Any) -> _Plan:
     kind = L.launcher_name(cfg)
     n_jobs = int(cfg.search.workers)
     if prepared is not None:
-        run_dir, space, simulated = prepared.run_dir, prepared.space, bool(prepared.device.simulated)
+        run_dir, space, simulated = prepared.run.run_dir, prepared.run.space, bool(prepared.run.device.simulated)
         objective = prepared.options.objective
     else:
         space = _light_checks(cfg)
@@ -434,6 +437,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     from oomtune.display import SearchProgress
     from oomtune.runfile import write_run_file
     from oomtune.search.driver import study_counts
+    from oomtune.schema import typed
     from oomtune.search.outputs import write_outputs
     from oomtune.search.run import _raise_interrupt, _resume_line, _say
     from oomtune.search.tell_records import replay
@@ -454,7 +458,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))
-    C.save_config(cfg, plan.run_dir, overrides)
+    C.save_config(typed(cfg), plan.run_dir, overrides)
     write_run_file(plan.run_dir, plan.url, plan.study_name)
     say(f"oomtune search: study {plan.study_name!r} in {plan.url}")
     resumed = _resume_line(study)
@@ -510,8 +514,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     from oomtune.htmlreport import write_report
 
     try:
-        return write_outputs(cfg, plan.run_dir, study, summary, rep.device, int(rep.budget_bytes), plan.url, out,
-                             space=plan.space, workload=rep.workload)
+        return write_outputs(typed(cfg), plan.run_dir, study, summary, rep.device, int(rep.budget_bytes), plan.url,
+                             out, space=plan.space, workload=WorkloadSpec.from_dict(rep.workload))
     finally:   # also when nothing fitted: the report shows why, trial by trial
         if rep.run_dir:
             _copy_artifacts(Path(rep.run_dir), plan.run_dir)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 from pathlib import Path
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomtune import __version__
 from oomtune.best import BestConfig, Choice, load_best
 from oomtune.study import records as R
 from oomtune.trial.record import TrialResult
 from oomtune.units import format_bytes
+from oomtune.workload_spec import WorkloadSpec
+
+if TYPE_CHECKING:
+    from oomtune.schema import RootConf
 
 __all__ = ["write_outputs", "versions", "write_recorded_best", "recorded_best", "BEST_ATTR"]
 
@@ -132,44 +137,34 @@ def _with_loader(model: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     return model
 
 
-def _workload_record(workload: dict[str, Any], params: dict[str, Any], space: Any = None) -> dict[str, Any]:
-    """best.yaml's workload: {model, target} for built-in workloads (with the winner's searched
-    loader settings), {target} for target=python|cmd; plus ``training`` (the winner's
-    ``grad_accum`` and ``activation_checkpointing``) when the search set them, and ``ranks``
-    (``trial.gpus``) for a trial of several ranks or a distributed workload: the answer holds per
-    rank at that rank count."""
+def _workload_record(workload: WorkloadSpec, params: dict[str, Any], space: Any = None) -> dict[str, Any]:
+    """best.yaml's workload (:meth:`oomtune.workload_spec.WorkloadSpec.best_record`): {model, target}
+    for built-in workloads (with the winner's searched loader settings), {target} for target=python|cmd;
+    plus ``training`` (the winner's ``grad_accum`` and ``activation_checkpointing``) when the search
+    set them, and ``ranks`` (``trial.gpus``) for a trial of several ranks or a distributed workload:
+    the answer holds per rank at that rank count."""
     from oomtune.workloads.training import TRAINING_KEYS
 
-    target = workload["target"]
     training = {}
     if space is not None:
         cand = space.candidate(params["batch_size"], {k: v for k, v in params.items() if k != "batch_size"})
         training = {k: v for k, v in cand.apply({}).items() if k in TRAINING_KEYS}
-    ranks = {"ranks": workload["ranks"]} if "ranks" in workload else {}
-    out: dict[str, Any] = {"target": target, **ranks}
-    from oomtune.trial._base import find_target
-
-    known = find_target(target.get("name"))
-    if known is not None and known.uses_model_group:   # best.yaml's workload.model
-        model = {k: v for k, v in workload.items() if k not in ("target", "ranks") and k not in TRAINING_KEYS}
-        out = {"model": _with_loader(model, params), "target": target, **ranks}
-    if training:
-        out["training"] = training
-    return out
+    model = _with_loader(workload.model, params) if workload.model is not None else None
+    return dataclasses.replace(workload, model=model, training=training).best_record()
 
 
-def _target_gpu(workload: dict[str, Any]) -> dict[str, Any]:
+def _target_gpu(workload: WorkloadSpec) -> dict[str, Any]:
     """The GPU whose kernels the captures ran (:func:`oomtune.capture.gpu_target.target_from_workload`)."""
     from oomtune.capture.gpu_target import target_from_workload
 
-    return target_from_workload(workload).to_dict()
+    return target_from_workload(workload.trial_workload()).to_dict()
 
 
 #: The file beside best.yaml holding the allocation stream a recorded target's prediction replayed.
 PREDICTED_STREAM = "best_stream.bin"
 
 
-def _keep_recorded_stream(best: Choice, predictor: Any, workload: dict[str, Any], run_dir: Path,
+def _keep_recorded_stream(best: Choice, predictor: Any, workload: WorkloadSpec, run_dir: Path,
                           variant: dict[str, Any]) -> None:
     """For a target oomtune cannot capture (``target=cmd`` and the HF / Lightning integrations: its
     predictions replay trials' recorded streams, :mod:`oomtune.plan.recorded`), write the stream the
@@ -179,9 +174,9 @@ def _keep_recorded_stream(best: Choice, predictor: Any, workload: dict[str, Any]
     that best.yaml records no stream)."""
     import hashlib
 
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target
 
-    if target_for(workload).capturable:
+    if get_target(workload.target_name).capturable:
         return
     path = run_dir / PREDICTED_STREAM
     try:
@@ -192,11 +187,12 @@ def _keep_recorded_stream(best: Choice, predictor: Any, workload: dict[str, Any]
     best.predicted_stream = PREDICTED_STREAM
 
 
-def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
+def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, device: Any, budget_bytes: int,
                   url: str, console: Any, *, predictor: Any = None, predicted_at_worst_shape: bool = False,
                   space: Any = None,
-                  workload: dict[str, Any]) -> Path:
-    """Write trials.json and best.yaml into the run dir and print the final table.
+                  workload: WorkloadSpec) -> Path:
+    """Write trials.json and best.yaml into the run dir and print the final table; ``conf``: the
+    search's config (:func:`oomtune.schema.typed`), ``workload``: its workload.
 
     Raises:
         oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
@@ -217,7 +213,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     if summary.best is None:
         raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json",
                                                 causes=getattr(summary, "causes", ())))
-    mode = str(cfg.search.get("memory_fraction", "auto"))
+    mode = conf.search.memory_fraction
     best = _choice(summary.best, summary.best_result, summary.confirmed,
                    measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode, space)
     baseline = None
@@ -243,7 +239,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         workload=_workload_record(workload, summary.best.params, space),
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
-                "budget_bytes": budget_bytes, "headroom": float(cfg.search.headroom),
+                "budget_bytes": budget_bytes, "headroom": float(conf.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
                 "target_gpu": _target_gpu(workload), "memory_fraction": mode},
         versions=versions(device), best=best, baseline=baseline, gain=gain,
@@ -270,7 +266,7 @@ def write_outputs(cfg: Any, run_dir: Path, study: Any, summary: Any, device: Any
     if getattr(summary, "timeout_note", None) and (summary.gain or {}).get("claimed"):
         lines.append(summary.timeout_note)
     lines += summary_lines(summary, best, baseline, simulated=device.simulated,
-                           confirm_steps=int(cfg.trial.confirm_steps), batch_high=int(cfg.search.batch_size.high))
+                           confirm_steps=conf.trial.confirm_steps, batch_high=conf.search.batch_size.high)
     if summary.verdict is not None and summary.verdict.input_bound:
         lines += [f"input-bound: {summary.verdict.reason}",
                   f"advice: {summary.verdict.advice} (a bigger batch will not help)"]

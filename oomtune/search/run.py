@@ -10,11 +10,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomtune import config as C
 from oomtune.exceptions import ConfigError, StorageUnavailableError
-from oomtune.prepared import PreparedRun, compose_checked, prepare
+from oomtune.prepared import PreparedRun, compose_checked, prepare, workload_spec_of
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.space import SearchSpace
@@ -22,6 +22,10 @@ from oomtune.search.samplers import make_sampler
 from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
+from oomtune.workload_spec import WorkloadSpec
+
+if TYPE_CHECKING:
+    from oomtune.schema import RootConf, TrialConf
 
 __all__ = ["search", "search_here", "write_search_outputs", "compose_search", "prepare_search", "Searched",
            "RUN_FILE"]
@@ -29,33 +33,34 @@ __all__ = ["search", "search_here", "write_search_outputs", "compose_search", "p
 from oomtune.runfile import RUN_FILE, write_run_file  # noqa: E402 - run.json: `oomtune show RUN_DIR` finds the study
 
 
-def _options(cfg: Any, workload: dict, device: Any, budget_bytes: int) -> SearchOptions:
+def _options(conf: RootConf, workload: dict[str, Any], device: Any, budget_bytes: int) -> SearchOptions:
+    """The driver's options of the typed config (``search.*``, ``trial.*``), the trial workload
+    (:meth:`oomtune.workload_spec.WorkloadSpec.trial_workload`), the device and the budget."""
     from oomtune.search.ranking import resolve_objective
 
     from oomtune.trial.execute import host_available_bytes, resolve_execute
 
-    s, t = cfg.search, cfg.trial
-    objective, reason = resolve_objective(str(s.objective), simulated=device.simulated)
-    execute, _ = resolve_execute(str(t.execute), simulated=device.simulated, objective=objective, workload=workload)
+    s, t = conf.search, conf.trial
+    objective, reason = resolve_objective(s.objective, simulated=device.simulated)
+    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=workload)
     return SearchOptions(
-        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=float(s.headroom),
-        n_trials=int(s.n_trials), timeout_s=None if s.timeout is None else float(s.timeout),
-        baseline=bool(s.baseline), confirm=bool(s.confirm), warmup_steps=int(t.warmup_steps),
-        measure_steps=int(t.measure_steps), confirm_steps=int(t.confirm_steps),
-        trial_timeout_s=float(t.timeout), min_gain=float(s.min_gain),
-        objective=objective, objective_reason=reason, frontier_configs=int(s.frontier_configs),
-        repeats=int(s.repeats), finalists=int(s.finalists), window_s=_window(s.get("window"), device),
+        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=s.headroom,
+        n_trials=s.n_trials, timeout_s=s.timeout, baseline=s.baseline, confirm=s.confirm,
+        warmup_steps=t.warmup_steps, measure_steps=t.measure_steps, confirm_steps=t.confirm_steps,
+        trial_timeout_s=t.timeout, min_gain=s.min_gain,
+        objective=objective, objective_reason=reason, frontier_configs=s.frontier_configs,
+        repeats=s.repeats, finalists=s.finalists, window_s=_window(s.window, device),
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
-        soak_steps=int(t.soak_steps), variable_shapes=worst_shape_workload(workload) is not workload,
-        torch_threads=_torch_threads(int(s.workers) * int(t.gpus)) if device.simulated else None,
+        soak_steps=t.soak_steps, variable_shapes=worst_shape_workload(workload) is not workload,
+        torch_threads=_torch_threads(s.workers * t.gpus) if device.simulated else None,
         execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
-        memory_fraction=str(s.get("memory_fraction", "auto")),
+        memory_fraction=s.memory_fraction,
         probe_unpredicted=objective == "batch",
-        ranks=int(t.gpus),
+        ranks=t.gpus,
     )
 
 
-def _window(value: Any, device: Any) -> float:
+def _window(value: float | None, device: Any) -> float:
     """``search.window`` in seconds; null: 5 s on a GPU (timing windows long enough to average
     clock and thermal swings), 0 on the virtual GPU (the CPU's timings decide nothing about a GPU)."""
     if value is not None:
@@ -222,62 +227,52 @@ def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
         )
 
 
-def workload_of(cfg: Any) -> dict[str, Any]:
-    """The trial's workload mapping: the model group plus ``target`` (resolved: a relative entry
-    file or command directory becomes absolute, since trials run in their own directories); for
-    ``target=python|cmd`` only the target (the model group is not used).
+def search_workload(conf: RootConf) -> WorkloadSpec:
+    """The search's workload (:func:`oomtune.prepared.workload_spec_of`, its paths made absolute:
+    trials run in their own directories), checked (:func:`check_model_and_target`).
 
     Raises:
         ConfigError: an invalid target or model config.
     """
-    from oomtune.targets import resolve_workload, validate_target
-    from oomtune.trial._base import find_target, get_target
+    spec = workload_spec_of(conf, resolve_paths=True)
+    check_model_and_target(spec)
+    return spec
 
-    target = C.to_container(cfg.target)
-    gpus = int(cfg.trial.get("gpus", 1) or 1)
-    known = find_target(target.get("name"))
-    if known is None or not known.uses_model_group:
-        workload = resolve_workload({"target": target})
-        validate_target(workload["target"])
-        if gpus > 1 and not get_target(target.get("name")).starts_ranks:
-            raise ConfigError(f"trial.gpus={gpus} with target={target.get('name')}: several ranks per trial need "
-                              "model.parallel=ddp|fsdp (built-in workloads) or target=cmd (a command that "
-                              "starts its ranks, e.g. torchrun)")
-        if gpus > 1:
-            workload["ranks"] = gpus
-        return workload
+
+def check_model_and_target(spec: WorkloadSpec) -> None:
+    """The target group (:func:`oomtune.targets.validate_target`) and, for a built-in workload, the
+    model keys before torch is imported (:func:`oomtune.workloads.keys.check_model_keys`: a typo costs
+    no seconds of imports), then the whole model config
+    (:func:`oomtune.workloads.validate_workload_config`: builds the model on meta, imports torch).
+
+    Raises:
+        ConfigError: an invalid target or model config, in one line.
+    """
+    from oomtune.targets import validate_target
+
+    validate_target(spec.target)
+    if spec.model is None:   # the target group alone describes the workload
+        return
     from oomtune.workloads.keys import check_model_keys
 
-    check_model_keys(C.to_container(cfg.model))   # before torch is imported (a typo costs no seconds of imports)
+    check_model_keys(spec.model)
     from oomtune.workloads import validate_workload_config
 
-    workload = resolve_workload({**C.to_container(cfg.model), "target": target})
-    validate_target(workload["target"])
-    validate_workload_config(workload)
-    from oomtune.workloads.parallel import with_ranks
-
-    return with_ranks(workload, gpus)
+    validate_workload_config(spec.trial_workload())
 
 
 @dataclass(frozen=True)
 class _Prepared:
     """Everything validated before any file is written or study opened: the :class:`oomtune.
-    prepared.PreparedRun` (``run``) and what only the search needs."""
+    prepared.PreparedRun` (``run``) and what only the search adds to it: the driver's options (their
+    ``workload`` the trial workload of ``run.workload``), the garbage-collection thresholds
+    ``search.memory_fraction=off`` dropped, whether the frontier is predicted, the Optuna sampler."""
 
     run: PreparedRun
     options: SearchOptions
-    dropped_gc: list
+    dropped_gc: list[float]
     predicts: bool
-    sampler: Any
-
-    # the prepared run's fields, read as the search always read them
-    cfg = property(lambda self: self.run.cfg)
-    workload = property(lambda self: self.run.workload)
-    target = property(lambda self: self.run.target)
-    device = property(lambda self: self.run.device)
-    budget_bytes = property(lambda self: self.run.budget_bytes)
-    space = property(lambda self: self.run.space)
-    run_dir = property(lambda self: self.run.run_dir)
+    sampler: Any   # an optuna.samplers.BaseSampler (optuna imported when the search starts)
 
 
 def refuse_plan_cards(cfg: Any) -> None:
@@ -337,42 +332,38 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
             before anything is written.
     """
     cfg = compose_search(overrides) if cfg is None else cfg
-    # allocator values: no torch needed either; a global batch split over trial.gpus ranks
-    space = SearchSpace.from_config(cfg.search, world_size=int(cfg.trial.gpus))
-    dropped_gc = space.drop_garbage_collection() if str(cfg.search.get("memory_fraction", "auto")) == "off" else []
 
-    def workload(cfg: Any) -> dict[str, Any]:
-        # builds the model on meta: imports torch; the GPU the captures stand for (model.gpu; auto:
-        # the device, or the default on the CPU) is resolved once by prepare, so that every capture
-        # (workers, trial processes) and best.yaml agree
-        return {**workload_of(cfg), "gpu": C.to_container(cfg.model).get("gpu", "auto")}
-
-    def checked(cfg: Any, work: dict[str, Any], space: Any) -> None:
+    def checked(conf: RootConf, work: WorkloadSpec, space: Any) -> None:
         from oomtune.plan.entry_check import check_user_code
-        from oomtune.trial._base import target_for
+        from oomtune.trial._base import get_target
 
+        check_model_and_target(work)   # builds the model on meta: imports torch
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(work, timeout_s=float(cfg.trial.timeout))
-        target_for(work).check_training(   # the training settings must reach the trials
-            work, accumulates=space.global_batch is not None,
+        check_user_code(work.trial_workload(), timeout_s=conf.trial.timeout)
+        get_target(work.target_name).check_training(   # the training settings must reach the trials
+            work.trial_workload(), accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
-    run = prepare(overrides, workload=workload, cfg=cfg, space=space, checked=checked)
-    device, budget_bytes = run.device, run.budget_bytes
+    # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU) is
+    # resolved once by prepare, so that every capture (workers, trial processes) and best.yaml agree
+    # the search space first (allocator values: no torch needed; a global batch split over the ranks)
+    run = prepare(overrides, resolve_paths=True, cfg=cfg, checked=checked)
+    conf, device, budget_bytes, space = run.conf, run.device, run.budget_bytes, run.space
+    dropped_gc = space.drop_garbage_collection() if conf.search.memory_fraction == "off" else []
     if device.simulated and "cudaMallocAsync" in space.choices.get("backend", []):
         raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
                           "(device=cpu) models the native allocator only")
-    options = _options(cfg, run.workload, device, budget_bytes)
+    options = _options(conf, run.workload.trial_workload(), device, budget_bytes)
     from oomtune.trial.execute import check_host_memory
 
     # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
     # cannot hold stops here (exit 2)
-    check_host_memory(options.execute, budget_bytes, int(cfg.search.workers) * int(cfg.trial.gpus),
+    check_host_memory(options.execute, budget_bytes, conf.search.workers * conf.trial.gpus,
                       available_bytes=options.host_available_bytes, simulated=device.simulated)
-    predicts = cfg.search.prune == "predicted" and run.target.capturable
+    predicts = conf.search.prune == "predicted" and run.target.capturable
     check_launches(options, predicts=predicts, target=run.target)
     return _Prepared(run=run, options=options, dropped_gc=dropped_gc, predicts=predicts,
-                     sampler=make_sampler(str(cfg.search.sampler), cfg.search.seed))
+                     sampler=make_sampler(conf.search.sampler, conf.search.seed))
 
 
 def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
@@ -429,34 +420,35 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     """
     from oomtune.trial.runner import TrialRunner
 
-    cfg, device, space, options = p.cfg, p.device, p.space, p.options
-    url = storage_url(cfg.storage, p.run_dir)
+    run, options = p.run, p.options
+    conf, device, space, workload = run.conf, run.device, run.space, options.workload
+    url = storage_url(conf.storage, run.run_dir)
     say = lambda line: _say(console, line)  # noqa: E731
     from oomtune.search.tell_records import replay
 
-    study = open_study(url, str(cfg.study_name), p.sampler, heartbeat_interval_s=int(cfg.search.heartbeat_interval),
-                       grace_period_s=int(cfg.search.grace_period), say=say,
-                       before_stale=lambda study: replay(study, p.run_dir / "trials", say))
+    study = open_study(url, str(conf.study_name), p.sampler, heartbeat_interval_s=conf.search.heartbeat_interval,
+                       grace_period_s=conf.search.grace_period, say=say,
+                       before_stale=lambda study: replay(study, run.run_dir / "trials", say))
     with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
         warnings.simplefilter("ignore")
         again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))  # optuna-dashboard names the objective
-    again_on_conflict(lambda: _check_resume(study, p.workload, p.budget_bytes))  # other workers start at once
-    C.save_config(cfg, p.run_dir, overrides)
-    write_run_file(p.run_dir, url, study.study_name)
+    again_on_conflict(lambda: _check_resume(study, workload, run.budget_bytes))  # other workers start at once
+    C.save_config(conf, run.run_dir, overrides)
+    write_run_file(run.run_dir, url, study.study_name)
 
     predictor = recording = None
     if p.predicts:
         # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
         # captures come from the stream cache where a plan or an earlier search left them.
-        predictor = search_predictor(p.workload, space, device, p.budget_bytes, cfg.trial,
+        predictor = search_predictor(workload, space, device, run.budget_bytes, conf.trial,
                                      memory_fraction=options.memory_fraction != "off")
-    elif cfg.search.prune == "predicted" and p.target.records_streams:
+    elif conf.search.prune == "predicted" and run.target.records_streams:
         from oomtune.plan.predictor import sim_geometry
         from oomtune.plan.recorded import RecordedPredictor
 
         # trials of the user's own command record their step's allocation stream (oomtune.plan.recorded):
         # on the virtual GPU through capture_hook's recorder, on CUDA from the allocator's memory history
-        geometry = sim_geometry(device, p.budget_bytes, memory_fraction=options.memory_fraction != "off")
+        geometry = sim_geometry(device, run.budget_bytes, memory_fraction=options.memory_fraction != "off")
 
         def recording(recordings: dict, steps: int, covers: Any) -> Any:
             return RecordedPredictor(recordings, geometry, steps=steps, covers=covers)
@@ -469,48 +461,48 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
 
     from oomtune.trial.execute import resolve_execute
 
-    execute_why = resolve_execute(str(cfg.trial.execute), simulated=device.simulated, objective=options.objective,
-                                  workload=p.workload)[1]
+    execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated, objective=options.objective,
+                                  workload=workload)[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
                    "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
         "cpu" if options.execute == "command" and device.simulated else options.execute)
-    for line in (f"device: {device_words(device)}, budget {format_bytes(p.budget_bytes)}, headroom "
+    for line in (f"device: {device_words(device)}, budget {format_bytes(run.budget_bytes)}, headroom "
                  f"{options.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
                  f"{space.batch_low}..{space.batch_high}",
                  f"objective: {options.objective} ({options.objective_reason})",
                  *([f"trials: {steps_where} ({execute_why})"] if steps_where else [])):
         for part in wrapped(line):   # 100 columns at spaces
             _say(console, part)
-    if C.budget_note(cfg.budget):
-        _say(console, C.budget_note(cfg.budget))   # 16GB = 14.90 GiB, said once
+    if C.budget_note(conf.budget):
+        _say(console, C.budget_note(conf.budget))   # 16GB = 14.90 GiB, said once
     from oomtune.device import fraction_note
 
     if p.dropped_gc:
         _say(console, f"search.memory_fraction=off: garbage_collection_threshold {p.dropped_gc} not searched "
                       "(torch applies it only under a memory fraction < 1; without one it does nothing)")
-    if fraction_note(cfg.budget, device, p.budget_bytes):
-        _say(console, fraction_note(cfg.budget, device, p.budget_bytes))   # 0.5 of which device
+    if fraction_note(conf.budget, device, run.budget_bytes):
+        _say(console, fraction_note(conf.budget, device, run.budget_bytes))   # 0.5 of which device
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
     progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
-    slots = worker_slots(str(cfg.device), device, int(cfg.search.workers), int(cfg.trial.gpus))
-    if len(slots) > 1 or int(cfg.search.workers) > 1:
+    slots = worker_slots(conf.device, device, conf.search.workers, conf.trial.gpus)
+    if len(slots) > 1 or conf.search.workers > 1:
         _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
                       f"{', '.join(sorted(set(slots)))}"
                       + (f" ({options.torch_threads} torch thread(s) each)" if options.torch_threads else "")
-                      + ("" if len(slots) == int(cfg.search.workers) else
-                         f"; search.workers={cfg.search.workers} capped: each trial owns "
-                         f"{cfg.trial.gpus} GPU(s)"))
-    runner = TrialRunner(launcher=str(cfg.trial.launcher))
+                      + ("" if len(slots) == conf.search.workers else
+                         f"; search.workers={conf.search.workers} capped: each trial owns "
+                         f"{conf.trial.gpus} GPU(s)"))
+    runner = TrialRunner(launcher=conf.trial.launcher)
     # The fork server imports torch once (~3 s) while this process predicts the frontiers: on two
     # cores or more they overlap (the first trial waits for it, as it would anyway).
-    if not p.target.own_process:   # an own-process target (cmd) runs its own processes
+    if not run.target.own_process:   # an own-process target (cmd) runs its own processes
         threading.Thread(target=runner.start_fork_server, name="oomtune-forkserver-start", daemon=True).start()
     confirm_runner = TrialRunner(launcher="spawn")
     drive = Search(study, space, options, runner=progress.wrap(runner), confirm_runner=progress.wrap(confirm_runner),
-                   workdir=p.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
-                   predictor=predictor, prune_margin=float(cfg.search.prune_margin), on_trial=progress, slots=slots,
+                   workdir=run.run_dir / "trials", predict=_calibrated(predictor, study) if predictor else None,
+                   predictor=predictor, prune_margin=conf.search.prune_margin, on_trial=progress, slots=slots,
                    say=lambda text: _say(console, text), recording=recording)
     progress.leader = drive.leader
     progress.role_of = drive.running_role
@@ -520,8 +512,8 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
             drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
-            check_fits(drive.planner, predictor, device=device, budget_bytes=p.budget_bytes,
-                       headroom=options.headroom, prune_margin=float(cfg.search.prune_margin))
+            check_fits(drive.planner, predictor, device=device, budget_bytes=run.budget_bytes,
+                       headroom=options.headroom, prune_margin=conf.search.prune_margin)
             check_planned_launches(drive.planner, options)
         elif recording is not None:
             _say(console, "recording the allocation streams of the default allocator's trials at the smallest "
@@ -550,7 +542,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
         confirm_runner.kill_all()
         raise StorageUnavailableError(
             f"{exc}; finished trials are kept: in the storage, and those it was not told in "
-            f"{p.run_dir / 'trials'}/trial-*/tell.json (told when it is back)") from exc.__cause__
+            f"{run.run_dir / 'trials'}/trial-*/tell.json (told when it is back)") from exc.__cause__
     finally:
         progress.close()
         signal.signal(signal.SIGTERM, previous)
@@ -562,7 +554,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     # transactions), trials claimed, duplicates finished without running.
     from oomtune.files import write_atomic
 
-    write_atomic(p.run_dir / "workers.json", json.dumps({"slots": slots, **drive.executor.stats}))
+    write_atomic(run.run_dir / "workers.json", json.dumps({"slots": slots, **drive.executor.stats}))
     return Searched(prepared=p, study=study, url=url, summary=summary, predictor=predictor,
                     drive_predictor=drive.predictor)
 
@@ -581,25 +573,27 @@ def write_search_outputs(run: Searched, *, out: Any, html: bool = True) -> Path:
 
     from oomtune.htmlreport import write_search_report
 
-    p, predictor, space, options = run.prepared, run.predictor, run.prepared.space, run.prepared.options
+    p, predictor, options = run.prepared.run, run.predictor, run.prepared.options
+    space = p.space
     try:
         # a target whose trials record their streams: the driver's predictor over the recordings
-        return write_outputs(p.cfg, p.run_dir, run.study, run.summary, p.device, p.budget_bytes, run.url, out,
+        return write_outputs(p.conf, p.run_dir, run.study, run.summary, p.device, p.budget_bytes, run.url, out,
                              predictor=predictor if predictor is not None else run.drive_predictor,
                              space=space, workload=p.workload,
                              # one predictor: under a shape distribution best.yaml records the worst
                              # shape's prediction, as the frontier judged it (check predicts the same)
-                             predicted_at_worst_shape=predictor is not None and p.predicts and options.variable_shapes)
+                             predicted_at_worst_shape=(predictor is not None and run.prepared.predicts
+                                                       and options.variable_shapes))
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
         # the report draws with the search's predictor; without one (search.prune=off) the one
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
-        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=p.workload,
+        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=options.workload,
                             device=p.device, budget_bytes=p.budget_bytes, headroom=options.headroom,
                             predictor=predictor if predictor is not None else _report_predictor(p, space),
                             predicted_frontiers=predictor is not None, space=space)
 
 
-def _report_predictor(p: Any, space: SearchSpace) -> Any:
+def _report_predictor(p: PreparedRun, space: SearchSpace) -> Any:
     """The predictor of a search that predicted nothing (``search.prune=off``), for its report's
     frontier and winner's step: the workload at its worst shape, replayed under the search's geometry
     (one per variant when the candidates train different steps, as :func:`search_predictor`'s, so the
@@ -611,9 +605,9 @@ def _report_predictor(p: Any, space: SearchSpace) -> Any:
 
     def make(w: dict[str, Any]) -> Any:
         return Predictor.for_search(worst_shape_workload(w), p.device, p.budget_bytes, cache=default_cache(),
-                                    timeout_s=float(p.cfg.trial.timeout))
+                                    timeout_s=p.conf.trial.timeout)
 
-    return _per_variant(p.workload, space, make)
+    return _per_variant(p.workload.trial_workload(), space, make)
 
 
 def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any:
@@ -628,7 +622,7 @@ def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any
 
 
 def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
-                     trial_cfg: Any, *, memory_fraction: bool = True) -> Any:
+                     trial_cfg: TrialConf, *, memory_fraction: bool = True) -> Any:
     """The search's predictor for a workload oomtune can capture (built-in, python entry): one
     :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (the workload
     itself when its shapes are fixed), or, when the candidates train different steps (a global batch's accumulation, activation
@@ -640,7 +634,7 @@ def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, 
     def make(w: dict[str, Any]) -> Any:
         return Predictor.for_search(worst_shape_workload(w), device, budget_bytes,
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
-                                    memory_fraction=memory_fraction, timeout_s=float(trial_cfg.timeout))
+                                    memory_fraction=memory_fraction, timeout_s=trial_cfg.timeout)
 
     return _per_variant(workload, space, make)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from oomtune.exceptions import ConfigError
 from oomtune.trial._base import Target, register_target
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["BuiltinTarget", "TARGET"]
 
@@ -54,6 +57,37 @@ class BuiltinTarget(Target):
         if "target" in workload:
             out["target"] = workload["target"]
         return out
+
+    def model_keys(self, model_cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The ``model`` group is the workload: its keys but the target GPU's.
+
+        Raises:
+            ConfigError: no model group, or one without a ``name``.
+        """
+        if not isinstance(model_cfg, Mapping) or not isinstance(model_cfg.get("name"), str):
+            raise ConfigError(f"model must be a mapping with a 'name', got {model_cfg!r}")
+        return {k: v for k, v in model_cfg.items() if k not in ("gpu", "gpu_source")}
+
+    def workload_spec(self, target_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any], *, gpus: int = 1,
+                      base: Path | None = None) -> WorkloadSpec:
+        """The model keys' paths (``data.path``, ``seq_len.tokens``) made absolute too when ``base`` is
+        given; the ranks those of ``model.parallel`` (:func:`oomtune.workloads.parallel.with_ranks`:
+        ``parallel`` and ``ranks`` kept when distributed, dropped when not).
+
+        Raises:
+            ConfigError: several GPUs per trial without a parallel strategy, an unknown
+                ``model.parallel``, a model group without a ``name``.
+        """
+        from oomtune.targets import resolve_workload
+        from oomtune.workloads.parallel import with_ranks
+
+        model = self.model_keys(model_cfg) or {}
+        if base is not None:
+            model = resolve_workload(model, cwd=base)
+        model = with_ranks(model, gpus)
+        ranks = model.pop("ranks", None)
+        target = self.resolve_paths(target_cfg, base) if base is not None else dict(target_cfg)
+        return WorkloadSpec(target=target, model=model, gpu=str(model_cfg.get("gpu", "auto")), ranks=ranks)
 
     def label(self, workload: Mapping[str, Any]) -> str:
         return str(workload.get("name", "builtin"))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["Target", "DEFAULT_TARGET", "register_target", "get_target", "find_target", "target_names",
            "target_for", "target_name", "worst_shape_workload"]
@@ -144,6 +145,39 @@ class Target:
         """The largest shape of :meth:`shapes` (what the search and plan predict at); None when fixed."""
         dist = self.shapes(workload)
         return None if dist.is_fixed else max(dist.support(), key=lambda v: -1 if v is None else v)
+
+    def model_keys(self, model_cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The ``model`` group's keys that describe this target's workload, without the target GPU
+        (``gpu``, ``gpu_source``: :class:`oomtune.workload_spec.WorkloadSpec` holds it); None by
+        default: the target group alone describes the workload (a python entry, a command).
+
+        Raises:
+            ConfigError: a model group the target needs but cannot read, in one line.
+        """
+        return None
+
+    def workload_spec(self, target_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any], *, gpus: int = 1,
+                      base: Path | None = None) -> WorkloadSpec:
+        """The :class:`oomtune.workload_spec.WorkloadSpec` of the config's ``target`` and ``model``
+        groups, built once for ``oomtune search`` and ``oomtune plan``
+        (:func:`oomtune.prepared.prepare`): the target group (its paths made absolute, relative to
+        ``base``, when ``base`` is given: trials run in their own directories), the model keys
+        (:meth:`model_keys`), the target GPU ``model.gpu`` (``auto`` by default; resolved later,
+        once the device is known) and the ranks of ``trial.gpus`` (``gpus``). By default several
+        ranks need a target whose program starts them (:attr:`starts_ranks`). Nothing is imported
+        or run: the model and target are checked by the commands (:meth:`validate`,
+        :func:`oomtune.workloads.validate_workload_config`).
+
+        Raises:
+            ConfigError: ``gpus`` > 1 for a target that cannot train several ranks, in one line.
+        """
+        if gpus > 1 and not self.starts_ranks:
+            raise ConfigError(f"trial.gpus={gpus} with target={self.name}: several ranks per trial need "
+                              "model.parallel=ddp|fsdp (built-in workloads) or target=cmd (a command that "
+                              "starts its ranks, e.g. torchrun)")
+        target = self.resolve_paths(target_cfg, base) if base is not None else dict(target_cfg)
+        return WorkloadSpec(target=target, model=self.model_keys(model_cfg), gpu=str(model_cfg.get("gpu", "auto")),
+                            ranks=gpus if gpus > 1 else None)
 
     def label(self, workload: Mapping[str, Any]) -> str:
         """What is trained, in a few words for headers (e.g. ``resnet``, ``python entry f.py:fn``)."""

@@ -19,7 +19,7 @@ __all__ = ["TRAINING_KEYS", "grad_accum_of", "checkpointing_of", "prediction_wor
 #: Workload keys that describe how a step trains rather than what (every target honours them):
 #: ``grad_accum`` (micro-batches per optimizer step, default 1) and ``activation_checkpointing``
 #: (recompute activations in backward instead of keeping them, default false).
-TRAINING_KEYS = ("grad_accum", "activation_checkpointing")
+from oomtune.workload_spec import TRAINING_KEYS  # noqa: E402 - one tuple for the spec and the trials
 
 
 def grad_accum_of(workload: Mapping[str, Any]) -> int:
