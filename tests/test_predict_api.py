@@ -121,3 +121,23 @@ def test_a_batch_fits_the_80gb_card_not_the_mig_slice():
     mig = oomtune.predict(ENTRY, 1_000_000, gpu="a100-40gb-1g.5gb", steps=1)
     assert big.fits and big.peak_allocated_bytes < 18_000_000_000
     assert not mig.fits and mig.peak_allocated_bytes >= 9_216_000_000 > 5_100_273_664
+
+
+def test_warm_capture_loads_once_per_process_from_a_built_in_workload(monkeypatch):
+    # The forks that capture the user's code start from the warmed process: the warm-up captures
+    # oomtune's built-in MLP (never the user's entry), once per process, and a failure there is
+    # only a cold start, never an error of the prediction.
+    from oomtune.plan import predictor as P
+
+    seen = []
+
+    def fake_capture(cfg, batch_size, *, steps):
+        seen.append((cfg["name"], batch_size, steps))
+        raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(P, "capture_training_stream", fake_capture)
+    monkeypatch.setattr(P, "_WARM_PID", None)
+    P.warm_capture()
+    P.warm_capture()
+    assert seen == [("mlp", 2, 1)]
+    assert "target" not in P._WARM_WORKLOAD      # a built-in model, no user entry

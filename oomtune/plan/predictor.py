@@ -234,6 +234,36 @@ def say_now(text: str) -> None:
     print(f"oomtune: {text}", file=sys.stderr, flush=True)
 
 
+#: The process (pid) whose capture machinery :func:`warm_capture` has loaded.
+_WARM_PID: int | None = None
+
+#: A built-in workload small enough to capture in milliseconds (``conf/model/mlp.yaml``'s keys).
+_WARM_WORKLOAD: dict[str, Any] = {
+    "name": "mlp", "in_features": 8, "hidden": 8, "layers": 1, "num_classes": 2, "optimizer": "sgd", "lr": 0.01,
+    "precision": "fp32", "gpu": "a100", "parallel": "none",
+    "data": {"source": "synthetic", "path": None, "num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+             "decode_delay_s": 0.0}}
+
+
+def warm_capture() -> None:
+    """Load, once per process, what every capture loads on its first run: the modules torch imports
+    lazily (``torch._dynamo``, reached through the capture's dispatch modes, takes seconds to
+    import) and the first calls of the meta kernels, by capturing a tiny built-in workload
+    (oomtune's own code, never the user's) in this process. A capture of the user's code runs in a
+    process forked from this one (:mod:`oomtune.plan.isolation`): without this, every such fork
+    paid the import again (about 8 s per ``oomtune.predict`` of a small MLP on a loaded 2-core
+    machine, 0.3 s after it: experiments/fidelity_public.py's seconds per row). Errors are not
+    raised: a failed warm-up only leaves the forks cold."""
+    global _WARM_PID
+    if _WARM_PID == os.getpid():
+        return
+    _WARM_PID = os.getpid()
+    try:
+        capture_training_stream(dict(_WARM_WORKLOAD), 2, steps=1)
+    except Exception:   # noqa: BLE001 - a speed-up only; the real capture reports its own errors
+        pass
+
+
 def _target(model_cfg: dict[str, Any]) -> Any:
     """The :class:`oomtune.trial._base.Target` of ``model_cfg`` (what it can do decides the capture)."""
     from oomtune.trial._base import target_for
@@ -627,8 +657,10 @@ class Predictor:
         Raises:
             UserCodeError: the user's code raised, hung, exited or was killed (one line).
         """
-        from oomtune.plan.isolation import run_isolated
+        from oomtune.plan.isolation import in_child, run_isolated
 
+        if not in_child():
+            warm_capture()
         entry = str((self.model_cfg.get("target") or {}).get("entry"))
         return run_isolated(self._capture_here, batch_sizes, entry=entry, workers=self.workers,
                             timeout_s=self.timeout_s, limit_name=self.timeout_name)
