@@ -17,7 +17,9 @@ live storage (PyObject preservation), so views (``view``, ``t``, indexing), in-p
 Known differences from a real CUDA run (the recorded stream omits or differs in):
 
 * Workspaces allocated inside kernels below the Python dispatch key: cuDNN convolution workspaces
-  (sized by the chosen algorithm; often hundreds of MiB, freed right after the call), the staging
+  are added as requests decided at replay time under :func:`oomtune.capture.cuda_kernels.emulate_cuda`
+  (:mod:`oomtune.capture.cudnn_conv`; their size is a per-architecture rule, 0 bytes by default,
+  as cuDNN's engine choice is not published), the staging
   buffers of large reductions (``max``/``sum`` over a 10,000-wide vocabulary: 157 MiB and 39 MiB
   plus 16-byte semaphores in lm-ctx128-fullstep, freed at once), cuFFT plans, NCCL buffers.
   cuBLAS workspaces are added when ``blas_workspaces`` is given
