@@ -241,3 +241,36 @@ def test_a_capture_records_the_workspace_after_the_output(gemm):
     events = [(a, size) for a, _, size, _ in s]
     # output 2 x 8 x 5 x 5 fp32 = 1,600 bytes; workspace (4 * 9) x (2 * 25) = 1,800 x 4 = 7,200 bytes
     assert events[2:6] == [("alloc", 1_600), ("try", 7_200), ("try", 0), ("free", 7_200)]
+
+
+def test_a_live_virtual_gpu_falls_back_to_the_next_plan_and_the_tee_keeps_the_request(gemm):
+    # inside a VirtualGPU the request is decided at once: Conv2d(16 -> 32, 3x3, padding 1) on
+    # 8 x 16 x 20 x 20 (the first test's 1,843,200-byte workspace) on a 2 MiB device: the workspace
+    # is refused (one simulated OOM, caught as try_configs does), the 0-byte plan runs, no OOM raised.
+    from oomtune.alloc.sim import CachingAllocatorSim
+    from oomtune.capture.recorder import StreamSink
+    from oomtune.capture.virtual_gpu import VirtualGPU
+
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1, bias=False, device="meta")
+    x = meta(8, 16, 20, 20)
+    sim = CachingAllocatorSim(total_memory_bytes=2 * MiB)
+    tee = StreamSink()
+    with VirtualGPU(sim, device="meta", tee=tee) as vgpu:
+        vgpu.register(list(conv.parameters()))
+        conv(x)   # output 8 x 32 x 20 x 20 fp32 = 409,600 bytes
+    assert sim.num_ooms == 1
+    assert [(a, size) for a, _, size, _ in tee.events if a in ("try", "free")][:3] == \
+        [("try", 1_843_200), ("try", 0), ("free", 1_843_200)]
+
+
+def test_the_report_snapshot_shows_the_granted_workspace():
+    # htmlreport._step.synthesise_snapshot replays the winner's stream: a granted try shows its size
+    from oomtune.htmlreport._step import synthesise_snapshot
+
+    s = AllocationStream()
+    s.append_try(1, [64 * MiB, 2 * MiB])
+    s.append_free(1)
+    small = synthesise_snapshot(s, "", total_memory_bytes=32 * MiB)
+    big = synthesise_snapshot(s, "", total_memory_bytes=1024 * MiB)
+    allocs = lambda snap: [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]  # noqa: E731
+    assert allocs(small) == [2 * MiB] and allocs(big) == [64 * MiB]
