@@ -33,12 +33,17 @@ every row. Rows with no parameter count (``Total Parameters`` 0: the run failed 
 Usage::
 
     python experiments/fidelity_public.py [--per-stratum 60] [--seed 20261204] [--steps 2]
-        [--family MLP|CNN] [--data /work/shared/benchmarks/gpumemnet]
+        [--family MLP|CNN] [--cudnn-workspace implicit|gemm] [--data /work/shared/benchmarks/gpumemnet]
         [--out experiments/results/fidelity_public.txt]
 
 ``--family``: predict one family's rows only (the sample is drawn as for every family, then the
 other family's rows are dropped, so an MLP-only run predicts the same MLP rows as a full run);
 the OOM agreement line needs the CNN rows.
+
+``--cudnn-workspace``: the rule for cuDNN convolution workspaces (oomtune/capture/cudnn_conv.py;
+default: the target architecture's, ``implicit`` = 0 bytes, the lower bound; ``gemm`` = the
+explicit-GEMM algorithm's lowered matrix). The GPUMemNet generators leave
+``torch.backends.cudnn.benchmark`` at False: heuristic mode.
 """
 
 from __future__ import annotations
@@ -127,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=sorted(set(FILES.values())), default=None,
                     help="predict only this family's rows (default: every family)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "fidelity_public.txt")
+    ap.add_argument("--cudnn-workspace", choices=("implicit", "gemm"), default=None,
+                    help="rule for cuDNN convolution workspaces (default: the architecture's)")
     args = ap.parse_args(argv)
+    if args.cudnn_workspace:
+        import os
+
+        os.environ["OOMTUNE_CUDNN_WORKSPACE"] = args.cudnn_workspace
     if not (args.data / "cnn_dev.csv").is_file():
         print(f"fidelity_public: no GPUMemNet rows in {args.data} (cnn_dev.csv missing): pass --data DIR",
               file=sys.stderr)
@@ -164,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         if (i + 1) % 50 == 0:
             print(f"fidelity_public: {i + 1}/{len(chosen)} rows", file=sys.stderr, flush=True)
 
+    from oomtune.capture.cudnn_conv import rule_for
+    from oomtune.capture.gpu_target import parse_gpu
+
+    ws_rule = rule_for(parse_gpu("A100-SXM4-40GB").sm)
     card = card_of("A100-SXM4-40GB")
     outside = outside_allocator(cudnn=False, capability=card.compute_capability)
     lines = [head.rstrip("\n"), "",
@@ -182,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
              f"outside the allocator (table, not fitted): {outside.total_bytes / MIB:.0f} MiB = "
              f"{'; '.join(outside.sources)}; not counted (no published figure): {'; '.join(outside.unsourced)}; "
              "for CNN rows cuDNN as well",
+             f"cuDNN convolution workspaces (virtual GPU, simulated; heuristic mode, cudnn.benchmark False as in the "
+             f"generators): rule {ws_rule!r} (oomtune/capture/cudnn_conv.py: 'implicit' = 0 bytes, the lower bound; "
+             "'gemm' = the explicit-GEMM lowered matrix, tried first, 0 if refused)",
              ""]
     fmt = "{:<5} {:<10} {:>4}  {:>9} {:>8}  {:>10} {:>8}  {:>16}  {:>7}"
     lines.append(fmt.format("fam", "band", "n", "med err%", "p90|e|%", "model med%", "p90|e|%",
@@ -238,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{statistics.median(all_secs):.2f} (goal <= {GOALS['seconds']:.0f} s: "
                     f"{'met' if statistics.median(all_secs) <= GOALS['seconds'] else 'NOT met'})")
     lines += ["goals: " + "; ".join(verdicts),
-              "not modelled: cuDNN convolution workspaces (allocator requests inside cuDNN calls, not seen by a "
-              "meta capture) and the memory outside the allocator that no published figure covers (modules "
-              "loaded lazily, cuBLAS and cuDNN handles): the residual column shows what they come to"]
+              "not modelled: the size of the workspace cuDNN's chosen engine asks for (no published figure per "
+              "engine and architecture: the rule above stands for it; the request pattern is modelled) and the "
+              "memory outside the allocator that no published figure covers (modules loaded lazily, cuBLAS and "
+              "cuDNN handles): the residual column shows what they come to"]
     text = "\n".join(lines) + "\n"
     write_results(args.out, text)
     print(text)

@@ -349,6 +349,21 @@ class CachingAllocatorSim(SegmentMixin, SplitMixin, ReleaseMixin, ExpandableMixi
         """Free device memory as ``cudaMemGetInfo`` would report it."""
         return self._device_free()
 
+    def cache_info(self) -> int:
+        """The largest block a request could get without growing the reserve, as
+        ``CUDACachingAllocator::cacheInfo`` reports it (c10/cuda/CUDACachingAllocator.cpp,
+        ``DeviceCachingAllocator::cacheInfo``): starting from free device memory
+        (``cudaMemGetInfo``: capacity less non-allocator memory less reserved, the per-process
+        fraction not applied, as cudaMemGetInfo does not know it), raised to the largest free
+        cached block of the small and large pools (``cache_info_aux``). Bytes. cuDNN's
+        convolutions bound their workspace probe by it (``get_available_workspace``,
+        aten/src/ATen/native/cudnn/Conv_v8.cpp)."""
+        largest = self._device_free()
+        for block in self._free.values():
+            if block.size > largest:
+                largest = block.size
+        return largest
+
     @property
     def total_memory_bytes(self) -> int:
         """The simulated device capacity in bytes."""

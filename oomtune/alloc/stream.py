@@ -12,6 +12,28 @@ File formats (chosen by :meth:`AllocationStream.save` from the suffix):
   ``["alloc", key, size_bytes, stream]`` / ``["free", key, size_bytes, stream]`` array per line.
 * anything else: binary, ``MAGIC`` + little-endian uint64 count + the four columns (actions as
   int8, keys, sizes and streams as little-endian int64), written with the ``array`` module.
+
+Requests whose size is decided when they are made (cuDNN convolution workspaces,
+:mod:`oomtune.capture.cudnn_conv`; the actions' names in ``.jsonl`` files in brackets):
+
+* ``try`` (code 2): one alternative of a conditional request. Consecutive ``try`` events with the
+  same key are the alternatives, in order: the replay allocates the first one the allocator grants
+  and skips the rest; an alternative it refuses takes the allocator's whole OOM path (cached blocks
+  released, ``num_ooms`` counted) and the stream goes on, as torch's ``try_configs`` catches the
+  ``OutOfMemoryError`` of a cuDNN plan's workspace and tries the next plan
+  (aten/src/ATen/native/cudnn/Conv_v8.cpp). When none is granted the key holds nothing and its
+  ``free`` does nothing.
+* ``probe`` (code 3): cuDNN's workspace probe (``generate_and_filter_plans``, Conv_v8.cpp).
+  Consecutive ``probe`` events with one key carry the candidate plans' workspace sizes; at the
+  first, the replay takes the largest size not above the allocator's ``cacheInfo`` (free device
+  memory, or the largest free cached block if larger:
+  :meth:`~oomtune.alloc.sim.CachingAllocatorSim.cache_info`), then requests it, halving it after
+  each refusal until one is granted or it reaches 0.
+* ``empty_cache`` (code 4): ``emptyCache`` (cuDNN's benchmark releases the cache after its
+  search); key and size are ignored.
+
+A free's size is its request's first alternative (a ``probe``: the largest candidate). Streams with
+these events replay on the Python simulator (the compiled core replays plain streams only).
 """
 
 from __future__ import annotations
@@ -29,13 +51,16 @@ from oomtune.alloc.oom_message import SimulatedOutOfMemoryError
 from oomtune.alloc.sim import CachingAllocatorSim
 from oomtune.exceptions import ConfigError
 
-__all__ = ["AllocationStream", "ReplayResult", "replay_stream", "MAGIC"]
+__all__ = ["AllocationStream", "ReplayResult", "replay_stream", "MAGIC", "ALLOC", "FREE", "TRY", "PROBE",
+           "EMPTY_CACHE", "REQUESTS", "grant_first", "grant_probe", "cache_info_bytes"]
 
 MAGIC = b"OOMTUNE-STREAM\x01\n"
 _FORMAT = "oomtune-allocation-stream"
-ALLOC, FREE = 0, 1
-_ACTIONS = {"alloc": ALLOC, "free": FREE}
-_NAMES = ("alloc", "free")
+ALLOC, FREE, TRY, PROBE, EMPTY_CACHE = 0, 1, 2, 3, 4
+_ACTIONS = {"alloc": ALLOC, "free": FREE, "try": TRY, "probe": PROBE, "empty_cache": EMPTY_CACHE}
+_NAMES = ("alloc", "free", "try", "probe", "empty_cache")
+#: The actions that request memory (a ``free`` releases what their key holds).
+REQUESTS = (ALLOC, TRY, PROBE)
 
 
 class AllocationStream:
@@ -72,11 +97,81 @@ class AllocationStream:
         """Append one event (see the class docstring for the rules and errors)."""
         code = _ACTIONS.get(action)
         if code is None:
-            raise ConfigError(f"unknown stream action {action!r}: expected 'alloc' or 'free'")
+            raise ConfigError(f"unknown stream action {action!r}: expected one of {', '.join(_ACTIONS)}")
         if code == ALLOC:
             self.append_alloc(key, size_bytes, stream)
-        else:
+        elif code == FREE:
             self.append_free(key, stream)
+        elif code == EMPTY_CACHE:
+            self.append_empty_cache(stream)
+        else:
+            self._append_alternative(code, key, size_bytes, stream)
+
+    def append_try(self, key: int, sizes: Iterable[int], stream: int = 0) -> None:
+        """Append a conditional request under ``key``: the first of ``sizes`` (bytes, in order) that
+        the allocator grants (see the module docstring). Raises ConfigError: no sizes, a negative
+        size, a live key."""
+        self._append_group(TRY, key, sizes, stream)
+
+    def append_probe(self, key: int, sizes: Iterable[int], stream: int = 0) -> None:
+        """Append cuDNN's workspace probe under ``key`` over the candidate plans' workspace
+        ``sizes`` (bytes; see the module docstring). Raises ConfigError as :meth:`append_try`."""
+        self._append_group(PROBE, key, sizes, stream)
+
+    def append_empty_cache(self, stream: int = 0) -> None:
+        """Append an ``emptyCache`` (every cached whole segment released)."""
+        self.actions.append(EMPTY_CACHE)
+        self.keys.append(0)
+        self.sizes.append(0)
+        self.streams.append(stream)
+
+    def _append_group(self, code: int, key: int, sizes: Iterable[int], stream: int) -> None:
+        sizes = list(sizes)
+        if not sizes:
+            raise ConfigError(f"stream event {len(self.actions)}: a conditional request of key {key} without sizes")
+        if key in self._live:
+            raise ConfigError(f"stream event {len(self.actions)}: request of key {key} which is still live")
+        for size in sizes:
+            self._append_alternative(code, key, size, stream)
+
+    def _append_alternative(self, code: int, key: int, size_bytes: int, stream: int) -> None:
+        """One ``try``/``probe`` event: the first of a group makes ``key`` live; the next ones must
+        follow it directly (same action and key)."""
+        n = len(self.actions)
+        follows = n > 0 and self.actions[n - 1] == code and self.keys[n - 1] == key and key in self._live
+        if key in self._live and not follows:
+            raise ConfigError(f"stream event {n}: request of key {key} which is still live")
+        if size_bytes < 0 or stream < 0:
+            raise ConfigError(f"stream event {n}: negative size or stream ({size_bytes}, {stream})")
+        if not follows:
+            self._live[key] = size_bytes
+        elif code == PROBE:
+            self._live[key] = max(self._live[key], size_bytes)
+        self.actions.append(code)
+        self.keys.append(key)
+        self.sizes.append(size_bytes)
+        self.streams.append(stream)
+
+    def grouped(self) -> Iterator[tuple[str, int, list[int], int]]:
+        """The events with each conditional request's alternatives gathered:
+        ``(action, key, sizes_bytes, stream)``, ``sizes_bytes`` one size for ``alloc``/``free``
+        (0 for ``empty_cache``), the group's sizes in order for ``try``/``probe``."""
+        acts, keys, sizes, streams = self.actions, self.keys, self.sizes, self.streams
+        n, i = len(acts), 0
+        while i < n:
+            a, k = acts[i], keys[i]
+            j = i + 1
+            if a in (TRY, PROBE):
+                while j < n and acts[j] == a and keys[j] == k:
+                    j += 1
+            yield _NAMES[a], k, list(sizes[i:j]), streams[i]
+            i = j
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the stream holds ``try``/``probe``/``empty_cache`` events (replayed by the
+        Python simulator)."""
+        return any(a > FREE for a in self.actions)
 
     def append_alloc(self, key: int, size_bytes: int, stream: int = 0) -> None:
         """Append an allocation of ``size_bytes`` under ``key`` on CUDA ``stream``."""
@@ -114,8 +209,13 @@ class AllocationStream:
 
     @property
     def n_allocs(self) -> int:
-        """Number of alloc events."""
-        return len(self.actions) - sum(self.actions)
+        """Number of alloc events (a conditional request counts once)."""
+        n, prev = 0, None
+        for a, k in zip(self.actions, self.keys):
+            if a == ALLOC or (a in (TRY, PROBE) and prev != (a, k)):
+                n += 1
+            prev = (a, k)
+        return n
 
     @property
     def live_keys(self) -> list[int]:
@@ -125,8 +225,22 @@ class AllocationStream:
     def peak_live_bytes(self) -> int:
         """Peak of the sum of live requested sizes in bytes (before any allocator rounding)."""
         live = peak = 0
-        for a, s in zip(self.actions, self.sizes):
-            live += -s if a else s
+        first: dict[int, int] = {}   # a conditional request counts as its first alternative (a probe: its largest)
+        for a, k, s in zip(self.actions, self.keys, self.sizes):
+            if a == ALLOC:
+                live += s
+            elif a == FREE:
+                live -= s
+            elif a in (TRY, PROBE):
+                if k in first:
+                    if a == PROBE and s > first[k]:
+                        live += s - first[k]
+                        first[k] = s
+                    continue
+                first[k] = s
+                live += s
+            if a == FREE:
+                first.pop(k, None)
             peak = max(peak, live)
         return peak
 
@@ -186,6 +300,10 @@ class AllocationStream:
                 out.append_alloc(k, s, st)
             elif a == FREE:
                 out.append_free(k, st)
+            elif a == EMPTY_CACHE:
+                out.append_empty_cache(st)
+            elif a in (TRY, PROBE):
+                out._append_alternative(a, k, s, st)
             else:
                 raise ConfigError(f"allocation stream {str(path)!r} holds an unknown action code {a}")
         return out
@@ -258,6 +376,9 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
     # settings and writes its statistics (private attributes), and the fallback replays on it.
     sim = CachingAllocatorSim(settings, total_memory_bytes=total_memory_bytes,
                               non_allocator_bytes=non_allocator_bytes, memory_fraction=memory_fraction)
+    if stream.conditional:   # requests decided at replay time: the Python simulator
+        oom_index, oom_message, n = _replay_conditional(stream, sim, stop_on_oom)
+        return _result(sim, oom_index, oom_message, n)
     fast = replay_compiled(stream, sim, stop_on_oom)   # the C++ core when built (same results)
     if fast is not None:
         oom_index, n = fast["oom_index"], fast["events"]
@@ -290,6 +411,91 @@ def replay_stream(stream: AllocationStream, settings: Any = None, *, total_memor
             continue
         break
     return _result(sim, oom_index, oom_message, n + done)
+
+
+def grant_first(sim: Any, sizes: list[int], stream: int = 0) -> tuple[int | None, int]:
+    """``(address, size)`` of the first of ``sizes`` (bytes) ``sim`` grants, trying them in order;
+    ``(None, 0)`` when it refuses them all (each refusal is a full simulated OOM: ``num_ooms`` counted, cached blocks
+    released, as torch's allocator does before it raises). A size of 0 is granted without a request
+    (address 0). torch: ``try_configs`` / ``try_plans``, aten/src/ATen/native/cudnn/Conv_v8.cpp."""
+    for size in sizes:
+        try:
+            return sim.malloc(size, stream), size
+        except SimulatedOutOfMemoryError:
+            continue
+    return None, 0
+
+
+def grant_probe(sim: Any, sizes: list[int], stream: int = 0) -> tuple[int | None, int]:
+    """cuDNN's workspace probe on ``sim`` (``generate_and_filter_plans``,
+    aten/src/ATen/native/cudnn/Conv_v8.cpp): the largest of the plans' workspace ``sizes`` (bytes)
+    not above ``cacheInfo`` (:func:`cache_info_bytes`), requested and halved after each refusal
+    (``max_workspace_size /= 2``) until granted or 0. Returns ``(address, size)``; the address is
+    0 (nothing allocated) for size 0."""
+    bound = cache_info_bytes(sim)
+    size = max((s for s in sizes if s <= bound), default=0)
+    while size:
+        try:
+            return sim.malloc(size, stream), size
+        except SimulatedOutOfMemoryError:
+            size //= 2
+    return 0, 0
+
+
+def cache_info_bytes(sim: Any) -> int:
+    """``CUDACachingAllocator::cacheInfo`` of ``sim`` in bytes: its ``cache_info()``
+    (:meth:`CachingAllocatorSim.cache_info`), or for a simulator without one (the compiled one) the
+    same from its free device memory and the inactive blocks of its ``memory_snapshot()``."""
+    if hasattr(sim, "cache_info"):
+        return sim.cache_info()
+    largest = sim.device_free_bytes
+    for seg in sim.memory_snapshot():
+        for block in seg["blocks"]:
+            if block["state"] == "inactive" and block["size"] > largest:
+                largest = block["size"]
+    return largest
+
+
+def _replay_conditional(stream: AllocationStream, sim: CachingAllocatorSim,
+                        stop_on_oom: bool) -> tuple[int | None, str | None, int]:
+    """Replay a stream with ``try``/``probe``/``empty_cache`` events on ``sim`` (see the module
+    docstring). Returns (index of the first OOM or None, its message, events fed)."""
+    addr_of: dict[int, int] = {}
+    acts, keys, sizes, streams = stream.actions, stream.keys, stream.sizes, stream.streams
+    oom_index: int | None = None
+    oom_message: str | None = None
+    n = len(acts)
+    i = fed = 0
+    while i < n:
+        a, k, st = acts[i], keys[i], streams[i]
+        if a in (TRY, PROBE):
+            j = i + 1
+            while j < n and acts[j] == a and keys[j] == k:
+                j += 1
+            group = list(sizes[i:j])
+            addr, _ = grant_first(sim, group, st) if a == TRY else grant_probe(sim, group, st)
+            if addr:
+                addr_of[k] = addr
+            fed += j - i
+            i = j
+            continue
+        fed += 1
+        if a == FREE:
+            addr = addr_of.pop(k, None)
+            if addr is not None:
+                sim.free(addr)
+        elif a == EMPTY_CACHE:
+            sim.empty_cache()
+        else:
+            try:
+                addr_of[k] = sim.malloc(sizes[i], st)
+            except SimulatedOutOfMemoryError as exc:
+                if oom_index is None:
+                    oom_index, oom_message = i, str(exc)
+                if stop_on_oom:
+                    return oom_index, oom_message, fed
+        i += 1
+    return oom_index, oom_message, fed
 
 
 def _result(sim: CachingAllocatorSim, oom_index: int | None, oom_message: str | None, n: int) -> ReplayResult:

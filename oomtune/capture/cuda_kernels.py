@@ -15,7 +15,9 @@ tensors. :func:`emulate_cuda` makes the step pick CUDA's, for the target GPU
   ``binary_cross_entropy_with_logits`` (:mod:`oomtune.capture.losses`);
 * mixed precision: ``torch.autocast`` for cuda, cpu or meta follows CUDA's policy, also in
   activation checkpointing's recomputation (:mod:`oomtune.capture.cuda_autocast`);
-* optimizers: foreach by default, fused where asked, as on CUDA (:mod:`oomtune.capture.optim`).
+* optimizers: foreach by default, fused where asked, as on CUDA (:mod:`oomtune.capture.optim`);
+* convolutions: the workspaces cuDNN's calls request, as requests decided at replay time
+  (:mod:`oomtune.capture.cudnn_conv`).
 
 The kernel registrations live in one ``torch.library.Library("aten", "IMPL")`` created when the
 outermost :func:`emulate_cuda` enters and destroyed when it exits (process-wide, reentrant,
@@ -33,7 +35,7 @@ from typing import Any
 
 from oomtune.capture.gpu_target import GpuTarget, parse_gpu, DEFAULT_GPU
 
-__all__ = ["FAMILIES", "KernelNotes", "emulate_cuda", "transient_requests", "active"]
+__all__ = ["FAMILIES", "KernelNotes", "emulate_cuda", "transient_requests", "conditional_requests", "active"]
 
 
 class KernelNotes:
@@ -101,8 +103,19 @@ def transient_requests(func: Any, args: tuple, kwargs: dict) -> list[int]:
     return sizes
 
 
+def conditional_requests(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, list[int]]]:
+    """The requests CUDA's kernel for ``func`` makes inside the call whose size is decided when
+    made (cuDNN convolution workspaces: :func:`oomtune.capture.cudnn_conv.conditional_requests`),
+    for the current target; [] when not emulating or the family is off."""
+    if _depth == 0 or "cudnn" not in _installed or not _notes:
+        return []
+    from oomtune.capture import cudnn_conv
+
+    return cudnn_conv.conditional_requests(func, args, _notes[-1].gpu.sm)
+
+
 #: The kernel families :func:`emulate_cuda` switches (all by default).
-FAMILIES = ("sdpa", "dropout", "rms_norm", "norms", "activations", "losses", "optimizers", "autocast")
+FAMILIES = ("sdpa", "dropout", "rms_norm", "norms", "activations", "losses", "optimizers", "autocast", "cudnn")
 _installed: tuple[str, ...] = ()
 
 
@@ -135,6 +148,10 @@ def emulate_cuda(gpu: GpuTarget | str | None = None, families: Any = None) -> It
         if _depth == 0:
             _lib = torch.library.Library("aten", "IMPL")
             _installed = chosen
+            if "cudnn" in chosen:
+                from oomtune.capture import cudnn_conv
+
+                cudnn_conv.reset()   # a capture starts with torch's plan cache empty
             if "sdpa" in chosen:
                 sdpa.install(_lib)
             if "dropout" in chosen:

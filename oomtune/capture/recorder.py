@@ -17,7 +17,9 @@ live storage (PyObject preservation), so views (``view``, ``t``, indexing), in-p
 Known differences from a real CUDA run (the recorded stream omits or differs in):
 
 * Workspaces allocated inside kernels below the Python dispatch key: cuDNN convolution workspaces
-  (sized by the chosen algorithm; often hundreds of MiB, freed right after the call), the staging
+  are added as requests decided at replay time under :func:`oomtune.capture.cuda_kernels.emulate_cuda`
+  (:mod:`oomtune.capture.cudnn_conv`; their size is a per-architecture rule, 0 bytes by default,
+  as cuDNN's engine choice is not published), the staging
   buffers of large reductions (``max``/``sum`` over a 10,000-wide vocabulary: 157 MiB and 39 MiB
   plus 16-byte semaphores in lm-ctx128-fullstep, freed at once), cuFFT plans, NCCL buffers.
   cuBLAS workspaces are added when ``blas_workspaces`` is given
@@ -229,6 +231,22 @@ class StreamSink:
         self.live_bytes -= size
         self.events.append(("free", key, size, self._stream_of.pop(key)))
 
+    def on_conditional(self, key: int, kind: str, sizes: list[int]) -> None:
+        """A request decided when made (``kind`` ``"try"`` or ``"probe"`` over ``sizes`` bytes:
+        :mod:`oomtune.alloc.stream`), kept as one event per size; live bytes count its first size
+        (a probe: its largest)."""
+        stream = self._stream_of[key] = self.streams.current()
+        for size in sizes:
+            self.events.append((kind, key, size, stream))
+        size = max(sizes) if kind == "probe" else sizes[0]
+        self._sizes[key] = size
+        self.live_bytes += size
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def on_empty_cache(self) -> None:
+        """``emptyCache`` (cuDNN's benchmark after its search)."""
+        self.events.append(("empty_cache", 0, 0, self.streams.current()))
+
     @property
     def alloc_sizes(self) -> list[int]:
         """The requested sizes in bytes, in allocation order."""
@@ -378,7 +396,34 @@ class StorageRecorder(TorchDispatchMode):
                 sizes = _kernels.transient_requests(func, args, kwargs)
                 if sizes and self._on_device(leaves):
                     self.add_transients(sizes)
+                requests = _kernels.conditional_requests(func, args, kwargs)
+                if requests and self._on_device(leaves):
+                    self.add_conditional(requests)
         return out
+
+    def add_conditional(self, requests: list[tuple[str, list[int]]]) -> None:
+        """Report requests decided when made, each released before the next, now: ``("try",
+        sizes)`` / ``("probe", sizes)`` (bytes) and ``("empty_cache", [])``
+        (:func:`oomtune.capture.cuda_kernels.conditional_requests`; the events of
+        :mod:`oomtune.alloc.stream`). A sink without ``on_conditional`` gets the first size as a
+        plain request. Raises what the sink raises."""
+        with self._lock:
+            for kind, sizes in requests:
+                if kind == "empty_cache":
+                    hook = getattr(self.sink, "on_empty_cache", None)
+                    if hook is not None:
+                        self._call(hook)
+                    continue
+                key = self._next_key
+                self._next_key += 1
+                hook = getattr(self.sink, "on_conditional", None)
+                if hook is not None:
+                    self._call(hook, key, kind, list(sizes))
+                else:
+                    self._call(self.sink.on_alloc, key, sizes[0])
+                self.n_allocs += 1
+                self.n_frees += 1
+                self._call(self.sink.on_free, key)
 
     def _on_device(self, leaves: list[Any]) -> bool:
         first = next((t for t in leaves if isinstance(t, torch.Tensor)), None)

@@ -91,6 +91,7 @@ class _SimSink:
         self.addr: dict[int, int] = {}
         self.n_mallocs = 0
         self.n_frees = 0
+        self._tee_only: set[int] = set()
 
     def on_alloc(self, key: int, size_bytes: int) -> None:
         addr = self.sim.malloc(size_bytes, stream=self.streams.current())  # may raise the simulated OOM
@@ -99,8 +100,32 @@ class _SimSink:
         if self.tee is not None:
             self.tee.on_alloc(key, size_bytes)
 
+    def on_conditional(self, key: int, kind: str, sizes: list[int]) -> None:
+        """A request decided now (``try``: the first of ``sizes`` the simulator grants; ``probe``:
+        cuDNN's cacheInfo-bounded, halving probe: :func:`oomtune.alloc.stream.grant_probe`)."""
+        from oomtune.alloc.stream import grant_first, grant_probe
+
+        stream = self.streams.current()
+        addr, _ = grant_first(self.sim, sizes, stream) if kind == "try" else grant_probe(self.sim, sizes, stream)
+        if addr:
+            self.addr[key] = addr
+            self.n_mallocs += 1
+        if self.tee is not None:   # the request as made (the replay decides again)
+            self.tee.on_conditional(key, kind, sizes)
+            if not addr:
+                self._tee_only.add(key)
+
+    def on_empty_cache(self) -> None:
+        """``emptyCache`` on the simulator."""
+        self.sim.empty_cache()
+        if self.tee is not None:
+            self.tee.on_empty_cache()
+
     def on_free(self, key: int) -> None:
         addr = self.addr.pop(key, None)
+        if key in self._tee_only:   # a conditional request the simulator granted nothing
+            self._tee_only.discard(key)
+            self.tee.on_free(key)
         if addr is None:  # never reached the simulator (its malloc raised) or already freed
             return
         self.sim.free(addr)

@@ -62,12 +62,21 @@ def synthesise_snapshot(stream: Any, alloc_conf: str, *, total_memory_bytes: int
             entry(str(e["action"]), int(e["addr"]), int(e["size"]), int(e["stream"]))
         seen = len(sim.segment_events)
 
-    for action, key, size, st in stream:
-        if action == "alloc":
-            addr = sim.malloc(size, st)
+    from oomtune.alloc.stream import grant_first, grant_probe
+
+    for action, key, sizes, st in stream.grouped():
+        if action in ("alloc", "try", "probe"):
+            # a conditional request (a cuDNN workspace): the size the allocator granted, if any
+            addr, size = ((sim.malloc(sizes[0], st), sizes[0]) if action == "alloc" else
+                          grant_first(sim, sizes, st) if action == "try" else grant_probe(sim, sizes, st))
             segments_so_far()
+            if not addr and action != "alloc":
+                continue
             addr_of[key] = (addr, size)
             entry("alloc", addr, size, st)
+        elif action == "empty_cache":
+            sim.empty_cache()
+            segments_so_far()
         else:
             found = addr_of.pop(key, None)
             if found is None:

@@ -174,7 +174,7 @@ class PolynomialStreamModel:
         """:meth:`derive` without the range check: the fitted polynomials evaluated at ``batch_size``
         anywhere (extrapolation is the caller's decision: :mod:`oomtune.plan.recorded`). None when a
         derived size is not a whole number >= 1."""
-        from oomtune.alloc.stream import AllocationStream
+        from oomtune.alloc.stream import FREE, PROBE, REQUESTS, AllocationStream
 
         values = []
         for coeffs, den in self._patterns:
@@ -190,10 +190,12 @@ class PolynomialStreamModel:
         out.sizes = array("q", [values[j] for j in self._pattern_of])
         live: dict[int, int] = {}  # as AllocationStream.append_* leave it: live keys in alloc order
         for a, k, s in zip(out.actions, out.keys, out.sizes):
-            if a == 0:
-                live[k] = s
-            else:
+            if a == FREE:
                 del live[k]
+            elif a == PROBE and k in live:   # a probe's further candidates: the largest counts
+                live[k] = max(live[k], s)
+            elif a in REQUESTS and k not in live:   # a conditional request: its first alternative
+                live[k] = s
         out._live = live
         return out
 
@@ -410,15 +412,17 @@ def repeat_steady_step(stream: Any, start: int, times: int) -> Any | None:
         the longer AllocationStream, or None when the last step is not self-contained (capture the
         steps instead).
     """
-    from oomtune.alloc.stream import ALLOC, AllocationStream
+    from oomtune.alloc.stream import FREE, REQUESTS, AllocationStream
 
     if times <= 0:
         return stream
     acts, keys = stream.actions, stream.keys
     own: set[int] = set()
     for i in range(start, len(acts)):
-        if acts[i] == ALLOC:
+        if acts[i] in REQUESTS:
             own.add(keys[i])
+        elif acts[i] != FREE:   # emptyCache: no allocation
+            continue
         elif keys[i] in own:
             own.discard(keys[i])
         else:

@@ -60,7 +60,9 @@ def unbounded_capacity_bytes(stream: Any) -> int:
     simulator keeps one byte per page of it (``ExpandableSegment``), so 1 PiB costs ~0.5 s and 0.5 GB
     per replay.
     """
-    sizes = [s for a, s in zip(stream.actions, stream.sizes) if a == 0]
+    from oomtune.alloc.stream import REQUESTS
+
+    sizes = [s for a, s in zip(stream.actions, stream.sizes) if a in REQUESTS]
     return 2 * sum(sizes) + len(sizes) * _SEGMENT_SLACK_BYTES + (1 << 30)
 
 
