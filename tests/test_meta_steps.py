@@ -357,6 +357,10 @@ def test_lightnings_loader_length_check_is_answered_exactly_on_meta():
         n.add_(1)                          # changed in place: the value is no longer known
         with pytest.raises(MetaStepUnsupported, match="reads a tensor's value"):
             bool(n == 4)
+        m = torch.tensor([1, 2], device="cpu")
+        m[0:1].mul_(5)                     # changed through a view: m's value is no longer known either
+        with pytest.raises(MetaStepUnsupported, match="reads a tensor's value"):
+            m.tolist()
         big = torch.tensor(list(range(65)), device="cpu")   # more than 64 elements: no host copy kept
         with pytest.raises(MetaStepUnsupported):
             big.tolist()

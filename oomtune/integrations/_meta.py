@@ -150,10 +150,13 @@ def _known_result(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
 
 
 def _forget_values(args: tuple, kwargs: dict) -> None:
-    """Drop the host values of the tensors an in-place op (or an ``out=``) may have changed."""
+    """Drop the host values of the tensors an in-place op (or an ``out=``) may have changed, and of the
+    tensor a changed view looks into (``n[0] += 1`` changes ``n``; views themselves get no host value)."""
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and hasattr(a, _HOST_VALUE):
-            delattr(a, _HOST_VALUE)
+        if isinstance(a, torch.Tensor):
+            for t in (a, a._base):
+                if t is not None and hasattr(t, _HOST_VALUE):
+                    delattr(t, _HOST_VALUE)
 
 
 class MetaSteps(TorchFunctionMode):
