@@ -4,12 +4,17 @@ The script is ``examples/lightning_module.py`` (a decoder-only LM: token and pos
 ``nn.TransformerEncoderLayer`` blocks under a causal mask, a vocabulary head; AdamW, fp32, random
 token sequences made before ``fit``) with oomtune's one added line (``callbacks=[OomtuneCallback()]``).
 Both searches are the same ``oomtune search target=cmd`` (the default allocator space,
-``search.global_batch``, activation checkpointing on and off) on the virtual GPU (every memory figure
+``search.global_batch``) on the virtual GPU (every memory figure
 simulated), once with ``trial.execute=auto`` (the integration runs each trial's steps on the meta
 device; the search runs one real CPU step as its smoke test) and once with ``trial.execute=cpu`` (every
 trial runs real CPU steps). The file says whether the answers are the same (micro-batch, accumulation,
 checkpointing, allocator, confirmed peak reserved, every frontier's predicted and measured batches)
 and each search's wall time on this machine (and its load: other processes slow every timing).
+
+Activation checkpointing is not searched: ``search.space.activation_checkpointing`` with a command is
+refused unless the command passes ``{activation_checkpointing}`` or the script uses the Hugging Face
+integration (oomtune/targets/_cmd_checks.py ``check_training_reaches_command``), though the Lightning
+callback sets the module's ``activation_checkpointing`` attribute.
 
 Run: python experiments/compare_lightning_meta.py [--budget 64MiB] [--global-batch 64] [--layers 2]
      [--d-model 64] [--seq-len 64]
@@ -46,7 +51,7 @@ def run_search(args: argparse.Namespace, execute: str, run_dir: Path) -> dict:
                         "--seq-len", str(args.seq_len)])
     argv = ["search", "target=cmd", f"target.command='{command}'", f"budget={args.budget}", "device=cpu",
             f"search.global_batch={args.global_batch}", "search.batch_size.low=1",
-            "+search.space.activation_checkpointing=[false,true]", "trial.warmup_steps=0", "trial.measure_steps=1",
+            "trial.warmup_steps=0", "trial.measure_steps=1",
             "trial.confirm_steps=1", "trial.timeout=3600", f"trial.execute={execute}", f"hydra.run.dir={run_dir}"]
     load = round(os.getloadavg()[0], 1)
     t0 = time.perf_counter()
