@@ -11,6 +11,11 @@ trial runs real CPU steps). The file says whether the answers are the same (micr
 checkpointing, allocator, confirmed peak reserved, every frontier's predicted and measured batches)
 and each search's wall time on this machine (and its load: other processes slow every timing).
 
+What a CPU recording counts beyond a GPU run (and meta): host tensors, among them the example's
+token data set (``samples x (seq_len + 1)`` int64, made before ``fit``), counted from the loader's
+first index on (oomtune/capture/recorder.py: a storage first seen in an op's output is recorded as
+new), and AdamW's host step counters; so the CPU steps' peaks can be a segment higher.
+
 Activation checkpointing is not searched: ``search.space.activation_checkpointing`` with a command is
 refused unless the command passes ``{activation_checkpointing}`` or the script uses the Hugging Face
 integration (oomtune/targets/_cmd_checks.py ``check_training_reaches_command``), though the Lightning
@@ -72,22 +77,60 @@ def run_search(args: argparse.Namespace, execute: str, run_dir: Path) -> dict:
 
 
 def _trial_executions(run_dir: Path) -> dict:
-    """How many of the search's trial records ran their steps where (``extra["execute"]``), and the
-    meta fallbacks' reasons."""
+    """Where each launch of the search ran its steps (``extra["execute"]`` of its record), by role
+    (``trials.json``'s ``record``/``probe``/``confirm``...; ``smoke``: the smoke test), and the meta
+    fallbacks' reasons."""
+    roles = {}
+    if (run_dir / "trials.json").exists():
+        roles = {r["number"]: r.get("role", "?") for r in json.loads((run_dir / "trials.json").read_text())}
     counts: dict[str, int] = {}
     fallbacks = []
-    for rec in sorted(run_dir.glob("trials/*/result.json")):
+    for rec in sorted(run_dir.rglob("result.json")):
+        name = rec.parent.name
+        role = roles.get(int(name.split("-")[1]), "?") if name.startswith("trial-") else name
         extra = json.loads(rec.read_text()).get("extra", {})
-        where = extra.get("execute", "?")
-        counts[where] = counts.get(where, 0) + 1
+        key = f"{role} {extra.get('execute', '?')}"
+        counts[key] = counts.get(key, 0) + 1
         if extra.get("meta_fallback"):
             fallbacks.append(extra["meta_fallback"])
     return {"counts": counts, "meta_fallbacks": fallbacks}
 
 
-def fronts(r: dict) -> list:
-    return sorted((f["alloc_conf"], bool(f.get("activation_checkpointing")), f["predicted_max_batch"],
-                   f["measured_max_batch"], f["measured_fail_batch"]) for f in r.get("frontiers") or [])
+def predicted_per_configuration(r: dict) -> dict:
+    """Every configuration's predicted largest micro-batch (each frontier stands for its twins too)."""
+    out = {}
+    for f in r.get("frontiers") or []:
+        for conf in [f["alloc_conf"], *f.get("twins", [])]:
+            out[(conf, bool(f.get("activation_checkpointing")))] = f["predicted_max_batch"]
+    return out
+
+
+def measured_frontiers(r: dict) -> dict:
+    """The probed configurations' measured largest and failing micro-batches."""
+    return {(f["alloc_conf"], bool(f.get("activation_checkpointing"))): (f["measured_max_batch"],
+                                                                       f["measured_fail_batch"])
+            for f in r.get("frontiers") or [] if f.get("probed")}
+
+
+def verdict(a: dict, b: dict) -> list[str]:
+    """Lines saying which parts of two searches' answers are the same."""
+    same = [k for k in ANSWER_KEYS[:-1] if a.get(k) == b.get(k)]
+    lines = ["# the answer (micro-batch, accumulation, checkpointing, allocator): " +
+             ("the same" if len(same) == len(ANSWER_KEYS) - 1 else
+              "differs in " + ", ".join(k for k in ANSWER_KEYS[:-1] if k not in same))]
+    pa, pb = a["peak_reserved_bytes"], b["peak_reserved_bytes"]
+    lines.append("# its confirmed peak reserved (simulated): " + (
+        "the same" if pa == pb else f"{a['execute']} {pa:,} B, {b['execute']} {pb:,} B ({pb - pa:+,} B)"))
+    qa, qb = predicted_per_configuration(a), predicted_per_configuration(b)
+    diff = sorted(k[0] or "(default)" for k in set(qa) | set(qb) if qa.get(k) != qb.get(k))
+    lines.append(f"# every configuration's predicted largest micro-batch ({len(qa)} configurations): " +
+                 ("the same" if not diff else "differs for " + ", ".join(diff)))
+    ma, mb = measured_frontiers(a), measured_frontiers(b)
+    common = sorted(set(ma) & set(mb))
+    lines.append("# measured frontiers of the configurations both probed (" + ", ".join(
+        c[0] or "(default)" for c in common) + "): " + ("the same" if all(ma[c] == mb[c] for c in common)
+                                                         else "differ"))
+    return lines
 
 
 def main() -> None:
@@ -107,7 +150,10 @@ def main() -> None:
              f"machine: wall times are this CPU's under that load); torch {torch.__version__}, lightning "
              f"{lightning.__version__}",
              f"# {SCRIPT}: {args.layers} layers x {args.d_model}, 2 heads, vocabulary 1024, {args.seq_len} tokens, fp32, "
-             f"AdamW; goal: global batch {args.global_batch} within {args.budget} (simulated, virtual GPU)"]
+             f"AdamW; goal: global batch {args.global_batch} within {args.budget} (simulated, virtual GPU)",
+             f"# the CPU steps' recordings also count the host data set, 256 x {args.seq_len + 1} int64 = "
+             f"{256 * (args.seq_len + 1) * 8:,} B made before fit (from the loader's first index on), and AdamW's "
+             "host step counters (512 B each): a GPU run (and meta) keeps them off the device"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="oomtune-lightning-") as tmp:
         for execute in ("auto", "cpu"):
@@ -115,26 +161,22 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     ok = [r for r in rows if "error" not in r]
     if len(ok) == 2:
-        a, b = ok
-        diff = [k for k in ANSWER_KEYS if a.get(k) != b.get(k)] + (
-            ["frontiers (predicted or measured batches)"] if fronts(a) != fronts(b) else [])
-        verdict = ("the same answer (micro-batch, accumulation, checkpointing, allocator, confirmed peak reserved, "
-                   "every frontier)" if not diff else "answers differ in " + ", ".join(diff))
-        notes.append(f"# trial.execute=auto and trial.execute=cpu: {verdict}")
+        notes.append("# trial.execute=auto against trial.execute=cpu:")
+        notes += verdict(*ok)
     lines = head.rstrip("\n").splitlines() + notes + [""]
     hdr = (f"{'trial.execute':<14} {'micro':>5} {'accum':>5}  {'ckpt':<5} {'allocator':<26} {'peak reserved':>14} "
-           f"{'launches':>8} {'steps ran on':<22} {'wall s':>7} {'load':>5}")
+           f"{'launches':>8} {'wall s':>7} {'load':>5}  steps ran on (role: device)")
     lines += [hdr, "-" * len(hdr)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['execute']:<14} error after {r['wall_s']:.0f} s: {r['error']}")
             continue
         ck = {None: "-", True: "on", False: "off"}[r.get("activation_checkpointing")]
-        ran = ", ".join(f"{k} {v}" for k, v in sorted(r["trials_executed"]["counts"].items()))
+        ran = ", ".join(f"{k} x{v}" for k, v in sorted(r["trials_executed"]["counts"].items()))
         peak = f"{r['peak_reserved_bytes'] / 2**20:.0f} MiB" if r["peak_reserved_bytes"] is not None else "-"
         lines.append(f"{r['execute']:<14} {r['micro_batch']:>5} {r['grad_accum']:>5}  {ck:<5} "
-                     f"{(r['alloc_conf'] or '(default)'):<26} {peak:>14} {r['launches']:>8} {ran:<22} "
-                     f"{r['wall_s']:>7.0f} {r['load_at_start']:>5}")
+                     f"{(r['alloc_conf'] or '(default)'):<26} {peak:>14} {r['launches']:>8} {r['wall_s']:>7.0f} "
+                     f"{r['load_at_start']:>5}  {ran}")
     lines += ["", "raw:"] + [json.dumps(r) for r in rows]
     write_results(Path(args.out), "\n".join(lines) + "\n")
     print(Path(args.out).read_text())
