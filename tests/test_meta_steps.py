@@ -209,18 +209,158 @@ def test_a_plain_loops_meta_steps_make_its_cpu_steps_requests_less_adams_host_st
     assert meta.memory.peak_reserved_bytes == cpu.memory.peak_reserved_bytes
 
 
-@pytest.mark.slow
-def test_lightning_asked_for_meta_steps_runs_cpu_steps_and_says_why(tmp_path):
+# ---------------------------------------------------------------- Lightning
+# Lightning 2.6.6's single-device fit, tests/data/lightning_tiny.py (a bias-free Linear(256, 256), the loss
+# the sum of its outputs, Adam, 64 rows of 256 float32 made before fit, micro-batch 4, no accumulation).
+TINY = ROOT / "tests" / "data" / "lightning_tiny.py"
+W = 256 * 256 * 4      # the weight, and each of its gradient, exp_avg, exp_avg_sq: 262,144 bytes (float32)
+X = 4 * 256 * 4        # one micro-batch on the device: 4,096 bytes
+BLOCK = 512            # the caching allocator's smallest block (kMinBlockSize): any 0-dim tensor
+DATASET = 64 * 256 * 4  # the rows, on the host in a GPU run: 65,536 bytes
+
+
+def _lightning_trial(tmp_path: Path, execute: str, script: Path, *extra: str, grad_accum: int = 1):
     from oomtune.targets.cmd import run_cmd_trial
     from oomtune.trial.record import TrialSpec
     from oomtune.units import GiB
 
-    command = [sys.executable, str(ROOT / "examples" / "lightning_module.py")]
-    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(ROOT)}, "grad_accum": 2},
+    work = tmp_path / execute
+    work.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(script), *extra]
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(work)},
+                               "grad_accum": grad_accum},
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
-                     warmup_steps=1, measure_steps=1, timeout_s=300, execute="meta")
-    r = run_cmd_trial(spec, workdir=tmp_path / "t", env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"})
+                     warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
+    return run_cmd_trial(spec, workdir=work / "trial", env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"})
+
+
+def _less(stream: list, extra: list) -> list:
+    """``stream`` less the events ``extra`` names (each once, matched in order of the other stream)."""
+    left = list(stream)
+    for e in extra:
+        left.remove(e)
+    return left
+
+
+def _subsequence_rest(longer: list, shorter: list) -> list | None:
+    """The events of ``longer`` left over once ``shorter`` is matched in it in order (greedily);
+    None when ``shorter`` is not a subsequence of ``longer``."""
+    rest, j = [], 0
+    for e in longer:
+        if j < len(shorter) and e == shorter[j]:
+            j += 1
+        else:
+            rest.append(e)
+    return rest if j == len(shorter) else None
+
+
+@pytest.mark.slow
+def test_a_lightning_trial_on_meta_peaks_at_the_bytes_counted_by_hand_and_the_cpu_trial_adds_its_host_tensors(
+        tmp_path):
+    cpu = _lightning_trial(tmp_path, "cpu", TINY)
+    meta = _lightning_trial(tmp_path, "meta", TINY)
+    assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
+    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    assert "meta_fallback" not in meta.extra and "meta_note" not in meta.extra
+    # The peak is inside Adam's step (torch/optim/adam.py _multi_tensor_adam, the foreach step a CUDA run
+    # takes, non-capturable): the weight, its gradient, exp_avg, exp_avg_sq and the one temporary
+    # torch._foreach_sqrt(exp_avg_sqs) (div_/add_/addcdiv_ are in place), plus what Lightning holds then
+    # (lightning/pytorch/loops/optimization/automatic.py): the micro-batch (training_epoch_loop.advance's
+    # batch, on the device), ClosureResult.closure_loss (training_step's loss / normalize: a new 0-dim
+    # tensor even when accumulate_grad_batches is 1) and its loss (closure_loss.detach().clone()). The
+    # forward's output (4 x 256) is freed when sum() returns; backward holds the weight-shaped gradient
+    # but not yet the sqrt, so it peaks lower. Adam's step counter is on the host (capturable=False).
+    peak = 5 * W + X + 2 * BLOCK
+    assert meta.memory.peak_allocated_bytes == peak
+    # every request is under 1 MiB: the small pool, whose segments are 2 MiB (kSmallBuffer,
+    # c10/cuda/CUDACachingAllocator.cpp), and 1.3 MB live at most fit one
+    assert meta.memory.peak_reserved_bytes == 2 * 1024 * 1024
+    # The CPU recording also counts host tensors a GPU run keeps off the device: the rows, counted when the
+    # loader first indexes them (oomtune/capture/recorder.py: a storage first seen in an op's output is
+    # recorded as new) and held from then on; Adam's host step counter (torch.tensor(0.0): 4 bytes, one
+    # 512-byte block, from the first step); freed before the peak: the loader's base seed
+    # (torch/utils/data/dataloader.py _BaseDataLoaderIter.__init__: torch.empty((), dtype=torch.int64),
+    # 8 bytes; one iterator, made in _FitLoop.setup_data) and the host scalar torch.tensor(1.0,
+    # device="cpu") _multi_tensor_adam adds to the counters, once per step (4 bytes, 2 steps).
+    assert cpu.memory.peak_allocated_bytes == peak + DATASET + BLOCK
+    host = [("A", 8), ("F", 8), ("A", DATASET), ("A", 4), ("A", 4), ("F", 4), ("A", 4), ("F", 4)]
+    got_cpu = _events(tmp_path / "cpu" / "trial" / "stream.bin")
+    got_meta = _events(tmp_path / "meta" / "trial" / "stream.bin")
+    # the meta stream is the CPU stream, in order, with exactly those host events left out; the rest event
+    # for event: the batch a GPU run (and meta) copies to the device where strategy.batch_to_device moves it,
+    # the CPU recording collates on the host at the same point (the loader has a length, so
+    # _PrefetchDataFetcher fetches no batch ahead: lightning/pytorch/loops/fetchers.py)
+    rest = _subsequence_rest(got_cpu, got_meta)
+    assert rest is not None and sorted(rest) == sorted(host)
+    assert meta.throughput.samples_per_s is None and cpu.throughput.samples_per_s > 0
+
+
+@pytest.mark.slow
+def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_on_the_cpu(tmp_path):
+    cpu = _lightning_trial(tmp_path, "cpu", TINY, "--log")
+    meta = _lightning_trial(tmp_path, "meta", TINY, "--log")
+    assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
+    assert meta.extra["execute"] == "meta" and "meta_fallback" not in meta.extra
+    # the logger connector turns the logged loss into a number (convert_tensors_to_scalars' to_item,
+    # lightning/fabric/utilities/apply_func.py) for the progress bar and the logger: a placeholder on meta
+    assert meta.extra["reported"][0]["meta_placeholder_reads"] >= 1
+    # the same host tensors as without logging, and the logged metric's own: torchmetrics' Metric.add_state
+    # keeps a deepcopy of each state's default (value: float32, cumulated_batch_size: int64), and
+    # Tensor.__deepcopy__ (torch/_tensor.py) makes it with new_empty([]) (4 and 8 bytes) before set_()
+    # gives it the copied storage; on meta (as on a GPU) the states and defaults are made on the host and
+    # copied to the device by _ResultCollection.log's .to(value.device) (logger_connector/result.py)
+    host = [("A", 8), ("F", 8), ("A", DATASET), ("A", 4), ("A", 4), ("F", 4), ("A", 4), ("F", 4),
+            ("A", 4), ("F", 4), ("A", 8), ("F", 8)]
+    got_cpu = _events(tmp_path / "cpu" / "trial" / "stream.bin")
+    got_meta = _events(tmp_path / "meta" / "trial" / "stream.bin")
+    assert sorted(_less(got_cpu, host)) == sorted(got_meta)   # same requests; the states' come where moved
+    assert meta.memory.peak_allocated_bytes == cpu.memory.peak_allocated_bytes - DATASET - BLOCK
+    assert meta.memory.peak_reserved_bytes == cpu.memory.peak_reserved_bytes
+
+
+@pytest.mark.slow
+def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
+    r = _lightning_trial(tmp_path, "meta", TINY, "--reads")
     assert r.outcome == "ok", r.message
-    assert r.extra["execute"] == "cpu" and "meta_fallback" not in r.extra   # one launch: no meta attempt
-    assert r.extra["meta_note"].startswith("Lightning: the steps ran on the CPU: ")
+    assert r.extra["execute"] == "cpu"
+    # the module's float(loss), not Lightning's clean-up: Strategy.teardown calls the module's cpu(),
+    # which still runs on meta after the error
+    assert "reads a tensor's value (__float__()" in r.extra["meta_fallback"]
+    assert "lightning_tiny.py" in r.extra["meta_fallback"]
     assert r.throughput.samples_per_s > 0
+
+
+@pytest.mark.slow
+def test_the_lightning_example_runs_its_trial_on_meta(tmp_path):
+    r = _lightning_trial(tmp_path, "meta", ROOT / "examples" / "lightning_module.py", grad_accum=2)
+    assert r.outcome == "ok", r.message
+    assert r.extra["execute"] == "meta" and "meta_note" not in r.extra and "meta_fallback" not in r.extra
+    assert r.throughput.samples_per_s is None
+
+
+def test_lightnings_loader_length_check_is_answered_exactly_on_meta():
+    # lightning/pytorch/utilities/data.py has_len_all_ranks: the loader's length as a tensor on the root
+    # device, reduced over ranks (SingleDeviceStrategy.reduce: the identity), compared with 0 twice
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities.data import has_len_all_ranks
+
+    from oomtune.integrations._meta import MetaSteps, MetaStepUnsupported
+
+    strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    with MetaSteps(placeholder_reads=("nowhere/",)) as steps:   # any placeholder would raise
+        assert has_len_all_ranks(torch.utils.data.DataLoader(range(8), batch_size=2), strategy) is True
+        assert steps.placeholder_count == 0
+        n = torch.tensor(3, device="cpu")
+        above, zero, value = bool(n > 2), bool(n == 0), int(n)
+        assert n.device.type == "meta" and (above, zero, value) == (True, False, 3)
+        n.add_(1)                          # changed in place: the value is no longer known
+        with pytest.raises(MetaStepUnsupported, match="reads a tensor's value"):
+            bool(n == 4)
+        m = torch.tensor([1, 2], device="cpu")
+        m[0:1].mul_(5)                     # changed through a view: m's value is no longer known either
+        with pytest.raises(MetaStepUnsupported, match="reads a tensor's value"):
+            m.tolist()
+        big = torch.tensor(list(range(65)), device="cpu")   # more than 64 elements: no host copy kept
+        with pytest.raises(MetaStepUnsupported):
+            big.tolist()

@@ -14,20 +14,29 @@ framework name for the model, ``cpu``, means ``meta``:
   framework moves it to the model's device (a CUDA run copies it to the device at the same point,
   so the request stands where the CUDA run makes it); ``Tensor.cpu()`` of a meta tensor returns it;
 - functions with no device argument keep their default (the CPU), and so does ``device=cpu`` in
-  torch's optimizers (``_HOST_MEANT``): host-side tensors stay on the host and off the virtual GPU, as on CUDA (Adam's ``step`` counters with ``capturable=False``,
-  a sampler's ``randperm``).
+  torch's optimizers (``_HOST_MEANT``): host-side tensors stay on the host and off the virtual GPU,
+  as on CUDA (Adam's ``step`` counters with ``capturable=False``, a sampler's ``randperm``).
 
-A meta tensor holds no values. A read of one (``item``, ``bool``, ``float``, ``int``, ``tolist``,
-``numpy``) from a file listed in ``placeholder_reads`` (a framework's own logging: the Trainer's
-``isnan`` loss filter and its ``tr_loss.item()``; values that steer no allocation) gets a
-placeholder (0, False) and is counted; a read in a function listed in ``answers`` gets the answer its
-integration knows without the values (transformers' ``find_packed_sequence_indices`` asks whether the
-position ids are packed: not when the batch carries none, the model then counts them with
-``arange``, one sequence per row); a read anywhere else (the model, the user's code, a
-GradScaler deciding whether to skip a step) raises :class:`MetaStepUnsupported`, as does an op
-without a meta kernel. The trial then ends and its command is run again with real CPU steps
-(:func:`oomtune.targets.cmd.run_cmd_trial`), said in one line: never a figure from a step that
-meta could not run faithfully.
+A meta tensor holds no values, except where they are known on the host: a small tensor made from
+Python data (``torch.tensor(n, device=cpu)``, at most ``_KNOWN_MAX_ELEMENTS`` elements) keeps its
+host copy beside the meta one, and a comparison or logical op (``_KNOWN_OPS``) whose tensor
+arguments all have host copies computes its result's on the host too, so a read of the result
+returns the real value (Lightning's ``has_len_all_ranks``, lightning/pytorch/utilities/data.py,
+makes the data loader's length as ``torch.tensor(local_length, device=strategy.root_device)``,
+reduces it over ranks -- the identity on one device, ``SingleDeviceStrategy.reduce`` -- and compares
+it with 0). An in-place op on such a tensor drops its host copy (its value is then unknown).
+
+Any other read of a meta tensor (``item``, ``bool``, ``float``, ``int``, ``tolist``, ``numpy``) from
+a file listed in ``placeholder_reads`` (a framework's own logging: the Trainer's ``isnan`` loss
+filter and its ``tr_loss.item()``, Lightning's logged metrics; values that steer no allocation) gets
+a placeholder (0, False) and is counted; a read in a function listed in ``answers`` gets the answer
+its integration knows without the values (transformers' ``find_packed_sequence_indices`` asks whether
+the position ids are packed: not when the batch carries none, the model then counts them with
+``arange``, one sequence per row); a read anywhere else (the model, the user's code, a GradScaler
+deciding whether to skip a step, Lightning's ``EarlyStopping`` comparing a monitored loss) raises
+:class:`MetaStepUnsupported`, as does an op without a meta kernel. The trial then ends and its
+command is run again with real CPU steps (:func:`oomtune.targets.cmd.run_cmd_trial`), said in one
+line: never a figure from a step that meta could not run faithfully.
 """
 
 from __future__ import annotations
@@ -45,6 +54,19 @@ META = torch.device("meta")
 _VALUE_READS = frozenset({"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "__array__"})
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
 _PLACEHOLDERS = {"__bool__": False, "__float__": 0.0, "__int__": 0, "__index__": 0}
+#: Tensor methods that change their tensor in place without a trailing underscore (``x += 1``, ``x[i] = v``).
+_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                               "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                               "__imatmul__", "__setitem__"})
+#: A meta tensor's value known on the host is kept under this attribute (a CPU tensor).
+_HOST_VALUE = "_oomtune_host_value"
+#: Tensors made from data with at most this many elements keep their host copy (a length, a flag).
+_KNOWN_MAX_ELEMENTS = 64
+#: Ops whose result's value is computed on the host when all their tensor arguments' values are known
+#: there: comparisons and logical ops (no allocation beyond the result, no state).
+_KNOWN_OPS = frozenset({"__eq__", "__ne__", "__gt__", "__ge__", "__lt__", "__le__", "eq", "ne", "gt", "ge", "lt",
+                        "le", "__and__", "__or__", "__xor__", "__invert__", "logical_not", "logical_and",
+                        "logical_or", "all", "any"})
 
 
 class MetaStepUnsupported(RuntimeError):
@@ -111,6 +133,32 @@ def move_to_meta(module: Any, optimizer: Any = None) -> None:
         group["params"] = [convert(p) for p in group["params"]]
 
 
+def _known_result(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Give ``out`` (a meta tensor) the host value of ``func`` applied to its arguments' host values,
+    when every tensor argument has one (module docstring); else leave it unknown."""
+    if not isinstance(out, torch.Tensor) or out.device.type != "meta" or any(
+            isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return
+    host_args = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = getattr(a, _HOST_VALUE, None) if a.device.type == "meta" else None
+            if a is None:
+                return
+        host_args.append(a)
+    setattr(out, _HOST_VALUE, func(*host_args, **kwargs))
+
+
+def _forget_values(args: tuple, kwargs: dict) -> None:
+    """Drop the host values of the tensors an in-place op (or an ``out=``) may have changed, and of the
+    tensor a changed view looks into (``n[0] += 1`` changes ``n``; views themselves get no host value)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            for t in (a, a._base):
+                if t is not None and hasattr(t, _HOST_VALUE):
+                    delattr(t, _HOST_VALUE)
+
+
 class MetaSteps(TorchFunctionMode):
     """While active (a ``with`` block or ``__enter__``/``__exit__``), ``cpu`` means ``meta`` for the
     calling thread (module docstring).
@@ -142,6 +190,9 @@ class MetaSteps(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
         if name in _VALUE_READS and isinstance(first, torch.Tensor) and first.device.type == "meta":
+            host = getattr(first, _HOST_VALUE, None)
+            if host is not None:   # the value is known: no placeholder
+                return func(host, *args[1:], **kwargs)
             return self._placeholder(name, first)
         if name == "cpu" and isinstance(first, torch.Tensor) and first.device.type == "meta":
             return first
@@ -150,12 +201,20 @@ class MetaSteps(TorchFunctionMode):
                 # made from data on the CPU, then copied: the copy is the request a CUDA run makes (the
                 # recorder does not see torch.tensor's own meta storage: tensor_ctor hides it)
                 grad = bool(kwargs.get("requires_grad", False))
-                made = func(*args, **{**kwargs, "device": None, "requires_grad": False}).to(META)
+                host = func(*args, **{**kwargs, "device": None, "requires_grad": False})
+                made = host.to(META)
+                if host.numel() <= _KNOWN_MAX_ELEMENTS:
+                    setattr(made, _HOST_VALUE, host)
                 return made.requires_grad_(grad) if grad else made
             kwargs = {**kwargs, "device": META}
         if name == "to" and isinstance(first, torch.Tensor):
             args = tuple(META if i > 0 and _is_cpu(a) else a for i, a in enumerate(args))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if name in _KNOWN_OPS:
+            _known_result(func, args, kwargs, out)
+        elif name.endswith("_") or name in _IN_PLACE_DUNDERS or "out" in kwargs:
+            _forget_values(args, kwargs)   # changed in place: a host copy would be stale
+        return out
 
     def _placeholder(self, name: str, tensor: torch.Tensor) -> Any:
         frame = sys._getframe(2)   # the caller of the tensor method (1 is this mode's __torch_function__)

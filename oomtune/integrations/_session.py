@@ -221,6 +221,9 @@ class TrialSession:
         if not self.done:
             if self.hook is not None:
                 self.hook.stop()
+            # the framework's clean-up still sees a meta model (Lightning's Strategy.teardown calls the
+            # module's cpu(), which a meta tensor cannot do outside MetaSteps), so the line below is the error
+            self._resume_meta(meta)
             fail(f"{self.framework}: training ended after {self.steps_done} optimizer step(s), before the "
                  f"{self.total_steps} the trial needs ({self.settings.warmup_steps} warm-up + "
                  f"{self.settings.measure_steps} measured); give it more data or steps")
@@ -242,6 +245,11 @@ class TrialSession:
             report(samples=per_step * measured, seconds=seconds, steps=measured, **extra)
         if self.hook is not None:
             self.hook.stop()
-        if meta is not None:   # the framework's code after the steps still sees a meta model
+        self._resume_meta(meta)   # the framework's code after the steps still sees a meta model
+
+    def _resume_meta(self, meta: Any) -> None:
+        """Enter ``meta`` (a :class:`~oomtune.integrations._meta.MetaSteps` left by :meth:`finish`) again;
+        nothing when None (the steps ran on the CPU)."""
+        if meta is not None:
             self.meta = meta
             meta.__enter__()

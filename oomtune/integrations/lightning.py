@@ -19,10 +19,31 @@ Without oomtune the callback does nothing. Under oomtune (``oomtune search targe
   reports global samples (micro-batch x accumulation x world size) from rank 0 and the memory of
   every rank; passes ``trainer.precision`` on in the report.
 
-On the virtual GPU the steps run on the CPU even when the trial asks for meta steps
-(``trial.execute=auto``): Lightning's fit reads tensor values before the first step (the loader's
-length reduced over ranks, lightning/pytorch/utilities/data.py ``has_len_all_ranks``), which a meta
-tensor does not have; the report says so in one line (``extra["meta_note"]``).
+On the virtual GPU with meta steps (``trial.execute=auto|meta``, one rank) the module moves to the
+meta device at ``setup`` and ``cpu`` means ``meta`` (:mod:`oomtune.integrations._meta`): the
+strategy's ``batch_to_device`` (lightning/fabric/utilities/apply_func.py ``move_data_to_device``:
+``data.to(root_device)``) copies each batch the data loader collated on the host to meta, where a
+GPU run copies it to the device. The value reads of Lightning 2.6's single-device fit, and their
+answers:
+
+- ``has_len_all_ranks`` (lightning/pytorch/utilities/data.py, from ``_FitLoop.setup_data`` and
+  ``_EvaluationLoop.setup_data``, the sanity check's too) compares the loader's length, made with
+  ``torch.tensor(local_length, device=root_device)``, with 0: a value known on the host, answered
+  exactly;
+- the logged metrics (``self.log``) turned into numbers for the logger and the progress bar
+  (``_ResultCollection.metrics`` -> ``convert_tensors_to_scalars``' ``to_item``,
+  lightning/fabric/utilities/apply_func.py; the ``RichProgressBar``'s ``get_metrics``,
+  lightning/pytorch/callbacks/progress/) get placeholders (0.0 for a float, 0 for an integer, False
+  for a bool): they steer no allocation;
+- read by nothing else in a default ``fit``: gradient clipping (``clip_grad_norm_`` without
+  ``error_if_nonfinite``) and the automatic optimization closure read no value
+  (``check_finite_loss`` is not called there in 2.6), ``_broadcast_sigterm_tensor``'s ``item()``
+  runs only with several ranks, the progress bar shows the metrics already converted;
+- a callback that decides on a value (``EarlyStopping``, ``ModelCheckpoint(monitor=...)``), a
+  ``GradScaler`` (``precision="16-mixed"``) or the module's own code reads a value meta has none of:
+  the trial runs again on the CPU (``extra["meta_fallback"]``).
+
+Several ranks keep CPU steps (gloo's collectives move real tensors), with ``extra["meta_note"]``.
 
 Batches and datasets that ``train_dataloader()`` creates as tensors on the main thread count as
 device memory on the virtual GPU (every CPU storage does there; build datasets before ``fit`` or in
@@ -39,17 +60,20 @@ from oomtune.integrations._session import TrialSession, fail
 
 __all__ = ["OomtuneCallback"]
 
+#: Lightning's files whose value reads of meta tensors feed its logs only (module docstring): the one
+#: value read of lightning/fabric/utilities/apply_func.py is ``convert_tensors_to_scalars``' ``to_item``.
+_LOGGING_READS = ("lightning/fabric/utilities/apply_func.py", "lightning/pytorch/callbacks/progress/")
+
 
 class OomtuneCallback(Callback):
     """A ``lightning.pytorch.Callback`` that runs ``Trainer.fit`` as an oomtune trial (module
     docstring); a no-op when oomtune did not launch the process."""
 
     def __init__(self) -> None:
-        # checked with lightning 2.6: its fit reads values meta has none of before the first step
-        # (has_len_all_ranks in lightning/pytorch/utilities/data.py: the data loader's length, reduced over
-        # ranks as a tensor on the root device, compared with 0), so its steps stay on the CPU
-        self.session = TrialSession("Lightning", cpu_steps_because=(
-            "Lightning's fit reads tensor values that meta has none of (has_len_all_ranks' reduced length)"))
+        # checked with lightning 2.6.6 (module docstring): the logged metrics' conversion to numbers
+        # (convert_tensors_to_scalars' to_item) and the progress bars feed the logs only, so on meta they
+        # get placeholders; has_len_all_ranks' length is known on the host (oomtune.integrations._meta)
+        self.session = TrialSession("Lightning", placeholder_reads=_LOGGING_READS)
         self._steps_seen = 0
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
