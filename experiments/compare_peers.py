@@ -61,13 +61,14 @@ def _setup(overrides: list[str], budget: str):
     from oomtune.alloc.settings import AllocatorSettings
     from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
     from oomtune.device import resolve_budget, resolve_device
-    from oomtune.search.run import workload_of
+    from oomtune.schema import typed
+    from oomtune.search.run import search_workload
 
     cfg = C.compose([*overrides, f"budget={budget}", "device=cpu"])
     device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
     sim = budgeted_sim(AllocatorSettings.parse(""), budget_bytes, device.total_memory_bytes)
-    return workload_of(cfg), sim, VirtualGPU(sim, device="cpu")
+    return search_workload(typed(cfg)).trial_workload(), sim, VirtualGPU(sim, device="cpu")
 
 
 def _route_empty_cache(sim) -> None:
@@ -231,14 +232,15 @@ def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Pa
     from oomtune import config as C
     from oomtune.device import resolve_budget, resolve_device
     from oomtune.study.records import MemoryLimit
-    from oomtune.search.run import workload_of
+    from oomtune.schema import typed
+    from oomtune.search.run import search_workload
     from oomtune.trial.record import TrialSpec
     from oomtune.trial.runner import TrialRunner
 
     cfg = C.compose([*WORKLOADS[workload], f"budget={budget}", "device=cpu"])
     device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
-    spec = TrialSpec(workload=workload_of(cfg), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
+    spec = TrialSpec(workload=search_workload(typed(cfg)).trial_workload(), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
                      budget_bytes=budget_bytes, warmup_steps=int(cfg.trial.warmup_steps),
                      measure_steps=int(cfg.trial.confirm_steps), timeout_s=float(cfg.trial.timeout) * 4,
                      device_memory_bytes=device.total_memory_bytes, soak_steps=int(cfg.trial.soak_steps))
