@@ -277,3 +277,22 @@ def test_a_search_that_predicted_nothing_reports_the_winners_own_variant():
     predictor = _report_predictor(p, space)
     assert predictor.member(48).model_cfg.get("grad_accum") == 2
     assert "grad_accum" not in predictor.member(96).model_cfg
+
+
+@pytest.mark.parametrize("script, refused", [
+    ("examples/lightning_module.py", False),   # OomtuneCallback sets the module's activation_checkpointing
+    ("examples/hf_trainer.py", False),         # OomtuneCallback sets the Trainer's gradient_checkpointing
+    ("examples/train_cmd.py", True),           # reads neither the placeholder nor the environment variable
+])
+def test_a_searched_checkpointing_axis_reaches_an_integrations_script(script, refused):
+    from oomtune.exceptions import ConfigError
+    from oomtune.targets._cmd_checks import check_training_reaches_command
+
+    argv = [sys.executable, script, "--batch-size", "{batch_size}"]
+    call = lambda: check_training_reaches_command(" ".join(argv), argv, str(REPO), accumulates=False,  # noqa: E731
+                                                  checkpointing=True)
+    if refused:
+        with pytest.raises(ConfigError, match="has no {activation_checkpointing} placeholder"):
+            call()
+    else:
+        call()

@@ -129,7 +129,9 @@ def check_training_reaches_command(command: object, argv: list[str], cwd: str | 
       needs ``{grad_accum}`` (or ``{global_batch}``, from which the script divides), or a script
       that reads ``OOMTUNE_GRAD_ACCUM`` or uses an integration (``oomtune.integrations``);
     - with ``search.space.activation_checkpointing``: ``{activation_checkpointing}``, or a script that
-      reads ``OOMTUNE_ACTIVATION_CHECKPOINTING`` or uses the Hugging Face integration.
+      reads ``OOMTUNE_ACTIVATION_CHECKPOINTING`` or uses the Hugging Face or Lightning integration
+      (each sets the trial's value: the Trainer's ``gradient_checkpointing``, the LightningModule's
+      ``activation_checkpointing`` attribute).
 
     Otherwise every trial would train the same step while the table shows different ones.
 
@@ -148,7 +150,8 @@ def check_training_reaches_command(command: object, argv: list[str], cwd: str | 
                           "(oomtune.integrations)")
     if checkpointing and "{activation_checkpointing}" not in text and "OOMTUNE_ACTIVATION_CHECKPOINTING" not in text \
             and not (script is not None and _script_mentions(script, "OOMTUNE_ACTIVATION_CHECKPOINTING",
-                                                             INTEGRATION_MARK + ".huggingface")):
+                                                             INTEGRATION_MARK + ".huggingface",
+                                                             INTEGRATION_MARK + ".lightning")):
         raise ConfigError("search.space.activation_checkpointing is searched but target.command has no "
                           "{activation_checkpointing} placeholder (1 or 0): pass it, e.g. target.command='python "
                           "train.py --batch-size {batch_size} --checkpointing {activation_checkpointing}'")
