@@ -178,3 +178,26 @@ def sleep_search_overrides(url: str, study: str, run_dir: Path, *extra: str, gra
             "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
             "search.objective=throughput", "search.heartbeat_interval=1", f"search.grace_period={grace_period_s}",
             "trial.timeout=120", f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def start_sleep_search(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:
+    """``oomtune search OVERRIDES`` in a session of its own (so a test can signal its whole process
+    group), each sleep_trial.py trial sleeping ``sleep_s`` seconds; its stdout and stderr in
+    ``log`` with the suffixes .out and .err."""
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OOMTUNE_TEST_SLEEP_S": str(sleep_s), "PYTHONPATH": str(repo)}
+    return subprocess.Popen([sys.executable, "-m", "oomtune", "search", *overrides], cwd=repo, env=env,
+                            stdout=open(log.with_suffix(".out"), "wb"), stderr=open(log.with_suffix(".err"), "wb"),
+                            start_new_session=True)
+
+
+def launched_trials(study: object, role: str) -> list:
+    """The study's trials of ``role`` that ran a trial process and hold its result (not reused from
+    an identical trial, not taken from a recording, not refused by prediction)."""
+    from oomtune.study import records as R
+
+    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == role
+            and R.ATTR_RESULT in t.user_attrs and R.ATTR_REUSED not in t.user_attrs
+            and R.ATTR_FROM_RECORDING not in t.user_attrs and t.user_attrs.get(R.ATTR_OUTCOME) != "predicted_infeasible"]

@@ -16,12 +16,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from pg_server import launched_trials as _launched
 from pg_server import sleep_search_overrides
+from pg_server import start_sleep_search as _start
 
 
 pytest.importorskip("submitit")
@@ -36,26 +37,10 @@ def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
     return sleep_search_overrides(url, study, run_dir, "launcher=local", "search.workers=2", *extra, grace_period_s=3)
 
 
-def _start(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:
-    env = {**os.environ, "OOMTUNE_TEST_SLEEP_S": str(sleep_s), "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "oomtune", "search", *overrides], cwd=REPO, env=env,
-                            stdout=open(log.with_suffix(".out"), "wb"), stderr=open(log.with_suffix(".err"), "wb"),
-                            start_new_session=True)
-
-
 def _study(url: str, name: str):
     import optuna
 
     return optuna.load_study(study_name=name, storage=url)
-
-
-def _launched(study, role: str) -> list:
-    """Trials of ``role`` that ran a trial process and hold its result."""
-    from oomtune.study import records as R
-
-    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == role
-            and R.ATTR_RESULT in t.user_attrs and R.ATTR_REUSED not in t.user_attrs
-            and R.ATTR_FROM_RECORDING not in t.user_attrs and t.user_attrs.get(R.ATTR_OUTCOME) != "predicted_infeasible"]
 
 
 def _check_every_trial_told_once(study, run_dir: Path) -> dict[int, list[Path]]:

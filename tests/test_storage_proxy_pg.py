@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import launched_trials as _launched
 from pg_server import sleep_search_overrides
+from pg_server import start_sleep_search as _start
 
 
 pytest.importorskip("grpc")
@@ -86,26 +88,11 @@ def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
     return sleep_search_overrides(url, study, run_dir, *extra, grace_period_s=5)
 
 
-def _start(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "oomtune", "search", *overrides], cwd=REPO,
-                            env={**ENV, "OOMTUNE_TEST_SLEEP_S": str(sleep_s)},
-                            stdout=open(log.with_suffix(".out"), "wb"), stderr=open(log.with_suffix(".err"), "wb"),
-                            start_new_session=True)
-
-
 def _study(db_url: str, name: str):
     """The study read from PostgreSQL itself, not through the proxy."""
     import optuna
 
     return optuna.load_study(study_name=name, storage=db_url)
-
-
-def _launched(study, role: str) -> list:
-    from oomtune.study import records as R
-
-    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == role
-            and R.ATTR_RESULT in t.user_attrs and R.ATTR_REUSED not in t.user_attrs
-            and R.ATTR_FROM_RECORDING not in t.user_attrs and t.user_attrs.get(R.ATTR_OUTCOME) != "predicted_infeasible"]
 
 
 def _check_told_once(study, trial_dirs: list[Path]) -> None:
