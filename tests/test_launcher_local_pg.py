@@ -28,8 +28,6 @@ from pg_server import start_sleep_search as _start
 pytest.importorskip("submitit")
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 PROBES = [8, 16, 32, 48, 52, 56, 64]
 
 

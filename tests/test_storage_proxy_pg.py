@@ -32,7 +32,6 @@ pytest.importorskip("google.protobuf")
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 PROBES = [8, 16, 32, 48, 52, 56, 64]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 

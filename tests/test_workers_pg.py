@@ -26,7 +26,6 @@ from pg_server import sleep_search_overrides
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "data" / "sleep_trial.py"
 
 
 def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
