@@ -273,4 +273,5 @@ def test_a_torchvision_built_for_another_torch_is_one_line_naming_both(monkeypat
         build_workload({"name": "resnet", "depth": 18, "image_size": 32}, batch_size=2, device="cpu")
     text = str(err.value)
     assert "\n" not in text and f"with torch {torch.__version__}" in text
-    assert "operator torchvision::nms does not exist" in text and "pip install torch torchvision together" in text
+    # the fix must change an installed pair: a plain `pip install torch torchvision` keeps it
+    assert "operator torchvision::nms does not exist" in text and "pip install --force-reinstall torch torchvision" in text

@@ -57,7 +57,8 @@ def _torchvision() -> Any:
         what = "is not installed" if tv is None else f"{tv} does not work with torch {torch.__version__}"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model=resnet needs torchvision, which {what} ({first}): install the torchvision built "
-                          "for this torch (pip install torch torchvision together, from the same index)") from None
+                          "for this torch: reinstall both from one index, e.g. pip install --force-reinstall torch "
+                          "torchvision (plain 'pip install' keeps the installed pair)") from None
 
 
 def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:
