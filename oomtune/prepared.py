@@ -60,13 +60,16 @@ def compose_checked(overrides: Sequence[str]) -> Any:
     every typed key checked (:func:`oomtune.schema.validate`), before torch is imported.
 
     Raises:
-        ConfigError: a bad override or value, in one line.
+        ConfigError: a bad override or value, in one line; a bad ``OOMTUNE_CUDNN_WORKSPACE``
+            (:func:`oomtune.capture.cudnn_rule.env_rule`).
     """
     from oomtune import config as C
+    from oomtune.capture.cudnn_rule import env_rule
     from oomtune.schema import validate
 
     cfg = C.compose(list(overrides) + C.env_overrides())
     validate(cfg)   # also budget= and device= syntax: bad values exit before torch is imported
+    env_rule()      # the captures' cuDNN workspace rule, read in every capture: refused here, once
     return cfg
 
 

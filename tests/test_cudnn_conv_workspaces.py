@@ -274,3 +274,17 @@ def test_the_report_snapshot_shows_the_granted_workspace():
     big = synthesise_snapshot(s, "", total_memory_bytes=1024 * MiB)
     allocs = lambda snap: [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]  # noqa: E731
     assert allocs(small) == [2 * MiB] and allocs(big) == [64 * MiB]
+
+
+def test_a_bad_workspace_rule_in_the_environment_is_refused_before_any_capture(tmp_path, capsys, monkeypatch):
+    # The rule is read inside every capture; a typo must stop the search in one line (exit 2) before
+    # any trial or capture, not fail each capture.
+    from oomtune.cli import main
+
+    monkeypatch.setenv("OOMTUNE_CUDNN_WORKSPACE", "winograd")
+    code = main(["search", "model=mlp", "device=cpu", f"hydra.run.dir={tmp_path}/run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("oomtune: error: ") and len(err.splitlines()) == 1
+    assert "OOMTUNE_CUDNN_WORKSPACE='winograd': expected one of implicit, gemm" in err
+    assert not (tmp_path / "run" / "trials").exists()

@@ -66,18 +66,15 @@ why (none has a published engine choice, so every architecture gets the lower bo
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 
+from oomtune.capture.cudnn_rule import ENV, RULES, env_rule
+
 __all__ = ["RULES", "ARCH_RULE", "ENV", "rule_for", "cudnn_operations", "gemm_workspace_bytes",
            "conditional_requests", "reset", "uses_cudnn"]
 
-#: The workspace rules (see the module docstring).
-RULES = ("implicit", "gemm")
-#: Environment variable that overrides :data:`ARCH_RULE` for every architecture.
-ENV = "OOMTUNE_CUDNN_WORKSPACE"
 #: The rule per architecture (``GpuTarget.sm``): no architecture has a published engine choice or
 #: workspace size, so each gets the lower bound ("implicit"); an architecture not listed too.
 ARCH_RULE: dict[str, str] = {sm: "implicit" for sm in ("sm70", "sm75", "sm80", "sm86", "sm87", "sm89", "sm90",
@@ -98,14 +95,10 @@ def rule_for(sm: str) -> str:
     else :data:`ARCH_RULE` (``"implicit"`` for an architecture not listed).
 
     Raises:
-        ValueError: ``OOMTUNE_CUDNN_WORKSPACE`` names no rule (one line naming the choices).
+        ConfigError: ``OOMTUNE_CUDNN_WORKSPACE`` names no rule (one line naming the choices;
+            :func:`oomtune.capture.cudnn_rule.env_rule`).
     """
-    env = os.environ.get(ENV, "").strip()
-    if env:
-        if env not in RULES:
-            raise ValueError(f"{ENV}={env!r}: expected one of {', '.join(RULES)}")
-        return env
-    return ARCH_RULE.get(sm, "implicit")
+    return env_rule() or ARCH_RULE.get(sm, "implicit")
 
 
 def _channels_last(t: torch.Tensor) -> bool:
