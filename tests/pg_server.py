@@ -201,3 +201,31 @@ def launched_trials(study: object, role: str) -> list:
     return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(R.ATTR_ROLE) == role
             and R.ATTR_RESULT in t.user_attrs and R.ATTR_REUSED not in t.user_attrs
             and R.ATTR_FROM_RECORDING not in t.user_attrs and t.user_attrs.get(R.ATTR_OUTCOME) != "predicted_infeasible"]
+
+
+def assert_killed_trial_retried(trials: dict, killed_trial: int, finished_before: set[int]) -> None:
+    """Assert what a worker killed mid-trial must leave in a shared study (``trials``: number ->
+    FrozenTrial, read after the other workers ended): its trial FAIL without a result, a retry
+    enqueued, the killed candidate run to a result by another worker after the kill (the retry itself
+    or, when a round enqueued the same candidate again between the failure and the retry's enqueue -
+    two steps of Optuna's fail_stale_trials - the copy with the same key claimed first, to which the
+    other defers as a duplicate: oomtune.search.workers launches no candidate twice; a sampler
+    trial's retry carries its parameters), every retry finished, every trial finished before the kill
+    still holding its result, and no trial left RUNNING or WAITING."""
+    from optuna.trial import TrialState
+
+    from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY
+
+    killed = trials[killed_trial]
+    assert killed.state is TrialState.FAIL and "result" not in killed.user_attrs
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_trial]
+    assert retries                                                           # its retry was enqueued
+    key = killed.user_attrs.get(ATTR_KEY)
+    same = [t for t in trials.values() if t.number != killed_trial
+            and (t in retries or (key is not None and t.user_attrs.get(ATTR_KEY) == key))]
+    reran = [t for t in same if "result" in t.user_attrs and t.datetime_start >= killed.datetime_complete]
+    assert reran and all(t.params == killed.params for t in reran), "the killed candidate never re-ran"
+    assert all(t.state.is_finished() and ("result" in t.user_attrs or ATTR_DUPLICATE_OF in t.user_attrs)
+               for t in retries)                                             # no retry left behind
+    assert all("result" in trials[n].user_attrs for n in finished_before)     # nothing finished was lost
+    assert not [t for t in trials.values() if t.state in (TrialState.RUNNING, TrialState.WAITING)]

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import assert_killed_trial_retried
 from pg_server import launched_trials as _launched
 from pg_server import sleep_search_overrides
 from pg_server import start_sleep_search as _start
@@ -179,8 +180,6 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy
     # three in-process searches on one study through the proxy; worker 0 is killed (SIGKILL, with its
     # trial process) mid-trial: its trial has to be failed by the others' view of its heartbeat, which
     # only oomtune's client writes through the proxy, and run again (RetryHeartbeatStaleTrialCallback)
-    import optuna
-
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     procs = [_start(_overrides(proxy.url, "kill", d), tmp_path / f"w{i}", sleep_s=3.0) for i, d in enumerate(dirs)]
     victim, killed_trial, finished_before = procs[0], None, set()
@@ -212,21 +211,7 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy
 
     study = _study(proxy.db_url, "kill")
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-    killed = trials[killed_trial]
-    assert killed.state is optuna.trial.TrialState.FAIL and "result" not in killed.user_attrs
-    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_trial]
-    assert retries                                                           # its retry was enqueued
-    from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY
-
-    key = killed.user_attrs.get(ATTR_KEY)
-    same = [t for t in trials.values() if t.number != killed_trial
-            and (t in retries or (key is not None and t.user_attrs.get(ATTR_KEY) == key))]
-    reran = [t for t in same if "result" in t.user_attrs and t.datetime_start >= killed.datetime_complete]
-    assert reran and all(t.params == killed.params for t in reran), "the killed candidate never re-ran"
-    assert all(t.state.is_finished() and ("result" in t.user_attrs or ATTR_DUPLICATE_OF in t.user_attrs)
-               for t in retries)
-    assert all("result" in trials[n].user_attrs for n in finished_before)     # nothing finished was lost
-    assert not [t for t in trials.values() if t.state.name in ("RUNNING", "WAITING")]
+    assert_killed_trial_retried(trials, killed_trial, finished_before)
     assert _best(dirs[1]) == _best(dirs[2]) == (48, "")
     retried = "".join((tmp_path / f"w{i}.err").read_text() for i in (1, 2))
     assert f"retrying trial {killed_trial} (its worker stopped: heartbeat expired)" in retried

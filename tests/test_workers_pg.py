@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import assert_killed_trial_retried
 from pg_server import sleep_search_overrides
 
 
@@ -92,8 +93,6 @@ def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(p
 
 
 def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
-    import optuna
-
     url = pg.create_database()
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     procs = [_start(url, "kill", d, sleep_s=3.0) for d in dirs]
@@ -128,26 +127,7 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
 
     study = _study(url, "kill")
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-    killed = trials[killed_trial]
-    assert killed.state is optuna.trial.TrialState.FAIL and "result" not in killed.user_attrs
-    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_trial]
-    assert retries                                                           # its retry was enqueued
-    # Another worker ran the killed candidate to a result after the kill: the retry itself or, when
-    # a round enqueued the same candidate again between the failure and the retry's enqueue (two
-    # steps of Optuna's fail_stale_trials), the copy with the same key claimed first, to which the
-    # other defers as a duplicate (oomtune.search.workers: no candidate is launched twice). A
-    # sampler trial's retry carries its parameters.
-    from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY
-
-    key = killed.user_attrs.get(ATTR_KEY)
-    same = [t for t in trials.values() if t.number != killed_trial
-            and (t in retries or (key is not None and t.user_attrs.get(ATTR_KEY) == key))]
-    reran = [t for t in same if "result" in t.user_attrs and t.datetime_start >= killed.datetime_complete]
-    assert reran and all(t.params == killed.params for t in reran), "the killed candidate never re-ran"
-    assert all(t.state.is_finished() and ("result" in t.user_attrs or ATTR_DUPLICATE_OF in t.user_attrs)
-               for t in retries)                                             # no retry left behind
-    assert all("result" in trials[n].user_attrs for n in finished_before)     # nothing finished was lost
-    assert not [t for t in trials.values() if t.state.name in ("RUNNING", "WAITING")]
+    assert_killed_trial_retried(trials, killed_trial, finished_before)
     assert _best(dirs[1]) == _best(dirs[2]) == (48, "")
     probes = sorted(t.params["batch_size"] for t in _launched(study, "baseline"))
     assert probes == [8, 16, 32, 48, 52, 56, 64]
