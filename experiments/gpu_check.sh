@@ -2,8 +2,15 @@
 # The one prepared command for a GPU machine (run from the repo root: `bash experiments/gpu_check.sh`,
 # under the device tool's 600 s limit per call and 15 minutes in all). Every step runs under its own
 # limit (`timeout` plus a kill grace), printed when the step starts; the worst case is their sum,
-# printed first (391 s, under 400 s: room for a rerun within one lease). The steps:
+# printed first (391 s, under 400 s: room for a rerun within one lease; the outside step's 45 s were
+# taken from the others: probe 20 -> 15, pytest 67 -> 60, validate 80 -> 72, search 140 -> 120,
+# async 40 -> 37, nvidia-smi 8 -> 6). The steps:
 #   env       nvidia-smi, python/torch/torchvision/optuna versions, CUDA visibility
+#   outside   experiments/gpu_outside.py, first (the card idle): memory outside the caching allocator
+#             after CUDA init, cuBLAS, cuBLASLt, cuDNN and two training steps (NVML used, mem_get_info,
+#             reserved), and every cuDNN workspace request of 6 GPUMemNet-shaped convolutions against
+#             oomtune's prediction (rules implicit and gemm); gpu_outside.json (its markdown is printed
+#             into the log: `gpu_outside.py --render gpu_outside.json` writes it again)
 #   pytest    the CUDA-marked tests: python -m pytest -m cuda
 #   validate  experiments/gpu_validate.py: snapshot replay + meta prediction vs the device
 #   search    experiments/gpu_search.py: oomtune search on ResNet-50 at budget=0.99 (a near-full budget),
@@ -13,11 +20,11 @@
 # oomtune itself is not installed there (no network for pip): PYTHONPATH is the repo, absolute, so that
 # trial processes started in other directories import it too. Logs and results go to
 # experiments/results/; when $OUT is set, at most 8 files are copied there (the device tool brings
-# back 8), after every step: the whole log, the validation table and JSON, the search's JSON and
-# best.yaml, the async trial's JSON, and gpu_trials.json: EVERY trial record (each trial directory's
-# result.json, the search's and the async trial's) in one file.
+# back 8), after every step: the whole log, the outside step's JSON, the validation table and JSON,
+# the search's JSON and best.yaml, the async trial's JSON, and gpu_trials.json: EVERY trial record
+# (each trial directory's result.json, the search's and the async trial's) in one file.
 # Local dry run on CPU: GPU_CHECK_DEVICE=cpu GPU_CHECK_RESULTS=/tmp/gc bash experiments/gpu_check.sh
-# GPU_CHECK_STEPS (default "pytest validate search async"; "" = environment only) selects steps.
+# GPU_CHECK_STEPS (default "outside pytest validate search async"; "" = environment only) selects steps.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -26,22 +33,23 @@ export PYTHONUNBUFFERED=1
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 R=${GPU_CHECK_RESULTS:-$REPO/experiments/results}
-STEPS=${GPU_CHECK_STEPS-pytest validate search async}
+STEPS=${GPU_CHECK_STEPS-outside pytest validate search async}
 PY=${PYTHON:-python}
 mkdir -p "$R"
-FILES="gpu_check.log gpu_validate.md gpu_validate.json gpu_search.json gpu_search_best.yaml gpu_async_trial.json gpu_trials.json"
+FILES="gpu_check.log gpu_outside.json gpu_validate.md gpu_validate.json gpu_search.json gpu_search_best.yaml gpu_async_trial.json gpu_trials.json"
 
 # Limits in seconds: each step's `timeout`, and the grace before SIGKILL (-k). The worst case is the sum
 # of every limit and grace (the two collections of trial records included).
 KILL=5
-LIMIT_SMI=8
-LIMIT_PROBE=20
-LIMIT_PYTEST=67
-LIMIT_VALIDATE=80
-LIMIT_SEARCH=140
-LIMIT_ASYNC=40
+LIMIT_SMI=6
+LIMIT_PROBE=15
+LIMIT_OUTSIDE=40
+LIMIT_PYTEST=60
+LIMIT_VALIDATE=72
+LIMIT_SEARCH=120
+LIMIT_ASYNC=37
 LIMIT_COLLECT=5
-WORST=$((LIMIT_SMI + 2 + LIMIT_PROBE + 2 + LIMIT_PYTEST + KILL + LIMIT_VALIDATE + KILL + LIMIT_SEARCH + KILL \
+WORST=$((LIMIT_SMI + 2 + LIMIT_PROBE + 2 + LIMIT_OUTSIDE + KILL + LIMIT_PYTEST + KILL + LIMIT_VALIDATE + KILL + LIMIT_SEARCH + KILL \
          + LIMIT_ASYNC + KILL + 2 * (LIMIT_COLLECT + 1)))
 
 collect_trials() {
@@ -104,6 +112,15 @@ print("oomtune", oomtune.__version__, "from", oomtune.__file__)
 EOF
 }
 
+step_outside() {
+    echo "== step outside: gpu_outside.py (limit $LIMIT_OUTSIDE s + $KILL s)"
+    rm -f "$R/gpu_outside.json" "$R/gpu_outside.md"   # a run ended at its limit leaves none, not an old one
+    timeout -k "$KILL" "$LIMIT_OUTSIDE" "$PY" experiments/gpu_outside.py --device "$DEVICE" --out-dir "$R" \
+        --child-timeout $((LIMIT_OUTSIDE - 15)) 2>&1
+    echo "== outside: rc $? (1 = a step or layer not measured, 124 = timed out)"
+    if [ -f "$R/gpu_outside.md" ]; then cat "$R/gpu_outside.md"; fi
+}
+
 step_pytest() {
     echo "== step pytest: python -m pytest -m cuda (limit $LIMIT_PYTEST s + $KILL s)"
     hdr > "$R/gpu_pytest.log"
@@ -149,7 +166,7 @@ main() {
     echo "== worst case: $WORST s (every step's limit and kill grace; steps: env $STEPS)"
     step_env
     copy_out
-    for s in pytest validate search async; do
+    for s in outside pytest validate search async; do
         if want "$s"; then
             "step_$s"
             if [ "$s" = search ] || [ "$s" = async ]; then collect_trials; fi
