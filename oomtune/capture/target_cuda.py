@@ -26,7 +26,6 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
 from oomtune.capture.gpu_target import GpuTarget
 
