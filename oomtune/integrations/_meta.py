@@ -89,7 +89,19 @@ def _is_cpu(device: Any) -> bool:
 _HOST_MEANT = ("torch/optim/",)
 
 
+def _caller(frame: Any) -> Any:
+    """The first frame at or above ``frame`` that is not a ``TorchFunctionMode``'s ``__torch_function__``:
+    the code that called the tensor method or torch function. A mode above :class:`MetaSteps` on the
+    mode stack (the virtual GPU's CUDA autocast policy, :mod:`oomtune.capture.cuda_autocast`, inside a
+    bf16/fp16 autocast region) passes the call on from its own ``__torch_function__``, which would
+    otherwise be taken for the caller."""
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    return frame
+
+
 def _host_side(frame: Any) -> bool:
+    frame = _caller(frame)
     path = frame.f_code.co_filename.replace("\\", "/") if frame is not None else ""
     return any(p in path for p in _HOST_MEANT)
 
@@ -217,7 +229,7 @@ class MetaSteps(TorchFunctionMode):
         return out
 
     def _placeholder(self, name: str, tensor: torch.Tensor) -> Any:
-        frame = sys._getframe(2)   # the caller of the tensor method (1 is this mode's __torch_function__)
+        frame = _caller(sys._getframe(2))   # the caller of the tensor method (1 is this mode's __torch_function__)
         where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         path = frame.f_code.co_filename.replace("\\", "/")
         for (fragment, function), answer in self.answers.items():

@@ -84,6 +84,7 @@ class TrialSession:
         self.done = False
         self.reported = False
         self.precision: str | None = None
+        self.precision_note: str | None = None   # said in the report (e.g. bf16 emulated on the target GPU)
         self.samples_per_step: float | None = None   # this rank's samples per optimizer step, if not the trial's
         self._t0: float | None = None
         self._t_end: float | None = None
@@ -237,6 +238,8 @@ class TrialSession:
                                      "grad_accum": s.grad_accum, "world_size": world}
             if self.precision is not None:
                 extra["precision"] = self.precision
+            if self.precision_note is not None:
+                extra["precision_note"] = self.precision_note
             if meta is not None:
                 extra["execute"] = "meta"
                 extra["meta_placeholder_reads"] = meta.placeholder_count

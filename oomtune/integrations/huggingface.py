@@ -19,7 +19,11 @@ the command needs no ``{batch_size}``) it:
   (``control.should_training_stop``); reports global samples (``per_device_train_batch_size x
   gradient_accumulation_steps x world size``) from rank 0 and the memory of every rank;
 - passes the Trainer's precision (``bf16``/``fp16``) on in the report; the Trainer's own autocast
-  runs as it would.
+  runs as it would;
+- on a virtual-GPU trial, has transformers' bf16 check answered by the target GPU from the moment
+  this module is imported (before the script builds its ``TrainingArguments``, which checks then):
+  ``bf16=True`` is accepted or refused as on that card, not as on this machine
+  (:mod:`oomtune.integrations._hf_precision`).
 
 Code after ``trainer.train()`` still runs under oomtune (guard it with ``if not oomtune.launched():``
 to skip saving or evaluation in trials).
@@ -36,9 +40,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from oomtune.integrations._hf_precision import emulated_bf16_note, install_if_virtual_gpu, target_gpu
 from oomtune.integrations._session import TrialSession, fail
 
 __all__ = ["OomtuneCallback"]
+
+install_if_virtual_gpu(fail)   # TrainingArguments(bf16=True) checks the hardware before any callback exists
 
 
 def _trainer_from_stack() -> Any | None:
@@ -106,6 +113,8 @@ class OomtuneCallback(TrainerCallback):
                 if hasattr(args, name):
                     setattr(args, name, bool(t.activation_checkpointing))
         s.precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+        if s.precision == "bf16" and t.device == "cpu":
+            s.precision_note = emulated_bf16_note(target_gpu())
         s.attach(model)
         if s.meta is not None and model is not None:
             model.register_forward_pre_hook(self._see_batch, with_kwargs=True)
