@@ -140,6 +140,14 @@ class WorkloadSpec:
         """``target.name``: which :class:`oomtune.trial._base.Target` serves this workload."""
         return str(self.target["name"])
 
+    @property
+    def data(self) -> JsonObject | None:
+        """The data-loader settings of a built-in workload (``model.data``: ``num_workers``,
+        ``pin_memory``, ...), as the trial's flat workload carries them under ``data``; None when the
+        model group gives none (or there is no model group: a python or command target)."""
+        value = self.model.get("data") if self.model is not None else None
+        return value if isinstance(value, dict) else None
+
     # -- the flat trial workload: trial processes, captures, the stream cache, the study attribute
     def trial_workload(self) -> JsonObject:
         """The flat mapping a trial process trains and a capture builds: ``{**model, "target",
