@@ -77,7 +77,7 @@ class SearchOptions:
 
     Attributes:
         workload: the :class:`oomtune.workload_spec.WorkloadSpec` every trial trains (each candidate's
-            settings applied to its flat form, :meth:`WorkloadSpec.trial_workload`, in its TrialSpec).
+            settings applied to its flat form, :meth:`WorkloadSpec.to_dict`, in its TrialSpec).
         device: the device spec trials run on (``cuda:0``, ``cpu``: the virtual GPU).
         budget_bytes: the memory budget, bytes.
         search: ``search.*`` (:class:`oomtune.schema.SearchConf`): ``n_trials``, ``timeout`` (s),
@@ -183,7 +183,7 @@ class Search:
         scale = max(1.0, (self.opt.trial.warmup_steps + steps) / (self.opt.trial.warmup_steps + self.opt.trial.measure_steps))
         timeout_s = self.opt.trial.timeout * scale + window_s
         return TrialSpec(
-            workload=cand.apply(self.opt.workload.trial_workload()), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
+            workload=cand.apply(self.opt.workload.to_dict()), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.trial.warmup_steps, measure_steps=steps,
             timeout_s=timeout_s, smaller_batch_succeeded=smaller_ok, measure_seconds=window_s,

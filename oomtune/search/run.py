@@ -7,7 +7,7 @@ import json
 import signal
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,7 @@ def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: 
     from oomtune.trial.execute import host_available_bytes, resolve_execute
 
     s, t = conf.search, conf.trial
-    flat = workload.trial_workload()   # the form the target reads (its shapes, how it runs)
+    flat = workload.to_dict()   # the form the target reads (its shapes, how it runs)
     objective, reason = resolve_objective(s.objective, simulated=device.simulated)
     execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=flat)
     return SearchOptions(
@@ -51,7 +51,7 @@ def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: 
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
         torch_threads=_torch_threads(s.workers * t.gpus) if device.simulated else None,
         host_available_bytes=host_available_bytes() if device.simulated else None,
-        variable_shapes=worst_shape_workload(flat) is not flat,
+        variable_shapes=worst_shape_spec(workload) is not workload,
         probe_unpredicted=objective == "batch",
     )
 
@@ -68,6 +68,13 @@ def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
     """:func:`oomtune.trial._base.worst_shape_workload` (the search's and plan's worst shape: one
     code), imported when called."""
     from oomtune.trial._base import worst_shape_workload as worst
+
+    return worst(workload)
+
+
+def worst_shape_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """:func:`oomtune.trial._base.worst_shape_spec`, imported when called."""
+    from oomtune.trial._base import worst_shape_spec as worst
 
     return worst(workload)
 
@@ -254,7 +261,7 @@ def check_model_and_target(spec: WorkloadSpec) -> None:
     check_model_keys(spec.model)
     from oomtune.workloads import validate_workload_config
 
-    validate_workload_config(spec.trial_workload())
+    validate_workload_config(spec.to_dict())
 
 
 @dataclass(frozen=True)
@@ -335,9 +342,9 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
 
         check_model_and_target(work)   # builds the model on meta: imports torch
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(work.trial_workload(), timeout_s=conf.trial.timeout)
+        check_user_code(work.to_dict(), timeout_s=conf.trial.timeout)
         get_target(work.target_name).check_training(   # the training settings must reach the trials
-            work.trial_workload(), accumulates=space.global_batch is not None,
+            work.to_dict(), accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
     # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU) is
@@ -417,7 +424,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     from oomtune.trial.runner import TrialRunner
 
     run, options = p.run, p.options
-    conf, device, space, workload = run.conf, run.device, run.space, options.workload.trial_workload()
+    conf, device, space, workload = run.conf, run.device, run.space, options.workload
     url = storage_url(conf.storage, run.run_dir)
     say = lambda line: _say(console, line)  # noqa: E731
     from oomtune.search.tell_records import replay
@@ -428,7 +435,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
         warnings.simplefilter("ignore")
         again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))  # optuna-dashboard names the objective
-    again_on_conflict(lambda: _check_resume(study, workload, run.budget_bytes))  # other workers start at once
+    again_on_conflict(lambda: _check_resume(study, workload.to_dict(), run.budget_bytes))  # other workers start at once
     C.save_config(conf, run.run_dir, overrides)
     write_run_file(run.run_dir, url, study.study_name)
 
@@ -458,7 +465,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     from oomtune.trial.execute import resolve_execute
 
     execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated, objective=options.objective,
-                                  workload=workload)[1]
+                                  workload=workload.to_dict())[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
                    "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
         "cpu" if options.execute == "command" and device.simulated else options.execute)
@@ -583,7 +590,7 @@ def write_search_outputs(run: Searched, *, out: Any, html: bool = True) -> Path:
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
         # the report draws with the search's predictor; without one (search.prune=off) the one
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
-        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=options.workload.trial_workload(),
+        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=options.workload.to_dict(),
                             device=p.device, budget_bytes=p.budget_bytes, headroom=options.search.headroom,
                             predictor=predictor if predictor is not None else _report_predictor(p, space),
                             predicted_frontiers=predictor is not None, space=space)
@@ -599,14 +606,14 @@ def _report_predictor(p: PreparedRun, space: SearchSpace) -> Any:
     from oomtune.plan.predictor import Predictor
     from oomtune.plan.stream_cache import default_cache
 
-    def make(w: dict[str, Any]) -> Any:
-        return Predictor.for_search(worst_shape_workload(w), p.device, p.budget_bytes, cache=default_cache(),
+    def make(w: WorkloadSpec) -> Predictor:
+        return Predictor.for_search(worst_shape_spec(w), p.device, p.budget_bytes, cache=default_cache(),
                                     timeout_s=p.conf.trial.timeout)
 
-    return _per_variant(p.workload.trial_workload(), space, make)
+    return _per_variant(p.workload, space, make)
 
 
-def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any:
+def _per_variant(workload: WorkloadSpec, space: SearchSpace, make: Callable[[WorkloadSpec], Any]) -> Any:
     """``make(workload)``, or one ``make`` per workload variant
     (:class:`oomtune.plan.variants.PredictorVariants`) when the candidates train different steps (a
     global batch's accumulation, activation checkpointing searched)."""
@@ -617,7 +624,7 @@ def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any
     return PredictorVariants(workload, make, grad_accum_of=space.grad_accum_for)
 
 
-def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
+def search_predictor(workload: WorkloadSpec, space: SearchSpace, device: Any, budget_bytes: int,
                      trial_cfg: TrialConf, *, memory_fraction: bool = True) -> Any:
     """The search's predictor for a workload oomtune can capture (built-in, python entry): one
     :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (the workload
@@ -627,8 +634,8 @@ def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, 
     from oomtune.plan.predictor import Predictor, trial_steps
     from oomtune.plan.stream_cache import default_cache
 
-    def make(w: dict[str, Any]) -> Any:
-        return Predictor.for_search(worst_shape_workload(w), device, budget_bytes,
+    def make(w: WorkloadSpec) -> Predictor:
+        return Predictor.for_search(worst_shape_spec(w), device, budget_bytes,
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
                                     memory_fraction=memory_fraction, timeout_s=trial_cfg.timeout)
 

@@ -51,7 +51,7 @@ def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[in
         return (f"smoke test skipped: one CPU step at batch {batch} needs about {format_bytes(need[0])} "
                 f"(simulated), more than this host's available memory ({format_bytes(avail)})")
     cand = space.default(batch)
-    spec = TrialSpec(workload=cand.apply_data(opt.workload.trial_workload()), batch_size=batch, alloc_conf="",
+    spec = TrialSpec(workload=cand.apply_data(opt.workload.to_dict()), batch_size=batch, alloc_conf="",
                      device=opt.device, budget_bytes=None, warmup_steps=0, measure_steps=1,
                      timeout_s=opt.trial.timeout, device_memory_bytes=opt.device_memory_bytes,
                      execute="cpu")
