@@ -11,11 +11,11 @@ import pytest
 from oomtune.device import TargetDevice
 from oomtune.plan.predictor import sim_geometry
 from oomtune.trial.budget import (
-from oomtune.workload_spec import WorkloadSpec
     CUDA_CONTEXT_EAGER_BYTES,
     estimated_non_allocator_bytes,
     memory_fraction_for_budget,
 )
+from oomtune.workload_spec import WorkloadSpec
 
 GiB = 1 << 30
 
