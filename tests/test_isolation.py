@@ -391,11 +391,11 @@ def test_check_user_code_never_imports_the_module_here_and_keeps_the_functions_p
 
     # entry_raises.py's make_workload(batch_size, device): importing it is harmless, calling it raises
     entry = f"{DATA / 'entry_raises.py'}:make_workload"
-    check_user_code({"target": {"name": "python", "entry": entry}}, timeout_s=60)
+    check_user_code(WorkloadSpec(target={"name": "python", "entry": entry}), timeout_s=60)
     assert known_parameters(entry) == frozenset({"batch_size", "device"})
     assert _user_modules("entry_raises.py") == []
     with pytest.raises(UserCodeError) as info:
-        check_user_code({"target": {"name": "python", "entry": f"{DATA / 'import_hangs.py'}:make_workload"}},
+        check_user_code(WorkloadSpec(target={"name": "python", "entry": f"{DATA / 'import_hangs.py'}:make_workload"}),
                         timeout_s=1.0)
     assert "still running after trial.timeout=1 s" in str(info.value) and "\n" not in str(info.value)
     assert _user_modules("import_hangs.py") == []
@@ -408,7 +408,7 @@ def test_checkpointing_is_refused_from_the_checked_parameters_without_importing_
 
     # entry_raises.py's make_workload takes no activation_checkpointing parameter
     target = {"name": "python", "entry": f"{DATA / 'entry_raises.py'}:make_workload"}
-    check_user_code({"target": target}, timeout_s=60)
+    check_user_code(WorkloadSpec(target=target), timeout_s=60)
     with pytest.raises(ConfigError, match="needs the function to take an activation_checkpointing argument"):
         check_checkpointing_argument(target, True)
     assert _user_modules("entry_raises.py") == []

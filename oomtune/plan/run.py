@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from oomtune.workload_spec import WorkloadSpec
+    from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["plan"]
 
@@ -121,7 +121,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
         from oomtune.plan.entry_check import check_user_code
 
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(spec.to_dict(), timeout_s=conf.trial.timeout)
+        check_user_code(spec, timeout_s=conf.trial.timeout)
 
     # the workload's paths as given (the stream cache's keys); the model.gpu key resolved by
     # prepare: the kernels the captures run (auto: the device); across cards budget= is each card's
@@ -241,7 +241,7 @@ def _cards_of(cfg: Any, overrides: list[str]) -> Any:
     return cards, card_budgets(cards, budget), budget
 
 
-def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predictor: Any, steps: int, low: int,
+def _soak_plan(fmap: Any, workload: JsonObject, worst: JsonObject, predictor: Any, steps: int, low: int,
                say: Any) -> None:
     """Under a shape distribution: record the worst shape in ``fmap.shapes`` and soak every
     configuration's largest batch for ``steps`` steps of the data's shapes, stepping it down to the

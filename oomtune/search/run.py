@@ -22,7 +22,7 @@ from oomtune.search.samplers import make_sampler
 from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
-from oomtune.workload_spec import WorkloadSpec
+from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 if TYPE_CHECKING:
     from oomtune.schema import RootConf, TrialConf
@@ -64,7 +64,7 @@ def _window(value: float | None, device: Any) -> float:
     return 0.0 if device.simulated else 5.0
 
 
-def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
+def worst_shape_workload(workload: JsonObject) -> JsonObject:
     """:func:`oomtune.trial._base.worst_shape_workload` (the search's and plan's worst shape: one
     code), imported when called."""
     from oomtune.trial._base import worst_shape_workload as worst
@@ -209,7 +209,7 @@ def worker_slots(cfg_device: str, device: Any, workers: int, gpus: int = 1,
     return [f"cuda:{','.join(str(s * gpus + g) for g in range(gpus))}" for s in range(slots)]
 
 
-def _comparable(workload: dict, stored: Any) -> Any:
+def _comparable(workload: JsonObject, stored: Any) -> Any:
     """``workload`` as stored in a study's attributes; a study created before the target GPU was part
     of the workload (no ``gpu`` key) is compared without it, so it still resumes."""
     plain = json.loads(json.dumps(workload))
@@ -218,7 +218,7 @@ def _comparable(workload: dict, stored: Any) -> Any:
     return plain
 
 
-def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
+def _check_resume(study: Any, workload: JsonObject, budget_bytes: int) -> None:
     stored = study.user_attrs.get("workload")
     if stored is None:
         study.set_user_attr("workload", workload)
@@ -342,7 +342,7 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
 
         check_model_and_target(work)   # builds the model on meta: imports torch
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(work.to_dict(), timeout_s=conf.trial.timeout)
+        check_user_code(work, timeout_s=conf.trial.timeout)
         get_target(work.target_name).check_training(   # the training settings must reach the trials
             work.to_dict(), accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
