@@ -4,8 +4,9 @@ Capturing a training step on the meta device needs torch (and, for the vision mo
 which imports ``torch._dynamo``): about 5 s of imports on a 2-core machine before the first request
 is recorded. A captured stream is a pure function of what went into it, so it is kept:
 
-* **the key** is the SHA-256 of everything the capture depends on: the ``model`` group (plain
-  dict, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
+* **the key** is the SHA-256 of everything the capture depends on: the workload (the flat form of
+  its :class:`oomtune.workload_spec.WorkloadSpec`, :meth:`~oomtune.workload_spec.WorkloadSpec.to_dict`:
+  the ``model`` keys with ``target``, ``gpu``, ``ranks`` and the training settings, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
   ``CUBLAS_WORKSPACE_CONFIG``; the installed torch and torchvision versions (package metadata, no
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
