@@ -130,7 +130,8 @@ def check_cards(best: Any, cards: list[Any], *, timeout_s: float | None = None) 
             t0 = time.perf_counter()
             geometry = card_geometry(card, best.best.memory_fraction)
             if predictor is None:
-                predictor = Predictor(dataclasses.replace(workload, gpu=family, gpu_source="--gpu"), geometry, steps=steps,
+                predictor = Predictor(dataclasses.replace(workload, gpu=family, gpu_source="--gpu"), geometry,
+                                      steps=steps,
                                       timeout_s=timeout_s, timeout_name="--timeout")
             else:
                 predictor.retarget(geometry)

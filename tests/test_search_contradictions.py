@@ -8,7 +8,6 @@ above the 1000 MiB budget; limit 950 MiB (headroom 5%), so the default fits up t
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import signal
 import threading
 import time

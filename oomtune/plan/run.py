@@ -153,7 +153,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     if cards is not None:
         from oomtune.plan.cards import plan_multi
 
-        return plan_multi(cards, conf, workload=worst_spec, shaped=worst_spec is not spec, settings=settings, skipped=skipped,
+        return plan_multi(cards, conf, workload=worst_spec, shaped=worst_spec is not spec, settings=settings,
+                          skipped=skipped,
                           grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
                           global_batch=space.global_batch, label=prepared.target.label(workload))
     limit_bytes = limit_bytes_of(budget_bytes, headroom)

@@ -180,7 +180,8 @@ class Search:
         )
         steps = steps or self.opt.trial.measure_steps
         # trial.timeout is for a search trial; a confirmation runs more steps and gets as much more time.
-        scale = max(1.0, (self.opt.trial.warmup_steps + steps) / (self.opt.trial.warmup_steps + self.opt.trial.measure_steps))
+        t = self.opt.trial
+        scale = max(1.0, (t.warmup_steps + steps) / (t.warmup_steps + t.measure_steps))
         timeout_s = self.opt.trial.timeout * scale + window_s
         return TrialSpec(
             workload=cand.apply(self.opt.workload.to_dict()), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
@@ -771,7 +772,8 @@ class Search:
         if not self.opt.search.confirm:
             return ranked[0], R.result_of(ranked[0]), False
         ctx = ConfirmContext(runs=self._confirm_runs, baseline=self.baseline_trial, is_default=self._is_default,
-                             repeats=self.opt.search.repeats, finalists=self.opt.search.finalists, min_gain=self.opt.search.min_gain)
+                             repeats=self.opt.search.repeats, finalists=self.opt.search.finalists,
+                             min_gain=self.opt.search.min_gain)
         done = self.objective.confirm(ctx, ranked, max_candidates)
         if done.gain is not None:
             self.gain = done.gain
