@@ -68,7 +68,7 @@ def _setup(overrides: list[str], budget: str):
     device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
     sim = budgeted_sim(AllocatorSettings.parse(""), budget_bytes, device.total_memory_bytes)
-    return search_workload(typed(cfg)).trial_workload(), sim, VirtualGPU(sim, device="cpu")
+    return search_workload(typed(cfg)).to_dict(), sim, VirtualGPU(sim, device="cpu")
 
 
 def _route_empty_cache(sim) -> None:
@@ -240,7 +240,7 @@ def _clean_run(workload: str, budget: str, batch: int, alloc_conf: str, work: Pa
     cfg = C.compose([*WORKLOADS[workload], f"budget={budget}", "device=cpu"])
     device = resolve_device("cpu", virtual_device_memory=cfg.virtual_device_memory)
     budget_bytes = resolve_budget(cfg.budget, device)
-    spec = TrialSpec(workload=search_workload(typed(cfg)).trial_workload(), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
+    spec = TrialSpec(workload=search_workload(typed(cfg)).to_dict(), batch_size=batch, alloc_conf=alloc_conf, device="cpu",
                      budget_bytes=budget_bytes, warmup_steps=int(cfg.trial.warmup_steps),
                      measure_steps=int(cfg.trial.confirm_steps), timeout_s=float(cfg.trial.timeout) * 4,
                      device_memory_bytes=device.total_memory_bytes, soak_steps=int(cfg.trial.soak_steps))

@@ -111,13 +111,19 @@ def predict(entry: str | Callable[..., Any], batch_size: int, *, gpu: str = "A10
     elif not callable(entry):
         raise ConfigError(f"entry={entry!r}: expected make_workload itself or 'file.py:function'")
     steps = _default_steps() if steps is None else steps
-    workload = {"target": {"name": "python", "entry": entry}, "gpu": card.gpu_key, "gpu_source": "model.gpu"}
+    from oomtune.targets.python_entry import entry_label
+    from oomtune.workload_spec import WorkloadSpec
+
+    # a function passed itself is no JSON value: the spec names it, the predictor captures the function
+    workload = WorkloadSpec(target={"name": "python", "entry": entry if isinstance(entry, str) else entry_label(entry)},
+                            gpu=card.gpu_key, gpu_source="model.gpu")
     device = TargetDevice(spec="cuda:0", kind="cuda", index=0, name=card.display_name,
                           total_memory_bytes=card.total_memory_bytes, simulated=False)
     # the outside part decides the card's allocator share
     outside = outside_allocator(lazy_loading=lazy_loading, cudnn=bool(cudnn), capability=card.compute_capability)
     geometry = sim_geometry(device, card.total_memory_bytes, outside_bytes=outside.total_bytes)
-    predictor = Predictor(workload, geometry, steps=steps, derive=False)
+    predictor = Predictor(workload, geometry, steps=steps, derive=False,
+                          entry=None if isinstance(entry, str) else entry)
     pred = predictor.predict_detail(batch_size, settings)
     notes = [f"simulated on the virtual GPU: {card.display_name} ({card.total_memory_bytes / 2**20:.0f} MiB, "
              f"{card.source}), {steps} steps, alloc_conf={settings.render()!r}", outside.describe()]

@@ -381,11 +381,11 @@ def check_predict(best: Any, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s:
                                       steps=best.best.predicted_steps or 0)
     else:
         # the steps the recorded prediction replayed (2 in best.yaml files written before they were recorded)
-        workload = run.workload.trial_workload()
+        workload = run.workload
         if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
-            from oomtune.trial._base import worst_shape_workload
+            from oomtune.trial._base import worst_shape_spec
 
-            workload = worst_shape_workload(workload)
+            workload = worst_shape_spec(workload)
         predictor = Predictor(workload, run.geometry, steps=best.best.predicted_steps or PREDICT_STEPS,
                               timeout_s=timeout_s, timeout_name="--timeout")
     pred = predictor.predict_detail(best.best.batch_size, best.best.alloc_conf)
@@ -587,7 +587,7 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     where = _run_device(best, device)
     if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
         where = _rank_gpus(ranks, where)
-    spec = TrialSpec(workload=run.workload.trial_workload(), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+    spec = TrialSpec(workload=run.workload.to_dict(), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=where, budget_bytes=run.budget_bytes,
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
                      device_memory_bytes=run.geometry["total_memory_bytes"],

@@ -21,6 +21,7 @@ below the CLI (:mod:`oomtune.commands.check`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -114,11 +115,11 @@ def check_cards(best: Any, cards: list[Any], *, timeout_s: float | None = None) 
         raise ConfigError(f"--gpu predicts by capturing the workload with each card's kernels, which target "
                           f"{run.workload.target_name!r} cannot be: check it with --mode run on each card")
     headroom = recorded_headroom(best)
-    workload = run.workload.trial_workload()
+    workload = run.workload
     if best.best.predicted_at_worst_shape:   # the search's frontier predicted the largest shape
-        from oomtune.trial._base import worst_shape_workload
+        from oomtune.trial._base import worst_shape_spec
 
-        workload = worst_shape_workload(workload)
+        workload = worst_shape_spec(workload)
     steps = best.best.predicted_steps or PREDICT_STEPS
     batch, shown = best.best.batch_size, conf or "the default allocator"
     by_name: dict[str, tuple[CheckCase, dict[str, Any]]] = {}
@@ -129,7 +130,8 @@ def check_cards(best: Any, cards: list[Any], *, timeout_s: float | None = None) 
             t0 = time.perf_counter()
             geometry = card_geometry(card, best.best.memory_fraction)
             if predictor is None:
-                predictor = Predictor({**workload, "gpu": family, "gpu_source": "--gpu"}, geometry, steps=steps,
+                predictor = Predictor(dataclasses.replace(workload, gpu=family, gpu_source="--gpu"), geometry,
+                                      steps=steps,
                                       timeout_s=timeout_s, timeout_name="--timeout")
             else:
                 predictor.retarget(geometry)

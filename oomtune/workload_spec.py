@@ -5,12 +5,11 @@ Built once by the workload's target from the config's ``model`` and ``target`` g
 ``oomtune search`` and ``oomtune plan``), or read back from best.yaml (:meth:`WorkloadSpec.from_best`,
 for ``oomtune check``). Where it crosses a process boundary it is serialised explicitly:
 
-- :meth:`WorkloadSpec.trial_workload`: the flat mapping a trial process, a capture and the stream
-  cache read (the ``model`` keys, ``target``, ``gpu``/``gpu_source``, ``ranks``, the training
-  settings), also stored as the study's ``workload`` attribute (studies written before stay
-  comparable: the same keys);
-- :meth:`WorkloadSpec.to_dict` / :meth:`WorkloadSpec.from_dict`: every field by name (a worker
-  job's report to the process that launched it);
+- :meth:`WorkloadSpec.to_dict` / :meth:`WorkloadSpec.from_dict`: the flat mapping a trial process
+  and a capture read (the ``model`` keys, ``target``, ``gpu``/``gpu_source``, ``ranks``, the
+  training settings): a trial's spec.json, a worker job's report to the process that launched it,
+  the study's ``workload`` attribute (studies written before stay comparable: the same keys) and
+  the stream cache's key of a built-in workload (cached captures stay valid: the same mapping);
 - :meth:`WorkloadSpec.best_record` / :meth:`WorkloadSpec.from_best`: best.yaml's ``workload``
   section (``model`` with its ``gpu`` keys, ``target``, ``ranks``, ``training``) and
   ``device.target_gpu``, as written before this type existed.
@@ -39,8 +38,6 @@ JsonObject = dict[str, JsonValue]
 TRAINING_KEYS = ("grad_accum", "activation_checkpointing")
 #: The keys of the target GPU's record inside a flat workload and best.yaml's ``workload.model``.
 _GPU_KEYS = ("gpu", "gpu_source")
-#: The fields of :meth:`WorkloadSpec.to_dict`.
-_FIELDS = ("target", "model", "gpu", "gpu_source", "ranks", "training")
 #: The keys of best.yaml's ``workload`` section.
 _RECORD_KEYS = ("target", "model", "ranks", "training")
 #: What a ``target`` is when a hand-written best.yaml gives none: a built-in workload.
@@ -140,11 +137,22 @@ class WorkloadSpec:
         """``target.name``: which :class:`oomtune.trial._base.Target` serves this workload."""
         return str(self.target["name"])
 
-    # -- the flat trial workload: trial processes, captures, the stream cache, the study attribute
-    def trial_workload(self) -> JsonObject:
-        """The flat mapping a trial process trains and a capture builds: ``{**model, "target",
-        "gpu", "gpu_source", "ranks", **training}`` (keys absent where the field is None or empty),
-        a fresh copy each call. The study's ``workload`` attribute stores this form."""
+    @property
+    def data(self) -> JsonObject | None:
+        """The data-loader settings of a built-in workload (``model.data``: ``num_workers``,
+        ``pin_memory``, ...), as the trial's flat workload carries them under ``data``; None when the
+        model group gives none (or there is no model group: a python or command target)."""
+        value = self.model.get("data") if self.model is not None else None
+        return value if isinstance(value, dict) else None
+
+    # -- the flat form: the process boundary (a trial's spec.json, a worker job's report, the study attribute)
+    def to_dict(self) -> JsonObject:
+        """The flat mapping a trial process trains and a capture builds (the form the
+        :class:`oomtune.trial._base.Target` contract reads): ``{**model, "target", "gpu",
+        "gpu_source", "ranks", **training}`` (keys absent where the field is None or empty), a fresh
+        copy each call. A trial's spec.json carries it, a worker job's report too, the study's
+        ``workload`` attribute stores it and the stream cache keys a built-in workload's captures on
+        it; :meth:`from_dict` reads it back."""
         out: JsonObject = copy.deepcopy(self.model) if self.model is not None else {}
         out["target"] = copy.deepcopy(self.target)
         if self.gpu is not None:
@@ -156,33 +164,28 @@ class WorkloadSpec:
         out.update(copy.deepcopy(self.training))
         return out
 
-    # -- every field by name: a worker job's report
-    def to_dict(self) -> JsonObject:
-        """Every field by name, as JSON values (:meth:`from_dict` reads it back equal)."""
-        return {"target": copy.deepcopy(self.target), "model": copy.deepcopy(self.model), "gpu": self.gpu,
-                "gpu_source": self.gpu_source, "ranks": self.ranks, "training": copy.deepcopy(self.training)}
-
     @classmethod
     def from_dict(cls, data: object) -> "WorkloadSpec":
-        """The spec :meth:`to_dict` wrote.
+        """The spec of a flat mapping :meth:`to_dict` wrote: ``target`` (a built-in workload when
+        absent), ``gpu``, ``gpu_source`` and ``ranks`` (None when absent), the training settings
+        (:data:`TRAINING_KEYS`) as ``training``, every other key the ``model`` group's (None when
+        none is left). ``from_dict(spec.to_dict()) == spec`` for every spec whose model keys are
+        none of those names, as every target builds it (:meth:`oomtune.trial._base.Target.
+        workload_spec`: the model group without ``gpu``).
 
         Raises:
-            ConfigError: not a mapping, a field unknown or missing, or a field of the wrong JSON type
-                (one line naming it).
+            ConfigError: not a mapping with string keys, or a field of the wrong type (one line
+                naming it).
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"a workload spec must be a mapping of {', '.join(_FIELDS)}, got {data!r}")
-        unknown = sorted(str(k) for k in data if k not in _FIELDS)
-        missing = [k for k in _FIELDS if k not in data]
-        if unknown or missing:
-            raise ConfigError("a workload spec has " + "; ".join(
-                ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])
-                + ([f"no {', '.join(missing)}"] if missing else [])) + f": expected exactly {', '.join(_FIELDS)}")
-        training = data["training"]
-        if not isinstance(training, Mapping):
-            raise ConfigError(f"workload training must be a mapping, got {training!r}")
-        return cls(target=data["target"], model=data["model"], gpu=data["gpu"],  # type: ignore[arg-type]
-                   gpu_source=data["gpu_source"], ranks=data["ranks"], training=training)  # type: ignore[arg-type]
+        if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):
+            raise ConfigError(f"a workload must be a mapping with string keys (the model's keys, target, gpu, "
+                              f"gpu_source, ranks, {', '.join(TRAINING_KEYS)}), got {data!r}")
+        rest = dict(data)
+        target = rest.pop("target", None)
+        fields = {k: rest.pop(k, None) for k in ("gpu", "gpu_source", "ranks")}
+        training = {k: rest.pop(k) for k in TRAINING_KEYS if k in rest}
+        return cls(target=dict(DEFAULT_TARGET_GROUP) if target is None else target,  # type: ignore[arg-type]
+                   model=rest or None, training=training, **fields)  # type: ignore[arg-type]
 
     # -- best.yaml's workload section and device.target_gpu
     def best_record(self) -> JsonObject:

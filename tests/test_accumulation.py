@@ -14,6 +14,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.plan.predictor import Predictor
 from oomtune.targets.python_entry import build_user_workload
 from oomtune.workloads.loop import build_workload, grad_accum_of, prediction_workload
+from oomtune.workload_spec import WorkloadSpec
 
 GEOMETRY = budget_geometry(1 << 30, 80 << 30)
 # One Linear(1024 -> 1024) with bias, SGD with momentum, batch 1: the parameters dominate memory.
@@ -29,11 +30,11 @@ def test_two_micro_batches_exceed_one_by_the_fp32_gradients():
     # accumulation (AccumulateGrad adds in place afterwards): 4P + the same small activations. The
     # difference is exactly the fp32 gradients, P.
     p_bytes = 4 * (1024 * 1024 + 1024)
-    one = Predictor({**LINEAR}, GEOMETRY, steps=4, derive=False).predict_detail(1, "")
-    two = Predictor({**LINEAR, "grad_accum": 2}, GEOMETRY, steps=4, derive=False).predict_detail(1, "")
+    one = Predictor(WorkloadSpec.from_dict({**LINEAR}), GEOMETRY, steps=4, derive=False).predict_detail(1, "")
+    two = Predictor(WorkloadSpec.from_dict({**LINEAR, "grad_accum": 2}), GEOMETRY, steps=4, derive=False).predict_detail(1, "")
     assert two.peak_allocated_bytes - one.peak_allocated_bytes == p_bytes
     # more micro-batches repeat the second's requests: the prediction captures two of them
-    eight = Predictor({**LINEAR, "grad_accum": 8}, GEOMETRY, steps=4, derive=False).predict_detail(1, "")
+    eight = Predictor(WorkloadSpec.from_dict({**LINEAR, "grad_accum": 8}), GEOMETRY, steps=4, derive=False).predict_detail(1, "")
     assert eight.peak_allocated_bytes == two.peak_allocated_bytes
 
 
@@ -79,8 +80,8 @@ def test_builtin_activation_checkpointing_keeps_less_for_backward(name):
             "optimizer": "sgd", "target": {"name": "builtin"}} if name == "transformer" else
            {"name": "resnet", "depth": 18, "image_size": 32, "num_classes": 10, "optimizer": "sgd",
             "target": {"name": "builtin"}})
-    plain = Predictor(cfg, GEOMETRY, steps=2, derive=False).predict_detail(16, "")
-    ckpt = Predictor({**cfg, "activation_checkpointing": True}, GEOMETRY, steps=2,
+    plain = Predictor(WorkloadSpec.from_dict(cfg), GEOMETRY, steps=2, derive=False).predict_detail(16, "")
+    ckpt = Predictor(WorkloadSpec.from_dict({**cfg, "activation_checkpointing": True}), GEOMETRY, steps=2,
                      derive=False).predict_detail(16, "")
     assert ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
 
@@ -171,7 +172,7 @@ def test_a_data_generator_that_cannot_run_on_meta_is_captured_on_cpu_with_one_li
             n = int(torch.tensor(batch_size, device=device).item())     # reads a tensor's value
             return m, torch.optim.SGD(m.parameters(), lr=0.1), [(torch.randn(n, 4, device=device), torch.zeros(n, dtype=torch.long, device=device))]
     '''))
-    p = Predictor({"target": {"name": "python", "entry": f"{path}:make_workload"}}, GEOMETRY, steps=2, derive=False)
+    p = Predictor(WorkloadSpec.from_dict({"target": {"name": "python", "entry": f"{path}:make_workload"}}), GEOMETRY, steps=2, derive=False)
     p.predict_detail(4, "")
     (reason,) = p.fallback_reasons
     assert "cannot be built on meta" in reason and "captured on cpu" in reason and "\n" not in reason

@@ -24,6 +24,7 @@ from oomtune.outcome import Outcome
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.trial.runner import TrialRunner, group_alive
 from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ def _predicted(parallel: str, batch: int, steps: int) -> tuple[int, int]:
     from oomtune.alloc.geometry import budget_geometry
     from oomtune.plan.predictor import Predictor
 
-    p = Predictor({**LM, "parallel": parallel, "ranks": 2, "target": {"name": "builtin"}},
+    p = Predictor(WorkloadSpec.from_dict({**LM, "parallel": parallel, "ranks": 2, "target": {"name": "builtin"}}),
                   budget_geometry(256 * MiB, 80 * 1024 * MiB), steps=steps, derive=False)
     d = p.predict_detail(batch, "")
     return d.peak_reserved_bytes, d.peak_allocated_bytes
@@ -242,9 +243,9 @@ def test_plan_with_workers_forks_and_derives_captures_on_meta(monkeypatch, mode)
     cfg = {**LM, "parallel": mode, "ranks": 2, "target": {"name": "builtin"}}
     geometry = budget_geometry(256 * MiB, 80 * 1024 * MiB)
     sizes = list(range(2, 17))
-    every = Predictor(cfg, geometry, workers=1, derive=False)
+    every = Predictor(WorkloadSpec.from_dict(cfg), geometry, workers=1, derive=False)
     monkeypatch.setattr(parallel, "fork_map", counting)
-    many = Predictor(cfg, geometry, workers=2)
+    many = Predictor(WorkloadSpec.from_dict(cfg), geometry, workers=2)
     many.prepare(sizes)
     # FSDP2 captures stay in this process (predictor.py _forks_after_capture), derived all the same
     assert many.workers == (2 if mode == "ddp" else 1) and bool(forked) == (mode == "ddp")

@@ -214,6 +214,7 @@ def _check_frontier_and_winner_step(run: Path, best: object, choices: list[int])
     from oomtune import config as C
     from oomtune.plan.predictor import Predictor, trial_steps
     from oomtune.plan.variants import variant_workload
+    from oomtune.workload_spec import WorkloadSpec
 
     plan = yaml.safe_load((run / "frontier.yaml").read_text())
     assert plan["batch_sizes"] == choices and plan["memory_source"] == "simulated"
@@ -223,7 +224,7 @@ def _check_frontier_and_winner_step(run: Path, best: object, choices: list[int])
     assert best.grad_accum > 1   # the budget leaves the whole global batch out of one micro-batch
 
     def own(grad_accum: int) -> Predictor:
-        return Predictor(variant_workload(plan["workload"], grad_accum=grad_accum, checkpointing=None),
+        return Predictor(variant_workload(WorkloadSpec.from_dict(plan["workload"]), grad_accum=grad_accum, checkpointing=None),
                          plan["geometry"], steps=steps)
 
     mine, single = own(2), own(1)

@@ -27,6 +27,7 @@ import pytest
 from oomtune.exceptions import UserCodeError
 from oomtune.plan.parallel import ChildFailed, fork_each
 from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
 
 DATA = Path(__file__).parent / "data" / "isolation"
 REPO = Path(__file__).resolve().parents[1]
@@ -180,7 +181,7 @@ def _predictor(name: str, timeout_s: float = 60):
     from oomtune.plan.predictor import Predictor
 
     workload = {"target": {"name": "python", "entry": f"{DATA / name}:make_workload"}}
-    return Predictor(workload, budget_geometry(256 * MiB, 80 * 1024 * MiB), timeout_s=timeout_s)
+    return Predictor(WorkloadSpec.from_dict(workload), budget_geometry(256 * MiB, 80 * 1024 * MiB), timeout_s=timeout_s)
 
 
 def test_predictor_an_entry_killed_by_sigkill_is_one_line_naming_the_signal():
@@ -214,7 +215,7 @@ def _ddp_predictor():
     from oomtune.alloc.geometry import budget_geometry
     from oomtune.plan.predictor import Predictor
 
-    return Predictor(dict(LM), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=2)
+    return Predictor(WorkloadSpec.from_dict(dict(LM)), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=2)
 
 
 @pytest.mark.slow
@@ -245,7 +246,7 @@ def test_a_capture_the_host_cannot_hold_bounds_the_sizes_with_a_note_instead_of_
     cfg = {"target": {"name": "python", "entry": f"{DATA.parent / 'entry_reads_a_value.py'}:make_workload"}}
 
     def predictor():
-        return P.Predictor(dict(cfg), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=1, workers=1)
+        return P.Predictor(WorkloadSpec.from_dict(dict(cfg)), budget_geometry(64 * MiB, 80 * 1024 * MiB), steps=1, workers=1)
 
     monkeypatch.setattr(P, "cpu_capture_limit_bytes", lambda: 400_000)   # the host holds 400 kB of tensors
     p = predictor()
@@ -390,11 +391,11 @@ def test_check_user_code_never_imports_the_module_here_and_keeps_the_functions_p
 
     # entry_raises.py's make_workload(batch_size, device): importing it is harmless, calling it raises
     entry = f"{DATA / 'entry_raises.py'}:make_workload"
-    check_user_code({"target": {"name": "python", "entry": entry}}, timeout_s=60)
+    check_user_code(WorkloadSpec(target={"name": "python", "entry": entry}), timeout_s=60)
     assert known_parameters(entry) == frozenset({"batch_size", "device"})
     assert _user_modules("entry_raises.py") == []
     with pytest.raises(UserCodeError) as info:
-        check_user_code({"target": {"name": "python", "entry": f"{DATA / 'import_hangs.py'}:make_workload"}},
+        check_user_code(WorkloadSpec(target={"name": "python", "entry": f"{DATA / 'import_hangs.py'}:make_workload"}),
                         timeout_s=1.0)
     assert "still running after trial.timeout=1 s" in str(info.value) and "\n" not in str(info.value)
     assert _user_modules("import_hangs.py") == []
@@ -407,7 +408,7 @@ def test_checkpointing_is_refused_from_the_checked_parameters_without_importing_
 
     # entry_raises.py's make_workload takes no activation_checkpointing parameter
     target = {"name": "python", "entry": f"{DATA / 'entry_raises.py'}:make_workload"}
-    check_user_code({"target": target}, timeout_s=60)
+    check_user_code(WorkloadSpec(target=target), timeout_s=60)
     with pytest.raises(ConfigError, match="needs the function to take an activation_checkpointing argument"):
         check_checkpointing_argument(target, True)
     assert _user_modules("entry_raises.py") == []

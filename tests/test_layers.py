@@ -362,6 +362,28 @@ def test_prepared_run_and_workload_spec_fields_are_typed():
     assert WorkloadSpec.__dataclass_params__.frozen and "__slots__" in WorkloadSpec.__dict__
 
 
+def test_search_options_fields_are_typed_sections():
+    """The search driver's options hold the config's typed sections and the workload spec, not a flat
+    workload mapping or copied ``Any`` fields: no field of SearchOptions names ``Any``, its
+    ``search``/``trial``/``workload`` fields are the schema's and the spec's classes, and the options
+    are frozen (a reader cannot change what the search was started with)."""
+    import dataclasses
+    import typing
+
+    from oomtune.schema import SearchConf, TrialConf
+    from oomtune.search.driver import SearchOptions
+    from oomtune.workload_spec import WorkloadSpec
+
+    source = (ROOT / "search" / "driver.py").read_text()
+    assert untyped_fields(source, "SearchOptions") == []
+    # the class read is the one imported (a field added elsewhere would not be checked)
+    assert [f.name for f in dataclasses.fields(SearchOptions)] == [
+        line.split(":")[0].strip() for line in _field_lines(source, "SearchOptions")]
+    hints = typing.get_type_hints(SearchOptions)
+    assert (hints["search"], hints["trial"], hints["workload"]) == (SearchConf, TrialConf, WorkloadSpec)
+    assert SearchOptions.__dataclass_params__.frozen
+
+
 def _field_lines(source: str, class_name: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef) and node.name == class_name:

@@ -15,6 +15,7 @@ from oomtune.trial.budget import (
     estimated_non_allocator_bytes,
     memory_fraction_for_budget,
 )
+from oomtune.workload_spec import WorkloadSpec
 
 GiB = 1 << 30
 
@@ -50,8 +51,8 @@ def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_n
     mlp = {"name": "mlp", "in_features": 8, "hidden": 16, "layers": 1, "num_classes": 4, "gpu": gpu}
     device = TargetDevice("cuda:0", "cuda", 0, gpu.upper(), 80 * GiB, False)
     cpu = TargetDevice("cpu", "cpu", None, "cpu", 16 * GiB, True)
-    real = Predictor.for_search(mlp, device, 40 * GiB).stream(4)
-    sim = Predictor.for_search(mlp, cpu, 8 * GiB).stream(4)
+    real = Predictor.for_search(WorkloadSpec.from_dict(mlp), device, 40 * GiB).stream(4)
+    sim = Predictor.for_search(WorkloadSpec.from_dict(mlp), cpu, 8 * GiB).stream(4)
     sizes_real = [n for a, _, n, _ in real if a == "alloc"]
     sizes_sim = [n for a, _, n, _ in sim if a == "alloc"]
     assert sizes_real.count(workspace) == 2 and sizes_sim.count(workspace) == 0

@@ -14,6 +14,7 @@ from oomtune.plan.feasibility import grid_batches, largest_fitting
 from oomtune.trial.child import run_child
 from oomtune.trial.record import TrialSpec
 from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
 
 # A tiny MLP: every tensor < 1 MiB (small pool) at the batch sizes used here.
 MLP = ["model=mlp", "model.in_features=64", "model.hidden=128", "model.layers=1", "model.num_classes=10",
@@ -290,7 +291,7 @@ def test_predictor_gives_no_prediction_for_cuda_malloc_async():
     from oomtune.plan.predictor import Predictor
 
     # a workload that cannot even be built: None must come before any capture is attempted
-    predictor = Predictor({"name": "no_such_model"}, {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
+    predictor = Predictor(WorkloadSpec.from_dict({"name": "no_such_model"}), {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
     cand = SimpleNamespace(batch_size=8, settings=AllocatorSettings.parse("backend:cudaMallocAsync"))
     assert predictor.predict(cand) is None
 
@@ -338,7 +339,7 @@ def test_predict_raw_is_none_for_cuda_malloc_async_and_the_replay_otherwise(monk
 
     _clear_alloc_env(monkeypatch)
     model = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10, "optimizer": "sgd"}
-    predictor = Predictor(model, {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
+    predictor = Predictor(WorkloadSpec.from_dict(model), {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0})
     assert predictor.predict_raw(8, "backend:cudaMallocAsync") is None
     assert predictor.predict_raw(8, "") == 2 * MiB   # one kSmallBuffer segment (hand calculation above)
 

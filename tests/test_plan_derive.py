@@ -12,6 +12,7 @@ import pytest
 from oomtune.alloc.stream import AllocationStream
 from oomtune.plan import predictor as P
 from oomtune.plan.derive import AffineStreamModel
+from oomtune.workload_spec import WorkloadSpec
 
 WORKLOADS = {
     "mlp": {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 2, "num_classes": 10,
@@ -144,7 +145,7 @@ def _fake_capture(monkeypatch, make):
 
 def test_predictor_captures_anchors_and_one_verification_then_derives(monkeypatch):
     calls = _fake_capture(monkeypatch, _stream)
-    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
     # the smallest two, the median and the largest; affine needs 1 + 2 + 1 = 4 captures: no more
     assert sorted(calls) == [8, 16, 32, 128]
@@ -160,7 +161,7 @@ def test_predictor_captures_anchors_and_one_verification_then_derives(monkeypatc
 def test_predictor_derives_a_quadratic_term_after_one_more_capture(monkeypatch):
     # a [b, b] request (b * b * 4 bytes) besides the affine ones: degree 2 needs 2 + 2 + 1 = 5 captures
     calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=4 * b * b))
-    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
     # the first round, then the one requested size left inside the range: 64
     assert sorted(calls[:4]) == [8, 16, 32, 128] and calls[4:] == [64]
@@ -179,7 +180,7 @@ def test_predictor_captures_a_batch_size_that_makes_other_requests_alone(monkeyp
         return s
 
     calls = _fake_capture(monkeypatch, make)
-    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY)
     pred.prepare([1, 2, 4, 8, 16, 32, 64])
     assert pred.stream(1) == make(1) and pred.stream(3) == make(3) and pred.stream(50) == make(50)
     # 1, 2, 8, 64 first; the regime 2..64 then has 3 captures and needs a 4th: 32 (farthest from 2, 8, 64)
@@ -191,7 +192,7 @@ def test_predictor_captures_a_batch_size_that_makes_other_requests_alone(monkeyp
 
 def test_predictor_without_a_polynomial_fit_captures_everything_and_says_why(monkeypatch):
     calls = _fake_capture(monkeypatch, lambda b: _stream(b, extra=b * b * b))  # cubic term
-    pred = P.Predictor({"name": "fake"}, GEOMETRY)
+    pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY)
     pred.prepare([8, 16, 32, 64, 128])
     for b in (20, 64):
         assert pred.stream(b) == _stream(b, extra=b * b * b)
@@ -213,7 +214,7 @@ def test_a_capture_that_differs_from_its_derivation_turns_derivation_off(monkeyp
 
 def test_predictor_derive_false_captures_every_batch(monkeypatch):
     calls = _fake_capture(monkeypatch, _stream)
-    pred = P.Predictor({"name": "fake"}, GEOMETRY, derive=False)
+    pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY, derive=False)
     pred.prepare([8, 16, 32, 64])
     for b in (8, 16, 32, 64):
         pred.stream(b)
@@ -232,7 +233,7 @@ def test_plan_with_derived_streams_equals_plan_capturing_every_batch(monkeypatch
     grid = grid_batches(4, 64)
     maps = {}
     for derive in (True, False):
-        pred = P.Predictor(cfg, geometry, derive=derive)
+        pred = P.Predictor(WorkloadSpec.from_dict(cfg), geometry, derive=derive)
         fmap = build_plan(pred, settings, grid, workload=cfg, device={"kind": "cpu"})
         maps[derive] = (fmap, pred)
     with_d, without = maps[True][0].to_dict(), maps[False][0].to_dict()
@@ -256,7 +257,7 @@ def test_transformer_plan_from_batch_1_with_derived_streams_equals_capturing_eve
     grid = grid_batches(1, 64)
     maps = {}
     for derive in (True, False):
-        pred = P.Predictor(cfg, geometry, steps=4, derive=derive)
+        pred = P.Predictor(WorkloadSpec.from_dict(cfg), geometry, steps=4, derive=derive)
         maps[derive] = (build_plan(pred, settings, grid, workload=cfg, device={"kind": "cpu"}).to_dict(), pred)
     assert maps[True][0]["configurations"] == maps[False][0]["configurations"]
     pred = maps[True][1]
@@ -275,7 +276,7 @@ def test_gc_threshold_predictions_equal_fresh_replays(monkeypatch, fraction):
         monkeypatch.delenv(key, raising=False)
     cfg = WORKLOADS["resnet"]
     geometry = {"total_memory_bytes": 340 << 20, "memory_fraction": fraction}
-    pred = P.Predictor(cfg, geometry)
+    pred = P.Predictor(WorkloadSpec.from_dict(cfg), geometry)
     shared = 0
     for b in (4, 32, 64, 128):
         for conf in ("", "garbage_collection_threshold:0.6", "garbage_collection_threshold:0.95"):

@@ -15,6 +15,7 @@ from oomtune.plan import predictor as P
 from oomtune.plan._spread import replay_groups
 from oomtune.plan.feasibility import build_plan, grid_batches
 from oomtune.plan.parallel import default_workers, fork_map
+from oomtune.workload_spec import WorkloadSpec
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs the fork start method")
 GEOMETRY = {"total_memory_bytes": 1 << 30, "memory_fraction": 1.0}
@@ -142,7 +143,7 @@ def test_prepare_with_workers_takes_the_same_captures_in_the_same_order(monkeypa
     monkeypatch.setattr(P, "capture_training_stream", capture)
     taken = []
     for workers in (1, 2):
-        pred = P.Predictor({"name": "fake"}, GEOMETRY, workers=workers)
+        pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY, workers=workers)
         pred.prepare([8, 16, 32, 64, 128])
         taken.append(list(pred._captured))
     # the smallest two, the median and the largest, taken in ascending order either way
@@ -162,7 +163,7 @@ def test_prepare_with_workers_turns_derivation_off_like_one_process(monkeypatch)
     monkeypatch.setattr(P, "capture_training_stream", capture)
     notes = []
     for workers in (1, 2):
-        pred = P.Predictor({"name": "fake"}, GEOMETRY, workers=workers)
+        pred = P.Predictor(WorkloadSpec.from_dict({"name": "fake"}), GEOMETRY, workers=workers)
         pred.prepare([8, 16, 32, 64, 128])
         notes.append(pred.derivation_note)
     assert notes[0] == notes[1] and "are not a polynomial of degree <= 2 in the batch size" in notes[0]
@@ -180,9 +181,9 @@ def test_plan_with_workers_equals_one_process_capturing_every_batch(monkeypatch,
     # 0.5 x 340 MiB allowed: the threshold acts at the larger batches, fits end between 32 and 64
     geometry = {"total_memory_bytes": 340 << 20, "memory_fraction": 0.5}
     grid = grid_batches(4, 64)
-    reference = P.Predictor(RESNET, geometry, derive=False)
+    reference = P.Predictor(WorkloadSpec.from_dict(RESNET), geometry, derive=False)
     ref = build_plan(reference, settings, grid, workload=RESNET, device={"kind": "cpu"})
-    pred = P.Predictor(RESNET, geometry, derive=derive, workers=2)
+    pred = P.Predictor(WorkloadSpec.from_dict(RESNET), geometry, derive=derive, workers=2)
     seen = []
     fmap = build_plan(pred, settings, grid, workload=RESNET, device={"kind": "cpu"},
                       on_row=lambda row: seen.append(row.alloc_conf))

@@ -18,6 +18,7 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.plan.feasibility import build_plan
 from oomtune.plan.predictor import Predictor
 from oomtune.plan.variants import PredictorVariants
+from oomtune.workload_spec import WorkloadSpec
 
 #: A small MLP (the input 64 features wide) on a virtual GPU of 1 GiB, all of it usable.
 WORKLOAD = {"name": "mlp", "in_features": 64, "hidden": 16, "layers": 1, "num_classes": 10, "optimizer": "sgd",
@@ -28,7 +29,7 @@ GLOBAL_BATCH = 32
 
 def _variants() -> PredictorVariants:
     """A global batch of 32: micro-batch b accumulates 32 // b micro-batches per optimizer step."""
-    return PredictorVariants(WORKLOAD, lambda w: Predictor(w, GEOMETRY, steps=1),
+    return PredictorVariants(WorkloadSpec.from_dict(WORKLOAD), lambda w: Predictor(w, GEOMETRY, steps=1),
                              grad_accum_of=lambda b: GLOBAL_BATCH // b)
 
 

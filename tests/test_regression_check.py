@@ -461,7 +461,7 @@ def test_prepare_check_reads_the_workload_geometry_and_limit_once(tmp_path):
     assert run.limit_bytes == int(GiB * 0.95)           # budget x (1 - headroom), whole bytes
     # the virtual GPU of the trials: the recorded 80 GiB device under a fraction of 1/80
     assert run.geometry == {"total_memory_bytes": 80 * GiB, "memory_fraction": 1 / 80}
-    assert run.ranks == 2 and run.workload.ranks == 2 and run.workload.trial_workload()["ranks"] == 2
+    assert run.ranks == 2 and run.workload.ranks == 2 and run.workload.to_dict()["ranks"] == 2
     assert run.target.name == "builtin" and run.target.capturable
 
 

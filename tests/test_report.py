@@ -15,6 +15,7 @@ from oomtune.htmlreport import build_report
 from oomtune.htmlreport._data import gather
 from oomtune.htmlreport._step import step_series
 from oomtune.trace.snapshot import TRACE_ACTIONS, load_snapshot
+from oomtune.workload_spec import WorkloadSpec
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from report_run import MiB, make_run_dir  # noqa: E402
@@ -247,7 +248,7 @@ def test_peak_segments_of_the_readme_runs_step_sum_to_the_segments_drawn():
     model = {"name": "resnet", "depth": 18, "image_size": 64, "num_classes": 100, "channels_last": False,
              "optimizer": "sgd", "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
     geometry = sim_geometry(resolve_device("cpu", virtual_device_memory="80GiB"), 1 << 30)
-    stream = Predictor(model, geometry, steps=4).stream(493)
+    stream = Predictor(WorkloadSpec.from_dict(model), geometry, steps=4).stream(493)
     snap = synthesise_snapshot(stream, "expandable_segments:True", total_memory_bytes=geometry["total_memory_bytes"],
                                memory_fraction=geometry["memory_fraction"])
     series = step_series(snap)

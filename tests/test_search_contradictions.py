@@ -18,10 +18,17 @@ import pytest
 
 from oomtune.outcome import Outcome
 from oomtune.study import records as R
+from oomtune.schema import SearchConf, TrialConf
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.space import SearchSpace
 from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
 from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
+
+#: The fake workload the fake runners "train" (no target GPU: the runners read none).
+FAKE = WorkloadSpec(target={"name": "builtin"}, model={"name": "fake"}, gpu=None)
+#: trial.* as these searches had them: 10 confirmation steps, no soak (the fake runners soak nothing).
+TRIAL = TrialConf(confirm_steps=10, soak_steps=0)
 
 BUDGET = 1000 * MiB
 
@@ -57,8 +64,8 @@ class Runner:
 def _search(tmp_path, runner, *, objective="throughput"):
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
     space = SearchSpace(8, 256, {"expandable_segments": [False, True]})
-    opts = SearchOptions(workload={"name": "fake"}, device="cpu", budget_bytes=BUDGET, headroom=0.05,
-                         n_trials=0, confirm_steps=10, objective=objective)
+    opts = SearchOptions(workload=FAKE, device="cpu", budget_bytes=BUDGET,
+                         search=SearchConf(headroom=0.05, n_trials=0), trial=TRIAL, objective=objective)
     return Search(study, space, opts, runner=runner, confirm_runner=runner, workdir=tmp_path), study
 
 

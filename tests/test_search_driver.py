@@ -12,10 +12,17 @@ import pytest
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.study import records as R
+from oomtune.schema import SearchConf, TrialConf
 from oomtune.search.driver import Search, SearchOptions, SetupFault
 from oomtune.space import SearchSpace
 from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
 from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
+
+#: The fake workload the fake runners "train" (no target GPU: the runners read none).
+FAKE = WorkloadSpec(target={"name": "builtin"}, model={"name": "fake"}, gpu=None)
+#: trial.* as these searches had them: 10 confirmation steps, no soak (the fake runners soak nothing).
+TRIAL = TrialConf(confirm_steps=10, soak_steps=0)
 
 BUDGET = 1000 * MiB
 
@@ -51,8 +58,8 @@ def make(tmp_path, *, low=8, high=256, n_trials=0, headroom=0.05, runner=None, c
          space=None, sampler=None):
     study = optuna.create_study(direction="maximize", sampler=sampler or optuna.samplers.RandomSampler(seed=0))
     space = SearchSpace(low, high, space if space is not None else {"expandable_segments": [False, True]})
-    opts = SearchOptions(workload={"name": "fake"}, device="cpu", budget_bytes=BUDGET, headroom=headroom,
-                         n_trials=n_trials, confirm_steps=10)
+    opts = SearchOptions(workload=FAKE, device="cpu", budget_bytes=BUDGET,
+                         search=SearchConf(headroom=headroom, n_trials=n_trials), trial=TRIAL)
     runner = runner or FakeRunner()
     return Search(study, space, opts, runner=runner, confirm_runner=confirm_runner or runner,
                   workdir=tmp_path), study, runner
@@ -114,7 +121,7 @@ def test_confirmation_failure_falls_back_to_next_best_c7(tmp_path):
 def test_batch_objective_confirms_the_largest_feasible_batch_once(tmp_path):
     # objective=batch: the ranking is by batch (76 > 72 ...); one clean run of the top candidate.
     search, study, runner = make(tmp_path)
-    search.opt.objective = "batch"
+    search.opt = replace(search.opt, objective="batch")
     search.run_frontier()
     best, result, confirmed = search.confirm()
     assert best.params["batch_size"] == 76 and confirmed
@@ -235,8 +242,8 @@ def test_data_loader_settings_are_searchable_and_reach_the_trial(tmp_path):
                                 sampler=optuna.samplers.GridSampler({"batch_size": [16], "data.num_workers": [0, 2],
                                                                      "expandable_segments": [False]}))
     space = SearchSpace(8, 64, {"expandable_segments": [False]}, {"num_workers": [0, 2]})
-    opts = SearchOptions(workload={"name": "fake", "data": {"num_workers": 0, "pin_memory": False}},
-                         device="cpu", budget_bytes=BUDGET, n_trials=2)
+    opts = SearchOptions(workload=replace(FAKE, model={"name": "fake", "data": {"num_workers": 0, "pin_memory": False}}),
+                         device="cpu", budget_bytes=BUDGET, search=SearchConf(n_trials=2), trial=TRIAL)
     runner = Recording()
     search = Search(study, space, opts, runner=runner, confirm_runner=runner, workdir=tmp_path)
     search.run_search()
@@ -310,7 +317,7 @@ def test_throughput_gain_beyond_the_noise_is_claimed_from_the_confirmation(tmp_p
 def test_batch_at_the_top_of_the_range_is_reported(tmp_path):
     # high = 64: the default fits all of it (64 x 12 MiB = 768 MiB): the answer is the range's top.
     search, study, runner = make(tmp_path, high=64)
-    search.opt.objective = "batch"
+    search.opt = replace(search.opt, objective="batch")
     baseline = search.run_frontier()
     best, result, confirmed = search.confirm()
     summary = search.summary(best, result, confirmed, baseline)
@@ -409,7 +416,7 @@ def test_batch_objective_with_one_worker_probes_one_at_a_time_and_skips_what_can
     runner = ThreeWayRunner()
     search, study, _ = make(tmp_path, runner=runner,
                             space={"expandable_segments": [False, True], "roundup_power2_divisions": [None, 4]})
-    search.opt.objective = "batch"
+    search.opt = replace(search.opt, objective="batch")
     search.predictor = ThreeWayPredictor()
     search.run_frontier()
     assert [c[:2] for c in runner.calls] == [(79, ""), (80, ""), (95, "expandable_segments:True"),
@@ -440,8 +447,8 @@ def test_throughput_confirmation_interleaves_three_repeats_on_one_gpu_over_time_
                              (76, ""): [100.0, 104.0, 102.0]})
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
     space = SearchSpace(8, 256, {"expandable_segments": [False, True]})
-    opts = SearchOptions(workload={"name": "fake"}, device="cuda:0", budget_bytes=BUDGET, headroom=0.05,
-                         n_trials=0, confirm_steps=10, window_s=4.0, finalists=1)
+    opts = SearchOptions(workload=FAKE, device="cuda:0", budget_bytes=BUDGET,
+                         search=SearchConf(headroom=0.05, n_trials=0, finalists=1), trial=TRIAL, window_s=4.0)
     search = Search(study, space, opts, runner=runner, confirm_runner=runner, workdir=tmp_path,
                     slots=["cuda:0", "cuda:1"])
     search.run_frontier()

@@ -20,6 +20,7 @@ from oomtune.exceptions import UserCodeError
 from oomtune.alloc.stream import AllocationStream
 from oomtune.plan import stream_cache as SC
 from oomtune.plan.stream_cache import StreamCache, cacheable, default_cache
+from oomtune.workload_spec import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10,
@@ -34,7 +35,7 @@ def _stream() -> AllocationStream:
 
 def test_a_stored_stream_reads_back_equal_with_its_reason(tmp_path):
     cache = StreamCache(tmp_path)
-    key, material = cache.capture_key(MLP, 32, 2, False)
+    key, material = cache.capture_key(WorkloadSpec.from_dict(MLP), 32, 2, False)
     assert cache.get(key, material) is None and cache.misses == 1
     cache.put(key, material, _stream(), "meta kernel missing (x): captured on cpu")
     stream, reason = cache.get(key, material)
@@ -46,7 +47,7 @@ def test_a_stored_stream_reads_back_equal_with_its_reason(tmp_path):
 @pytest.mark.parametrize("change", ["batch", "steps", "blas", "model", "torch", "code"])
 def test_every_input_of_a_capture_is_part_of_its_key(change, tmp_path, monkeypatch):
     cache = StreamCache(tmp_path)
-    base = cache.capture_key(MLP, 32, 2, False)[0]
+    base = cache.capture_key(WorkloadSpec.from_dict(MLP), 32, 2, False)[0]
     args = {"batch": (MLP, 33, 2, False), "steps": (MLP, 32, 3, False), "blas": (MLP, 32, 2, True),
             "model": ({**MLP, "hidden": 129}, 32, 2, False)}.get(change, (MLP, 32, 2, False))
     monkeypatch.setattr(SC, "_env", None)   # the environment part of the key, computed again below
@@ -57,23 +58,23 @@ def test_every_input_of_a_capture_is_part_of_its_key(change, tmp_path, monkeypat
         monkeypatch.setattr(packages, "installed_version", lambda d: "9.9.9" if d == "torch" else real(d))
     if change == "code":
         monkeypatch.setattr(SC, "_fingerprint", "0" * 64)
-    assert cache.capture_key(*args)[0] != base
+    assert cache.capture_key(WorkloadSpec.from_dict(args[0]), *args[1:])[0] != base
 
 
 def test_the_cublas_workspace_setting_keys_real_gpu_captures_only(tmp_path, monkeypatch):
     cache = StreamCache(tmp_path)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    plain, gpu = cache.capture_key(MLP, 8, 2, False)[0], cache.capture_key(MLP, 8, 2, True)[0]
+    plain, gpu = cache.capture_key(WorkloadSpec.from_dict(MLP), 8, 2, False)[0], cache.capture_key(WorkloadSpec.from_dict(MLP), 8, 2, True)[0]
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    assert cache.capture_key(MLP, 8, 2, False)[0] == plain
-    assert cache.capture_key(MLP, 8, 2, True)[0] != gpu
+    assert cache.capture_key(WorkloadSpec.from_dict(MLP), 8, 2, False)[0] == plain
+    assert cache.capture_key(WorkloadSpec.from_dict(MLP), 8, 2, True)[0] != gpu
 
 
 @pytest.mark.parametrize("damage", ["truncated stream", "not a stream", "no stream", "bad json", "other key",
                                     "reason not text", "one bit flipped", "another entry's stream", "no checksum"])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(damage, tmp_path):
     cache = StreamCache(tmp_path)
-    key, material = cache.capture_key(MLP, 32, 2, False)
+    key, material = cache.capture_key(WorkloadSpec.from_dict(MLP), 32, 2, False)
     cache.put(key, material, _stream(), None)
     meta, data = cache._paths(key)
     if damage == "truncated stream":
@@ -96,7 +97,7 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(damage, tmp_path):
         data.write_bytes(bytes(raw))
         assert AllocationStream.load(data) != _stream()   # it parses, with another size
     elif damage == "another entry's stream":   # a valid stream file copied over from another key
-        other_key, other_material = cache.capture_key(MLP, 64, 2, False)
+        other_key, other_material = cache.capture_key(WorkloadSpec.from_dict(MLP), 64, 2, False)
         cache.put(other_key, other_material, AllocationStream([("alloc", 1, 4096, 0), ("free", 1)]), None)
         data.write_bytes(cache._paths(other_key)[1].read_bytes())
     else:   # written by a version without checksums
@@ -111,28 +112,28 @@ def test_an_unwritable_cache_is_a_cache_that_misses(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     cache = StreamCache(blocker / "streams")
-    key, material = cache.capture_key(MLP, 32, 2, False)
+    key, material = cache.capture_key(WorkloadSpec.from_dict(MLP), 32, 2, False)
     cache.put(key, material, _stream(), None)   # no error
     assert cache.get(key, material) is None
-    cache.mark_validated(MLP)
-    assert not cache.validated(MLP)
+    cache.mark_validated(WorkloadSpec.from_dict(MLP))
+    assert not cache.validated(WorkloadSpec.from_dict(MLP))
     assert cache.unwritable() == "Not a directory"   # ENOTDIR's strerror: what the plan's note names
     assert StreamCache(tmp_path / "new").unwritable() is None and (tmp_path / "new").is_dir()
 
 
 def test_validated_marks_are_per_config(tmp_path):
     cache = StreamCache(tmp_path)
-    assert not cache.validated(MLP)
-    cache.mark_validated(MLP)
-    assert cache.validated(MLP) and not cache.validated({**MLP, "layers": 2})
+    assert not cache.validated(WorkloadSpec.from_dict(MLP))
+    cache.mark_validated(WorkloadSpec.from_dict(MLP))
+    assert cache.validated(WorkloadSpec.from_dict(MLP)) and not cache.validated(WorkloadSpec.from_dict({**MLP, "layers": 2}))
 
 
 def test_real_data_is_not_cached_and_python_entries_are_when_their_code_can_be_read(tmp_path):
-    assert cacheable(MLP) and cacheable({**MLP, "data": {"source": "synthetic"}})
-    assert not cacheable({**MLP, "data": {"source": "imagefolder", "path": "/data"}})
-    assert cacheable({"target": {"name": "python", "entry": str(ROOT / "examples/my_workload.py") + ":make_workload"}})
-    assert not cacheable({"target": {"name": "python", "entry": str(tmp_path / "absent.py") + ":f"}})
-    assert not cacheable({"target": {"name": "python", "entry": "no_such_module_i26:f"}})
+    assert cacheable(WorkloadSpec.from_dict(MLP)) and cacheable(WorkloadSpec.from_dict({**MLP, "data": {"source": "synthetic"}}))
+    assert not cacheable(WorkloadSpec.from_dict({**MLP, "data": {"source": "imagefolder", "path": "/data"}}))
+    assert cacheable(WorkloadSpec.from_dict({"target": {"name": "python", "entry": str(ROOT / "examples/my_workload.py") + ":make_workload"}}))
+    assert not cacheable(WorkloadSpec.from_dict({"target": {"name": "python", "entry": str(tmp_path / "absent.py") + ":f"}}))
+    assert not cacheable(WorkloadSpec.from_dict({"target": {"name": "python", "entry": "no_such_module_i26:f"}}))
 
 
 ENTRY = """import torch
@@ -158,7 +159,7 @@ def _entry(tmp_path: Path, width: int = 32, body: str = ENTRY) -> dict:
 def test_a_python_entry_is_keyed_by_its_code_its_local_imports_and_its_packages(tmp_path, monkeypatch):
     cache = StreamCache(tmp_path / "cache")
     wl = _entry(tmp_path)
-    base = cache.capture_key(wl, 8, 2, False)
+    base = cache.capture_key(WorkloadSpec.from_dict(wl), 8, 2, False)
     material = base[1]
     assert material["model"] == {"target": wl["target"]}
     assert set(material["entry"]["files"]) == {str((tmp_path / "wl.py").resolve()),
@@ -167,11 +168,11 @@ def test_a_python_entry_is_keyed_by_its_code_its_local_imports_and_its_packages(
     # the same entry named relative to the current directory: the same key (a plan and a search share it)
     monkeypatch.chdir(tmp_path)
     rel = {"target": {"name": "python", "entry": "wl.py:make_workload"}}
-    assert cache.capture_key(rel, 8, 2, False)[0] == base[0]
+    assert cache.capture_key(WorkloadSpec.from_dict(rel), 8, 2, False)[0] == base[0]
     # a changed entry file, a changed local module: other keys
-    assert cache.capture_key(_entry(tmp_path, body=ENTRY + "\n# changed\n"), 8, 2, False)[0] != base[0]
-    assert cache.capture_key(_entry(tmp_path, width=33), 8, 2, False)[0] != base[0]
-    assert cache.capture_key(_entry(tmp_path), 8, 2, False)[0] == base[0]     # back as it was
+    assert cache.capture_key(WorkloadSpec.from_dict(_entry(tmp_path, body=ENTRY + "\n# changed\n")), 8, 2, False)[0] != base[0]
+    assert cache.capture_key(WorkloadSpec.from_dict(_entry(tmp_path, width=33)), 8, 2, False)[0] != base[0]
+    assert cache.capture_key(WorkloadSpec.from_dict(_entry(tmp_path)), 8, 2, False)[0] == base[0]     # back as it was
 
 
 def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_changed_entry_misses(tmp_path, monkeypatch):
@@ -181,7 +182,7 @@ def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_change
     device = resolve_device("cpu", virtual_device_memory="1GiB")
     cache = StreamCache(tmp_path / "cache")
     wl = _entry(tmp_path)
-    plan = P.Predictor.for_search(wl, device, 64 << 20, cache=cache)
+    plan = P.Predictor.for_search(WorkloadSpec.from_dict(wl), device, 64 << 20, cache=cache)
     plan.prepare([8, 16, 32, 64])
     want = {b: plan.predict_detail(b, "") for b in (8, 24, 64)}
     assert plan.cached_batches == [] and plan.captures >= 3
@@ -191,7 +192,7 @@ def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_change
 
     real_capture = P.capture_training_stream
     monkeypatch.setattr(P, "capture_training_stream", no_capture)
-    search = P.Predictor.for_search(wl, device, 64 << 20, cache=cache)
+    search = P.Predictor.for_search(WorkloadSpec.from_dict(wl), device, 64 << 20, cache=cache)
     search.prepare([8, 16, 32, 64])
     assert {b: search.predict_detail(b, "") for b in (8, 24, 64)} == want
     assert sorted(search.cached_batches) == sorted(plan._captured)
@@ -199,11 +200,11 @@ def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_change
     # in the capture's own process, whose exception arrives as the one-line UserCodeError)
     changed = _entry(tmp_path, width=48)
     with pytest.raises(UserCodeError, match="raised AssertionError at .*captured although"):
-        P.Predictor.for_search(changed, device, 64 << 20, cache=cache).prepare([8, 16, 32, 64])
+        P.Predictor.for_search(WorkloadSpec.from_dict(changed), device, 64 << 20, cache=cache).prepare([8, 16, 32, 64])
     monkeypatch.setattr(P, "capture_training_stream", real_capture)
     for name in [m for m in sys.modules if m == "helper_mod" or m.startswith("oomtune_user_wl_")]:
         monkeypatch.delitem(sys.modules, name)   # this process loaded the old code; a new process would not
-    fresh = P.Predictor.for_search(changed, device, 64 << 20, cache=cache)
+    fresh = P.Predictor.for_search(WorkloadSpec.from_dict(changed), device, 64 << 20, cache=cache)
     assert fresh.predict_detail(64, "").peak_allocated_bytes > want[64].peak_allocated_bytes   # 48 features, not 32
 
 
@@ -234,11 +235,11 @@ def test_a_predictor_on_a_warm_cache_captures_nothing_and_predicts_the_same(tmp_
     geometry = budget_geometry(64 << 20, 1 << 30)
     grid = [8, 16, 24, 32, 48, 64]
     confs = ["", "expandable_segments:True", "max_split_size_mb:20,roundup_power2_divisions:4"]
-    fresh = P.Predictor(MLP, geometry)   # no cache: the reference
+    fresh = P.Predictor(WorkloadSpec.from_dict(MLP), geometry)   # no cache: the reference
     fresh.prepare(grid)
     expected = {(b, c): fresh.predict_detail(b, c) for b in grid for c in confs}
 
-    cold = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path))
+    cold = P.Predictor(WorkloadSpec.from_dict(MLP), geometry, cache=StreamCache(tmp_path))
     cold.prepare(grid)
     assert {(b, c): cold.predict_detail(b, c) for b in grid for c in confs} == expected
     assert cold.cached_batches == [] and cold.captures == fresh.captures
@@ -247,12 +248,12 @@ def test_a_predictor_on_a_warm_cache_captures_nothing_and_predicts_the_same(tmp_
         raise AssertionError("captured although the cache holds the stream")
 
     monkeypatch.setattr(P, "capture_training_stream", no_capture)
-    warm = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path))
+    warm = P.Predictor(WorkloadSpec.from_dict(MLP), geometry, cache=StreamCache(tmp_path))
     warm.prepare(grid)
     assert {(b, c): warm.predict_detail(b, c) for b in grid for c in confs} == expected
     assert sorted(warm.cached_batches) == sorted(fresh._captured) and warm.derived_batches == fresh.derived_batches
     # read_cache=False captures again (here: the capture function refuses, so it must be called)
-    again = P.Predictor(MLP, geometry, cache=StreamCache(tmp_path), read_cache=False)
+    again = P.Predictor(WorkloadSpec.from_dict(MLP), geometry, cache=StreamCache(tmp_path), read_cache=False)
     with pytest.raises(AssertionError, match="captured although"):
         again.prepare(grid)
 
@@ -307,10 +308,10 @@ def test_the_search_predictor_takes_the_cache_and_says_what_it_read(tmp_path):
     from oomtune.search.run import _cached_words
 
     device = resolve_device("cpu", virtual_device_memory="1GiB")
-    first = Predictor.for_search(MLP, device, 64 << 20, cache=StreamCache(tmp_path))
+    first = Predictor.for_search(WorkloadSpec.from_dict(MLP), device, 64 << 20, cache=StreamCache(tmp_path))
     first.predict_detail(16, "")
     assert _cached_words(first) == ""   # it captured
-    second = Predictor.for_search(MLP, device, 64 << 20, cache=StreamCache(tmp_path))
+    second = Predictor.for_search(WorkloadSpec.from_dict(MLP), device, 64 << 20, cache=StreamCache(tmp_path))
     assert second.predict_detail(16, "") == first.predict_detail(16, "")
     assert second.cached_batches == [16] and _cached_words(second) == ", 1 of 1 read from the stream cache"
 

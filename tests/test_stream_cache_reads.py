@@ -19,6 +19,7 @@ from oomtune.capture import reads as RD
 from oomtune.exceptions import UserCodeError
 from oomtune.plan import stream_cache as SC
 from oomtune.plan.stream_cache import StreamCache
+from oomtune.workload_spec import WorkloadSpec
 
 # width read inside make_workload (every capture reads it) and depth at module level (read once, when
 # the module loads: later captures in the process must still be keyed on it)
@@ -80,7 +81,7 @@ def test_an_entry_under_another_value_is_kept_beside_and_only_a_matching_one_is_
     from oomtune.alloc.stream import AllocationStream
 
     cache = StreamCache(tmp_path)
-    key, material = cache.capture_key({"name": "mlp", "target": {"name": "builtin"}}, 8, 2, False)
+    key, material = cache.capture_key(WorkloadSpec.from_dict({"name": "mlp", "target": {"name": "builtin"}}), 8, 2, False)
     a = AllocationStream([("alloc", 1, 512, 0), ("free", 1)])
     b = AllocationStream([("alloc", 1, 1024, 0), ("free", 1)])
     a.reads, b.reads = {"OOMTUNE_TEST_V": "a"}, {"OOMTUNE_TEST_V": "b"}
@@ -110,7 +111,7 @@ def test_a_changed_environment_variable_is_a_miss_and_the_first_value_reads_the_
     monkeypatch.setenv("OOMTUNE_TEST_WIDTH", "64")
 
     def plan() -> tuple[P.Predictor, int]:
-        pred = P.Predictor.for_search(wl, device, 64 << 20, cache=cache)
+        pred = P.Predictor.for_search(WorkloadSpec.from_dict(wl), device, 64 << 20, cache=cache)
         return pred, pred.predict_detail(16, "").peak_allocated_bytes
 
     first, peak_a = plan()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.htmlreport._data import FRONTIER_FILE, STEP_FILE
+from oomtune.workload_spec import JsonObject
 
 __all__ = ["write_search_artifacts", "frontier_settings", "MAX_FRONTIER_CONFIGS"]
 
@@ -56,7 +57,7 @@ def frontier_batches(trials: list[dict[str, Any]], best_batch: int | None, *, ca
     return sorted(keep | ({best_batch} if best_batch else set()))
 
 
-def write_search_artifacts(run_dir: Path, *, workload: dict[str, Any], device: Any, budget_bytes: int,
+def write_search_artifacts(run_dir: Path, *, workload: JsonObject, device: Any, budget_bytes: int,
                            headroom: float, predictor: Any = None, space: Any = None,
                            predicted_frontiers: bool | None = None) -> list[str]:
     """Write frontier.yaml and winner_step.pickle into ``run_dir`` (simulated on the virtual GPU).

@@ -19,11 +19,14 @@ imports nothing from the CLI or the report.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["CardResult", "CardsPlan", "families_of", "plan_cards", "write_cards_plan"]
 
@@ -74,7 +77,7 @@ class CardResult:
 class CardsPlan:
     """The whole multi-card plan: per card its result, the grid, the batch asked (``plan.batch``)."""
 
-    workload: dict[str, Any]
+    workload: JsonObject
     batch_sizes: list[int]
     results: list[CardResult]
     headroom: float
@@ -147,7 +150,7 @@ def card_budgets(cards: list[Any], budget: str | None) -> dict[str, int]:
     return out
 
 
-def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: dict[str, Any], settings: list[dict[str, Any]],
+def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: WorkloadSpec, settings: list[dict[str, Any]],
                grid: list[int], headroom: float, steps: int, cache: Any, read_cache: bool, timeout_s: float,
                workers: int, budget: str | None, batch: int | None,
                say: Callable[[str], None] = lambda _s: None) -> CardsPlan:
@@ -165,7 +168,7 @@ def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: dict[str,
     by_name: dict[str, CardResult] = {}
     captures = replays = 0
     for family, members in families_of(cards).items():
-        fam_workload = {**workload, "gpu": family, "gpu_source": "gpu="}
+        fam_workload = dataclasses.replace(workload, gpu=family, gpu_source="gpu=")
         predictor = None
         for card in members:
             device = TargetDevice(spec="cuda:0", kind="cuda", index=0, name=card.display_name,
@@ -180,7 +183,7 @@ def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: dict[str,
             before = predictor.replays
             dev = {"kind": "cuda", "name": card.display_name, "total_memory_bytes": card.total_memory_bytes,
                    "budget_bytes": budgets[card.name], "memory_source": "device catalogue", "target_gpu": family}
-            fmap = build_plan(predictor, settings, grid, workload=fam_workload, device=dev, limit_bytes=limit,
+            fmap = build_plan(predictor, settings, grid, workload=fam_workload.to_dict(), device=dev, limit_bytes=limit,
                               headroom=headroom)
             replays += predictor.replays - before
             by_name[card.name] = CardResult(card, budgets[card.name], limit, fmap,
@@ -189,7 +192,7 @@ def plan_cards(cards: list[Any], budgets: dict[str, int], *, workload: dict[str,
                 f"{len(members)} card{'s' if len(members) > 1 else ''})")
         captures += predictor.captures
     results = [by_name[c.name] for c in cards]
-    return CardsPlan(workload=dict(workload), batch_sizes=list(grid), results=results, headroom=headroom,
+    return CardsPlan(workload=workload.to_dict(), batch_sizes=list(grid), results=results, headroom=headroom,
                      budget=budget, batch=batch, captures=captures, replays=replays,
                      total_s=time.perf_counter() - t0)
 
@@ -237,7 +240,7 @@ def cards_table(plan: CardsPlan) -> Any:
     return table
 
 
-def plan_multi(cards: Any, cfg: Any, *, workload: dict[str, Any], shaped: bool, settings: list[dict[str, Any]],
+def plan_multi(cards: Any, cfg: Any, *, workload: WorkloadSpec, shaped: bool, settings: list[dict[str, Any]],
                skipped: list[str], grid: list[int], headroom: float, store: Any, cache: bool, path: Path,
                console: Any, global_batch: Any, label: str) -> CardsPlan:
     """``oomtune plan ... gpu=[...]`` after the config is checked (:func:`oomtune.plan.run.plan`):

@@ -14,13 +14,15 @@ own processes, where its module-level environment reads are recorded for the str
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["check_user_code"]
 
 
-def check_user_code(workload: Mapping[str, Any], *, timeout_s: float | None,
+def check_user_code(workload: WorkloadSpec, *, timeout_s: float | None,
                     limit_name: str = "trial.timeout") -> None:
     """Import and inspect the user's code of ``workload`` (a target with ``user_code``) in a forked
     process stopped past ``timeout_s`` seconds (``limit_name`` in the message; None: no limit), and
@@ -32,10 +34,10 @@ def check_user_code(workload: Mapping[str, Any], *, timeout_s: float | None,
             was killed or ran past the limit; one line, before any trial.
     """
     from oomtune.plan.isolation import IMPORT_STAGE, run_isolated
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target
 
-    target = target_for(workload)
-    target_cfg = dict(workload.get("target") or {})
+    target = get_target(workload.target_name)
+    target_cfg = dict(workload.target)
     if not target.user_code:
         return
     target.warm()   # oomtune's imports (torch) here: trial.timeout is the user's code's alone

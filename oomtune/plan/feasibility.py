@@ -61,6 +61,7 @@ from typing import Any
 
 from oomtune.exceptions import ConfigError
 from oomtune.units import format_bytes
+from oomtune.workload_spec import JsonObject
 
 __all__ = ["PlanCell", "PlanRow", "FeasibilityMap", "grid_batches", "largest_fitting", "frontier_row", "build_plan",
            "write_plan", "plan_table", "check_writable", "validate_headroom", "limit_bytes_of", "split_simulable",
@@ -183,7 +184,7 @@ def fold_twins(rows: Sequence[PlanRow]) -> dict[str, str]:
 class FeasibilityMap:
     """The whole plan: rows per configuration, the grid, where and how long it took."""
 
-    workload: dict[str, Any]
+    workload: JsonObject
     device: dict[str, Any]
     geometry: dict[str, Any]
     batch_sizes: list[int]
@@ -346,7 +347,7 @@ def _known_over(predictor: Any, batch_size: int, variant: dict[str, Any]) -> boo
 
 
 def build_plan(predictor: Any, settings_list: Sequence[dict[str, Any]], grid: Sequence[int], *,
-               workload: dict[str, Any], device: dict[str, Any], limit_bytes: int | None = None,
+               workload: JsonObject, device: dict[str, Any], limit_bytes: int | None = None,
                headroom: float = 0.0, on_row: Callable[[PlanRow], None] | None = None,
                dense: bool = True) -> FeasibilityMap:
     """Predict every configuration at every grid batch and bisect its largest fitting batch.

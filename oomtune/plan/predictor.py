@@ -26,12 +26,17 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.plan import _spread
 from oomtune.exceptions import HostMemoryRefused
 from oomtune.plan.derive import MIN_FIT_CAPTURES, StreamDeriver
+
+if TYPE_CHECKING:
+    from oomtune.plan.stream_cache import StreamCache
+    from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["PREDICT_STEPS", "Prediction", "trial_steps", "Predictor", "capture_training_stream", "python_target_workload",
            "sim_geometry", "unbounded_capacity_bytes", "simulable"]
@@ -393,7 +398,9 @@ class Predictor:
     therefore captured, or equal to what a capture gives wherever checked.
 
     Args:
-        model_cfg: the ``model`` group (plain dict).
+        workload: the :class:`oomtune.workload_spec.WorkloadSpec` captured (its flat form,
+            :meth:`~oomtune.workload_spec.WorkloadSpec.to_dict`, is what :func:`capture_training_stream`
+            builds: the attribute ``model_cfg``).
         geometry: :func:`sim_geometry` of the target device and budget. A real device's geometry
             (it carries ``non_allocator_bytes``) also adds the cuBLAS workspaces to the captures.
         steps: training steps per stream (:data:`PREDICT_STEPS`).
@@ -414,12 +421,22 @@ class Predictor:
             captured here (oomtune's own code; no fork's cost).
         timeout_name: the setting ``timeout_s`` came from, as the messages name it (``--timeout`` for
             ``oomtune check``).
+        entry: a python target's ``make_workload`` passed as the function itself
+            (:func:`oomtune.predict`), which a spec (JSON) cannot hold: it stands for
+            ``workload.target["entry"]`` in what the capture builds; never cached (no file to
+            fingerprint).
     """
 
-    def __init__(self, model_cfg: dict[str, Any], geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
-                 derive: bool = True, workers: int = 1, cache: Any = None, read_cache: bool = True,
-                 timeout_s: float | None = None, timeout_name: str = "trial.timeout"):
-        self.model_cfg, self.geometry, self.steps = model_cfg, geometry, steps
+    def __init__(self, workload: WorkloadSpec, geometry: dict[str, Any], *, steps: int = PREDICT_STEPS,
+                 derive: bool = True, workers: int = 1, cache: StreamCache | None = None, read_cache: bool = True,
+                 timeout_s: float | None = None, timeout_name: str = "trial.timeout",
+                 entry: Callable[..., Any] | None = None):
+        self.workload, self.geometry, self.steps = workload, geometry, steps
+        model_cfg: dict[str, object] = workload.to_dict()   # what the capture builds (the Target contract's form)
+        if entry is not None:
+            model_cfg["target"] = {**workload.target, "entry": entry}
+            cache = None
+        self.model_cfg = model_cfg
         self._streams: dict[int, Any] = {}
         self._captured: dict[int, Any] = {}
         self._capture_reasons: dict[int, str | None] = {}
@@ -446,13 +463,13 @@ class Predictor:
         self.timeout_name = timeout_name
         from oomtune.plan.stream_cache import cacheable
 
-        self.cache = cache if cache is not None and cacheable(model_cfg) else None
+        self.cache = cache if cache is not None and cacheable(workload) else None
         self.cached_batches: list[int] = []
         self.read_cache = bool(read_cache)
 
     @classmethod
-    def for_search(cls, workload: dict[str, Any], device: Any, budget_bytes: int, *,
-                   steps: int = PREDICT_STEPS, cache: Any = None, memory_fraction: bool = True,
+    def for_search(cls, workload: WorkloadSpec, device: Any, budget_bytes: int, *,
+                   steps: int = PREDICT_STEPS, cache: StreamCache | None = None, memory_fraction: bool = True,
                    timeout_s: float | None = None) -> "Predictor":
         """A predictor whose virtual GPU has the trial's geometry (:func:`sim_geometry`) for
         ``device`` (a :class:`oomtune.device.TargetDevice`) and ``budget_bytes``, capturing the
@@ -646,7 +663,7 @@ class Predictor:
         Called in this process only, so ``cached_batches`` sees every hit."""
         if self.cache is None or not self.read_cache:
             return None
-        hit = self.cache.get(*self.cache.capture_key(self.model_cfg, batch_size, self.steps,
+        hit = self.cache.get(*self.cache.capture_key(self.workload, batch_size, self.steps,
                                                      self._blas_workspaces()))
         if hit is not None:
             self.cached_batches.append(batch_size)
@@ -663,7 +680,7 @@ class Predictor:
 
         if not in_child():
             warm_capture()
-        entry = str((self.model_cfg.get("target") or {}).get("entry"))
+        entry = str(self.model_cfg["target"].get("entry"))   # type: ignore[union-attr]
         return run_isolated(self._capture_here, batch_sizes, entry=entry, workers=self.workers,
                             timeout_s=self.timeout_s, limit_name=self.timeout_name)
 
@@ -683,7 +700,7 @@ class Predictor:
         got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
         self._warm = self._warm or os.getpid() == self._pid
         if self.cache is not None:
-            self.cache.put(*self.cache.capture_key(self.model_cfg, batch_size, self.steps, self._blas_workspaces()),
+            self.cache.put(*self.cache.capture_key(self.workload, batch_size, self.steps, self._blas_workspaces()),
                            *got)
         return got
 

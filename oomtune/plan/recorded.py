@@ -31,6 +31,7 @@ from typing import Any
 from oomtune.exceptions import ConfigError
 from oomtune.plan.derive import MIN_FIT_CAPTURES, AffineStreamModel
 from oomtune.plan.predictor import Predictor
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["load_recording", "RecordedPredictor", "RecordedVariants", "NoPrediction"]
 
@@ -80,7 +81,7 @@ class RecordedPredictor(Predictor):
 
     def __init__(self, recordings: dict[int, Any], geometry: dict[str, Any], *, steps: int = 0,
                  extrapolate: bool = True, covers: Any = None) -> None:
-        super().__init__({"target": {"name": "cmd"}}, geometry, steps=steps, derive=True, cache=None)
+        super().__init__(WorkloadSpec(target={"name": "cmd"}, gpu=None), geometry, steps=steps, derive=True, cache=None)
         self.extrapolate = extrapolate
         self.covers = covers or (lambda b: True)
         self.mismatch: int | None = None

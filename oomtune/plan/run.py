@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from oomtune.workload_spec import WorkloadSpec
+    from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["plan"]
 
@@ -65,14 +65,13 @@ def _validate_workload(spec: WorkloadSpec, cache: Any = None) -> None:
         from oomtune.workloads.keys import check_model_keys
 
         check_model_keys(spec.model)   # before torch is imported (a typo costs no seconds of imports)
-        workload = spec.trial_workload()
-        if cache is not None and cache.validated(workload):
+        if cache is not None and cache.validated(spec):
             return
         from oomtune.workloads import validate_workload_config
 
-        validate_workload_config(workload)
+        validate_workload_config(spec.to_dict())
         if cache is not None:
-            cache.mark_validated(workload)
+            cache.mark_validated(spec)
 
 
 def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, cache: bool = True,
@@ -115,14 +114,14 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
 
     def checked(conf: Any, spec: WorkloadSpec, space: Any) -> None:
         nonlocal store, unwritable
-        if store is not None and not cacheable(spec.trial_workload()):
+        if store is not None and not cacheable(spec):
             store = None
         unwritable = store.unwritable() if store is not None else None
         _validate_workload(spec, store if cache else None)
         from oomtune.plan.entry_check import check_user_code
 
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(spec.trial_workload(), timeout_s=conf.trial.timeout)
+        check_user_code(spec, timeout_s=conf.trial.timeout)
 
     # the workload's paths as given (the stream cache's keys); the model.gpu key resolved by
     # prepare: the kernels the captures run (auto: the device); across cards budget= is each card's
@@ -130,7 +129,8 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     prepared = prepare(overrides, resolve_paths=False, cfg=cfg, checked=checked, space_last=True,
                        device_budget=cards is None)
     device, budget_bytes, space = prepared.device, prepared.budget_bytes, prepared.space
-    conf, workload = prepared.conf, prepared.workload.trial_workload()
+    conf, spec = prepared.conf, prepared.workload
+    workload = spec.to_dict()   # the flat form: the target's label, the plan's record, the soak
     from oomtune.capture.gpu_target import target_from_workload
 
     gpu = target_from_workload(workload)
@@ -146,24 +146,26 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     from oomtune.plan.parallel import default_workers
 
     # Under a shape distribution: predicted at its worst shape, with the search's code (so both agree)
-    from oomtune.trial._base import worst_shape_workload
+    from oomtune.trial._base import worst_shape_spec
 
-    worst = worst_shape_workload(workload)
+    worst_spec = worst_shape_spec(spec)
+    worst = workload if worst_spec is spec else worst_spec.to_dict()
     if cards is not None:
         from oomtune.plan.cards import plan_multi
 
-        return plan_multi(cards, conf, workload=worst, shaped=worst is not workload, settings=settings, skipped=skipped,
+        return plan_multi(cards, conf, workload=worst_spec, shaped=worst_spec is not spec, settings=settings,
+                          skipped=skipped,
                           grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
                           global_batch=space.global_batch, label=prepared.target.label(workload))
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(conf.trial)
     if space.global_batch is None:
-        predictor = Predictor(worst, geometry, steps=steps, workers=default_workers(), cache=store,
+        predictor = Predictor(worst_spec, geometry, steps=steps, workers=default_workers(), cache=store,
                               read_cache=cache, timeout_s=conf.trial.timeout)
     else:   # one micro-batch per step at the top, two (accumulating) below: PredictorVariants
         from oomtune.plan.variants import PredictorVariants
 
-        predictor = PredictorVariants(worst, lambda w: Predictor(w, geometry, steps=steps, cache=store,
+        predictor = PredictorVariants(worst_spec, lambda w: Predictor(w, geometry, steps=steps, cache=store,
                                                                  read_cache=cache, timeout_s=conf.trial.timeout),
                                       grad_accum_of=space.grad_accum_for)
     dev = {"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
@@ -240,7 +242,7 @@ def _cards_of(cfg: Any, overrides: list[str]) -> Any:
     return cards, card_budgets(cards, budget), budget
 
 
-def _soak_plan(fmap: Any, workload: dict[str, Any], worst: dict[str, Any], predictor: Any, steps: int, low: int,
+def _soak_plan(fmap: Any, workload: JsonObject, worst: JsonObject, predictor: Any, steps: int, low: int,
                say: Any) -> None:
     """Under a shape distribution: record the worst shape in ``fmap.shapes`` and soak every
     configuration's largest batch for ``steps`` steps of the data's shapes, stepping it down to the

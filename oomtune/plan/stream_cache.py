@@ -4,8 +4,9 @@ Capturing a training step on the meta device needs torch (and, for the vision mo
 which imports ``torch._dynamo``): about 5 s of imports on a 2-core machine before the first request
 is recorded. A captured stream is a pure function of what went into it, so it is kept:
 
-* **the key** is the SHA-256 of everything the capture depends on: the ``model`` group (plain
-  dict, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
+* **the key** is the SHA-256 of everything the capture depends on: the workload (the flat form of
+  its :class:`oomtune.workload_spec.WorkloadSpec`, :meth:`~oomtune.workload_spec.WorkloadSpec.to_dict`:
+  the ``model`` keys with ``target``, ``gpu``, ``ranks`` and the training settings, as captured), the batch size, the steps, whether cuBLAS workspaces are added and
   ``CUBLAS_WORKSPACE_CONFIG``; the installed torch and torchvision versions (package metadata, no
   import); the Python version and machine; and a fingerprint of oomtune's capture code (the source
   files of ``oomtune/capture``, ``oomtune/workloads`` and the stream format and derivation). A
@@ -57,6 +58,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oomtune.workload_spec import JsonObject, WorkloadSpec
+
 __all__ = ["CACHE_ENV", "StreamCache", "default_cache", "cacheable", "code_fingerprint", "entry_fingerprint"]
 
 #: Environment variable naming the cache directory; ``off`` (or ``0``, ``none``) turns it off.
@@ -102,25 +105,24 @@ def _environment() -> dict[str, Any]:
     return _env
 
 
-def cacheable(model_cfg: dict[str, Any]) -> bool:
-    """Whether captures of ``model_cfg`` may be cached: a built-in workload on synthetic data (not a
+def cacheable(workload: WorkloadSpec) -> bool:
+    """Whether captures of ``workload`` may be cached: a built-in workload on synthetic data (not a
     real data set, whose files the workload's checks read), or a ``target: python`` workload whose
     entry's code can be fingerprinted (:func:`entry_fingerprint`)."""
     from oomtune.trial._base import find_target
 
-    target = model_cfg.get("target") or {}
-    found = find_target(target.get("name", "builtin")) if isinstance(target, dict) else None
+    found = find_target(workload.target_name)
     if found is None or not found.capturable:
         return False
     if found.user_code:   # the user's entry: cached while its code is unchanged
-        return entry_fingerprint(target) is not None
-    return not found.reads_files(model_cfg)
+        return entry_fingerprint(workload.target) is not None
+    return not found.reads_files(workload.to_dict())
 
 
 _entry_prints: dict[str, dict[str, Any] | None] = {}
 
 
-def entry_fingerprint(target: dict[str, Any]) -> dict[str, Any] | None:
+def entry_fingerprint(target: JsonObject) -> dict[str, Any] | None:
     """What a ``target: python`` entry's captures depend on beyond its config, or None when it cannot
     be read (the entry's module cannot be found: not cacheable):
 
@@ -146,24 +148,25 @@ def entry_fingerprint(target: dict[str, Any]) -> dict[str, Any] | None:
     return _entry_prints[entry]
 
 
-def _workload_material(model_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The part of a key that names the workload: the ``model`` group for a built-in workload; for
+def _workload_material(workload: WorkloadSpec) -> dict[str, Any]:
+    """The part of a key that names the workload: for a built-in workload its flat form
+    (:meth:`oomtune.workload_spec.WorkloadSpec.to_dict`: the model keys, ``target``, ``gpu``, ...;
+    the mapping the key was made of before the spec existed, so entries written then stay valid); for
     ``target: python`` only the target, resolved (the model group plays no part; a relative entry
     file made absolute, as the search does), and its :func:`entry_fingerprint`."""
     from oomtune.trial._base import find_target
 
-    target = model_cfg.get("target") or {}
-    found = find_target(target.get("name")) if isinstance(target, dict) else None
+    found = find_target(workload.target_name)
     if found is not None and found.user_code and found.capturable:
         from oomtune.targets import resolve_target
 
-        resolved = resolve_target(target)
+        resolved = resolve_target(workload.target)
         return {"model": {"target": resolved}, "entry": entry_fingerprint(resolved)}
-    return {"model": model_cfg}
+    return {"model": workload.to_dict()}
 
 
-def _material(what: str, model_cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"format": _FORMAT, "what": what, **_workload_material(model_cfg), **extra, **_environment()}
+def _material(what: str, workload: WorkloadSpec, **extra: Any) -> dict[str, Any]:
+    return {"format": _FORMAT, "what": what, **_workload_material(workload), **extra, **_environment()}
 
 
 def _json(obj: Any) -> str:
@@ -198,11 +201,11 @@ class StreamCache:
         self.misses = 0
 
     # -- captures ----------------------------------------------------------------------------------
-    def capture_key(self, model_cfg: dict[str, Any], batch_size: int, steps: int, blas_workspaces: bool
+    def capture_key(self, workload: WorkloadSpec, batch_size: int, steps: int, blas_workspaces: bool
                     ) -> tuple[str, dict[str, Any]]:
-        """(hex key, its material) of one capture (:func:`oomtune.plan.predictor.
+        """(hex key, its material) of one capture of ``workload`` (:func:`oomtune.plan.predictor.
         capture_training_stream`'s arguments, plus the versions and code it depends on)."""
-        material = _material("capture", model_cfg, batch_size=int(batch_size), steps=int(steps),
+        material = _material("capture", workload, batch_size=int(batch_size), steps=int(steps),
                              blas_workspaces=bool(blas_workspaces),
                              cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG") if blas_workspaces
                              else None)
@@ -285,26 +288,26 @@ class StreamCache:
         return None
 
     # -- validated workloads -----------------------------------------------------------------------
-    def validated(self, model_cfg: dict[str, Any]) -> bool:
-        """Whether ``model_cfg`` passed :func:`oomtune.workloads.validate_workload_config` under the
+    def validated(self, workload: WorkloadSpec) -> bool:
+        """Whether ``workload`` passed :func:`oomtune.workloads.validate_workload_config` under the
         same versions and code (so checking it again, which imports torch, can be skipped)."""
-        path, material = self._validated_entry(model_cfg)
+        path, material = self._validated_entry(workload)
         try:
             return json.loads(path.read_text(encoding="utf-8")).get("key") == _as_read_back(material)
         except (OSError, ValueError, AttributeError, RecursionError):
             return False
 
-    def mark_validated(self, model_cfg: dict[str, Any]) -> None:
-        """Record that ``model_cfg`` passed the workload checks (see :meth:`validated`)."""
-        path, material = self._validated_entry(model_cfg)
+    def mark_validated(self, workload: WorkloadSpec) -> None:
+        """Record that ``workload`` passed the workload checks (see :meth:`validated`)."""
+        path, material = self._validated_entry(workload)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._write_json(path, {"key": material})
         except OSError:
             pass
 
-    def _validated_entry(self, model_cfg: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-        material = _material("validated", model_cfg)
+    def _validated_entry(self, workload: WorkloadSpec) -> tuple[Path, dict[str, Any]]:
+        material = _material("validated", workload)
         return self._paths(_digest(material))[0], material
 
     # -- files -------------------------------------------------------------------------------------

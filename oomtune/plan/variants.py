@@ -17,8 +17,11 @@ from captures of one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["PredictorVariants", "variant_workload"]
 
@@ -30,32 +33,31 @@ _CKPT = "activation_checkpointing"
 _SECONDS = ("capture_seconds", "derive_seconds", "replay_seconds")
 
 
-def variant_workload(workload: dict[str, Any], *, grad_accum: int, checkpointing: bool | None) -> dict[str, Any]:
-    """``workload`` training ``grad_accum`` micro-batches per optimizer step (the key left out for 1)
-    with ``activation_checkpointing`` set (unchanged when None)."""
-    out = dict(workload)
-    out.pop("grad_accum", None)
+def variant_workload(workload: WorkloadSpec, *, grad_accum: int, checkpointing: bool | None) -> WorkloadSpec:
+    """``workload`` training ``grad_accum`` micro-batches per optimizer step (the ``training`` key
+    left out for 1) with ``activation_checkpointing`` set (unchanged when None)."""
+    training = {k: v for k, v in workload.training.items() if k != "grad_accum"}
     if grad_accum > 1:
-        out["grad_accum"] = grad_accum
+        training["grad_accum"] = grad_accum
     if checkpointing is not None:
-        out[_CKPT] = bool(checkpointing)
-    return out
+        training[_CKPT] = bool(checkpointing)
+    return dataclasses.replace(workload, training=training)
 
 
 class PredictorVariants:
     """One :class:`~oomtune.plan.predictor.Predictor` per workload variant, behind the Predictor API.
 
     Args:
-        workload: the search's workload (``model`` keys + ``target``).
+        workload: the search's :class:`oomtune.workload_spec.WorkloadSpec`.
         make: ``make(variant_workload) -> Predictor`` (the trial's geometry and steps, the cache).
         grad_accum_of: micro-batches per optimizer step at a batch size (None: always 1).
 
     Methods taking ``checkpointing`` use the workload's own setting when it is None.
     """
 
-    def __init__(self, workload: dict[str, Any], make: Callable[[dict[str, Any]], Any], *,
+    def __init__(self, workload: WorkloadSpec, make: Callable[[WorkloadSpec], Any], *,
                  grad_accum_of: Callable[[int], int] | None = None) -> None:
-        self.model_cfg = workload
+        self.workload = workload
         self._make = make
         self._accum = grad_accum_of or (lambda b: 1)
         self._members: dict[tuple, Any] = {}
@@ -75,7 +77,7 @@ class PredictorVariants:
         first use."""
         member = self._members.get(key)
         if member is None:
-            member = self._make(variant_workload(self.model_cfg, grad_accum=key[1], checkpointing=key[0]))
+            member = self._make(variant_workload(self.workload, grad_accum=key[1], checkpointing=key[0]))
             member.calibration = self.calibration
             self._members[key] = member
         return member

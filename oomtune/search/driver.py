@@ -38,11 +38,12 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.outcome import Outcome
+from oomtune.schema import SearchConf, TrialConf
 from oomtune.search import recordings as REC
 from oomtune.search import smoke as SMOKE
 from oomtune.search.claims import ATTR_STOPPED_SEARCH
@@ -59,6 +60,7 @@ from oomtune.space import Candidate, SearchSpace
 from oomtune.study import records as R
 from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
 from oomtune.units import format_bytes
+from oomtune.workload_spec import WorkloadSpec
 
 # SearchSummary, study_counts, hang_note, SetupFault, RepeatedFault, ATTR_REPEAT, ATTR_DEVICE and
 # PROBE_ROLES live in the modules named above; they are importable from here as before.
@@ -68,39 +70,52 @@ __all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFa
 _TrialErrored = TrialErrored  # raised inside the objective so Optuna records an error/crash trial as FAIL
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchOptions:
-    """Everything :class:`Search` needs, resolved (bytes, seconds)."""
+    """Everything :class:`Search` needs: the config's typed sections as the schema made them and what
+    the search resolved from them (bytes, seconds).
 
-    workload: dict[str, Any]
+    Attributes:
+        workload: the :class:`oomtune.workload_spec.WorkloadSpec` every trial trains (each candidate's
+            settings applied to its flat form, :meth:`WorkloadSpec.to_dict`, in its TrialSpec).
+        device: the device spec trials run on (``cuda:0``, ``cpu``: the virtual GPU).
+        budget_bytes: the memory budget, bytes.
+        search: ``search.*`` (:class:`oomtune.schema.SearchConf`): ``n_trials``, ``timeout`` (s),
+            ``headroom``, ``baseline``, ``confirm``, ``min_gain``, ``frontier_configs``, ``repeats``,
+            ``finalists``, ``memory_fraction``.
+        trial: ``trial.*`` (:class:`oomtune.schema.TrialConf`): ``warmup_steps``, ``measure_steps``,
+            ``confirm_steps``, ``timeout`` (s), ``soak_steps``, ``gpus`` (ranks of every trial).
+        objective: the resolved ``search.objective`` (a name of :data:`oomtune.search.objectives.OBJECTIVES`).
+        objective_reason: why that objective (one phrase, shown by the search).
+        window_s: throughput confirmation: each run measured at least this long, seconds (the
+            resolved ``search.window``).
+        execute: the resolved ``trial.execute``: ``meta`` | ``cpu`` (virtual GPU), ``device``, ``command``.
+        device_memory_bytes: the virtual GPU's capacity, bytes (CPU trials); None on a device.
+        torch_threads: torch threads per CPU trial (``OOMTUNE_TORCH_THREADS``) when workers share the
+            CPU; None: torch's default.
+        host_available_bytes: ``/proc/meminfo`` MemAvailable, bytes (the smoke test's check); None on
+            a device.
+        variable_shapes: the workload has a shape distribution (:mod:`oomtune.workloads.shapes`).
+        probe_unpredicted: without predictions, try every configuration (the batch objective).
+        baseline_precision: without predictions, the baseline bisects until
+            ``(fail - ok) <= precision * ok``.
+    """
+
+    workload: WorkloadSpec
     device: str
     budget_bytes: int
-    headroom: float = 0.05
-    n_trials: int = 12
-    timeout_s: float | None = None
-    baseline: bool = True
-    confirm: bool = True
-    warmup_steps: int = 1
-    measure_steps: int = 3
-    confirm_steps: int = 10
-    trial_timeout_s: float = 300.0
-    baseline_precision: float = 0.1   # without predictions, bisect until (fail - ok) <= precision * ok
-    min_gain: float = 0.02            # a non-default setting must beat the default allocator by this
-    objective: str = "throughput"     # resolved search.objective: a name of oomtune.search.objectives.OBJECTIVES
+    search: SearchConf = field(default_factory=SearchConf)
+    trial: TrialConf = field(default_factory=TrialConf)
+    objective: str = "throughput"
     objective_reason: str = ""
-    frontier_configs: int = 2         # non-default configurations probed at their frontier
-    repeats: int = 3                  # clean-process measurements per finalist (throughput objective)
-    window_s: float = 0.0             # throughput confirmation: measure each run for at least this long
-    finalists: int = 2                # top candidates re-measured besides the baseline
-    device_memory_bytes: int | None = None  # virtual GPU capacity (CPU trials)
-    soak_steps: int = 0               # trial.soak_steps: the virtual-GPU soak (oomtune.trial.soak_check)
-    variable_shapes: bool = False     # the workload has a shape distribution (oomtune.workloads.shapes)
-    torch_threads: int | None = None  # per CPU trial (OOMTUNE_TORCH_THREADS) when workers share the CPU
-    execute: str = "cpu"              # resolved trial.execute: meta | cpu (virtual GPU), device, command
-    host_available_bytes: int | None = None   # /proc/meminfo MemAvailable (the smoke test's check)
-    memory_fraction: str = "auto"     # search.memory_fraction: auto (budget as a fraction) | off (none)
-    probe_unpredicted: bool = False   # without predictions, try every configuration (objective batch)
-    ranks: int = 1                    # trial.gpus: ranks (processes, one per GPU) of every trial
+    window_s: float = 0.0
+    execute: str = "cpu"
+    device_memory_bytes: int | None = None
+    torch_threads: int | None = None
+    host_available_bytes: int | None = None
+    variable_shapes: bool = False
+    probe_unpredicted: bool = False
+    baseline_precision: float = 0.1
 
 
 class Search:
@@ -128,7 +143,7 @@ class Search:
         self.recording_note: str | None = None
         self.on_trial = on_trial or (lambda trial, role: None)
         self.say = say or (lambda text: None)
-        self.limit = R.MemoryLimit(options.budget_bytes, options.headroom)
+        self.limit = R.MemoryLimit(options.budget_bytes, options.search.headroom)
         self.verdict: Any = None  # oomtune.diagnose.Verdict of the ranked trials (after confirm())
         self.planner: FrontierPlanner | None = None
         self.gain: dict[str, Any] | None = None
@@ -163,23 +178,24 @@ class Search:
             and t.params.get("batch_size", 0) < cand.batch_size
             for t in (self.study.get_trials(deepcopy=False) if trials is None else trials)
         )
-        steps = steps or self.opt.measure_steps
+        steps = steps or self.opt.trial.measure_steps
         # trial.timeout is for a search trial; a confirmation runs more steps and gets as much more time.
-        scale = max(1.0, (self.opt.warmup_steps + steps) / (self.opt.warmup_steps + self.opt.measure_steps))
-        timeout_s = self.opt.trial_timeout_s * scale + window_s
+        t = self.opt.trial
+        scale = max(1.0, (t.warmup_steps + steps) / (t.warmup_steps + t.measure_steps))
+        timeout_s = self.opt.trial.timeout * scale + window_s
         return TrialSpec(
-            workload=cand.apply(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
+            workload=cand.apply(self.opt.workload.to_dict()), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
-            warmup_steps=self.opt.warmup_steps, measure_steps=steps,
+            warmup_steps=self.opt.trial.warmup_steps, measure_steps=steps,
             timeout_s=timeout_s, smaller_batch_succeeded=smaller_ok, measure_seconds=window_s,
             device_memory_bytes=self.opt.device_memory_bytes,
-            soak_steps=self.opt.soak_steps if (confirm or self.opt.variable_shapes) else 0,
+            soak_steps=self.opt.trial.soak_steps if (confirm or self.opt.variable_shapes) else 0,
             shapes="worst" if confirm and self.opt.variable_shapes else "data",
             # a search trial stops once above the limit; a confirmation runs every step (its record is the answer's)
             limit_bytes=None if confirm else self.limit.limit_bytes,
             execute="meta" if self.opt.execute == "meta" else "cpu",
-            memory_fraction=self.opt.memory_fraction != "off",
-            ranks=self.opt.ranks,
+            memory_fraction=self.opt.search.memory_fraction != "off",
+            ranks=self.opt.trial.gpus,
         )
 
     def _known_infeasible(self, cand: Candidate, predicted: int | None,
@@ -263,7 +279,7 @@ class Search:
         if role == "confirm":
             # an objective that measures time times its confirmation runs over a window of seconds, not steps
             window = self.opt.window_s if self.objective.measures_time else 0.0
-            spec = self._spec(cand, steps=self.opt.confirm_steps, confirm=True, window_s=window)
+            spec = self._spec(cand, steps=self.opt.trial.confirm_steps, confirm=True, window_s=window)
             result = self._launch(self.confirm_runner, spec, self.workdir / f"trial-{trial.number:04d}")
             return self._tell(trial, result)
         # one read for the three checks below: the worker's read made right before it created this
@@ -492,7 +508,7 @@ class Search:
         ``recording_note`` saying why, when they do not determine the others
         (:func:`oomtune.search.recordings.record_streams`)."""
         predictor, self.recording_note = REC.record_streams(
-            self.space, steps=self.opt.warmup_steps + self.opt.measure_steps, device=self.opt.device,
+            self.space, steps=self.opt.trial.warmup_steps + self.opt.trial.measure_steps, device=self.opt.device,
             run_batch=self._run_batch, recording=self.recording)
         return predictor
 
@@ -519,7 +535,7 @@ class Search:
         for c in configs:  # data-loader defaults travel with each probe
             c.params.update({f"data.{k}": v for k, v in self.space.default(1).data})
         return FrontierPlanner(configs, low, high, self.limit.limit_bytes, peak=self._peak if self.predictor else None,
-                               max_configs=self.opt.frontier_configs, precision=self.opt.baseline_precision,
+                               max_configs=self.opt.search.frontier_configs, precision=self.opt.baseline_precision,
                                boundary_all=self.objective.probes_every_frontier, choices=choices,
                                probe_unpredicted=self.predictor is None and self.opt.probe_unpredicted)
 
@@ -600,7 +616,7 @@ class Search:
         """Learn every finished probe trial into ``planner`` (a fresh one: after a resume, or after a
         re-run contradicted an earlier result)."""
         default = planner.default
-        if not self.opt.baseline and default is not None:
+        if not self.opt.search.baseline and default is not None:
             default.selected = False
         for t in self._finished(*PROBE_ROLES):
             self._learn(planner, t, probe=t.user_attrs.get(R.ATTR_ROLE) != "search")
@@ -662,10 +678,10 @@ class Search:
         find one that does."""
         if not self.objective.uses_sampler:
             return
-        if self.opt.n_trials - len(self._finished("search")) <= 0:
+        if self.opt.search.n_trials - len(self._finished("search")) <= 0:
             return
         self._batch_low = baseline.params["batch_size"] // 4 if baseline is not None else None
-        self.timeout_ended = self.executor.run_sampler(self.opt.n_trials, "search", self.opt.timeout_s)
+        self.timeout_ended = self.executor.run_sampler(self.opt.search.n_trials, "search", self.opt.search.timeout)
 
     def timeout_note(self) -> str | None:
         """One line when ``search.timeout`` ended the sampler's phase before ``search.n_trials``: how
@@ -685,7 +701,7 @@ class Search:
                                    for m in self.space.all_settings()))
         untried = [c for c in every if c not in tried]
         ran = len(self._finished("search"))
-        text = (f"search.timeout={self.opt.timeout_s:g} s ended the search after {ran} of {self.opt.n_trials} "
+        text = (f"search.timeout={self.opt.search.timeout:g} s ended the search after {ran} of {self.opt.search.n_trials} "
                 "sampler trials")
         if not untried:
             return text + f"; every one of the {len(every)} allocator configurations ran at least one trial"
@@ -706,8 +722,8 @@ class Search:
         from oomtune.diagnose import input_bound_verdict
 
         trials = self._candidates()
-        self.verdict = input_bound_verdict([R.result_of(t) for t in trials], data_cfg=self.opt.workload.get("data"))
-        return self.objective.rank(trials, is_default=self._is_default, min_gain=self.opt.min_gain,
+        self.verdict = input_bound_verdict([R.result_of(t) for t in trials], data_cfg=self.opt.workload.data)
+        return self.objective.rank(trials, is_default=self._is_default, min_gain=self.opt.search.min_gain,
                                    input_bound=bool(self.verdict.input_bound))
 
     def leader(self) -> Any | None:
@@ -715,7 +731,7 @@ class Search:
         reporting a trial, from the worker's read of the study made after that trial finished
         (:meth:`Executor.last_read`)."""
         trials = self._candidates(self.executor.last_read())
-        return self.objective.leader(trials, is_default=self._is_default, min_gain=self.opt.min_gain)
+        return self.objective.leader(trials, is_default=self._is_default, min_gain=self.opt.search.min_gain)
 
     def _is_default(self, t: Any) -> bool:
         defaults = {k: v for k, v in self.space.default(1).optuna_params().items() if k != "batch_size"}
@@ -753,10 +769,11 @@ class Search:
         ranked = self._ranked()
         if not ranked:
             return None, None, False
-        if not self.opt.confirm:
+        if not self.opt.search.confirm:
             return ranked[0], R.result_of(ranked[0]), False
         ctx = ConfirmContext(runs=self._confirm_runs, baseline=self.baseline_trial, is_default=self._is_default,
-                             repeats=self.opt.repeats, finalists=self.opt.finalists, min_gain=self.opt.min_gain)
+                             repeats=self.opt.search.repeats, finalists=self.opt.search.finalists,
+                             min_gain=self.opt.search.min_gain)
         done = self.objective.confirm(ctx, ranked, max_candidates)
         if done.gain is not None:
             self.gain = done.gain
@@ -777,5 +794,5 @@ class Search:
                              global_batch=self.space.global_batch,
                              notes=[self.recording_note] if self.recording_note else [],
                              causes=[n for n in (hang_note(self.study.get_trials(deepcopy=False),
-                                                           self.opt.trial_timeout_s),) if n],
+                                                           self.opt.trial.timeout),) if n],
                              timeout_note=self.timeout_note())

@@ -157,7 +157,7 @@ def _target_gpu(workload: WorkloadSpec) -> dict[str, Any]:
     """The GPU whose kernels the captures ran (:func:`oomtune.capture.gpu_target.target_from_workload`)."""
     from oomtune.capture.gpu_target import target_from_workload
 
-    return target_from_workload(workload.trial_workload()).to_dict()
+    return target_from_workload(workload.to_dict()).to_dict()
 
 
 #: The file beside best.yaml holding the allocation stream a recorded target's prediction replayed.

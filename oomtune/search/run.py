@@ -7,7 +7,7 @@ import json
 import signal
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from oomtune.search.samplers import make_sampler
 from oomtune.study.storage import again_on_conflict, open_study, storage_url
 from oomtune.search.workers import ATTR_DUPLICATE_OF
 from oomtune.units import format_bytes
-from oomtune.workload_spec import WorkloadSpec
+from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 if TYPE_CHECKING:
     from oomtune.schema import RootConf, TrialConf
@@ -33,30 +33,26 @@ __all__ = ["search", "search_here", "write_search_outputs", "compose_search", "p
 from oomtune.runfile import RUN_FILE, write_run_file  # noqa: E402 - run.json: `oomtune show RUN_DIR` finds the study
 
 
-def _options(conf: RootConf, workload: dict[str, Any], device: Any, budget_bytes: int) -> SearchOptions:
-    """The driver's options of the typed config (``search.*``, ``trial.*``), the trial workload
-    (:meth:`oomtune.workload_spec.WorkloadSpec.trial_workload`), the device and the budget."""
+def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: int) -> SearchOptions:
+    """The driver's options: the typed config's ``search`` and ``trial`` sections as they are, the
+    workload, the device and the budget, and what the search resolves from them (the objective,
+    ``trial.execute``, the confirmation window, the virtual GPU's capacity, the host's memory)."""
     from oomtune.search.ranking import resolve_objective
 
     from oomtune.trial.execute import host_available_bytes, resolve_execute
 
     s, t = conf.search, conf.trial
+    flat = workload.to_dict()   # the form the target reads (its shapes, how it runs)
     objective, reason = resolve_objective(s.objective, simulated=device.simulated)
-    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=workload)
+    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=flat)
     return SearchOptions(
-        workload=workload, device=device.spec, budget_bytes=budget_bytes, headroom=s.headroom,
-        n_trials=s.n_trials, timeout_s=s.timeout, baseline=s.baseline, confirm=s.confirm,
-        warmup_steps=t.warmup_steps, measure_steps=t.measure_steps, confirm_steps=t.confirm_steps,
-        trial_timeout_s=t.timeout, min_gain=s.min_gain,
-        objective=objective, objective_reason=reason, frontier_configs=s.frontier_configs,
-        repeats=s.repeats, finalists=s.finalists, window_s=_window(s.window, device),
+        workload=workload, device=device.spec, budget_bytes=budget_bytes, search=s, trial=t,
+        objective=objective, objective_reason=reason, window_s=_window(s.window, device), execute=execute,
         device_memory_bytes=device.total_memory_bytes if device.simulated else None,
-        soak_steps=t.soak_steps, variable_shapes=worst_shape_workload(workload) is not workload,
         torch_threads=_torch_threads(s.workers * t.gpus) if device.simulated else None,
-        execute=execute, host_available_bytes=host_available_bytes() if device.simulated else None,
-        memory_fraction=s.memory_fraction,
+        host_available_bytes=host_available_bytes() if device.simulated else None,
+        variable_shapes=worst_shape_spec(workload) is not workload,
         probe_unpredicted=objective == "batch",
-        ranks=t.gpus,
     )
 
 
@@ -68,10 +64,17 @@ def _window(value: float | None, device: Any) -> float:
     return 0.0 if device.simulated else 5.0
 
 
-def worst_shape_workload(workload: dict[str, Any]) -> dict[str, Any]:
+def worst_shape_workload(workload: JsonObject) -> JsonObject:
     """:func:`oomtune.trial._base.worst_shape_workload` (the search's and plan's worst shape: one
     code), imported when called."""
     from oomtune.trial._base import worst_shape_workload as worst
+
+    return worst(workload)
+
+
+def worst_shape_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """:func:`oomtune.trial._base.worst_shape_spec`, imported when called."""
+    from oomtune.trial._base import worst_shape_spec as worst
 
     return worst(workload)
 
@@ -89,17 +92,17 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> No
     Raises:
         ConfigError: one line naming the settings that leave nothing to run and how to fix it.
     """
-    if options.baseline:
+    if options.search.baseline:
         return
-    sampler = options.objective == "throughput" and options.n_trials > 0
-    frontier = predicts and options.frontier_configs > 0
+    sampler = options.objective == "throughput" and options.search.n_trials > 0
+    frontier = predicts and options.search.frontier_configs > 0
     if sampler or frontier:
         return
     why = [f"search.objective={options.objective}", "search.baseline=false"]
     if not predicts:
         why.append(f"no prediction (target={target.name}: a command cannot be captured)" if not target.capturable
                    else "no prediction (search.prune=off)")
-    elif options.frontier_configs <= 0:
+    elif options.search.frontier_configs <= 0:
         why.append("search.frontier_configs=0")
     if options.objective == "throughput":
         why.append("search.n_trials=0")
@@ -153,9 +156,9 @@ def check_planned_launches(planner: Any, options: SearchOptions) -> None:
     Raises:
         ConfigError: one line naming the settings.
     """
-    if options.baseline or any(c.selected for c in planner.configs):
+    if options.search.baseline or any(c.selected for c in planner.configs):
         return
-    if options.objective == "throughput" and options.n_trials > 0:
+    if options.objective == "throughput" and options.search.n_trials > 0:
         return
     raise ConfigError(
         "this search would launch no trial: search.baseline=false and no configuration is predicted to fit a "
@@ -206,7 +209,7 @@ def worker_slots(cfg_device: str, device: Any, workers: int, gpus: int = 1,
     return [f"cuda:{','.join(str(s * gpus + g) for g in range(gpus))}" for s in range(slots)]
 
 
-def _comparable(workload: dict, stored: Any) -> Any:
+def _comparable(workload: JsonObject, stored: Any) -> Any:
     """``workload`` as stored in a study's attributes; a study created before the target GPU was part
     of the workload (no ``gpu`` key) is compared without it, so it still resumes."""
     plain = json.loads(json.dumps(workload))
@@ -215,7 +218,7 @@ def _comparable(workload: dict, stored: Any) -> Any:
     return plain
 
 
-def _check_resume(study: Any, workload: dict, budget_bytes: int) -> None:
+def _check_resume(study: Any, workload: JsonObject, budget_bytes: int) -> None:
     stored = study.user_attrs.get("workload")
     if stored is None:
         study.set_user_attr("workload", workload)
@@ -258,7 +261,7 @@ def check_model_and_target(spec: WorkloadSpec) -> None:
     check_model_keys(spec.model)
     from oomtune.workloads import validate_workload_config
 
-    validate_workload_config(spec.trial_workload())
+    validate_workload_config(spec.to_dict())
 
 
 @dataclass(frozen=True)
@@ -339,9 +342,9 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
 
         check_model_and_target(work)   # builds the model on meta: imports torch
         # the user's entry imported and inspected in a process of its own, under trial.timeout
-        check_user_code(work.trial_workload(), timeout_s=conf.trial.timeout)
+        check_user_code(work, timeout_s=conf.trial.timeout)
         get_target(work.target_name).check_training(   # the training settings must reach the trials
-            work.trial_workload(), accumulates=space.global_batch is not None,
+            work.to_dict(), accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
     # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU) is
@@ -353,7 +356,7 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
     if device.simulated and "cudaMallocAsync" in space.choices.get("backend", []):
         raise ConfigError("search.space.backend: cudaMallocAsync needs a CUDA device; the virtual GPU "
                           "(device=cpu) models the native allocator only")
-    options = _options(conf, run.workload.trial_workload(), device, budget_bytes)
+    options = _options(conf, run.workload, device, budget_bytes)
     from oomtune.trial.execute import check_host_memory
 
     # CPU trials hold their tensors in host memory (every rank its own budget): a budget the host
@@ -432,7 +435,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     with warnings.catch_warnings():  # ExperimentalWarning: the API exists since Optuna 3.2
         warnings.simplefilter("ignore")
         again_on_conflict(lambda: study.set_metric_names([R.METRIC_NAME]))  # optuna-dashboard names the objective
-    again_on_conflict(lambda: _check_resume(study, workload, run.budget_bytes))  # other workers start at once
+    again_on_conflict(lambda: _check_resume(study, workload.to_dict(), run.budget_bytes))  # other workers start at once
     C.save_config(conf, run.run_dir, overrides)
     write_run_file(run.run_dir, url, study.study_name)
 
@@ -441,14 +444,14 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
         # Under a shape distribution the frontier is predicted at the worst (largest) shape. The
         # captures come from the stream cache where a plan or an earlier search left them.
         predictor = search_predictor(workload, space, device, run.budget_bytes, conf.trial,
-                                     memory_fraction=options.memory_fraction != "off")
+                                     memory_fraction=options.search.memory_fraction != "off")
     elif conf.search.prune == "predicted" and run.target.records_streams:
         from oomtune.plan.predictor import sim_geometry
         from oomtune.plan.recorded import RecordedPredictor
 
         # trials of the user's own command record their step's allocation stream (oomtune.plan.recorded):
         # on the virtual GPU through capture_hook's recorder, on CUDA from the allocator's memory history
-        geometry = sim_geometry(device, run.budget_bytes, memory_fraction=options.memory_fraction != "off")
+        geometry = sim_geometry(device, run.budget_bytes, memory_fraction=options.search.memory_fraction != "off")
 
         def recording(recordings: dict, steps: int, covers: Any) -> Any:
             return RecordedPredictor(recordings, geometry, steps=steps, covers=covers)
@@ -462,12 +465,12 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     from oomtune.trial.execute import resolve_execute
 
     execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated, objective=options.objective,
-                                  workload=workload)[1]
+                                  workload=workload.to_dict())[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
                    "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
         "cpu" if options.execute == "command" and device.simulated else options.execute)
     for line in (f"device: {device_words(device)}, budget {format_bytes(run.budget_bytes)}, headroom "
-                 f"{options.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
+                 f"{options.search.headroom:.0%}, {len(space.all_settings())} allocator configurations x batch "
                  f"{space.batch_low}..{space.batch_high}",
                  f"objective: {options.objective} ({options.objective_reason})",
                  *([f"trials: {steps_where} ({execute_why})"] if steps_where else [])):
@@ -484,7 +487,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
         _say(console, fraction_note(conf.budget, device, run.budget_bytes))   # 0.5 of which device
     from oomtune.display import SearchProgress
 
-    progress = SearchProgress(console, options.n_trials if options.objective == "throughput" else 0, study=study)
+    progress = SearchProgress(console, options.search.n_trials if options.objective == "throughput" else 0, study=study)
     progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
     slots = worker_slots(conf.device, device, conf.search.workers, conf.trial.gpus)
     if len(slots) > 1 or conf.search.workers > 1:
@@ -513,7 +516,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
             drive.planner = drive.plan_frontiers()
             _say(console, _frontier_line(drive.planner, predictor))
             check_fits(drive.planner, predictor, device=device, budget_bytes=run.budget_bytes,
-                       headroom=options.headroom, prune_margin=conf.search.prune_margin)
+                       headroom=options.search.headroom, prune_margin=conf.search.prune_margin)
             check_planned_launches(drive.planner, options)
         elif recording is not None:
             _say(console, "recording the allocation streams of the default allocator's trials at the smallest "
@@ -587,8 +590,8 @@ def write_search_outputs(run: Searched, *, out: Any, html: bool = True) -> Path:
     finally:  # also when nothing fitted (SetupFault): the report then shows why, trial by trial
         # the report draws with the search's predictor; without one (search.prune=off) the one
         # predictor of this search is made here, for the report only (best.yaml records no prediction)
-        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=options.workload,
-                            device=p.device, budget_bytes=p.budget_bytes, headroom=options.headroom,
+        write_search_report(p.run_dir, lambda text: _say(out, text), html=html, workload=options.workload.to_dict(),
+                            device=p.device, budget_bytes=p.budget_bytes, headroom=options.search.headroom,
                             predictor=predictor if predictor is not None else _report_predictor(p, space),
                             predicted_frontiers=predictor is not None, space=space)
 
@@ -603,14 +606,14 @@ def _report_predictor(p: PreparedRun, space: SearchSpace) -> Any:
     from oomtune.plan.predictor import Predictor
     from oomtune.plan.stream_cache import default_cache
 
-    def make(w: dict[str, Any]) -> Any:
-        return Predictor.for_search(worst_shape_workload(w), p.device, p.budget_bytes, cache=default_cache(),
+    def make(w: WorkloadSpec) -> Predictor:
+        return Predictor.for_search(worst_shape_spec(w), p.device, p.budget_bytes, cache=default_cache(),
                                     timeout_s=p.conf.trial.timeout)
 
-    return _per_variant(p.workload.trial_workload(), space, make)
+    return _per_variant(p.workload, space, make)
 
 
-def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any:
+def _per_variant(workload: WorkloadSpec, space: SearchSpace, make: Callable[[WorkloadSpec], Any]) -> Any:
     """``make(workload)``, or one ``make`` per workload variant
     (:class:`oomtune.plan.variants.PredictorVariants`) when the candidates train different steps (a
     global batch's accumulation, activation checkpointing searched)."""
@@ -621,7 +624,7 @@ def _per_variant(workload: dict[str, Any], space: SearchSpace, make: Any) -> Any
     return PredictorVariants(workload, make, grad_accum_of=space.grad_accum_for)
 
 
-def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, budget_bytes: int,
+def search_predictor(workload: WorkloadSpec, space: SearchSpace, device: Any, budget_bytes: int,
                      trial_cfg: TrialConf, *, memory_fraction: bool = True) -> Any:
     """The search's predictor for a workload oomtune can capture (built-in, python entry): one
     :class:`oomtune.plan.predictor.Predictor` of the workload at its worst shape (the workload
@@ -631,8 +634,8 @@ def search_predictor(workload: dict[str, Any], space: SearchSpace, device: Any, 
     from oomtune.plan.predictor import Predictor, trial_steps
     from oomtune.plan.stream_cache import default_cache
 
-    def make(w: dict[str, Any]) -> Any:
-        return Predictor.for_search(worst_shape_workload(w), device, budget_bytes,
+    def make(w: WorkloadSpec) -> Predictor:
+        return Predictor.for_search(worst_shape_spec(w), device, budget_bytes,
                                     steps=trial_steps(trial_cfg), cache=default_cache(),
                                     memory_fraction=memory_fraction, timeout_s=trial_cfg.timeout)
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomtune.outcome import Outcome
 from oomtune.search.faults import SetupFault
 from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomtune.search.driver import SearchOptions
 
 __all__ = ["smoke_test", "Background", "STUDY_ATTR"]
 
@@ -22,7 +25,7 @@ __all__ = ["smoke_test", "Background", "STUDY_ATTR"]
 STUDY_ATTR = "smoke_test"
 
 
-def smoke_test(study: Any, space: Any, opt: Any, *, peak: Callable[[int, dict], "tuple[int, bool] | None"],
+def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[int, dict], "tuple[int, bool] | None"],
                run: Callable[[TrialSpec], TrialResult]) -> str | None:
     """With trials on the meta device (``opt.execute`` ``meta``), one real CPU step of the workload at
     the smallest batch of ``space`` with the default allocator, unless ``study`` passed it before.
@@ -48,9 +51,9 @@ def smoke_test(study: Any, space: Any, opt: Any, *, peak: Callable[[int, dict], 
         return (f"smoke test skipped: one CPU step at batch {batch} needs about {format_bytes(need[0])} "
                 f"(simulated), more than this host's available memory ({format_bytes(avail)})")
     cand = space.default(batch)
-    spec = TrialSpec(workload=cand.apply_data(opt.workload), batch_size=batch, alloc_conf="",
+    spec = TrialSpec(workload=cand.apply_data(opt.workload.to_dict()), batch_size=batch, alloc_conf="",
                      device=opt.device, budget_bytes=None, warmup_steps=0, measure_steps=1,
-                     timeout_s=opt.trial_timeout_s, device_memory_bytes=opt.device_memory_bytes,
+                     timeout_s=opt.trial.timeout, device_memory_bytes=opt.device_memory_bytes,
                      execute="cpu")
     result = run(spec)
     if result.outcome is not Outcome.OK:

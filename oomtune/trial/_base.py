@@ -36,7 +36,7 @@ from oomtune.exceptions import ConfigError
 from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["Target", "DEFAULT_TARGET", "register_target", "get_target", "find_target", "target_names",
-           "target_for", "target_name", "worst_shape_workload"]
+           "target_for", "target_name", "worst_shape_workload", "worst_shape_spec"]
 
 #: The target of a workload without a ``target`` group: a built-in workload of the ``model`` group.
 DEFAULT_TARGET = "builtin"
@@ -275,3 +275,16 @@ def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
     if target.shapes(workload).is_fixed:
         return workload
     return target.at_shape(workload, target.worst_shape(workload))
+
+
+def worst_shape_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """:func:`worst_shape_workload` of a :class:`oomtune.workload_spec.WorkloadSpec`: the spec at its
+    shape distribution's largest shape (read back from the flat form the target changes,
+    :meth:`WorkloadSpec.from_dict`), or ``workload`` itself (the same object) when its shapes are fixed.
+
+    Raises:
+        ConfigError: as :func:`worst_shape_workload`.
+    """
+    flat = workload.to_dict()
+    worst = worst_shape_workload(flat)
+    return workload if worst is flat else WorkloadSpec.from_dict(worst)
