@@ -102,7 +102,7 @@ def run_search(name: str, run_dir: Path) -> dict:
     import yaml
 
     argv = ["search", *SEARCHES[name], f"hydra.run.dir={run_dir}"]
-    row: dict = {"example": name, "command": "oomtune " + " ".join(SEARCHES[name]), "loadavg_start": loadavg()}
+    row: dict = {"example": name, "command": "oomtune search " + " ".join(SEARCHES[name]), "loadavg_start": loadavg()}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "oomtune", *argv], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
