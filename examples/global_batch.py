@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    # under oomtune the loop ends after the trial's steps; it must hold the longest of them, the
+    # confirmation's 1 warm-up + 10 steps (trial.warmup_steps + trial.confirm_steps)
+    parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--checkpointing", type=int, default=0, help="1: activation checkpointing")
     args = parser.parse_args()
 

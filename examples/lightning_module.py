@@ -25,7 +25,7 @@ class TinyLM(pl.LightningModule):
     """Decoder-only LM: ``layers`` ``nn.TransformerEncoderLayer`` blocks (causal), AdamW."""
 
     def __init__(self, *, vocab: int = 1024, d_model: int = 64, heads: int = 2, layers: int = 2,
-                 seq_len: int = 64, batch_size: int = 8, samples: int = 256) -> None:
+                 seq_len: int = 64, batch_size: int = 8, samples: int = 512) -> None:
         super().__init__()
         self.batch_size = batch_size               # the DataLoader's micro-batch (oomtune sets it)
         self.activation_checkpointing = False      # recompute each block in backward when True
@@ -60,7 +60,10 @@ class TinyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+        # drop_last: every step trains a whole micro-batch, whatever batch size oomtune tries (up to
+        # ``samples``, the default search range's 512); a short last batch would make the step's
+        # requests differ from the other batch sizes' and stop the search's predictions
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
 
 def main() -> None:

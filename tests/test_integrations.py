@@ -272,3 +272,32 @@ def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_pat
     assert all(r.peak_reserved_bytes < 64 * MiB for r in res.ranks if r.rank == 0)
     assert sorted(pids) == [0, 1]
     assert _gone(pids.values()) and not group_alive(res.extra["pid"])
+
+
+# -- the examples hold every step a search asks of them --------------------------------------------------
+def test_the_lightning_examples_loader_yields_whole_micro_batches_at_any_searched_batch():
+    """Field case: ``oomtune search`` of examples/lightning_module.py at 128 MiB probed batch 85, whose
+    loader over 256 sequences yielded 85, 85, 85 and 1: the last step's requests differed from the
+    stream derived for 85 and the search stopped its predictions. Expected (hand arithmetic): the
+    loader of 512 sequences with drop_last yields 512 // 85 = 6 batches of 85, and one of 512."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_example", REPO / EXAMPLES["lightning"])
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for batch, n in ((85, 6), (512, 1)):
+        module = example.TinyLM(batch_size=batch)
+        sizes = [len(b) for b in module.train_dataloader()]
+        assert sizes == [batch] * n
+
+
+def test_the_loop_example_runs_the_confirmation_s_steps(tmp_path):
+    """Field case: examples/global_batch.py trained 4 optimizer steps, so every probe passed (1 warm-up
+    + 3 measured) and the confirmation (1 warm-up + 10: conf/config.yaml's trial.warmup_steps and
+    trial.confirm_steps) ended with "training ended after 4 optimizer step(s)", exit status 2, failing
+    the search after all its probes."""
+    done = run_script([EXAMPLES["loop"], "--micro-batch", "1", "--grad-accum", "1"],
+                      trial_env(tmp_path, batch=1, accum=1, warmup=1, measure=10))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (rep,) = [e for e in read_channel(tmp_path / "results.jsonl") if e["event"] == "report"]
+    assert rep["steps"] == 10 and rep["samples"] == 10   # micro-batch 1 x 1 micro-batch x 10 measured steps

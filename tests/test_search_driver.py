@@ -468,3 +468,37 @@ def test_fewer_than_three_repeats_is_refused():
     with pytest.raises(ConfigError, match=r"search.repeats=2: must be >= 3 \(or 1: one clean run"):
         validate(cfg)
     validate(C.compose(["search.repeats=1"]))     # one clean run: no throughput comparison at all
+
+
+def test_a_dropped_prediction_bisects_the_default_frontier_past_max_probes():
+    """A recording that contradicts the derived stream drops the predictions
+    (search/recordings.py ``learn_recording``); the default allocator's frontier must then be
+    bisected by trials to ``precision``, as without predictions. Field case: the Lightning example
+    at 128 MiB, where the three recordings (8, 16, 32) counted as probes, the probe at its predicted
+    frontier 85 (ok, calibrated from its own recording) was the fourth, 170 and 127 failed, and the
+    search stopped at 85..126 with no other configuration tried."""
+    from oomtune.search.frontier import ConfigFrontier, FrontierPlanner
+
+    default = ConfigFrontier({}, "", 85, predicted_peak_bytes=112 * MiB)
+    other = ConfigFrontier({"expandable_segments": True}, "expandable_segments:True", 85,
+                           predicted_peak_bytes=112 * MiB)
+    planner = FrontierPlanner([default, other], 8, 512, int(128 * MiB * 0.95),
+                              peak=lambda b, p: (b * MiB, True), max_probes=6)
+    for b in (8, 16, 32):          # the recordings, learnt as the default allocator's probes
+        default.record(b, True, ratio=1.0)
+        default.probes += 1
+    planner.drop_predictions()     # the probe at 85 recorded a stream unlike the derived one ...
+    default.record(85, True, ratio=1.0)   # ... and is calibrated from its own recording
+    default.probes += 1
+    for b in (170, 127):           # then the unpredicted doubling and bisection
+        default.record(b, False)
+        default.probes += 1
+    assert default.probes == 6
+    # (85 + 127) // 2: 127 - 85 = 42 > precision 10% of 85 (frontier.py _unpredicted_probe)
+    assert planner.next_probe(default) == 106
+    assert planner.next_probe(other) is None   # the others wait for the baseline's exact frontier
+    default.record(86, False)      # the boundary known to one batch: the baseline is done
+    default.probes += 1
+    assert default.exact
+    assert planner.next_probe(default) is None
+    assert planner.next_probe(other) == 86   # the smallest batch above the baseline's largest

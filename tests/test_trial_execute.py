@@ -282,3 +282,94 @@ def make_workload(batch_size, device):
     assert code == 1
     assert "oomtune: the workload fails on the CPU at batch 4 (the smoke test: one real step, default allocator)" in err
     assert "this code breaks where it computes" in err
+
+
+def test_the_smoke_test_under_a_global_batch_runs_two_micro_batches_not_the_whole_global_batch():
+    """Field case: ``examples/global_batch.py`` at global batch 32 from micro-batch 1: the smoke test ran
+    micro-batch 1 x 32 accumulation steps (46 s of a 112 s search on 2 CPUs), 32 real forward and
+    backward passes where the recordings (search/recordings.py ``record_streams``) run two per step.
+    Expected: micro-batch 1 (the smallest), ``grad_accum`` 2 in the trial's workload."""
+    from types import SimpleNamespace
+
+    from oomtune.search.smoke import STUDY_ATTR, smoke_test
+    from oomtune.space import SearchSpace
+    from oomtune.trial.record import TrialResult
+
+    class Study:
+        user_attrs: dict = {}
+
+        def set_user_attr(self, key, value):
+            self.user_attrs = {**self.user_attrs, key: value}
+
+        def get_trials(self, deepcopy=False):
+            return []
+
+    space = SearchSpace(1, 32, {"expandable_segments": [False, True]}, global_batch=32)
+    assert space.default(1).grad_accum == 32   # what a candidate of the smallest micro-batch trains
+    opt = SimpleNamespace(execute="meta", host_available_bytes=None, workload={"target": {"name": "cmd"}},
+                          device="cpu", trial_timeout_s=60, device_memory_bytes=80 * GiB)
+    specs = []
+
+    def run(spec):
+        specs.append(spec)
+        return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf="", wall_s=1.0)
+
+    study = Study()
+    line = smoke_test(study, space, opt, peak=lambda b, p: None, run=run)
+    assert len(specs) == 1
+    assert specs[0].batch_size == 1 and specs[0].workload["grad_accum"] == 2 and specs[0].execute == "cpu"
+    assert "one real CPU step at batch 1 x 2 micro-batches (default allocator)" in line
+    assert study.user_attrs[STUDY_ATTR]["batch_size"] == 1
+
+
+def _recorded_trial(number, batch, execute, outcome="ok"):
+    """A finished trial as the study holds it: its TrialResult in the ``result`` user attribute."""
+    from types import SimpleNamespace
+
+    from oomtune.study import records as R
+    from oomtune.trial.record import TrialResult
+
+    res = TrialResult(outcome=outcome, batch_size=batch, alloc_conf="", extra={"execute": execute})
+    return SimpleNamespace(number=number, params={"batch_size": batch}, user_attrs={R.ATTR_RESULT: res.to_dict()})
+
+
+def test_a_command_whose_trials_computed_on_the_cpu_gets_no_smoke_test_and_no_meta_note():
+    """Field case: examples/train_cmd.py (capture_hook, no integration) under trial.execute=auto: every
+    trial's record said ``execute: cpu`` (targets/cmd.py: no meta report), yet the search launched the
+    smoke test's real CPU step (19.5 s at load 9) and ended with "trials ran their steps on the meta
+    device ... throughput was not measured" beside its CPU throughputs. Expected: the smoke test names
+    the trial that computed on the CPU and launches nothing; where the steps ran comes from the
+    records (cpu; meta; mixed)."""
+    from types import SimpleNamespace
+
+    from oomtune.search.smoke import smoke_test
+    from oomtune.search.summary import steps_ran_on
+    from oomtune.space import SearchSpace
+
+    trials = [_recorded_trial(0, 8, "cpu"), _recorded_trial(1, 16, "cpu")]
+    study = SimpleNamespace(user_attrs={}, get_trials=lambda deepcopy=False: trials)
+    opt = SimpleNamespace(execute="meta", host_available_bytes=None, workload={"target": {"name": "cmd"}},
+                          device="cpu", trial_timeout_s=60, device_memory_bytes=80 * GiB)
+    launched = []
+    line = smoke_test(study, SearchSpace(8, 512, {"expandable_segments": [False, True]}), opt,
+                      peak=lambda b, p: None, run=launched.append)
+    assert launched == []
+    assert line.startswith("smoke test: not needed: trial 0 ran the workload's steps on the CPU (batch 8)")
+    assert steps_ran_on(trials, "meta") == "cpu"
+    assert steps_ran_on([_recorded_trial(0, 8, "meta")], "cpu") == "meta"
+    assert steps_ran_on([_recorded_trial(0, 8, "meta"), _recorded_trial(1, 16, "cpu")], "meta") == "mixed"
+    assert steps_ran_on([], "meta") == "meta"   # no record says: what was asked
+    # a failed CPU run is no smoke test
+    from oomtune.trial.record import TrialResult
+
+    study_failed = SimpleNamespace(user_attrs={}, get_trials=lambda deepcopy=False: [_recorded_trial(0, 8, "cpu", "error")],
+                                   set_user_attr=lambda k, v: None)
+    ran = []
+
+    def run(spec):
+        ran.append(spec)
+        return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf="", wall_s=1.0)
+
+    smoke_test(study_failed, SearchSpace(8, 512, {"expandable_segments": [False, True]}), opt, peak=lambda b, p: None,
+               run=run)
+    assert len(ran) == 1

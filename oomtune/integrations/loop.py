@@ -21,7 +21,9 @@ Without oomtune, ``steps`` yields what the iterable yields and nothing else happ
   micro-batch x accumulation) x world size, from rank 0 only.
 
 The micro-batch and accumulation come from the command line (``{batch_size}``, ``{grad_accum}``) or
-from :func:`oomtune.trial_settings`.
+from :func:`oomtune.trial_settings`. The iterable must hold the longest trial's steps: the search's
+confirmation runs ``trial.warmup_steps + trial.confirm_steps`` (1 + 10 by default), more than its
+probes (1 + 3); a shorter one passes every probe and fails the confirmation in one line (exit status 2).
 """
 
 from __future__ import annotations

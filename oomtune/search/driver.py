@@ -51,7 +51,7 @@ from oomtune.search.confirmation import ATTR_DEVICE, ATTR_REPEAT, ConfirmContext
 from oomtune.search.faults import RepeatedFault, SetupFault, disk_full_text
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.objectives import Objective, objective_for
-from oomtune.search.summary import SearchSummary, hang_note, study_counts
+from oomtune.search.summary import SearchSummary, hang_note, steps_ran_on, study_counts
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_sets import PROBE_ROLES, config_key, contradicted, default_hang
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
@@ -789,7 +789,8 @@ class Search:
         return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
                              gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
-                             at_top_of_range=top, execute=self.opt.execute,
+                             at_top_of_range=top,
+                             execute=steps_ran_on(self.study.get_trials(deepcopy=False), self.opt.execute),
                              configs_known=self.planner.predicted_or_tried() if self.planner else (0, 0),
                              global_batch=self.space.global_batch,
                              notes=[self.recording_note] if self.recording_note else [],

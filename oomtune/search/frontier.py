@@ -220,7 +220,7 @@ class FrontierPlanner:
         limit_bytes: budget x (1 - headroom).
         peak: :data:`PeakFn` (raw prediction of any batch; captures new batch sizes as needed), or None.
         max_configs: non-default configurations probed besides the baseline.
-        max_probes: probes per configuration.
+        max_probes: probes per configuration while predictions steer them (none without).
         precision: without predictions, bisect until (fail - ok) <= precision x ok.
         boundary_all: probe the batch above every configuration's frontier, not only the baseline's
             and the leader's (the throughput objective needs each frontier).
@@ -403,8 +403,11 @@ class FrontierPlanner:
         return (c.ok_max + c.bad_min) // 2
 
     def next_probe(self, c: ConfigFrontier) -> int | None:
-        """The next batch to try for ``c``, or None when it is done."""
-        predicted = c.predicted is not None or bool(c.ratios)
+        """The next batch to try for ``c``, or None when it is done. ``max_probes`` bounds the probes
+        of a configuration only while predictions steer them: once they are dropped
+        (:meth:`drop_predictions`), the bisection goes on to ``precision`` whatever was probed before
+        (the recordings counted as probes, and a probe at a recorded batch is still calibrated)."""
+        predicted = self.peak is not None and (c.predicted is not None or bool(c.ratios))
         if not c.selected or c.exact or (predicted and c.probes >= self.max_probes):
             return None
         if c.force_next is not None:

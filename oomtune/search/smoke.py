@@ -1,12 +1,15 @@
 """The smoke test of a search whose trials run on the meta device (``trial.execute=meta``).
 
 The meta device runs no arithmetic, so one real CPU step of the workload, at the smallest batch with
-the default allocator, is where the user's code itself runs; once per study (a study that passed it
+the default allocator, is where the user's code itself runs (under a global batch, a step of two
+micro-batches, as the recordings run: :func:`oomtune.search.recordings.record_streams`; its cost grows
+with the micro-batches, and a third repeats the second's code); once per study (a study that passed it
 does not run it again; its study attribute ``smoke_test`` says so), on a thread of its own beside the
 frontier rounds (:class:`Background`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,16 +22,21 @@ from oomtune.units import format_bytes
 if TYPE_CHECKING:
     from oomtune.search.driver import SearchOptions
 
-__all__ = ["smoke_test", "Background", "STUDY_ATTR"]
+__all__ = ["smoke_test", "cpu_trial", "Background", "STUDY_ATTR"]
 
 #: The study's user attribute recording a passed smoke test: ``{"batch_size": ..., "wall_s": ...}``.
 STUDY_ATTR = "smoke_test"
+#: Micro-batches of the smoke test's step under a global batch (the recordings' two).
+SMOKE_MICRO_BATCHES = 2
 
 
 def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[int, dict], "tuple[int, bool] | None"],
                run: Callable[[TrialSpec], TrialResult]) -> str | None:
     """With trials on the meta device (``opt.execute`` ``meta``), one real CPU step of the workload at
-    the smallest batch of ``space`` with the default allocator, unless ``study`` passed it before.
+    the smallest batch of ``space`` with the default allocator (at most :data:`SMOKE_MICRO_BATCHES`
+    micro-batches under a global batch), unless ``study`` passed it before or one of its trials ran
+    its steps on the CPU already (:func:`cpu_trial`: a command that records its stream without an
+    integration).
     Returns one line to print (None when there is nothing to say: not meta).
 
     ``peak(batch, params)``: the virtual GPU's (simulated) peak reserved in bytes, or None; when it
@@ -45,12 +53,18 @@ def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[in
     batch = space.batch_low
     if done:
         return f"smoke test: passed before (one real CPU step at batch {done.get('batch_size')}, in this study)"
+    ran = cpu_trial(study)
+    if ran is not None:   # a command without an integration (capture_hook alone) computes on the CPU
+        return (f"smoke test: not needed: trial {ran.number} ran the workload's steps on the CPU (batch "
+                f"{ran.params.get('batch_size')}); trials that cannot run on the meta device run on the CPU")
     need = peak(batch, space.default(batch).optuna_params())
     avail = opt.host_available_bytes
     if need is not None and avail is not None and need[0] > avail:
         return (f"smoke test skipped: one CPU step at batch {batch} needs about {format_bytes(need[0])} "
                 f"(simulated), more than this host's available memory ({format_bytes(avail)})")
     cand = space.default(batch)
+    if cand.grad_accum > SMOKE_MICRO_BATCHES:   # under a global batch: two micro-batches, as the recordings
+        cand = dataclasses.replace(cand, grad_accum=SMOKE_MICRO_BATCHES)
     spec = TrialSpec(workload=cand.apply_data(opt.workload.to_dict()), batch_size=batch, alloc_conf="",
                      device=opt.device, budget_bytes=None, warmup_steps=0, measure_steps=1,
                      timeout_s=opt.trial.timeout, device_memory_bytes=opt.device_memory_bytes,
@@ -61,8 +75,22 @@ def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[in
                          f"default allocator): {result.outcome}: {result.message}")
     study.set_user_attr(STUDY_ATTR, {"batch_size": batch, "wall_s": result.wall_s})
     wall = f" in {result.wall_s:.1f} s" if result.wall_s is not None else ""
-    return (f"smoke test: one real CPU step at batch {batch} (default allocator) ran{wall}; the trials run "
+    micro = f" x {cand.grad_accum} micro-batches" if cand.grad_accum > 1 else ""
+    return (f"smoke test: one real CPU step at batch {batch}{micro} (default allocator) ran{wall}; the trials run "
             "their steps on the meta device (memory simulated, throughput not measured)")
+
+
+def cpu_trial(study: Any) -> Any | None:
+    """The first finished trial of ``study`` whose steps ran on the CPU although meta was asked
+    (``extra["execute"] == "cpu"`` in its record, with a result ``ok``: the workload's code computed
+    real values there, which is what the smoke test checks); None when there is none."""
+    from oomtune.study import records as R
+
+    for t in study.get_trials(deepcopy=False):
+        res = R.result_of(t)
+        if res is not None and res.outcome is Outcome.OK and (res.extra or {}).get("execute") == "cpu":
+            return t
+    return None
 
 
 class Background:

@@ -43,11 +43,30 @@ class SearchSummary:
     frontiers: list[ConfigFrontier] = field(default_factory=list)
     at_top_of_range: bool = False
     notes: list[str] = field(default_factory=list)
-    execute: str = "cpu"                 # where the virtual GPU's trials ran their steps: meta | cpu
+    execute: str = "cpu"                 # where the virtual GPU's trials ran their steps: meta | cpu | mixed
     configs_known: tuple[int, int] = (0, 0)   # configurations predicted or tried, of all (oomtune.search.frontier)
     global_batch: int | None = None
     timeout_note: str | None = None       # search.timeout ended the search: what was left untried
     causes: list[str] = field(default_factory=list)   # why trials failed, said with the answer or its absence
+
+
+def steps_ran_on(trials: Sequence[Any], asked: str) -> str:
+    """Where the virtual GPU's trials ran their steps, from their records (``extra["execute"]``, written
+    by the trial process: trial/child.py, targets/cmd.py): ``meta`` or ``cpu`` when every record that
+    says agrees, ``mixed`` when they differ (a command without an integration, or a step meta cannot
+    run, computes on the CPU although meta was asked); ``asked`` (trial.execute, resolved) when no
+    record says."""
+    from oomtune.study import records as R
+
+    where = set()
+    for t in trials:
+        res = R.result_of(t)
+        value = None if res is None else (res.extra or {}).get("execute")
+        if value in ("meta", "cpu"):
+            where.add(value)
+    if not where:
+        return asked
+    return where.pop() if len(where) == 1 else "mixed"
 
 
 def study_counts(trials: Sequence[Any]) -> tuple[dict[str, int], int, int]:
