@@ -21,6 +21,7 @@ from oomtune.trial import child
 from oomtune.trial.execute import check_host_memory, host_available_bytes, resolve_execute
 from oomtune.trial.record import TrialSpec
 from oomtune.units import GiB, MiB
+from oomtune.workload_spec import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("outcome", "memory.peak_reserved_bytes", "memory.peak_allocated_bytes", "memory.peak_active_bytes",
@@ -306,8 +307,9 @@ def test_the_smoke_test_under_a_global_batch_runs_two_micro_batches_not_the_whol
 
     space = SearchSpace(1, 32, {"expandable_segments": [False, True]}, global_batch=32)
     assert space.default(1).grad_accum == 32   # what a candidate of the smallest micro-batch trains
-    opt = SimpleNamespace(execute="meta", host_available_bytes=None, workload={"target": {"name": "cmd"}},
-                          device="cpu", trial_timeout_s=60, device_memory_bytes=80 * GiB)
+    opt = SimpleNamespace(execute="meta", host_available_bytes=None,
+                          workload=WorkloadSpec.from_dict({"target": {"name": "cmd"}}),
+                          device="cpu", trial=SimpleNamespace(timeout=60), device_memory_bytes=80 * GiB)
     specs = []
 
     def run(spec):
@@ -348,8 +350,9 @@ def test_a_command_whose_trials_computed_on_the_cpu_gets_no_smoke_test_and_no_me
 
     trials = [_recorded_trial(0, 8, "cpu"), _recorded_trial(1, 16, "cpu")]
     study = SimpleNamespace(user_attrs={}, get_trials=lambda deepcopy=False: trials)
-    opt = SimpleNamespace(execute="meta", host_available_bytes=None, workload={"target": {"name": "cmd"}},
-                          device="cpu", trial_timeout_s=60, device_memory_bytes=80 * GiB)
+    opt = SimpleNamespace(execute="meta", host_available_bytes=None,
+                          workload=WorkloadSpec.from_dict({"target": {"name": "cmd"}}),
+                          device="cpu", trial=SimpleNamespace(timeout=60), device_memory_bytes=80 * GiB)
     launched = []
     line = smoke_test(study, SearchSpace(8, 512, {"expandable_segments": [False, True]}), opt,
                       peak=lambda b, p: None, run=launched.append)
