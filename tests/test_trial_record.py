@@ -373,6 +373,40 @@ def test_a_study_holding_old_flat_records_is_read_by_the_search_and_the_report()
         (812.5, 20 * MiB, 10 * MiB, "simulated")
 
 
+def test_a_study_holding_records_with_extra_resumes_with_each_key_in_its_section():
+    """A study stored by the version that kept an ``extra`` mapping (user_attrs["result"] as
+    tests/data/records/result-nested-extra.json): the search's readers find each former key in its
+    section -- the stop above the limit (violation), the memory fraction (best.yaml's answer)."""
+    from oomtune.search.outputs import answer_fraction
+    from oomtune.study import records as R
+
+    old = json.loads((DATA / "result-nested-extra.json").read_text())
+    study = optuna.create_study(directions=["maximize"])
+    study.add_trial(optuna.trial.create_trial(
+        params={"batch_size": 8}, distributions={"batch_size": optuna.distributions.IntDistribution(1, 64)},
+        value=100.0, user_attrs={R.ATTR_RESULT: old, R.ATTR_OUTCOME: "ok", R.ATTR_ROLE: "search",
+                                 R.ATTR_CONF: "expandable_segments:True"}))
+    (trial,) = study.get_trials()
+    res = R.result_of(trial)
+    assert res.stopped_over_limit == StoppedOverLimit(step=2, used_bytes=12 * MiB, limit_bytes=10 * MiB)
+    # used: the larger of the peak reserved (20 MiB) and the reading at the stop (12 MiB): (20 - 16) / 16
+    assert R.violation(res, R.MemoryLimit(16 * MiB, 0.0)) == pytest.approx(0.25)
+    assert answer_fraction(res, "garbage_collection_threshold:0.6") == 0.5
+    assert res.process.returncode == 0 and res.retried_after.outcome is Outcome.CRASH
+
+
+def test_a_draft_keeps_the_last_valid_record_when_a_change_is_refused():
+    from oomtune.trial.record import ResultDraft
+
+    rec = ResultDraft(TrialResult(outcome="error"))
+    rec.update("process", pid=4242)
+    with pytest.raises(ValueError, match="^budget.memory_fraction "):
+        rec.update("budget", memory_fraction=2.0)
+    with pytest.raises(ValueError, match="^trial.wall_s "):
+        rec.set(outcome="ok", wall_s=-1.0)
+    assert rec.result == TrialResult(outcome="error", process=TrialProcess(pid=4242))
+
+
 # ------------------------------------------------------------------ TrialSpec read from spec.json
 @pytest.mark.parametrize("change, message", [
     ({"batch_size": "8"}, "trial spec: batch_size='8': expected int"),
