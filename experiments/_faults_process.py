@@ -169,8 +169,10 @@ def kill_trial(scratch: Path) -> dict[str, Any]:
         left = _with_token(token)
         lost = len(_finished(run_dir) - {t.number for t in trials if "result" in t.user_attrs})
         # a crash is run once more before it counts (oomtune.search.driver): the first attempt is kept
-        first_try = (res.get("extra") or {}).get("retried_after")
-        retry = (f" after one retry (the killed attempt: {first_try.get('outcome')}: {first_try.get('message')})"
+        from oomtune.trial.record import TrialResult
+
+        first_try = TrialResult.from_dict(res).retried_after if res else None
+        retry = (f" after one retry (the killed attempt: {first_try.outcome.value}: {first_try.message})"
                  if first_try else f" ({res.get('message')})")
         return {"fault": "kill -9 of a trial's command (target=cmd)",
                 "done": "SIGKILL to the first trial's command while it ran (no traceback written)",

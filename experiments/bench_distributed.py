@@ -260,7 +260,7 @@ def part2(trials: int, say) -> list[str]:
             for name, workload, ranks in kinds:
                 r = _trial(runner, workload, ranks, Path(tmp), f"{i}-{ranks}-{name[:3]}")
                 got[name].append(r)
-                say(f"  {name} #{i}: launch->1st {r.extra['launch_to_first_step_s']:.2f} s, "
+                say(f"  {name} #{i}: launch->1st {r.process.launch_to_first_step_s:.2f} s, "
                     f"step {r.throughput.step_time_s * 1e3:.0f} ms")
     lines = [f"Part 2 (measured on this CPU, gloo): README transformer (4 layers, d_model 256, context 256, "
              f"vocabulary 8192, AdamW), batch 8 per rank, 1 warm-up + 3 measured steps, {trials} trials each, "
@@ -271,7 +271,7 @@ def part2(trials: int, say) -> list[str]:
     med = {}
     for name, _, _ in kinds:
         rs = got[name]
-        launch = [r.extra["launch_to_first_step_s"] for r in rs]
+        launch = [r.process.launch_to_first_step_s for r in rs]
         step = [r.throughput.step_time_s * 1e3 for r in rs]
         thr = [r.throughput.samples_per_s for r in rs]
         med[name] = (statistics.median(launch), statistics.median(step), min(launch), max(launch), min(step), max(step))

@@ -4,7 +4,7 @@ For each launcher, runs a few identical CPU trials (resnet18, image 32, batch 8,
 4 GiB budget) through :class:`oomtune.trial.runner.TrialRunner` and reports, per trial:
 
 * launch -> first step: from the runner's launch call to the start of the child's first training
-  step (wall clock, ``extra["launch_to_first_step_s"]``): the fixed cost a trial pays before it
+  step (wall clock, ``process.launch_to_first_step_s``): the fixed cost a trial pays before it
   trains (interpreter + imports for spawn; fork + workload build for the fork server);
 * startup_s: the child's own view, from its process start (/proc, 10 ms) to the first step;
 * the mean measured step time, for scale.
@@ -45,8 +45,8 @@ def _trials(runner: TrialRunner, n: int, root: Path, tag: str) -> list[dict]:
         r = runner.run(spec, workdir=root / f"{tag}-{i}")
         if r.outcome != "ok":
             raise SystemExit(f"{tag} trial {i} failed: {r.outcome}: {r.message}\n{r.traceback_tail}")
-        rows.append({"launch": r.extra["launch_to_first_step_s"], "startup": r.startup_s,
-                     "step": r.throughput.step_time_s, "launcher": r.extra["launcher"],
+        rows.append({"launch": r.process.launch_to_first_step_s, "startup": r.startup_s,
+                     "step": r.throughput.step_time_s, "launcher": r.process.launcher,
                      "peak_reserved": r.memory.peak_reserved_bytes})
     return rows
 

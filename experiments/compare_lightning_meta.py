@@ -43,6 +43,7 @@ os.environ["OOMTUNE_CACHE_DIR"] = "off"
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "experiments"))
 from _provenance import header, write_results  # noqa: E402
+from oomtune.trial.record import TrialResult  # noqa: E402
 
 RESULTS = REPO / "experiments" / "results" / "compare_lightning_meta.txt"
 SCRIPT = "examples/lightning_module.py"
@@ -79,7 +80,7 @@ def run_search(args: argparse.Namespace, execute: str, run_dir: Path) -> dict:
 
 
 def _trial_executions(run_dir: Path) -> dict:
-    """Where each launch of the search ran its steps (``extra["execute"]`` of its record), by role
+    """Where each launch of the search ran its steps (``execution.where`` of its record), by role
     (``trials.json``'s ``record``/``probe``/``confirm``...; ``smoke``: the smoke test), and the meta
     fallbacks' reasons."""
     roles = {}
@@ -90,11 +91,11 @@ def _trial_executions(run_dir: Path) -> dict:
     for rec in sorted(run_dir.rglob("result.json")):
         name = rec.parent.name
         role = roles.get(int(name.split("-")[1]), "?") if name.startswith("trial-") else name
-        extra = json.loads(rec.read_text()).get("extra", {})
-        key = f"{role} {extra.get('execute', '?')}"
+        execution = TrialResult.read(rec).execution
+        key = f"{role} {execution.where or '?'}"
         counts[key] = counts.get(key, 0) + 1
-        if extra.get("meta_fallback"):
-            fallbacks.append(extra["meta_fallback"])
+        if execution.fallback:
+            fallbacks.append(execution.fallback)
     return {"counts": counts, "meta_fallbacks": fallbacks}
 
 

@@ -37,16 +37,19 @@ ASYNC = "backend:cudaMallocAsync"
 def verdict(record: dict, conf: str, *, cuda: bool) -> tuple[bool, str]:
     """(ok, why): the trial ran ok and the backend asked for is the one torch parsed and, on CUDA, the
     one the allocator reports in effect (``settings_effective``)."""
-    if record.get("outcome") != "ok":
-        return False, f"outcome {record.get('outcome')}: {record.get('message')}"
-    parsed = (record.get("extra") or {}).get("torch_alloc_conf")
+    from oomtune.trial.record import TrialResult
+
+    res = TrialResult.from_dict(record)   # the current shape, or an earlier one in its documented reading
+    if res.outcome.value != "ok":
+        return False, f"outcome {res.outcome.value}: {res.message}"
+    parsed = res.allocator.torch_alloc_conf
     if parsed != conf:
         return False, f"torch parsed {parsed!r}, not {conf!r}"
     if cuda:
-        effective = (record.get("settings_effective") or {}).get("backend")
+        effective = (res.settings_effective or {}).get("backend")
         if effective != "cudaMallocAsync":
             return False, f"the allocator reports backend {effective!r}"
-        if (record.get("extra") or {}).get("launcher") != "spawn":
+        if res.process.launcher != "spawn":
             return False, "a cudaMallocAsync trial must be spawned (torch reads backend at import)"
     return True, "ran ok with the backend in effect"
 

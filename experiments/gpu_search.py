@@ -10,11 +10,11 @@ in time for the confirmation run. Then copies best.yaml and the trial table (``o
 into experiments/results/ (gpu_search_best.yaml, gpu_search_trials.json) and writes
 gpu_search.json: the command, its exit status, the trial rows, and the settings check.
 
-Settings check: every trial process records the string torch parsed (``extra["torch_alloc_conf"]``,
+Settings check: every trial process records the string torch parsed (``allocator.torch_alloc_conf``,
 from ``torch._C._accelerator_getAllocatorSettings``) and, on CUDA, what the allocator reports in
 effect (``settings_effective``: the snapshot's ``allocator_settings``); oomtune/trial/child.py already
 turns a mismatch into an ``error`` record. Here each trial that ran a process is checked again from
-the stored record, and the verdict says whether forked trials (``extra["launcher"] == "fork"``, the
+the stored record, and the verdict says whether forked trials (``process.launcher == "fork"``, the
 fork server whose torch was imported before the settings were set) with non-default settings were
 among them: PASS, FAIL, or INCONCLUSIVE when none ran.
 
@@ -68,16 +68,18 @@ def check_record(rec: dict[str, Any], *, cuda: bool) -> dict[str, Any] | None:
     ok: no "did not take effect" message, torch parsed exactly ``alloc_conf``, and on CUDA the
     allocator's reported settings carry the same PYTORCH_CUDA_ALLOC_CONF string.
     """
-    extra = rec.get("extra") or {}
-    launcher = extra.get("launcher", rec.get("launcher"))
-    if launcher is None and "pid" not in extra:
+    from oomtune.trial.record import TrialResult
+
+    res = TrialResult.from_dict(rec)   # the current shape, or an earlier one in its documented reading
+    launcher = res.process.launcher
+    if launcher is None and res.process.pid is None:
         return None
-    conf = rec.get("alloc_conf", "")
-    torch_conf = extra.get("torch_alloc_conf", rec.get("torch_alloc_conf"))
-    effective = rec.get("settings_effective")
+    conf = res.alloc_conf
+    torch_conf = res.allocator.torch_alloc_conf
+    effective = res.settings_effective
     problems = []
-    if _MISMATCH in (rec.get("message") or ""):
-        problems.append(rec["message"][:200])
+    if _MISMATCH in (res.message or ""):
+        problems.append(res.message[:200])
     if torch_conf != conf:
         problems.append(f"torch parsed {torch_conf!r}, expected {conf!r}")
     if cuda:
@@ -90,7 +92,7 @@ def check_record(rec: dict[str, Any], *, cuda: bool) -> dict[str, Any] | None:
             ok, detail = _settings_match()(conf, None, effective)  # the keys, in torch's units
             if not ok:
                 problems.append(f"allocator reports {detail}")
-    return {"alloc_conf": conf, "batch_size": rec.get("batch_size"), "outcome": rec.get("outcome"),
+    return {"alloc_conf": conf, "batch_size": res.batch_size, "outcome": res.outcome.value,
             "launcher": launcher, "torch_alloc_conf": torch_conf, "ok": not problems,
             "problems": problems}
 

@@ -157,7 +157,7 @@ def rank_fields(res: Any) -> dict[str, Any]:
     ranks = res.ranks
     if not ranks:
         return {}
-    return {"world_size": (res.extra or {}).get("world_size", len(ranks)), "worst_rank": res.worst_rank,
+    return {"world_size": res.distributed.world_size or len(ranks), "worst_rank": res.worst_rank,
             "failed_rank": res.failed_rank, "rank_peaks": [r.peak_reserved_bytes for r in ranks]}
 
 
@@ -341,9 +341,9 @@ def outcome_label(trial: Any, res: Any) -> str:
     label = res.outcome.value
     if res.outcome is Outcome.OK and not R.is_feasible_ok(trial):
         label = "ok >limit"
-        stopped = (res.extra or {}).get("stopped_over_limit")
-        if stopped:   # the trial stopped after this step (TrialSpec.limit_bytes): figures of that many steps
-            label += f"@{stopped['step']}"
+        stopped = res.stopped_over_limit
+        if stopped is not None:   # the trial stopped after this step (TrialSpec.limit_bytes): figures of that many steps
+            label += f"@{stopped.step}"
     reused = trial.user_attrs.get(R.ATTR_REUSED, trial.user_attrs.get(R.ATTR_FROM_RECORDING))
     return label if reused is None else f"{label} =#{reused}"
 
@@ -521,7 +521,7 @@ class SearchProgress:
         best = None if lead is None else f"#{lead.number}"
         self._say(progress_line(trial, role, index, self.n_trials if index else None, best))
         res = R.result_of(trial)
-        survivors = (res.extra or {}).get("survivors") if res is not None else None
+        survivors = res.process.survivors if res is not None else ()
         if survivors:   # processes the trial left that could not be killed: named, one line
             from oomtune.trial.keeper import survivor_line
 

@@ -537,7 +537,7 @@ def evaluate_run(best: Any, res: Any, *, max_memory_growth: float, max_slowdown:
     speed = (CheckCase("slowdown", None, SIMULATED_SLOWDOWN_NOTE) if max_slowdown is None
              else _speed_case(res, metrics.get("throughput"), max_slowdown))
     memory = _memory_case(res, metrics, max_memory_growth)
-    fraction = fraction_case(best, applied=(res.extra or {}).get("memory_fraction"), ran=True, geometry=geometry,
+    fraction = fraction_case(best, applied=res.budget.memory_fraction, ran=True, geometry=geometry,
                              device_total=getattr(res.device, "total_memory_bytes", None)
                              if res.memory.source == "device" else None)
     cases = [CheckCase("oom", True, f"batch {best.best.batch_size} ran {res.throughput.steps} steps within the "

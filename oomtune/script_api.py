@@ -210,7 +210,7 @@ def report(samples: int, seconds: float, *, steps: int | None = None,
         steps: optimizer steps in the interval (for the mean step time), optional.
         data_wait_seconds: part of ``seconds`` spent waiting for the next batch (``next(loader)``),
             optional; gives the data-wait fraction used by the input-bound diagnosis.
-        **extra: any JSON-serialisable values, kept in the trial record's ``extra["reported"]``.
+        **extra: any JSON-serialisable values, kept in the trial record's ``script.reported``.
 
     Under ``torch.distributed`` every rank may report; the parent counts the samples of each
     rank's lines (the integrations report the global samples from rank 0 only, so that they are

@@ -7,6 +7,8 @@ tests/data/launchers (README there: how they were produced).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import subprocess
 from pathlib import Path
@@ -128,7 +130,7 @@ def test_merge_ok_ranks_worst_rank_memory_and_global_throughput():
     assert (merged.memory.peak_reserved_bytes, merged.memory.peak_allocated_bytes) == (22 * MiB, 16 * MiB)
     assert merged.worst_rank == 1
     assert [r.peak_reserved_bytes for r in merged.ranks] == [20 * MiB, 22 * MiB]
-    assert merged.extra["world_size"] == 2
+    assert merged.distributed.world_size == 2
 
 
 def test_merge_oom_on_rank_1_names_it_and_ignores_the_teardown_of_rank_0():
@@ -157,24 +159,22 @@ def test_a_rank_sigkilled_by_the_oom_killer_is_host_oom_only_with_evidence():
 
     def merged():
         m = merge_ranks(SPEC, [None, None], exitcodes=[-15, -9], root_rank=1)
-        m.extra["rank_pids"] = [4100, 4101]
-        return m
+        return dataclasses.replace(m, distributed=dataclasses.replace(m.distributed, rank_pids=(4100, 4101)))
 
     # no evidence of the OOM killer: a SIGKILL from outside is a crash, and it stays one
     plain = merged()
     assert plain.outcome is Outcome.CRASH
     asked: list = []
-    rank_oom_kill(plain, lambda pids: asked.append(list(pids)) or None)
+    plain = rank_oom_kill(plain, lambda pids: asked.append(list(pids)) or None)
     assert plain.outcome is Outcome.CRASH and asked == [[4101]]   # the killed rank's pid only
     # the kernel log names rank 1's pid: the host's OOM killer
-    killed = merged()
-    rank_oom_kill(killed, lambda pids: "kernel log: Out of memory: Killed process 4101 (python)")
+    killed = rank_oom_kill(merged(), lambda pids: "kernel log: Out of memory: Killed process 4101 (python)")
     assert killed.outcome is Outcome.HOST_OOM
     assert killed.message.startswith("rank 1 of 2: killed by SIGKILL") and "Killed process 4101" in killed.message
     # a rank that failed otherwise is left alone
     oom = merge_ranks(SPEC, [TrialResult(outcome="ok"), TrialResult(outcome="oom_fragmentation", message="x")])
-    oom.extra["rank_pids"] = [1, 2]
-    rank_oom_kill(oom, lambda pids: "anything")
+    oom = dataclasses.replace(oom, distributed=dataclasses.replace(oom.distributed, rank_pids=(1, 2)))
+    oom = rank_oom_kill(oom, lambda pids: "anything")
     assert oom.outcome == "oom_fragmentation"
 
 

@@ -57,12 +57,12 @@ def _alive(pid: int) -> bool:
 
 
 def _no_orphans(res) -> None:
-    pids = res.extra.get("rank_pids") or []
+    pids = res.distributed.rank_pids or []
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), pids
-    assert not group_alive(res.extra["pid"])
+    assert not group_alive(res.process.pid)
 
 
 def _predicted(parallel: str, batch: int, steps: int) -> tuple[int, int]:
@@ -97,7 +97,7 @@ def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(two_rank, pa
     res = two_rank[parallel]
     assert res.outcome == "ok", res.message
     ranks = res.ranks
-    assert [r.rank for r in ranks] == [0, 1] and res.extra["world_size"] == 2
+    assert [r.rank for r in ranks] == [0, 1] and res.distributed.world_size == 2
     assert all(r.outcome == "ok" for r in ranks)
     peaks = [r.peak_reserved_bytes for r in ranks]
     assert res.memory.peak_reserved_bytes == max(peaks) and res.worst_rank == peaks.index(max(peaks))
@@ -118,7 +118,7 @@ def test_two_rank_trial_every_rank_measured_and_bounded_by_the_plan(two_rank, pa
         [(allocated + host_counters, reserved)] * 2
     # global samples/s: 2 ranks x 4 samples per step over the slowest rank's step
     assert res.throughput.samples_per_s == pytest.approx(8 / max(r.step_time_s for r in ranks))
-    assert res.extra["distributed"]["parallel"] == parallel and res.extra["backend"] == "gloo"
+    assert res.distributed.parallel == parallel and res.distributed.backend == "gloo"
     _no_orphans(res)
 
 
@@ -184,7 +184,7 @@ def _cmd_spec(env_kill: bool = False) -> TrialSpec:
 def test_torchrun_command_every_rank_reports_once(tmp_path, runner):
     res = runner.run(_cmd_spec(), workdir=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert res.outcome == "ok", res.message
-    assert res.extra["reporting_ranks"] == [0, 1]
+    assert res.script.reporting_ranks == (0, 1)
     assert [r.rank for r in res.ranks] == [0, 1]
     # each rank's virtual GPU holds the MLP's parameters, gradients and DDP's bucket (attached before DDP)
     params = (64 * 128 + 128 + 128 * 10 + 10) * 4
@@ -199,7 +199,7 @@ def test_torchrun_rank_sigkill_named_from_the_launcher_summary(tmp_path, runner)
     # a crash unless the host's OOM killer fired during the trial
     assert res.outcome in (Outcome.CRASH, Outcome.HOST_OOM)
     assert "rank 1" in res.message and "SIGKILL" in res.message
-    assert not group_alive(res.extra["pid"])
+    assert not group_alive(res.process.pid)
 
 
 def test_search_with_two_gpus_per_trial_records_every_rank(tmp_path, capsys):

@@ -19,7 +19,7 @@ from oomtune.exceptions import DeviceError
 from oomtune.gpu import nvml
 from oomtune.study.records import used_bytes
 from oomtune.trial.budget import memory_fraction_for_budget
-from oomtune.trial.record import MemoryReadings, TrialResult, TrialSpec
+from oomtune.trial.record import BudgetReadings, MemoryReadings, ResultDraft, TrialResult, TrialSpec
 from oomtune.units import GiB, MiB
 
 NVML_TOTAL = 81920 * MiB
@@ -126,10 +126,11 @@ def test_cuda_device_maps_to_nvml_by_uuid_not_by_index(fake_nvml, monkeypatch):
 def test_the_trials_device_record_is_the_card_it_ran_on(fake_nvml):
     from oomtune.trial.child import _cuda_device_info
 
-    result = TrialResult(outcome="ok")
-    info, physical = _cuda_device_info(nvml, _props(), result)
+    rec = ResultDraft(TrialResult(outcome="ok"))
+    info, physical = _cuda_device_info(nvml, _props(), rec)
+    result = rec.result
     assert physical == 1 and info.name == "NVIDIA H100 80GB HBM3" and info.pci_bus_id == "00000000:3B:00.0"
-    assert result.extra["nvml_match"] == "uuid"
+    assert result.budget.nvml_match == "uuid"
 
 
 def test_uuid_spellings_compare_equal():
@@ -164,12 +165,13 @@ def test_memory_outside_the_allocator_is_measured_again_after_warm_up(monkeypatc
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 200 * MiB)   # 500 MiB outside the allocator
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, dev: applied.append(f))
     spec = TrialSpec(workload={}, batch_size=8, device="cuda:0", budget_bytes=16 * GiB)
-    result = TrialResult(outcome="ok", memory=MemoryReadings(non_allocator_bytes=300 * MiB),
-                         extra={"memory_fraction": (16 * GiB - 300 * MiB) / TORCH_TOTAL})
-    child.remeasure_outside_allocator(spec, result, "cuda:0", TORCH_TOTAL)
+    rec = ResultDraft(TrialResult(outcome="ok", memory=MemoryReadings(non_allocator_bytes=300 * MiB),
+                                  budget=BudgetReadings(memory_fraction=(16 * GiB - 300 * MiB) / TORCH_TOTAL)))
+    child.remeasure_outside_allocator(spec, rec, "cuda:0", TORCH_TOTAL)
+    result = rec.result
     assert result.memory.non_allocator_bytes == 500 * MiB
-    assert result.extra["non_allocator_bytes_after_warmup"] == 500 * MiB
-    assert applied == [(16 * GiB - 500 * MiB) / TORCH_TOTAL] == [result.extra["memory_fraction"]]
+    assert result.budget.non_allocator_bytes_after_warmup == 500 * MiB
+    assert applied == [(16 * GiB - 500 * MiB) / TORCH_TOTAL] == [result.budget.memory_fraction]
 
 
 def test_the_remeasure_runs_after_the_warm_up_step_outside_the_timing():
@@ -183,8 +185,9 @@ def test_the_remeasure_runs_after_the_warm_up_step_outside_the_timing():
 
     seen = []
     spec = TrialSpec(workload={}, batch_size=8, warmup_steps=2, measure_steps=3)
-    result = TrialResult(outcome="ok")
-    child._timed_steps(spec, Steps(), result, on_step=seen.append)
+    rec = ResultDraft(TrialResult(outcome="ok"))
+    child._timed_steps(spec, Steps(), rec, on_step=seen.append)
+    result = rec.result
     assert seen == [1, 2, 3, 4, 5] and result.throughput.steps == 5
 
 
@@ -198,8 +201,9 @@ def test_a_time_window_extends_the_measured_steps():
             return StepTimings(samples_per_step=8, step_s=[0.5], data_wait_s=[0.0])   # 0.5 s a step (faked)
 
     spec = TrialSpec(workload={}, batch_size=8, warmup_steps=1, measure_steps=2, measure_seconds=2.0)
-    result = TrialResult(outcome="ok")
-    child._timed_steps(spec, Steps(), result)
+    rec = ResultDraft(TrialResult(outcome="ok"))
+    child._timed_steps(spec, Steps(), rec)
+    result = rec.result
     assert result.throughput.steps == 1 + 4              # 4 measured steps of 0.5 s fill the 2 s window
     assert result.throughput.samples_per_s == pytest.approx(16.0)   # 8 samples / 0.5 s
 
@@ -239,10 +243,10 @@ def test_a_bad_fork_is_run_again_by_spawn(tmp_path):
     with TrialRunner(launcher="fork") as runner:
         assert runner.start_fork_server()
         r = runner.run(spec, workdir=tmp_path / "a", env={TEST_HOOK_ENV: "bad_fork"})
-        assert r.outcome == "ok" and r.extra["launcher"] == "spawn"
-        assert "Cannot re-initialize CUDA in forked subprocess" in r.extra["bad_fork"]["message"]
+        assert r.outcome == "ok" and r.process.launcher == "spawn"
+        assert "Cannot re-initialize CUDA in forked subprocess" in r.process.bad_fork.message
         again = runner.run(spec, workdir=tmp_path / "b")          # the server is not used again
-        assert again.extra["launcher"] == "spawn" and "could not use CUDA" in again.extra["launcher_fallback"]
+        assert again.process.launcher == "spawn" and "could not use CUDA" in again.process.launcher_fallback
 
 
 # ---------------------------------------------------------------- on a device
@@ -290,7 +294,7 @@ def test_on_a_device_a_099_budget_trial_runs_and_remeasures(tmp_path):
                      measure_steps=2, timeout_s=240)
     r = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path)
     assert r.outcome == "ok", r.message
-    assert r.extra["nvml_match"] in ("uuid", "pci_bus_id")
-    assert r.extra["non_allocator_bytes_after_warmup"] is not None
-    assert r.memory.non_allocator_bytes >= r.extra["non_allocator_bytes_at_start"]
-    assert 0 < r.extra["memory_fraction"] < 0.99 and r.device.total_memory_bytes == total
+    assert r.budget.nvml_match in ("uuid", "pci_bus_id")
+    assert r.budget.non_allocator_bytes_after_warmup is not None
+    assert r.memory.non_allocator_bytes >= r.budget.non_allocator_bytes_at_start
+    assert 0 < r.budget.memory_fraction < 0.99 and r.device.total_memory_bytes == total

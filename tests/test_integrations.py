@@ -19,7 +19,7 @@ import oomtune
 from oomtune.cli import main
 from oomtune.plan.recorded import load_recording
 from oomtune.targets.cmd import read_channel, result_from_channel
-from oomtune.trial.record import TrialSpec
+from oomtune.trial.record import TrialResult, TrialSpec
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"hf": "examples/hf_trainer.py", "lightning": "examples/lightning_module.py",
@@ -176,8 +176,8 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
             assert source["role"] == "record" and source["batch_size"] == row["batch_size"]
             assert not (run / "trials" / f"trial-{row['number']:04d}" / "result.json").exists()
             continue
-        extra = json.loads((run / "trials" / f"trial-{row['number']:04d}" / "result.json").read_text())["extra"]
-        accum = extra.get("grad_accum", 1)
+        record = TrialResult.read(run / "trials" / f"trial-{row['number']:04d}" / "result.json")
+        accum = record.script.grad_accum or 1
         assert (accum == 2) if row["role"] == "record" else (row["batch_size"] * accum == 16)
 
 
@@ -248,7 +248,7 @@ def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks
     assert (res.memory.peak_allocated_bytes, res.memory.peak_reserved_bytes) == (rank1.peak_allocated_bytes,
                                                                                  rank1.peak_reserved_bytes)
     assert (tmp_path / "trial" / "stream.bin").is_file() and (tmp_path / "trial" / "stream.bin.rank1").is_file()
-    assert _gone(pids.values()) and not group_alive(res.extra["pid"])
+    assert _gone(pids.values()) and not group_alive(res.process.pid)
 
 
 @pytest.mark.slow
@@ -271,7 +271,7 @@ def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_pat
     assert {r.rank for r in res.ranks} <= {0, 1}
     assert all(r.peak_reserved_bytes < 64 * MiB for r in res.ranks if r.rank == 0)
     assert sorted(pids) == [0, 1]
-    assert _gone(pids.values()) and not group_alive(res.extra["pid"])
+    assert _gone(pids.values()) and not group_alive(res.process.pid)
 
 
 # -- the examples hold every step a search asks of them --------------------------------------------------

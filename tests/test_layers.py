@@ -389,3 +389,78 @@ def _field_lines(source: str, class_name: str) -> list[str]:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             return [ast.unparse(i) for i in node.body if isinstance(i, ast.AnnAssign)]
     return []
+
+
+# --- The trial record is typed end to end: every section frozen, slotted, and saying what it holds ---
+
+#: TrialResult's one field that keeps a mapping: ``settings_effective``, torch's own report of the
+#: allocator settings in effect (``torch.cuda.memory._snapshot()["allocator_settings"]``, keys and
+#: value types torch's, compared key by key in oomtune/trial/child.py) -- a top-level field, not a section.
+_RECORD_MAPPINGS = {"TrialResult": ["settings_effective: dict[str, Any] | None"]}
+
+
+def untyped_or_bare(source: str, class_name: str) -> list[str]:
+    """The fields of ``class_name`` whose annotation names ``Any`` (:func:`untyped_fields`) or a
+    bare container that says nothing of its items (``dict``, ``list``, ``Mapping`` without
+    parameters, ``dict[...]`` / ``list[...]``: mutable in a frozen record)."""
+    import re
+
+    found = list(untyped_fields(source, class_name))
+    for line in _field_lines(source, class_name):
+        name, _, rest = line.partition(":")
+        annotation = rest.split("=")[0].strip()
+        if re.search(r"\b(dict|list|Mapping|MutableMapping|Dict|List|set)\b", annotation):
+            entry = f"{name.strip()}: {annotation}"
+            if entry not in found:
+                found.append(entry)
+    return found
+
+
+def _record_sections() -> dict[str, type]:
+    """TrialResult and every dataclass reachable from its fields' types, by name."""
+    import dataclasses
+    import typing
+
+    from oomtune.trial.record import TrialResult
+
+    seen: dict[str, type] = {}
+    todo = [TrialResult]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ in seen:
+            continue
+        seen[cls.__name__] = cls
+        stack = list(typing.get_type_hints(cls).values())
+        while stack:
+            tp = stack.pop()
+            stack.extend(typing.get_args(tp))
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                todo.append(tp)
+    return seen
+
+
+def test_untyped_or_bare_finder_finds_each_form():
+    source = ("class A:\n    a: dict\n    b: dict[str, int]\n    c: list[int] | None\n    d: Mapping\n"
+              "    e: tuple[int, ...]\n    f: Any\n    g: str | None = None\n    h: tuple[EnvVar, ...] = ()\n")
+    assert untyped_or_bare(source, "A") == ["f: Any", "a: dict", "b: dict[str, int]", "c: list[int] | None",
+                                            "d: Mapping"]
+
+
+def test_trial_record_sections_are_typed_frozen_and_slotted():
+    """No section of the trial record (what a trial reports, read back by the search, the report and
+    resumed studies) holds ``Any`` or a bare mapping or list: each field says what it carries. Every
+    section, the record itself and the device it names are frozen dataclasses with slots."""
+    import inspect
+
+    sections = _record_sections()
+    # the free extra mapping is gone; the sections that replaced it are reached
+    assert {"TrialProcess", "ExecutionInfo", "BudgetReadings", "AllocatorSeen", "DistributedInfo", "ScriptReports",
+            "StoppedOverLimit", "OomDetails", "RetriedAfter", "KernelsRan", "DeviceInfo"} <= set(sections)
+    offenders = {}
+    for name, cls in sections.items():
+        found = untyped_or_bare(inspect.getsource(inspect.getmodule(cls)), name)
+        found = [f for f in found if f not in _RECORD_MAPPINGS.get(name, [])]
+        if found:
+            offenders[name] = found
+        assert cls.__dataclass_params__.frozen and "__slots__" in cls.__dict__, name
+    assert offenders == {}

@@ -18,7 +18,7 @@ from oomtune.best import BestConfig, Choice, apply_best, conf_with_fraction, loa
 from oomtune.cli import main
 from oomtune.exceptions import BestFileError
 from oomtune.search.outputs import answer_fraction
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import BudgetReadings, TrialResult, TrialSpec
 from oomtune.units import GiB, MiB
 
 GC = "garbage_collection_threshold:0.8,max_split_size_mb:64"
@@ -43,7 +43,7 @@ def test_which_answers_need_a_fraction():
 
 
 def test_the_fraction_recorded_is_the_trials_for_a_threshold_answer_only():
-    res = TrialResult(outcome="ok", extra={"memory_fraction": F})
+    res = TrialResult(outcome="ok", budget=BudgetReadings(memory_fraction=F))
     assert answer_fraction(res, GC) == F
     assert answer_fraction(res, "expandable_segments:True") is None        # needs none
     assert answer_fraction(res, GC, mode="off") is None
@@ -61,9 +61,9 @@ def test_a_cpu_trial_records_the_fraction_its_virtual_gpu_applies(monkeypatch):
     spec = TrialSpec(workload=mlp, batch_size=4, alloc_conf="", device="cpu",
                      budget_bytes=1 * GiB, device_memory_bytes=80 * GiB, warmup_steps=1, measure_steps=1)
     on = run_child(spec)
-    assert on.outcome == "ok" and on.extra["memory_fraction"] == 1 / 80
+    assert on.outcome == "ok" and on.budget.memory_fraction == 1 / 80
     off = run_child(TrialSpec(**{**spec.__dict__, "memory_fraction": False}))
-    assert "memory_fraction" not in off.extra and off.outcome == "ok"   # a device of the budget's size
+    assert off.budget.memory_fraction is None and off.outcome == "ok"   # a device of the budget's size
 
 
 def test_best_yaml_round_trips_the_fraction_and_rejects_a_bad_one(tmp_path):

@@ -100,7 +100,7 @@ def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_
     cpu, cpu_dir = _trial(tmp_path, "cpu")
     meta, meta_dir = _trial(tmp_path, "meta")
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
-    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     host = [("A", 8), ("F", 8), ("A", 64 * 8), ("F", 64 * 8)]   # the loader's seed, RandomSampler's randperm(64)
     got_cpu, got_meta = _events(cpu_dir / "stream.bin"), _events(meta_dir / "stream.bin")
     # the host-side pairs come before the first batch, once per epoch (one epoch: 2 steps x 2 x 4 < 64 rows)
@@ -125,8 +125,8 @@ def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_
 def test_a_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
     r, _ = _trial(tmp_path, "meta", "--reads")
     assert r.outcome == "ok", r.message
-    assert r.extra["execute"] == "cpu"
-    assert "reads a tensor's value (__float__()" in r.extra["meta_fallback"]
+    assert r.execution.where == "cpu"
+    assert "reads a tensor's value (__float__()" in r.execution.fallback
     assert r.throughput.samples_per_s > 0
 
 
@@ -185,7 +185,7 @@ def test_a_plain_loops_meta_steps_make_its_cpu_steps_requests_less_adams_host_st
     cpu, cpu_dir = _loop_trial(tmp_path, "cpu")
     meta, meta_dir = _loop_trial(tmp_path, "meta")
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
-    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     got_cpu, got_meta = _events(cpu_dir / "stream.bin"), _events(meta_dir / "stream.bin")
     # torch/optim/adam.py with capturable=False keeps each parameter's step counter on the host
     # (torch.tensor(0.0, dtype=float32): 4 bytes, made in _init_group at the first step) and, in the foreach
@@ -260,8 +260,8 @@ def test_a_lightning_trial_on_meta_peaks_at_the_bytes_counted_by_hand_and_the_cp
     cpu = _lightning_trial(tmp_path, "cpu", TINY)
     meta = _lightning_trial(tmp_path, "meta", TINY)
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
-    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
-    assert "meta_fallback" not in meta.extra and "meta_note" not in meta.extra
+    assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
+    assert meta.execution.fallback is None and meta.execution.note is None
     # The peak is inside Adam's step (torch/optim/adam.py _multi_tensor_adam, the foreach step a CUDA run
     # takes, non-capturable): the weight, its gradient, exp_avg, exp_avg_sq and the one temporary
     # torch._foreach_sqrt(exp_avg_sqs) (div_/add_/addcdiv_ are in place), plus what Lightning holds then
@@ -300,10 +300,10 @@ def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_o
     cpu = _lightning_trial(tmp_path, "cpu", TINY, "--log")
     meta = _lightning_trial(tmp_path, "meta", TINY, "--log")
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
-    assert meta.extra["execute"] == "meta" and "meta_fallback" not in meta.extra
+    assert meta.execution.where == "meta" and meta.execution.fallback is None
     # the logger connector turns the logged loss into a number (convert_tensors_to_scalars' to_item,
     # lightning/fabric/utilities/apply_func.py) for the progress bar and the logger: a placeholder on meta
-    assert meta.extra["reported"][0]["meta_placeholder_reads"] >= 1
+    assert meta.script.reported_values()[0]["meta_placeholder_reads"] >= 1
     # the same host tensors as without logging, and the logged metric's own: torchmetrics' Metric.add_state
     # keeps a deepcopy of each state's default (value: float32, cumulated_batch_size: int64), and
     # Tensor.__deepcopy__ (torch/_tensor.py) makes it with new_empty([]) (4 and 8 bytes) before set_()
@@ -322,11 +322,11 @@ def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_o
 def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
     r = _lightning_trial(tmp_path, "meta", TINY, "--reads")
     assert r.outcome == "ok", r.message
-    assert r.extra["execute"] == "cpu"
+    assert r.execution.where == "cpu"
     # the module's float(loss), not Lightning's clean-up: Strategy.teardown calls the module's cpu(),
     # which still runs on meta after the error
-    assert "reads a tensor's value (__float__()" in r.extra["meta_fallback"]
-    assert "lightning_tiny.py" in r.extra["meta_fallback"]
+    assert "reads a tensor's value (__float__()" in r.execution.fallback
+    assert "lightning_tiny.py" in r.execution.fallback
     assert r.throughput.samples_per_s > 0
 
 
@@ -334,7 +334,7 @@ def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(
 def test_the_lightning_example_runs_its_trial_on_meta(tmp_path):
     r = _lightning_trial(tmp_path, "meta", ROOT / "examples" / "lightning_module.py", grad_accum=2)
     assert r.outcome == "ok", r.message
-    assert r.extra["execute"] == "meta" and "meta_note" not in r.extra and "meta_fallback" not in r.extra
+    assert r.execution.where == "meta" and r.execution.note is None and r.execution.fallback is None
     assert r.throughput.samples_per_s is None
 
 

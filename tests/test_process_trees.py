@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from oomtune.trial import keeper
-from oomtune.trial.record import TrialSpec
+from oomtune.trial.record import ProcessSeen, TrialSpec
 from oomtune.trial.runner import TrialRunner, leftovers
 from oomtune.targets.cmd import run_cmd_trial
 from oomtune.units import MiB
@@ -96,7 +96,7 @@ def test_cmd_trial_setsid_grandchild_is_gone_after_the_timeout(tmp_path):
     main, grand = map(int, (tmp_path / "pids").read_text().split())
     # the grandchild ran in its own session: a process-group kill could not have reached it
     assert _gone_within([main, grand], token, 5.0)
-    assert "survivors" not in res.extra
+    assert not res.process.survivors
 
 
 def test_cmd_trial_that_exits_leaves_no_setsid_straggler(tmp_path):
@@ -130,7 +130,7 @@ def test_builtin_trial_setsid_grandchild_is_gone_after_the_timeout(tmp_path, lau
     # spawned children import torch first (seconds): a timeout long enough to reach the hook
     r = runner.run(_spec(timeout_s=4.0 if launcher == "fork" else 45.0), workdir=tmp_path,
                    env={"OOMTUNE_TEST_HOOK": "setsid:120"})
-    assert r.outcome == "timeout" and r.extra["launcher"] == launcher
+    assert r.outcome == "timeout" and r.process.launcher == launcher
     grand = int((tmp_path / "grandchild.pid").read_text())
     # the grandchild (`sleep 180`) called setsid(): a process-group kill could not reach it
     assert _gone_within([grand], f"oomtune-no-such-token-{uuid.uuid4().hex}", 5.0)
@@ -159,9 +159,9 @@ def test_a_sigkilled_keeper_leaves_nothing_the_sweep_does_not_kill(tmp_path):
     assert not worker.is_alive()
     res = results[0]
     assert _gone_within([main, grand], token, 5.0)
-    swept = {p["pid"] for p in res.extra.get("leftover_processes", [])}
-    assert grand in swept, res.extra     # the sweep, not the (dead) keeper, ended it
-    assert "survivors" not in res.extra
+    swept = {p.pid for p in res.process.leftover_processes}
+    assert grand in swept, res.process     # the sweep, not the (dead) keeper, ended it
+    assert not res.process.survivors
 
 
 def _search_command(tmp_path: Path, command: str) -> list[str]:
@@ -215,7 +215,7 @@ def test_survivors_are_named_in_one_line(tmp_path):
         status.write_text('{"returncode": 0, "survivors": [{"pid": %d, "command": "sleep 30", "state": "D"}]}'
                           % sleeper.pid)
         found = leftovers(uuid.uuid4().hex, status)
-        assert found == {"survivors": [{"pid": sleeper.pid, "command": "sleep 30"}]}
+        assert found == {"survivors": (ProcessSeen(pid=sleeper.pid, command="sleep 30"),)}
         line = keeper.survivor_line("trial 3", found["survivors"])
         assert line == f"trial 3 left 1 process running (could not be killed): pid {sleeper.pid} (sleep 30)"
         assert "\n" not in line

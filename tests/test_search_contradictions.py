@@ -21,7 +21,7 @@ from oomtune.study import records as R
 from oomtune.schema import SearchConf, TrialConf
 from oomtune.search.driver import Search, SearchOptions
 from oomtune.space import SearchSpace
-from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
+from oomtune.trial.record import MemoryReadings, Throughput, TrialProcess, TrialResult
 from oomtune.units import MiB
 from oomtune.workload_spec import WorkloadSpec
 
@@ -47,7 +47,7 @@ class Runner:
         if key in self.once:
             outcome = self.once.pop(key)
             return TrialResult(outcome=outcome, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-                               message=f"scripted {outcome}", extra={"returncode": -9})
+                               message=f"scripted {outcome}", process=TrialProcess(returncode=-9))
         per = 10 * MiB if "expandable_segments:True" in spec.alloc_conf else 12 * MiB
         peak = spec.batch_size * per
         if peak > spec.budget_bytes:
@@ -84,7 +84,7 @@ def test_a_crash_is_run_once_more_and_the_second_result_stands(tmp_path):
     assert runner.calls[:4] == [(8, ""), (16, ""), (32, ""), (32, "")]
     t32 = _trial(study, 32)
     res = R.result_of(t32)
-    assert res.outcome == "ok" and res.extra["retried_after"]["outcome"] == "crash"
+    assert res.outcome == "ok" and res.retried_after.outcome == "crash"
     assert t32.state == optuna.trial.TrialState.COMPLETE and baseline.params["batch_size"] == 76
 
 
@@ -193,8 +193,8 @@ def test_a_stray_sigkill_during_the_baseline_does_not_make_the_point_infeasible(
     first = study.trials[0]
     res = R.result_of(first)
     # the killed run was a crash without OOM-killer evidence, run again: the point is feasible
-    assert res.extra["retried_after"]["outcome"] == Outcome.CRASH.value
-    assert "no evidence of the OOM killer" in res.extra["retried_after"]["message"]
+    assert res.retried_after.outcome == Outcome.CRASH.value
+    assert "no evidence of the OOM killer" in res.retried_after.message
     assert res.outcome == "ok" and R.is_feasible_ok(first) and first.user_attrs[R.ATTR_ROLE] == "baseline"
     assert best.baseline is not None and best.baseline.batch_size >= first.params["batch_size"]
     assert best.study["outcomes"].get("host_oom", 0) == 0

@@ -15,7 +15,7 @@ from oomtune.study import records as R
 from oomtune.schema import SearchConf, TrialConf
 from oomtune.search.driver import Search, SearchOptions, SetupFault
 from oomtune.space import SearchSpace
-from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
+from oomtune.trial.record import MemoryReadings, StoppedOverLimit, Throughput, TrialResult
 from oomtune.units import MiB
 from oomtune.workload_spec import WorkloadSpec
 
@@ -276,7 +276,7 @@ class ScriptedThroughput(FakeRunner):
         res = super().run(spec, workdir=workdir)
         key = (spec.batch_size, spec.alloc_conf)
         if spec.measure_steps == 10 and res.outcome == "ok" and self.script.get(key):
-            res.throughput = replace(res.throughput, samples_per_s=self.script[key].pop(0))
+            res = replace(res, throughput=replace(res.throughput, samples_per_s=self.script[key].pop(0)))
         return res
 
 
@@ -334,8 +334,8 @@ class StoppingRunner(FakeRunner):
         res = super().run(spec, workdir=workdir)
         first = (res.memory.peak_reserved_bytes or 0) - 10 * MiB
         if res.outcome == "ok" and spec.limit_bytes is not None and first > spec.limit_bytes:
-            res.memory = replace(res.memory, peak_reserved_bytes=first, peak_allocated_bytes=first)
-            res.extra["stopped_over_limit"] = {"step": 1, "used_bytes": first, "limit_bytes": spec.limit_bytes}
+            res = replace(res, memory=replace(res.memory, peak_reserved_bytes=first, peak_allocated_bytes=first),
+                          stopped_over_limit=StoppedOverLimit(step=1, used_bytes=first, limit_bytes=spec.limit_bytes))
         return res
 
 

@@ -45,7 +45,7 @@ def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, caps
     # the kernels the captures and CPU trials ran: model.gpu=auto without a GPU is the default, said so
     assert best.device["target_gpu"] == {"name": "A100", "compute_capability": "8.0", "sm_count": 108,
                                          "key": "a100", "source": "default"}
-    assert measured.extra["kernels"]["gpu"]["key"] == "a100"
+    assert measured.execution.kernels.gpu.key == "a100"
     assert measured.memory.peak_reserved_bytes <= 0.95 * 192 * 2**20
     assert best.best.predicted_peak_reserved_bytes is not None
     assert best.study["outcomes"].get("ok", 0) >= 3

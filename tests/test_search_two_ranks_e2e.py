@@ -82,7 +82,7 @@ def test_a_two_rank_search_gives_one_answer_counts_samples_once_and_keeps_the_wo
     assert set(rows) == {2, 4}
     trial = run / "trials" / f"trial-{rows[2]['number']:04d}"
     record = json.loads((trial / "result.json").read_text())
-    assert record["outcome"] == "ok" and record["extra"]["execute"] == "cpu"   # gloo: CPU steps
+    assert record["outcome"] == "ok" and record["execution"]["where"] == "cpu"   # gloo: CPU steps
 
     # samples counted once: one report, from rank 0, of 2 x 2 ranks x 2 accumulation = 8 samples per step
     reports = [e for e in read_channel(trial / "results.jsonl") if e["event"] == "report"]
@@ -100,7 +100,7 @@ def test_a_two_rank_search_gives_one_answer_counts_samples_once_and_keeps_the_wo
     assert {r["rank"]: r["peak_reserved_bytes"] for r in record["ranks"]} == peaks
     assert best.best.metrics["peak_reserved_bytes"] == peaks[1]
     # the search's predictions would replay the worst rank's recorded stream, not rank 0's
-    assert Path(record["extra"]["stream_file"]).name == "stream.bin.rank1"
+    assert Path(record["script"]["stream_file"]).name == "stream.bin.rank1"
 
     # micro-batch 4: rank 1's 32 MiB does not fit its 24 MiB; the trial is infeasible and names rank 1
     failed = json.loads((run / "trials" / f"trial-{rows[4]['number']:04d}" / "result.json").read_text())

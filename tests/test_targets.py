@@ -73,14 +73,14 @@ def test_good_command_reports_throughput_and_sees_the_trial_environment(tmp_path
     started = []
     res = run_cmd_trial(spec, workdir=tmp_path / "t", on_start=started.append)
     assert res.outcome is Outcome.OK, res.message
-    assert started == [res.extra["pid"]]
+    assert started == [res.process.pid]
     assert res.throughput.samples_per_s == pytest.approx(3 * 7 / 0.5)        # 42 samples/s
     assert res.throughput.step_time_s == pytest.approx(0.5 / 3)
     assert res.throughput.data_wait_fraction == pytest.approx(0.1 / 0.5)
-    assert res.extra["reported"][0]["env"] == {
+    assert res.script.reported_values()[0]["env"] == {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "expandable_segments:True",
         "OOMTUNE_BATCH_SIZE": "7", "OOMTUNE_BUDGET_BYTES": str(64 * MIB), "OOMTUNE_DEVICE": "cpu"}
-    assert res.memory.peak_reserved_bytes is None and res.extra["memory_unknown"] is True  # no capture hook
+    assert res.memory.peak_reserved_bytes is None and res.script.memory_unknown is True  # no capture hook
 
 
 def test_shell_command_runs_through_sh(tmp_path):
@@ -94,7 +94,7 @@ def test_command_that_never_reports_is_an_error(tmp_path):
                         workdir=tmp_path / "t")
     assert res.outcome is Outcome.ERROR
     assert res.message == NO_REPORT_MESSAGE
-    assert res.throughput.samples_per_s is None and res.extra["returncode"] == 0
+    assert res.throughput.samples_per_s is None and res.process.returncode == 0
 
 
 def test_sigkill_without_evidence_of_the_oom_killer_is_a_crash(tmp_path):
@@ -103,7 +103,7 @@ def test_sigkill_without_evidence_of_the_oom_killer_is_a_crash(tmp_path):
                         workdir=tmp_path / "t")
     assert res.outcome is Outcome.CRASH, res.message
     assert "no evidence of the OOM killer" in res.message
-    assert res.extra["returncode"] == -9
+    assert res.process.returncode == -9
 
 
 def test_sigkill_with_a_grown_oom_kill_counter_is_host_oom(tmp_path, monkeypatch):
@@ -135,7 +135,7 @@ def test_hanging_command_times_out_and_its_process_group_is_gone(tmp_path):
     # only the timeout's kill ends the trial before the script's own 120 s sleep: a bound set by the
     # script, not by how fast a loaded machine starts and kills processes
     assert res.wall_s < 120
-    assert not group_alive(res.extra["pid"])
+    assert not group_alive(res.process.pid)
 
 
 def test_channel_oom_wins_even_when_the_script_caught_it():
@@ -147,7 +147,7 @@ def test_channel_oom_wins_even_when_the_script_caught_it():
     res = result_from_channel(_cmd_spec("x"), events, returncode=0, stderr="", timed_out=False)
     assert res.outcome is Outcome.OOM          # 1.75 MiB cached < 20 MiB asked: not fragmentation
     assert res.memory.oom_requested_bytes == 20 * MIB and res.throughput.samples_per_s is None
-    assert res.extra["oom_caught_by_script"] is True
+    assert res.script.oom_caught_by_script is True
 
 
 def test_real_cuda_oom_traceback_in_stderr_is_a_memory_outcome():

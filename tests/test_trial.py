@@ -16,7 +16,7 @@ from oomtune.trial.budget import (
     memory_fraction_for_budget,
     non_allocator_bytes,
 )
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import ResultDraft, StoppedOverLimit, TrialResult, TrialSpec
 from oomtune.units import MiB
 
 # ------------------------------------------------------------------ budget math, field case C9
@@ -130,7 +130,7 @@ def test_oom_mid_training_raised_inside_a_step(clean_alloc_env):
     # fraction: a plain "oom".
     r = child.run_child(_spec(budget_bytes=2 * MiB, workload={**MLP, "hidden": 256}, batch_size=2048))
     assert r.outcome == "oom", r.message
-    assert r.extra.get("first_step_at") is not None   # the step had started
+    assert r.process.first_step_at is not None   # the step had started
 
 
 def test_env_mismatch_is_an_error_before_anything_runs(clean_alloc_env, monkeypatch):
@@ -176,7 +176,7 @@ def test_unreadable_spec_exits_2_with_an_error_record(tmp_path):
 
 
 def test_verify_effective_reports_a_mismatch():
-    r = TrialResult(outcome="error")
+    r = ResultDraft(TrialResult(outcome="error"))
     snap = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": 2**64 - 1, "expandable_segments": False,
             "backend": "native"}
     with pytest.raises(child.SettingsMismatchError, match="did not take effect: expected .*torch reports"):
@@ -207,16 +207,16 @@ def test_trial_stops_after_the_first_step_above_the_limit(clean_alloc_env):
     r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=1 * MiB, soak_steps=10))
     assert r.outcome == "ok", r.message
     assert r.throughput.steps == 1
-    stop = r.extra["stopped_over_limit"]
-    assert stop["step"] == 1 and stop["limit_bytes"] == 1 * MiB
-    assert stop["used_bytes"] >= 2 * MiB and r.memory.peak_reserved_bytes >= stop["used_bytes"]
+    stop = r.stopped_over_limit
+    assert stop.step == 1 and stop.limit_bytes == 1 * MiB
+    assert stop.used_bytes >= 2 * MiB and r.memory.peak_reserved_bytes >= stop.used_bytes
     assert r.throughput.samples_per_s is None              # stopped in the warm-up: no measured step
     assert r.soak is None             # above the limit: not soaked
 
 
 def test_trial_stopped_in_the_measured_steps_times_what_ran(clean_alloc_env):
     r = child.run_child(_spec(warmup_steps=0, measure_steps=3, limit_bytes=1 * MiB))
-    assert r.throughput.steps == 1 and r.extra["stopped_over_limit"]["step"] == 1
+    assert r.throughput.steps == 1 and r.stopped_over_limit.step == 1
     assert r.throughput.samples_per_s is not None and r.throughput.samples_per_s > 0   # one measured step
 
 
@@ -224,7 +224,7 @@ def test_trial_within_the_limit_runs_every_step(clean_alloc_env):
     # 64 MiB is far above the 2 MiB small segment (and a 20 MiB large one, were one needed)
     r = child.run_child(_spec(warmup_steps=1, measure_steps=3, limit_bytes=64 * MiB))
     assert r.outcome == "ok" and r.throughput.steps == 4
-    assert "stopped_over_limit" not in r.extra
+    assert r.stopped_over_limit is None
 
 
 def test_a_stopped_trial_violates_the_memory_constraint():
@@ -234,5 +234,5 @@ def test_a_stopped_trial_violates_the_memory_constraint():
     limit = MemoryLimit(10 * MiB, 0.0)
     # a reading of 12 MiB at the stop, whatever the record's other figures say: (12 - 10) / 10
     res = TrialResult(outcome="ok", memory=MemoryReadings(peak_reserved_bytes=None),
-                      extra={"stopped_over_limit": {"step": 1, "used_bytes": 12 * MiB, "limit_bytes": 10 * MiB}})
+                      stopped_over_limit=StoppedOverLimit(step=1, used_bytes=12 * MiB, limit_bytes=10 * MiB))
     assert violation(res, limit) == pytest.approx(0.2)

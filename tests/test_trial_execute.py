@@ -68,11 +68,11 @@ def test_a_meta_trial_measures_the_memory_of_the_cpu_trial(name):
     meta = child.run_child(_spec(WORKLOADS[name], "meta"))
     assert cpu.outcome == "ok", cpu.message
     assert _figures(meta) == _figures(cpu)
-    assert cpu.extra["execute"] == "cpu" and meta.extra["execute"] == "meta"
+    assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     # the meta steps do no arithmetic: no throughput, no step time, no data-wait fraction
     assert cpu.throughput.samples_per_s > 0 and meta.throughput.samples_per_s is None
     assert meta.throughput.step_time_s is None
-    assert meta.throughput.data_wait_fraction is None and meta.extra["meta_step_s"] > 0
+    assert meta.throughput.data_wait_fraction is None and meta.execution.meta_step_s > 0
 
 
 def test_a_meta_trial_runs_out_of_memory_at_the_same_request_as_the_cpu_trial():
@@ -140,7 +140,7 @@ def make_workload(batch_size, device):
     wl = {"target": {"name": "python", "entry": f"{entry}:make_workload"}}
     r = child.run_child(_spec(wl, "meta"))
     assert r.outcome == "ok", r.message
-    assert r.extra["execute"] == "cpu" and "ran on the CPU" in r.extra["execute_fallback"]
+    assert r.execution.where == "cpu" and "ran on the CPU" in r.execution.fallback
     assert r.throughput.samples_per_s > 0
 
 
@@ -249,11 +249,11 @@ def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_
             assert "trials: their steps on the meta device, memory simulated, throughput not measured" in out
             assert study.user_attrs["smoke_test"]["batch_size"] == 2
             results = [R.result_of(t) for t in study.trials if R.result_of(t) is not None]
-            assert results and all(r.extra["execute"] == "meta" and r.throughput.samples_per_s is None for r in results)
+            assert results and all(r.execution.where == "meta" and r.throughput.samples_per_s is None for r in results)
             confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"][-1]
             res = R.result_of(confirm)
             # the confirmation is still a fresh interpreter (spawned), runs every step and the soak
-            assert res.extra["launcher"] == "spawn" and res.throughput.steps == 1 + 3
+            assert res.process.launcher == "spawn" and res.throughput.steps == 1 + 3
             assert res.soak.passed is True and res.soak.steps_run == 20
             assert best.best.confirmed and best.best.metrics["throughput"] is None
     assert answers["meta"] == answers["cpu"]

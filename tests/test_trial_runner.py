@@ -83,13 +83,13 @@ def test_spawned_cpu_trial_ok_with_settings_in_its_environment(tmp_path):
     conf = "max_split_size_mb:128"
     r = run_trial(_spec(alloc_conf=conf), workdir=tmp_path, env={HOOK: "echo_env"})
     assert r.outcome == "ok", (r.message, r.traceback_tail)
-    assert r.extra["launcher"] == "spawn"
+    assert r.process.launcher == "spawn"
     assert r.memory.source == "simulated"
     assert r.throughput.samples_per_s > 0
     assert r.memory.peak_reserved_bytes >= r.memory.peak_allocated_bytes > 0
-    assert r.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == conf
-    assert r.extra["env"]["PYTORCH_ALLOC_CONF"] == conf
-    assert r.extra["torch_alloc_conf"] == conf          # what torch's own parser read
+    assert r.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == conf
+    assert r.allocator.env("PYTORCH_ALLOC_CONF") == conf
+    assert r.allocator.torch_alloc_conf == conf          # what torch's own parser read
     assert r.settings_effective == {"max_split_size_mb": 128}
 
 
@@ -100,7 +100,7 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     # not the 60 s the child wanted: only the timeout's kill ends it sooner (a bound set by the hook,
     # not by how fast a loaded machine spawns and kills processes)
     assert time.monotonic() - t0 < 60
-    assert not group_alive(r.extra["pid"])
+    assert not group_alive(r.process.pid)
     # A spawned child may still be importing torch at 2 s; the forked variant below (which starts in
     # milliseconds) checks that a grandchild started by the trial dies with it.
 
@@ -110,7 +110,7 @@ def test_sigkill_without_evidence_is_a_crash(tmp_path):
     r = run_trial(_spec(), workdir=tmp_path, env={HOOK: f"signal:{int(signal.SIGKILL)}"})
     assert r.outcome == "crash", r.message
     assert "no evidence of the OOM killer" in r.message
-    assert r.extra["returncode"] == -signal.SIGKILL
+    assert r.process.returncode == -signal.SIGKILL
 
 
 def test_value_error_is_error_with_traceback_tail(tmp_path, fork_runner):
@@ -118,7 +118,7 @@ def test_value_error_is_error_with_traceback_tail(tmp_path, fork_runner):
     assert r.outcome == "error"
     assert "ValueError" in r.message
     assert "raised by the test hook" in r.traceback_tail
-    assert r.extra["returncode"] == 0                 # a record was written: the child exited 0
+    assert r.process.returncode == 0                 # a record was written: the child exited 0
 
 
 def test_tiny_budget_gives_a_memory_outcome_from_the_child(tmp_path, fork_runner):
@@ -134,13 +134,13 @@ def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner):
     spec = _spec(alloc_conf="expandable_segments:True", seed=3)
     forked = fork_runner.run(spec, workdir=tmp_path / "fork", env={HOOK: "echo_env"})
     spawned = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "spawn", env={HOOK: "echo_env"})
-    assert forked.extra["launcher"] == "fork" and spawned.extra["launcher"] == "spawn"
+    assert forked.process.launcher == "fork" and spawned.process.launcher == "spawn"
     assert forked.outcome == spawned.outcome == "ok"
     assert forked.memory.peak_reserved_bytes == spawned.memory.peak_reserved_bytes
     assert forked.memory.peak_allocated_bytes == spawned.memory.peak_allocated_bytes
     # the forked child set the variables itself, after the server imported torch without them
-    assert forked.extra["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert forked.extra["torch_alloc_conf"] == "expandable_segments:True"
+    assert forked.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    assert forked.allocator.torch_alloc_conf == "expandable_segments:True"
     # both launchers leave the progress record: 1 warm-up + 2 measured steps, all done
     assert read_progress(tmp_path / "fork" / PROGRESS_FILE) == read_progress(tmp_path / "spawn" / PROGRESS_FILE) == (3, 3)
 
@@ -153,14 +153,14 @@ def test_fork_server_is_fork_safe(fork_runner):
 
 def test_forked_timeout_sigkill_and_crash(tmp_path, fork_runner):
     r = fork_runner.run(_spec(timeout_s=2.0), workdir=tmp_path / "t", env={HOOK: "sleep:60"})
-    assert r.outcome == "timeout" and r.extra["launcher"] == "fork"
-    assert not group_alive(r.extra["pid"])
+    assert r.outcome == "timeout" and r.process.launcher == "fork"
+    assert not group_alive(r.process.pid)
     assert not _pid_running(int((tmp_path / "t" / "grandchild.pid").read_text()))
     r = fork_runner.run(_spec(), workdir=tmp_path / "k", env={HOOK: f"signal:{int(signal.SIGKILL)}"})
-    assert r.outcome == "crash" and r.extra["returncode"] == -signal.SIGKILL   # no OOM-killer evidence
+    assert r.outcome == "crash" and r.process.returncode == -signal.SIGKILL   # no OOM-killer evidence
     # any other signal without a record is a crash (SIGUSR1's default action terminates)
     r = fork_runner.run(_spec(), workdir=tmp_path / "u", env={HOOK: f"signal:{int(signal.SIGUSR1)}"})
-    assert r.outcome == "crash" and r.extra["returncode"] == -signal.SIGUSR1
+    assert r.outcome == "crash" and r.process.returncode == -signal.SIGUSR1
 
 
 def test_async_backend_falls_back_to_spawn(tmp_path, fork_runner, monkeypatch):
@@ -184,8 +184,8 @@ def test_fork_server_failure_falls_back_to_spawn(tmp_path, monkeypatch):
     assert runner.start_fork_server() is False
     r = runner.run(_spec(), workdir=tmp_path)
     assert r.outcome == "ok", r.message
-    assert r.extra["launcher"] == "spawn"
-    assert "simulated" in r.extra["launcher_fallback"]
+    assert r.process.launcher == "spawn"
+    assert "simulated" in r.process.launcher_fallback
     runner.close()
 
 
@@ -206,7 +206,7 @@ def test_ctrl_c_handler_kills_running_trials(tmp_path):
     worker.join(timeout=30)
     assert not worker.is_alive()
     assert results[0].outcome == "error" and "interrupted" in results[0].message
-    assert not group_alive(results[0].extra["pid"])
+    assert not group_alive(results[0].process.pid)
     assert not _pid_running(int((tmp_path / "grandchild.pid").read_text()))
 
 
@@ -220,14 +220,14 @@ def test_cuda_trial_applies_the_budget_and_verifies_settings(tmp_path, launcher)
     with TrialRunner(launcher=launcher) as runner:
         r = runner.run(spec, workdir=tmp_path)
     assert r.outcome == "ok", (r.message, r.traceback_tail)
-    assert r.extra["launcher"] == launcher
+    assert r.process.launcher == launcher
     assert r.memory.source == "device"
     assert r.settings_effective["expandable_segments"] is True
     assert r.settings_effective["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert r.memory.non_allocator_bytes is not None and r.memory.non_allocator_bytes > 0   # CUDA context (C9)
     assert r.memory.peak_reserved_bytes + r.memory.non_allocator_bytes <= budget
     assert r.device.kind == "cuda" and r.device.index == 0
-    if r.extra.get("device_peak_source") == "process":   # C9: the device-level peak obeys the budget
+    if r.budget.device_peak_source == "process":   # C9: the device-level peak obeys the budget
         assert r.memory.device_peak_bytes <= budget
 
 

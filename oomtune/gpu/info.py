@@ -9,10 +9,11 @@ from dataclasses import dataclass
 __all__ = ["DeviceInfo"]
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class DeviceInfo:
     """The physical device a trial ran on (field case C10: record it, since CUDA_VISIBLE_DEVICES
-    remaps indices). ``uuid``/``pci_bus_id`` come from NVML; None on CPU or without NVML."""
+    remaps indices). ``uuid``/``pci_bus_id`` come from NVML; None on CPU or without NVML. Frozen, as
+    the trial record that holds it: change it with :func:`dataclasses.replace`."""
 
     kind: str                      # "cuda" | "cpu"
     name: str | None = None        # e.g. "NVIDIA H200"

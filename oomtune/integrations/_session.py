@@ -61,7 +61,7 @@ class TrialSession:
         answers: value reads of meta tensors the framework's integration can answer
             (:class:`oomtune.integrations._meta.MetaSteps`).
         cpu_steps_because: the framework's steps cannot run on meta, and why: a trial that asks for
-            meta steps runs them on the CPU, and its report says so (``extra["meta_note"]``).
+            meta steps runs them on the CPU, and its record says so (``execution.note``).
 
     Attributes:
         active: oomtune launched the process.

@@ -41,9 +41,9 @@ answers:
   runs only with several ranks, the progress bar shows the metrics already converted;
 - a callback that decides on a value (``EarlyStopping``, ``ModelCheckpoint(monitor=...)``), a
   ``GradScaler`` (``precision="16-mixed"``) or the module's own code reads a value meta has none of:
-  the trial runs again on the CPU (``extra["meta_fallback"]``).
+  the trial runs again on the CPU (``execution.fallback``).
 
-Several ranks keep CPU steps (gloo's collectives move real tensors), with ``extra["meta_note"]``.
+Several ranks keep CPU steps (gloo's collectives move real tensors), with ``execution.note``.
 
 Batches and datasets that ``train_dataloader()`` creates as tensors on the main thread count as
 device memory on the virtual GPU (every CPU storage does there; build datasets before ``fit`` or in

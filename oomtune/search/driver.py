@@ -35,6 +35,7 @@ on the same storage and study), which claim the study's WAITING trials.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -58,7 +59,7 @@ from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import Executor, TrialErrored
 from oomtune.space import Candidate, SearchSpace
 from oomtune.study import records as R
-from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult, TrialSpec
+from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, RetriedAfter, TrialResult, TrialSpec
 from oomtune.units import format_bytes
 from oomtune.workload_spec import WorkloadSpec
 
@@ -307,15 +308,14 @@ class Search:
         """Run ``spec`` on ``runner``; a ``crash`` (a signal without a record: a native crash, or a
         kill from outside such as ``kill -9`` or a preemption, told from the OOM killer by
         :mod:`oomtune.trial.oomkill`) is run once more, and the second result stands (one
-        stray kill must not decide a point). ``extra["retried_after"]`` keeps the first."""
+        stray kill must not decide a point). ``retried_after`` keeps the first."""
         result = runner.run(spec, workdir=workdir, **self._trial_env())
         if result.outcome is not Outcome.CRASH or self.executor.interrupted.is_set():
             return result
         self.say(f"batch {spec.batch_size} {spec.alloc_conf or '(default)'}: {result.message}; running it once more")
         again = runner.run(spec, workdir=workdir.with_name(workdir.name + "-retry"), **self._trial_env())
-        again.extra["retried_after"] = {"outcome": result.outcome.value, "message": result.message,
-                                        "returncode": result.extra.get("returncode")}
-        return again
+        return dataclasses.replace(again, retried_after=RetriedAfter(outcome=result.outcome, message=result.message,
+                                                         returncode=result.process.returncode))
 
     def _tell(self, trial: Any, result: TrialResult, extra: dict[str, Any] | None = None) -> float:
         """Store ``result`` on the running Optuna trial and return its objective value (throughput in
@@ -381,8 +381,8 @@ class Search:
 
         if result.outcome is not Outcome.ERROR:
             return None
-        no_report = bool(result.extra.get("no_report"))
-        if not no_report and not repeats_everywhere(returncode=result.extra.get("returncode"), message=result.message):
+        no_report = result.script.no_report
+        if not no_report and not repeats_everywhere(returncode=result.process.returncode, message=result.message):
             return None
         if any(R.outcome_of(t) is Outcome.OK for t in self.study.get_trials(deepcopy=False)):
             return None
@@ -557,7 +557,7 @@ class Search:
         ratio = floor = None
         used = R.used_bytes(res)
         if raw is not None and raw[0] > 0:
-            if res.outcome is Outcome.OK and used and res.extra.get("stopped_over_limit"):
+            if res.outcome is Outcome.OK and used and res.stopped_over_limit is not None:
                 floor = used / raw[0]  # stopped early: its full peak is at least this
             elif res.outcome is Outcome.OK and used:
                 ratio = used / raw[0]

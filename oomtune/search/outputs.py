@@ -80,13 +80,13 @@ def _rank_metrics(res: TrialResult) -> dict[str, Any]:
     if not res.ranks:
         return {}
     keep = ("rank", "peak_reserved_bytes", "peak_allocated_bytes", "device_peak_bytes", "device_uuid")
-    return {"world_size": (res.extra or {}).get("world_size", len(res.ranks)), "worst_rank": res.worst_rank,
+    return {"world_size": res.distributed.world_size or len(res.ranks), "worst_rank": res.worst_rank,
             "ranks": [{k: getattr(r, k) for k in keep} for r in res.ranks]}
 
 
 def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> float | None:
     """The per-process memory fraction an answer needs (best.yaml ``memory_fraction``):
-    the fraction its measuring trial ran under (``extra["memory_fraction"]``: the budget over the
+    the fraction its measuring trial ran under (``budget.memory_fraction``: the budget over the
     device, on a GPU corrected for the memory outside the allocator) when its settings rely on one
     (:func:`oomtune.best.needs_memory_fraction`: ``garbage_collection_threshold``); None otherwise,
     with ``search.memory_fraction=off``, or when the trial ran without a fraction < 1 (the threshold
@@ -95,7 +95,7 @@ def answer_fraction(res: TrialResult, alloc_conf: str, mode: str = "auto") -> fl
 
     if mode == "off" or not needs_memory_fraction(alloc_conf):
         return None
-    fraction = (res.extra or {}).get("memory_fraction")
+    fraction = res.budget.memory_fraction
     return float(fraction) if isinstance(fraction, (int, float)) and 0 < fraction < 1 else None
 
 

@@ -49,10 +49,10 @@ def recorded(trial: Any, accum: int) -> tuple[int, Any] | None:
     from oomtune.plan.recorded import load_recording
 
     res = R.result_of(trial)
-    path = None if res is None else (res.extra or {}).get("stream_file")
+    path = None if res is None else res.script.stream_file
     if not path or res.outcome is not Outcome.OK:
         return None
-    ran = int((res.extra or {}).get("grad_accum") or 1)
+    ran = res.script.grad_accum or 1
     if ran != accum:
         return None
     try:

@@ -52,9 +52,9 @@ def violation(result: TrialResult, limit: MemoryLimit) -> float:
     outcome = result.outcome
     if outcome is Outcome.OK:
         used = used_bytes(result)
-        stopped = (result.extra or {}).get("stopped_over_limit")
-        if stopped:  # the trial stopped once above the limit (TrialSpec.limit_bytes): its reading then
-            used = max(used or 0, int(stopped["used_bytes"]))
+        stopped = result.stopped_over_limit
+        if stopped is not None:  # the trial stopped once above the limit (TrialSpec.limit_bytes): its reading then
+            used = max(used or 0, stopped.used_bytes)
         return 0.0 if used is None else (used - limit.limit_bytes) / limit.limit_bytes
     return 1.0
 

@@ -28,12 +28,12 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
   (``TrialSpec.execute``; an integration does it, :mod:`oomtune.integrations._meta`), else ``cpu``.
   A meta trial whose steps cannot run there writes a ``meta_unsupported`` line and fails; the
   command is then run again with ``cpu`` in the same trial directory, and the record says why in
-  ``extra["meta_fallback"]``; a trial whose steps ran on meta (its report says ``"execute": "meta"``)
+  ``execution.fallback``; a trial whose steps ran on meta (its report says ``"execute": "meta"``)
   has no throughput (nothing was computed), as a built-in meta trial; an integration that runs its
-  steps on the CPU all the same (Lightning; several ranks) says why in ``extra["meta_note"]``;
+  steps on the CPU all the same (Lightning; several ranks) says why in ``execution.note``;
 - ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
   (``stream.bin`` in the trial directory, with ``stream.bin.json``; rank R of several writes
-  ``stream.bin.rank<R>``); when written, the record's ``extra["stream_file"]`` names it (the worst
+  ``stream.bin.rank<R>``); when written, the record's ``script.stream_file`` names it (the worst
   rank's: the one whose peak reserved is the trial's) and the search replays it under every allocator
   configuration (:mod:`oomtune.plan.recorded`).
 
@@ -60,7 +60,7 @@ when the script's CUDA was initialised); with several ranks, each rank's last re
 rank's as the trial's (``worst_rank``, every rank's in ``ranks``); an ``oom`` line
 names its rank. On a GPU also the NVML peak of the command's process tree on each of its GPUs
 (``device_peak_bytes``: the highest) and mean utilisation. Without either, memory figures are None and
-``extra["memory_unknown"]`` is True.
+``script.memory_unknown`` is True.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, D
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.procwait import exited_within
-from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult,
+from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, MemoryReadings, ResultDraft,
+                                  ScriptReports, TrialResult,
                                   TrialSpec)
 
 __all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_size", "PLACEHOLDERS",
@@ -307,7 +308,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
 
     A trial asked to run its steps on meta (``spec.execute == "meta"``) whose command says they
     cannot (a ``meta_unsupported`` line) is run again with CPU steps; its record's
-    ``extra["meta_fallback"]`` holds the reason and ``extra["execute"]`` where the steps ran.
+    ``execution.fallback`` holds the reason and ``execution.where`` where the steps ran.
 
     Args:
         spec: the trial; ``spec.workload["target"]`` is ``{"name": "cmd", "command": ..., "cwd": ...}``.
@@ -321,25 +322,25 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
 
     Returns:
         The :class:`TrialResult` (see the module docstring for how the outcome is decided);
-        ``extra`` holds ``pid`` (= the process group id), ``returncode``, ``command`` and
-        ``reports`` (number of report lines).
+        ``process`` holds ``pid`` (= the process group id), ``returncode`` and ``command``;
+        ``script.reports`` the number of report lines.
 
     Raises:
         ConfigError, AllocatorConfigError: a bad command, cwd, device or spec (nothing launched).
     """
-    result = _run_once(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
-    fallback = result.extra.pop("meta_unsupported", None)
+    result, fallback = _run_once(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
     if fallback is not None:
-        result = _run_once(replace(spec, execute="cpu"), workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
-        result.extra["meta_fallback"] = fallback
+        result, _ = _run_once(replace(spec, execute="cpu"), workdir=workdir, env=env, grace_s=grace_s,
+                              on_start=on_start)
+        result = replace(result, execution=replace(result.execution, fallback=fallback))
         result.write(Path(workdir).resolve() / "result.json")
     return result
 
 
 def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, grace_s: float,
-              on_start: Callable[[int], None] | None) -> TrialResult:
-    """One run of the command (:func:`run_cmd_trial`); ``extra["meta_unsupported"]``: the reason its
-    meta steps failed, when they did (the caller runs it again on the CPU)."""
+              on_start: Callable[[int], None] | None) -> tuple[TrialResult, str | None]:
+    """One run of the command (:func:`run_cmd_trial`): its record, and the reason its meta steps
+    failed when they did (a ``meta_unsupported`` line; the caller runs it again on the CPU), else None."""
     from oomtune.trial.runner import validate_spec
 
     from oomtune.workloads.training import checkpointing_of, grad_accum_of
@@ -390,39 +391,42 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
         pids = trial_pids(proc.pid, workdir / STATUS_FILE)
         evidence = watch.evidence(pids | ({killed_rank} if killed_rank else set()))
         reason = None if evidence else watch.sources()
-    result = result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
-                                 timed_out=timed_out, oom_kill_evidence=evidence, no_evidence_reason=reason)
-    result.extra.update(leftovers(marker, workdir / STATUS_FILE))
+    rec = ResultDraft(result_from_channel(spec, read_channel(channel), returncode=returncode, stderr=stderr,
+                                          timed_out=timed_out, oom_kill_evidence=evidence, no_evidence_reason=reason))
+    rec.update("process", **leftovers(marker, workdir / STATUS_FILE))
     if sampler is not None:
         res = sampler.result
-        _update(result, "memory", device_peak_bytes=res.peak_used_bytes)
-        _update(result, "throughput", gpu_utilization=res.mean_utilization_percent)
+        _update(rec, "memory", device_peak_bytes=res.peak_used_bytes)
+        _update(rec, "throughput", gpu_utilization=res.mean_utilization_percent)
         if len(sampler.results) > 1:   # per GPU, in the trial's (rank) order
-            result.extra["device_peaks"] = [r.peak_used_bytes for r in sampler.results]
+            rec.update("budget", device_peaks=tuple(r.peak_used_bytes for r in sampler.results))
         if res.peak_used_bytes is not None:
-            result.extra.pop("memory_unknown", None)
-    result.wall_s = max(0.0, time.time() - started)   # the record refuses a negative time (clock step)
-    result.extra.update(pid=proc.pid, returncode=returncode, command=argv if not shell else argv[-1],
-                        launcher="cmd", grad_accum=grad_accum_of(spec.workload))
+            rec.update("script", memory_unknown=False)
+    rec.set(wall_s=max(0.0, time.time() - started))   # the record refuses a negative time (clock step)
+    rec.update("process", pid=proc.pid, returncode=returncode, command=tuple(argv) if not shell else (argv[-1],),
+               launcher="cmd")
+    rec.update("script", grad_accum=grad_accum_of(spec.workload))
     lines = read_channel(channel)
     unsupported = [ln for ln in lines if isinstance(ln, dict) and ln.get("event") == META_UNSUPPORTED_EVENT]
-    if spec.execute == "meta" and unsupported and result.outcome is not Outcome.OK:
-        result.extra["meta_unsupported"] = str(unsupported[0].get("reason", "?"))
-    on_meta = any(isinstance(r, dict) and r.get("execute") == "meta" for r in result.extra.get("reported", []))
+    fallback = None
+    if spec.execute == "meta" and unsupported and rec.result.outcome is not Outcome.OK:
+        fallback = str(unsupported[0].get("reason", "?"))
+    reported = rec.result.script.reported_values()
+    on_meta = any(r.get("execute") == "meta" for r in reported)
     if not spec.device.startswith("cuda"):
-        result.extra["execute"] = "meta" if on_meta else "cpu"
-    notes = [r["meta_note"] for r in result.extra.get("reported", []) if isinstance(r, dict) and r.get("meta_note")]
+        rec.update("execution", where="meta" if on_meta else "cpu")
+    notes = [r["meta_note"] for r in reported if r.get("meta_note")]
     if spec.execute == "meta" and not on_meta and notes:   # the integration ran CPU steps, and says why
-        result.extra["meta_note"] = str(notes[0])
+        rec.update("execution", note=str(notes[0]))
     if on_meta:   # nothing was computed: the meta steps' times are no throughput
-        result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None, data_wait_fraction=None)
+        rec.update("throughput", samples_per_s=None, step_time_s=None, data_wait_fraction=None)
     stream = workdir / STREAM_FILE
-    if result.worst_rank:   # several ranks: the worst rank's stream (stream.bin.rank<R>) decides, as its peak does
-        stream = workdir / f"{STREAM_FILE}.rank{result.worst_rank}"
-    if stream.is_file() and result.outcome is Outcome.OK:
-        result.extra["stream_file"] = str(stream)   # the step's allocation stream (oomtune.plan.recorded)
-    result.write(workdir / "result.json")
-    return result
+    if rec.result.worst_rank:   # several ranks: the worst rank's stream (stream.bin.rank<R>) decides, as its peak does
+        stream = workdir / f"{STREAM_FILE}.rank{rec.result.worst_rank}"
+    if stream.is_file() and rec.result.outcome is Outcome.OK:
+        rec.update("script", stream_file=str(stream))   # the step's allocation stream (oomtune.plan.recorded)
+    rec.result.write(workdir / "result.json")
+    return rec.result, fallback
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
@@ -509,19 +513,19 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     :func:`oomtune.classify.classify_failure` (a SIGKILL is ``host_oom`` only with evidence).
     Never raises."""
     cuda = spec.device.startswith("cuda")
-    result = TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
-                         memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED))
+    result = ResultDraft(TrialResult(
+        outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+        memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED)))
     bad = bad_channel_line(events)
     if bad is not None and timed_out:   # the hang decides; the unreadable lines are left out
         events = [e for e in events if bad_channel_line([e]) is None]
     elif bad is not None:   # the script's record is malformed: this trial's failure, never the search's
         _set(result, Outcome.BAD_RECORD, bad, ADVICE[Outcome.BAD_RECORD], _tail(stderr))
-        result.extra["reports"] = sum(1 for e in events if e.get("event") == "report")
-        result.extra["memory_unknown"] = True
-        return result
+        result.update("script", reports=sum(1 for e in events if e.get("event") == "report"), memory_unknown=True)
+        return result.result
     reports = [e for e in events if e.get("event") == "report"]
     ooms = sorted((e for e in events if e.get("event") == "oom"), key=lambda e: e.get("time") or 0.0)
-    result.extra["reports"] = len(reports)
+    result.update("script", reports=len(reports))
     _fill_throughput(result, reports)
     memories: dict[Any, dict[str, Any]] = {}   # the last memory reading of each rank
     for e in events:
@@ -532,7 +536,7 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
     elif memories:
         _set_rank_memory(result, memories)
     else:
-        result.extra["memory_unknown"] = True
+        result.update("script", memory_unknown=True)
     kw = dict(batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded)
     if timed_out or (returncode != 0 and not ooms):
         cls = classify_failure(returncode=returncode, stderr=stderr, timed_out=timed_out,
@@ -545,7 +549,7 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
         if cls.oom is not None:
             _update(result, "memory", oom_requested_bytes=cls.oom.requested_bytes)
         if cls.rank is not None and not timed_out:   # a launcher's summary named the failed rank
-            result.failed_rank = cls.rank
+            result.set(failed_rank=cls.rank)
     elif ooms:
         cls = classify_text(f"OutOfMemoryError: {ooms[0].get('message', '')}", **kw)
         rank = _rank_of(ooms[0])   # the first rank to run out of memory (by time)
@@ -554,20 +558,20 @@ def result_from_channel(spec: TrialSpec, events: list[dict[str, Any]], *, return
                else f"rank {rank}")
         message = cls.message if who is None else f"{who}: {cls.message}"
         if rank is not None:
-            result.failed_rank = rank
+            result.set(failed_rank=rank)
         _set(result, cls.outcome, message, cls.advice, None)
         _update(result, "memory", oom_requested_bytes=ooms[0].get("requested_bytes")
                 or (cls.oom.requested_bytes if cls.oom is not None else None))
         if returncode == 0:
-            result.extra["oom_caught_by_script"] = True
+            result.update("script", oom_caught_by_script=True)
     elif not reports:
         _set(result, Outcome.ERROR, NO_REPORT_MESSAGE, _NO_REPORT_ADVICE, _tail(stderr))
-        result.extra["no_report"] = True   # every configuration would repeat it (oomtune.search.driver)
+        result.update("script", no_report=True)   # every configuration would repeat it (oomtune.search.driver)
     else:
         _set(result, Outcome.OK, None, None, None)
-    if result.outcome is not Outcome.OK:   # a failed trial has no values (Optuna's rule)
-        result.throughput = replace(result.throughput, samples_per_s=None, step_time_s=None)
-    return result
+    if result.result.outcome is not Outcome.OK:   # a failed trial has no values (Optuna's rule)
+        result.update("throughput", samples_per_s=None, step_time_s=None)
+    return result.result
 
 
 #: The largest figure a channel line may hold (2**63: no count of samples, steps or bytes comes
@@ -679,23 +683,28 @@ def _rank_of(event: dict[str, Any]) -> int | None:
     return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
 
 
-def _update(result: TrialResult, section: str, **changes: Any) -> None:
-    """Replace fields of ``result``'s ``memory`` or ``throughput`` section. The figures come from the
+def _update(rec: ResultDraft, section: str, **changes: Any) -> None:
+    """Replace fields of the record's ``memory`` or ``throughput`` section. The figures come from the
     user's command (its channel lines): one that the record refuses (a negative or fractional byte
-    count, a fraction outside [0, 1]) is left out and named in ``extra["rejected_readings"]``, since
+    count, a fraction outside [0, 1]) is left out and named in ``script.rejected_readings``, since
     building the record never raises."""
     try:
-        setattr(result, section, replace(getattr(result, section), **changes))
+        rec.update(section, **changes)
     except ValueError as exc:
-        result.extra.setdefault("rejected_readings", []).append(str(exc))
+        _reject(rec, exc)
 
 
-def _set(result: TrialResult, outcome: Outcome | str, message: str | None, advice: str | None,
+def _reject(rec: ResultDraft, exc: BaseException) -> None:
+    """Name a refused reading in ``script.rejected_readings``."""
+    rec.update("script", rejected_readings=(*rec.result.script.rejected_readings, str(exc)))
+
+
+def _set(rec: ResultDraft, outcome: Outcome | str, message: str | None, advice: str | None,
          tail: str | None) -> None:
-    result.outcome = Outcome(outcome)
-    result.message, result.advice = message, advice
-    if result.outcome.is_fault:
-        result.traceback_tail = tail
+    outcome = Outcome(outcome)
+    rec.set(outcome=outcome, message=message, advice=advice)
+    if outcome.is_fault:
+        rec.set(traceback_tail=tail)
 
 
 def _tail(stderr: str, lines: int = 20) -> str | None:
@@ -703,7 +712,7 @@ def _tail(stderr: str, lines: int = 20) -> str | None:
     return "\n".join(kept) if kept else None
 
 
-def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None:
+def _fill_throughput(result: ResultDraft, reports: list[dict[str, Any]]) -> None:
     """Per process (``rank``; one group when the lines carry none): samples and seconds summed over
     its reports; throughput = the sum of every rank's samples / the slowest rank's seconds
     (:func:`oomtune.trial.rank_records.global_throughput`: the ranks train at once, each sample is
@@ -738,13 +747,13 @@ def _fill_throughput(result: TrialResult, reports: list[dict[str, Any]]) -> None
     if waits_ok and fractions:
         changes["data_wait_fraction"] = max(fractions)
     _update(result, "throughput", **changes)
-    result.extra["reported"] = [r.get("extra") or {} for r in reports]
+    result.update("script", reported=tuple(ScriptReports.encode(r.get("extra") or {}) for r in reports))
     ranks = sorted(r for r in by_rank if r is not None)
     if ranks:
-        result.extra["reporting_ranks"] = ranks
+        result.update("script", reporting_ranks=tuple(ranks))
 
 
-def _set_rank_memory(result: TrialResult, memories: dict[Any, dict[str, Any]]) -> None:
+def _set_rank_memory(result: ResultDraft, memories: dict[Any, dict[str, Any]]) -> None:
     """Several ranks' last memory readings: the worst rank's peaks, each rank's kept
     (:func:`oomtune.trial.rank_records.merge_memory`, ``ranks``)."""
     from oomtune.trial.rank_records import merge_memory, rank_summary
@@ -752,27 +761,29 @@ def _set_rank_memory(result: TrialResult, memories: dict[Any, dict[str, Any]]) -
     order = sorted(memories, key=lambda r: (r is None, r if r is not None else 0))
     records = []
     for rank in order:
-        rec = TrialResult(outcome=Outcome.OK)
+        rec = ResultDraft(TrialResult(outcome=Outcome.OK))
         _set_memory(rec, memories[rank])
-        records.append(rec)
-    merge_memory(result, records)
-    result.memory = replace(result.memory, source=records[0].memory.source)
-    if result.worst_rank is not None:
-        result.worst_rank = order[result.worst_rank]   # as the ranks number themselves
+        for line in rec.result.script.rejected_readings:
+            _reject(result, ValueError(line))
+        records.append(rec.result)
+    result.result = merge_memory(result.result, records)
+    result.update("memory", source=records[0].memory.source)
+    if result.result.worst_rank is not None:
+        result.set(worst_rank=order[result.result.worst_rank])   # as the ranks number themselves
     # the lines carry figures, not the ranks' outcomes
-    result.ranks = tuple(replace(rank_summary(0 if rank is None else rank, rec), outcome=None)
-                         for rank, rec in zip(order, records))
+    result.set(ranks=tuple(replace(rank_summary(0 if rank is None else rank, rec), outcome=None)
+                           for rank, rec in zip(order, records)))
 
 
-def _set_memory(result: TrialResult, memory: dict[str, Any]) -> None:
+def _set_memory(rec: ResultDraft, memory: dict[str, Any]) -> None:
     """Peaks and counters from a ``memory_stats()`` mapping (torch's keys); absent keys stay None."""
     stats = memory.get("stats") or {}
     if memory.get("source") in (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED):
-        result.memory = replace(result.memory, source=memory["source"])
+        rec.update("memory", source=memory["source"])
     try:
-        result.fill_memory_stats(stats)
+        rec.result = rec.result.fill_memory_stats(stats)
     except (ValueError, TypeError, AttributeError) as exc:   # not torch's memory_stats(): left unknown
-        result.extra.setdefault("rejected_readings", []).append(str(exc))
+        _reject(rec, exc)
 
 
 from oomtune.targets.cmd_target import TARGET, CmdTarget  # noqa: E402 - registered there (light)

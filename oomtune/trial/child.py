@@ -21,7 +21,7 @@ Order of events (each step must precede the next):
    ``device_memory_bytes`` with the budget as a memory fraction, as on CUDA) sees every storage
    of the run, so out-of-memory is raised inside the step; figures are ``"simulated"``. The steps
    run the kernels of the workload's target GPU (``model.gpu``: attention, dropout, autocast,
-   optimizers; :func:`oomtune.capture.cuda_kernels.emulate_cuda`), recorded in ``extra["kernels"]``.
+   optimizers; :func:`oomtune.capture.cuda_kernels.emulate_cuda`), recorded in ``execution.kernels``.
 4. Warm-up steps, then measured steps (each followed by a device sync).
 5. With ``spec.soak_steps``, the virtual-GPU soak (:mod:`oomtune.trial.soak_check`): running out of
    memory at soak step k makes the trial infeasible (outcome ``oom`` / ``oom_fragmentation``).
@@ -32,7 +32,7 @@ record; the process exits 0 after writing a record, also for OOM.
 Test hook (tests only): ``OOMTUNE_TEST_HOOK`` makes the child misbehave on purpose right before the
 first step (see :func:`_run_test_hook`): ``sleep:S`` (starts a ``sleep`` grandchild, then sleeps S
 seconds), ``setsid:S`` (the same with a grandchild in its own session), ``signal:N`` (kills itself with signal N), ``raise:ValueError``, ``echo_env`` (copies the
-allocator/device environment into ``extra["env"]``), ``bad_fork`` (in a process forked from the fork
+allocator/device environment into ``allocator.environment``), ``bad_fork`` (in a process forked from the fork
 server only: raises torch's "Cannot re-initialize CUDA in forked subprocess"), ``hold:BYTES``
 (allocates BYTES and keeps them: on a CPU trial, memory of its virtual GPU), ``window:S`` (a time
 window of S seconds for the measured steps, as ``measure_seconds``). ``rankR:HOOK`` applies
@@ -42,6 +42,7 @@ HOOK in rank R of a distributed trial only (:mod:`oomtune.trial.ranks`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
@@ -49,7 +50,6 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,7 +60,7 @@ from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
 from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, DeviceInfo,
-                                  MemoryReadings,
+                                  EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft, StoppedOverLimit,
                                   TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
@@ -82,13 +82,13 @@ class SettingsMismatchError(RuntimeError):
 TORCH_THREADS_ENV = "OOMTUNE_TORCH_THREADS"
 
 
-def _apply_thread_limit(result: TrialResult) -> None:
+def _apply_thread_limit(rec: ResultDraft) -> None:
     """``torch.set_num_threads`` from :data:`TORCH_THREADS_ENV` (a forked child inherits the fork
     server's thread count, so the variable is applied here rather than through OMP_NUM_THREADS)."""
     value = os.environ.get(TORCH_THREADS_ENV, "")
     if value.isdigit() and int(value) >= 1:
         torch.set_num_threads(int(value))
-        result.extra["torch_threads"] = int(value)
+        rec.update("process", torch_threads=int(value))
 
 
 def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialResult:
@@ -104,35 +104,35 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
     """
     start = process_start if process_start is not None else _process_start_time()
     cuda = spec.device.startswith("cuda")
-    result = TrialResult(
+    rec = ResultDraft(TrialResult(
         outcome=Outcome.ERROR,
         memory=MemoryReadings(source=MEMORY_SOURCE_DEVICE if cuda else MEMORY_SOURCE_SIMULATED),
         batch_size=spec.batch_size,
         alloc_conf=spec.alloc_conf,
-    )
-    result.extra["pid"] = os.getpid()
-    _apply_thread_limit(result)
+    ))
+    rec.update("process", pid=os.getpid())
+    _apply_thread_limit(rec)
     stats: list[Callable[[], dict[str, Any]]] = []  # filled once the memory source exists
     try:
         _check_alloc_env(spec)
-        _check_torch_parsed(spec, result)
+        _check_torch_parsed(spec, rec)
         runner = _run_cuda if cuda else _run_cpu
-        runner(spec, result, stats, lambda: _run_test_hook(result))
-        result.outcome = Outcome.OK
-        soak_verdict(spec, result)   # a failed soak makes the trial infeasible
+        runner(spec, rec, stats, lambda: _run_test_hook(rec))
+        rec.set(outcome=Outcome.OK)
+        soak_verdict(spec, rec)   # a failed soak makes the trial infeasible
     except SettingsMismatchError as exc:
-        result.outcome, result.message = Outcome.ERROR, str(exc)
-        result.advice = "check how the trial process was launched; the settings must be set before CUDA starts"
+        rec.set(outcome=Outcome.ERROR, message=str(exc),
+                advice="check how the trial process was launched; the settings must be set before CUDA starts")
     except Exception as exc:  # every trial failure becomes the record
-        _record_failure(result, exc, spec)
+        _record_failure(rec, exc, spec)
     finally:
         if stats:
             with contextlib.suppress(Exception):
-                result.fill_memory_stats(stats[0]())
-        first = result.extra.get("first_step_at")
-        result.startup_s = None if first is None else max(0.0, first - start)
-        result.wall_s = max(0.0, time.time() - start)   # the record refuses a negative time
-    return result
+                rec.result = rec.result.fill_memory_stats(stats[0]())
+        first = rec.result.process.first_step_at
+        rec.set(startup_s=None if first is None else max(0.0, first - start),
+                wall_s=max(0.0, time.time() - start))   # the record refuses a negative time
+    return rec.result
 
 
 def _check_alloc_env(spec: TrialSpec) -> None:
@@ -163,53 +163,53 @@ def _pin_cuda_device(device: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[index].strip()
 
 
-def _check_torch_parsed(spec: TrialSpec, result: TrialResult) -> None:
+def _check_torch_parsed(spec: TrialSpec, rec: ResultDraft) -> None:
     """Step 2 (all devices): the string torch's allocator config parsed equals the spec's."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is None:  # older torch: only the CUDA check (effective_settings) applies
         return
     seen = getter()
-    result.extra["torch_alloc_conf"] = seen
+    rec.update("allocator", torch_alloc_conf=seen)
     if seen != spec.alloc_conf:
         raise SettingsMismatchError(
             f"allocator settings did not take effect: expected {spec.alloc_conf!r}, torch reports {seen!r}"
         )
-    result.settings_effective = AllocatorSettings.parse(spec.alloc_conf).as_mapping()
+    rec.set(settings_effective=AllocatorSettings.parse(spec.alloc_conf).as_mapping())
 
 
 #: Virtual-GPU capacity for a CPU trial without a budget: large enough never to run out.
 _UNBOUNDED_SIM_BYTES = 1 << 50
 
 
-def _run_cpu(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
+def _run_cpu(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[[], None]) -> None:
     """Train on the virtual GPU (step 3, CPU): the steps run on the CPU for real (``spec.execute``
     ``cpu``) or on the meta device (``meta``: shapes only, no arithmetic, no host memory per tensor;
     no throughput); device memory comes from the virtual GPU either way. A meta run whose first step
     meets an operator without a meta kernel runs again on the CPU, and says so
-    (``extra["execute_fallback"]``)."""
-    result.device = cpu_device_info()
+    (``execution.fallback``)."""
+    rec.set(device=cpu_device_info())
     if spec.execute == "meta":
         try:
-            _run_virtual(spec, result, stats, hook, "meta")
+            _run_virtual(spec, rec, stats, hook, "meta")
             return
         except _NoMetaKernel as exc:
-            result.extra["execute_fallback"] = f"meta kernel missing ({exc}): ran on the CPU"
+            rec.update("execution", fallback=f"meta kernel missing ({exc}): ran on the CPU")
             stats.clear()
-            for key in ("stopped_over_limit", "first_step_at"):
-                result.extra.pop(key, None)
-    _run_virtual(spec, result, stats, hook, "cpu")
+            rec.set(stopped_over_limit=None)
+            rec.update("process", first_step_at=None)
+    _run_virtual(spec, rec, stats, hook, "cpu")
 
 
 class _NoMetaKernel(Exception):
     """An operator of the first meta step has no meta kernel (the step cannot run on meta)."""
 
 
-def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None], where: str) -> None:
+def _run_virtual(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[[], None], where: str) -> None:
     from oomtune.capture.gpu_target import target_from_workload
     from oomtune.capture.virtual_gpu import VirtualGPU, budgeted_sim
     from oomtune.trial._base import target_for
 
-    result.extra["execute"] = where
+    rec.update("execution", where=where)
     settings = AllocatorSettings.parse(spec.alloc_conf)
 
     def new_sim() -> Any:
@@ -222,7 +222,7 @@ def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callab
     sim = new_sim()
     stats.append(sim.memory_stats)
     if getattr(sim, "allowed_bytes", None) is not None:   # the fraction the virtual GPU applies (< 1)
-        result.extra["memory_fraction"] = sim.allowed_bytes / sim.total_memory_bytes
+        rec.update("budget", memory_fraction=sim.allowed_bytes / sim.total_memory_bytes)
     torch.manual_seed(spec.seed)
     device = torch.device(where)
     gpu = target_from_workload(spec.workload)   # the GPU whose kernels the steps run (model.gpu)
@@ -234,22 +234,23 @@ def _run_virtual(spec: TrialSpec, result: TrialResult, stats: list, hook: Callab
                 vgpu.register(workload.tensors_before_step())
                 hook()
                 try:
-                    _timed_steps(spec, workload, result, lambda: sim.memory_stats()["reserved_bytes.all.peak"],
+                    _timed_steps(spec, workload, rec, lambda: sim.memory_stats()["reserved_bytes.all.peak"],
                                  timed=where != "meta")
                 finally:
-                    result.extra["kernels"] = vgpu.notes.to_dict() if vgpu.notes is not None else None
+                    rec.update("execution", kernels=KernelsRan.from_notes(vgpu.notes) if vgpu.notes is not None
+                               else None)
         except (NotImplementedError, RuntimeError) as exc:
-            if where == "meta" and not isinstance(exc, torch.OutOfMemoryError) and not result.throughput.steps:
+            if where == "meta" and not isinstance(exc, torch.OutOfMemoryError) and not rec.result.throughput.steps:
                 raise _NoMetaKernel(str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__) from exc
             raise
-    if result.extra.get("stopped_over_limit"):
+    if rec.result.stopped_over_limit is not None:
         return
     # The soak on a virtual GPU like this one, captured where the steps ran: its first steps are theirs.
     _progress_phase("soak")
-    run_soak(spec, result, new_sim, capture_device=where)
+    run_soak(spec, rec, new_sim, capture_device=where)
 
 
-def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[[], None]) -> None:
+def _run_cuda(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[[], None]) -> None:
     """Train on the pinned CUDA device under the budget (steps 2-4, CUDA)."""
     from oomtune.alloc.settings import effective_settings
     from oomtune.gpu import nvml
@@ -258,20 +259,21 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
     dev = torch.device("cuda", 0)  # the only visible device (CUDA_VISIBLE_DEVICES, C10)
     torch.cuda.set_device(dev)
     props = torch.cuda.get_device_properties(dev)
-    result.device, physical = _cuda_device_info(nvml, props, result)
+    device, physical = _cuda_device_info(nvml, props, rec)
+    rec.set(device=device)
     a = torch.ones((64, 64), device=dev)
     (a @ a).sum().item()  # creates the cuBLAS handle and workspace before measuring (C9)
     del a
     torch.cuda.synchronize(dev)
-    _verify_effective(spec, result, effective_settings())
-    result.memory = replace(result.memory, non_allocator_bytes=_outside_allocator(dev))
-    result.extra["non_allocator_bytes_at_start"] = result.memory.non_allocator_bytes
+    _verify_effective(spec, rec, effective_settings())
+    rec.update("memory", non_allocator_bytes=_outside_allocator(dev))
+    rec.update("budget", non_allocator_bytes_at_start=rec.result.memory.non_allocator_bytes)
     # torch's total (cudaDeviceProp::totalGlobalMem), which set_per_process_memory_fraction multiplies:
     # smaller than NVML's total (A100-80GB: 79.15 GiB vs 80 GiB), so the budget is judged against it
     total = int(props.total_memory)
-    result.device.total_memory_bytes = total
+    rec.update("device", total_memory_bytes=total)
     if spec.budget_bytes is not None and spec.memory_fraction:
-        _apply_fraction(spec, result, dev, total)
+        _apply_fraction(spec, rec, dev, total)
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
@@ -280,43 +282,44 @@ def _run_cuda(spec: TrialSpec, result: TrialResult, stats: list, hook: Callable[
 
     def after_step(done: int) -> None:
         if done == max(1, spec.warmup_steps):
-            remeasure_outside_allocator(spec, result, dev, total)
+            remeasure_outside_allocator(spec, rec, dev, total)
 
     try:
         with sampler:
             hook()
-            _timed_steps(spec, workload, result,
-                         lambda: torch.cuda.max_memory_reserved(dev) + (result.memory.non_allocator_bytes or 0),
+            _timed_steps(spec, workload, rec,
+                         lambda: torch.cuda.max_memory_reserved(dev) + (rec.result.memory.non_allocator_bytes or 0),
                          on_step=after_step)
     finally:
         reading = getattr(sampler, "result", None)
         if reading is not None:
-            result.memory = replace(result.memory, device_peak_bytes=reading.peak_used_bytes)
-            result.throughput = replace(result.throughput, gpu_utilization=reading.mean_utilization_percent)
-            result.extra["device_peak_source"] = reading.peak_source
-    if result.extra.get("stopped_over_limit"):
+            rec.update("memory", device_peak_bytes=reading.peak_used_bytes)
+            rec.update("throughput", gpu_utilization=reading.mean_utilization_percent)
+            rec.update("budget", device_peak_source=reading.peak_source)
+    if rec.result.stopped_over_limit is not None:
         return
     # The soak predicts the device's future on a virtual GPU of the device's geometry (meta capture).
-    run_soak(spec, result, lambda: _device_like_sim(spec, total, result), capture_device="meta")
+    run_soak(spec, rec, lambda: _device_like_sim(spec, total, rec.result), capture_device="meta")
 
 
-def remeasure_outside_allocator(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
+def remeasure_outside_allocator(spec: TrialSpec, rec: ResultDraft, dev: Any, total: int) -> None:
     """After the warm-up steps: measure the memory outside the allocator again.
 
     It grows during the first steps (cuDNN/cuBLAS handles and workspaces created at first use, kernel
     modules loaded lazily: ``CUDA_MODULE_LOADING=LAZY``, torch's default), after the reading taken
-    before them. The larger reading counts (``result.memory.non_allocator_bytes``; both kept in ``extra``),
+    before them. The larger reading counts (``memory.non_allocator_bytes``; both kept in ``budget``),
     and a memory fraction in force is applied again for it, so that allocator plus outside memory
     stay within the budget for the measured steps (field case C9). The reading is kept for later
     plans of the same GPU, driver and torch (:func:`oomtune.gpu.outside.remember_measured`)."""
     again = _outside_allocator(dev)
-    result.extra["non_allocator_bytes_after_warmup"] = again
-    if again > (result.memory.non_allocator_bytes or 0):
-        result.memory = replace(result.memory, non_allocator_bytes=again)
-        if "memory_fraction" in result.extra:
-            _apply_fraction(spec, result, dev, total)
+    rec.update("budget", non_allocator_bytes_after_warmup=again)
+    if again > (rec.result.memory.non_allocator_bytes or 0):
+        rec.update("memory", non_allocator_bytes=again)
+        if rec.result.budget.memory_fraction is not None:
+            _apply_fraction(spec, rec, dev, total)
     # kept per (GPU, driver, torch) for later plans of this device (oomtune.gpu.outside.read_measured);
     # a reading whose device is not identified cannot be keyed, so it is not kept
+    result = rec.result
     if result.device is None or not result.device.name:
         return
     from oomtune.gpu.outside import remember_measured
@@ -333,12 +336,12 @@ def _outside_allocator(dev: Any) -> int:
     return non_allocator_bytes(total_info, free, torch.cuda.memory_reserved(dev))
 
 
-def _apply_fraction(spec: TrialSpec, result: TrialResult, dev: Any, total: int) -> None:
+def _apply_fraction(spec: TrialSpec, rec: ResultDraft, dev: Any, total: int) -> None:
     """``set_per_process_memory_fraction`` for the budget, corrected for the non-allocator memory
-    measured so far (field case C9); the fraction applied is ``extra["memory_fraction"]``."""
-    fraction = memory_fraction_for_budget(spec.budget_bytes, total, result.memory.non_allocator_bytes or 0)
+    measured so far (field case C9); the fraction applied is ``budget.memory_fraction``."""
+    fraction = memory_fraction_for_budget(spec.budget_bytes, total, rec.result.memory.non_allocator_bytes or 0)
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
-    result.extra["memory_fraction"] = fraction
+    rec.update("budget", memory_fraction=fraction)
 
 
 def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> Any:
@@ -348,31 +351,31 @@ def _device_like_sim(spec: TrialSpec, total_bytes: int, result: TrialResult) -> 
 
     sim = make_simulator(AllocatorSettings.parse(spec.alloc_conf), total_memory_bytes=total_bytes,
                          non_allocator_bytes=min(result.memory.non_allocator_bytes or 0, total_bytes))
-    if "memory_fraction" in result.extra:
-        sim.set_per_process_memory_fraction(result.extra["memory_fraction"])
+    if result.budget.memory_fraction is not None:
+        sim.set_per_process_memory_fraction(result.budget.memory_fraction)
     return sim
 
 
-def _cuda_device_info(nvml: Any, props: Any, result: TrialResult | None = None) -> tuple[DeviceInfo, int | None]:
+def _cuda_device_info(nvml: Any, props: Any, rec: ResultDraft | None = None) -> tuple[DeviceInfo, int | None]:
     """The physical device behind visible index 0 (C10) and its NVML index (None if unknown), found
     by the UUID / PCI bus id torch reports (:func:`oomtune.gpu.nvml.physical_index_of_torch_device`:
-    CUDA's device order is not NVML's on a host with mixed GPUs); ``extra["nvml_match"]`` says how."""
+    CUDA's device order is not NVML's on a host with mixed GPUs); ``budget.nvml_match`` says how."""
     physical, how = nvml.physical_index_of_torch_device(props, 0)
-    if result is not None:
-        result.extra["nvml_match"] = how
+    if rec is not None:
+        rec.update("budget", nvml_match=how)
     info = nvml.device_identity(physical, torch_index=0) if physical is not None else None
     if info is None:
         info = DeviceInfo(kind="cuda", index=0, name=getattr(props, "name", None),
                           uuid=nvml.normal_uuid(getattr(props, "uuid", None)),
                           pci_bus_id=nvml.torch_pci_bus_id(props))
-    info.cuda_version = info.cuda_version or torch.version.cuda
+    info = dataclasses.replace(info, cuda_version=info.cuda_version or torch.version.cuda)
     return info, physical
 
 
-def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | None) -> None:
+def _verify_effective(spec: TrialSpec, rec: ResultDraft, effective: dict | None) -> None:
     """Compare the spec's settings with what the CUDA allocator reports (``effective_settings()``:
     the snapshot's ``allocator_settings``, torch's keys and units) and raise on any difference."""
-    result.settings_effective = effective
+    rec.set(settings_effective=effective)
     if effective is None:
         return
     want = AllocatorSettings.parse(spec.alloc_conf)
@@ -403,22 +406,22 @@ def _verify_effective(spec: TrialSpec, result: TrialResult, effective: dict | No
         )
 
 
-def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
+def _timed_steps(spec: TrialSpec, workload: Any, rec: ResultDraft,
                  used_bytes: Callable[[], int] | None = None, *, timed: bool = True,
                  on_step: Callable[[int], None] | None = None) -> None:
     """Warm-up steps, then measured steps (``Workload.run_steps``, synchronised on CUDA): mean step
     time, throughput (samples/s) and data-wait fraction of the measured steps; with ``timed`` False
-    (steps on the meta device: no arithmetic) none of them, only ``extra["meta_step_s"]``.
+    (steps on the meta device: no arithmetic) none of them, only ``execution.meta_step_s``.
 
     Steps run one at a time. With ``spec.limit_bytes`` and ``used_bytes`` (memory used so far, bytes:
     the peak reserved, plus the non-allocator memory on CUDA), they stop after the first whose
     reading exceeds the limit: peaks only grow (``max_memory_reserved`` is a running maximum), so
-    time. ``result.throughput.steps`` is then the steps run, ``extra["stopped_over_limit"]`` the step (1-based)
+    time. ``throughput.steps`` is then the steps run, ``stopped_over_limit`` the step (1-based)
     and the reading; throughput covers the measured steps run (None before any). After each step the
     progress record (:func:`oomtune.trial.record.write_progress`) gets the steps done and their mean
     time, for the parent's estimate; ``on_step(done)`` runs after each step, outside its timing (the
     CUDA trial measures memory there)."""
-    result.extra["first_step_at"] = time.time()
+    rec.update("process", first_step_at=time.time())
     watch = spec.limit_bytes is not None and used_bytes is not None
     total = spec.warmup_steps + spec.measure_steps
     # a time window for throughput; meta steps time nothing, so exactly measure_steps there
@@ -437,7 +440,7 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
     while more():
         step = workload.run_steps(1, sync=True)
         done += 1
-        result.throughput = replace(result.throughput, steps=done)
+        rec.update("throughput", steps=done)
         spent += step.total_s
         total = max(total, done)
         _progress(done, total, spent / done)
@@ -452,47 +455,32 @@ def _timed_steps(spec: TrialSpec, workload: Any, result: TrialResult,
         if watch and more():
             reading = int(used_bytes())
             if reading > spec.limit_bytes:
-                result.extra["stopped_over_limit"] = {"step": done, "used_bytes": reading,
-                                                      "limit_bytes": spec.limit_bytes}
+                rec.set(stopped_over_limit=StoppedOverLimit(step=done, used_bytes=reading,
+                                                            limit_bytes=spec.limit_bytes))
                 break
-    result.throughput = replace(result.throughput, steps=done)
+    rec.update("throughput", steps=done)
     if timings is None:  # no measured step (stopped during warm-up, or measure_steps 0)
         return
     if not timed:   # meta: the steps did no arithmetic, their times say nothing about any device
-        result.extra["meta_step_s"] = timings.mean_step_s
+        rec.update("execution", meta_step_s=timings.mean_step_s)
         return
-    result.throughput = replace(result.throughput, step_time_s=timings.mean_step_s,
-                                samples_per_s=timings.samples_per_s, data_wait_fraction=timings.data_wait_fraction)
+    rec.update("throughput", step_time_s=timings.mean_step_s, samples_per_s=timings.samples_per_s,
+               data_wait_fraction=timings.data_wait_fraction)
 
 
-def _record_failure(result: TrialResult, exc: BaseException, spec: TrialSpec) -> None:
+def _record_failure(rec: ResultDraft, exc: BaseException, spec: TrialSpec) -> None:
     """Classify ``exc`` and write outcome, message, advice, OOM numbers and traceback tail."""
     cls = classify_exception(
         exc, batch_size=spec.batch_size, smaller_batch_succeeded=spec.smaller_batch_succeeded
     )
     outcome = cls.outcome if isinstance(cls.outcome, Outcome) else Outcome(cls.outcome)
-    result.outcome, result.message, result.advice = outcome, cls.message, cls.advice
+    rec.set(outcome=outcome, message=cls.message, advice=cls.advice)
     if cls.oom is not None:
-        result.memory = replace(result.memory, oom_requested_bytes=getattr(cls.oom, "requested_bytes", None))
-        result.extra["oom"] = _plain(cls.oom)
+        rec.update("memory", oom_requested_bytes=getattr(cls.oom, "requested_bytes", None))
+        rec.set(oom=OomDetails.from_info(cls.oom))
     if outcome is Outcome.ERROR or not outcome.is_memory:
         lines = "".join(traceback.format_exception(exc)).splitlines()
-        result.traceback_tail = cls.traceback_tail or "\n".join(lines[-_TRACEBACK_LINES:])
-
-
-def _plain(obj: Any) -> Any:
-    """A JSON-ready copy of a dataclass-like record (OomInfo)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj):
-        return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return getattr(obj, "value", str(obj))
+        rec.set(traceback_tail=cls.traceback_tail or "\n".join(lines[-_TRACEBACK_LINES:]))
 
 
 _HELD: list[Any] = []   # the test hook's "hold" tensors
@@ -522,7 +510,7 @@ def _ranks_agree(want: bool) -> bool:
     return bool(flag.item())
 
 
-def _run_test_hook(result: TrialResult) -> None:
+def _run_test_hook(rec: ResultDraft) -> None:
     """Misbehave as ``OOMTUNE_TEST_HOOK`` asks (tests only; no-op when unset)."""
     hook = os.environ.get(TEST_HOOK_ENV)
     if not hook:
@@ -554,7 +542,7 @@ def _run_test_hook(result: TrialResult) -> None:
         _HELD.append(torch.empty(int(arg), dtype=torch.uint8))
     elif name == "echo_env":
         keys = (*ALLOC_ENV_VARS, "CUDA_VISIBLE_DEVICES")
-        result.extra["env"] = {k: os.environ.get(k) for k in keys}
+        rec.update("allocator", environment=tuple(EnvVar(k, os.environ.get(k)) for k in keys))
     else:
         raise ValueError(f"unknown {TEST_HOOK_ENV} {hook!r}")
 

@@ -53,6 +53,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -203,10 +204,12 @@ def sweep(marker: str, *, wait_s: float = 2.0) -> tuple[list[ProcessInfo], list[
     return found, alive
 
 
-def survivor_line(label: str, survivors: list[ProcessInfo | dict]) -> str:
+def survivor_line(label: str, survivors: Sequence[Any]) -> str:
     """One line naming processes a trial left running: ``"trial 3 left 2 processes running
-    (could not be killed): pid 12 (sleep 99), pid 13 (python w.py)"``."""
-    names = [p.describe() if isinstance(p, ProcessInfo) else f"pid {p['pid']} ({p['command']})" for p in survivors]
+    (could not be killed): pid 12 (sleep 99), pid 13 (python w.py)"``. Each survivor is a
+    :class:`ProcessInfo`, a trial record's :class:`~oomtune.trial.record.ProcessSeen` (anything with
+    ``describe()``) or a ``{"pid", "command"}`` mapping."""
+    names = [p.describe() if hasattr(p, "describe") else f"pid {p['pid']} ({p['command']})" for p in survivors]
     n = len(names)
     return (f"{label} left {n} process{'es' if n != 1 else ''} running (could not be killed): "
             + ", ".join(names))

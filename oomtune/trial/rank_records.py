@@ -2,7 +2,7 @@
 
 A distributed trial runs one process per GPU (``TrialSpec.ranks``; on the CPU one per virtual GPU),
 each with its own memory budget, and each writes its own record (``result.rank<R>.json``, with
-``extra["rank"]``). The trial's record (:func:`merge_ranks`):
+``distributed.rank``). The trial's record (:func:`merge_ranks`):
 
 - **memory** is the worst rank's: peak reserved, allocated and active are the maxima over the ranks,
   the NVML device peak too; ``worst_rank`` names the rank with the highest peak reserved
@@ -120,7 +120,7 @@ def merge_ranks(spec: TrialSpec, results: Sequence[TrialResult | None], *,
         root_rank: the launcher's first observed failure (torch.multiprocessing's ``error_index``,
             torchrun's root cause), if any.
         stderr_tails: per rank, the end of its standard error (classifies a rank without a record).
-        launcher: what started the ranks (kept in ``extra["rank_launcher"]``).
+        launcher: what started the ranks (kept in ``distributed.rank_launcher``).
 
     Returns:
         A :class:`TrialResult`; never raises.
@@ -152,13 +152,11 @@ def merge_ranks(spec: TrialSpec, results: Sequence[TrialResult | None], *,
             failed = res.outcome is not Outcome.OK and not res.outcome.is_memory
             teardown.append(failed and is_peer_teardown(" ".join(filter(None, (res.message, res.traceback_tail)))))
         records.append(res)
-    merged = _pick(spec, records, teardown, root_rank)
-    merge_memory(merged, records)
-    merged.ranks = tuple(rank_summary(r, rec, exitcode=exitcodes[r] if r < len(exitcodes) else None,
-                                      teardown=teardown[r]) for r, rec in enumerate(records))
-    merged.extra["world_size"] = n
-    merged.extra["rank_launcher"] = launcher
-    return merged
+    merged = merge_memory(_pick(spec, records, teardown, root_rank), records)
+    ranks = tuple(rank_summary(r, rec, exitcode=exitcodes[r] if r < len(exitcodes) else None,
+                               teardown=teardown[r]) for r, rec in enumerate(records))
+    return replace(merged, ranks=ranks,
+                   distributed=replace(merged.distributed, rank=None, world_size=n, rank_launcher=launcher))
 
 
 def _pick(spec: TrialSpec, records: list[TrialResult], teardown: list[bool], root_rank: int | None) -> TrialResult:
@@ -166,9 +164,7 @@ def _pick(spec: TrialSpec, records: list[TrialResult], teardown: list[bool], roo
     n = len(records)
     failed = [r for r, rec in enumerate(records) if rec.outcome is not Outcome.OK]
     if not failed:
-        merged = TrialResult.from_dict(records[0].to_dict())
-        _merge_throughput(merged, records)
-        return merged
+        return _merge_throughput(records[0], records)
     causes = [r for r in failed if not teardown[r]] or failed
 
     def order(r: int) -> tuple[int, int]:
@@ -177,15 +173,13 @@ def _pick(spec: TrialSpec, records: list[TrialResult], teardown: list[bool], roo
         return (_ROOT if r == root_rank else _OTHER, r)
 
     rank = min(causes, key=order)
-    merged = TrialResult.from_dict(records[rank].to_dict())
-    merged.message = f"rank {rank} of {n}: {merged.message or merged.outcome}"
-    merged.failed_rank = rank
+    merged = records[rank]
     # a failed trial has no values (Optuna's rule)
-    merged.throughput = replace(merged.throughput, samples_per_s=None, step_time_s=None)
-    return merged
+    return replace(merged, message=f"rank {rank} of {n}: {merged.message or merged.outcome}", failed_rank=rank,
+                   throughput=replace(merged.throughput, samples_per_s=None, step_time_s=None))
 
 
-def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> None:
+def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> TrialResult:
     """Global samples/s (:func:`global_throughput`) and the slowest rank's step time. Every rank runs
     the same measured steps, so a mean step (``throughput x step_time_s`` samples in ``step_time_s``
     seconds) stands for the interval."""
@@ -194,29 +188,30 @@ def _merge_throughput(merged: TrialResult, records: list[TrialResult]) -> None:
                  if t.samples_per_s is not None and t.step_time_s is not None]
     steps = [t.step_time_s for t in rates if t.step_time_s is not None]
     waits = [t.data_wait_fraction for t in rates if t.data_wait_fraction is not None]
-    merged.throughput = replace(
+    throughput = replace(
         merged.throughput, samples_per_s=global_throughput(intervals) if len(intervals) == len(records) else None,
         step_time_s=max(steps) if steps else None, data_wait_fraction=max(waits) if waits else None)
     starts = [rec.startup_s for rec in records if rec.startup_s is not None]
-    merged.startup_s = max(starts) if starts else None
-    firsts = [rec.extra.get("first_step_at") for rec in records if rec.extra.get("first_step_at") is not None]
-    if firsts:
-        merged.extra["first_step_at"] = max(firsts)
+    firsts = [rec.process.first_step_at for rec in records if rec.process.first_step_at is not None]
+    process = replace(merged.process, first_step_at=max(firsts)) if firsts else merged.process
+    return replace(merged, throughput=throughput, startup_s=max(starts) if starts else None, process=process)
 
 
-def merge_memory(merged: TrialResult, records: list[TrialResult]) -> None:
-    """Peaks: the maxima over the ranks; ``worst_rank`` the rank with the highest peak reserved;
-    fragmentation and the memory outside the allocator are the worst rank's; counters summed."""
+def merge_memory(merged: TrialResult, records: list[TrialResult]) -> TrialResult:
+    """``merged`` with the ranks' memory: peaks the maxima over the ranks; ``worst_rank`` the rank with
+    the highest peak reserved; fragmentation and the memory outside the allocator the worst rank's;
+    counters summed; ``stopped_over_limit`` the rank's that stopped with the highest reading."""
     memories = [rec.memory for rec in records]
 
     def values(name: str) -> list[int]:
         return [getattr(m, name) for m in memories if getattr(m, name) is not None]
 
     changes: dict[str, Any] = {}
+    top: dict[str, Any] = {}
     reserved = [(m.peak_reserved_bytes, r) for r, m in enumerate(memories) if m.peak_reserved_bytes is not None]
     if reserved:
         peak, worst = max(reserved, key=lambda pr: (pr[0], -pr[1]))
-        merged.worst_rank = worst
+        top["worst_rank"] = worst
         changes.update(fragmentation=memories[worst].fragmentation,
                        non_allocator_bytes=memories[worst].non_allocator_bytes)
     for name in ("peak_reserved_bytes", "peak_allocated_bytes", "peak_active_bytes", "device_peak_bytes"):
@@ -225,10 +220,10 @@ def merge_memory(merged: TrialResult, records: list[TrialResult]) -> None:
     for name in ("num_alloc_retries", "num_ooms"):
         found = values(name)
         changes[name] = sum(found) if found else None
-    merged.memory = replace(merged.memory, **changes)
-    stops = [rec.extra["stopped_over_limit"] for rec in records if rec.extra.get("stopped_over_limit")]
+    stops = [rec.stopped_over_limit for rec in records if rec.stopped_over_limit is not None]
     if stops:   # the rank that stopped with the highest reading (violation() reads it)
-        merged.extra["stopped_over_limit"] = max(stops, key=lambda s: s.get("used_bytes", 0))
+        top["stopped_over_limit"] = max(stops, key=lambda s: s.used_bytes)
+    return replace(merged, memory=replace(merged.memory, **changes), **top)
 
 
 def merge_rank_files(spec: TrialSpec, result_path: str | Path, *, timed_out: bool = False) -> TrialResult | None:
@@ -250,35 +245,34 @@ def merge_rank_files(spec: TrialSpec, result_path: str | Path, *, timed_out: boo
             tails.append("")
     merged = merge_ranks(spec, read_rank_results(path, n), stderr_tails=tails)
     if timed_out:
-        merged.outcome = Outcome.TIMEOUT
-        merged.message = f"trial exceeded its {spec.timeout_s:g} s limit; process group killed"
-        merged.throughput = replace(merged.throughput, samples_per_s=None, step_time_s=None)
-    else:
-        merged.extra["launcher_lost"] = True   # the ranks' launcher left no merged record
-    return merged
+        return replace(merged, outcome=Outcome.TIMEOUT,
+                       message=f"trial exceeded its {spec.timeout_s:g} s limit; process group killed",
+                       throughput=replace(merged.throughput, samples_per_s=None, step_time_s=None))
+    # the ranks' launcher left no merged record
+    return replace(merged, distributed=replace(merged.distributed, launcher_lost=True))
 
 
-def rank_oom_kill(result: TrialResult, evidence: Any) -> None:
+def rank_oom_kill(result: TrialResult, evidence: Any) -> TrialResult:
     """Make a distributed trial whose failed rank was killed by SIGKILL without a record (``crash``:
     no evidence could be read inside the trial) ``host_oom`` when the host's OOM killer did it, as
     :func:`oomtune.classify.classify_failure` decides for one process (SIGKILL is the
     OOM killer's only with evidence). ``evidence``: called with the rank's pid
-    (``extra["rank_pids"]``), returns one line of evidence or None
-    (:meth:`oomtune.trial.oomkill.OomKillWatch.evidence`). Changes ``result`` in place; never raises.
+    (``distributed.rank_pids``), returns one line of evidence or None
+    (:meth:`oomtune.trial.oomkill.OomKillWatch.evidence`). Returns ``result``, changed or not; never raises.
     """
     from oomtune.classify import ADVICE
 
-    rank, ranks, pids = result.failed_rank, result.ranks, (result.extra or {}).get("rank_pids") or []
+    rank, ranks, pids = result.failed_rank, result.ranks, result.distributed.rank_pids
     if result.outcome is not Outcome.CRASH or not isinstance(rank, int) or not 0 <= rank < min(len(ranks), len(pids)):
-        return
+        return result
     if ranks[rank].exitcode != -signal.SIGKILL:
-        return
+        return result
     try:
         found = evidence([pids[rank]])
     except Exception:   # evidence unreadable: the crash stands
-        return
-    if found:
-        result.outcome = Outcome.HOST_OOM
-        result.message = (f"rank {rank} of {len(ranks)}: killed by SIGKILL with no Python traceback, by the host "
-                          f"OOM killer ({found})")
-        result.advice = ADVICE[Outcome.HOST_OOM]
+        return result
+    if not found:
+        return result
+    return replace(result, outcome=Outcome.HOST_OOM, advice=ADVICE[Outcome.HOST_OOM],
+                   message=(f"rank {rank} of {len(ranks)}: killed by SIGKILL with no Python traceback, by the host "
+                            f"OOM killer ({found})"))

@@ -20,7 +20,7 @@ Each rank (:func:`_rank_main`):
    ``file://`` store in the trial's directory; timeout: the trial's);
 4. runs the trial protocol of :func:`oomtune.trial.child.run_child` for itself: its own budget
    (memory fraction, or its own virtual GPU on the CPU), its own steps, its own record
-   ``result.rank<R>.json`` with ``extra["rank"]``;
+   ``result.rank<R>.json`` with ``distributed.rank``;
 5. leaves the process group.
 
 The trial process then merges the records (:func:`oomtune.trial.rank_records.merge_ranks`) into
@@ -104,12 +104,10 @@ def run_ranks(spec: TrialSpec, result_path: str | Path) -> TrialResult:
             tails.append("")
     merged = merge_ranks(spec, read_rank_results(result_path, n), exitcodes=exitcodes, root_rank=root,
                          stderr_tails=tails)
-    merged.extra.pop("rank", None)   # the ranks' own numbers are in ranks
-    merged.extra["rank_pids"] = [p.pid for p in ctx.processes]
-    first = merged.extra.get("first_step_at")   # the last rank to reach its first step
-    merged.startup_s = None if first is None else max(0.0, first - started)
-    merged.wall_s = max(0.0, time.time() - started)
-    return merged
+    first = merged.process.first_step_at   # the last rank to reach its first step
+    return dataclasses.replace(
+        merged, distributed=dataclasses.replace(merged.distributed, rank_pids=tuple(p.pid for p in ctx.processes)),
+        startup_s=None if first is None else max(0.0, first - started), wall_s=max(0.0, time.time() - started))
 
 
 def _redirect(fd: int, path: Path) -> None:
@@ -158,7 +156,10 @@ def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, ba
         mode = parallel_mode(spec.workload)
     except Exception:
         mode = "none"
-    result.extra.update(rank=rank, world_size=n, backend=backend, distributed=strategy_notes(mode, backend))
+    notes = strategy_notes(mode, backend)
+    result = dataclasses.replace(result, distributed=dataclasses.replace(
+        result.distributed, rank=rank, world_size=n, backend=backend, parallel=notes.get("parallel"),
+        memory_note=notes.get("memory"), not_modelled=notes.get("not_modelled")))
     result.write(rank_result_path(result_path, rank))
     try:
         if dist.is_initialized():

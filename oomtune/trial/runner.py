@@ -14,7 +14,7 @@ to the tree, then SIGKILL after a grace period; when the trial's main process ex
 left running is killed. The keeper dies with the launcher (``PR_SET_PDEATHSIG``), so a SIGKILLed
 search leaves no trial behind. After each trial a sweep by an environment marker unique to the trial
 (:func:`oomtune.trial.keeper.sweep`) kills anything that escaped anyway and names survivors in
-``extra["survivors"]``. The trial's stdout/stderr are kept bounded (head and tail, a few MiB) and
+``process.survivors``. The trial's stdout/stderr are kept bounded (head and tail, a few MiB) and
 read back by seeking to their tail. A terminal Ctrl-C reaches only the parent;
 :meth:`TrialRunner.kill_all` (installed as a SIGINT / SIGTERM handler by
 :meth:`TrialRunner.handle_signals`) has the live trials' keepers kill their trees.
@@ -23,7 +23,7 @@ Launchers: ``spawn`` (a fresh interpreter, ``python -m oomtune.trial.child``), `
 :mod:`oomtune.trial.forkserver`, which has torch already imported) and ``auto`` (fork on Linux,
 else spawn). Trials the fork server cannot run correctly (``backend`` other than native, which torch
 reads at import) are spawned, as is everything when the server is unavailable; the launcher used is
-recorded in ``extra["launcher"]``.
+recorded in ``process.launcher``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,7 +49,7 @@ from oomtune.trial.forkserver import ForkServerClient, ForkServerError
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE,
-                                  MemoryReadings, TrialResult, TrialSpec)
+                                  BadFork, MemoryReadings, ProcessSeen, ResultDraft, TrialResult, TrialSpec)
 from oomtune.trial.procwait import exited_within
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
@@ -297,28 +298,29 @@ class TrialRunner:
         if not timed_out:   # a rank the OOM killer took: the trial process wrote the record without evidence
             from oomtune.trial.rank_records import rank_oom_kill
 
-            rank_oom_kill(result, watch.evidence)
-        result.extra.update(leftovers(marker, workdir / STATUS_FILE))
-        if launcher == "fork" and handle.pid not in self._killed and _bad_fork(result, paths):
+            result = rank_oom_kill(result, watch.evidence)
+        rec = ResultDraft(result)
+        rec.update("process", **leftovers(marker, workdir / STATUS_FILE))
+        if launcher == "fork" and handle.pid not in self._killed and _bad_fork(rec.result, paths):
             # torch refused CUDA in the forked child (the server had initialised the driver after all):
             # never fork again from this server, and run the trial afresh in a spawned process
             self._server_failed = f"a forked trial could not use CUDA ({BAD_FORK_TEXT})"
             again = self.run(spec, workdir=workdir, env=env)
-            again.extra["bad_fork"] = {"pid": handle.pid, "message": result.message}
-            return again
+            return replace(again, process=replace(again.process, bad_fork=BadFork(pid=handle.pid,
+                                                                                  message=rec.result.message)))
         if handle.pid in self._killed:
             self._killed.discard(handle.pid)
-            result.outcome, result.message = Outcome.ERROR, "interrupted: trial killed by the runner (kill_all)"
-            result.advice = "the run was interrupted; this trial says nothing about the configuration"
-        result.extra.update(launcher=launcher, pid=handle.pid, returncode=returncode)
+            rec.set(outcome=Outcome.ERROR, message="interrupted: trial killed by the runner (kill_all)",
+                    advice="the run was interrupted; this trial says nothing about the configuration")
+        rec.update("process", launcher=launcher, pid=handle.pid, returncode=returncode)
         if fallback and launcher == "spawn" and self.launcher != "spawn":
-            result.extra["launcher_fallback"] = fallback
-        first = result.extra.get("first_step_at")
+            rec.update("process", launcher_fallback=fallback)
+        first = rec.result.process.first_step_at
         if first is not None:
-            result.extra["launch_to_first_step_s"] = first - launched_at
-        if result.wall_s is None:
-            result.wall_s = max(0.0, time.time() - launched_at)
-        return result
+            rec.update("process", launch_to_first_step_s=first - launched_at)
+        if rec.result.wall_s is None:
+            rec.set(wall_s=max(0.0, time.time() - launched_at))
+        return rec.result
 
     def _run_own_process(self, target: Target, spec: TrialSpec, *, workdir: Path,
                          env: dict[str, str] | None) -> TrialResult:
@@ -397,21 +399,22 @@ def leftovers(marker: str, status_path: Path) -> dict[str, Any]:
     """What a finished trial left running: the keeper's survivors (still alive after its SIGKILLs,
     :data:`oomtune.trial.keeper.STATUS_FILE`) and the processes found by the trial's environment
     marker (:func:`oomtune.trial.keeper.sweep`: the keeper was killed, or they outlived it), killed.
-    Returns ``extra`` entries: ``leftover_processes`` (found by the sweep and killed) and
-    ``survivors`` (still running: pid and command), each present only when not empty."""
+    Returns :class:`~oomtune.trial.record.ProcessInfo` fields: ``leftover_processes`` (found by the
+    sweep and killed) and ``survivors`` (still running: pid and command), each present only when not
+    empty."""
     import json
 
     killed, alive = sweep(marker)
     out: dict[str, Any] = {}
     if killed:
-        out["leftover_processes"] = [{"pid": p.pid, "command": p.command} for p in killed]
-    survivors = {p.pid: {"pid": p.pid, "command": p.command} for p in alive}
+        out["leftover_processes"] = tuple(ProcessSeen(pid=p.pid, command=p.command) for p in killed)
+    survivors = {p.pid: ProcessSeen(pid=p.pid, command=p.command) for p in alive}
     with contextlib.suppress(OSError, ValueError, TypeError):
         for p in json.loads(Path(status_path).read_text()).get("survivors") or ():
             if _pid_running(int(p["pid"])):
-                survivors.setdefault(int(p["pid"]), {"pid": int(p["pid"]), "command": str(p.get("command", ""))})
+                survivors.setdefault(int(p["pid"]), ProcessSeen(pid=int(p["pid"]), command=str(p.get("command", ""))))
     if survivors:
-        out["survivors"] = list(survivors.values())
+        out["survivors"] = tuple(survivors.values())
     return out
 
 
@@ -465,7 +468,7 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
             return _bad_record(spec, paths["result"], exc)
     else:
         if timed_out:  # the record was complete; only the exit hung (e.g. a non-daemon thread)
-            result.extra["hung_after_record"] = True
+            result = replace(result, process=replace(result.process, hung_after_record=True))
         return result
     from oomtune.trial.rank_records import merge_rank_files
 
@@ -496,7 +499,7 @@ def _read_result(spec: TrialSpec, paths: dict[str, Path], returncode: int | None
         advice=cls.advice,
     )
     if outcome in (Outcome.ERROR, Outcome.CRASH) and stderr.strip():
-        result.traceback_tail = "\n".join(stderr.strip().splitlines()[-20:])
+        result = replace(result, traceback_tail="\n".join(stderr.strip().splitlines()[-20:]))
     return result
 
 

@@ -9,13 +9,12 @@ order) or ``worst`` (every live step at the distribution's largest shape,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from oomtune.outcome import Outcome
-from oomtune.trial.record import SoakReadings, TrialResult, TrialSpec
+from oomtune.trial.record import ResultDraft, SoakReadings, TrialSpec
 
 __all__ = ["SHAPE_ORDERS", "live_workload", "run_soak", "soak_verdict"]
 
@@ -45,7 +44,7 @@ def live_workload(spec: TrialSpec) -> dict[str, Any]:
     return target.at_shape(spec.workload, max(dist.support(), key=lambda s: -1 if s is None else s))
 
 
-def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *,
+def run_soak(spec: TrialSpec, rec: ResultDraft, new_sim: Callable[[], Any], *,
              capture_device: str = "meta") -> None:
     """Soak ``spec`` (its workload's data order, ``spec.soak_steps`` steps) on a fresh virtual GPU
     from ``new_sim()`` and write ``result.soak`` (:class:`SoakReadings`) (:func:`soak_verdict` then
@@ -64,25 +63,24 @@ def run_soak(spec: TrialSpec, result: TrialResult, new_sim: Callable[[], Any], *
     t0 = time.perf_counter()
     res = soak(spec.workload, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
                new_sim=new_sim)
-    result.soak = SoakReadings(
+    rec.set(soak=SoakReadings(
         passed=res.passed, steps_run=res.steps_run, failed_step=res.failed_step, shape=res.shape_at_failure,
         reserved_bytes=res.reserved_bytes, allocated_bytes=res.allocated_bytes,
-        peak_reserved_bytes=res.peak_reserved_bytes, message=res.message, seconds=time.perf_counter() - t0)
-    result.extra["soak_distinct_shapes"] = res.distinct_shapes
+        peak_reserved_bytes=res.peak_reserved_bytes, message=res.message, seconds=time.perf_counter() - t0,
+        distinct_shapes=res.distinct_shapes, fragmentation_failure=None if res.passed else res.fragmentation_failure))
     if not res.passed:
-        result.memory = dataclasses.replace(result.memory, oom_requested_bytes=res.requested_bytes)
-        result.extra["soak_fragmentation"] = res.fragmentation_failure
+        rec.update("memory", oom_requested_bytes=res.requested_bytes)
 
 
-def soak_verdict(spec: TrialSpec, result: TrialResult) -> None:
+def soak_verdict(spec: TrialSpec, rec: ResultDraft) -> None:
     """After the live steps passed (``result.outcome`` ok): a failed soak makes the trial infeasible:
     outcome ``oom_fragmentation`` (reserved - allocated >= the request) or ``oom``, with a message
     naming the soak step, the shape and the figures, and the classifier's advice."""
     from oomtune.classify import ADVICE
 
-    if result.soak is None or result.soak.passed:
+    soak = rec.result.soak
+    if soak is None or soak.passed:
         return
-    outcome = Outcome.OOM_FRAGMENTATION if result.extra.get("soak_fragmentation") else Outcome.OOM
-    result.outcome = outcome
-    result.message = f"passed the {spec.warmup_steps + spec.measure_steps} live steps, then {result.soak.message}"
-    result.advice = ADVICE[outcome]
+    outcome = Outcome.OOM_FRAGMENTATION if soak.fragmentation_failure else Outcome.OOM
+    rec.set(outcome=outcome, message=f"passed the {spec.warmup_steps + spec.measure_steps} live steps, then {soak.message}",
+            advice=ADVICE[outcome])
