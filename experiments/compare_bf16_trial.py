@@ -82,8 +82,8 @@ def one_trial(args: argparse.Namespace, workdir: Path) -> dict:
     if res.outcome != "ok" or res.throughput.step_time_s is None:
         raise SystemExit(f"trial failed: {res.outcome}: {res.message}")
     return {"kind": "trial", "step_time_s": res.throughput.step_time_s, "wall_s": round(wall, 1),
-            "load": round(load, 2), "precision": res.extra.get("reported", [{}])[0].get("precision"),
-            "execute": res.extra.get("execute"), "peak_reserved_bytes": res.memory.peak_reserved_bytes,
+            "load": round(load, 2), "precision": (res.script.reported_values() or [{}])[0].get("precision"),
+            "execute": res.execution.where, "peak_reserved_bytes": res.memory.peak_reserved_bytes,
             "memory_source": res.memory.source}
 
 

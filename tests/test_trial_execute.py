@@ -19,7 +19,7 @@ import pytest
 from oomtune.exceptions import ConfigError
 from oomtune.trial import child
 from oomtune.trial.execute import check_host_memory, host_available_bytes, resolve_execute
-from oomtune.trial.record import TrialSpec
+from oomtune.trial.record import ExecutionInfo, TrialSpec
 from oomtune.units import GiB, MiB
 from oomtune.workload_spec import WorkloadSpec
 
@@ -331,7 +331,7 @@ def _recorded_trial(number, batch, execute, outcome="ok"):
     from oomtune.study import records as R
     from oomtune.trial.record import TrialResult
 
-    res = TrialResult(outcome=outcome, batch_size=batch, alloc_conf="", extra={"execute": execute})
+    res = TrialResult(outcome=outcome, batch_size=batch, alloc_conf="", execution=ExecutionInfo(where=execute))
     return SimpleNamespace(number=number, params={"batch_size": batch}, user_attrs={R.ATTR_RESULT: res.to_dict()})
 
 

@@ -277,7 +277,7 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
                      "the virtual GPU (simulated) and throughput was not measured")
     elif device.simulated and getattr(summary, "execute", "cpu") == "mixed":
         lines.append("note: some trials ran their steps on the meta device (no arithmetic, no throughput), others "
-                     "on the CPU (each trial's extra[\"execute\"] says where); memory figures come from the "
+                     "on the CPU (each trial's execution.where says where); memory figures come from the "
                      "virtual GPU (simulated)")
     elif device.simulated:
         lines.append("note: trials trained on the CPU; memory figures come from the virtual GPU (simulated) "

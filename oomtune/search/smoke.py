@@ -82,13 +82,13 @@ def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[in
 
 def cpu_trial(study: Any) -> Any | None:
     """The first finished trial of ``study`` whose steps ran on the CPU although meta was asked
-    (``extra["execute"] == "cpu"`` in its record, with a result ``ok``: the workload's code computed
+    (``execution.where == "cpu"`` in its record, with a result ``ok``: the workload's code computed
     real values there, which is what the smoke test checks); None when there is none."""
     from oomtune.study import records as R
 
     for t in study.get_trials(deepcopy=False):
         res = R.result_of(t)
-        if res is not None and res.outcome is Outcome.OK and (res.extra or {}).get("execute") == "cpu":
+        if res is not None and res.outcome is Outcome.OK and res.execution.where == "cpu":
             return t
     return None
 

@@ -51,7 +51,7 @@ class SearchSummary:
 
 
 def steps_ran_on(trials: Sequence[Any], asked: str) -> str:
-    """Where the virtual GPU's trials ran their steps, from their records (``extra["execute"]``, written
+    """Where the virtual GPU's trials ran their steps, from their records (``execution.where``, written
     by the trial process: trial/child.py, targets/cmd.py): ``meta`` or ``cpu`` when every record that
     says agrees, ``mixed`` when they differ (a command without an integration, or a step meta cannot
     run, computes on the CPU although meta was asked); ``asked`` (trial.execute, resolved) when no
@@ -61,7 +61,7 @@ def steps_ran_on(trials: Sequence[Any], asked: str) -> str:
     where = set()
     for t in trials:
         res = R.result_of(t)
-        value = None if res is None else (res.extra or {}).get("execute")
+        value = None if res is None else res.execution.where
         if value in ("meta", "cpu"):
             where.add(value)
     if not where:
