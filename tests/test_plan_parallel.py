@@ -103,6 +103,34 @@ def test_fork_map_says_when_a_child_dies():
 
 
 @needs_fork
+def test_fork_map_computes_here_what_a_child_without_autograd_could_not(monkeypatch):
+    # Field case (a suite run under pytest-xdist): a plan's forked capture raised torch's "Unable to
+    # handle autograd's threading in combination with fork-based multiprocessing" (engine.cpp's
+    # forked_autograd_child: the worker process had started the autograd engine's device threads
+    # in an earlier test) and the whole plan failed. Expected: every piece the child failed is
+    # computed in the parent, each result reported once, and later calls do not fork again.
+    from oomtune.plan import parallel
+
+    monkeypatch.setattr(parallel, "_forks_unusable", False)
+    barrier = _two_processes()
+    parent = os.getpid()
+    seen, waited = [], []   # each process passes the barrier once (the parent computes item 0 or 1 again)
+
+    def work(x):
+        if x < 2 and not waited:
+            waited.append(x)
+            barrier.wait()
+        if os.getpid() != parent:
+            raise RuntimeError(parallel.BAD_AUTOGRAD_FORK + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+        return 10 * x, os.getpid()
+
+    got = fork_map(work, [0, 1, 2, 3], 2, on_result=lambda i, r: seen.append(i))
+    assert got == [(0, parent), (10, parent), (20, parent), (30, parent)]
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert fork_map(lambda x: os.getpid(), [0, 1], 2) == [parent, parent]   # no child forked again
+
+
+@needs_fork
 def test_fork_map_inside_fork_map_runs_in_place():
     barrier = _two_processes()
 

@@ -31,6 +31,12 @@ MAX_WORKERS = 8
 
 _in_child = False   # True in a forked child: a nested fork_map runs in that child
 _active = False     # True while this process runs its share: a nested fork_map runs here
+_forks_unusable = False   # True once a child could not run autograd: every later fork_map runs here
+
+#: The start of the error torch's autograd engine raises in a child forked after the parent started
+#: its device threads (torch/csrc/autograd/engine.cpp, ``forked_autograd_child`` registered by
+#: ``track_bad_autograd_forks``; the text is the installed libtorch_cpu's).
+BAD_AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
 
 
 def default_workers() -> int:
@@ -60,14 +66,19 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     known here (this process's own at once, a child's when it has finished). With ``workers <= 1``,
     a single item, or inside another fork_map, everything runs here, in order.
 
+    A child whose autograd cannot run (:data:`BAD_AUTOGRAD_FORK`: anything that started the autograd
+    engine's device threads in this process before, which no torch call reports beforehand) fails
+    its piece: every piece a child failed or left is computed again here, and every later call runs
+    here (the same results: a piece's value does not depend on the process computing it).
+
     Raises:
         the first exception (in item order) that ``fn`` raised, here or in a child (pickled back);
         RuntimeError when a child died without a result (e.g. killed for memory).
     """
     items = list(items)
     workers = min(int(workers), len(items))
-    global _active
-    if workers <= 1 or _in_child or _active or not hasattr(os, "fork"):
+    global _active, _forks_unusable
+    if workers <= 1 or _in_child or _active or _forks_unusable or not hasattr(os, "fork"):
         out = []
         for i, x in enumerate(items):
             out.append(fn(x))
@@ -126,6 +137,14 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
                 os.waitpid(pid, 0)
             except OSError:
                 pass
+    if any(not ok and i not in own and BAD_AUTOGRAD_FORK in str(value) for i, (ok, value) in results.items()):
+        _forks_unusable = True   # this process's children cannot run autograd: the pieces run here
+        for i in range(len(items)):
+            if i not in own and (i not in results or not results[i][0]):
+                try:
+                    results[i] = (True, fn(items[i]))
+                except Exception as exc:   # noqa: BLE001 - handed to the caller, in item order
+                    results[i] = (False, exc)
     out = []
     for i in range(len(items)):
         if i not in results:   # a process stopped at an exception before taking it
