@@ -376,3 +376,28 @@ def test_a_command_whose_trials_computed_on_the_cpu_gets_no_smoke_test_and_no_me
     smoke_test(study_failed, SearchSpace(8, 512, {"expandable_segments": [False, True]}), opt, peak=lambda b, p: None,
                run=run)
     assert len(ran) == 1
+
+
+# ----------------------------------------------------------------------------- target=cmd: where its steps ran
+def _cmd_spec(args: str, execute: str) -> TrialSpec:
+    import shlex
+    import sys
+
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT / 'tests/data/fails_before_report.py'))} {args}"
+    return TrialSpec(workload={"name": "mlp", "target": {"name": "cmd", "command": command, "cwd": None}},
+                     batch_size=4, device="cpu", budget_bytes=64 * MiB, timeout_s=60, execute=execute)
+
+
+def test_a_command_that_fails_before_reporting_says_nothing_of_where_its_steps_ran(tmp_path):
+    from oomtune.outcome import Outcome
+    from oomtune.targets.cmd import run_cmd_trial
+
+    # meta steps allowed (OOMTUNE_EXECUTE=meta), failed before any report: where its steps ran is unknown
+    res = run_cmd_trial(_cmd_spec("", "meta"), workdir=tmp_path / "meta")
+    assert res.outcome is Outcome.ERROR and res.script.reports == 0
+    assert res.execution.where is None
+    # told to run its steps on the CPU (OOMTUNE_EXECUTE=cpu): cpu, whether it reported or not
+    assert run_cmd_trial(_cmd_spec("", "cpu"), workdir=tmp_path / "cpu").execution.where == "cpu"
+    # a report without "execute": "meta": its steps computed on the CPU
+    done = run_cmd_trial(_cmd_spec("--report", "meta"), workdir=tmp_path / "report")
+    assert done.outcome is Outcome.OK and done.execution.where == "cpu"

@@ -30,7 +30,8 @@ the trial's (micro-)batch size, ``{grad_accum}`` by its micro-batches per optimi
   command is then run again with ``cpu`` in the same trial directory, and the record says why in
   ``execution.fallback``; a trial whose steps ran on meta (its report says ``"execute": "meta"``)
   has no throughput (nothing was computed), as a built-in meta trial; an integration that runs its
-  steps on the CPU all the same (Lightning; several ranks) says why in ``execution.note``;
+  steps on the CPU all the same (Lightning; several ranks) says why in ``execution.note``; a meta
+  trial that fails before its first report has ``execution.where`` None (nothing says where its steps ran);
 - ``OOMTUNE_STREAM_FILE``: where the capture hook writes the allocation stream of the trial's steps
   (``stream.bin`` in the trial directory, with ``stream.bin.json``; rank R of several writes
   ``stream.bin.rank<R>``); when written, the record's ``script.stream_file`` names it (the worst
@@ -414,7 +415,7 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
     reported = rec.result.script.reported_values()
     on_meta = any(r.get("execute") == "meta" for r in reported)
     if not spec.device.startswith("cuda"):
-        rec.update("execution", where="meta" if on_meta else "cpu")
+        rec.update("execution", where=_steps_ran_on(spec, reported, on_meta))
     notes = [r["meta_note"] for r in reported if r.get("meta_note")]
     if spec.execute == "meta" and not on_meta and notes:   # the integration ran CPU steps, and says why
         rec.update("execution", note=str(notes[0]))
@@ -427,6 +428,19 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
         rec.update("script", stream_file=str(stream))   # the step's allocation stream (oomtune.plan.recorded)
     rec.result.write(workdir / "result.json")
     return rec.result, fallback
+
+
+def _steps_ran_on(spec: TrialSpec, reported: list[dict[str, Any]], on_meta: bool) -> str | None:
+    """Where a virtual-GPU trial's steps ran, as far as its command said (``execution.where``):
+    ``meta`` when a report says ``"execute": "meta"``, ``cpu`` when it reported otherwise or was not
+    allowed meta steps (``OOMTUNE_EXECUTE=cpu``: an integration then runs them for real); None
+    (unknown) for a command asked for meta steps that failed before its first report: nothing it
+    wrote says where its steps ran (an integration may have been on meta or on the CPU)."""
+    if on_meta:
+        return "meta"
+    if reported or spec.execute != "meta":
+        return "cpu"
+    return None
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
