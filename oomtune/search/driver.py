@@ -52,7 +52,7 @@ from oomtune.search.confirmation import ATTR_DEVICE, ATTR_REPEAT, ConfirmContext
 from oomtune.search.faults import RepeatedFault, SetupFault, disk_full_text
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.objectives import Objective, objective_for
-from oomtune.search.summary import SearchSummary, hang_note, steps_ran_on, study_counts
+from oomtune.search.summary import SearchSummary, confirmation_failure, hang_note, steps_ran_on, study_counts
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_sets import PROBE_ROLES, config_key, contradicted, default_hang
 from oomtune.search.trial_writes import one_transaction, set_trial_attrs
@@ -282,7 +282,7 @@ class Search:
             window = self.opt.window_s if self.objective.measures_time else 0.0
             spec = self._spec(cand, steps=self.opt.trial.confirm_steps, confirm=True, window_s=window)
             result = self._launch(self.confirm_runner, spec, self.workdir / f"trial-{trial.number:04d}")
-            return self._tell(trial, result)
+            return self._tell(trial, result, confirm=True)
         # one read for the three checks below: the worker's read made right before it created this
         # trial (a sampler trial), else a new one
         trials = self.executor.last_read()
@@ -317,10 +317,12 @@ class Search:
         return dataclasses.replace(again, retried_after=RetriedAfter(outcome=result.outcome, message=result.message,
                                                          returncode=result.process.returncode))
 
-    def _tell(self, trial: Any, result: TrialResult, extra: dict[str, Any] | None = None) -> float:
+    def _tell(self, trial: Any, result: TrialResult, extra: dict[str, Any] | None = None, *,
+              confirm: bool = False) -> float:
         """Store ``result`` on the running Optuna trial and return its objective value (throughput in
         samples/s, 0.0 unless ok); raises :class:`_TrialErrored` for an error or crash (Optuna: FAIL).
         A trial killed because this process was interrupted is not a result: KeyboardInterrupt.
+        ``confirm``: the trial is a clean-process confirmation (:meth:`_repeated_fault`).
 
         The outcome is written to the trial's record in the run directory first
         (:mod:`oomtune.search.tell_records`), then to the storage (retried while its connection is
@@ -345,7 +347,7 @@ class Search:
                                 f"({self.workdir / f'trial-{trial.number:04d}'}): free space on its file system")
         # the record, its outcome, the peak readable in optuna-dashboard and (unless a fault) the
         # memory constraint: one storage round trip
-        stop = self._repeated_fault(trial, result) if outcome.is_fault else None
+        stop = self._repeated_fault(trial, result, confirm=confirm) if outcome.is_fault else None
         user_attrs = {R.ATTR_RESULT: result.to_dict(), R.ATTR_OUTCOME: result.outcome.value,
                       R.ATTR_PEAK_RESERVED: R.peak_reserved_label(result), **(extra or {}),
                       **({ATTR_STOPPED_SEARCH: True} if stop is not None else {})}
@@ -372,11 +374,16 @@ class Search:
             raise _TrialErrored(result.message or outcome.value)
         return float(value or 0.0)
 
-    def _repeated_fault(self, trial: Any, result: TrialResult) -> "RepeatedFault | None":
+    def _repeated_fault(self, trial: Any, result: TrialResult, *, confirm: bool = False) -> "RepeatedFault | None":
         """The :class:`RepeatedFault` that stops the search after this trial when it failed in a way
-        every configuration would repeat (:func:`oomtune.classify._repeats.repeats_everywhere`, or a
-        command that never reported) and no trial of the study has succeeded (a failure after a
-        success depends on the batch or the settings); None otherwise."""
+        every configuration would repeat (:func:`oomtune.classify._repeats.repeats_everywhere`: exit
+        status 2, an import or compile error; or a command that never reported), and either no trial
+        of the study has succeeded (a failure after a success depends on the batch or the settings)
+        or the trial is a confirmation (``confirm``): every confirmation runs the same steps
+        (``trial.confirm_steps``, where the probes ran ``trial.measure_steps``), so a usage error of
+        one (e.g. an integration's "training ended after 4 optimizer step(s), before the 11 the trial
+        needs") is every other candidate's too, and the next candidate's confirmation would only
+        repeat it. None otherwise."""
         from oomtune.classify._repeats import repeats_everywhere
 
         if result.outcome is not Outcome.ERROR:
@@ -384,12 +391,21 @@ class Search:
         no_report = result.script.no_report
         if not no_report and not repeats_everywhere(returncode=result.process.returncode, message=result.message):
             return None
-        if any(R.outcome_of(t) is Outcome.OK for t in self.study.get_trials(deepcopy=False)):
+        if not confirm and any(R.outcome_of(t) is Outcome.OK for t in self.study.get_trials(deepcopy=False)):
             return None
         where = self.workdir / f"trial-{trial.number:04d}"
         advice = f"; {result.advice}" if no_report and result.advice else ""
+        what = f"batch {result.batch_size}, {result.alloc_conf or 'default allocator'}"
+        if confirm:
+            t = self.opt.trial
+            return RepeatedFault(
+                f"trial {trial.number} (the clean-process confirmation at {what}) failed in a way every "
+                f"confirmation would repeat, so the search stops: {result.message}{advice} (its output: "
+                f"{where}/stderr.txt; a confirmation runs trial.warmup_steps={t.warmup_steps} + "
+                f"trial.confirm_steps={t.confirm_steps} steps, the probes ran {t.warmup_steps} + "
+                f"trial.measure_steps={t.measure_steps}); fix it and run the same command again")
         return (RepeatedFault(
-            f"trial {trial.number} (batch {result.batch_size}, {result.alloc_conf or 'default allocator'}) failed in a "
+            f"trial {trial.number} ({what}) failed in a "
             f"way every allocator configuration would repeat, so the search stops: {result.message}{advice} (its "
             f"output: {where}/stderr.txt); fix it and run the same command again"))
 
@@ -783,17 +799,20 @@ class Search:
                 baseline: Any | None) -> SearchSummary:
         """Counts over the whole study (every session of a resumed one): outcomes (``ok_over_limit``:
         ran but exceeded the limit; ``interrupted``: killed by Ctrl-C/SIGTERM), trial processes
-        launched, and launches saved by prediction or by reusing an identical earlier trial."""
-        outcomes, launched, saved = study_counts(self.study.get_trials(deepcopy=False))
+        launched, and launches saved by prediction or by reusing an identical earlier trial; without
+        an answer, why when only the confirmations failed (``confirm_failed``)."""
+        trials = self.study.get_trials(deepcopy=False)
+        outcomes, launched, saved = study_counts(trials)
         top = best is not None and best.params["batch_size"] >= self.space.top_batch
         return SearchSummary(best, best_result, confirmed, baseline, outcomes, launched, saved, self.verdict,
                              objective=self.opt.objective, objective_reason=self.opt.objective_reason,
                              gain=self.gain, frontiers=list(self.planner.configs) if self.planner else [],
                              at_top_of_range=top,
-                             execute=steps_ran_on(self.study.get_trials(deepcopy=False), self.opt.execute),
+                             execute=steps_ran_on(trials, self.opt.execute),
                              configs_known=self.planner.predicted_or_tried() if self.planner else (0, 0),
                              global_batch=self.space.global_batch,
                              notes=[self.recording_note] if self.recording_note else [],
-                             causes=[n for n in (hang_note(self.study.get_trials(deepcopy=False),
-                                                           self.opt.trial.timeout),) if n],
-                             timeout_note=self.timeout_note())
+                             causes=[n for n in (hang_note(trials, self.opt.trial.timeout),) if n],
+                             timeout_note=self.timeout_note(),
+                             confirm_failed=None if best is not None else confirmation_failure(
+                                 trials, confirm_steps=self.opt.trial.confirm_steps))

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from oomtune.exceptions import ConfigError, OomtuneError, ResumableError, WorkerJobsFailed
 from oomtune.workload_spec import JsonObject, WorkloadSpec
 
-__all__ = ["JobReport", "run_worker", "launch", "answer_of", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
+__all__ = ["JobReport", "run_worker", "launch", "answer_of", "study_summary", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
 
 #: The run directory's folder of the worker jobs' own run directories (and, by default, submitit's
 #: folder: the jobs' pickles and logs).
@@ -415,6 +415,23 @@ def answer_of(reports: Sequence[JobReport], url: str, logs: Sequence[Path] = ())
                            + f"; finished trials are kept in {url}")
 
 
+def study_summary(summary: Any, trials: Sequence[Any], *, confirm_steps: int) -> Any:
+    """The answering job's :class:`oomtune.search.summary.SearchSummary` with what is read from the
+    whole study's records after every job ended (``trials``): the counts
+    (:func:`oomtune.search.summary.study_counts`), where the trials' steps ran
+    (:func:`oomtune.search.summary.steps_ran_on`: the records' ``execution.where``, not the requested
+    ``trial.execute``; the job's own value only when no record says) and, without an answer, whether
+    only the confirmations failed (:func:`oomtune.search.summary.confirmation_failure`;
+    ``confirm_steps``: ``trial.confirm_steps``)."""
+    from oomtune.search.summary import confirmation_failure, steps_ran_on, study_counts
+
+    outcomes, launched, saved = study_counts(trials)
+    return dataclasses.replace(
+        summary, outcomes=outcomes, launches=launched, launches_saved=saved,
+        execute=steps_ran_on(trials, summary.execute),
+        confirm_failed=None if summary.best is not None else confirmation_failure(trials, confirm_steps=confirm_steps))
+
+
 def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, out: Any,
            poll_s: float | None = None) -> Path:
     """``oomtune search ... launcher=local|slurm``: submit ``search.workers`` worker jobs, follow
@@ -429,14 +446,13 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
 
     Raises:
         ConfigError: bad input found here or by every job (one line, exit 2), or a refused submission.
-        SetupFault: no configuration ran within the budget.
+        SetupFault: no answer: no configuration ran within the budget, or every confirmation failed.
         WorkerJobsFailed: every job ended without an answer (the study keeps what they finished).
         KeyboardInterrupt: Ctrl-C / SIGTERM: the jobs are cancelled first.
     """
     from oomtune import config as C
     from oomtune.display import SearchProgress
     from oomtune.runfile import write_run_file
-    from oomtune.search.driver import study_counts
     from oomtune.schema import typed
     from oomtune.search.outputs import write_outputs
     from oomtune.search.run import _raise_interrupt, _resume_line, _say
@@ -509,8 +525,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         if r.line:
             say(f"note: worker job {r.index} ({job.job_id}{', ' + r.host if r.host else ''}) ended early: {r.line}; "
                 f"its log: {_log_of(job)}")
-    outcomes, launched_n, saved = study_counts(study.get_trials(deepcopy=False))
-    summary = dataclasses.replace(rep.summary, outcomes=outcomes, launches=launched_n, launches_saved=saved)
+    summary = study_summary(rep.summary, study.get_trials(deepcopy=False), confirm_steps=int(cfg.trial.confirm_steps))
     from oomtune.htmlreport import write_report
 
     try:

@@ -195,7 +195,8 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
     search's config (:func:`oomtune.schema.typed`), ``workload``: its workload.
 
     Raises:
-        oomtune.search.driver.SetupFault: no configuration ran within the budget (nothing to write).
+        oomtune.search.driver.SetupFault: no answer (nothing to write): no configuration ran within the
+            budget, or every confirmation failed (:func:`no_answer_message` says which).
         DiskFullError: a file could not be written for lack of space (no temporary file is left).
     """
     from oomtune.display import fit_table, trial_rows, trial_table, trial_table_legend
@@ -211,8 +212,7 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
     for line in trial_table_legend(rows):
         console.print(line, highlight=False, markup=False)
     if summary.best is None:
-        raise SetupFault(nothing_fitted_message(summary.outcomes, run_dir / "trials.json",
-                                                causes=getattr(summary, "causes", ())))
+        raise SetupFault(no_answer_message(summary, run_dir / "trials.json"))
     mode = conf.search.memory_fraction
     best = _choice(summary.best, summary.best_result, summary.confirmed,
                    measured_in(trials, summary.best, summary.best_result, summary.confirmed), mode, space)
@@ -287,6 +287,18 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
             console.print(part, highlight=False, markup=False)
     console.print(f"wrote {path}", highlight=False, markup=False)
     return path
+
+
+def no_answer_message(summary: Any, trials_path: Path) -> str:
+    """Why a search has no answer (``summary.best`` is None): the confirmations' failure when only they
+    failed (``summary.confirm_failed``, :func:`oomtune.search.summary.confirmation_failure`: trials ran
+    within the limit, so "no configuration ran within the budget" would be false), else
+    :func:`nothing_fitted_message`; the search's ``causes`` appended either way."""
+    causes = list(getattr(summary, "causes", ()))
+    failed = getattr(summary, "confirm_failed", None)
+    if failed:
+        return f"{failed} (every trial: {trials_path})" + "".join(f"; {c}" for c in causes)
+    return nothing_fitted_message(summary.outcomes, trials_path, causes=causes)
 
 
 def nothing_fitted_message(outcomes: dict[str, int], trials_path: Path, *, causes: Sequence[str] = ()) -> str:

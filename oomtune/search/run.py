@@ -569,7 +569,8 @@ def write_search_outputs(run: Searched, *, out: Any, html: bool = True) -> Path:
     parent writes the run's report).
 
     Raises:
-        SetupFault: no configuration ran within the budget (the report is written all the same).
+        SetupFault: no answer: no configuration ran within the budget, or every confirmation failed
+            (the report is written all the same).
         DiskFullError: a file could not be written for lack of space.
     """
     from oomtune.search.outputs import write_outputs

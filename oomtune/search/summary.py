@@ -11,11 +11,11 @@ from typing import Any
 
 from oomtune.outcome import Outcome
 from oomtune.search.frontier import ConfigFrontier
-from oomtune.search.trial_sets import default_hang
+from oomtune.search.trial_sets import PROBE_ROLES, default_hang
 from oomtune.study import records as R
 from oomtune.trial.record import TrialResult
 
-__all__ = ["SearchSummary", "study_counts", "hang_note"]
+__all__ = ["SearchSummary", "study_counts", "hang_note", "steps_ran_on", "confirmation_failure"]
 
 #: The count of a trial that ran ok but whose peak exceeded budget x (1 - headroom): not an
 #: :class:`~oomtune.outcome.Outcome` of its own (the outcome is ``ok``), a key of the summary's counts.
@@ -48,6 +48,7 @@ class SearchSummary:
     global_batch: int | None = None
     timeout_note: str | None = None       # search.timeout ended the search: what was left untried
     causes: list[str] = field(default_factory=list)   # why trials failed, said with the answer or its absence
+    confirm_failed: str | None = None     # no answer because every confirmation failed: why (confirmation_failure)
 
 
 def steps_ran_on(trials: Sequence[Any], asked: str) -> str:
@@ -55,13 +56,17 @@ def steps_ran_on(trials: Sequence[Any], asked: str) -> str:
     by the trial process: trial/child.py, targets/cmd.py): ``meta`` or ``cpu`` when every record that
     says agrees, ``mixed`` when they differ (a command without an integration, or a step meta cannot
     run, computes on the CPU although meta was asked); ``asked`` (trial.execute, resolved) when no
-    record says."""
+    record says. Unknown, so not counted: a record without ``execution.where`` (None), and the record
+    of a command that failed before its first report (``script.reports == 0``: nothing says where its
+    steps ran; records written before targets/cmd.py kept None there said ``cpu``)."""
     from oomtune.study import records as R
 
     where = set()
     for t in trials:
         res = R.result_of(t)
-        value = None if res is None else res.execution.where
+        if res is None or (res.script.reports == 0 and res.outcome is not Outcome.OK):
+            continue
+        value = res.execution.where
         if value in ("meta", "cpu"):
             where.add(value)
     if not where:
@@ -117,3 +122,28 @@ def hang_note(trials: Sequence[Any], timeout_s: float) -> str | None:
     return (f"the command hung: the default allocator's trial at batch {batch} ran past trial.timeout={timeout_s:g} s "
             f"(trial {hang.number}); a hang is not an allocator's doing, so no other configuration was run at batch "
             f"{batch} or above (see its stderr.txt in the run's trials/ folder, or raise trial.timeout)")
+
+
+def confirmation_failure(trials: Sequence[Any], *, confirm_steps: int | None = None) -> str | None:
+    """One line when the search has no answer only because the confirmations failed: some probe or
+    sampler trial ran within the limit (a candidate), every clean-process confirmation trial
+    (role ``confirm``) failed, and none passed. The line names how many failed, the first failure
+    (trial, batch, allocator configuration, outcome) and its own message, which carries the fix
+    its process gave (e.g. an integration's "...; give it more data or steps"), and where its output
+    is; ``confirm_steps`` (``trial.confirm_steps``), when given, is said with it. None otherwise
+    (no candidate, no confirmation, or one passed)."""
+    candidates = [t for t in trials if t.user_attrs.get(R.ATTR_ROLE) in PROBE_ROLES and R.is_feasible_ok(t)
+                  and R.ATTR_REUSED not in t.user_attrs]
+    confirms = sorted((t for t in trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm" and R.result_of(t) is not None),
+                      key=lambda t: t.number)
+    if not candidates or not confirms or any(R.is_feasible_ok(t) for t in confirms):
+        return None
+    first = confirms[0]
+    res = R.result_of(first)
+    steps = f" of trial.confirm_steps={confirm_steps} measured steps" if confirm_steps is not None else ""
+    over = " (it ran, but above the limit)" if res.outcome is Outcome.OK else ""
+    return (f"the confirmations failed: {len(candidates)} trial(s) ran within the limit, but every clean-process "
+            f"confirmation{steps} failed ({len(confirms)} run(s)); the first, trial {first.number} (batch "
+            f"{first.params.get('batch_size', res.batch_size)}, {res.alloc_conf or 'default allocator'}), was "
+            f"{res.outcome.value}{over}: {res.message or 'no message'} (see trial-{first.number:04d}/stderr.txt in "
+            "the run's trials/ folder)")
