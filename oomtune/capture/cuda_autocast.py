@@ -37,11 +37,14 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from oomtune.capture.gpu_target import GpuTarget
 
 __all__ = ["LOWER_PRECISION_FP", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE", "CudaAutocastMode",
            "cuda_autocast", "emulate_cuda_autocast", "policy_of"]
@@ -232,7 +235,8 @@ MAPPED_DEVICES = ("cuda", "cpu", "meta")
 
 
 @contextlib.contextmanager
-def emulate_cuda_autocast(on_mapped: Any = None, *, map_devices: bool = True) -> Iterator[None]:
+def emulate_cuda_autocast(on_mapped: Any = None, *, map_devices: bool = True,
+                          gpu: GpuTarget | None = None) -> Iterator[None]:
     """Within this block, ``torch.autocast`` for ``cuda``, ``cpu`` or ``meta`` (and
     ``torch.cuda.amp.autocast``, ``torch.cpu.amp.autocast``) in the captured code applies CUDA's
     policy to meta/CPU tensors through :func:`cuda_autocast`, instead of being disabled for lack of a
@@ -247,14 +251,20 @@ def emulate_cuda_autocast(on_mapped: Any = None, *, map_devices: bool = True) ->
     Mechanism: ``torch.amp.autocast_mode.autocast.__init__``/``__enter__``/``__exit__`` are wrapped for
     the duration (reentrant, process-wide; restored on exit), and the two availability checks
     ``autocast.__init__`` makes (``torch.cuda.amp.common.amp_definitely_not_available``,
-    ``torch.cuda.is_bf16_supported``) report a GPU that supports bf16, so the user's arguments
-    (dtype, enabled, cache_enabled) are kept as given. ``map_devices=False`` (decided by the
-    outermost block): only ``cuda`` regions are routed, cpu and meta behave as without a capture.
+    ``torch.cuda.is_bf16_supported``) report a GPU, the target GPU ``gpu`` (a
+    :class:`oomtune.capture.gpu_target.GpuTarget`; None: :data:`~oomtune.capture.gpu_target.DEFAULT_GPU`):
+    ``is_bf16_supported(including_emulation)`` answers as torch does on that card
+    (:func:`oomtune.capture.target_cuda.bf16_supported`: True from compute capability 8.0, below it
+    ``including_emulation``, default True), so a bf16 region is kept as given on any card, as on a GPU
+    (``autocast.__init__`` calls the default), and the user's arguments (dtype, enabled,
+    cache_enabled) are kept as given. ``map_devices=False`` and ``gpu`` are decided by the outermost
+    block; with ``map_devices=False`` only ``cuda`` regions are routed, cpu and meta behave as without
+    a capture.
     """
     global _patch_depth
     with _patch_lock:
         if _patch_depth == 0:
-            _install(map_devices)
+            _install(map_devices, gpu)
         _patch_depth += 1
         if on_mapped is not None:
             _mapped.append(on_mapped)
@@ -274,9 +284,14 @@ def _emulated_state() -> _State | None:
     return mode._states[-1] if mode is not None and mode._states else None
 
 
-def _install(map_devices: bool = True) -> None:
+def _install(map_devices: bool = True, gpu: GpuTarget | None = None) -> None:
     import torch.cuda.amp.common as amp_common
     from torch.amp.autocast_mode import autocast
+
+    from oomtune.capture.gpu_target import DEFAULT_GPU, parse_gpu
+    from oomtune.capture.target_cuda import bf16_supported
+
+    target = gpu if gpu is not None else parse_gpu(DEFAULT_GPU, source="default")
 
     _saved.update(init=autocast.__init__, enter=autocast.__enter__, exit=autocast.__exit__,
                   not_available=amp_common.amp_definitely_not_available,
@@ -323,7 +338,8 @@ def _install(map_devices: bool = True) -> None:
 
     autocast.__init__, autocast.__enter__, autocast.__exit__ = __init__, __enter__, __exit__
     amp_common.amp_definitely_not_available = lambda: False
-    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    # torch/cuda/__init__.py is_bf16_supported(including_emulation=True), answered for the target card
+    torch.cuda.is_bf16_supported = lambda including_emulation=True: bf16_supported(target, including_emulation)
     torch.is_autocast_enabled = is_autocast_enabled
     torch.get_autocast_dtype = get_autocast_dtype
 

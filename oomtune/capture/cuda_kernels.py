@@ -169,7 +169,7 @@ def emulate_cuda(gpu: GpuTarget | str | None = None, families: Any = None) -> It
         sdpa.set_target(target, lambda backend, params: _on_sdpa(notes, backend))
     try:
         with emulate_cuda_autocast(lambda device, dtype, enabled: _on_autocast(notes, device, dtype, enabled),
-                                   map_devices="autocast" in _installed):
+                                   map_devices="autocast" in _installed, gpu=target):
             yield notes
     finally:
         with _lock:

@@ -17,7 +17,9 @@ compute_capability         ``"8.0"`` (``cudaDeviceProp.major.minor``)
 sm_count                   streaming multiprocessors (``multiProcessorCount``)
 total_memory_bytes         ``torch.cuda.get_device_properties(i).total_memory`` (bytes; below
                            nvidia-smi's ``memory.total``); null: no sourced figure (budget= needed)
-bf16                       ``torch.cuda.is_bf16_supported()``: compute capability >= 8.0
+bf16                       native bf16: ``torch.cuda.is_bf16_supported(including_emulation=False)``,
+                           compute capability >= 8.0 (the default call, ``including_emulation=True``,
+                           answers True on every CUDA card: bf16 emulated below 8.0)
 sdpa_backends              the attention backends the hardware supports, by sdp_utils.cpp's rules
 cublas_workspace_bytes     one cuBLAS workspace (``getChosenWorkspaceSize``)
 outside_allocator_bytes    memory outside the caching allocator (:mod:`oomtune.gpu.outside`)
@@ -167,7 +169,7 @@ def card_from_mapping(data: Any, where: str) -> Card:
         raise _bad(where, f"outside_allocator_bytes={outside} is not below total_memory_bytes={total}")
     if not isinstance(data["bf16"], bool) or data["bf16"] != (cc >= (8, 0)):
         raise _bad(where, f"bf16={data['bf16']!r}: compute capability {cc[0]}.{cc[1]} has bf16={cc >= (8, 0)} "
-                   "(torch.cuda.is_bf16_supported: 8.0 and up)")
+                   "(native bf16, torch.cuda.is_bf16_supported(including_emulation=False): 8.0 and up)")
     backends = data["sdpa_backends"]
     expected = sdpa_backends_for(cc)
     if not isinstance(backends, list) or sorted(map(str, backends)) != sorted(expected):
