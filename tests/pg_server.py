@@ -28,7 +28,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-__all__ = ["PgServer", "PgUnavailable", "find_bin_dir", "start_or_skip"]
+__all__ = ["PgServer", "PgUnavailable", "find_bin_dir", "start_or_skip", "shared_study"]
 
 
 class PgUnavailable(RuntimeError):
@@ -164,6 +164,23 @@ def start_or_skip() -> PgServer:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"PostgreSQL test server could not start under CI: {reason}")
     pytest.skip(f"no PostgreSQL test server: {reason}")
+
+
+def shared_study(url: str, name: str) -> object:
+    """Study ``name`` of the storage ``url`` as a test reads it while ``oomtune search`` workers may be
+    opening the same new database: through oomtune's own open (oomtune.study.storage.make_storage),
+    which tries again while another process creates Optuna's tables and enum types. A plain
+    ``optuna.load_study(storage=url)`` runs SQLAlchemy's create_all unguarded and failed with
+    ``UniqueViolation`` on ``CREATE TYPE studydirection`` when it raced the workers' first open.
+
+    Raises:
+        KeyError: no study of that name yet (Optuna's ``load_study``).
+    """
+    import optuna
+
+    from oomtune.study.storage import make_storage
+
+    return optuna.load_study(study_name=name, storage=make_storage(url))
 
 
 def sleep_search_overrides(url: str, study: str, run_dir: Path, *extra: str, grace_period_s: int) -> list[str]:

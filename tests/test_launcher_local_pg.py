@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from pg_server import launched_trials as _launched
-from pg_server import sleep_search_overrides
+from pg_server import shared_study, sleep_search_overrides
 from pg_server import start_sleep_search as _start
 
 
@@ -36,9 +36,7 @@ def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
 
 
 def _study(url: str, name: str):
-    import optuna
-
-    return optuna.load_study(study_name=name, storage=url)
+    return shared_study(url, name)
 
 
 def _check_every_trial_told_once(study, run_dir: Path) -> dict[int, list[Path]]:

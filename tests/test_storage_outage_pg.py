@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import shared_study
 
 
 pytestmark = pytest.mark.slow
@@ -46,9 +47,7 @@ def _start(url: str, run_dir: Path, study: str, *, sleep_s: float, **env: str) -
 
 
 def _trials(url: str, study: str) -> list:
-    import optuna
-
-    return optuna.load_study(study_name=study, storage=url).get_trials(deepcopy=False)
+    return shared_study(url, study).get_trials(deepcopy=False)
 
 
 def _wait_mid_trial(run_dir: Path, finished: int, timeout_s: float = 300) -> int:

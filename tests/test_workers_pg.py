@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from pg_server import assert_killed_trial_retried
-from pg_server import sleep_search_overrides
+from pg_server import shared_study, sleep_search_overrides
 
 
 pytestmark = pytest.mark.slow
@@ -48,9 +48,7 @@ def _wait(procs: list[subprocess.Popen], run_dirs: list[Path]) -> None:
 
 
 def _study(url: str, name: str):
-    import optuna
-
-    return optuna.load_study(study_name=name, storage=url)
+    return shared_study(url, name)   # read while the workers may be creating the database's tables
 
 
 def _best(run_dir: Path) -> tuple[int, str]:

@@ -218,12 +218,37 @@ def _comparable(workload: JsonObject, stored: Any) -> Any:
     return plain
 
 
+#: The study system attribute naming what a study was created for: ``{"workload": ..., "budget_bytes": ...}``,
+#: recorded once by the first worker (:func:`_check_resume`).
+STUDY_IDENTITY_ATTR = "oomtune:identity"
+
+
 def _check_resume(study: Any, workload: JsonObject, budget_bytes: int) -> None:
-    stored = study.user_attrs.get("workload")
+    """Claim ``study`` for ``workload`` and ``budget_bytes`` (bytes), or check that it was created for
+    them (resume, or another worker joining it).
+
+    The claim is one record written once (:func:`oomtune.study.storage.record_once`: on an RDB
+    storage a single INSERT into Optuna's ``study_system_attributes``, whose unique (study_id, key)
+    lets exactly one concurrent writer commit; the others read the winner's record). Workers started
+    at once therefore never see half a claim: with two attributes written one after the other
+    (``Study.set_user_attr`` is one transaction per key: optuna/storages/_rdb/storage.py,
+    ``RDBStorage.set_study_user_attr``), a worker reading between them found the workload without the
+    budget and refused the study as another one's. Studies created before the claim existed hold
+    the ``workload`` and ``budget_bytes`` user attributes instead; they are compared as before.
+
+    Raises:
+        ConfigError: the study was created for another workload or budget (one line).
+    """
+    from oomtune.study.storage import record_once
+
+    stored = study._storage.get_study_system_attrs(study._study_id).get(STUDY_IDENTITY_ATTR)
+    if stored is None and study.user_attrs.get("workload") is not None:   # a study of an earlier oomtune
+        stored = {"workload": study.user_attrs.get("workload"), "budget_bytes": study.user_attrs.get("budget_bytes")}
     if stored is None:
-        study.set_user_attr("workload", workload)
-        study.set_user_attr("budget_bytes", budget_bytes)
-    elif (stored != _comparable(workload, stored) or study.user_attrs.get("budget_bytes") != budget_bytes):
+        mine = {"workload": json.loads(json.dumps(workload)), "budget_bytes": int(budget_bytes)}
+        stored = record_once(study, STUDY_IDENTITY_ATTR, mine)
+    if (stored.get("workload") != _comparable(workload, stored.get("workload"))
+            or stored.get("budget_bytes") != budget_bytes):
         raise ConfigError(
             f"study {study.study_name!r} was created for another workload or budget; "
             "pick a new study_name= (or drop study_name= to get one derived from the config)"

@@ -168,10 +168,17 @@ from oomtune.runfile import redact as _redact  # noqa: E402 - one definition (sh
 
 def _first_open(open_rdb: Any, attempts: int = 6) -> Any:
     """``open_rdb()``, tried again when several workers create a new database's tables at once:
-    Optuna's RDBStorage creates its schema and stamps alembic_version on first use, and the losers
-    of that race get an IntegrityError (UNIQUE alembic_version) or "table ... already exists" /
-    "database is locked" (OperationalError). Measured with 3 processes on one new SQLite file
-    (experiments/bench_workers.py); the same race exists on a new PostgreSQL database."""
+    Optuna's RDBStorage creates its schema and stamps alembic_version on first use
+    (optuna/storages/_rdb/storage.py, ``RDBStorage.__init__``: ``metadata.create_all``, then
+    ``_VersionManager``), and Optuna leaves concurrent first opens to the caller (optuna/optuna#1092).
+    create_all checks which tables and enum types exist, then CREATEs the rest, so an opener that
+    checked before another committed gets an IntegrityError (PostgreSQL's ``UniqueViolation`` on
+    pg_type for ``CREATE TYPE studydirection``; SQLite's UNIQUE alembic_version), a ProgrammingError
+    ("type ... already exists", "relation ... already exists") or an OperationalError ("table ...
+    already exists", "database is locked"). Each failure means another opener committed schema;
+    the next try finds it and creates nothing. Measured with 3 processes on one new SQLite file
+    (experiments/bench_workers.py); reproduced on SQLite and PostgreSQL by
+    tests/test_study_open_race.py."""
     import random
     import time
 
@@ -244,7 +251,9 @@ def record_once(study: Any, key: str, value: Any) -> Any:
       (study_id, key) constraint lets exactly one concurrent INSERT commit; the losers read the
       winner's value.
     - a gRPC storage proxy: the creator of a lock study wins (:mod:`oomtune.study.grpc_proxy`).
-    - other storages (journal, in-memory): read, then write if absent (safe within one process).
+    - a JournalStorage (``journal:PATH``, shared by processes through its file): the creator of a lock
+      study wins, as through the proxy (:func:`_record_once_by_lock_study`).
+    - an in-memory storage: read, then write if absent (one process).
     """
     import json
 
@@ -254,6 +263,10 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     stored = storage.get_study_system_attrs(study._study_id).get(key)
     if stored is not None:
         return stored
+    from optuna.storages import JournalStorage
+
+    if isinstance(storage, JournalStorage):
+        return _record_once_by_lock_study(storage, study._study_id, study.study_name, key, value)
     backend = getattr(storage, "_backend", storage)  # studies wrap an RDBStorage in _CachedStorage
     engine = getattr(backend, "engine", None)
     if engine is None:
@@ -273,6 +286,38 @@ def record_once(study: Any, key: str, value: Any) -> Any:
 
     retrying(insert, "record the study's answer", say=getattr(backend, "say", None))
     return storage.get_study_system_attrs(study._study_id)[key]
+
+
+def _record_once_by_lock_study(storage: Any, study_id: int, study_name: str, key: str, value: Any,
+                               wait_s: float = 120.0, poll_s: float = 0.2) -> Any:
+    """:func:`record_once` on a storage without a unique key oomtune can insert into (a JournalStorage):
+    the writer is whoever creates the study ``LOCK_PREFIX + study_name + ":" + key`` first. A journal
+    applies its operations in the order of its file, and of two CREATE_STUDY operations with one name
+    the later one raises ``DuplicatedStudyError`` in its writer (optuna/storages/journal/_storage.py,
+    ``JournalStorageReplayResult._apply_create_study``). A loser polls every ``poll_s`` seconds, up to
+    ``wait_s``, for the winner's value; past that (the winner stopped between its lock and its write)
+    it stores its own. The lock studies are left out of oomtune's listings
+    (:func:`oomtune.study.grpc_proxy.is_lock_study`)."""
+    import time
+
+    from optuna.exceptions import DuplicatedStudyError
+    from optuna.study import StudyDirection
+
+    from oomtune.study.grpc_proxy import LOCK_PREFIX
+
+    try:
+        storage.create_new_study([StudyDirection.MAXIMIZE], f"{LOCK_PREFIX}{study_name}:{key}")
+        won = True
+    except DuplicatedStudyError:
+        won = False
+    deadline = time.monotonic() + (0.0 if won else wait_s)
+    while not won and time.monotonic() < deadline:
+        stored = storage.get_study_system_attrs(study_id).get(key)
+        if stored is not None:
+            return stored
+        time.sleep(poll_s)
+    storage.set_study_system_attr(study_id, key, value)
+    return storage.get_study_system_attrs(study_id)[key]
 
 
 def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
