@@ -94,7 +94,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     with a capture of every step.
 
     The step runs the kernels a CUDA run of the workload's target GPU runs (``gpu``:
-    :func:`oomtune.capture.gpu_target.target_from_workload`; :func:`oomtune.capture.cuda_kernels.
+    :func:`oomtune.capture.gpu_target.target_gpu`; :func:`oomtune.capture.cuda_kernels.
     emulate_cuda`), the workload's construction included. A fallback to the CPU is said on stderr at
     once, and the CPU capture stops as soon as the tensors it holds pass 80% of the host memory
     available (:func:`cpu_capture_limit_bytes`).
@@ -137,12 +137,12 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
     """:func:`capture_training_stream` on the first of ``devices`` that has every kernel."""
     from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
     from oomtune.capture.cuda_kernels import emulate_cuda
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
     from oomtune.capture.recorder import HostMemoryError, capture_stream
     from oomtune.plan.derive import repeat_steady_step
     from oomtune.workloads.training import prediction_workload
 
-    gpu = target_from_workload(model_cfg)
+    gpu = target_gpu(model_cfg.get("gpu"), model_cfg.get("gpu_source"))
     model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
     pending = None   # the meta build's failure, said once the CPU build has worked (else the CPU's error is all)
     for device in devices:

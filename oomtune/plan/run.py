@@ -133,7 +133,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     workload = spec.to_dict()   # the flat form: the target's label, the plan's record, the soak
     from oomtune.capture.gpu_target import target_from_workload
 
-    gpu = target_from_workload(workload)
+    gpu = target_from_workload(spec)
     choices = space.batch_choices()   # a global batch: its micro-batches only
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(conf)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())

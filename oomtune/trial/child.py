@@ -63,6 +63,7 @@ from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED,
                                   EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft, StoppedOverLimit,
                                   TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
 
@@ -225,7 +226,8 @@ def _run_virtual(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[
         rec.update("budget", memory_fraction=sim.allowed_bytes / sim.total_memory_bytes)
     torch.manual_seed(spec.seed)
     device = torch.device(where)
-    gpu = target_from_workload(spec.workload)   # the GPU whose kernels the steps run (model.gpu)
+    # the GPU whose kernels the steps run (model.gpu), from the flat workload spec.json carries
+    gpu = target_from_workload(WorkloadSpec.from_dict(spec.workload))
     # on meta, what the workload's code makes without naming a device lands on meta too (no host memory)
     with (torch.device("meta") if where == "meta" else contextlib.nullcontext()):
         try:

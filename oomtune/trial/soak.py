@@ -197,9 +197,9 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, d
     (:func:`oomtune.capture.cuda_kernels.emulate_cuda`, ``cfg["gpu"]``): a built-in workload, or a
     python entry built under ``with torch.device(device)`` (what it creates without a device lands there)."""
     from oomtune.capture.cuda_kernels import emulate_cuda
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
 
-    with emulate_cuda(target_from_workload(cfg)):
+    with emulate_cuda(target_gpu(cfg.get("gpu"), cfg.get("gpu_source"))):
         return _capture_emulated(cfg, batch_size, steps, device, derive)
 
 
@@ -207,7 +207,7 @@ def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: 
     import torch
 
     from oomtune.capture.recorder import capture_stream
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
 
     if "target" in cfg:
         from oomtune.trial._base import target_for
@@ -223,7 +223,7 @@ def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: 
     # Step 1 exactly as the live trial runs it: what exists is registered, then one step of the
     # workload's own batch iterator (the distribution's first shape), creating the optimizer state.
     first = capture_stream(lambda: wl.run_steps(1, sync=False), existing=wl.tensors_before_step(),
-                           device=device, gpu=target_from_workload(cfg))
+                           device=device, gpu=target_gpu(cfg.get("gpu"), cfg.get("gpu_source")))
     distinct = list(dict.fromkeys(shapes[1:] or shapes))   # in order of first use
 
     def capture_shape(shape: Any) -> Any:
