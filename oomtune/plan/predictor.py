@@ -115,7 +115,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
-    if _target(model_cfg).distributed(model_cfg):
+    if _target(model_cfg).distributed(_spec(model_cfg)):
         # One rank's stream, through torch's fake process group (rank 0 of the world), on meta: DDP
         # (oomtune/workloads/_meta_rank.py) and FSDP2 (oomtune/workloads/_meta_fsdp.py, whose mesh on
         # meta needs its stand-ins for the whole capture: meta_rank_scope).
@@ -273,9 +273,21 @@ def warm_capture() -> None:
 
 def _target(model_cfg: dict[str, Any]) -> Any:
     """The :class:`oomtune.trial._base.Target` of ``model_cfg`` (what it can do decides the capture)."""
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target, target_name
 
-    return target_for(model_cfg)
+    return get_target(target_name(model_cfg))
+
+
+def _spec(model_cfg: dict[str, Any]) -> WorkloadSpec:
+    """The :class:`oomtune.workload_spec.WorkloadSpec` of a capture's flat workload (what the
+    :class:`oomtune.trial._base.Target` contract reads).
+
+    Raises:
+        ConfigError: as :meth:`WorkloadSpec.from_dict`.
+    """
+    from oomtune.workload_spec import WorkloadSpec
+
+    return WorkloadSpec.from_dict(model_cfg)
 
 
 def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
@@ -294,7 +306,7 @@ def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     target = _target(model_cfg)
     if target.user_code:
         return _user_workload(target, model_cfg, batch_size, device)
-    return target.build_workload(target.for_capture(model_cfg), batch_size, device)
+    return target.build_workload(_spec(target.for_capture(_spec(model_cfg))), batch_size, device)
 
 
 def python_target_workload(target: dict[str, Any], batch_size: int, device: str, *,
@@ -318,7 +330,7 @@ def _user_workload(target: Any, workload: dict[str, Any], batch_size: int, devic
     import torch
 
     with torch.device(device):
-        wl = target.build_workload(workload, batch_size, device)
+        wl = target.build_workload(_spec(workload), batch_size, device)
         wl.hold_first_batch()
     return wl
 

@@ -343,7 +343,7 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
         # the user's entry imported and inspected in a process of its own, under trial.timeout
         check_user_code(work, timeout_s=conf.trial.timeout)
         get_target(work.target_name).check_training(   # the training settings must reach the trials
-            work.to_dict(), accumulates=space.global_batch is not None,
+            work, accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
     # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU) is

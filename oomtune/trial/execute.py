@@ -64,7 +64,6 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     from oomtune.trial._base import get_target
 
     target = get_target(workload.target_name)
-    flat = workload.to_dict()   # the form the target contract reads
     if not simulated:
         return ("command", f"target={target.name} runs its own command") if target.own_process else (
             "device", "trials run on the GPU")
@@ -90,10 +89,10 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         if objective == "throughput":
             raise ConfigError("trial.execute=meta measures no throughput, and search.objective=throughput ranks by it: "
                               "use search.objective=batch (or auto), or trial.execute=cpu")
-        if target.reads_files(flat):
+        if target.reads_files(workload):
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")
-        if target.distributed(flat):
+        if target.distributed(workload):
             raise ConfigError(f"trial.execute=meta cannot run model.parallel={_parallel(workload)}: its ranks exchange "
                               "real tensors (gloo), so use trial.execute=cpu (or auto)")
         return "meta", "trial.execute=meta"
@@ -101,9 +100,9 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         return "cpu", "trial.execute=cpu"
     if objective == "throughput":
         return "cpu", "trial.execute=auto with search.objective=throughput: the steps are timed"
-    if target.reads_files(flat):
+    if target.reads_files(workload):
         return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
-    if target.distributed(flat):
+    if target.distributed(workload):
         return "cpu", (f"trial.execute=auto with model.parallel={_parallel(workload)}: the ranks exchange real "
                        "tensors (gloo)")
     return "meta", "trial.execute=auto on the virtual GPU"
