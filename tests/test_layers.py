@@ -421,6 +421,10 @@ def test_the_target_contract_and_the_trial_side_read_the_workload_spec():
     for fn in (Candidate.apply, resolve_gpu_key, worst_shape_spec):
         assert typing.get_type_hints(fn)["return"] is WorkloadSpec, fn.__qualname__
     assert typing.get_type_hints(target_from_workload)["workload"] == (WorkloadSpec | None)
+    # best.yaml's workload section is read as the spec too (one validator: WorkloadSpec.from_best)
+    from oomtune.best import BestConfig
+
+    assert typing.get_type_hints(BestConfig.workload_spec.fget)["return"] is WorkloadSpec
 
 
 def _field_lines(source: str, class_name: str) -> list[str]:
