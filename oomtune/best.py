@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from oomtune.exceptions import BestFileError, OomtuneError
+from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["SCHEMA_VERSION", "BestConfig", "Choice", "load_best", "apply_best", "write_best",
            "CudaAlreadyInitializedError", "RankCountError", "check_world_size", "trials_text",
@@ -112,7 +113,7 @@ def check_world_size(config: "BestConfig", env: Any) -> None:
     Raises:
         RankCountError: they differ.
     """
-    ranks = (config.workload or {}).get("ranks")
+    ranks = config.workload_spec.ranks if config.workload is not None else None
     world = str(env.get("WORLD_SIZE", "") or "")
     if isinstance(ranks, int) and world.isdigit() and int(world) != ranks:
         raise RankCountError(f"best.yaml was tuned for {ranks} rank(s) (trial.gpus={ranks}) but this process runs "
@@ -176,7 +177,7 @@ class BestConfig:
     """A parsed best.yaml (see the module docstring for the schema)."""
 
     schema_version: int
-    workload: dict[str, Any]
+    workload: JsonObject   # best.yaml's workload section as written (WorkloadSpec.best_record); typed: workload_spec
     device: dict[str, Any]
     best: Choice
     versions: dict[str, Any] = field(default_factory=dict)
@@ -208,6 +209,18 @@ class BestConfig:
     def activation_checkpointing(self) -> bool | None:
         """Activation checkpointing of the answer (None: the search did not vary it)."""
         return self.best.activation_checkpointing
+
+    @property
+    def workload_spec(self) -> WorkloadSpec:
+        """The workload this answer was tuned for, typed: :meth:`WorkloadSpec.from_best` of the
+        ``workload`` section and ``device.target_gpu`` (the one validator of the section,
+        :func:`oomtune.workload_spec.check_record`, runs first). A new spec each call.
+
+        Raises:
+            BestFileError: a malformed or unknown key of the section, one line naming it.
+        """
+        device = self.device if isinstance(self.device, dict) else {}
+        return WorkloadSpec.from_best(self.workload, device.get("target_gpu"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -316,8 +329,9 @@ def load_best(path: str | Path) -> BestConfig:
     Raises:
         BestFileError: the file is missing, larger than :data:`BEST_MAX_BYTES`, nested more than
             :data:`oomtune.safeload.MAX_DEPTH` levels, not YAML, not a mapping, of another schema
-            version, missing a required section, its ``workload`` section malformed
-            (:func:`check_workload`), its ``alloc_conf`` is not a valid allocator string, or it
+            version, missing a required section, its ``workload`` section malformed (read as
+            :attr:`BestConfig.workload_spec` is: :meth:`oomtune.workload_spec.WorkloadSpec.from_best`,
+            whose validator is :func:`check_workload`'s), its ``alloc_conf`` is not a valid allocator string, or it
             contradicts its ``settings`` mapping (the keys that differ are named).
     """
     from oomtune.safeload import read_yaml
@@ -353,7 +367,8 @@ def load_best(path: str | Path) -> BestConfig:
     if data.get("baseline") is not None:
         data["baseline"] = _choice(data["baseline"], f"{path}: baseline")
     config = BestConfig(**data)
-    check_workload(config.workload, where=f"{path}: workload")
+    # the section read once as the typed spec (check_record, the one validator, runs first)
+    WorkloadSpec.from_best(config.workload, data["device"].get("target_gpu"), where=f"{path}: workload")
     for where, choice in (("best", config.best), ("baseline", config.baseline)):
         if choice is not None:
             _check_agreement(path, where, choice)

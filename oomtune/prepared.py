@@ -13,7 +13,7 @@ schema's objects, the device, the budget in bytes, the search space, the workloa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +103,7 @@ def prepare(overrides: Sequence[str], *, resolve_paths: bool, cfg: Any = None, s
     False: ``budget=`` is not a budget of this device, whose check would refuse a budget above the
     virtual GPU that fits the cards a multi-card plan checks it against instead; ``budget_bytes``
     is then None), and the target GPU (``model.gpu``; auto: the device, or the default on the CPU:
-    :func:`oomtune.capture.gpu_target.gpu_of`); with ``space_last`` the search space last (the
+    :func:`oomtune.capture.gpu_target.resolve_gpu_key`); with ``space_last`` the search space last (the
     order in which ``oomtune plan`` reports bad input).
 
     Raises:
@@ -111,7 +111,7 @@ def prepare(overrides: Sequence[str], *, resolve_paths: bool, cfg: Any = None, s
             written.
     """
     from oomtune import config as C
-    from oomtune.capture.gpu_target import gpu_of
+    from oomtune.capture.gpu_target import resolve_gpu_key
     from oomtune.device import resolve_budget, resolve_device
     from oomtune.schema import typed
     from oomtune.space import SearchSpace
@@ -126,8 +126,7 @@ def prepare(overrides: Sequence[str], *, resolve_paths: bool, cfg: Any = None, s
         checked(conf, work, space)
     device = resolve_device(conf.device, virtual_device_memory=conf.virtual_device_memory)
     budget_bytes = resolve_budget(conf.budget, device) if device_budget else None
-    gpu = gpu_of(work.gpu, device)
-    work = replace(work, gpu=gpu.key, gpu_source=gpu.source)
+    work = resolve_gpu_key(work, device)
     if space is None:
         space = SearchSpace.from_config(conf.search, world_size=conf.trial.gpus)
     return PreparedRun(overrides=tuple(overrides), conf=conf, workload=work, target=get_target(work.target_name),

@@ -273,8 +273,7 @@ def _workload(best: Any) -> tuple[WorkloadSpec, Target | None]:
         BestFileError: a malformed or unknown key, or a built-in workload without its model."""
     from oomtune.trial._base import find_target
 
-    device = best.device if isinstance(best.device, dict) else {}
-    spec = WorkloadSpec.from_best(best.workload, device.get("target_gpu"))
+    spec = best.workload_spec
     target = find_target(spec.target_name)
     try:
         model = target.model_keys(spec.model) if target is not None else None

@@ -16,11 +16,13 @@ optimizer step (:meth:`SearchSpace.batch_choices`, :attr:`Candidate.grad_accum`)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.exceptions import AllocatorConfigError, ConfigError
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["Candidate", "SearchSpace", "DEFAULTS", "LOADER_KEYS", "CHECKPOINTING_KEY", "micro_batches"]
 
@@ -113,19 +115,26 @@ class Candidate:
             out[CHECKPOINTING_KEY] = self.activation_checkpointing
         return out
 
-    def apply(self, workload: Mapping[str, Any]) -> dict[str, Any]:
-        """A copy of the workload config with this candidate's data-loader settings, ``grad_accum``
-        (when > 1) and ``activation_checkpointing`` (when searched): what its trial trains."""
-        out = dict(workload)
+    def apply(self, workload: WorkloadSpec) -> WorkloadSpec:
+        """``workload`` with this candidate's data-loader settings (merged into the model group's
+        ``data``), ``grad_accum`` (in ``training`` when > 1, removed from it otherwise) and
+        ``activation_checkpointing`` (in ``training`` when searched): what its trial trains. A new
+        spec (:func:`dataclasses.replace`); ``workload`` is unchanged.
+
+        Raises:
+            ConfigError: a loader value JSON cannot carry (:class:`oomtune.workload_spec.WorkloadSpec`).
+        """
+        model = workload.model
         if self.data:
-            out["data"] = {**(workload.get("data") or {}), **dict(self.data)}
+            model = {**(model or {}), "data": {**(workload.data or {}), **dict(self.data)}}
+        training = dict(workload.training)
         if self.grad_accum > 1:
-            out["grad_accum"] = self.grad_accum
+            training["grad_accum"] = self.grad_accum
         else:
-            out.pop("grad_accum", None)
+            training.pop("grad_accum", None)
         if self.activation_checkpointing is not None:
-            out[CHECKPOINTING_KEY] = self.activation_checkpointing
-        return out
+            training[CHECKPOINTING_KEY] = self.activation_checkpointing
+        return dataclasses.replace(workload, model=model, training=training)
 
     apply_data = apply
 

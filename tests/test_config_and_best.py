@@ -114,6 +114,24 @@ def test_best_round_trip_and_env_line(tmp_path):
     assert load_best(tmp_path).batch_size == 32  # a run directory works too
 
 
+def test_the_workload_section_reads_as_one_typed_spec(tmp_path):
+    """best.yaml's workload section (model with its gpu key, ranks, training) and device.target_gpu
+    read back as the typed spec: the recorded target GPU wins over model.gpu, the training settings
+    stand apart from the model keys, a hand-written section without a target is a built-in workload."""
+    cfg = BestConfig(schema_version=1, device={"kind": "cpu", "target_gpu": {"key": "sm90:132", "source": "model.gpu"}},
+                     workload={"model": {"name": "mlp", "gpu": "a100"}, "ranks": 2,
+                               "training": {"grad_accum": 4}},
+                     best=Choice(batch_size=8, alloc_conf="", metrics={"throughput": 1.0}))
+    spec = load_best(write_best(cfg, tmp_path / "best.yaml")).workload_spec
+    assert (spec.target, spec.model, spec.gpu, spec.gpu_source, spec.ranks, spec.training) == (
+        {"name": "builtin"}, {"name": "mlp"}, "sm90:132", "model.gpu", 2, {"grad_accum": 4})
+    # a value the typed spec cannot carry is refused when the file is read, in one line naming the key
+    (tmp_path / "bad.yaml").write_text("schema_version: 1\nworkload: {ranks: two}\ndevice: {}\n"
+                                       "best: {batch_size: 8, alloc_conf: ''}\n")
+    with pytest.raises(BestFileError, match=r"workload\.ranks must be an integer >= 1"):
+        load_best(tmp_path / "bad.yaml")
+
+
 @pytest.mark.parametrize("text, needle", [
     ("best: [1, 2", "not valid YAML"),
     ("- a\n- b\n", "expected a mapping"),

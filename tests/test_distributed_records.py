@@ -445,16 +445,18 @@ def test_storage_resize_is_a_release_and_a_request():
 # ------------------------------------------------------------------ where the ranks' steps run
 def test_distributed_trials_run_their_steps_on_the_cpu_not_meta():
     from oomtune.trial.execute import resolve_execute
+    from oomtune.workload_spec import WorkloadSpec
 
-    ddp = {"name": "transformer", "parallel": "ddp", "ranks": 2, "target": {"name": "builtin"}}
+    ddp = WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer", "parallel": "ddp"}, ranks=2)
     # gloo moves real tensors between the ranks: auto takes the CPU, and says why
     mode, why = resolve_execute("auto", simulated=True, objective="batch", workload=ddp)
     assert mode == "cpu" and "model.parallel=ddp" in why
+    fsdp = WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer", "parallel": "fsdp"}, ranks=2)
     with pytest.raises(ConfigError, match="trial.execute=meta cannot run model.parallel=fsdp"):
-        resolve_execute("meta", simulated=True, objective="batch", workload={**ddp, "parallel": "fsdp"})
+        resolve_execute("meta", simulated=True, objective="batch", workload=fsdp)
     # one process without data parallelism keeps the meta default
     assert resolve_execute("auto", simulated=True, objective="batch",
-                           workload={"name": "transformer", "target": {"name": "builtin"}})[0] == "meta"
+                           workload=WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer"}))[0] == "meta"
 
 
 def test_the_search_counts_every_rank_against_the_host_memory(tmp_path, capsys, monkeypatch):

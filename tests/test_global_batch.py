@@ -3,6 +3,7 @@ a search dimension, and best.yaml's micro-batch and accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from oomtune.exceptions import BestFileError, ConfigError
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner
 from oomtune.space import SearchSpace, micro_batches
 from oomtune.targets.cmd import PLACEHOLDERS, build_command, placeholder_values
+from oomtune.workload_spec import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
 ALLOC = {"expandable_segments": [False, True]}
@@ -44,8 +46,12 @@ def test_candidates_carry_the_accumulation_that_keeps_the_global_batch():
     space = SearchSpace(1, 512, ALLOC, global_batch=64)
     cand = space.candidate(8, {"expandable_segments": True})
     assert (cand.batch_size, cand.grad_accum) == (8, 8)
-    assert cand.apply({"name": "mlp"}) == {"name": "mlp", "grad_accum": 8}
-    assert space.candidate(64).apply({"name": "mlp", "grad_accum": 3}) == {"name": "mlp"}   # one micro-batch
+    mlp = WorkloadSpec(target={"name": "builtin"}, model={"name": "mlp"})
+    applied = cand.apply(mlp)
+    assert (applied.model, applied.training) == ({"name": "mlp"}, {"grad_accum": 8})
+    assert applied.to_dict()["grad_accum"] == 8 and mlp.training == {}   # the trial's flat form; a new spec
+    one = space.candidate(64).apply(dataclasses.replace(mlp, training={"grad_accum": 3}))
+    assert one.training == {} and "grad_accum" not in one.to_dict()   # one micro-batch
     assert space.top_batch == 64 and space.batch_choices() == [1, 2, 4, 8, 16, 32, 64]
     with pytest.raises(ConfigError, match="micro-batch 3 does not divide search.global_batch=64"):
         space.candidate(3)
@@ -74,7 +80,8 @@ def test_activation_checkpointing_is_a_configuration_of_its_own():
     assert len(configs) == 4 and {c["activation_checkpointing"] for c in configs} == {False, True}
     cand = space.candidate(4, {"activation_checkpointing": True})
     assert cand.optuna_params()["activation_checkpointing"] is True and cand.alloc_conf == ""
-    assert cand.apply({})["activation_checkpointing"] is True
+    assert cand.apply(WorkloadSpec(target={"name": "builtin"}, model={"name": "mlp"})).training == {
+        "activation_checkpointing": True}
     with pytest.raises(ConfigError, match="expected a list of true/false"):
         SearchSpace(1, 64, {"activation_checkpointing": ["yes"]})
 

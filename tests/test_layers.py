@@ -40,18 +40,23 @@ def test_trial_layer_does_not_import_targets():
 def test_every_target_module_implements_the_contract():
     from oomtune.targets import TARGET_NAMES, get_target
     from oomtune.trial._base import Target, target_for
+    from oomtune.workload_spec import WorkloadSpec
 
     for name in TARGET_NAMES:
         target = get_target(name)
         assert isinstance(target, Target) and target.name == name
-        assert target_for({"target": {"name": name}}) is target
+        assert target_for(WorkloadSpec(target={"name": name})) is target
     assert get_target("cmd").own_process and not get_target("builtin").own_process
-    assert target_for({}) is get_target("builtin")  # no target group: builtin
+    assert target_for(WorkloadSpec.from_dict({})) is get_target("builtin")  # no target group: builtin
 
 
 def test_targets_state_what_they_can_do():
     """The capabilities code outside oomtune/targets asks instead of the name."""
     from oomtune.targets import get_target
+    from oomtune.workload_spec import WorkloadSpec
+
+    def built_in(**model):
+        return WorkloadSpec(target={"name": "builtin"}, model=model, gpu=None)
 
     builtin, python, cmd = get_target("builtin"), get_target("python"), get_target("cmd")
     # captured on meta and predicted: the built-in workloads and the user's make_workload, not a command
@@ -60,11 +65,11 @@ def test_targets_state_what_they_can_do():
     assert (builtin.user_code, python.user_code) == (False, True)
     # several ranks: a command starts its own (torchrun); a built-in workload through model.parallel
     assert cmd.starts_ranks and not python.starts_ranks and cmd.records_streams
-    assert builtin.distributed({"name": "mlp", "parallel": "ddp"}) and not builtin.distributed({"name": "mlp"})
-    assert builtin.reads_files({"data": {"source": "imagefolder"}}) and not builtin.reads_files({"name": "mlp"})
-    assert builtin.can_soak({"name": "mlp"}) and not builtin.can_soak({"name": "mlp", "parallel": "ddp"})
-    assert not cmd.can_soak({"target": {"name": "cmd"}})
-    assert builtin.for_capture({"name": "mlp", "data": {"source": "imagefolder"}, "target": {"name": "builtin"}}) \
+    assert builtin.distributed(built_in(name="mlp", parallel="ddp")) and not builtin.distributed(built_in(name="mlp"))
+    assert builtin.reads_files(built_in(data={"source": "imagefolder"})) and not builtin.reads_files(built_in(name="mlp"))
+    assert builtin.can_soak(built_in(name="mlp")) and not builtin.can_soak(built_in(name="mlp", parallel="ddp"))
+    assert not cmd.can_soak(WorkloadSpec(target={"name": "cmd"}))
+    assert builtin.for_capture(built_in(name="mlp", data={"source": "imagefolder"})) \
         == {"name": "mlp", "data": {"source": "synthetic"}}
     assert Path(cmd.resolve_paths({"name": "cmd", "cwd": "sub"}, Path("/base"))["cwd"]) == Path("/base/sub")
     assert python.resolve_paths({"name": "python", "entry": "pkg.mod:fn"}, Path("/base"))["entry"] == "pkg.mod:fn"
@@ -382,6 +387,44 @@ def test_search_options_fields_are_typed_sections():
     hints = typing.get_type_hints(SearchOptions)
     assert (hints["search"], hints["trial"], hints["workload"]) == (SearchConf, TrialConf, WorkloadSpec)
     assert SearchOptions.__dataclass_params__.frozen
+
+
+def test_the_target_contract_and_the_trial_side_read_the_workload_spec():
+    """What a trial trains reaches the target contract typed: every :class:`Target` method that reads
+    a workload takes the :class:`WorkloadSpec` (in the base class and in every registered target,
+    which override them) and ``at_shape`` returns one; so do ``resolve_execute``, the candidates'
+    ``apply``/``apply_data`` and the target GPU's functions. The flat mapping is read only where a
+    trial process reads its spec.json (``WorkloadSpec.from_dict``)."""
+    import typing
+
+    from oomtune.capture.gpu_target import resolve_gpu_key, target_from_workload
+    from oomtune.space import Candidate
+    from oomtune.targets import TARGET_NAMES, get_target, build_trial_workload
+    from oomtune.trial._base import Target, target_for, worst_shape_spec
+    from oomtune.trial.execute import resolve_execute
+    from oomtune.workload_spec import WorkloadSpec
+
+    methods = ("distributed", "reads_files", "can_soak", "for_capture", "shapes", "at_shape", "worst_shape",
+               "label", "check_training", "build_workload")
+    offenders = []
+    for cls in (Target, *(type(get_target(name)) for name in TARGET_NAMES)):
+        for name in methods:
+            hints = typing.get_type_hints(getattr(cls, name))
+            if hints.get("workload") is not WorkloadSpec:
+                offenders.append(f"{cls.__name__}.{name}: {hints.get('workload')}")
+        if typing.get_type_hints(cls.at_shape).get("return") is not WorkloadSpec:
+            offenders.append(f"{cls.__name__}.at_shape returns {typing.get_type_hints(cls.at_shape).get('return')}")
+    assert offenders == []
+    for fn in (resolve_execute, Candidate.apply, Candidate.apply_data, resolve_gpu_key, target_for,
+               worst_shape_spec, build_trial_workload):
+        assert typing.get_type_hints(fn)["workload"] is WorkloadSpec, fn.__qualname__
+    for fn in (Candidate.apply, resolve_gpu_key, worst_shape_spec):
+        assert typing.get_type_hints(fn)["return"] is WorkloadSpec, fn.__qualname__
+    assert typing.get_type_hints(target_from_workload)["workload"] == (WorkloadSpec | None)
+    # best.yaml's workload section is read as the spec too (one validator: WorkloadSpec.from_best)
+    from oomtune.best import BestConfig
+
+    assert typing.get_type_hints(BestConfig.workload_spec.fget)["return"] is WorkloadSpec
 
 
 def _field_lines(source: str, class_name: str) -> list[str]:

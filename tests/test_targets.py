@@ -19,6 +19,7 @@ from oomtune.targets.python_entry import UserWorkload, build_user_workload, load
 from oomtune.trial.record import TrialSpec
 from oomtune.trial.runner import group_alive
 from oomtune.workloads import Workload, build_workload
+from oomtune.workload_spec import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PY = shlex.quote(sys.executable)
@@ -268,7 +269,7 @@ def test_example_file_entry_runs_in_the_trial_path_under_the_virtual_gpu():
     from oomtune.alloc.sim import CachingAllocatorSim
     from oomtune.capture.virtual_gpu import VirtualGPU
 
-    workload = {"name": "mlp", "target": {"name": "python", "entry": EXAMPLE_ENTRY}}
+    workload = WorkloadSpec.from_dict({"name": "mlp", "target": {"name": "python", "entry": EXAMPLE_ENTRY}})
     wl = build_trial_workload(workload, 4, torch.device("cpu"))
     assert isinstance(wl, UserWorkload)
     sim = CachingAllocatorSim(None, total_memory_bytes=1 << 30)
@@ -286,10 +287,11 @@ def test_example_file_entry_runs_in_the_trial_path_under_the_virtual_gpu():
 
 
 def test_build_trial_workload_dispatches_on_the_target():
-    wl = build_trial_workload({"name": "mlp", "in_features": 8, "hidden": 8, "layers": 1, "num_classes": 2}, 2, "cpu")
+    mlp = {"name": "mlp", "in_features": 8, "hidden": 8, "layers": 1, "num_classes": 2}
+    wl = build_trial_workload(WorkloadSpec.from_dict(mlp), 2, "cpu")   # no target group: builtin
     assert type(wl) is Workload
     with pytest.raises(ConfigError, match="target=cmd"):
-        build_trial_workload({"name": "mlp", "target": {"name": "cmd", "command": "x"}}, 2, "cpu")
+        build_trial_workload(WorkloadSpec(target={"name": "cmd", "command": "x"}), 2, "cpu")
     with pytest.raises(ConfigError, match="choose one of"):
         validate_target({"name": "shell"})
 
@@ -348,8 +350,8 @@ def test_resolved_file_entry_still_loads_from_another_working_directory(tmp_path
     trial_dir.mkdir(parents=True)
     monkeypatch.chdir(trial_dir)
     with pytest.raises(ConfigError, match="not found"):
-        build_trial_workload({"name": "mlp", "target": relative}, 2, "cpu")
-    assert isinstance(build_trial_workload({"name": "mlp", "target": resolved}, 2, "cpu"), UserWorkload)
+        build_trial_workload(WorkloadSpec(target=relative), 2, "cpu")
+    assert isinstance(build_trial_workload(WorkloadSpec(target=resolved), 2, "cpu"), UserWorkload)
 
 
 def test_resolved_entry_runs_in_a_real_trial_process(tmp_path, monkeypatch):

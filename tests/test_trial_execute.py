@@ -167,17 +167,19 @@ BUILTIN = {"name": "resnet", "target": {"name": "builtin"}}
     ("meta", False, "batch", {"target": {"name": "cmd", "command": "torchrun t.py"}, "ranks": 2}, "command"),
 ])
 def test_resolve_execute(setting, simulated, objective, workload, mode):
-    assert resolve_execute(setting, simulated=simulated, objective=objective, workload=workload)[0] == mode
+    spec = WorkloadSpec.from_dict(workload)   # the flat form a trial's spec.json carries, read once
+    assert resolve_execute(setting, simulated=simulated, objective=objective, workload=spec)[0] == mode
 
 
 def test_meta_where_it_cannot_work_is_one_clear_error():
     with pytest.raises(ConfigError, match="trial.execute=meta measures no throughput"):
-        resolve_execute("meta", simulated=True, objective="throughput", workload=BUILTIN)
+        resolve_execute("meta", simulated=True, objective="throughput", workload=WorkloadSpec.from_dict(BUILTIN))
     with pytest.raises(ConfigError, match="synthetic data only"):
-        resolve_execute("meta", simulated=True, objective="batch", workload={**BUILTIN, "data": {"source": "tokens"}})
-    with pytest.raises(ConfigError, match="trial.execute=meta cannot run target=cmd with trial.gpus=2"):
         resolve_execute("meta", simulated=True, objective="batch",
-                        workload={"target": {"name": "cmd", "command": "torchrun t.py"}, "ranks": 2})
+                        workload=WorkloadSpec.from_dict({**BUILTIN, "data": {"source": "tokens"}}))
+    with pytest.raises(ConfigError, match="trial.execute=meta cannot run target=cmd with trial.gpus=2"):
+        resolve_execute("meta", simulated=True, objective="batch", workload=WorkloadSpec(
+            target={"name": "cmd", "command": "torchrun t.py"}, ranks=2))
 
 
 def test_host_available_memory_reads_memavailable(tmp_path):

@@ -19,13 +19,14 @@ CUDA), else :data:`DEFAULT_GPU`, said so wherever the target is printed. No torc
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from oomtune.exceptions import ConfigError
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["GpuTarget", "KNOWN_GPUS", "DEFAULT_GPU", "parse_gpu", "gpu_of", "resolve_gpu_key",
-           "target_from_workload"]
+           "target_from_workload", "target_gpu"]
 
 
 @dataclass(frozen=True)
@@ -180,27 +181,38 @@ def _device_capability(device: Any) -> tuple[int, int] | None:
     return tuple(int(x) for x in got) if got else None
 
 
-def resolve_gpu_key(workload: dict[str, Any], device: Any = None) -> dict[str, Any]:
-    """``workload`` (the model group, plain dict) with ``gpu`` resolved to its canonical key
-    (:attr:`GpuTarget.key`) and the origin in ``gpu_source``, so that captures in other processes
-    (forked workers, trial processes) and the stream cache's key see the same target.
+def resolve_gpu_key(workload: WorkloadSpec, device: Any = None) -> WorkloadSpec:
+    """``workload`` with ``gpu`` resolved to its canonical key (:attr:`GpuTarget.key`) and the origin
+    in ``gpu_source`` (a new spec), so that captures in other processes (forked workers, trial
+    processes) and the stream cache's key see the same target (:func:`gpu_of`: ``auto`` is
+    ``device``'s GPU, else :data:`DEFAULT_GPU`).
 
     Raises:
         ConfigError: an unknown ``model.gpu``.
     """
-    target = gpu_of(workload.get("gpu"), device)
-    return {**workload, "gpu": target.key, "gpu_source": target.source}
+    target = gpu_of(workload.gpu, device)
+    return replace(workload, gpu=target.key, gpu_source=target.source)
 
 
-def target_from_workload(workload: dict[str, Any] | None) -> GpuTarget:
-    """The :class:`GpuTarget` a resolved workload (:func:`resolve_gpu_key`) names; :data:`DEFAULT_GPU`
-    for a workload without ``gpu`` (or ``auto``: no device to read here).
+def target_from_workload(workload: WorkloadSpec | None) -> GpuTarget:
+    """The :class:`GpuTarget` a resolved workload (:func:`resolve_gpu_key`) names
+    (:func:`target_gpu` of its ``gpu`` and ``gpu_source``); :data:`DEFAULT_GPU` for no workload.
 
     Raises:
         ConfigError: an unknown ``gpu``.
     """
-    workload = workload or {}
-    value = workload.get("gpu")
-    if value is None or str(value).strip().lower() == "auto":
+    return target_gpu(None, None) if workload is None else target_gpu(workload.gpu, workload.gpu_source)
+
+
+def target_gpu(gpu: str | None, source: str | None) -> GpuTarget:
+    """The :class:`GpuTarget` of a resolved ``gpu`` key and its ``gpu_source`` (the typed fields of
+    :class:`oomtune.workload_spec.WorkloadSpec`, or a capture's flat workload's keys);
+    :data:`DEFAULT_GPU` (source ``default``) for None or ``auto`` (no device to read here), the
+    source ``model.gpu`` when none is given.
+
+    Raises:
+        ConfigError: an unknown ``gpu``.
+    """
+    if gpu is None or str(gpu).strip().lower() == "auto":
         return parse_gpu(DEFAULT_GPU, source="default")
-    return parse_gpu(value, source=str(workload.get("gpu_source") or "model.gpu"))
+    return parse_gpu(gpu, source=str(source or "model.gpu"))

@@ -94,7 +94,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     with a capture of every step.
 
     The step runs the kernels a CUDA run of the workload's target GPU runs (``gpu``:
-    :func:`oomtune.capture.gpu_target.target_from_workload`; :func:`oomtune.capture.cuda_kernels.
+    :func:`oomtune.capture.gpu_target.target_gpu`; :func:`oomtune.capture.cuda_kernels.
     emulate_cuda`), the workload's construction included. A fallback to the CPU is said on stderr at
     once, and the CPU capture stops as soon as the tensors it holds pass 80% of the host memory
     available (:func:`cpu_capture_limit_bytes`).
@@ -115,7 +115,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     reason = None
     devices: tuple[str, ...] = ("meta", "cpu")
     group: Any = contextlib.nullcontext()
-    if _target(model_cfg).distributed(model_cfg):
+    if _target(model_cfg).distributed(_spec(model_cfg)):
         # One rank's stream, through torch's fake process group (rank 0 of the world), on meta: DDP
         # (oomtune/workloads/_meta_rank.py) and FSDP2 (oomtune/workloads/_meta_fsdp.py, whose mesh on
         # meta needs its stand-ins for the whole capture: meta_rank_scope).
@@ -137,12 +137,12 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
     """:func:`capture_training_stream` on the first of ``devices`` that has every kernel."""
     from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
     from oomtune.capture.cuda_kernels import emulate_cuda
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
     from oomtune.capture.recorder import HostMemoryError, capture_stream
     from oomtune.plan.derive import repeat_steady_step
     from oomtune.workloads.training import prediction_workload
 
-    gpu = target_from_workload(model_cfg)
+    gpu = target_gpu(model_cfg.get("gpu"), model_cfg.get("gpu_source"))
     model_cfg = prediction_workload(model_cfg)   # accumulation: at most two micro-batches per step
     pending = None   # the meta build's failure, said once the CPU build has worked (else the CPU's error is all)
     for device in devices:
@@ -273,9 +273,21 @@ def warm_capture() -> None:
 
 def _target(model_cfg: dict[str, Any]) -> Any:
     """The :class:`oomtune.trial._base.Target` of ``model_cfg`` (what it can do decides the capture)."""
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target, target_name
 
-    return target_for(model_cfg)
+    return get_target(target_name(model_cfg))
+
+
+def _spec(model_cfg: dict[str, Any]) -> WorkloadSpec:
+    """The :class:`oomtune.workload_spec.WorkloadSpec` of a capture's flat workload (what the
+    :class:`oomtune.trial._base.Target` contract reads).
+
+    Raises:
+        ConfigError: as :meth:`WorkloadSpec.from_dict`.
+    """
+    from oomtune.workload_spec import WorkloadSpec
+
+    return WorkloadSpec.from_dict(model_cfg)
 
 
 def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
@@ -294,7 +306,7 @@ def _build(model_cfg: dict[str, Any], batch_size: int, device: str) -> Any:
     target = _target(model_cfg)
     if target.user_code:
         return _user_workload(target, model_cfg, batch_size, device)
-    return target.build_workload(target.for_capture(model_cfg), batch_size, device)
+    return target.build_workload(_spec(target.for_capture(_spec(model_cfg))), batch_size, device)
 
 
 def python_target_workload(target: dict[str, Any], batch_size: int, device: str, *,
@@ -318,7 +330,7 @@ def _user_workload(target: Any, workload: dict[str, Any], batch_size: int, devic
     import torch
 
     with torch.device(device):
-        wl = target.build_workload(workload, batch_size, device)
+        wl = target.build_workload(_spec(workload), batch_size, device)
         wl.hold_first_batch()
     return wl
 

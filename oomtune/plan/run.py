@@ -130,10 +130,10 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
                        device_budget=cards is None)
     device, budget_bytes, space = prepared.device, prepared.budget_bytes, prepared.space
     conf, spec = prepared.conf, prepared.workload
-    workload = spec.to_dict()   # the flat form: the target's label, the plan's record, the soak
+    workload = spec.to_dict()   # the flat form: the plan's record, the soak
     from oomtune.capture.gpu_target import target_from_workload
 
-    gpu = target_from_workload(workload)
+    gpu = target_from_workload(spec)
     choices = space.batch_choices()   # a global batch: its micro-batches only
     grid = grid_batches(space.batch_low, space.batch_high, _explicit_batches(conf)) if choices is None else choices
     settings, skipped = split_simulable(space.all_settings())
@@ -156,7 +156,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
         return plan_multi(cards, conf, workload=worst_spec, shaped=worst_spec is not spec, settings=settings,
                           skipped=skipped,
                           grid=grid, headroom=headroom, store=store, cache=cache, path=path, console=console,
-                          global_batch=space.global_batch, label=prepared.target.label(workload))
+                          global_batch=space.global_batch, label=prepared.target.label(spec))
     limit_bytes = limit_bytes_of(budget_bytes, headroom)
     geometry, steps = sim_geometry(device, budget_bytes), trial_steps(conf.trial)
     if space.global_batch is None:
@@ -174,7 +174,7 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
     sized = "" if device.simulated else f"{device.name}'s capacity, "   # not "(virtual GPU (CPU), ..."
     batches = (f"batch {grid[0]}..{grid[-1]} ({len(grid)} grid points + bisection)" if choices is None else
                f"micro-batch {', '.join(map(str, grid))} of global batch {space.global_batch}")
-    say(f"oomtune plan: {prepared.target.label(workload)} on the virtual GPU ({sized}budget "
+    say(f"oomtune plan: {prepared.target.label(spec)} on the virtual GPU ({sized}budget "
         f"{format_bytes(budget_bytes)}, limit {format_bytes(limit_bytes)} with headroom {headroom:.0%}), "
         f"{len(settings)} allocator configurations x {batches}")
     say(f"target GPU: {gpu.describe()}: attention, dropout, mixed precision and optimizers run its kernels")

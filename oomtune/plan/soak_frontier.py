@@ -81,13 +81,13 @@ def soak_rows(rows: Sequence[Any], model_cfg: Mapping[str, Any], geometry: Mappi
     from oomtune.trial.soak import capture_soak, replay_soak
 
     from oomtune.plan.isolation import run_isolated
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target, target_name
 
     t0 = time.perf_counter()
     cfg = dict(model_cfg)   # the target too: capture_soak builds the workload it names (Target.for_capture)
     streams: dict[int, Any] = {}
     out = SoakedFrontier(steps=steps)
-    user_code = target_for(cfg).user_code
+    user_code = get_target(target_name(cfg)).user_code
     entry = str((cfg.get("target") or {}).get("entry"))
 
     def captured(batches: Sequence[int], workers: int = 1) -> list[Any]:

@@ -116,7 +116,7 @@ def cacheable(workload: WorkloadSpec) -> bool:
         return False
     if found.user_code:   # the user's entry: cached while its code is unchanged
         return entry_fingerprint(workload.target) is not None
-    return not found.reads_files(workload.to_dict())
+    return not found.reads_files(workload)
 
 
 _entry_prints: dict[str, dict[str, Any] | None] = {}

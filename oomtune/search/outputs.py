@@ -143,12 +143,10 @@ def _workload_record(workload: WorkloadSpec, params: dict[str, Any], space: Any 
     plus ``training`` (the winner's ``grad_accum`` and ``activation_checkpointing``) when the search
     set them, and ``ranks`` (``trial.gpus``) for a trial of several ranks or a distributed workload:
     the answer holds per rank at that rank count."""
-    from oomtune.workloads.training import TRAINING_KEYS
-
     training = {}
     if space is not None:
         cand = space.candidate(params["batch_size"], {k: v for k, v in params.items() if k != "batch_size"})
-        training = {k: v for k, v in cand.apply({}).items() if k in TRAINING_KEYS}
+        training = dict(cand.apply(dataclasses.replace(workload, training={})).training)
     model = _with_loader(workload.model, params) if workload.model is not None else None
     return dataclasses.replace(workload, model=model, training=training).best_record()
 
@@ -157,7 +155,7 @@ def _target_gpu(workload: WorkloadSpec) -> dict[str, Any]:
     """The GPU whose kernels the captures ran (:func:`oomtune.capture.gpu_target.target_from_workload`)."""
     from oomtune.capture.gpu_target import target_from_workload
 
-    return target_from_workload(workload.to_dict()).to_dict()
+    return target_from_workload(workload).to_dict()
 
 
 #: The file beside best.yaml holding the allocation stream a recorded target's prediction replayed.

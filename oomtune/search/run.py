@@ -42,9 +42,8 @@ def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: 
     from oomtune.trial.execute import host_available_bytes, resolve_execute
 
     s, t = conf.search, conf.trial
-    flat = workload.to_dict()   # the form the target reads (its shapes, how it runs)
     objective, reason = resolve_objective(s.objective, simulated=device.simulated)
-    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=flat)
+    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=workload)
     return SearchOptions(
         workload=workload, device=device.spec, budget_bytes=budget_bytes, search=s, trial=t,
         objective=objective, objective_reason=reason, window_s=_window(s.window, device), execute=execute,
@@ -369,7 +368,7 @@ def prepare_search(overrides: Sequence[str], *, cfg: Any = None) -> _Prepared:
         # the user's entry imported and inspected in a process of its own, under trial.timeout
         check_user_code(work, timeout_s=conf.trial.timeout)
         get_target(work.target_name).check_training(   # the training settings must reach the trials
-            work.to_dict(), accumulates=space.global_batch is not None,
+            work, accumulates=space.global_batch is not None,
             checkpointing=bool(space.checkpointing and True in space.checkpointing))
 
     # the GPU the captures stand for (model.gpu; auto: the device, or the default on the CPU) is
@@ -490,7 +489,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     from oomtune.trial.execute import resolve_execute
 
     execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated, objective=options.objective,
-                                  workload=workload.to_dict())[1]
+                                  workload=workload)[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
                    "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
         "cpu" if options.execute == "command" and device.simulated else options.execute)

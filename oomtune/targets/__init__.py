@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.trial._base import Target, target_names
+from oomtune.workload_spec import WorkloadSpec
 from oomtune.trial._base import get_target as _get_target
 from oomtune.trial._base import target_name as _base_target_name
 # each registers its TARGET (oomtune.trial._base.register_target): the order is TARGET_NAMES'
@@ -124,7 +125,7 @@ def _absolute(path: str, base: Path) -> str:
     return str((p if p.is_absolute() else base / p).resolve())
 
 
-def build_trial_workload(workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+def build_trial_workload(workload: WorkloadSpec, batch_size: int, device: Any) -> Any:
     """The :class:`oomtune.workloads.Workload` a trial process trains: the built-in one for
     ``builtin``, the user's (:func:`oomtune.targets.python_entry.build_user_workload`) for ``python``.
 
@@ -132,7 +133,7 @@ def build_trial_workload(workload: Mapping[str, Any], batch_size: int, device: A
         ConfigError: a ``cmd`` target (it never runs inside a trial process), an unknown target, or
             what the builders raise.
     """
-    return get_target(target_name(workload)).build_workload(workload, batch_size, device)
+    return get_target(workload.target_name).build_workload(workload, batch_size, device)
 
 
 def __getattr__(name: str) -> Any:

@@ -23,40 +23,44 @@ class BuiltinTarget(Target):
     capturable = True
     uses_model_group = True
 
-    def reads_files(self, workload: Mapping[str, Any]) -> bool:
+    def reads_files(self, workload: WorkloadSpec) -> bool:
         """``model.data.source`` reads a data set (:mod:`oomtune.workloads.data`), not synthetic."""
-        data = workload.get("data")
-        return isinstance(data, Mapping) and data.get("source", "synthetic") != "synthetic"
+        data = workload.data
+        return data is not None and data.get("source", "synthetic") != "synthetic"
 
-    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+    def can_soak(self, workload: WorkloadSpec) -> bool:
         """One process trains it: a rank's shapes would need the other ranks' collectives."""
         return not self.distributed(workload)
 
-    def for_capture(self, workload: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``model`` keys on synthetic data (a capture's shapes come from the config, the
+    def for_capture(self, workload: WorkloadSpec) -> dict[str, Any]:
+        """The flat workload without its ``target`` (the ``model`` keys, the target GPU, the ranks,
+        the training settings) on synthetic data (a capture's shapes come from the config, the
         content does not matter)."""
-        cfg = {k: v for k, v in workload.items() if k != "target"}
+        cfg = {k: v for k, v in workload.to_dict().items() if k != "target"}
         cfg["data"] = {"source": "synthetic"}
         return cfg
 
-    def worst_shape(self, workload: Mapping[str, Any]) -> Any:
+    def worst_shape(self, workload: WorkloadSpec) -> Any:
         from oomtune.workloads.shapes import shape_distribution, worst_shapes
 
-        cfg = {k: v for k, v in workload.items() if k != "target"}
-        return None if shape_distribution(cfg).is_fixed else worst_shapes(cfg)[0]
+        model = workload.model or {}
+        return None if shape_distribution(model).is_fixed else worst_shapes(model)[0]
 
-    def shapes(self, workload: Mapping[str, Any]) -> Any:
+    def shapes(self, workload: WorkloadSpec) -> Any:
+        """The ``model`` group's distribution (``seq_len`` / ``image_size``:
+        :func:`oomtune.workloads.shapes.shape_distribution`)."""
         from oomtune.workloads.shapes import shape_distribution
 
-        return shape_distribution({k: v for k, v in workload.items() if k != "target"})
+        return shape_distribution(workload.model or {})
 
-    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+    def at_shape(self, workload: WorkloadSpec, shape: Any) -> WorkloadSpec:
+        """The ``model`` group at ``shape`` (:func:`oomtune.workloads.shapes.at_shape`); ``workload``
+        itself without a model group."""
+        from dataclasses import replace
+
         from oomtune.workloads.shapes import at_shape
 
-        out = at_shape({k: v for k, v in workload.items() if k != "target"}, shape)
-        if "target" in workload:
-            out["target"] = workload["target"]
-        return out
+        return workload if workload.model is None else replace(workload, model=at_shape(workload.model, shape))
 
     def model_keys(self, model_cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """The ``model`` group is the workload: its keys but the target GPU's.
@@ -89,27 +93,29 @@ class BuiltinTarget(Target):
         target = self.resolve_paths(target_cfg, base) if base is not None else dict(target_cfg)
         return WorkloadSpec(target=target, model=model, gpu=str(model_cfg.get("gpu", "auto")), ranks=ranks)
 
-    def label(self, workload: Mapping[str, Any]) -> str:
-        return str(workload.get("name", "builtin"))
+    def label(self, workload: WorkloadSpec) -> str:
+        return str((workload.model or {}).get("name", "builtin"))
 
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+    def check_training(self, workload: WorkloadSpec, *, accumulates: bool, checkpointing: bool) -> None:
         """Activation checkpointing needs a model that has it (transformer, resnet; not mlp)."""
         if checkpointing:
             from oomtune.workloads import validate_workload_config
 
-            validate_workload_config({k: v for k, v in workload.items() if k != "target"}
+            validate_workload_config({k: v for k, v in workload.to_dict().items() if k != "target"}
                                      | {"activation_checkpointing": True})
 
-    def distributed(self, workload: Mapping[str, Any]) -> bool:
+    def distributed(self, workload: WorkloadSpec) -> bool:
         """``model.parallel`` is ddp or fsdp (:mod:`oomtune.workloads.parallel`)."""
         from oomtune.workloads.parallel import is_distributed
 
-        return is_distributed(workload)
+        return is_distributed(workload.model or {})
 
-    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+    def build_workload(self, workload: WorkloadSpec, batch_size: int, device: Any) -> Any:
+        """:func:`oomtune.workloads.build_workload` of the flat form (:meth:`WorkloadSpec.to_dict`:
+        the model keys, ranks and training settings it reads)."""
         from oomtune.workloads import build_workload
 
-        return build_workload(dict(workload), batch_size, device)
+        return build_workload(workload.to_dict(), batch_size, device)
 
 
 TARGET = register_target(BuiltinTarget())

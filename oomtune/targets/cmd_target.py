@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.trial._base import Target, register_target
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["CmdTarget", "TARGET"]
 
@@ -67,16 +68,16 @@ class CmdTarget(Target):
         out["cwd"] = str(base.resolve()) if given in (None, "") else _absolute(str(given), base)
         return out
 
-    def label(self, workload: Mapping[str, Any]) -> str:
-        command = (workload.get("target") or {}).get("command")
+    def label(self, workload: WorkloadSpec) -> str:
+        command = workload.target.get("command")
         text = " ".join(command) if isinstance(command, (list, tuple)) else str(command)
         return f"command {text!r}"
 
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+    def check_training(self, workload: WorkloadSpec, *, accumulates: bool, checkpointing: bool) -> None:
         from oomtune.targets._cmd_checks import check_training_reaches_command
         from oomtune.targets.cmd import build_command, resolve_cwd
 
-        target = dict(workload.get("target") or {})
+        target = dict(workload.target)
         argv, shell = build_command(target, 1)
         check_training_reaches_command(target.get("command"), [] if shell else argv, resolve_cwd(target),
                                        accumulates=accumulates, checkpointing=checkpointing)

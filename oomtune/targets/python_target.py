@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.trial._base import Target, register_target
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["PythonTarget", "TARGET", "split_entry", "known_parameters"]
 
@@ -120,38 +121,46 @@ class PythonTarget(Target):
                 out["entry"] = f"{_absolute(where.strip(), base)}:{func}"
         return out
 
-    def shapes(self, workload: Mapping[str, Any]) -> Any:
+    def shapes(self, workload: WorkloadSpec) -> Any:
+        """The distribution the entry declares in its ``target`` group
+        (:func:`oomtune.workloads.shapes.entry_shape_distribution`)."""
         from oomtune.workloads.shapes import entry_shape_distribution
 
-        return entry_shape_distribution(workload.get("target") or {})
+        return entry_shape_distribution(workload.target)
 
-    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+    def can_soak(self, workload: WorkloadSpec) -> bool:
         """The entry declares a shape distribution (``target.seq_len`` / ``target.image_size``)."""
         return self.shapes(workload).key is not None
 
-    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
+    def at_shape(self, workload: WorkloadSpec, shape: Any) -> WorkloadSpec:
+        """The ``target`` group with its declared shape key set to ``shape``; ``workload`` itself
+        when it declares none (or ``shape`` is None)."""
+        from dataclasses import replace
+
         dist = self.shapes(workload)
-        out = dict(workload)
-        if shape is not None and dist.key is not None:
-            out["target"] = {**(workload.get("target") or {}), dist.key: shape}
-        return out
+        if shape is None or dist.key is None:
+            return workload
+        return replace(workload, target={**workload.target, dist.key: shape})
 
-    def label(self, workload: Mapping[str, Any]) -> str:
-        return f"python entry {(workload.get('target') or {}).get('entry')}"
+    def label(self, workload: WorkloadSpec) -> str:
+        return f"python entry {workload.target.get('entry')}"
 
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+    def check_training(self, workload: WorkloadSpec, *, accumulates: bool, checkpointing: bool) -> None:
         """Activation checkpointing needs an ``activation_checkpointing`` parameter of the entry."""
         from oomtune.targets.python_entry import check_checkpointing_argument
 
-        check_checkpointing_argument(workload.get("target") or {}, checkpointing)
+        check_checkpointing_argument(workload.target, checkpointing)
 
-    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+    def build_workload(self, workload: WorkloadSpec, batch_size: int, device: Any) -> Any:
+        """The user's ``make_workload`` with the training settings of ``workload.training``
+        (``grad_accum``; ``activation_checkpointing`` passed only when set)."""
         from oomtune.targets.python_entry import build_user_workload
         from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
-        ckpt = checkpointing_of(workload) if "activation_checkpointing" in workload else None
-        return build_user_workload(workload.get("target") or {}, batch_size, device,
-                                   grad_accum=grad_accum_of(workload), activation_checkpointing=ckpt)
+        training = workload.training
+        ckpt = checkpointing_of(training) if "activation_checkpointing" in training else None
+        return build_user_workload(workload.target, batch_size, device,
+                                   grad_accum=grad_accum_of(training), activation_checkpointing=ckpt)
 
 
 TARGET = register_target(PythonTarget())

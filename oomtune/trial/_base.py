@@ -68,25 +68,26 @@ class Target:
     #: which the search predicts (:mod:`oomtune.plan.recorded`) what it cannot capture.
     records_streams: bool = False
 
-    def distributed(self, workload: Mapping[str, Any]) -> bool:
+    def distributed(self, workload: WorkloadSpec) -> bool:
         """Whether ``workload`` trains under a data-parallel strategy whose ranks the trial process
         starts (:mod:`oomtune.trial.ranks`), also with one rank. Default: False."""
         return False
 
-    def reads_files(self, workload: Mapping[str, Any]) -> bool:
+    def reads_files(self, workload: WorkloadSpec) -> bool:
         """Whether the workload reads a data set from files (the meta device takes synthetic data
         only; captures of it are not cached). Default: False."""
         return False
 
-    def can_soak(self, workload: Mapping[str, Any]) -> bool:
+    def can_soak(self, workload: WorkloadSpec) -> bool:
         """Whether the soak (:mod:`oomtune.trial.soak`) can capture this workload shape by shape: it
         has a shape distribution oomtune can set, and one process trains it. Default: False."""
         return False
 
-    def for_capture(self, workload: Mapping[str, Any]) -> dict[str, Any]:
-        """The workload mapping a capture builds (:meth:`build_workload` on meta or the CPU); the
-        workload itself by default."""
-        return dict(workload)
+    def for_capture(self, workload: WorkloadSpec) -> dict[str, Any]:
+        """The flat workload mapping a capture builds (:meth:`build_workload` on meta or the CPU, read
+        back with :meth:`WorkloadSpec.from_dict`); the workload's own flat form
+        (:meth:`WorkloadSpec.to_dict`) by default."""
+        return workload.to_dict()
 
     def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
         """A copy of the ``target`` group whose paths no longer depend on the working directory
@@ -125,7 +126,7 @@ class Target:
     def inspected(self, target_cfg: Mapping[str, Any], facts: Any) -> None:
         """Keep :meth:`inspect`'s answer ``facts`` (made in another process) in this one."""
 
-    def shapes(self, workload: Mapping[str, Any]) -> Any:
+    def shapes(self, workload: WorkloadSpec) -> Any:
         """The workload's per-step shape distribution (:class:`oomtune.workloads.shapes.
         ShapeDistribution`); fixed (no key) by default.
 
@@ -136,12 +137,16 @@ class Target:
 
         return ShapeDistribution(None, "fixed", ())
 
-    def at_shape(self, workload: Mapping[str, Any], shape: Any) -> dict[str, Any]:
-        """A copy of ``workload`` whose every step has ``shape`` (the soak's captures, a confirmation
-        at the worst shape); the workload itself by default (fixed shapes)."""
-        return dict(workload)
+    def at_shape(self, workload: WorkloadSpec, shape: Any) -> WorkloadSpec:
+        """The spec of ``workload`` whose every step has ``shape`` (the soak's captures, a confirmation
+        at the worst shape); ``workload`` itself by default (fixed shapes).
 
-    def worst_shape(self, workload: Mapping[str, Any]) -> Any:
+        Raises:
+            ConfigError: as :meth:`shapes`; a shape above the distribution's largest.
+        """
+        return workload
+
+    def worst_shape(self, workload: WorkloadSpec) -> Any:
         """The largest shape of :meth:`shapes` (what the search and plan predict at); None when fixed."""
         dist = self.shapes(workload)
         return None if dist.is_fixed else max(dist.support(), key=lambda v: -1 if v is None else v)
@@ -179,11 +184,11 @@ class Target:
         return WorkloadSpec(target=target, model=self.model_keys(model_cfg), gpu=str(model_cfg.get("gpu", "auto")),
                             ranks=gpus if gpus > 1 else None)
 
-    def label(self, workload: Mapping[str, Any]) -> str:
+    def label(self, workload: WorkloadSpec) -> str:
         """What is trained, in a few words for headers (e.g. ``resnet``, ``python entry f.py:fn``)."""
         return self.name
 
-    def check_training(self, workload: Mapping[str, Any], *, accumulates: bool, checkpointing: bool) -> None:
+    def check_training(self, workload: WorkloadSpec, *, accumulates: bool, checkpointing: bool) -> None:
         """Check, before any trial, that the search's training settings reach what the trial trains:
         ``accumulates`` (a global batch: micro-batches per optimizer step vary) and ``checkpointing``
         (activation checkpointing searched). Default: nothing to check.
@@ -192,9 +197,11 @@ class Target:
             ConfigError: a setting the target cannot apply, in one line with the fix.
         """
 
-    def build_workload(self, workload: Mapping[str, Any], batch_size: int, device: Any) -> Any:
+    def build_workload(self, workload: WorkloadSpec, batch_size: int, device: Any) -> Any:
         """The :class:`oomtune.workloads.Workload` a trial process trains at ``batch_size`` on
-        ``device`` (a ``torch.device`` or its string). Called inside the trial process only.
+        ``device`` (a ``torch.device`` or its string): ``workload`` as the trial process read it from
+        its spec.json (:meth:`WorkloadSpec.from_dict`), or a capture's. Called inside the trial
+        process (or a capture) only.
 
         Raises:
             ConfigError: an own-process target (it never runs inside oomtune's trial process), or
@@ -251,22 +258,35 @@ def target_name(workload: Mapping[str, Any]) -> str:
     return str(target.get("name", DEFAULT_TARGET)) if isinstance(target, Mapping) else DEFAULT_TARGET
 
 
-def target_for(workload: Mapping[str, Any]) -> Target:
-    """The registered :class:`Target` serving ``workload`` (see the module docstring).
+def target_for(workload: WorkloadSpec) -> Target:
+    """The registered :class:`Target` serving ``workload`` (``workload.target_name``; see the module
+    docstring).
 
     Raises:
         ConfigError: an unknown target name.
     """
-    return get_target(target_name(workload))
+    return get_target(workload.target_name)
 
 
 def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
-    """A trial workload (the ``model`` group plus ``target``) at its shape distribution's largest
-    shape (:meth:`Target.worst_shape`; for a built-in workload :func:`oomtune.workloads.shapes.
-    worst_shapes`): what the search's frontier and ``oomtune plan`` predict at (the
-    same code for both). ``workload`` itself when its shapes are
-    fixed. The distribution and its shapes are the target's (:meth:`Target.shapes` / :meth:`Target.
-    at_shape`: a python entry may declare one; a command's are not known).
+    """:func:`worst_shape_spec` of a flat workload (the form a trial's spec.json carries, read with
+    :meth:`WorkloadSpec.from_dict`): its flat form at the largest shape, or ``workload`` itself (the
+    same object) when its shapes are fixed.
+
+    Raises:
+        ConfigError: as :func:`worst_shape_spec`; a workload :meth:`WorkloadSpec.from_dict` refuses.
+    """
+    spec = WorkloadSpec.from_dict(workload)
+    worst = worst_shape_spec(spec)
+    return workload if worst is spec else worst.to_dict()
+
+
+def worst_shape_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """``workload`` at its shape distribution's largest shape (:meth:`Target.worst_shape`; for a
+    built-in workload :func:`oomtune.workloads.shapes.worst_shapes`): what the search's frontier and
+    ``oomtune plan`` predict at (the same code for both). ``workload`` itself (the same object) when
+    its shapes are fixed. The distribution and its shapes are the target's (:meth:`Target.shapes` /
+    :meth:`Target.at_shape`: a python entry may declare one; a command's are not known).
 
     Raises:
         ConfigError: as :func:`oomtune.workloads.shapes.shape_distribution`.
@@ -275,16 +295,3 @@ def worst_shape_workload(workload: Mapping[str, Any]) -> Any:
     if target.shapes(workload).is_fixed:
         return workload
     return target.at_shape(workload, target.worst_shape(workload))
-
-
-def worst_shape_spec(workload: WorkloadSpec) -> WorkloadSpec:
-    """:func:`worst_shape_workload` of a :class:`oomtune.workload_spec.WorkloadSpec`: the spec at its
-    shape distribution's largest shape (read back from the flat form the target changes,
-    :meth:`WorkloadSpec.from_dict`), or ``workload`` itself (the same object) when its shapes are fixed.
-
-    Raises:
-        ConfigError: as :func:`worst_shape_workload`.
-    """
-    flat = workload.to_dict()
-    worst = worst_shape_workload(flat)
-    return workload if worst is flat else WorkloadSpec.from_dict(worst)

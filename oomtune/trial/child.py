@@ -225,11 +225,12 @@ def _run_virtual(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[
         rec.update("budget", memory_fraction=sim.allowed_bytes / sim.total_memory_bytes)
     torch.manual_seed(spec.seed)
     device = torch.device(where)
-    gpu = target_from_workload(spec.workload)   # the GPU whose kernels the steps run (model.gpu)
+    live = live_workload(spec)   # spec.json's flat workload, read once (WorkloadSpec.from_dict)
+    gpu = target_from_workload(live)   # the GPU whose kernels the steps run (model.gpu)
     # on meta, what the workload's code makes without naming a device lands on meta too (no host memory)
     with (torch.device("meta") if where == "meta" else contextlib.nullcontext()):
         try:
-            workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, device)
+            workload = target_for(live).build_workload(live, spec.batch_size, device)
             with VirtualGPU(sim, device=where, gpu=gpu) as vgpu:
                 vgpu.register(workload.tensors_before_step())
                 hook()
@@ -277,7 +278,8 @@ def _run_cuda(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[[],
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
-    workload = target_for(spec.workload).build_workload(live_workload(spec), spec.batch_size, dev)
+    live = live_workload(spec)   # spec.json's flat workload, read once (WorkloadSpec.from_dict)
+    workload = target_for(live).build_workload(live, spec.batch_size, dev)
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
 
     def after_step(done: int) -> None:

@@ -36,9 +36,9 @@ stops it with one line (a ConfigError, exit 2).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from oomtune.exceptions import ConfigError
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["EXECUTE_SETTINGS", "resolve_execute", "host_available_bytes", "check_host_memory"]
 
@@ -46,9 +46,11 @@ __all__ = ["EXECUTE_SETTINGS", "resolve_execute", "host_available_bytes", "check
 EXECUTE_SETTINGS = ("auto", "meta", "cpu")
 
 
-def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: dict[str, Any]) -> tuple[str, str]:
+def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: WorkloadSpec) -> tuple[str, str]:
     """(mode, why) for ``trial.execute``: mode ``meta``, ``cpu`` (virtual GPU), ``device`` (a CUDA
-    trial) or ``command`` (``target=cmd``: the command runs as it is).
+    trial) or ``command`` (``target=cmd``: the command runs as it is). ``workload``'s target decides
+    (:class:`oomtune.trial._base.Target`: its own process, files read, data parallelism), with its
+    ranks (``trial.gpus``).
 
     Raises:
         ConfigError: ``meta`` asked where it cannot work: with the throughput objective (nothing
@@ -59,16 +61,16 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     """
     if setting not in EXECUTE_SETTINGS:
         raise ConfigError(f"trial.execute={setting!r}: choose one of {', '.join(EXECUTE_SETTINGS)}")
-    from oomtune.trial._base import target_for
+    from oomtune.trial._base import get_target
 
-    target = target_for(workload)
+    target = get_target(workload.target_name)
     if not simulated:
         return ("command", f"target={target.name} runs its own command") if target.own_process else (
             "device", "trials run on the GPU")
     if target.own_process:
         # an integration (oomtune.integrations) runs the command's steps on meta when asked (OOMTUNE_EXECUTE);
         # a command without one, or a step meta cannot run, runs them on the CPU (said in its record)
-        ranks = int(workload.get("ranks", 1) or 1)
+        ranks = workload.ranks or 1
         if simulated and ranks > 1:
             # the command's own process group (gloo on the CPU) moves real tensors between its ranks, which
             # meta tensors are not: its integration runs every rank's steps on the CPU
@@ -91,7 +93,7 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")
         if target.distributed(workload):
-            raise ConfigError(f"trial.execute=meta cannot run model.parallel={workload['parallel']}: its ranks exchange "
+            raise ConfigError(f"trial.execute=meta cannot run model.parallel={_parallel(workload)}: its ranks exchange "
                               "real tensors (gloo), so use trial.execute=cpu (or auto)")
         return "meta", "trial.execute=meta"
     if setting == "cpu":
@@ -101,9 +103,14 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
     if target.reads_files(workload):
         return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
     if target.distributed(workload):
-        return "cpu", (f"trial.execute=auto with model.parallel={workload['parallel']}: the ranks exchange real "
+        return "cpu", (f"trial.execute=auto with model.parallel={_parallel(workload)}: the ranks exchange real "
                        "tensors (gloo)")
     return "meta", "trial.execute=auto on the virtual GPU"
+
+
+def _parallel(workload: WorkloadSpec) -> object:
+    """``model.parallel`` of a built-in workload (None without a model group)."""
+    return workload.model.get("parallel") if workload.model is not None else None
 
 
 def host_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:

@@ -55,8 +55,10 @@ def is_distributed_trial(spec: TrialSpec) -> bool:
     if spec.ranks > 1:
         return True
     from oomtune.trial._base import target_for
+    from oomtune.workload_spec import WorkloadSpec
 
-    return target_for(spec.workload).distributed(spec.workload)
+    workload = WorkloadSpec.from_dict(spec.workload)   # spec.json's flat form, read once here
+    return target_for(workload).distributed(workload)
 
 
 def _visible_entries() -> list[str]:

@@ -138,9 +138,10 @@ def soak_supported(workload_cfg: Mapping[str, Any]) -> bool:
     Commands (``cmd``) and python entries without one are not soaked, nor is a distributed workload
     (``model.parallel``): capturing each shape of one rank would need its collectives."""
     from oomtune.trial._base import find_target, target_name
+    from oomtune.workload_spec import WorkloadSpec
 
     target = find_target(target_name(workload_cfg))   # the target says (Target.can_soak)
-    return target is not None and target.can_soak(workload_cfg)
+    return target is not None and target.can_soak(WorkloadSpec.from_dict(workload_cfg))
 
 
 def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *,
@@ -171,8 +172,10 @@ def capture_soak(workload_cfg: Mapping[str, Any], batch_size: int, steps: int, *
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"soak steps must be an integer >= 1, got {steps!r}")
     from oomtune.trial._base import target_for
+    from oomtune.workload_spec import WorkloadSpec
 
-    cfg = target_for(workload_cfg).for_capture(workload_cfg)   # a built-in workload: synthetic data, no target key
+    spec = WorkloadSpec.from_dict(workload_cfg)
+    cfg = target_for(spec).for_capture(spec)   # a built-in workload: synthetic data, no target key
     if capture_device not in ("meta", "cpu"):
         raise ConfigError(f"soak capture device {capture_device!r}: expected meta or cpu")
     t0 = time.perf_counter()
@@ -197,9 +200,9 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, d
     (:func:`oomtune.capture.cuda_kernels.emulate_cuda`, ``cfg["gpu"]``): a built-in workload, or a
     python entry built under ``with torch.device(device)`` (what it creates without a device lands there)."""
     from oomtune.capture.cuda_kernels import emulate_cuda
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
 
-    with emulate_cuda(target_from_workload(cfg)):
+    with emulate_cuda(target_gpu(cfg.get("gpu"), cfg.get("gpu_source"))):
         return _capture_emulated(cfg, batch_size, steps, device, derive)
 
 
@@ -207,13 +210,15 @@ def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: 
     import torch
 
     from oomtune.capture.recorder import capture_stream
-    from oomtune.capture.gpu_target import target_from_workload
+    from oomtune.capture.gpu_target import target_gpu
 
     if "target" in cfg:
         from oomtune.trial._base import target_for
+        from oomtune.workload_spec import WorkloadSpec
 
+        spec = WorkloadSpec.from_dict(cfg)
         with torch.device(device):
-            wl = target_for(cfg).build_workload(cfg, batch_size, device)
+            wl = target_for(spec).build_workload(spec, batch_size, device)
     else:
         from oomtune.workloads import build_workload
 
@@ -223,7 +228,7 @@ def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: 
     # Step 1 exactly as the live trial runs it: what exists is registered, then one step of the
     # workload's own batch iterator (the distribution's first shape), creating the optimizer state.
     first = capture_stream(lambda: wl.run_steps(1, sync=False), existing=wl.tensors_before_step(),
-                           device=device, gpu=target_from_workload(cfg))
+                           device=device, gpu=target_gpu(cfg.get("gpu"), cfg.get("gpu_source")))
     distinct = list(dict.fromkeys(shapes[1:] or shapes))   # in order of first use
 
     def capture_shape(shape: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 from oomtune.outcome import Outcome
 from oomtune.trial.record import ResultDraft, SoakReadings, TrialSpec
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["SHAPE_ORDERS", "live_workload", "run_soak", "soak_verdict"]
 
@@ -22,26 +23,30 @@ __all__ = ["SHAPE_ORDERS", "live_workload", "run_soak", "soak_verdict"]
 SHAPE_ORDERS = ("data", "worst")
 
 
-def live_workload(spec: TrialSpec) -> dict[str, Any]:
-    """The workload config the live steps train: ``spec.workload``, or for ``shapes="worst"`` the
-    same workload fixed at its largest shape (:func:`oomtune.workloads.shapes.at_shape`).
+def live_workload(spec: TrialSpec) -> WorkloadSpec:
+    """The workload the live steps train: ``spec.workload`` (the flat form spec.json carries, read
+    with :meth:`WorkloadSpec.from_dict`), or for ``shapes="worst"`` the same workload fixed at its
+    largest shape (:meth:`oomtune.trial._base.Target.at_shape`; for a built-in workload
+    :func:`oomtune.workloads.shapes.at_shape`).
 
     Raises:
-        ConfigError: an unknown ``spec.shapes`` or a bad shape distribution.
+        ConfigError: an unknown ``spec.shapes``, a bad shape distribution, a workload
+            :meth:`WorkloadSpec.from_dict` refuses.
     """
     from oomtune.exceptions import ConfigError
 
     if spec.shapes not in SHAPE_ORDERS:
         raise ConfigError(f"trial shapes={spec.shapes!r}: expected one of {', '.join(SHAPE_ORDERS)}")
+    workload = WorkloadSpec.from_dict(spec.workload)
     if spec.shapes == "data":
-        return spec.workload
+        return workload
     from oomtune.trial._base import target_for
 
-    target = target_for(spec.workload)
-    dist = target.shapes(spec.workload)
+    target = target_for(workload)
+    dist = target.shapes(workload)
     if dist.is_fixed:
-        return spec.workload
-    return target.at_shape(spec.workload, max(dist.support(), key=lambda s: -1 if s is None else s))
+        return workload
+    return target.at_shape(workload, max(dist.support(), key=lambda s: -1 if s is None else s))
 
 
 def run_soak(spec: TrialSpec, rec: ResultDraft, new_sim: Callable[[], Any], *,
