@@ -28,3 +28,60 @@ def pg():
     server = start_or_skip()
     yield server
     server.stop()
+
+
+# ``oomtune search`` of examples/global_batch.py (target=cmd) under a global batch of 16 at 24 MiB, only
+# the default allocator and expandable_segments searched. Two tests assert on this same command:
+# tests/test_integrations.py::test_a_search_of_the_integration_keeps_the_global_batch[loop-...] (every
+# trial trained the global batch) and tests/test_recording_reuse.py::
+# test_a_global_batch_search_reuses_its_recordings_as_the_baselines_probes (the recordings stand for the
+# baseline's probes). The search runs once per test session, shared by the xdist workers.
+GLOBAL_BATCH_LOOP_COMMAND = "{py} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"
+GLOBAL_BATCH_LOOP_OVERRIDES = [
+    "device=cpu", "budget=24MiB", "search.global_batch=16", "search.batch_size.low=1",
+    "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
+    "search.space.garbage_collection_threshold=[null]", "trial.measure_steps=1", "trial.confirm_steps=2",
+    "trial.timeout=600"]
+
+
+@pytest.fixture(scope="session")
+def global_batch_loop_search(tmp_path_factory):
+    """(``oomtune search``'s exit status, its run directory) for the search above, run from the
+    repository root (the command's relative path) by whichever worker asks first; the others wait for
+    it (an exclusive lock on a file in the session's shared temporary folder) and read the same run.
+    A run that raised in one worker fails the tests of every worker, with its error."""
+    import fcntl
+    import json
+    import sys
+    from pathlib import Path
+
+    from oomtune.cli import main
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # each worker's basetemp is a folder of the session's
+        root = root.parent
+    shared = root / "global-batch-loop-search"
+    shared.mkdir(exist_ok=True)
+    run, status = shared / "run", shared / "status.json"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not status.exists():
+                command = GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable)
+                cwd = os.getcwd()
+                os.chdir(Path(__file__).resolve().parents[1])
+                try:
+                    code = main(["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_LOOP_OVERRIDES,
+                                 f"hydra.run.dir={run}"])
+                except BaseException as exc:
+                    status.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+                    raise
+                finally:
+                    os.chdir(cwd)
+                status.write_text(json.dumps({"code": code}))
+            done = json.loads(status.read_text())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if "error" in done:
+        pytest.fail(f"the shared global-batch search raised in another worker: {done['error']}")
+    return done["code"], run

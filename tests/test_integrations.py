@@ -155,14 +155,18 @@ def test_oomtune_launched_is_exported():
     ("lightning", "{py} examples/lightning_module.py"),
     ("loop", "{py} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"),
 ])
-def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    run = tmp_path / name
-    cmd = command.format(py=sys.executable)
-    code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=24MiB",
-                 "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
-                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
-                 "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600", f"hydra.run.dir={run}"])
+def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_path, monkeypatch, request):
+    if name == "loop":
+        # the same command as tests/test_recording_reuse.py's search (conftest.py): one run for both
+        code, run = request.getfixturevalue("global_batch_loop_search")
+    else:
+        monkeypatch.chdir(REPO)
+        run = tmp_path / name
+        cmd = command.format(py=sys.executable)
+        code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=24MiB",
+                     "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
+                     "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
+                     "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600", f"hydra.run.dir={run}"])
     assert code == 0
     best = oomtune.load_best(run / "best.yaml")
     assert best.batch_size * best.grad_accum == 16 and best.best.global_batch == 16

@@ -11,9 +11,7 @@ under the budget would have made the same calls: its result is the recording's.
 from __future__ import annotations
 
 import json
-import sys
 import types
-from pathlib import Path
 
 import optuna
 import pytest
@@ -26,7 +24,6 @@ from oomtune.trial.budget import MemoryLimit
 from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, TrialResult
 from oomtune.units import MiB
 
-REPO = Path(__file__).resolve().parents[1]
 LIMIT = MemoryLimit(budget_bytes=24 * MiB, headroom=0.0)   # the limit is the budget: 24 MiB
 
 
@@ -88,17 +85,11 @@ def test_a_baseline_is_never_taken_from_a_target_that_records_nothing():
 
 
 @pytest.mark.slow
-def test_a_global_batch_search_reuses_its_recordings_as_the_baselines_probes(tmp_path, monkeypatch):
-    from oomtune.cli import main
-
-    monkeypatch.chdir(REPO)
-    run = tmp_path / "run"
-    cmd = f"{sys.executable} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"
-    assert main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=24MiB",
-                 "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
-                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
-                 "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600",
-                 f"hydra.run.dir={run}"]) == 0
+def test_a_global_batch_search_reuses_its_recordings_as_the_baselines_probes(global_batch_loop_search):
+    # `oomtune search target=cmd` of examples/global_batch.py under a global batch of 16 at 24 MiB
+    # (conftest.py: the same run as tests/test_integrations.py's search of that example)
+    code, run = global_batch_loop_search
+    assert code == 0
     rows = {r["number"]: r for r in json.loads((run / "trials.json").read_text())}
     records = {r["batch_size"]: n for n, r in rows.items() if r["role"] == "record"}
     reused = [r for r in rows.values() if r["role"] == "baseline" and r["from_recording"] is not None]
