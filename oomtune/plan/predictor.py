@@ -26,7 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from oomtune.alloc.settings import AllocatorSettings
@@ -285,9 +285,19 @@ def _spec(model_cfg: dict[str, Any]) -> WorkloadSpec:
     Raises:
         ConfigError: as :meth:`WorkloadSpec.from_dict`.
     """
+    from oomtune.targets.python_entry import entry_label
     from oomtune.workload_spec import WorkloadSpec
 
+    target = model_cfg.get("target")
+    if isinstance(target, dict) and _callable_entry(target):   # oomtune.predict's function: named by its label
+        model_cfg = {**model_cfg, "target": {**target, "entry": entry_label(target["entry"])}}
     return WorkloadSpec.from_dict(model_cfg)
+
+
+def _callable_entry(target: Mapping[str, Any]) -> bool:
+    """Whether a python target's ``entry`` is the function itself (:func:`oomtune.predict`), not a name."""
+    entry = target.get("entry")
+    return callable(entry) and not isinstance(entry, str)
 
 
 def _forks_after_capture(model_cfg: dict[str, Any]) -> bool:
@@ -330,7 +340,12 @@ def _user_workload(target: Any, workload: dict[str, Any], batch_size: int, devic
     import torch
 
     with torch.device(device):
-        wl = target.build_workload(_spec(workload), batch_size, device)
+        if _callable_entry(workload.get("target") or {}):   # the function itself travels outside the spec
+            from oomtune.targets.python_target import build_entry_workload
+
+            wl = build_entry_workload(workload["target"], _spec(workload).training, batch_size, device)
+        else:
+            wl = target.build_workload(_spec(workload), batch_size, device)
         wl.hold_first_batch()
     return wl
 

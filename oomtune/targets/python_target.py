@@ -154,13 +154,25 @@ class PythonTarget(Target):
     def build_workload(self, workload: WorkloadSpec, batch_size: int, device: Any) -> Any:
         """The user's ``make_workload`` with the training settings of ``workload.training``
         (``grad_accum``; ``activation_checkpointing`` passed only when set)."""
-        from oomtune.targets.python_entry import build_user_workload
-        from oomtune.workloads.training import checkpointing_of, grad_accum_of
+        return build_entry_workload(workload.target, workload.training, batch_size, device)
 
-        training = workload.training
-        ckpt = checkpointing_of(training) if "activation_checkpointing" in training else None
-        return build_user_workload(workload.target, batch_size, device,
-                                   grad_accum=grad_accum_of(training), activation_checkpointing=ckpt)
+
+def build_entry_workload(target_cfg: Mapping[str, Any], training: Mapping[str, Any], batch_size: int,
+                         device: Any) -> Any:
+    """The user's ``make_workload`` named by ``target_cfg["entry"]`` (a ``file.py:function`` string, or
+    the function itself as :func:`oomtune.predict` passes it: not JSON, so not in a
+    :class:`~oomtune.workload_spec.WorkloadSpec`) at ``batch_size`` on ``device``, with the training
+    settings of ``training`` (``grad_accum``; ``activation_checkpointing`` passed only when set).
+
+    Raises:
+        ConfigError: as :func:`oomtune.targets.python_entry.build_user_workload`.
+    """
+    from oomtune.targets.python_entry import build_user_workload
+    from oomtune.workloads.training import checkpointing_of, grad_accum_of
+
+    ckpt = checkpointing_of(training) if "activation_checkpointing" in training else None
+    return build_user_workload(target_cfg, batch_size, device,
+                               grad_accum=grad_accum_of(training), activation_checkpointing=ckpt)
 
 
 TARGET = register_target(PythonTarget())
