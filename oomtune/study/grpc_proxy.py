@@ -113,12 +113,11 @@ def grpc_storage_class() -> type:
     if _CLASS:
         return _CLASS[0]
     import grpc
-    from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.storages import GrpcStorageProxy
     from optuna.storages._grpc.auto_generated import api_pb2_grpc
     from optuna.storages._grpc.client import GrpcClientCache
     from optuna.storages._heartbeat import BaseHeartbeat
-    from optuna.study import StudyDirection
     from optuna.trial import TrialState
 
     from oomtune.study.reconnect import _METHODS, _first_line, is_connection_error, retrying
@@ -263,23 +262,12 @@ def grpc_storage_class() -> type:
             (unique study names: the others get ``ALREADY_EXISTS``). A loser waits up to ``wait_s``
             for the winner's value; past that (the winner stopped between its lock and its write) it
             stores its own."""
+            from oomtune.study.storage import _record_once_by_lock_study   # the journal's, the same rule
+
             stored = self.get_study_system_attrs(study_id).get(key)
             if stored is not None:
                 return stored
-            try:
-                self.create_new_study([StudyDirection.MAXIMIZE], f"{LOCK_PREFIX}{study_name}:{key}")
-                won = True
-            except DuplicatedStudyError:
-                won = False
-            if not won:
-                deadline = time.monotonic() + wait_s
-                while time.monotonic() < deadline:
-                    stored = self.get_study_system_attrs(study_id).get(key)
-                    if stored is not None:
-                        return stored
-                    time.sleep(0.5)
-            self.set_study_system_attr(study_id, key, value)
-            return self.get_study_system_attrs(study_id)[key]
+            return _record_once_by_lock_study(self, study_id, study_name, key, value, wait_s=wait_s, poll_s=0.5)
 
     names = ("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
              "get_study_id_from_name", "get_study_name_from_id", "get_study_directions", "get_study_user_attrs",
