@@ -70,6 +70,10 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
                 cfg.study_name = default_study_name(cfg)
             check_study_name(cfg.study_name)
         OmegaConf.resolve(cfg.hydra.run)
+        from oomtune.study.storage import check_storage_url
+
+        # before the run directory is created, which may be the SQLite file's folder
+        check_storage_url(cfg.get("storage"), run_dir=Path(str(cfg.hydra.run.dir)))
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     return cfg

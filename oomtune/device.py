@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from oomtune.alloc._blocks import K_SMALL_BUFFER
 from oomtune.exceptions import ConfigError, DeviceError
 from oomtune.units import format_bytes, parse_size
 
@@ -107,6 +108,10 @@ def resolve_device(spec: str, *, virtual_device_memory: str | int = "80GiB") -> 
                         ident.uuid, ident.pci_bus_id, ident.driver_version)
 
 
+#: How to write a budget, said by the refusals of a budget that is not above 0.
+_BUDGET_FORMS = "give a size such as budget=16GiB, or a fraction of the device in (0, 1] such as budget=0.9"
+
+
 def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
     """The budget's syntax, checked without a device (so bad input is refused before torch is
     imported): ``("fraction", F)`` for a number in (0, 1] (a fraction of the device), ``("bytes", N)``
@@ -118,14 +123,20 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
     spellings that say it (``1024MiB``, ``1024B``); before, ``1e30`` was read as bytes while
     ``1024`` was refused.
 
+    A size below 2 MiB is refused (:func:`_check_holds_a_segment`): the caching allocator reserves
+    nothing smaller (CUDACachingAllocator.cpp, ``kSmallBuffer``), so no trial could allocate a tensor.
+
     Raises:
-        ConfigError: not a finite positive size or fraction, or a number above 1 without a unit; one
-            line with the fix.
+        ConfigError: not a finite positive size or fraction, a number above 1 without a unit, or a size
+            below 2 MiB; one line with the fix.
     """
     if isinstance(budget, int) and not isinstance(budget, bool):
         if budget <= 0:
-            raise ConfigError(f"budget {budget!r} must be > 0")
-        return ("fraction", float(budget)) if budget == 1 else ("bytes", budget)
+            raise ConfigError(f"budget {budget!r} must be > 0: {_BUDGET_FORMS}")
+        if budget == 1:
+            return "fraction", 1.0
+        _check_holds_a_segment(f"{budget}B", budget)
+        return "bytes", budget
     text = str(budget).strip()
     try:
         number = float(text)
@@ -134,7 +145,7 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
     if number is not None and not math.isfinite(number):
         raise ConfigError(f"budget {text!r} must be a finite size or fraction")
     if number is not None and number <= 0:
-        raise ConfigError(f"budget {text!r} must be > 0")
+        raise ConfigError(f"budget {text!r} must be > 0: {_BUDGET_FORMS}")
     if number is not None and number <= 1:
         return "fraction", number
     if number is not None:
@@ -148,8 +159,25 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
         raise ConfigError(f"budget={text}: {exc} (a budget may also be a fraction of the device in (0, 1], "
                           "e.g. budget=0.9)") from exc
     if budget_bytes <= 0:
-        raise ConfigError(f"budget {text!r} must be > 0")
+        raise ConfigError(f"budget {text!r} must be > 0: {_BUDGET_FORMS}")
+    _check_holds_a_segment(text, budget_bytes)
     return "bytes", budget_bytes
+
+
+def _check_holds_a_segment(text: str, budget_bytes: int) -> None:
+    """Refuse a budget below the smallest segment the caching allocator reserves: 2 MiB
+    (``kSmallBuffer`` in CUDACachingAllocator.cpp; a request of up to 1 MiB is served from a 2 MiB
+    segment, anything larger from a larger one, and expandable segments map 2 MiB pages), so under
+    such a budget no trial could allocate a single tensor.
+
+    Raises:
+        ConfigError: ``budget_bytes`` below 2 MiB; one line with the fix.
+    """
+    if budget_bytes < K_SMALL_BUFFER:
+        raise ConfigError(
+            f"budget={text} ({format_bytes(budget_bytes)}) is below 2 MiB, the smallest segment the caching "
+            f"allocator reserves (kSmallBuffer): no trial could allocate a tensor; give budget=2MiB or more, "
+            f"or a fraction of the device such as budget=0.9")
 
 
 def check_device_spec(spec: str) -> str:
@@ -162,7 +190,8 @@ def check_device_spec(spec: str) -> str:
     spec = str(spec).strip().lower()
     m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", spec)
     if not m or (m.group(1) != "cuda" and m.group(2) is not None):
-        raise ConfigError(f"invalid device {spec!r}: expected auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"invalid device {spec!r}: expected auto, cpu, cuda or cuda:N (e.g. device=cuda:0 for the "
+                          "first GPU; device=cpu for the virtual GPU)")
     return spec
 
 
@@ -177,12 +206,14 @@ def resolve_budget(budget: str | int | float, device: TargetDevice) -> int:
     kind, value = parse_budget(text)
     budget_bytes = int(value * device.total_memory_bytes) if kind == "fraction" else int(value)
     if budget_bytes <= 0:
-        raise ConfigError(f"budget {text!r} must be > 0")
+        raise ConfigError(f"budget {text!r} must be > 0: {_BUDGET_FORMS}")
+    _check_holds_a_segment(text, budget_bytes)
     if budget_bytes > device.total_memory_bytes:
-        raise DeviceError(
-            f"budget {text} ({format_bytes(budget_bytes)}) is above {device.name}'s "
-            f"{format_bytes(device.total_memory_bytes)}"
-        )
+        total = format_bytes(device.total_memory_bytes)
+        way = (f"give a budget up to {total}, or size the virtual GPU as your GPU (virtual_device_memory={text})"
+               if device.simulated else
+               f"give a budget up to {total}, or a fraction of the device such as budget=0.9")
+        raise DeviceError(f"budget {text} ({format_bytes(budget_bytes)}) is above {device.name}'s {total}: {way}")
     return budget_bytes
 
 

@@ -9,7 +9,7 @@ from oomtune.outcome import Outcome
 from oomtune.study import records as R
 from oomtune.units import format_bytes
 
-__all__ = ["starting", "device_words", "wrapped", "trial_rows", "planned_batch", "fit_table", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
+__all__ = ["output_console", "starting", "device_words", "wrapped", "trial_rows", "planned_batch", "fit_table", "trial_table", "progress_line", "describe", "outcome_label", "short_conf",
            "SearchProgress", "running_description",
            "plan_recommendation", "recommended_configuration", "plan_compact_table",
            "CONF_ABBREVIATIONS", "conf_legend", "SEARCH_LEGEND", "trial_table_legend", "throughput_label",
@@ -273,13 +273,14 @@ def fit_table(table: Any, width: int, *, key_columns: int = 1) -> Any:
         column.min_width = max(column.min_width or 0, n)
         if column.max_width is not None and column.max_width < n:
             column.max_width = n
+    import io
+
     from rich.console import Console
 
-    probe = Console(width=max(width, 1) * 4)   # rich's own measure of a table's narrowest layout
-
     def part(idx: list[int], title: Any) -> Any:
-        sub = Table(title=title, box=table.box, header_style=table.header_style, padding=table.padding,
-                    pad_edge=table.pad_edge, collapse_padding=table.collapse_padding, show_edge=table.show_edge)
+        sub = Table(title=title, title_justify=table.title_justify, box=table.box, header_style=table.header_style,
+                    padding=table.padding, pad_edge=table.pad_edge, collapse_padding=table.collapse_padding,
+                    show_edge=table.show_edge)
         for i in idx:
             c = columns[i]
             sub.add_column(c.header, justify=c.justify, no_wrap=c.no_wrap, min_width=need[i],
@@ -289,7 +290,11 @@ def fit_table(table: Any, width: int, *, key_columns: int = 1) -> Any:
         return sub
 
     def fits(idx: list[int]) -> bool:
-        return probe.measure(part(idx, None)).minimum <= width
+        # rich's own layout at ``width``, uncropped: its measured minimum can be narrower than what it
+        # then draws (a 7-column table measured 79 was drawn 86 wide at 80 columns, or cropped to 80)
+        out = io.StringIO()
+        Console(file=out, width=max(width, 1)).print(part(idx, None), crop=False)
+        return max((len(line) for line in out.getvalue().splitlines()), default=0) <= width
 
     every = list(range(len(columns)))
     if fits(every):
@@ -656,6 +661,29 @@ def plan_compact_table(plan: dict[str, Any], *, width: int = 120) -> tuple[Any, 
     if folded:
         legend += "\n" + FOLD_LEGEND + "\n" + folded
     return table, legend
+
+
+def output_console(*, stderr: bool = False, **kwargs: Any) -> Any:
+    """The rich Console of a command's human output.
+
+    On a terminal: rich's own (the terminal's width). Piped, redirected or captured (a log, CI, a test):
+    ``COLUMNS`` columns when set, else 200 (rather than rich's 80), and ``soft_wrap`` so that a text line
+    stays one line (greppable, never broken where a long storage URL or path happens to push it past the
+    width). Tables are laid out for the width by :func:`fit_table`, which moves whole cells and cuts none.
+
+    Args:
+        stderr: write to stderr (progress) instead of stdout (results).
+        kwargs: passed to ``rich.console.Console`` (``highlight=False`` ...).
+    """
+    import os
+
+    from rich.console import Console
+
+    console = Console(stderr=stderr, **kwargs)
+    if console.is_terminal:
+        return console
+    columns = os.environ.get("COLUMNS", "")
+    return Console(stderr=stderr, width=int(columns) if columns.isdigit() and int(columns) > 0 else 200, soft_wrap=True, **kwargs)
 
 
 def starting(console: Any, text: str = "starting: checking the config, importing torch ...") -> Any:

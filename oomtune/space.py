@@ -24,7 +24,7 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.exceptions import AllocatorConfigError, ConfigError
 from oomtune.workload_spec import WorkloadSpec
 
-__all__ = ["Candidate", "SearchSpace", "DEFAULTS", "LOADER_KEYS", "CHECKPOINTING_KEY", "micro_batches"]
+__all__ = ["Candidate", "SearchSpace", "check_batch_range", "DEFAULTS", "LOADER_KEYS", "CHECKPOINTING_KEY", "micro_batches"]
 
 #: The ``search.space`` key that searches activation checkpointing (not an allocator key).
 CHECKPOINTING_KEY = "activation_checkpointing"
@@ -139,6 +139,21 @@ class Candidate:
     apply_data = apply
 
 
+def check_batch_range(low: Any, high: Any) -> None:
+    """Refuse a batch range ``search.batch_size.low..high`` that holds no batch size, in one line with the fix.
+
+    Raises:
+        ConfigError: ``low`` or ``high`` not an integer (a bool is not one), or ``1 <= low <= high`` violated.
+    """
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
+    if ints and 1 <= low <= high:
+        return
+    fix = ("give whole numbers, e.g. search.batch_size.low=8 search.batch_size.high=512" if not ints else
+           "set search.batch_size.low=1 or more" if low < 1 else
+           f"set search.batch_size.high={low} or more (or a smaller search.batch_size.low)")
+    raise ConfigError(f"search.batch_size must satisfy 1 <= low <= high, got low={low!r} high={high!r}: {fix}")
+
+
 class SearchSpace:
     """Batch size in [low, high] (log-uniform integer; with a global batch, a categorical choice of
     the micro-batches that divide it) x a categorical choice per allocator key (and per searched
@@ -162,10 +177,7 @@ class SearchSpace:
     def __init__(self, batch_low: int, batch_high: int, choices: Mapping[str, Sequence[Any]],
                  data_choices: Mapping[str, Sequence[Any]] | None = None, *, global_batch: int | None = None,
                  world_size: int = 1):
-        if not (isinstance(batch_low, int) and isinstance(batch_high, int)) or not 1 <= batch_low <= batch_high:
-            raise ConfigError(
-                f"search.batch_size must satisfy 1 <= low <= high, got low={batch_low!r} high={batch_high!r}"
-            )
+        check_batch_range(batch_low, batch_high)
         self.global_batch, self.world_size = global_batch, world_size
         self._micro = None if global_batch is None else micro_batches(global_batch, world_size, batch_low, batch_high)
         if self._micro is not None:

@@ -9,15 +9,24 @@ Tests run the experiment scripts (tests/test_gpu_scripts.py) in a checkout that 
 changes: OOMTUNE_ALLOW_DIRTY=1 lets experiments/_provenance.py write their header, marked
 "(uncommitted changes: yes)"; tests/test_experiments_results.py checks the refusal without it.
 
+A suite started in the background (``pytest ... &`` in a non-interactive shell, ``nohup``) inherits
+SIGINT ignored, as does every process it starts: oomtune rightly leaves an ignored SIGINT alone
+(oomtune.interrupts.stopping_on), so the tests of Ctrl-C would see a search that cannot be stopped by it.
+Python's own handler is installed here, as in a terminal; each process a test starts then gets SIGINT's
+default disposition at exec (a caught signal is reset, an ignored one stays ignored).
+
 ``pg``: a throwaway PostgreSQL server per test module that asks for it (tests/pg_server.py: skipped
 where the OS package is missing, a failure under CI).
 """
 
 import os
+import signal
 
 import pytest
 
 os.environ["OOMTUNE_CACHE_DIR"] = "off"
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ["OOMTUNE_ALLOW_DIRTY"] = "1"
 
 

@@ -156,7 +156,15 @@ def test_whitespace_is_dropped_anywhere_like_torch():
 
 
 def test_keys_are_case_sensitive():
-    rejected("Max_split_size_mb:512", "Unrecognized key", "Max_split_size_mb")
+    rejected("Max_split_size_mb:512", "Unrecognized key", "Max_split_size_mb", "did you mean 'max_split_size_mb'?")
+
+
+def test_a_misspelt_key_gets_the_closest_modelled_one_and_a_far_one_none():
+    # difflib's ratio, by hand: 'expandable_segment' (18 chars) against 'expandable_segments' (19): 2 x 18 / 37 = 0.97
+    rejected("expandable_segment:True", "Unrecognized key 'expandable_segment'", "did you mean 'expandable_segments'?")
+    with pytest.raises(AllocatorConfigError) as info:
+        parse("foo:1")   # 'foo' shares no run of letters long enough with any key: no guess
+    assert "did you mean" not in str(info.value)
 
 
 def test_roundup_bypass_threshold_is_unrecognized():

@@ -281,6 +281,32 @@ def test_budgets_with_a_unit_or_a_fraction_are_read(budget, expected):
     assert parse_budget(budget) == expected
 
 
+# The caching allocator reserves nothing smaller than a 2 MiB segment (kSmallBuffer in
+# CUDACachingAllocator.cpp; allocator-spec.md "Constants"): under a smaller budget no trial could allocate.
+@pytest.mark.parametrize("given, shown", [("1KiB", "budget=1KiB (1.00 KiB)"), ("1MiB", "budget=1MiB (1.00 MiB)"),
+                                          ("2097151B", "budget=2097151B (2.00 MiB)")])
+def test_a_budget_below_the_smallest_segment_is_refused_before_anything_runs(tmp_path, capsys, given, shown):
+    rc = main(["search", "model=mlp", "device=cpu", f"budget={given}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert line == (f"oomtune: error: {shown} is below 2 MiB, the smallest segment the caching allocator reserves "
+                    "(kSmallBuffer): no trial could allocate a tensor; give budget=2MiB or more, or a fraction of "
+                    "the device such as budget=0.9")
+    assert not (tmp_path / "run").exists()   # refused before the study and the run directory
+
+
+def test_the_smallest_budget_is_one_segment_as_a_size_a_byte_count_or_a_fraction():
+    from oomtune.device import TargetDevice, parse_budget, resolve_budget
+
+    assert parse_budget("2MiB") == ("bytes", 2 << 20) and parse_budget(2 << 20) == ("bytes", 2 << 20)
+    with pytest.raises(ConfigError, match=r"^budget=2097151B \(2\.00 MiB\) is below 2 MiB"):
+        parse_budget((2 << 20) - 1)      # best.yaml's byte count follows the same rule
+    tiny = TargetDevice("cpu", "cpu", None, "virtual GPU", 100 << 20, True)
+    assert resolve_budget("0.02", tiny) == int(0.02 * (100 << 20)) == 2097152   # 2 MiB exactly: one segment
+    with pytest.raises(ConfigError, match=r"^budget=0\.01 \(1\.00 MiB\) is below 2 MiB"):
+        resolve_budget("0.01", tiny)     # a fraction of a small device, checked once the device is known
+
+
 def test_simulate_budget_follows_the_same_rule_for_large_numbers():
     from oomtune.units import parse_size_with_unit
 
@@ -477,3 +503,84 @@ def test_report_leaves_a_zero_byte_study_db_zero_bytes(tmp_path):
     build_report(tmp_path, None, say=lambda line: None)   # the report is its output; the study is only read
     assert db.read_bytes() == b""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "run.json", "study.db"]
+
+
+# -- storage=: a URL that cannot name a storage is refused before the run directory exists ---------------
+# SQLAlchemy's make_url parses the URL and get_dialect() loads its dialect ("Can't load plugin:
+# sqlalchemy.dialects:bogus" for an unknown one); SQLite creates its file but never the file's folder
+# ("unable to open database file"). A new user's trial of the README found each of these refused only
+# after the run directory was made, with no fix in the line.
+_STORAGE_FORMS = ("give storage= a database URL Optuna opens (sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB), "
+                  "grpc://HOST:PORT for an oomtune storage-proxy, journal:PATH, or leave it unset for a SQLite file "
+                  "in the run directory")
+
+
+@pytest.mark.parametrize("storage, says", [
+    ("bogus://x", "storage 'bogus://x': SQLAlchemy has no database named 'bogus': "),
+    ("bogus+drv://u:secret@h/db", "storage 'bogus+drv://u:***@h/db': SQLAlchemy has no database named 'bogus+drv': "),
+    ("::::", "storage '::::' is not a storage URL: "),
+    ("sqlite:////nonexistent-oomtune/dir/x.db", "storage 'sqlite:////nonexistent-oomtune/dir/x.db': the folder "
+     "'/nonexistent-oomtune/dir' does not exist (SQLite creates the file, not its folder): create it, or "),
+])
+def test_a_storage_that_cannot_be_named_is_refused_before_the_run_directory(tmp_path, capsys, storage, says):
+    rc = main(["search", "model=mlp", "device=cpu", f"storage={storage}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    assert _one_error_line(capsys) == f"oomtune: error: {says}{_STORAGE_FORMS}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_storage_forms_oomtune_opens_pass_the_early_check(tmp_path):
+    from oomtune.study.storage import check_storage_url
+
+    for url in (None, "", "null", f"sqlite:///{tmp_path / 'x.db'}", "sqlite:///:memory:", "postgresql://u:p@h/db",
+                "postgresql+psycopg://u:p@h/db", "mysql+pymysql://u:p@h/db", "grpc://127.0.0.1:13000",
+                f"journal:{tmp_path / 'j.log'}"):
+        check_storage_url(url)   # nothing is connected to: a server that is not there is found when opened
+    assert not list(tmp_path.iterdir())   # and nothing is created
+
+
+def test_a_sqlite_file_in_the_run_directory_to_be_made_passes_and_one_beside_it_does_not(tmp_path):
+    from oomtune.exceptions import ConfigError
+    from oomtune.study.storage import check_storage_url
+
+    run = tmp_path / "runs" / "mine"   # not made yet: run_dir_of makes it, with its parents, before the study opens
+    check_storage_url(f"sqlite:///{run}/study.db", run_dir=run)
+    check_storage_url(f"sqlite:///{tmp_path / 'runs'}/shared.db", run_dir=run)            # a folder above it
+    check_storage_url(f"sqlite:///{run}/study.db", run_dir=run / "workers" / "worker-0")   # a worker job's
+    with pytest.raises(ConfigError, match=r"the folder '.*/runs/other' does not exist"):
+        check_storage_url(f"sqlite:///{tmp_path / 'runs' / 'other'}/study.db", run_dir=run)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_budget_above_the_virtual_gpu_names_both_ways_out(tmp_path, capsys):
+    """A new user's finding: budget=1TiB on the virtual GPU (80 GiB unless virtual_device_memory says
+    otherwise) said only that it was above, not what to do."""
+    rc = main(["search", "model=mlp", "device=cpu", "budget=1TiB", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    assert _one_error_line(capsys) == (
+        "oomtune: error: budget 1TiB (1.00 TiB) is above virtual GPU (CPU)'s 80.00 GiB: give a budget up to "
+        "80.00 GiB, or size the virtual GPU as your GPU (virtual_device_memory=1TiB)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("given, fix", [
+    (["search.batch_size.low=0"], "got low=0 high=512: set search.batch_size.low=1 or more"),
+    (["search.batch_size.low=64", "search.batch_size.high=32"],
+     "got low=64 high=32: set search.batch_size.high=64 or more (or a smaller search.batch_size.low)"),
+])
+def test_a_batch_range_that_holds_no_batch_says_which_end_to_move(tmp_path, capsys, given, fix):
+    """A new user's finding: the batch-range refusal stated the rule and the values, but not the fix."""
+    rc = main(["search", "model=mlp", "device=cpu", *given, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    assert _one_error_line(capsys) == f"oomtune: error: search.batch_size must satisfy 1 <= low <= high, {fix}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_range_of_other_than_whole_numbers_is_refused_with_an_example():
+    from oomtune.space import check_batch_range
+
+    with pytest.raises(ConfigError, match=r"got low=8\.5 high=512: give whole numbers, e\.g\. search\.batch_size\.low=8"):
+        check_batch_range(8.5, 512)
+    with pytest.raises(ConfigError, match=r"got low=True high=512: give whole numbers"):
+        check_batch_range(True, 512)   # a bool is not a batch size
+    check_batch_range(1, 1)            # one batch size: a range

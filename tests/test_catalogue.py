@@ -200,3 +200,27 @@ def test_the_top_of_the_range_reads_as_at_least_and_a_batch_above_it_is_refused(
     with pytest.raises(ConfigError, match=r"^plan.batch=17 is above the planned range \(search.batch_size.high=16\)"):
         plan(["model=mlp", "gpu=[a100-40gb,l4]", "search.batch_size.high=16", "+plan.batch=17"],
              out=tmp_path / "q.yaml", console=Console(file=io.StringIO()))
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_the_cards_table_on_a_narrow_console_moves_whole_cells_and_cuts_none(width, tmp_path, monkeypatch):
+    """A new user's finding: `oomtune plan gpu=[t4,l4,a100-40gb]` with COLUMNS=80 (CI sets it; an 80-column
+    terminal) cut cells to "expanda…", "configu…", "a100…". The table (7 columns, about 100 wide) now folds
+    as the trial table does (display.fit_table): every word of every cell and header printed whole."""
+    from rich.console import Console
+
+    from oomtune.plan.cards import cards_table
+    from oomtune.plan.run import plan
+
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", "off")
+    text = io.StringIO()
+    got = plan(["model=mlp", "gpu=[a100-40gb,l4]", "search.batch_size.high=16"], out=tmp_path / "p.yaml",
+               console=Console(file=text, width=width))
+    out = text.getvalue()
+    assert "\u2026" not in out and max(len(line) for line in out.splitlines()) <= width
+    printed = out.split()
+    table = cards_table(got)
+    for column in table.columns:
+        for cell in [column.header, *column._cells]:
+            assert all(word in printed for word in str(cell).split()), (cell, out)
+    assert {r.card.name for r in got.results} <= set(printed)

@@ -35,7 +35,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["search", "trial.launcher=foo"], "trial.launcher"),
     (["search", "search.prune_margin=-1"], "search.prune_margin"),
     (["search", "device=cpu", "budget=1.5"], "ambiguous"),
-    (["search", "device=cpu", "budget=0"], "must be > 0"),
+    (["search", "device=cpu", "budget=0"], "budget '0' must be > 0: give a size such as budget=16GiB, or a "
+                                             "fraction of the device in (0, 1] such as budget=0.9"),
     (["search", "device=cpu", "model.gpu=x9000"], "model.gpu='x9000': unknown GPU"),
     (["plan", "device=cpu", "model.gpu=sm"], "model.gpu='sm': unknown GPU"),
     (["search", "device=cpu", "search.space.backend=[native,cudaMallocAsync]"], "cudaMallocAsync needs a CUDA device"),

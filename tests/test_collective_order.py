@@ -124,6 +124,12 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
     grad = model[0].weight.grad.sum().item()
     with open(f"{out}.{rank}", "w") as f:
         f.write(f"{grad!r} {sorted(frees_on) == [threading.get_ident()]}")
+    # Teardown: DDP holds the process group and its last works; with it alive, gloo's worker threads can
+    # outlive destroy_process_group and abort the rank at exit ("terminate called without an active
+    # exception", SIGABRT: seen once in a loaded suite run; pytorch/pytorch#179291 describes the crash).
+    # Both ranks past their last collective, then nothing left to hold the group.
+    del ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 

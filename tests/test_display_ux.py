@@ -50,7 +50,7 @@ def study():
     return optuna.create_study(direction="maximize")
 
 
-# -- item 1 and 3: progress lines and the trial table ---------------------------------------------------
+# -- progress lines and the trial table ---------------------------------------------------------------
 
 def test_progress_line_fits_100_columns_and_labels_every_figure(study):
     from oomtune.display import progress_line
@@ -131,7 +131,7 @@ def test_mixed_sources_are_labelled_per_cell(study):
     assert "100.0 sim" in text and "100.0 dev" in text and "10.0 CPU" in text and "20.0 dev" in text
 
 
-# -- item 2: twins folded alike by plan and search ------------------------------------------------------
+# -- twins folded alike by plan and search ------------------------------------------------------
 
 class _TwinPredictor:
     """2 MiB per sample under the default allocator, 1 MiB with expandable_segments; the
@@ -204,7 +204,7 @@ def test_frontier_table_labels_measured_and_explains_the_fold():
     assert any("(sim) on the virtual GPU or (dev) on the device" in x for x in legend)
 
 
-# -- item 4: which trial each figure of best.yaml came from ---------------------------------------------
+# -- which trial each figure of best.yaml came from ---------------------------------------------
 
 def test_trials_text_names_the_chosen_and_the_measuring_trial():
     from oomtune.best import trials_text
@@ -300,3 +300,54 @@ def test_device_words_read_without_doubled_parentheses():
     gpu = TargetDevice("cuda:0", "cuda", 0, "NVIDIA H200", 141 << 30, False)
     assert device_words(cpu) == "virtual GPU on the CPU (memory simulated)"
     assert device_words(gpu) == "NVIDIA H200 on cuda:0 (memory measured)"
+
+
+# -- piped output keeps each line whole ---------------------------------------------------------------
+
+def test_show_piped_keeps_the_best_line_whole_however_long_it_is(tmp_path, monkeypatch, capsys):
+    """Field case (this project's CI, stop 43): `oomtune show` captured (not a terminal) printed its
+    "best (recorded in the study)" line through a 200-column console that wrapped it: on CI's longer
+    temporary path the line broke inside "(its clean-process \\nconfirmation)", so a grep for it failed.
+    Piped output keeps every text line whole, however long the storage URL or the allocator settings."""
+    from oomtune.cli import main
+    from oomtune.search.outputs import BEST_ATTR
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    conf = ("expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:256,"
+            "roundup_power2_divisions:[256:8,512:4,>:1]")
+    folder = tmp_path / ("a-long-folder-name-" * 12)
+    folder.mkdir()
+    url = f"sqlite:///{folder}/study.db"
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    s = optuna.create_study(study_name="s", storage=url, direction="maximize")
+    _trial(s, batch=96, conf="", role="baseline", throughput=10.0, reserved=500 * MiB)
+    _trial(s, batch=128, conf=conf, role="search", throughput=12.0, reserved=600 * MiB)
+    _trial(s, batch=128, conf=conf, role="confirm", throughput=11.5, reserved=600 * MiB, confirms=1)
+    best = {"best": {"batch_size": 128, "alloc_conf": conf, "trial_number": 1, "metrics_trial_number": 2,
+                     "confirmed": True}}
+    s._storage.set_study_system_attr(s._study_id, BEST_ATTR, best)
+    capsys.readouterr()
+    assert main(["show", "--storage", url, "--study", "s"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # by hand: the line show composes from the recorded mapping, in one piece
+    expected = (f"best (recorded in the study): batch 128, {conf}; "
+                "trial 1, figures from trial 2 (its clean-process confirmation)")
+    assert expected in lines
+    assert len(expected) > 200   # wider than a piped console: it would have been broken
+
+
+def test_piped_console_is_wide_and_never_breaks_a_line(monkeypatch, capsys):
+    """output_console off a terminal: COLUMNS when set (else 200) for tables, and a text line of any
+    length stays one line; a COLUMNS that is not a positive number is ignored."""
+    from oomtune.display import output_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = output_console()
+    assert not console.is_terminal and console.width == 200
+    line = " ".join(["word"] * 100)   # 499 characters, spaces to break at
+    console.print(line, highlight=False, markup=False)
+    assert capsys.readouterr().out == line + "\n"
+    monkeypatch.setenv("COLUMNS", "90")
+    assert output_console(stderr=True).width == 90
+    monkeypatch.setenv("COLUMNS", "not-a-number")
+    assert output_console().width == 200

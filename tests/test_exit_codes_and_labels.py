@@ -98,7 +98,12 @@ def test_a_search_stopped_by_a_signal_exits_128_plus_it_and_ends_its_trial(tmp_p
         assert pid_file.exists(), search.communicate()[1].decode(errors="replace")
         trial = int(pid_file.read_text())
         search.send_signal(signum)
-        _, err = search.communicate(timeout=60)
+        try:
+            _, err = search.communicate(timeout=60)
+        except subprocess.TimeoutExpired:   # say what the search was doing, not only that it did not stop
+            search.kill()
+            pytest.fail(f"the search did not stop within 60 s of signal {signum}; its stderr:\n"
+                        + search.communicate()[1].decode(errors="replace")[-4000:])
         assert search.returncode == code, err.decode(errors="replace")
         assert "run the same command to resume" in err.decode(errors="replace")
         deadline = time.monotonic() + 10

@@ -133,3 +133,65 @@ def test_a_lost_proxy_is_a_lost_connection_with_a_readable_line():
 
     assert is_connection_error(_Unavailable())
     assert _first_line(_Unavailable()) == "UNAVAILABLE: failed to connect to all addresses"
+
+
+# -- a proxy that shut down, whatever status its calls were left with ----------------------------------------
+@pytest.fixture
+def aborting_server():
+    """A real gRPC server whose one method ends each call with the next status of ``codes`` ("OK": answers
+    b"ok"); yields (codes, the client's callable)."""
+    from concurrent import futures
+
+    import grpc
+
+    codes: list[str] = []
+
+    def handle(request, context):
+        code = codes.pop(0)
+        if code != "OK":
+            context.abort(getattr(grpc.StatusCode, code), f"ended with {code}")
+        return b"ok"
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Storage", {"Get": grpc.unary_unary_rpc_method_handler(handle)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield codes, channel.unary_unary("/t.Storage/Get")
+    channel.close()
+    server.stop(None)
+
+
+@pytest.mark.parametrize("code, lost", [
+    ("UNAVAILABLE", True),        # refused, or cut by the proxy's shutdown ("Cancelling all calls")
+    ("CANCELLED", True),          # waiting for a handler when the proxy shut down: grpc/grpc#41785
+    ("INVALID_ARGUMENT", False),  # the proxy answered: retrying the same call cannot help
+    ("NOT_FOUND", False),
+])
+def test_a_storage_call_the_proxy_left_unanswered_is_a_lost_connection(aborting_server, code, lost):
+    """Field case grpc/grpc#41785 (gRPC Python, 2026): calls a server had received but not yet handed to a
+    handler when it shut down end with CANCELLED, not UNAVAILABLE. oomtune's storage client never cancels a
+    call itself (no deadline, no cancel()), so through a proxy restart such a call is a lost connection to
+    retry; a worker that took it for an error ended its search."""
+    import grpc
+
+    from oomtune.study.reconnect import is_connection_error
+
+    codes, call = aborting_server
+    codes.append(code)
+    with pytest.raises(grpc.RpcError) as caught:
+        call(b"x")
+    assert caught.value.code().name == code   # the real error object a gRPC call raises
+    assert is_connection_error(caught.value) is lost
+
+
+def test_a_call_cancelled_by_the_proxys_shutdown_is_retried_with_one_line(aborting_server):
+    from oomtune.study.reconnect import retrying
+
+    codes, call = aborting_server
+    codes.extend(["CANCELLED", "OK"])
+    lines: list[str] = []
+    assert retrying(lambda: call(b"x"), "read trials", say=lines.append, delays_s=(0.0,)) == b"ok"
+    assert lines == ["storage connection lost while trying to read trials: CANCELLED: ended with CANCELLED; "
+                     "retry 1 of 1 in 0 s"]

@@ -127,11 +127,16 @@ def _spec(**kw) -> TrialSpec:
 @pytest.mark.parametrize("launcher", ["fork", "spawn"])
 def test_builtin_trial_setsid_grandchild_is_gone_after_the_timeout(tmp_path, launcher, fork_runner):
     runner = fork_runner if launcher == "fork" else TrialRunner(launcher="spawn", grace_s=1.0)
-    # spawned children import torch first (seconds): a timeout long enough to reach the hook
-    r = runner.run(_spec(timeout_s=4.0 if launcher == "fork" else 45.0), workdir=tmp_path,
-                   env={"OOMTUNE_TEST_HOOK": "setsid:120"})
-    assert r.outcome == "timeout" and r.process.launcher == launcher
-    grand = int((tmp_path / "grandchild.pid").read_text())
+    # A spawned child imports torch first (seconds, more on a loaded machine): the timeout must come after
+    # the hook started the grandchild. A short one first; where the machine was too slow to reach the hook
+    # (no grandchild.pid), the same trial again with a longer one, rather than always waiting the longest.
+    for timeout_s in (4.0,) if launcher == "fork" else (12.0, 45.0):
+        workdir = tmp_path / f"t{int(timeout_s)}"
+        r = runner.run(_spec(timeout_s=timeout_s), workdir=workdir, env={"OOMTUNE_TEST_HOOK": "setsid:120"})
+        assert r.outcome == "timeout" and r.process.launcher == launcher
+        if (workdir / "grandchild.pid").exists():
+            break
+    grand = int((workdir / "grandchild.pid").read_text())
     # the grandchild (`sleep 180`) called setsid(): a process-group kill could not reach it
     assert _gone_within([grand], f"oomtune-no-such-token-{uuid.uuid4().hex}", 5.0)
 

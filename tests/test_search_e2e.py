@@ -27,14 +27,18 @@ TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=1
 
 def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    # No soak in the confirmations (trial.soak_steps=0): the six confirmation runs (2 finalists x 3
-    # repeats) would each soak 2000 steps, which nothing here asserts on. The soak inside a search's
+    # One clean confirmation run per finalist (search.repeats=1) and no soak in them (trial.soak_steps=0):
+    # nothing here asserts on either, and each confirmation is a spawned interpreter importing torch. Three
+    # interleaved repeats of two finalists are run end to end by tests/test_gpu_scripts.py::
+    # test_gpu_check_dry_run_copies_every_trial_record_to_out (the device check's search), their ranking by
+    # tests/test_search_objectives.py and tests/test_search_driver.py. The soak inside a search's
     # confirmation at the default trial.soak_steps is run by
     # tests/test_search_frontier.py::test_default_search_reaches_the_predicted_frontier (the README's
     # default search, whose answer must be confirmed) and by test_interrupted_search_resumes_from_its_storage
     # below; tests/test_trial_execute.py::test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees
     # asserts the confirmation's soak record (passed, steps run).
-    assert main(["search", *TINY, "search.n_trials=3", "trial.soak_steps=0", f"hydra.run.dir={run_dir}"]) == 0
+    assert main(["search", *TINY, "search.n_trials=3", "search.repeats=1", "trial.soak_steps=0",
+                 f"hydra.run.dir={run_dir}"]) == 0
     best = oomtune.load_best(run_dir / "best.yaml")
     info = json.loads((run_dir / "run.json").read_text())
     study = optuna.load_study(study_name=info["study_name"], storage=info["storage"])
@@ -98,7 +102,12 @@ def test_interrupted_search_resumes_from_its_storage(tmp_path):
             and _running(proc, err_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:   # say what the search was doing, not only that it did not stop
+        proc.kill()
+        proc.wait()
+        pytest.fail("the search did not stop within 60 s of SIGTERM; its stderr:\n" + err_path.read_text()[-4000:])
     err = err_path.read_text()
     assert proc.returncode == 143, err   # 128 + SIGTERM
     assert "resume" in err

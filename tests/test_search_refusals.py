@@ -37,13 +37,14 @@ def test_no_baseline_and_no_frontier_configurations_is_refused(tmp_path, capsys)
 
 
 def test_a_budget_nothing_fits_is_refused_naming_the_smallest_predicted_peak(tmp_path, capsys):
-    # limit = 1 MiB x 0.95 = 0.95 MiB; the smallest peak is the one 2 MiB small-pool segment (hand calculation)
+    # limit = 2 MiB x 0.95 = 1992294 B = 1.90 MiB; the smallest peak is the one 2 MiB small-pool segment (hand
+    # calculation). A budget below 2 MiB is refused before any prediction (tests/test_bad_input_refused.py).
     run = tmp_path / "run"
-    code = main(["search", *TINY_MLP, "budget=1MiB", f"hydra.run.dir={run}"])
+    code = main(["search", *TINY_MLP, "budget=2MiB", f"hydra.run.dir={run}"])
     err = capsys.readouterr().err
     assert code == 2
-    assert ("nothing fits budget 1.00 MiB: the smallest predicted peak reserved is 2.00 MiB (simulated) at batch 8 "
-            "with the default allocator, above the limit 972.80 KiB (budget minus 5% headroom)") in err
+    assert ("nothing fits budget 2.00 MiB: the smallest predicted peak reserved is 2.00 MiB (simulated) at batch 8 "
+            "with the default allocator, above the limit 1.90 MiB (budget minus 5% headroom)") in err
     assert not (run / "trials").exists()
 
 

@@ -255,10 +255,9 @@ def test_bad_model_overrides_exit_2_on_the_command_line(override, needle, tmp_pa
     assert not (tmp_path / "run").exists()   # refused before anything was written
 
 
-def test_a_torchvision_built_for_another_torch_is_one_line_naming_both(monkeypatch):
-    """A CPU torch from one index and torchvision from another: importing torchvision raises
-    "operator torchvision::nms does not exist" (its compiled ops do not load); the new user saw a
-    traceback. Now a ConfigError names the versions and the fix."""
+@pytest.fixture
+def torchvision_for_another_torch(monkeypatch):
+    """Importing torchvision fails as one built for another torch does: its compiled ops do not load."""
     import importlib
 
     real = importlib.import_module
@@ -269,9 +268,30 @@ def test_a_torchvision_built_for_another_torch_is_one_line_naming_both(monkeypat
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib, "import_module", broken)
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_both(torchvision_for_another_torch):
+    """A CPU torch from one index and torchvision from another: importing torchvision raises
+    "operator torchvision::nms does not exist" (its compiled ops do not load); the new user saw a
+    traceback. Now a ConfigError names the versions and the fix."""
     with pytest.raises(ConfigError) as err:
         build_workload({"name": "resnet", "depth": 18, "image_size": 32}, batch_size=2, device="cpu")
     text = str(err.value)
     assert "\n" not in text and f"with torch {torch.__version__}" in text
     # the fix must change an installed pair: a plain `pip install torch torchvision` keeps it
     assert "operator torchvision::nms does not exist" in text and "pip install --force-reinstall torch torchvision" in text
+
+
+def test_a_broken_pair_with_a_cpu_torch_is_told_to_reinstall_from_the_cpu_index(torchvision_for_another_torch,
+                                                                              monkeypatch):
+    """A new user's finding: with torch 2.13.0+cpu and a torchvision that did not match, the line's fix
+    (`pip install --force-reinstall torch torchvision`) took the CUDA build from the default index, the
+    ~5.6 GB the README warns about. A CPU torch is told to reinstall from PyTorch's CPU index."""
+    from oomtune.workloads import models
+
+    for version, index in (("2.13.0+cpu", True), ("2.14.1+cu128", False), ("2.14.1", False)):
+        monkeypatch.setattr(models.torch, "__version__", version)
+        with pytest.raises(ConfigError) as err:
+            models._torchvision()
+        cpu_index = "torchvision --index-url https://download.pytorch.org/whl/cpu (plain" in str(err.value)
+        assert cpu_index is index, (version, str(err.value))

@@ -203,7 +203,11 @@ class AllocatorSettings:
         for key, value in _split_pairs(text):
             name = _ALIASES.get(key, key)
             if key in _REMOVED or (key not in _SINCE and key not in _ALIASES):
-                raise AllocatorConfigError(f"Unrecognized key {key!r} (torch raises 'Unrecognized key'); "
+                import difflib
+
+                close = difflib.get_close_matches(key, _MODELLED, n=1)   # difflib's default cutoff, 0.6
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise AllocatorConfigError(f"Unrecognized key {key!r} (torch raises 'Unrecognized key'); {hint}"
                                            f"oomtune models: {', '.join(_MODELLED)}")
             if allowed is not None and key not in allowed:
                 raise AllocatorConfigError(f"key {key!r} is not known to torch {torch_version} (Unrecognized key)")

@@ -32,14 +32,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from oomtune.alloc.caching_env import check_alloc_env
 
+    from oomtune.display import output_console
+
     check_alloc_env()   # before anything imports torch, which would abort on a malformed string
-    console = Console()
-    if not console.is_terminal:  # logs and CI: 120 columns (the compact map fits them)
-        console = Console(width=120)
+    console = output_console()   # logs and CI: wide, lines unbroken (the compact map fits 120 columns)
     plan(args.overrides, out=args.out, console=console, cache=not args.no_cache)
     # The process ends next: move every object to the permanent generation so that the interpreter's
     # shutdown does not walk the ~10^6 objects of torch & co. with the cyclic collector (0.5-1 s of

@@ -98,9 +98,7 @@ def json_rows(rows: list[dict[str, Any]], trials: list[Any]) -> list[dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from oomtune.display import fit_table, trial_rows, trial_table, trial_table_legend
+    from oomtune.display import fit_table, output_console, trial_rows, trial_table, trial_table_legend
     from oomtune.study.storage import load_study
 
     located = _locate(args)
@@ -112,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(json_rows(rows, trials), indent=1, default=str))
         return 0
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
+    console = output_console()
     from oomtune.search.outputs import recorded_best
 
     recorded = recorded_best(study)

@@ -162,13 +162,9 @@ def run(args: argparse.Namespace) -> int:
                 for results in by_device.values() for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, sort_keys=True))
         return 0
-    from rich.console import Console
+    from oomtune.display import output_console
 
-    console = Console(highlight=False, soft_wrap=True)
-    if not console.is_terminal:  # piped or captured: COLUMNS when set, else not squeezed into 80 columns
-        import os
-
-        console = Console(highlight=False, soft_wrap=True, width=int(os.environ.get("COLUMNS", "0") or 0) or 200)
+    console = output_console(highlight=False)
     traces = snapshot["device_traces"]
 
     def entries(device: int) -> int:

@@ -41,14 +41,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
     from oomtune.exceptions import ConfigError
-    from oomtune.search.run import _raise_interrupt
+    from oomtune import interrupts
     from oomtune.study.grpc_proxy import serve
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: give a port in 1..65535")
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads}: give at least 1")
-    signal.signal(signal.SIGTERM, _raise_interrupt)   # a clean stop: the CLI exits 143
+    signal.signal(signal.SIGTERM, interrupts.handler)   # a clean stop: the CLI exits 143
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

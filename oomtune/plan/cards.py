@@ -284,7 +284,9 @@ def plan_multi(cards: Any, cfg: Any, *, workload: WorkloadSpec, shaped: bool, se
                       steps=trial_steps(cfg.trial), cache=store, read_cache=cache,
                       timeout_s=float(cfg.trial.timeout), workers=default_workers(), budget=budget, batch=batch,
                       say=say)
-    console.print(cards_table(plan))
+    from oomtune.display import fit_table
+
+    console.print(fit_table(cards_table(plan), console.width))   # narrow: whole cells move, none is cut
     say("device used = the allocator's peak reserved + the memory outside it (CUDA context: the catalogue's "
         "outside_allocator_bytes): the whole card, as nvidia-smi would show; memory as torch reports it")
     if any(r.max_batch_size is not None and r.max_batch_size >= grid[-1] for r in plan.results):

@@ -249,8 +249,9 @@ def grid_batches(low: int, high: int, explicit: Sequence[int] | None = None) -> 
         if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
             raise ConfigError(f"plan.batch_sizes={values!r}: expected a non-empty list of integers >= 1")
         return sorted(set(values))
-    if not (isinstance(low, int) and isinstance(high, int)) or not 1 <= low <= high:
-        raise ConfigError(f"search.batch_size must satisfy 1 <= low <= high, got low={low!r} high={high!r}")
+    from oomtune.space import check_batch_range
+
+    check_batch_range(low, high)
     out = {low, high}
     p = 1
     while p <= high:

@@ -93,15 +93,14 @@ def plan(overrides: list[str], *, out: Path | None = None, console: Any = None, 
         only cudaMallocAsync configurations. AllocatorConfigError: a malformed allocator value in
         search.space. DeviceError: a budget above the device. All before anything is captured or written.
     """
-    from rich.console import Console
-
+    from oomtune.display import output_console
     from oomtune.plan.feasibility import (build_plan, check_writable, grid_batches, limit_bytes_of, split_simulable,
                                           validate_headroom, write_plan)
     from oomtune.plan.predictor import Predictor, sim_geometry, trial_steps
     from oomtune.prepared import compose_checked, prepare
     from oomtune.units import format_bytes
 
-    console = console or Console()
+    console = console or output_console()
     # every typed key as the search checks it (a plan is run with the search's overrides), before
     # torch is imported by the workload check: bad input exits at once
     cfg = compose_checked(overrides)

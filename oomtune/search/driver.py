@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from oomtune.interrupts import raise_if_pending
 from oomtune.outcome import Outcome
 from oomtune.schema import SearchConf, TrialConf
 from oomtune.search import recordings as REC
@@ -339,6 +340,7 @@ class Search:
 
         from oomtune.exceptions import DiskFullError
 
+        raise_if_pending()   # a trial killed by a stop signal is not a result, even where its raise was dropped
         if self.executor.interrupted.is_set():
             raise KeyboardInterrupt
         outcome = result.outcome

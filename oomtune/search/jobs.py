@@ -17,6 +17,7 @@ by the same command.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -88,22 +89,23 @@ def run_worker(overrides: Sequence[str], index: int, env: dict[str, str] | None 
         os.environ[key] = value
     from oomtune.cli import _resumable
     from oomtune.search.driver import SetupFault
-    from oomtune.search.run import (_console, _raise_interrupt, prepare_search, search_here,
-                                    write_search_outputs)
+    from oomtune import interrupts
+    from oomtune.display import output_console
+    from oomtune.search.run import prepare_search, search_here, write_search_outputs
 
     # A cancelled job (scancel, the parent's Ctrl-C) or one at its time limit gets SIGTERM: it stops
     # as ``oomtune search`` does (its running trial told FAIL, its trial processes ended), from the
     # start; submitit's own handler ignores SIGTERM (``JobEnvironment._handle_signals``: "bypass").
     # SIGINT acts again where it was inherited ignored (a parent started in the background).
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, interrupts.handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     host = socket.gethostname()
-    console = _console(stderr=True)
-    out = _console(stderr=False)
+    console = output_console(stderr=True)
+    out = output_console(stderr=False)
     console.print(f"oomtune worker job {index} on {host} (pid {os.getpid()}): oomtune search {' '.join(overrides)}",
                   highlight=False, markup=False, soft_wrap=True)
     report = JobReport(index=index, exit_code=0, host=host)
@@ -455,7 +457,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     from oomtune.runfile import write_run_file
     from oomtune.schema import typed
     from oomtune.search.outputs import write_outputs
-    from oomtune.search.run import _raise_interrupt, _resume_line, _say
+    from oomtune import interrupts
+    from oomtune.search.run import _resume_line, _say
     from oomtune.search.tell_records import replay
     from oomtune.study import records as R
     from oomtune.study.storage import again_on_conflict, open_study
@@ -485,7 +488,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
              "SLURM" + (f" partition {cfg.launcher.partition}" if cfg.launcher.get("partition") else ""))
     say(f"launcher={plan.kind}: {plan.n_jobs} worker job{'s' if plan.n_jobs != 1 else ''} on {where}, {at_once} "
         f"at a time each, sharing the study; their run directories: {plan.run_dir / WORKERS_DIR}/worker-N")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    stop_signals = contextlib.ExitStack()
+    stop_signals.enter_context(interrupts.stopping_on((signal.SIGTERM,)))
     jobs: list[Any] = []
     progress = SearchProgress(console, int(cfg.search.n_trials) if plan.objective == "throughput" else 0, study=study)
     try:
@@ -508,6 +512,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
             if ended:
                 break
             time.sleep(interval)
+            interrupts.raise_if_pending()   # a stop signal whose raise CPython dropped (oomtune.interrupts)
     except KeyboardInterrupt:
         progress.close()
         if jobs:
@@ -517,7 +522,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         raise
     finally:
         progress.close()
-        signal.signal(signal.SIGTERM, previous)
+        stop_signals.close()
     reports = [_report_of(job, i) for i, job in enumerate(jobs)]
     _write_jobs_file(plan, jobs, reports)
     rep = answer_of(reports, plan.url, [_log_of(job) for job in jobs])

@@ -3,6 +3,7 @@ calls :func:`search`; tests call :func:`search` with overrides, as with Hydra's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomtune import config as C
+from oomtune import interrupts
 from oomtune.exceptions import ConfigError, StorageUnavailableError
 from oomtune.prepared import PreparedRun, compose_checked, prepare, workload_spec_of
 from oomtune.study import records as R
@@ -409,9 +411,10 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial failures are reported by oomtune
-    console = console or _console(stderr=True)
-    out = _console(stderr=False) if console.stderr else console
-    from oomtune.display import starting
+    from oomtune.display import output_console, starting
+
+    console = console or output_console(stderr=True)
+    out = output_console(stderr=False) if console.stderr else console
     from oomtune.search.launchers import launched, launcher_name
 
     with starting(console):  # a spinner on a terminal while the config is checked and torch imported
@@ -533,7 +536,11 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
                    say=lambda text: _say(console, text), recording=recording)
     progress.leader = drive.leader
     progress.role_of = drive.running_role
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM and Ctrl-C end the live trials at once and stop the search, even where CPython drops the
+    # handler's raise (oomtune.interrupts)
+    stop_signals = contextlib.ExitStack()
+    stop_signals.enter_context(interrupts.stopping_on((signal.SIGTERM, signal.SIGINT),
+                                                      stoppers=(runner.kill_all, confirm_runner.kill_all)))
     try:
         if predictor is not None:
             _say(console, "predicting every configuration's frontier on the virtual GPU ...")
@@ -572,7 +579,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
             f"{run.run_dir / 'trials'}/trial-*/tell.json (told when it is back)") from exc.__cause__
     finally:
         progress.close()
-        signal.signal(signal.SIGTERM, previous)
+        stop_signals.close()
         runner.close()
         confirm_runner.close()
     summary = drive.summary(best, best_result, confirmed, baseline)
@@ -719,25 +726,6 @@ def _calibrated(predictor: Any, study: Any) -> Any:
         return predictor.predict(cand)
 
     return predict
-
-
-def _console(*, stderr: bool) -> Any:
-    """A rich Console; wide enough for the trial table when the output is not a terminal."""
-    from rich.console import Console
-
-    import os
-
-    console = Console(stderr=stderr)
-    if console.is_terminal:
-        return console
-    # soft_wrap: a text line stays one line in a log (greppable); tables keep their own layout
-    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0") or 0) or 200, soft_wrap=True)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    from oomtune.exceptions import Interrupted
-
-    raise Interrupted(signum)   # the CLI exits 128 + signum: 143 for SIGTERM
 
 
 def _say(console: Any, text: str) -> None:

@@ -43,6 +43,7 @@ from oomtune.study import records as R
 from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_at_once, count_sampler,
                                    has_result, is_live, trial_key)
 from oomtune.exceptions import StorageUnavailableError
+from oomtune.interrupts import raise_if_pending
 from oomtune.study.storage import retrying
 
 __all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
@@ -321,6 +322,7 @@ class Executor:
         report = None
         try:
             while self._error is None and self._stop is None and not done():
+                raise_if_pending()   # a stop signal whose raise was dropped (oomtune.interrupts)
                 with self._changed:
                     generation = self._generation
                 trial = next_trial()
@@ -371,6 +373,7 @@ class Executor:
             for t in threads:
                 while t.is_alive():
                     t.join(0.2)
+                    raise_if_pending()
         except BaseException as exc:
             self._error = self._error or exc
             self.interrupted.set()

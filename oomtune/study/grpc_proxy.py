@@ -20,7 +20,8 @@ What Optuna's proxy does not do, and what oomtune adds on the client side (:func
   therefore failed between ``grace_period`` and ``grace_period + heartbeat_interval`` plus one look
   (the workers look at most once a second) after its worker stopped, counted from the first look of
   a worker that was already running.
-- **Reconnection.** A call made while the proxy is down fails with gRPC's ``UNAVAILABLE``; every
+- **Reconnection.** A call made while the proxy is down fails with gRPC's ``UNAVAILABLE`` (one
+  waiting for a handler when the proxy shut down, with ``CANCELLED``: grpc/grpc#41785); every
   storage call is retried with backoff (:func:`oomtune.study.reconnect.retrying`, one line per
   retry), and the channel tries to reconnect at least every :data:`RECONNECT_BACKOFF_MS` ms (gRPC's
   own backoff grows to 120 s), so a restarted proxy is used again within about a second.
@@ -351,11 +352,15 @@ def serve(storage_url: str, *, host: str, port: int, threads: int, say: Callable
     say(f"oomtune storage-proxy: serving {redact(storage_url)} on {host}:{port} ({threads} threads); workers use "
         f"storage=grpc://{host}:{port}; Ctrl-C or SIGTERM stops it")
     try:
+        from oomtune.interrupts import raise_if_pending
+
+        # in slices, so that a stop signal whose raise CPython dropped (oomtune.interrupts) still stops it
         if stop is None:
-            server.wait_for_termination()
+            while server.wait_for_termination(timeout=0.5):   # True: the timeout was reached
+                raise_if_pending()
         else:
             while not stop.wait(0.2):
-                pass
+                raise_if_pending()
     finally:
         server.stop(grace=2).wait()
         say("oomtune storage-proxy: stopped")

@@ -14,7 +14,8 @@ exception carries the lost connection:
 - the drivers' own (``psycopg.OperationalError``, ``psycopg2.OperationalError`` ...) where they
   escape SQLAlchemy;
 - gRPC's ``UNAVAILABLE`` from a storage proxy that went away or restarts (``storage=grpc://``:
-  :mod:`oomtune.study.grpc_proxy`).
+  :mod:`oomtune.study.grpc_proxy`), and ``CANCELLED`` from one that shut down while the call waited
+  for a handler (grpc/grpc#41785; oomtune's client never cancels a storage call itself).
 
 Three layers use :func:`retrying`: Optuna's storage methods (:func:`reconnecting_storage_class`, a
 subclass of Optuna's ``RDBStorage``), the batched writes of :mod:`oomtune.search.trial_writes`, and
@@ -69,6 +70,12 @@ _PERMANENT = ("no such table", "no such column", "syntax error", "readonly datab
               "has no column named")
 _DISK_FULL = ("database or disk is full", "no space left on device", "disk quota exceeded")
 _DRIVER_MODULES = ("psycopg", "psycopg2", "pg8000", "asyncpg", "pymysql", "MySQLdb", "mysql", "sqlite3", "oracledb")
+# gRPC status codes of a storage call whose proxy went away. UNAVAILABLE: refused, or cut by the proxy's
+# shutdown ("Cancelling all calls"). CANCELLED: a call the proxy had received but not yet handed to a
+# handler when it shut down (grpc/grpc#41785, gRPC Python: "Pending calls are CANCELLED on server
+# shut-down"); oomtune's storage client sets no deadline and never cancels a call itself, so a CANCELLED
+# storage call can only come from the proxy's side.
+_GRPC_LOST = ("UNAVAILABLE", "CANCELLED")
 _depth = threading.local()
 # Set when a call ran out of retries, cleared by the next call that succeeds: while it is set, calls
 # try once without waiting, so that unwinding after the search gave up (telling a trial FAIL,
@@ -126,7 +133,7 @@ def is_connection_error(exc: BaseException) -> bool:
         if isinstance(e, ConnectionError):
             return True
         module = (type(e).__module__ or "").split(".")[0]
-        if module == "grpc" and _grpc_code(e) == "UNAVAILABLE":
+        if module == "grpc" and _grpc_code(e) in _GRPC_LOST:
             return True   # a gRPC storage proxy that went away (or is restarting): oomtune.study.grpc_proxy
         names = {c.__name__ for c in type(e).__mro__}
         if module in _DRIVER_MODULES and names & {"OperationalError", "InterfaceError"}:

@@ -133,6 +133,52 @@ _DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary",
                     "cx_Oracle": "cx_Oracle", "pyodbc": "pyodbc", "pymssql": "pymssql"}
 
 
+#: How to name a storage, said by every refusal of a storage URL.
+STORAGE_FORMS = ("give storage= a database URL Optuna opens (sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB), "
+                 "grpc://HOST:PORT for an oomtune storage-proxy, journal:PATH, or leave it unset for a SQLite file "
+                 "in the run directory")
+
+
+def check_storage_url(url: Any, run_dir: Path | None = None) -> None:
+    """Refuse, before a run directory or a study is created, a ``storage=`` that cannot name a
+    storage: a URL SQLAlchemy cannot parse (``sqlalchemy.engine.make_url``) or whose dialect is not
+    one it has (its ``get_dialect()``: "Can't load plugin: sqlalchemy.dialects:NAME"), or a SQLite
+    file in a folder that does not exist (SQLite creates the file, never its folder: "unable to open
+    database file") and that is neither ``run_dir`` nor a folder above it (the run directory is
+    created, with its parents, before the study is opened). Nothing is connected to; a server that
+    cannot be reached is found when the study is opened. None, ``""`` and ``null`` (the default) pass.
+
+    Raises:
+        ConfigError: one line naming the URL (its password masked) and the storage forms oomtune opens.
+    """
+    if url is None or str(url).strip() in ("", "null"):
+        return
+    text = str(url).strip()
+    from oomtune.study.grpc_proxy import is_grpc_url
+
+    if is_grpc_url(text) or text.startswith("journal:"):
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(text)
+    except ArgumentError:
+        raise ConfigError(f"storage {_redact(text)!r} is not a storage URL: {STORAGE_FORMS}") from None
+    try:
+        parsed.get_dialect()
+    except NoSuchModuleError:
+        raise ConfigError(f"storage {_redact(text)!r}: SQLAlchemy has no database named {parsed.drivername!r}: "
+                          f"{STORAGE_FORMS}") from None
+    database = parsed.database or ""
+    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:" and not database.startswith("file:"):
+        folder = Path(database).expanduser().resolve().parent
+        made = [] if run_dir is None else [run_dir.expanduser().resolve(), *run_dir.expanduser().resolve().parents]
+        if not folder.is_dir() and folder not in made:
+            raise ConfigError(f"storage {text!r}: the folder {str(folder)!r} does not exist (SQLite creates the file, "
+                              f"not its folder): create it, or {STORAGE_FORMS}")
+
+
 def storage_error_message(url: str, exc: BaseException) -> str:
     """One line for a storage that cannot be opened: the file and what to do for a corrupt SQLite
     file, the package to install for a missing database driver, else the first line of the error.

@@ -56,9 +56,12 @@ def _torchvision() -> Any:
         tv = installed_version("torchvision")
         what = "is not installed" if tv is None else f"{tv} does not work with torch {torch.__version__}"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        # a CPU build of torch (its version ends in "+cpu") is reinstalled from PyTorch's CPU index: from the
+        # default index pip would take the CUDA build and its ~5.6 GB of nvidia-* wheels (README, Quick start)
+        index = " --index-url https://download.pytorch.org/whl/cpu" if "+cpu" in str(torch.__version__) else ""
         raise ConfigError(f"model=resnet needs torchvision, which {what} ({first}): install the torchvision built "
                           "for this torch: reinstall both from one index, e.g. pip install --force-reinstall torch "
-                          "torchvision (plain 'pip install' keeps the installed pair)") from None
+                          f"torchvision{index} (plain 'pip install' keeps the installed pair)") from None
 
 
 def _resnet(cfg: Mapping[str, Any]) -> ModelSpec:

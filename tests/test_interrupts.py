@@ -1,0 +1,170 @@
+"""A stop signal stops the search even where CPython drops the signal handler's raise.
+
+Field case (a suite run of tests/test_search_e2e.py::test_interrupted_search_resumes_from_its_storage,
+2026-12-05): ``oomtune search`` got SIGTERM while the garbage collector ran SQLAlchemy's weakref
+callback ``_collection_gced``; the handler's ``Interrupted`` was printed as "Exception ignored in ...",
+and the search ran on to its end and exited 0 instead of 143. CPython does this for any exception
+raised while a ``__del__`` method or a weakref callback runs (``PyErr_WriteUnraisable``). Here the
+signal arrives inside a ``__del__`` by construction, so the drop happens every time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import optuna
+import pytest
+
+from oomtune import interrupts
+from oomtune.exceptions import Interrupted
+from oomtune.search.driver import Search, SearchOptions
+from oomtune.schema import SearchConf, TrialConf
+from oomtune.search.workers import Executor
+from oomtune.space import SearchSpace
+from oomtune.study import records as R
+from oomtune.trial.record import MemoryReadings, Throughput, TrialResult
+from oomtune.units import MiB
+from oomtune.workload_spec import WorkloadSpec
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+class _SignalsWhenCollected:
+    """Sends ``signum`` to this process from its ``__del__`` and runs on there long enough for
+    CPython to call the handler before ``__del__`` returns (the handler runs at the next check of
+    the eval loop, which a loop's backward jump makes)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)
+        for _ in range(100_000):
+            pass
+
+
+def _signal_dropped(signum: int = signal.SIGTERM) -> None:
+    _SignalsWhenCollected(signum)   # collected at once (reference count 0): __del__ runs here
+
+
+@pytest.fixture
+def unraisable(monkeypatch):
+    """The exceptions CPython reports as "Exception ignored in ..." (sys.unraisablehook), kept."""
+    seen: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    return seen
+
+
+def test_a_raise_dropped_in_del_stays_pending_and_is_raised_again(unraisable):
+    stopped = []
+    with interrupts.stopping_on((signal.SIGTERM,), stoppers=(lambda: stopped.append(1),)):
+        _signal_dropped()
+        # CPython dropped the raise (the point of the module): this line runs
+        assert len(unraisable) == 1 and isinstance(unraisable[0], Interrupted)
+        assert interrupts.pending() == signal.SIGTERM
+        assert stopped == [1]   # the stoppers ran in the handler, before the raise was dropped
+        with pytest.raises(Interrupted) as info:
+            interrupts.raise_if_pending()
+        assert info.value.signum == signal.SIGTERM and isinstance(info.value, KeyboardInterrupt)
+    # the block is left: the signal is forgotten, the handler and the stoppers are as before
+    assert interrupts.pending() is None
+    assert signal.getsignal(signal.SIGTERM) is not interrupts.handler
+    interrupts.raise_if_pending()
+
+
+def test_sigint_is_taken_over_only_from_pythons_own_handler(monkeypatch):
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_IGN if s == signal.SIGINT else signal.SIG_DFL)
+    installed = []
+    monkeypatch.setattr(signal, "signal", lambda s, h: installed.append(s) or signal.SIG_DFL)
+    with interrupts.stopping_on((signal.SIGTERM, signal.SIGINT)):
+        pass
+    # a process started in the background inherits SIGINT ignored, and it stays ignored
+    assert installed == [signal.SIGTERM, signal.SIGTERM]   # installed, then restored
+
+
+def _study(tmp_path):
+    return optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
+
+
+class _Evaluate:
+    """evaluate(trial, slot) of an Executor: records the trial's number and a result; the first call
+    receives a stop signal whose raise is dropped when ``drop_in_first`` is set."""
+
+    def __init__(self, *, drop_in_first: bool = False) -> None:
+        self.calls: list[int] = []
+        self.drop_in_first = drop_in_first
+
+    def __call__(self, trial, slot):
+        self.calls.append(trial.number)
+        trial.suggest_int("x", 0, 100)
+        trial.set_user_attr(R.ATTR_RESULT, {"x": 1})
+        if self.drop_in_first and len(self.calls) == 1:
+            _signal_dropped()
+        return 1.0
+
+
+def test_the_workers_stop_before_the_next_trial_when_the_raise_was_dropped(tmp_path, unraisable):
+    evaluate = _Evaluate(drop_in_first=True)
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            Executor(_study(tmp_path), ["cpu"], evaluate, poll_s=0.05).run_sampler(5, "search")
+    assert len(unraisable) == 1
+    assert evaluate.calls == [0]   # before: the dropped raise let all 5 run
+
+
+def test_two_worker_threads_stop_when_the_main_threads_raise_was_dropped(tmp_path, unraisable):
+    evaluate = _Evaluate()
+    ex = Executor(_study(tmp_path), ["cpu", "cpu"], evaluate, poll_s=0.05)
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        _signal_dropped()   # received before the workers start: the main thread's wait raises it
+        with pytest.raises(Interrupted):
+            ex.run_sampler(50, "search")
+    assert evaluate.calls == []   # each worker checks before its first trial (before: all 50 ran)
+
+
+class _RunnerSignalledMidTrial:
+    """A trial runner whose first trial is interrupted by a stop signal whose raise is dropped: the
+    stopper (its kill_all) marks the trial killed, as TrialRunner's does, and the trial comes back
+    as a fault without a result of its own."""
+
+    def __init__(self):
+        self.calls, self.killed = [], 0
+
+    def run(self, spec, *, workdir):
+        self.calls.append(spec.batch_size)
+        if len(self.calls) == 1:
+            _signal_dropped()
+            return TrialResult(outcome="error", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                               message="killed (SIGHUP)")
+        peak = spec.batch_size * MiB
+        return TrialResult(outcome="ok", batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
+                           throughput=Throughput(samples_per_s=float(spec.batch_size)),
+                           memory=MemoryReadings(source="simulated", peak_reserved_bytes=peak,
+                                                 peak_allocated_bytes=peak))
+
+    def kill_all(self):
+        self.killed += 1
+        return 0
+
+    def close(self):
+        pass
+
+
+def test_a_trial_killed_by_a_dropped_stop_signal_is_not_told_as_its_result(tmp_path, unraisable):
+    study = optuna.create_study(direction="maximize", storage=f"sqlite:///{tmp_path / 's.db'}")
+    opts = SearchOptions(workload=WorkloadSpec(target={"name": "builtin"}, model={"name": "fake"}, gpu=None),
+                         device="cpu", budget_bytes=1000 * MiB, search=SearchConf(headroom=0.05, n_trials=0),
+                         trial=TrialConf(confirm_steps=10, soak_steps=0))
+    runner = _RunnerSignalledMidTrial()
+    search = Search(study, SearchSpace(8, 256, {"expandable_segments": [False, True]}), opts,
+                    runner=runner, confirm_runner=runner, workdir=tmp_path)
+    with interrupts.stopping_on((signal.SIGTERM,), stoppers=(runner.kill_all,)):
+        with pytest.raises(Interrupted):
+            search.run_frontier()
+    assert runner.calls == [8] and runner.killed == 1
+    # the killed trial is not an "error" of the configuration: it has no result and no outcome
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 1 and R.ATTR_RESULT not in trials[0].user_attrs
+    assert trials[0].state != optuna.trial.TrialState.COMPLETE
