@@ -1,9 +1,9 @@
 """A stop signal stops the search even where CPython drops the signal handler's raise.
 
-Field case (a suite run of tests/test_search_e2e.py::test_interrupted_search_resumes_from_its_storage,
-2026-12-05): ``oomtune search`` got SIGTERM while the garbage collector ran SQLAlchemy's weakref
-callback ``_collection_gced``; the handler's ``Interrupted`` was printed as "Exception ignored in ...",
-and the search ran on to its end and exited 0 instead of 143. CPython does this for any exception
+Field case (a suite run of tests/test_search_e2e.py's interrupted-search test, 2026-12-05):
+``oomtune search`` got SIGTERM while the garbage collector ran SQLAlchemy's weakref callback
+``_collection_gced``; the handler's ``Interrupted`` was printed as "Exception ignored in ...", and the
+search ran on to its end and exited 0 instead of 143. CPython does this for any exception
 raised while a ``__del__`` method or a weakref callback runs (``PyErr_WriteUnraisable``). Here the
 signal arrives inside a ``__del__`` by construction, so the drop happens every time.
 """

@@ -1,5 +1,8 @@
 """End to end on CPU: `oomtune search` on a tiny torchvision ResNet with real training steps and the
-virtual GPU, then show/env/load_best on its outputs, and resume after the search is killed."""
+virtual GPU is stopped by SIGTERM, resumed by the same command, and the resumed search's outputs are
+read by show/env/load_best. One search serves both: a resumed search must give an answer as complete
+as an uninterrupted one, and each search is a minute of a 2-core machine (an uninterrupted search
+end to end is also run by tests/test_search_frontier.py and tests/test_report_e2e.py)."""
 
 from __future__ import annotations
 
@@ -25,25 +28,14 @@ TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=1
         "search.objective=throughput"]  # the sampler runs for the throughput objective only
 
 
-def test_search_end_to_end_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    # One clean confirmation run per finalist (search.repeats=1) and no soak in them (trial.soak_steps=0):
-    # nothing here asserts on either, and each confirmation is a spawned interpreter importing torch. Three
-    # interleaved repeats of two finalists are run end to end by tests/test_gpu_scripts.py::
-    # test_gpu_check_dry_run_copies_every_trial_record_to_out (the device check's search), their ranking by
-    # tests/test_search_objectives.py and tests/test_search_driver.py. The soak inside a search's
-    # confirmation at the default trial.soak_steps is run by
-    # tests/test_search_frontier.py::test_default_search_reaches_the_predicted_frontier (the README's
-    # default search, whose answer must be confirmed) and by test_interrupted_search_resumes_from_its_storage
-    # below; tests/test_trial_execute.py::test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees
-    # asserts the confirmation's soak record (passed, steps run).
-    assert main(["search", *TINY, "search.n_trials=3", "search.repeats=1", "trial.soak_steps=0",
-                 f"hydra.run.dir={run_dir}"]) == 0
+def _assert_answer_is_its_own_trials(run_dir, capsys) -> None:
+    """What a completed search must have written: a best.yaml whose answer is a trial that ran, its
+    figures those of the winner's clean-process confirmation, and ``show``/``env`` reading them."""
     best = oomtune.load_best(run_dir / "best.yaml")
     info = json.loads((run_dir / "run.json").read_text())
     study = optuna.load_study(study_name=info["study_name"], storage=info["storage"])
     roles = [t.user_attrs.get(R.ATTR_ROLE) for t in study.trials]
-    assert "baseline" in roles and roles.count("search") == 3 and "confirm" in roles
+    assert "baseline" in roles and "search" in roles and "confirm" in roles
     # The answer is a configuration that ran, and its numbers are that run's.
     winner = study.trials[best.best.trial_number]
     assert R.is_feasible_ok(winner) and winner.params["batch_size"] == best.batch_size
@@ -85,7 +77,7 @@ def _running(proc: subprocess.Popen, err_path) -> bool:
     pytest.fail(f"the search exited early with status {proc.returncode}:\n{err_path.read_text()[-4000:]}")
 
 
-def test_interrupted_search_resumes_from_its_storage(tmp_path):
+def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # one clean confirmation run per candidate (search.repeats=1): the resume is under test here, and three
     # interleaved repeats of three candidates (spawned processes) take minutes on a loaded 2-core machine
@@ -132,4 +124,5 @@ def test_interrupted_search_resumes_from_its_storage(tmp_path):
     assert len(searched) == 6
     assert storage.get_trial(orphan_id).state == optuna.trial.TrialState.FAIL   # failed, then retried
     assert any(t.system_attrs.get("failed_trial") == storage.get_trial(orphan_id).number for t in after.values())
-    assert (run_dir / "best.yaml").exists()
+    # The resumed search's answer is one of its own trials, as any search's (show and env read it).
+    _assert_answer_is_its_own_trials(run_dir, capsys)

@@ -80,6 +80,22 @@ def test_a_candidate_already_run_is_not_run_again(tmp_path):
     assert ev.calls == [3, 4, 3] and confirm.number != first.number
 
 
+def test_a_round_ends_when_its_trials_end_not_at_the_next_look_at_the_study(tmp_path):
+    # poll_s is how often a worker looks at the study for other processes' trials; a round whose
+    # trials all ran here must not wait for it. With poll_s = 1 hour, rounds of one and of two workers
+    # end once their trials did (each round waited up to poll_s before: every probe of a frontier).
+    for slots in (["cpu"], ["cpu"] * 2):
+        study = _study(tmp_path, name=f"s{len(slots)}")
+        ex = Executor(study, slots, _Recorder(), poll_s=3600.0)
+        rounds: list = []
+        t = threading.Thread(target=lambda: rounds.extend(
+            ex.run_batch([({"x": x}, "baseline", {})])[0].value for x in (1, 2, 3)), daemon=True)
+        t.start()
+        t.join(timeout=120)
+        assert not t.is_alive(), f"{len(slots)} worker(s): a round waited for the next look at the study"
+        assert rounds == [1.0, 2.0, 3.0]
+
+
 def test_a_candidate_enqueued_twice_by_two_processes_runs_once(tmp_path):
     # Two processes computed the same round and both enqueued it before either claimed it: the
     # lower-numbered trial runs, the other is finished as a duplicate without running.

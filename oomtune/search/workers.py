@@ -428,13 +428,18 @@ class Executor:
             leftover = any(t.state is TrialState.WAITING and t.user_attrs.get(ATTR_KEY) in found for t in trials)
             return found, leftover
 
-        state: dict[str, Any] = {"at": time.monotonic()}
+        # The study is read again when a trial of this process ended since the last read (its result
+        # may complete the round: waiting poll_s for it cost every round up to half a second), else
+        # at most every poll_s / 2 (other processes' trials, whose ends this process is not told of).
+        state: dict[str, Any] = {"at": time.monotonic(), "generation": self._generation}
         state["found"], state["leftover"] = resolve()
 
         def done() -> bool:
             with self._lock:
                 if (len(state["found"]) < len(wanted) or state["leftover"]) \
-                        and time.monotonic() - state["at"] >= self.poll_s / 2:
+                        and (self._generation != state["generation"]
+                             or time.monotonic() - state["at"] >= self.poll_s / 2):
+                    state["generation"] = self._generation
                     (state["found"], state["leftover"]), state["at"] = resolve(), time.monotonic()
                 return len(state["found"]) >= len(wanted) and not state["leftover"]
 
