@@ -58,15 +58,33 @@ def legend_lines(prefix: str, text: str, width: int = 100) -> list[str]:
     return wrapped(prefix + text, width)
 
 
+#: Stands for a space that must not become a line break while :func:`wrapped` wraps (never in its output).
+_BOUND = "\x00"
+
+
+def _numeric(word: str) -> bool:
+    """Whether ``word`` is a figure (``352``, ``(10``, ``1.40x``, ``972.00``, ``2000-step``)."""
+    return word.lstrip("(")[:1].isdigit()
+
+
 def wrapped(text: str, width: int = 100) -> list[str]:
     """``text`` wrapped at spaces into lines of at most ``width`` columns (characters), the
     continuation lines indented by two spaces. Nothing is lost but the spaces at the breaks: a
     word longer than the line (a path, a URL) stays whole on a line of its own, and words are not
-    split at hyphens."""
+    split at hyphens. A figure stays on the line of the words beside it ("batch 512", "(10 steps)",
+    "972.00 MiB"): a line is not broken at a space next to a word that starts with a digit, unless the
+    word before the space ends a clause or a list item (``,`` ``;`` ``:``); a run of words bound so
+    that is longer than the line stands whole on a line of its own."""
     import textwrap
 
-    return textwrap.wrap(text, width=width, subsequent_indent="  ", break_long_words=False,
-                         break_on_hyphens=False) or [text]
+    words = text.split(" ")
+    joined = words[0] if words else ""
+    for before, word in zip(words, words[1:]):
+        bound = before and word and not before.endswith((",", ";", ":")) and (_numeric(before) or _numeric(word))
+        joined += (_BOUND if bound else " ") + word
+    lines = textwrap.wrap(joined, width=width, subsequent_indent="  ", break_long_words=False,
+                          break_on_hyphens=False)
+    return [line.replace(_BOUND, " ") for line in lines] or [text]
 
 
 def device_words(device: Any) -> str:

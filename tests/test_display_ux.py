@@ -292,6 +292,41 @@ def test_long_summary_lines_wrap_at_spaces_to_100_columns_losing_nothing():
     assert wrapped("short") == ["short"] and wrapped("") == [""]
 
 
+def test_a_figure_stays_on_the_line_of_its_words():
+    from oomtune.display import wrapped
+
+    # a new user's finding: the README's summary broke inside "(10 / steps)", another line inside
+    # "at batch / 512"; a break next to a figure is never taken while another break fits
+    best = ("best: batch 493, expandable_segments:True (trial 2); confirmed by trial 4 in a clean process "
+            "(10 steps): peak reserved 972.00 MiB (simulated); survived a 2000-step soak (simulated)")
+    top = ("note: the answer is the top of the range: the search stopped at batch 512 because "
+           "search.batch_size.high is 512; raise it to look further up")
+    for line in (best, top):
+        parts = wrapped(line)
+        assert len(parts) > 1 and max(map(len, parts)) <= 100
+        assert " ".join(p.strip() for p in parts) == line               # nothing lost
+        for first, second in zip(parts, parts[1:]):                     # no break beside a figure
+            last, next_ = first.split(" ")[-1], second.split()[0]
+            assert not (last.lstrip("(")[:1].isdigit() or next_.lstrip("(")[:1].isdigit()), (first, second)
+    assert any("(10 steps):" in p for p in wrapped(best))
+    figures = " ".join(str(n) for n in range(1, 21))                 # 50 columns of figures, bound to "beta"
+    assert wrapped("alpha beta " + figures, 40) == ["alpha", "  beta " + figures]   # longer than a line: whole
+
+
+def test_the_summary_says_the_warm_up_steps_that_best_yaml_counts():
+    from types import SimpleNamespace
+
+    from oomtune.best import Choice
+    from oomtune.search.outputs import summary_lines
+
+    # best.yaml's metrics.steps is every step the confirmation ran: 1 warm-up + 10 measured = 11
+    best = Choice(batch_size=493, alloc_conf=ES, confirmed=True, trial_number=1, metrics_trial_number=5,
+                  metrics={"peak_reserved_bytes": 972 * MiB, "memory_source": "simulated", "steps": 11})
+    summary = SimpleNamespace(gain=None, objective="batch", objective_reason="auto", at_top_of_range=False)
+    line = summary_lines(summary, best, None, simulated=True, confirm_steps=10, batch_high=512)[0]
+    assert "confirmed by trial 5 in a clean process (10 steps after 1 warm-up): peak reserved" in line
+
+
 def test_device_words_read_without_doubled_parentheses():
     from oomtune.device import TargetDevice
     from oomtune.display import device_words

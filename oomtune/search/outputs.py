@@ -394,7 +394,11 @@ def summary_lines(summary: Any, best: Choice, baseline: Choice | None, *, simula
         head += f" (trial {best.trial_number})"
     if best.confirmed:  # the figures are the clean-process confirmation's, a trial of its own
         by = "" if best.metrics_trial_number is None else f" by trial {best.metrics_trial_number}"
-        lines = [f"{head}; confirmed{by} in a clean process ({confirm_steps} steps): {figures}"]
+        # best.yaml's metrics.steps counts the warm-up steps too: say both, so that the figures agree
+        ran = m.get("steps")
+        warm = ran - confirm_steps if isinstance(ran, int) and ran > confirm_steps else 0
+        steps = f"{confirm_steps} steps" + (f" after {warm} warm-up" if warm else "")
+        lines = [f"{head}; confirmed{by} in a clean process ({steps}): {figures}"]
     else:
         lines = [f"{head}: {figures}"]
     if m.get("soak_passed"):
