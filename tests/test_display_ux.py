@@ -272,6 +272,18 @@ def test_a_trial_stopped_above_the_limit_says_after_which_step(study):
     assert outcome_label(ran, R.result_of(ran)) == "ok >limit"   # ran every step
 
 
+def _wrapped_whole(line: str) -> list[str]:
+    """``wrapped(line)``, checked: several lines of at most 100 columns, continuations indented, and
+    nothing lost but the spaces at the breaks."""
+    from oomtune.display import wrapped
+
+    parts = wrapped(line)
+    assert len(parts) > 1 and max(map(len, parts)) <= 100
+    assert all(p.startswith("  ") for p in parts[1:])
+    assert " ".join(p.strip() for p in parts) == line
+    return parts
+
+
 def test_long_summary_lines_wrap_at_spaces_to_100_columns_losing_nothing():
     from oomtune.display import wrapped
 
@@ -282,10 +294,7 @@ def test_long_summary_lines_wrap_at_spaces_to_100_columns_losing_nothing():
     gain = ("vs the default allocator at its largest batch (352): 1.40x batch (493 vs 352) within the same "
             "budget (simulated memory)")
     for line in (best, gain):
-        parts = wrapped(line)
-        assert len(parts) > 1 and max(map(len, parts)) <= 100
-        assert all(p.startswith("  ") for p in parts[1:])            # continuations indented
-        assert " ".join(p.strip() for p in parts) == line            # only the spaces at the breaks go
+        _wrapped_whole(line)
     assert wrapped(gain) == [gain[:100], "  (simulated memory)"]      # "... same budget" is exactly 100
     path = "wrote /tmp/" + "d" * 110 + "/best.yaml"
     assert wrapped(path) == ["wrote", "  " + path[len("wrote "):]]   # a path longer than a line stays whole
@@ -296,15 +305,13 @@ def test_a_figure_stays_on_the_line_of_its_words():
     from oomtune.display import wrapped
 
     # a new user's finding: the README's summary broke inside "(10 / steps)", another line inside
-    # "at batch / 512"; a break next to a figure is never taken while another break fits
+    # "at batch / 512"; a break beside a figure is taken only after a clause or list item (, ; :)
     best = ("best: batch 493, expandable_segments:True (trial 2); confirmed by trial 4 in a clean process "
             "(10 steps): peak reserved 972.00 MiB (simulated); survived a 2000-step soak (simulated)")
     top = ("note: the answer is the top of the range: the search stopped at batch 512 because "
            "search.batch_size.high is 512; raise it to look further up")
     for line in (best, top):
-        parts = wrapped(line)
-        assert len(parts) > 1 and max(map(len, parts)) <= 100
-        assert " ".join(p.strip() for p in parts) == line               # nothing lost
+        parts = _wrapped_whole(line)
         for first, second in zip(parts, parts[1:]):                     # no break beside a figure
             last, next_ = first.split(" ")[-1], second.split()[0]
             assert not (last.lstrip("(")[:1].isdigit() or next_.lstrip("(")[:1].isdigit()), (first, second)
