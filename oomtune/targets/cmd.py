@@ -80,7 +80,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from oomtune.classify import ADVICE, classify_failure, classify_text
 from oomtune.exceptions import ConfigError
@@ -90,10 +90,12 @@ from oomtune.script_api import (BATCH_SIZE_ENV, BUDGET_ENV, CHECKPOINTING_ENV, D
                                 RESULT_FILE_ENV, STREAM_FILE_ENV)
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail
 from oomtune.trial.oomkill import OomKillWatch
-from oomtune.trial.procwait import exited_within
 from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, MemoryReadings, ResultDraft,
                                   ScriptReports, TrialResult,
                                   TrialSpec)
+
+if TYPE_CHECKING:
+    from oomtune.trial.script_fork import ScriptServers
 
 __all__ = ["run_cmd_trial", "build_command", "substitute", "substitute_batch_size", "PLACEHOLDERS",
            "placeholder_values", "STREAM_FILE", "check_program", "resolve_cwd", "cmd_environment", "read_channel", "result_from_channel",
@@ -304,7 +306,8 @@ def _sampler(spec: TrialSpec, pid: int) -> Any:
 
 
 def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None,
-                  grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> TrialResult:
+                  grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None,
+                  forks: ScriptServers | None = None) -> TrialResult:
     """Run one ``target=cmd`` trial and return its record; never raises for a trial failure.
 
     A trial asked to run its steps on meta (``spec.execute == "meta"``) whose command says they
@@ -320,6 +323,10 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
         grace_s: seconds between SIGTERM and SIGKILL of the command's process tree on timeout.
         on_start: called with the pid (= process group id) right after the start, e.g. so that a
             runner's ``kill_all`` can reach the group on Ctrl-C.
+        forks: the runner's script servers (:class:`oomtune.trial.script_fork.ScriptServers`): a
+            ``python FILE.py ...`` command is forked from a server that imported the script's
+            third-party modules once (the record's ``process.launcher`` is ``cmd-fork``, and
+            ``process.launcher_fallback`` says why a command was spawned instead); None: spawned.
 
     Returns:
         The :class:`TrialResult` (see the module docstring for how the outcome is decided);
@@ -329,17 +336,18 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     Raises:
         ConfigError, AllocatorConfigError: a bad command, cwd, device or spec (nothing launched).
     """
-    result, fallback = _run_once(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
+    result, fallback = _run_once(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start, forks=forks)
     if fallback is not None:
         result, _ = _run_once(replace(spec, execute="cpu"), workdir=workdir, env=env, grace_s=grace_s,
-                              on_start=on_start)
+                              on_start=on_start, forks=forks)
         result = replace(result, execution=replace(result.execution, fallback=fallback))
         result.write(Path(workdir).resolve() / "result.json")
     return result
 
 
 def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, grace_s: float,
-              on_start: Callable[[int], None] | None) -> tuple[TrialResult, str | None]:
+              on_start: Callable[[int], None] | None,
+              forks: ScriptServers | None = None) -> tuple[TrialResult, str | None]:
     """One run of the command (:func:`run_cmd_trial`): its record, and the reason its meta steps
     failed when they did (a ``meta_unsupported`` line; the caller runs it again on the CPU), else None."""
     from oomtune.trial.runner import validate_spec
@@ -364,13 +372,20 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
     _check_startable(argv, cwd, child_env)
     watch = OomKillWatch()   # the OOM killer's counters before the command (SIGKILL evidence)
     started = time.time()
-    with open(workdir / "keeper.log", "wb") as log:
-        try:
-            proc = subprocess.Popen(keeper_argv(sys.executable, argv, grace_s=grace_s, workdir=workdir),
-                                    cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True)
-        except OSError as exc:  # e.g. too many processes
-            raise ConfigError(f"target.command: cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+    proc, spawn_reason = None, None
+    if forks is not None and not shell:
+        proc, spawn_reason = forks.launch(argv, cwd=cwd or os.getcwd(), env=child_env, workdir=workdir,
+                                          grace_s=grace_s, status_file=STATUS_FILE)
+    if proc is None:
+        from oomtune.trial.runner import _Spawned
+
+        with open(workdir / "keeper.log", "wb") as log:
+            try:
+                proc = _Spawned(subprocess.Popen(keeper_argv(sys.executable, argv, grace_s=grace_s, workdir=workdir),
+                                                 cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
+                                                 stderr=log, start_new_session=True))
+            except OSError as exc:  # e.g. too many processes
+                raise ConfigError(f"target.command: cannot start {argv[0]!r}: {exc.strerror or exc}") from None
     sampler = _sampler(spec, proc.pid)   # the keeper's tree: the command and everything it started
     try:
         if on_start is not None:
@@ -378,9 +393,9 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
         with sampler if sampler is not None else contextlib.nullcontext():
             returncode, timed_out = _wait(proc, spec.timeout_s, grace_s)
     finally:
-        if proc.poll() is None:   # interrupted while waiting: the keeper kills its tree
+        if proc.wait(0) is None:   # interrupted while waiting: the keeper kills its tree
             kill_now(proc.pid)
-            proc.wait()
+            proc.wait(None)
     from oomtune.trial.runner import leftovers, trial_pids
 
     stderr = read_tail(workdir / "stderr.txt", _STDERR_TAIL_BYTES)[-_STDERR_TAIL_CHARS:]
@@ -405,7 +420,9 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
             rec.update("script", memory_unknown=False)
     rec.set(wall_s=max(0.0, time.time() - started))   # the record refuses a negative time (clock step)
     rec.update("process", pid=proc.pid, returncode=returncode, command=tuple(argv) if not shell else (argv[-1],),
-               launcher="cmd")
+               launcher="cmd" if spawn_reason is not None or forks is None or shell else "cmd-fork")
+    if forks is not None and spawn_reason is not None:
+        rec.update("process", launcher_fallback=spawn_reason)
     rec.update("script", grad_accum=grad_accum_of(spec.workload))
     lines = read_channel(channel)
     unsupported = [ln for ln in lines if isinstance(ln, dict) and ln.get("event") == META_UNSUPPORTED_EVENT]
@@ -443,22 +460,14 @@ def _steps_ran_on(spec: TrialSpec, reported: list[dict[str, Any]], on_meta: bool
     return None
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
-    """Wait; past ``timeout_s`` the keeper SIGTERMs the command's tree, then SIGKILLs it after
-    ``grace_s`` (:func:`oomtune.trial.keeper.end_kept`). (returncode, timed_out)."""
-    if exited_within(proc, timeout_s):
-        return proc.wait(), False
-
-    def wait(seconds: float) -> int | None:
-        try:
-            return proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            return None
-
-    done = wait(0)
+def _wait(proc: Any, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
+    """Wait for the keeper ``proc`` (``pid``, ``wait(timeout) -> status | None``); past ``timeout_s``
+    the keeper SIGTERMs the command's tree, then SIGKILLs it after ``grace_s``
+    (:func:`oomtune.trial.keeper.end_kept`). (returncode, timed_out)."""
+    done = proc.wait(max(0.0, timeout_s))
     if done is not None:
         return done, False
-    return end_kept(proc.pid, wait, grace_s), True
+    return end_kept(proc.pid, proc.wait, grace_s), True
 
 
 def _check_startable(argv: list[str], cwd: str | None, env: Mapping[str, str]) -> None:

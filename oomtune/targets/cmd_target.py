@@ -83,10 +83,10 @@ class CmdTarget(Target):
                                        accumulates=accumulates, checkpointing=checkpointing)
 
     def run(self, spec: Any, *, workdir: Path, env: dict[str, str] | None = None,
-            grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None) -> Any:
+            grace_s: float = _GRACE_S, on_start: Callable[[int], None] | None = None, forks: Any = None) -> Any:
         from oomtune.targets.cmd import run_cmd_trial
 
-        return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start)
+        return run_cmd_trial(spec, workdir=workdir, env=env, grace_s=grace_s, on_start=on_start, forks=forks)
 
 
 TARGET = register_target(CmdTarget())

@@ -210,10 +210,11 @@ class Target:
         raise ConfigError(f"target={self.name} runs as its own process, not inside a trial process")
 
     def run(self, spec: Any, *, workdir: Path, env: dict[str, str] | None = None, grace_s: float = 3.0,
-            on_start: Callable[[int], None] | None = None) -> Any:
+            on_start: Callable[[int], None] | None = None, forks: Any = None) -> Any:
         """Run one trial of an own-process target and return its ``TrialResult``; never raises for
         a trial failure. ``on_start`` receives the process group id right after the start (so that
-        a runner's ``kill_all`` reaches it).
+        a runner's ``kill_all`` reaches it). ``forks``: the runner's
+        :class:`oomtune.trial.script_fork.ScriptServers` (None: the runner spawns every process).
 
         Raises:
             ConfigError, AllocatorConfigError: bad input (nothing launched).

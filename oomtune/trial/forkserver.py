@@ -130,9 +130,14 @@ def _run_forked(request: dict[str, Any], close_fds: list[int], server_pid: int) 
         from oomtune.trial import keeper
 
         def main() -> None:
-            from oomtune.trial import child
+            if request.get("script"):   # a target=cmd script, run as ``python SCRIPT ARGS`` would
+                from oomtune.trial.script_main import run_script
 
-            code = child.main(list(request["argv"]))
+                code = run_script(list(request["script"]))
+            else:
+                from oomtune.trial import child
+
+                code = child.main(list(request["argv"]))
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             os._exit(code)
@@ -146,15 +151,21 @@ def _run_forked(request: dict[str, Any], close_fds: list[int], server_pid: int) 
         os._exit(70)
 
 
-def serve() -> int:
-    """Run the server loop on stdin/stdout until stdin closes. Returns the exit status (0)."""
-    import importlib
+def serve(modules: tuple[str, ...] | None = None) -> int:
+    """Run the server loop on stdin/stdout until stdin closes. Returns the exit status (0).
 
+    Args:
+        modules: what to import before announcing readiness: None for :data:`PRELOAD_MODULES` (the
+            trials of built-in and python targets); else the preloads of a ``target=cmd`` script
+            (:func:`oomtune.trial.script_fork.preloads_of`: ``module`` or ``module:name``), each
+            imported as the script's own import statement would; one that fails is left out (the
+            script then imports it itself, and fails there if it must) and the hello message lists
+            those that loaded (``preloaded``).
+    """
     proto_in = sys.stdin.buffer
     proto_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from imports or trials must not corrupt the protocol
-    for name in PRELOAD_MODULES:
-        importlib.import_module(name)
+    preloaded = _preload(PRELOAD_MODULES if modules is None else ("torch", *modules), strict=modules is None)
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when trials die
@@ -167,7 +178,7 @@ def serve() -> int:
     _send(proto_out, {
         "ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
         "native_threads": _native_threads(), "cuda_initialized": torch.cuda.is_initialized(),
-        "libcuda_loaded": libcuda_loaded(),
+        "libcuda_loaded": libcuda_loaded(), "preloaded": preloaded,
     })
     in_fd = proto_in.fileno()
     buf = b""
@@ -187,6 +198,27 @@ def serve() -> int:
             _launch(json.loads(line), live, proto_out, [in_fd, wake_r, wake_w, proto_out.fileno()])
     _end_live(live)
     return 0
+
+
+def _preload(items: tuple[str, ...], *, strict: bool) -> list[str]:
+    """Import each ``module`` or ``module:name`` (``from module import name``: the attribute, else
+    the submodule); the items that loaded. ``strict``: a failure raises (the server's own modules)."""
+    import importlib
+
+    done = []
+    for item in items:
+        module, _, name = item.partition(":")
+        try:
+            mod = importlib.import_module(module)
+            if name and not hasattr(mod, name):   # getattr runs a lazy module's import, as `from` does
+                importlib.import_module(f"{module}.{name}")
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a script's import may fail any way
+            if strict:
+                raise
+            print(f"oomtune fork server: not preloaded: {item}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        done.append(item)
+    return done
 
 
 def _end_live(live: dict[int, Any], wait_s: float = 15.0) -> None:
@@ -281,9 +313,14 @@ class ForkServerClient:
     does not reach it; :meth:`close` (or the parent's exit, which closes its stdin) stops it.
     """
 
-    def __init__(self, python: str = sys.executable, *, log_path: str | None = None) -> None:
+    def __init__(self, python: str = sys.executable, *, log_path: str | None = None,
+                 modules: tuple[str, ...] | None = None, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
         self.python = python
         self.log_path = log_path
+        self.modules = modules   # None: the trial server (PRELOAD_MODULES); else a script's preloads
+        self.env = env           # the server's environment (None: ours), less the allocator variables
+        self.cwd = cwd
         self.info: dict[str, Any] = {}
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
@@ -301,12 +338,16 @@ class ForkServerClient:
         Raises:
             ForkServerError: it did not come up within ``timeout_s`` seconds.
         """
-        env = {k: v for k, v in os.environ.items() if k not in _ALLOC_VARS}  # backend: native
+        env = {k: v for k, v in (os.environ if self.env is None else self.env).items()
+               if k not in _ALLOC_VARS}  # backend: native
+        argv = [self.python, "-m", "oomtune.trial.forkserver"]
+        if self.modules is not None:
+            argv += ["--modules", ",".join(self.modules)]
         try:
             with open(self.log_path or os.devnull, "ab") as log:
                 self._proc = subprocess.Popen(
-                    [self.python, "-m", "oomtune.trial.forkserver"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                    start_new_session=True, cwd=self.cwd,
                 )
         except OSError as exc:
             raise ForkServerError(f"cannot start the fork server: {exc}") from None
@@ -323,9 +364,11 @@ class ForkServerClient:
 
     def launch(self, *, argv: list[str], cwd: str, stdout: str, stderr: str,
                env: dict[str, str], timeout_s: float = 30.0, grace_s: float = 3.0,
-               status: str | None = None) -> ForkedTrial:
+               status: str | None = None, script: list[str] | None = None) -> ForkedTrial:
         """Ask the server to fork one trial process (its keeper: ``grace_s`` between SIGTERM and
-        SIGKILL, its status file ``status``; :mod:`oomtune.trial.keeper`).
+        SIGKILL, its status file ``status``; :mod:`oomtune.trial.keeper`). ``script``: the main
+        process runs ``python SCRIPT ARGS`` (``[SCRIPT, *ARGS]``,
+        :func:`oomtune.trial.script_main.run_script`) instead of the trial child on ``argv``.
 
         Raises:
             ForkServerError: the server is gone, refused (not fork-safe) or did not answer.
@@ -338,7 +381,7 @@ class ForkServerClient:
             rid = self._next_id
             self._pending[rid] = answer
             request = {"id": rid, "argv": argv, "cwd": cwd, "stdout": stdout, "stderr": stderr, "env": env,
-                       "grace_s": grace_s, "status": status}
+                       "grace_s": grace_s, "status": status, "script": script}
             try:
                 self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()
@@ -414,4 +457,10 @@ def _pid_running(pid: int) -> bool:
 
 
 if __name__ == "__main__":
+    # ``--modules a,b:c``: a target=cmd script's server (ForkServerClient(modules=...)); the server's
+    # own directory entry (``-m`` puts the cwd first on sys.path) must not shadow what the script imports
+    if sys.argv[1:2] == ["--modules"]:
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            del sys.path[0]
+        sys.exit(serve(tuple(m for m in sys.argv[2].split(",") if m)))
     sys.exit(serve())

@@ -447,7 +447,8 @@ class TrialProcess:
     Attributes:
         pid: the trial process (for ``target=cmd``: its keeper, the process group id).
         returncode: its exit status (negative: the signal), as the runner saw it.
-        launcher: ``fork`` (the fork server), ``spawn`` or ``cmd``.
+        launcher: ``fork`` (the fork server), ``spawn``, ``cmd`` (a target=cmd command, spawned) or
+            ``cmd-fork`` (its ``python FILE.py`` forked from a script server, :mod:`oomtune.trial.script_fork`).
         launcher_fallback: why the fork server was not used (None: it was, or was not asked for).
         bad_fork: the forked attempt that failed before the trial was spawned again.
         torch_threads: ``torch.set_num_threads`` applied (``OOMTUNE_TORCH_THREADS``); None: torch's default.

@@ -23,7 +23,9 @@ Launchers: ``spawn`` (a fresh interpreter, ``python -m oomtune.trial.child``), `
 :mod:`oomtune.trial.forkserver`, which has torch already imported) and ``auto`` (fork on Linux,
 else spawn). Trials the fork server cannot run correctly (``backend`` other than native, which torch
 reads at import) are spawned, as is everything when the server is unavailable; the launcher used is
-recorded in ``process.launcher``.
+recorded in ``process.launcher``. An own-process target (``target=cmd``) gets the runner's script
+servers unless the launcher is ``spawn``: a ``python FILE.py`` command is then forked from a server
+that imported the script's third-party modules once (:mod:`oomtune.trial.script_fork`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE,
                                   BadFork, MemoryReadings, ProcessSeen, ResultDraft, TrialResult, TrialSpec)
 from oomtune.trial.procwait import exited_within
+from oomtune.trial.script_fork import ScriptServers
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
            "ALLOC_ENV_VARS"]
@@ -190,6 +193,7 @@ class TrialRunner:
         self._lock = threading.Lock()
         self._server: ForkServerClient | None = None
         self._server_failed: str | None = None
+        self._scripts: ScriptServers | None = None   # target=cmd scripts' servers (script_fork)
 
     # -- launching ---------------------------------------------------------------------------
     def _wants_fork(self, settings: AllocatorSettings) -> str | None:
@@ -333,8 +337,15 @@ class TrialRunner:
             with self._lock:
                 self._live[pid] = pid
 
+        forks = None
+        if self.launcher != "spawn" and hasattr(os, "fork") and (self.launcher == "fork"
+                                                                 or sys.platform.startswith("linux")):
+            with self._lock:
+                if self._scripts is None:
+                    self._scripts = ScriptServers(self.python)
+                forks = self._scripts
         try:
-            return target.run(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register)
+            return target.run(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register, forks=forks)
         finally:
             with self._lock:
                 for pid in started:
@@ -364,6 +375,9 @@ class TrialRunner:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._scripts is not None:
+            self._scripts.close()
+            self._scripts = None
 
     def __enter__(self) -> "TrialRunner":
         return self

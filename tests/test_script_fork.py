@@ -1,0 +1,184 @@
+"""target=cmd scripts forked from a warm interpreter (oomtune/trial/script_fork.py).
+
+The expected behaviour of a forked script is CPython's own: each semantic check runs the same file
+with ``python FILE ARGS`` (a fresh interpreter, the oracle) and compares. The measured memory of a
+forked trial is compared with the same spec's spawned trial (the virtual GPU is deterministic).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from oomtune.trial.record import TrialSpec
+from oomtune.trial.runner import TrialRunner
+from oomtune.trial.script_fork import ScriptServers, preloads_of, script_of
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="script servers fork (Linux)")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# -- which commands are forked -------------------------------------------------------------------------
+def test_only_this_interpreter_running_a_py_file_is_a_script(tmp_path):
+    script = _write(tmp_path / "train.py", "print('x')\n")
+    env = dict(os.environ)
+    assert script_of([sys.executable, "train.py", "--lr", "3"], cwd=str(tmp_path), env=env) == script
+    assert script_of([sys.executable, str(script)], cwd="/", env=env) == script
+    for argv in ([sys.executable, "-u", "train.py"],            # interpreter flags change its behaviour
+                 [sys.executable, "-m", "train"],                # a module: not a file
+                 [sys.executable, "missing.py"],                 # no such file
+                 [sys.executable, "notes.txt"],                  # not a .py file
+                 ["bash", "train.py"],                           # another program
+                 [sys.executable]):
+        assert script_of(argv, cwd=str(tmp_path), env=env) is None, argv
+
+
+def test_another_environments_interpreter_is_not_forked_from_ours(tmp_path):
+    # a virtual environment's bin/python is a symlink to the same binary, but its site-packages differ:
+    # the same real file is not enough, the directory must be ours too
+    script = _write(tmp_path / "train.py", "print('x')\n")
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (venv_bin / name).symlink_to(os.path.realpath(sys.executable))
+    env = dict(os.environ, PATH=str(venv_bin))
+    assert script_of(["python3", "train.py"], cwd=str(tmp_path), env=env) is None
+    # ... while that environment's own python and python3 are one interpreter
+    assert script_of(["python3", "train.py"], cwd=str(tmp_path), env=env, python=str(venv_bin / "python")) == script
+
+
+def test_preloads_are_the_scripts_module_level_third_party_imports(tmp_path):
+    _write(tmp_path / "helper.py", "X = 1\n")   # the script's own module: never preloaded
+    script = _write(tmp_path / "train.py", """\
+        import json, os
+        import torch
+        from torch import nn
+        import helper
+        import oomtune
+        from oomtune.integrations.lightning import OomtuneCallback
+        try:
+            import lightning.pytorch as pl
+        except ImportError:
+            pl = None
+
+        def main():
+            import transformers            # inside a function: depends on the run
+        if __name__ == "__main__":
+            from torch.utils import data   # inside an if: depends on the run
+        """)
+    assert preloads_of(script, cwd=str(tmp_path)) == ("torch", "torch:nn", "lightning.pytorch")
+    assert preloads_of(_write(tmp_path / "bad.py", "import torch\ndef (:\n"), cwd=str(tmp_path)) == ()
+
+
+# -- a forked script behaves as `python FILE ARGS` -----------------------------------------------------------
+SEMANTICS = """\
+    import atexit, os, sys, threading, time
+    atexit.register(lambda: print("atexit", flush=True))
+    def late():
+        time.sleep(0.3)
+        print("thread done", flush=True)
+    threading.Thread(target=late).start()          # non-daemon: joined before atexit handlers run
+    print("name", __name__, "file", os.path.basename(__file__))
+    print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    print("env", os.environ.get("SCRIPT_FORK_VALUE"), "cwd", os.getcwd() == os.environ["EXPECT_CWD"])
+    mode = sys.argv[1]
+    if mode == "raise":
+        raise ValueError("boom")
+    if mode == "text":
+        sys.exit("stopped: text")
+    sys.exit(int(mode))
+    """
+
+
+def _forked(servers: ScriptServers, argv: list[str], cwd: Path, env: dict[str, str], workdir: Path):
+    workdir.mkdir(parents=True, exist_ok=True)
+    handle, why = servers.launch(argv, cwd=str(cwd), env=env, workdir=workdir, grace_s=3.0,
+                                 status_file="keeper.json")
+    assert why is None, why
+    code = handle.wait(120)
+    return code, (workdir / "stdout.txt").read_text(), (workdir / "stderr.txt").read_text()
+
+
+@pytest.mark.parametrize("mode", ["0", "3", "raise", "text"])
+def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, tmp_path):
+    script = _write(tmp_path / "code" / "semantics.py", SEMANTICS)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = dict(os.environ, SCRIPT_FORK_VALUE="v-" + mode, EXPECT_CWD=str(run_dir), PYTHONPATH=str(REPO))
+    argv = [sys.executable, str(script), mode]
+    fresh = subprocess.run(argv, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
+    servers = ScriptServers()
+    try:
+        code, out, err = _forked(servers, argv, run_dir, env, tmp_path / "trial")
+    finally:
+        servers.close()
+    assert (code, out) == (fresh.returncode, fresh.stdout)
+    assert err == fresh.stderr   # the traceback starts at the script's frame, as python prints it
+    assert fresh.stdout.splitlines()[-2:] == ["thread done", "atexit"]
+
+
+# -- through the cmd target ----------------------------------------------------------------------------
+def _cmd_spec(batch: int) -> TrialSpec:
+    command = f"{sys.executable} {REPO / 'examples' / 'train_cmd.py'} --batch-size {{batch_size}} --hidden 64"
+    return TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(REPO)}}, batch_size=batch,
+                     device="cpu", budget_bytes=64 << 20, warmup_steps=1, measure_steps=2, timeout_s=240)
+
+
+def test_a_forked_cmd_trial_measures_what_the_spawned_one_does_and_keeps_its_server(tmp_path):
+    forked = TrialRunner()   # auto: python FILE.py commands are forked
+    try:
+        first = forked.run(_cmd_spec(64), workdir=tmp_path / "f1")
+        second = forked.run(_cmd_spec(128), workdir=tmp_path / "f2")
+        servers = list(forked._scripts._servers.values())
+        # one server for both trials, alive after them: the sweep for a trial's leftovers (by its
+        # environment marker) must not take the server for one of them
+        assert len(servers) == 1 and servers[0].alive
+    finally:
+        forked.close()
+    spawned = TrialRunner(launcher="spawn").run(_cmd_spec(128), workdir=tmp_path / "s")
+    for res in (first, second, spawned):
+        assert res.outcome == "ok", res.message
+        assert not res.process.leftover_processes
+    assert (first.process.launcher, second.process.launcher, spawned.process.launcher) == ("cmd-fork",) * 2 + ("cmd",)
+    assert second.memory.peak_allocated_bytes == spawned.memory.peak_allocated_bytes
+    assert second.memory.peak_reserved_bytes == spawned.memory.peak_reserved_bytes
+    assert first.memory.peak_allocated_bytes < second.memory.peak_allocated_bytes   # the batch reached the script
+
+
+def test_a_server_its_imports_make_unsafe_is_given_up_and_the_trial_spawned(tmp_path, monkeypatch):
+    # a third-party module (in a site-packages directory) that starts a Python thread when imported:
+    # forking then would copy one thread of two, so the server refuses and the trial is spawned
+    site = tmp_path / "lib" / "site-packages"   # not below the script's directory (that is the script's own)
+    _write(site / "threads_at_import.py", """\
+        import threading, time
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        """)
+    script = _write(tmp_path / "proj" / "train.py", """\
+        import threads_at_import
+        print("ran")
+        """)
+    monkeypatch.syspath_prepend(str(site))
+    assert preloads_of(script, cwd=str(script.parent)) == ("threads_at_import",)
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": f"{sys.executable} {script}",
+                                          "cwd": str(script.parent)}},
+                     batch_size=1, device="cpu", timeout_s=120)
+    runner = TrialRunner()
+    try:
+        res = runner.run(spec, workdir=tmp_path / "trial", env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}"})
+    finally:
+        runner.close()
+    assert res.process.launcher == "cmd"
+    assert "fork-safe" in res.process.launcher_fallback
+    assert (tmp_path / "trial" / "stdout.txt").read_text() == "ran\n"
