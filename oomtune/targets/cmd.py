@@ -377,11 +377,11 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
         proc, spawn_reason = forks.launch(argv, cwd=cwd or os.getcwd(), env=child_env, workdir=workdir,
                                           grace_s=grace_s, status_file=STATUS_FILE)
     if proc is None:
-        from oomtune.trial.runner import _Spawned
+        from oomtune.trial.runner import SpawnedTrial
 
         with open(workdir / "keeper.log", "wb") as log:
             try:
-                proc = _Spawned(subprocess.Popen(keeper_argv(sys.executable, argv, grace_s=grace_s, workdir=workdir),
+                proc = SpawnedTrial(subprocess.Popen(keeper_argv(sys.executable, argv, grace_s=grace_s, workdir=workdir),
                                                  cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
                                                  stderr=log, start_new_session=True))
             except OSError as exc:  # e.g. too many processes

@@ -56,7 +56,7 @@ from oomtune.trial.procwait import exited_within
 from oomtune.trial.script_fork import ScriptServers
 
 __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "group_alive", "leftovers", "LAUNCHERS",
-           "ALLOC_ENV_VARS"]
+           "ALLOC_ENV_VARS", "SpawnedTrial"]
 
 LAUNCHERS = ("auto", "fork", "spawn")
 ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -155,8 +155,10 @@ def child_environment(spec: TrialSpec, env: dict[str, str] | None = None) -> dic
     return out
 
 
-class _Spawned:
-    """A spawned trial process (same interface as :class:`ForkedTrial`)."""
+class SpawnedTrial:
+    """A spawned keeper process (same interface as :class:`oomtune.trial.forkserver.ForkedTrial`):
+    ``pid``, and ``wait(timeout)``, the exit status (negative: the signal) or None while it runs
+    after ``timeout`` seconds (None: wait until it exits)."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.pid = proc.pid
@@ -250,7 +252,7 @@ class TrialRunner:
         with open(paths["dir"] / "keeper.log", "wb") as log:
             proc = subprocess.Popen(command, cwd=paths["dir"], env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=log, start_new_session=True)
-        return _Spawned(proc), "spawn", why
+        return SpawnedTrial(proc), "spawn", why
 
     def run(self, spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None = None) -> TrialResult:
         """Run one trial in its own process and return its record (see the module docstring).

@@ -188,7 +188,7 @@ class ScriptServers:
             handle = server.launch(argv=[], cwd=cwd, stdout=str(Path(workdir) / "stdout.txt"),
                                    stderr=str(Path(workdir) / "stderr.txt"), env=env, grace_s=grace_s,
                                    status=str(Path(workdir) / status_file), script=[str(script), *argv[2:]])
-        except ForkServerError as exc:
+        except (ForkServerError, OSError, ValueError) as exc:   # the server, its pipe or its answer
             with self._lock:
                 self._failed.setdefault(key, str(exc))
             return None, str(exc)
