@@ -91,7 +91,7 @@ SEMANTICS = """\
         print("thread done", flush=True)
     threading.Thread(target=late).start()          # non-daemon: joined before atexit handlers run
     print("name", __name__, "file", os.path.basename(__file__))
-    print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    print("argv", sys.argv, "file", __file__, "path0", sys.path[0])
     print("env", os.environ.get("SCRIPT_FORK_VALUE"), "cwd", os.getcwd() == os.environ["EXPECT_CWD"])
     mode = sys.argv[1]
     if mode == "raise":
@@ -111,13 +111,14 @@ def _forked(servers: ScriptServers, argv: list[str], cwd: Path, env: dict[str, s
     return code, (workdir / "stdout.txt").read_text(), (workdir / "stderr.txt").read_text()
 
 
-@pytest.mark.parametrize("mode", ["0", "3", "raise", "text"])
-def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, tmp_path):
+@pytest.mark.parametrize("mode, relative", [("0", False), ("3", True), ("raise", False), ("text", True)])
+def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, relative, tmp_path):
     script = _write(tmp_path / "code" / "semantics.py", SEMANTICS)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = dict(os.environ, SCRIPT_FORK_VALUE="v-" + mode, EXPECT_CWD=str(run_dir), PYTHONPATH=str(REPO))
-    argv = [sys.executable, str(script), mode]
+    # sys.argv[0] is the path as typed (relative to the working directory), __file__ and sys.path[0] absolute
+    argv = [sys.executable, os.path.join("..", "code", "semantics.py") if relative else str(script), mode]
     fresh = subprocess.run(argv, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
     servers = ScriptServers()
     try:
@@ -127,6 +128,32 @@ def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, tmp_
     assert (code, out) == (fresh.returncode, fresh.stdout)
     assert err == fresh.stderr   # the traceback starts at the script's frame, as python prints it
     assert fresh.stdout.splitlines()[-2:] == ["thread done", "atexit"]
+
+
+@pytest.mark.parametrize("name, text", [
+    # a spawn-context pool: the child imports the main module again from __main__.__file__
+    ("pool.py", """\
+        import multiprocessing as mp
+        def square(x):
+            return x * x
+        if __name__ == "__main__":
+            with mp.get_context("spawn").Pool(1) as pool:
+                print(pool.map(square, [2, 3]))
+        """),
+    ("syntax.py", "print('before')\ndef broken(:\n    pass\n"),   # never runs: the error and its line only
+])
+def test_a_forked_script_that_spawns_or_does_not_compile_does_what_python_does(name, text, tmp_path):
+    script = _write(tmp_path / name, text)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = [sys.executable, name]
+    fresh = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    servers = ScriptServers()
+    try:
+        got = _forked(servers, argv, tmp_path, env, tmp_path / "trial")
+    finally:
+        servers.close()
+    assert got == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == (0 if name == "pool.py" else 1) and script.is_file()
 
 
 # -- through the cmd target ----------------------------------------------------------------------------

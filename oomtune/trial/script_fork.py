@@ -187,7 +187,7 @@ class ScriptServers:
                     raise ForkServerError(self._failed[key])
             handle = server.launch(argv=[], cwd=cwd, stdout=str(Path(workdir) / "stdout.txt"),
                                    stderr=str(Path(workdir) / "stderr.txt"), env=env, grace_s=grace_s,
-                                   status=str(Path(workdir) / status_file), script=[str(script), *argv[2:]])
+                                   status=str(Path(workdir) / status_file), script=list(argv[1:]))
         except (ForkServerError, OSError, ValueError) as exc:   # the server, its pipe or its answer
             with self._lock:
                 self._failed.setdefault(key, str(exc))

@@ -1,15 +1,18 @@
 """The main process of a forked ``target=cmd`` script (:mod:`oomtune.trial.script_fork`): run a
 file as ``python FILE ARGS`` runs it, in a process that did not start as that command.
 
-What the interpreter does for ``python FILE ARGS`` and what is done here instead (CPython 3.11+,
-``Modules/main.c`` ``pymain_run_python`` and ``Py_FinalizeEx``): ``sys.argv`` is ``[FILE, *ARGS]``;
-the file's directory is first on ``sys.path``; the file runs as module ``__main__`` (``runpy.run_path``
-installs it in ``sys.modules`` while it runs, so pickling and ``multiprocessing`` find it); SIGINT
-raises KeyboardInterrupt; at the end non-daemon threads are joined (``threading._shutdown``), then
-``atexit`` handlers run, then the standard streams are flushed. The exit status: 0, ``sys.exit(n)``'s
-n (the kernel keeps n mod 256), 1 with the message on stderr for ``sys.exit("text")``, 1 with the
-traceback on stderr (from the script's own frame: runpy's frames are not the script's) for an
-uncaught exception; an uncaught KeyboardInterrupt ends the process by SIGINT.
+What the interpreter does for ``python FILE ARGS`` (CPython 3.11+, ``Modules/main.c``
+``pymain_run_python`` and ``Py_FinalizeEx``), and so what is done here: ``sys.argv`` is
+``[FILE, *ARGS]`` as typed; ``__file__`` (and the code's file name, which tracebacks show) is that
+path joined to the working directory, not normalised; the file's real directory is first on
+``sys.path``; the file runs as module ``__main__`` (``__spec__`` and ``__package__`` None, a
+``SourceFileLoader``), installed in ``sys.modules`` so that pickling and ``multiprocessing`` find
+it; SIGINT raises KeyboardInterrupt; at the end non-daemon threads are joined
+(``threading._shutdown``), then ``atexit`` handlers run, then the standard streams are flushed.
+The exit status: 0; ``sys.exit(n)``'s n (the kernel keeps n mod 256); 1 with the message on stderr
+for ``sys.exit("text")``; 1 with the traceback on stderr for an uncaught exception (from the
+script's own frame on, as the interpreter has no frame of its own; a SyntaxError with its line
+only); an uncaught KeyboardInterrupt ends the process by SIGINT.
 """
 
 from __future__ import annotations
@@ -26,17 +29,26 @@ def run_script(argv: list[str]) -> int:
     """In a forked trial process: run ``argv[0]`` as ``python argv[0] argv[1:]`` would (see the module
     docstring) and return its exit status; never raises."""
     import atexit
-    import runpy
+    import builtins
     import signal
+    import types
+    from importlib.machinery import SourceFileLoader
 
-    path = os.path.abspath(argv[0])
+    typed = argv[0]
+    path = typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)   # not normalised, as CPython
     sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(path))
+    sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __package__=None, __spec__=None,
+                         __loader__=SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main   # for good: pickling, multiprocessing and atexit handlers find it
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = 0
     interrupted = False
     try:
-        runpy.run_path(path, run_name="__main__")
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec"), main.__dict__)
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except KeyboardInterrupt:
@@ -66,11 +78,13 @@ def _print_uncaught(path: str) -> None:
     on (as ``python SCRIPT`` prints it: without this module's and runpy's frames)."""
     kind, exc, tb = sys.exc_info()
     first = tb
-    while first is not None and os.path.abspath(first.tb_frame.f_code.co_filename) != path:
+    while first is not None and first.tb_frame.f_code.co_filename != path:
         first = first.tb_next
-    if exc is not None and first is not None:
-        exc.__traceback__ = first   # the default hook prints the exception's own traceback
-    sys.excepthook(kind, exc, first or tb)
+    if exc is not None:
+        # the default hook prints the exception's own traceback; none when the script never ran
+        # (a SyntaxError from compiling it: CPython prints the error and its line only)
+        exc.__traceback__ = first
+    sys.excepthook(kind, exc, first)
 
 
 def _exit_status(value: Any) -> int:
