@@ -339,6 +339,9 @@ def load_best(path: str | Path) -> BestConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "best.yaml"
+    if not path.exists():
+        raise BestFileError(f"cannot read {str(path)!r}: no such file; `oomtune search` writes runs/NAME/best.yaml "
+                            "(its last lines name the file)")
     # size and depth limited: a file nested 100,000 levels deep is one line, not a RecursionError
     data = read_yaml(path, what="a best.yaml", max_bytes=BEST_MAX_BYTES, error=BestFileError)
     if not isinstance(data, dict):

@@ -153,6 +153,8 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
             f"budget {text!r} is ambiguous (a number without a unit): write budget={text}MiB (or GiB, "
             f"or budget={text}B for bytes), or a fraction of the device in (0, 1] such as budget=0.9"
         )
+    if text.startswith("-"):   # a negative size: the same line as a negative number
+        raise ConfigError(f"budget {text!r} must be > 0: {_BUDGET_FORMS}")
     try:
         budget_bytes = parse_size(text)
     except ConfigError as exc:

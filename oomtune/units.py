@@ -24,7 +24,7 @@ _UNITS = {
     "g": GiB, "gb": 1000**3, "gib": GiB,
     "t": TiB, "tb": 1000**4, "tib": TiB,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int | float) -> int:
@@ -50,7 +50,9 @@ def parse_size(text: str | int | float) -> int:
                 f"invalid size {text!r}: expected a number with a unit such as 512MiB, 16GiB or 1.5GB"
             )
         value, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(value) or value < 0:
+    if value < 0:
+        raise ConfigError(f"invalid size {text!r}: a size cannot be negative; give e.g. 512MiB")
+    if not math.isfinite(value):
         raise ConfigError(f"invalid size {text!r}: must be a finite number >= 0")
     return int(value * _UNITS[unit])
 

@@ -268,6 +268,36 @@ def test_a_budget_number_above_one_without_a_unit_is_ambiguous_whatever_its_size
     assert f"budget={budget}B for bytes" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("given", ["-1GiB", "-0.5", "0MiB"])
+def test_a_budget_not_above_zero_says_so_with_or_without_a_unit(tmp_path, capsys, given):
+    rc = main(["search", "model=mlp", "device=cpu", f"budget={given}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"oomtune: error: budget '{given}' must be > 0: give a size such as budget=16GiB"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_negative_size_is_named_as_negative():
+    from oomtune.exceptions import ConfigError
+    from oomtune.units import parse_size
+
+    with pytest.raises(ConfigError, match=r"^invalid size '-2MiB': a size cannot be negative; give e.g. 512MiB$"):
+        parse_size("-2MiB")
+    assert parse_size("+2MiB") == 2 * 2**20
+
+
+@pytest.mark.parametrize("command", [["env"], ["check"], ["check", "--mode", "predict"], ["show"]])
+def test_a_missing_best_yaml_says_which_command_writes_one(tmp_path, capsys, command):
+    missing = tmp_path / "runs" / "nope" / "best.yaml"
+    if command == ["show"]:
+        missing = missing.parent   # show reads a run directory
+    assert main([command[0], str(missing), *command[1:]]) == 2
+    line = _one_error_line(capsys)
+    assert f"cannot read {str(missing)!r}" in line
+    if command != ["show"]:
+        assert "`oomtune search` writes runs/NAME/best.yaml" in line, line
+
+
 @pytest.mark.parametrize("budget, expected", [
     ("1024MiB", ("bytes", 1024 * 2**20)),
     ("17179869184B", ("bytes", 16 * 2**30)),     # the byte count, said as bytes

@@ -106,6 +106,18 @@ def test_bad_gpu_is_one_line_exit_2_before_best_yaml_is_read(args, words, tmp_pa
     assert len(err) == 1 and words in err[0], err
 
 
+@pytest.mark.parametrize("typed, meant", [
+    ("h100", "h100-80gb"),     # the whole card, not one of its MIG slices (the shortest name with that start)
+    ("h100x", "h100-80gb"),    # a stray character: the longest shared start is "h100"
+    ("A1000", "a100-40gb"),    # case is ignored; a100-40gb comes before a100-80gb in the catalogue
+    ("rtx40", "rtx4090"),
+])
+def test_a_mistyped_card_gets_the_card_it_most_likely_meant(typed, meant, tmp_path, capsys):
+    assert main(["check", str(tmp_path / "no-such-best.yaml"), "--gpu", typed]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"(copy one of oomtune's conf/devices/*.yaml); did you mean {meant!r}?")
+
+
 def test_a_card_file_without_memory_is_refused(tmp_path, capsys):
     data = yaml.safe_load((catalogue()["l4"].path and open(catalogue()["l4"].path).read()))
     data.update(name="my-l4", total_memory_bytes=None)

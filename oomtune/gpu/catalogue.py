@@ -253,6 +253,23 @@ def card_named(name: str) -> Card | None:
     return None
 
 
+
+def _closest_card(text: str) -> str | None:
+    """The catalogue card a mistyped name most likely meant: among the names sharing the longest
+    leading part (at least 2 characters) with ``text``, the shortest (a whole card before its MIG
+    slices: ``h100x`` -> ``h100-80gb``); else :func:`difflib.get_close_matches`' best; else None."""
+    import difflib
+
+    names = list(catalogue())
+    text = text.strip().lower()
+    for k in range(len(text), 1, -1):
+        hits = [n for n in names if n.startswith(text[:k])]
+        if hits:
+            return min(hits, key=len)
+    close = difflib.get_close_matches(text, names, n=1)
+    return close[0] if close else None
+
+
 def resolve_cards(value: Any, *, flag: str = "gpu=") -> list[Card]:
     """The cards of a ``gpu=`` value: a catalogue name, a YAML file path, a list of either, or
     ``all`` (every catalogue card with a memory figure). Duplicates are dropped, order is kept.
@@ -278,8 +295,10 @@ def resolve_cards(value: Any, *, flag: str = "gpu=") -> list[Card]:
         card = card_named(text)
         if card is None:
             names = ", ".join(catalogue())
+            close = _closest_card(text)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(f"{flag}{text!r}: unknown card; choose from {names}, all, or give a card YAML file "
-                              "(copy one of oomtune's conf/devices/*.yaml)")
+                              f"(copy one of oomtune's conf/devices/*.yaml){hint}")
         out.append(card)
     seen: set[str] = set()
     return [c for c in out if not (c.name in seen or seen.add(c.name))]
