@@ -36,8 +36,16 @@ def test_only_this_interpreter_running_a_py_file_is_a_script(tmp_path):
     env = dict(os.environ)
     assert script_of([sys.executable, "train.py", "--lr", "3"], cwd=str(tmp_path), env=env) == script
     assert script_of([sys.executable, str(script)], cwd="/", env=env) == script
+    # -m: a module of the working directory (-m puts it first on sys.path), a module or a package's __main__
+    _write(tmp_path / "pkg" / "__init__.py", "")
+    main = _write(tmp_path / "pkg" / "__main__.py", "print('pkg')\n")
+    assert script_of([sys.executable, "-m", "train", "--lr", "3"], cwd=str(tmp_path), env=env) == script
+    assert script_of([sys.executable, "-m", "pkg"], cwd=str(tmp_path), env=env) == main
     for argv in ([sys.executable, "-u", "train.py"],            # interpreter flags change its behaviour
-                 [sys.executable, "-m", "train"],                # a module: not a file
+                 [sys.executable, "-m", "torch.distributed.run", "train.py"],   # installed: torchrun's launcher
+                 [sys.executable, "-m", "missing"],
+                 [sys.executable, "-m", "not a name"],
+                 [sys.executable, "-m"],
                  [sys.executable, "missing.py"],                 # no such file
                  [sys.executable, "notes.txt"],                  # not a .py file
                  ["bash", "train.py"],                           # another program
@@ -128,6 +136,32 @@ def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, rela
     assert (code, out) == (fresh.returncode, fresh.stdout)
     assert err == fresh.stderr   # the traceback starts at the script's frame, as python prints it
     assert fresh.stdout.splitlines()[-2:] == ["thread done", "atexit"]
+
+
+@pytest.mark.parametrize("argv", [["-m", "trainpkg.semantics", "3"], ["-m", "trainpkg.semantics", "raise"],
+                                  ["-m", "trainpkg.missing"]])
+def test_a_forked_module_runs_as_python_dash_m_runs_it(argv, tmp_path):
+    # the module's tracebacks keep runpy's frames, as CPython's do; a missing module is one line, exit 1
+    _write(tmp_path / "trainpkg" / "__init__.py", "")
+    _write(tmp_path / "trainpkg" / "semantics.py", SEMANTICS)
+    env = dict(os.environ, SCRIPT_FORK_VALUE="m", EXPECT_CWD=str(tmp_path), PYTHONPATH=str(REPO))
+    command = [sys.executable, *argv]
+    fresh = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    servers = ScriptServers()
+    try:
+        workdir = tmp_path / "trial"
+        workdir.mkdir()
+        handle, why = servers.launch(command, cwd=str(tmp_path), env=env, workdir=workdir, grace_s=3.0,
+                                     status_file="keeper.json")
+        if argv[1] == "trainpkg.missing":   # nothing to fork: the interpreter itself says so
+            assert handle is None and "python -m MODULE" in why
+            assert fresh.returncode == 1 and "No module named trainpkg.missing" in fresh.stderr
+            return
+        got = (handle.wait(120), (workdir / "stdout.txt").read_text(), (workdir / "stderr.txt").read_text())
+    finally:
+        servers.close()
+    assert got == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.stdout.startswith("name __main__ file semantics.py\nargv ['" + str(tmp_path / "trainpkg"))
 
 
 @pytest.mark.parametrize("name, text", [

@@ -367,7 +367,7 @@ class ForkServerClient:
                status: str | None = None, script: list[str] | None = None) -> ForkedTrial:
         """Ask the server to fork one trial process (its keeper: ``grace_s`` between SIGTERM and
         SIGKILL, its status file ``status``; :mod:`oomtune.trial.keeper`). ``script``: the main
-        process runs ``python SCRIPT ARGS`` (``[SCRIPT, *ARGS]``,
+        process runs ``python SCRIPT ARGS`` (``[SCRIPT, *ARGS]``, or ``["-m", MODULE, *ARGS]``,
         :func:`oomtune.trial.script_main.run_script`) instead of the trial child on ``argv``.
 
         Raises:

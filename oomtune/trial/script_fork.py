@@ -3,7 +3,8 @@
 A training script pays its imports in every trial: on a 2-core CPU ``import torch`` takes about 2.5 s
 of CPU, ``import lightning.pytorch`` about 9 s and ``from transformers import Trainer`` about 8 s,
 more than the steps a trial measures. When a command is exactly this interpreter running a
-``.py`` file (``python train.py --lr 3e-4``, ``{sys.executable} train.py``), the trial runs it in a
+``.py`` file (``python train.py --lr 3e-4``, ``{sys.executable} train.py``) or a module of its
+working directory (``python -m train``, ``python -m pkg.train``), the trial runs it in a
 process forked from a fork server (:mod:`oomtune.trial.forkserver`) that imported, once, the
 third-party modules the script imports at module level (read from its source, not run), and
 torch. The forked process is the trial's keeper's main process as a spawned command would be
@@ -25,8 +26,9 @@ What a preloaded import could see differently, and why it does not:
 * CUDA, threads. The server's checks apply (no CUDA initialised, no libcuda mapped, no thread
   started after its imports: OpenBLAS pools, which scipy's and numpy's imports start, register
   ``pthread_atfork`` handlers); a server that is not fork-safe is given up and the trial is
-  spawned, as is any command that is not exactly ``python FILE.py ...`` (flags such as ``-u`` or
-  ``-m``, a shell command, another interpreter or virtual environment, ``torchrun``).
+  spawned, as is any command that is not exactly ``python FILE.py ...`` or ``python -m MODULE ...``
+  with the module in the working directory (flags such as ``-u``, an installed module such as
+  ``torch.distributed.run``, a shell command, another interpreter or virtual environment, ``torchrun``).
 * The answer. The winner is confirmed in a freshly spawned process (the confirmation runner's
   ``launcher="spawn"``), so a configuration is never recommended on the strength of a forked run
   alone; ``trial.launcher=spawn`` spawns every trial.
@@ -55,30 +57,52 @@ _NEVER = frozenset({"oomtune"})
 
 
 def script_of(argv: list[str], *, cwd: str, env: dict[str, str], python: str = sys.executable) -> Path | None:
-    """The script a command runs when it is exactly ``PYTHON FILE.py [ARGS...]`` with ``PYTHON`` this
-    interpreter (the same file, or a name in its directory resolving to the same binary: ``python``
-    and ``python3`` of one virtual environment); else None (the command is spawned).
+    """The file a command runs when it is exactly ``PYTHON FILE.py [ARGS...]`` or ``PYTHON -m MODULE
+    [ARGS...]`` with ``PYTHON`` this interpreter (the same file, or a name in its directory resolving
+    to the same binary: ``python`` and ``python3`` of one virtual environment) and ``MODULE`` a module
+    of the working directory (``-m`` puts it first on ``sys.path``: ``MODULE.py``, or a package's
+    ``__main__.py``); else None (the command is spawned: other flags, an installed module such as
+    ``torch.distributed.run``, another program).
 
     Args:
         argv: the command's words (not a shell command).
         cwd: the command's working directory (relative paths are resolved against it).
         env: the command's environment (``PATH`` finds a bare interpreter name).
     """
-    if len(argv) < 2 or not argv[1].endswith(".py") or argv[1].startswith("-"):
+    if len(argv) < 2 or not _same_interpreter(argv[0], cwd=cwd, env=env, python=python):
         return None
-    prog = argv[0]
+    if argv[1] == "-m":
+        return _module_file(argv[2], cwd) if len(argv) > 2 else None
+    if not argv[1].endswith(".py") or argv[1].startswith("-"):
+        return None
+    script = Path(argv[1]) if os.path.isabs(argv[1]) else Path(cwd) / argv[1]
+    return script if script.is_file() else None
+
+
+def _same_interpreter(prog: str, *, cwd: str, env: dict[str, str], python: str) -> bool:
+    """Whether the program ``prog`` is the interpreter ``python``: in its directory (one environment)
+    and the same binary."""
     if "/" in prog:
         found: str | None = prog if os.path.isabs(prog) else os.path.join(cwd, prog)
     else:
         found = shutil.which(prog, path=env.get("PATH", os.defpath))
     if not found:
+        return False
+    ours, found = os.path.abspath(python), os.path.abspath(found)
+    return os.path.dirname(found) == os.path.dirname(ours) and os.path.realpath(found) == os.path.realpath(ours)
+
+
+def _module_file(name: str, cwd: str) -> Path | None:
+    """The file ``python -m name`` runs from the directory ``cwd`` (``a/b.py`` or ``a/b/__main__.py``),
+    found without importing anything; None when it is not there (an installed module, a bad name)."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
         return None
-    ours = os.path.abspath(python)
-    found = os.path.abspath(found)
-    if os.path.dirname(found) != os.path.dirname(ours) or os.path.realpath(found) != os.path.realpath(ours):
-        return None
-    script = Path(argv[1]) if os.path.isabs(argv[1]) else Path(cwd) / argv[1]
-    return script if script.is_file() else None
+    base = Path(cwd).joinpath(*parts)
+    for candidate in (base.with_name(parts[-1] + ".py"), base / "__main__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _third_party(top: str, local_dirs: tuple[str, ...]) -> bool:
@@ -163,7 +187,7 @@ class ScriptServers:
         """
         script = script_of(argv, cwd=cwd, env=env, python=self.python)
         if script is None:
-            return None, "not a `python FILE.py` command of this interpreter"
+            return None, "not a `python FILE.py` or `python -m MODULE` command of this interpreter"
         if any(f"backend:{b}" in env.get(v, "") for v in _PER_TRIAL for b in ("cudaMallocAsync",)):
             return None, "backend:cudaMallocAsync is read at import; the fork server runs backend native"
         preloads = preloads_of(script, cwd=cwd)

@@ -1,8 +1,10 @@
 """The main process of a forked ``target=cmd`` script (:mod:`oomtune.trial.script_fork`): run a
 file as ``python FILE ARGS`` runs it, in a process that did not start as that command.
 
-What the interpreter does for ``python FILE ARGS`` (CPython 3.11+, ``Modules/main.c``
-``pymain_run_python`` and ``Py_FinalizeEx``), and so what is done here: ``sys.argv`` is
+``python -m MODULE ARGS`` is run as the interpreter runs it: ``runpy._run_module_as_main`` with the
+working directory first on ``sys.path``, in a fresh ``__main__`` module. What the interpreter does
+for ``python FILE ARGS`` (CPython 3.11+, ``Modules/main.c`` ``pymain_run_python`` and
+``Py_FinalizeEx``), and so what is done here: ``sys.argv`` is
 ``[FILE, *ARGS]`` as typed; ``__file__`` (and the code's file name, which tracebacks show) is that
 path joined to the working directory, not normalised; the file's real directory is first on
 ``sys.path``; the file runs as module ``__main__`` (``__spec__`` and ``__package__`` None, a
@@ -26,29 +28,42 @@ __all__ = ["run_script"]
 
 
 def run_script(argv: list[str]) -> int:
-    """In a forked trial process: run ``argv[0]`` as ``python argv[0] argv[1:]`` would (see the module
-    docstring) and return its exit status; never raises."""
+    """In a forked trial process: run ``argv`` (``[FILE, *ARGS]`` or ``["-m", MODULE, *ARGS]``) as
+    ``python`` followed by those words would (see the module docstring) and return its exit status;
+    never raises."""
     import atexit
     import builtins
     import signal
     import types
     from importlib.machinery import SourceFileLoader
 
-    typed = argv[0]
-    path = typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)   # not normalised, as CPython
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __package__=None, __spec__=None,
-                         __loader__=SourceFileLoader("__main__", path))
+    main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main   # for good: pickling, multiprocessing and atexit handlers find it
+    module = argv[1] if argv[0] == "-m" else None
+    if module is not None:   # python -m MODULE ARGS: the working directory first, runpy does the rest
+        path = None
+        sys.argv = ["-m", *argv[2:]]   # runpy puts the module's file in argv[0]
+        sys.path.insert(0, os.getcwd())
+    else:
+        typed = argv[0]
+        path = typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)   # not normalised, as CPython
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+        main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                             __loader__=SourceFileLoader("__main__", path))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = 0
     interrupted = False
     try:
-        with open(path, "rb") as f:
-            source = f.read()
-        exec(compile(source, path, "exec"), main.__dict__)
+        if module is not None:
+            import runpy
+
+            runpy._run_module_as_main(module, alter_argv=True)   # type: ignore[attr-defined]  # what -m calls
+        else:
+            with open(path, "rb") as f:
+                source = f.read()
+            exec(compile(source, path, "exec"), main.__dict__)
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except KeyboardInterrupt:
@@ -73,12 +88,16 @@ def run_script(argv: list[str]) -> int:
     return code
 
 
-def _print_uncaught(path: str) -> None:
-    """The uncaught exception's traceback through ``sys.excepthook``, from the script's own frame
-    on (as ``python SCRIPT`` prints it: without this module's and runpy's frames)."""
+def _print_uncaught(path: str | None) -> None:
+    """The uncaught exception's traceback through ``sys.excepthook``, as the interpreter prints it:
+    from the script's own frame on (``path``), or for ``-m`` (None) from runpy's frames on (the
+    interpreter calls runpy, whose frames CPython shows); never this module's frame."""
     kind, exc, tb = sys.exc_info()
     first = tb
-    while first is not None and first.tb_frame.f_code.co_filename != path:
+    if path is None:
+        while first is not None and first.tb_frame.f_code.co_filename == __file__:
+            first = first.tb_next
+    while path is not None and first is not None and first.tb_frame.f_code.co_filename != path:
         first = first.tb_next
     if exc is not None:
         # the default hook prints the exception's own traceback; none when the script never ran
