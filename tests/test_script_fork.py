@@ -67,6 +67,18 @@ def test_another_environments_interpreter_is_not_forked_from_ours(tmp_path):
     assert script_of(["python3", "train.py"], cwd=str(tmp_path), env=env, python=str(venv_bin / "python")) == script
 
 
+def test_a_trial_with_another_backend_is_spawned_before_any_server_starts(tmp_path):
+    # torch reads backend when it is imported, and every server imported torch with backend native
+    script = _write(tmp_path / "train.py", "print('x')\n")
+    servers = ScriptServers()
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync",
+               PYTORCH_ALLOC_CONF="backend:cudaMallocAsync")
+    handle, why = servers.launch([sys.executable, str(script)], cwd=str(tmp_path), env=env, workdir=tmp_path,
+                                 grace_s=3.0, status_file="keeper.json")
+    assert handle is None and why == "backend:cudaMallocAsync is read at import; the fork server runs backend native"
+    assert servers._servers == {}
+
+
 def test_preloads_are_the_scripts_module_level_third_party_imports(tmp_path):
     _write(tmp_path / "helper.py", "X = 1\n")   # the script's own module: never preloaded
     script = _write(tmp_path / "train.py", """\

@@ -61,7 +61,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES"]
+__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES", "backend_refusal"]
 
 #: Imported by the server before it announces itself ready (import only: nothing is executed).
 PRELOAD_MODULES = (
@@ -89,6 +89,15 @@ def _native_threads() -> int | None:
 
 #: True in a trial process forked from the server (read by the child's test hook ``bad_fork``).
 IN_FORKED_TRIAL = False
+
+
+def backend_refusal(backend: str | None) -> str | None:
+    """Why a trial whose allocator string sets ``backend`` cannot be forked from a server, or None:
+    torch reads ``backend`` when ``import torch`` loads libc10_cuda, and every server imported torch
+    with the allocator variables unset (backend native)."""
+    if backend in (None, "native"):
+        return None
+    return f"backend:{backend} is read at import; the fork server runs backend native"
 
 
 def libcuda_loaded(maps_path: str = "/proc/self/maps") -> bool:
@@ -331,6 +340,15 @@ class ForkServerClient:
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def unsafe_reason(self) -> str | None:
+        """Why the started server must not fork (its hello message, or a launch's answer, said CUDA
+        is initialised or the CUDA driver library is mapped into it), or None."""
+        if self.info.get("cuda_initialized"):
+            return "the fork server's torch has initialised CUDA"
+        if self.info.get("libcuda_loaded"):
+            return "the fork server has the CUDA driver library (libcuda.so) loaded"
+        return None
 
     def start(self, timeout_s: float = 120.0) -> dict[str, Any]:
         """Start the server and wait until it has imported everything (its hello message).

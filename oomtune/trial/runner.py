@@ -47,7 +47,7 @@ from oomtune.classify import classify_failure
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, get_target, target_name
-from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+from oomtune.trial.forkserver import ForkServerClient, ForkServerError, backend_refusal
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE,
@@ -204,10 +204,7 @@ class TrialRunner:
             return "spawn requested"
         if not hasattr(os, "fork") or (self.launcher == "auto" and not sys.platform.startswith("linux")):
             return "fork unavailable on this platform"
-        backend = settings.as_mapping().get("backend")
-        if backend not in (None, "native"):
-            return f"backend:{backend} is read at import; the fork server runs backend native"
-        return self._server_failed
+        return backend_refusal(settings.as_mapping().get("backend")) or self._server_failed
 
     def _fork_server(self) -> ForkServerClient:
         with self._lock:
@@ -237,10 +234,9 @@ class TrialRunner:
         if why is None:
             try:
                 server = self._fork_server()
-                if server.info.get("cuda_initialized"):
-                    raise ForkServerError("the fork server's torch has initialised CUDA")
-                if server.info.get("libcuda_loaded"):
-                    raise ForkServerError("the fork server has the CUDA driver library (libcuda.so) loaded")
+                unsafe = server.unsafe_reason()
+                if unsafe:
+                    raise ForkServerError(unsafe)
                 handle = server.launch(argv=argv, cwd=str(paths["dir"]), stdout=str(paths["stdout"]),
                                        stderr=str(paths["stderr"]), env=env, grace_s=self.grace_s,
                                        status=str(paths["dir"] / STATUS_FILE))

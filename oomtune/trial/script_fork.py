@@ -45,7 +45,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+from oomtune.trial.forkserver import ForkServerClient, ForkServerError, backend_refusal
 
 __all__ = ["script_of", "preloads_of", "server_key", "ScriptServers"]
 
@@ -188,8 +188,12 @@ class ScriptServers:
         script = script_of(argv, cwd=cwd, env=env, python=self.python)
         if script is None:
             return None, "not a `python FILE.py` or `python -m MODULE` command of this interpreter"
-        if any(f"backend:{b}" in env.get(v, "") for v in _PER_TRIAL for b in ("cudaMallocAsync",)):
-            return None, "backend:cudaMallocAsync is read at import; the fork server runs backend native"
+        from oomtune.alloc.settings import AllocatorSettings
+
+        conf = next((env[v] for v in _PER_TRIAL if env.get(v)), "")   # the trial's string (both hold it)
+        refusal = backend_refusal(AllocatorSettings.parse(conf).as_mapping().get("backend"))
+        if refusal:
+            return None, refusal
         preloads = preloads_of(script, cwd=cwd)
         key = server_key(env, cwd, preloads)
         try:
@@ -206,9 +210,10 @@ class ScriptServers:
                         self._failed[key] = str(exc)
                         raise
                     self._servers[key] = server
-                if server.info.get("cuda_initialized") or server.info.get("libcuda_loaded"):
-                    self._failed[key] = "the script's imports loaded the CUDA driver in the fork server"
-                    raise ForkServerError(self._failed[key])
+                unsafe = server.unsafe_reason()   # the script's imports touched CUDA in the server
+                if unsafe:
+                    self._failed[key] = unsafe
+                    raise ForkServerError(unsafe)
             handle = server.launch(argv=[], cwd=cwd, stdout=str(Path(workdir) / "stdout.txt"),
                                    stderr=str(Path(workdir) / "stderr.txt"), env=env, grace_s=grace_s,
                                    status=str(Path(workdir) / status_file), script=list(argv[1:]))
