@@ -378,6 +378,23 @@ def test_show_piped_keeps_the_best_line_whole_however_long_it_is(tmp_path, monke
     assert len(expected) > 200   # wider than a piped console: it would have been broken
 
 
+def test_show_names_the_default_allocator_as_the_search_summary_does(tmp_path, capsys, monkeypatch):
+    from oomtune.cli import main
+    from oomtune.search.outputs import BEST_ATTR
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    s = optuna.create_study(study_name="s", storage=url, direction="maximize")
+    _trial(s, batch=96, conf="", role="baseline", throughput=10.0, reserved=500 * MiB)
+    best = {"best": {"batch_size": 96, "alloc_conf": "", "trial_number": 0, "metrics_trial_number": 0,
+                     "confirmed": False}}
+    s._storage.set_study_system_attr(s._study_id, BEST_ATTR, best)
+    capsys.readouterr()
+    assert main(["show", "--storage", url, "--study", "s"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("best (recorded"))
+    assert line.startswith("best (recorded in the study): batch 96, the default allocator"), line
+
+
 def test_piped_console_is_wide_and_never_breaks_a_line(monkeypatch, capsys):
     """output_console off a terminal: COLUMNS when set (else 200) for tables, and a text line of any
     length stays one line; a COLUMNS that is not a positive number is ignored."""

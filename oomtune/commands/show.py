@@ -126,6 +126,6 @@ def run(args: argparse.Namespace) -> int:
 
         trials = trials_text(best)
         console.print(f"best (recorded in the study): batch {best.get('batch_size')}, "
-                      f"{best.get('alloc_conf') or '(default allocator)'}" + (f"; {trials}" if trials else ""),
+                      f"{best.get('alloc_conf') or 'the default allocator'}" + (f"; {trials}" if trials else ""),
                       highlight=False, markup=False)
     return 0
