@@ -61,7 +61,8 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES", "backend_refusal"]
+__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES", "backend_refusal",
+           "ALLOC_ENV_VARS"]
 
 #: Imported by the server before it announces itself ready (import only: nothing is executed).
 PRELOAD_MODULES = (
@@ -76,7 +77,8 @@ PRELOAD_MODULES = (
 )
 
 
-_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: The allocator string's variables (torch reads either): no server is started with them (backend native).
+ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _BASELINE_THREADS: list[int] = []  # native thread count once the server is ready (set in serve())
 
 
@@ -357,7 +359,7 @@ class ForkServerClient:
             ForkServerError: it did not come up within ``timeout_s`` seconds.
         """
         env = {k: v for k, v in (os.environ if self.env is None else self.env).items()
-               if k not in _ALLOC_VARS}  # backend: native
+               if k not in ALLOC_ENV_VARS}  # backend: native
         argv = [self.python, "-m", "oomtune.trial.forkserver"]
         if self.modules is not None:
             argv += ["--modules", ",".join(self.modules)]

@@ -47,7 +47,7 @@ from oomtune.classify import classify_failure
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, get_target, target_name
-from oomtune.trial.forkserver import ForkServerClient, ForkServerError, backend_refusal
+from oomtune.trial.forkserver import ALLOC_ENV_VARS, ForkServerClient, ForkServerError, backend_refusal
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.oomkill import OomKillWatch
 from oomtune.trial.record import (EXECUTE_MODES, MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE,
@@ -59,7 +59,6 @@ __all__ = ["run_trial", "TrialRunner", "validate_spec", "child_environment", "gr
            "ALLOC_ENV_VARS", "SpawnedTrial"]
 
 LAUNCHERS = ("auto", "fork", "spawn")
-ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _STDERR_TAIL_CHARS = 4000
 #: Bytes read from the end of a trial's stderr for the classifier (by seeking: the file may be MiBs).
 _STDERR_TAIL_BYTES = 16384

@@ -45,13 +45,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from oomtune.trial.forkserver import ForkServerClient, ForkServerError, backend_refusal
+from oomtune.trial.forkserver import ALLOC_ENV_VARS, ForkServerClient, ForkServerError, backend_refusal
 
 __all__ = ["script_of", "preloads_of", "server_key", "ScriptServers"]
 
 #: Variables that differ between the trials of one search (never part of a server's identity).
 _PER_TRIAL_PREFIX = "OOMTUNE_"
-_PER_TRIAL = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 #: Top-level packages never preloaded: oomtune's own (its integrations read the trial's variables).
 _NEVER = frozenset({"oomtune"})
 
@@ -159,7 +158,7 @@ def server_key(env: dict[str, str], cwd: str, preloads: tuple[str, ...]) -> tupl
     """What a script server is shared on: its preloads, working directory and the environment less
     the per-trial variables (``OOMTUNE_*``, the allocator string)."""
     fixed = tuple(sorted((k, v) for k, v in env.items()
-                         if not k.startswith(_PER_TRIAL_PREFIX) and k not in _PER_TRIAL))
+                         if not k.startswith(_PER_TRIAL_PREFIX) and k not in ALLOC_ENV_VARS))
     return preloads, cwd, fixed
 
 
@@ -190,7 +189,7 @@ class ScriptServers:
             return None, "not a `python FILE.py` or `python -m MODULE` command of this interpreter"
         from oomtune.alloc.settings import AllocatorSettings
 
-        conf = next((env[v] for v in _PER_TRIAL if env.get(v)), "")   # the trial's string (both hold it)
+        conf = next((env[v] for v in ALLOC_ENV_VARS if env.get(v)), "")   # the trial's string (both hold it)
         refusal = backend_refusal(AllocatorSettings.parse(conf).as_mapping().get("backend"))
         if refusal:
             return None, refusal
