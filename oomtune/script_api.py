@@ -340,7 +340,11 @@ class CaptureHook:
 
             self._tee = StreamSink()
         self._recording_sim = _RecordingSim(self.sim, self)
-        self._vgpu = VirtualGPU(self._recording_sim, device=self.device, gpu=os.environ.get(GPU_ENV) or None, tee=self._tee)
+        # the target GPU's cuBLAS workspaces: the main thread's once the hook's tensors are registered (as a
+        # trial's virtual GPU has it, so a recording agrees with a plan of the same step), the autograd
+        # thread's at its first backward BLAS op
+        self._vgpu = VirtualGPU(self._recording_sim, device=self.device, gpu=os.environ.get(GPU_ENV) or None,
+                                tee=self._tee, blas_workspaces="default")
         _ACTIVE.append(self)
         self._vgpu.__enter__()
         self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
@@ -462,7 +466,9 @@ def capture_hook(model: Any = None, optimizer: Any = None, *tensors: Any, device
 
     Limits: all CPU tensors of the main thread count as device memory (loader decode and collation
     on the main thread are over-counted; DataLoader workers are separate processes and not counted);
-    no cuBLAS/cuDNN workspaces (see :mod:`oomtune.capture.recorder`).
+    the target GPU's cuBLAS workspaces are added (:func:`oomtune.capture.blas_workspace.
+    cuda_run_workspaces`: the main thread's after the hook's tensors, the autograd thread's at the
+    first backward BLAS op), cuDNN's are not (see :mod:`oomtune.capture.recorder`).
 
     Use as ``hook = capture_hook(model, opt)`` (runs until exit) or ``with capture_hook(model, opt):``.
 

@@ -23,6 +23,13 @@ same tree (CHANGELOG, 2026-12-05): 2 workers kept the cores 82% busy (1428 s), 3
 
 ``pg``: a throwaway PostgreSQL server per test module that asks for it (tests/pg_server.py: skipped
 where the OS package is missing, a failure under CI).
+
+cuBLAS workspaces: every virtual-GPU figure holds the target GPU's two cuBLAS workspaces (8 MiB + 128 KiB
+each on the default A100, one 20 MiB segment: oomtune.capture.blas_workspace), sized by
+``CUBLAS_WORKSPACE_CONFIG``, which is therefore unset for the session (torch's default, whatever the
+developer's shell says). ``no_cublas_workspaces`` sets ``:0:0`` (torch then allocates none) for a test whose
+hand calculation is about other requests on a device of a few MiB; tests/test_non_allocator.py and
+tests/test_cublas_workspaces.py check the workspaces themselves.
 """
 
 import os
@@ -34,6 +41,15 @@ os.environ["OOMTUNE_CACHE_DIR"] = "off"
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ["OOMTUNE_ALLOW_DIRTY"] = "1"
+os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@pytest.fixture
+def no_cublas_workspaces(monkeypatch):
+    """``CUBLAS_WORKSPACE_CONFIG=:0:0`` for this test and the processes it starts: torch's
+    ``getNewWorkspace`` asks the allocator for 0 bytes, which allocates nothing, so the virtual GPU holds
+    only the step's own requests (see the module docstring)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -62,7 +78,7 @@ def pg():
 # baseline's probes). The search runs once per test session, shared by the xdist workers.
 GLOBAL_BATCH_LOOP_COMMAND = "{py} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"
 GLOBAL_BATCH_LOOP_OVERRIDES = [
-    "device=cpu", "budget=24MiB", "search.global_batch=16", "search.batch_size.low=1",
+    "device=cpu", "budget=44MiB", "search.global_batch=16", "search.batch_size.low=1",
     "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
     "search.space.garbage_collection_threshold=[null]", "trial.measure_steps=1", "trial.confirm_steps=2",
     "trial.timeout=600"]

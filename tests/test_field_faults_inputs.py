@@ -311,6 +311,7 @@ def test_item9_readme_documents_the_cpu_wheel():
 
 
 @pytest.mark.parametrize("headroom, code", [(0.05, 1), (0.0, 0), (None, 0)])
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_item9_check_uses_the_search_limit(headroom, code, tmp_path, capsys):
     """The tiny MLP needs exactly one kSmallBuffer segment, 2 MiB = 2,097,152 bytes reserved (hand
     calculation in tests/test_regression_check.py). Budget 2,202,010 bytes (2.1 MiB): with the search's

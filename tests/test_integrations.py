@@ -163,7 +163,7 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
         monkeypatch.chdir(REPO)
         run = tmp_path / name
         cmd = command.format(py=sys.executable)
-        code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=24MiB",
+        code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=44MiB",
                      "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
                      "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
                      "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600", f"hydra.run.dir={run}"])

@@ -266,7 +266,7 @@ def test_a_capture_the_host_cannot_hold_bounds_the_sizes_with_a_note_instead_of_
 def test_a_ddp_search_over_a_range_far_beyond_the_host_starts_its_trials(tmp_path):
     run = tmp_path / "run"
     proc, _ = _cli(["search", "model=transformer", "model.layers=2", "model.d_model=64", "model.heads=2",
-                    "model.seq_len=32", "model.vocab_size=512", "budget=8MiB", "search.batch_size.low=4",
+                    "model.seq_len=32", "model.vocab_size=512", "budget=28MiB", "search.batch_size.low=4",
                     f"search.batch_size.high={1 << 20}", "trial.gpus=2", "model.parallel=ddp",
                     f"hydra.run.dir={run}"], tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

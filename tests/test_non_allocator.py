@@ -42,12 +42,16 @@ def test_plan_geometry_on_a_real_device_leaves_the_context_outside_the_fraction(
     ("h100", 4096 * 8 * 1024),               # sm90: 32 MiB (getChosenWorkspaceSize, CublasHandlePool.cpp)
     ("a100", 4096 * 1024 * 2 + 16 * 1024 * 8),   # below sm90: ':4096:2:16:8' = 8,519,680 bytes
 ])
-def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_not(gpu, workspace):
+def test_a_plan_for_a_real_gpu_and_for_the_virtual_gpu_both_hold_the_target_gpus_cublas_workspaces(
+        gpu, workspace, monkeypatch):
     """Two requests of the target GPU's workspace size (the forward's and the autograd thread's
-    workspaces) that stay live: the real-device capture requests exactly two more than the simulated
-    one, each of the size torch chooses for the target's compute capability."""
+    workspaces) that stay live, on a real device's plan and on the virtual GPU's alike: they are
+    caching-allocator memory of every CUDA run. ``CUBLAS_WORKSPACE_CONFIG=:0:0`` asks torch's
+    ``getNewWorkspace`` for 0 bytes, which allocates nothing (``NativeCachingAllocator::allocate``
+    mallocs only when ``size != 0``): then the stream holds none, and the rest is the same."""
     from oomtune.plan.predictor import Predictor
 
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     mlp = {"name": "mlp", "in_features": 8, "hidden": 16, "layers": 1, "num_classes": 4, "gpu": gpu}
     device = TargetDevice("cuda:0", "cuda", 0, gpu.upper(), 80 * GiB, False)
     cpu = TargetDevice("cpu", "cpu", None, "cpu", 16 * GiB, True)
@@ -55,8 +59,12 @@ def test_plan_for_a_real_gpu_adds_the_cublas_workspaces_a_simulated_trial_does_n
     sim = Predictor.for_search(WorkloadSpec.from_dict(mlp), cpu, 8 * GiB).stream(4)
     sizes_real = [n for a, _, n, _ in real if a == "alloc"]
     sizes_sim = [n for a, _, n, _ in sim if a == "alloc"]
-    assert sizes_real.count(workspace) == 2 and sizes_sim.count(workspace) == 0
-    assert len(sizes_real) == len(sizes_sim) + 2
+    assert sizes_real.count(workspace) == 2 and sizes_sim.count(workspace) == 2
+    assert sizes_real == sizes_sim
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    none = Predictor.for_search(WorkloadSpec.from_dict(mlp), cpu, 8 * GiB).stream(4)
+    sizes_none = [n for a, _, n, _ in none if a == "alloc"]
+    assert sizes_none.count(workspace) == 0 and len(sizes_none) == len(sizes_sim) - 2
 
 
 def test_a_device_reading_is_kept_per_gpu_driver_and_torch_and_read_by_the_plan(monkeypatch, tmp_path):

@@ -160,6 +160,7 @@ def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_p
     # hand-known boundary is exact in the case above.
     (30 * MiB, 16384, None, ("fraction_cap", "oom_fragmentation")),
 ])
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, over_outcomes, tmp_path,
                                                      monkeypatch):
     """The predicted maximum B runs in a live virtual-GPU trial and B + 1 runs out of memory."""
@@ -183,6 +184,7 @@ def test_largest_fitting_batch_is_the_trial_boundary(budget, high, expected, ove
 
 
 # -- plan.yaml and the command -------------------------------------------------------------------------
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_plan_yaml_has_every_configuration_of_the_default_space(tmp_path, monkeypatch, capsys):
     out = tmp_path / "p" / "plan.yaml"
     code = main(["plan", "device=cpu", *MLP, "budget=1GiB", "+plan.batch_sizes=[8,32]", "--out", str(out)])
@@ -245,6 +247,7 @@ SINGLE = ["search.space.expandable_segments=[false]", "search.space.max_split_si
     # 4 MiB * 0.49 = 2,055,208.96 -> 2,055,208 bytes < 2 MiB: completes, but over the limit
     ("0.51", 2_055_208, None),
 ])
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_headroom_decides_the_largest_batch_like_the_search(headroom, limit, expected, tmp_path, monkeypatch):
     _clear_alloc_env(monkeypatch)
     fmap = _plan(tmp_path, *MLP, "budget=4MiB", f"search.headroom={headroom}", "+plan.batch_sizes=[8]", *SINGLE)
@@ -255,6 +258,7 @@ def test_headroom_decides_the_largest_batch_like_the_search(headroom, limit, exp
     assert fmap.rows[0].max_batch_size == expected
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_plan_header_and_yaml_show_the_limit(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     assert main(["plan", "device=cpu", *MLP, "budget=4MiB", "search.headroom=0.5", "+plan.batch_sizes=[8]",
@@ -334,6 +338,7 @@ def test_unwritable_out_exits_2_before_predicting(tmp_path, capsys, monkeypatch)
     assert err.startswith("oomtune: error: --out") and len(err.splitlines()) == 1
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_predict_raw_is_none_for_cuda_malloc_async_and_the_replay_otherwise(monkeypatch):
     from oomtune.plan.predictor import Predictor
 
@@ -376,6 +381,7 @@ def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_sur
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp_path):
     """find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of
     64) at 200 MiB (found by scanning budgets 60..300 MiB with `oomtune plan` under the fused-SDPA
@@ -407,6 +413,7 @@ def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the soak's rows are spread over forked processes on POSIX")
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_plan_soak_spread_over_processes_gives_the_one_process_rows(tmp_path, monkeypatch):
     """The soak's rows run in forked processes (oomtune.plan.parallel.fork_map): each row's record,
     planned batch and the stepped-down list equal those of the same plan soaked in this process alone."""

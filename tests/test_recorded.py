@@ -109,12 +109,14 @@ def test_the_recorded_stream_replays_to_the_virtual_gpus_own_peaks(channel):
 def test_no_stream_is_written_after_a_simulated_out_of_memory(channel, monkeypatch):
     import oomtune
 
-    monkeypatch.setenv("OOMTUNE_BUDGET_BYTES", str(4 << 20))
+    # 24 MiB: the Linear's 2 MiB small-pool segment and the cuBLAS workspace's 20 MiB one (8.125 MiB used)
+    # fit; a 12 MiB request fits neither the workspace segment's 11.875 MiB rest nor a segment of its own
+    monkeypatch.setenv("OOMTUNE_BUDGET_BYTES", str(24 << 20))
     model = nn.Linear(32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = oomtune.capture_hook(model, opt)
     with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(8 << 20, dtype=torch.uint8)
+        torch.empty(12 << 20, dtype=torch.uint8)
     hook.stop()
     assert not (channel / "stream.bin").exists()
 

@@ -86,7 +86,7 @@ def test_a_baseline_is_never_taken_from_a_target_that_records_nothing():
 
 @pytest.mark.slow
 def test_a_global_batch_search_reuses_its_recordings_as_the_baselines_probes(global_batch_loop_search):
-    # `oomtune search target=cmd` of examples/global_batch.py under a global batch of 16 at 24 MiB
+    # `oomtune search target=cmd` of examples/global_batch.py under a global batch of 16 at 44 MiB
     # (conftest.py: the same run as tests/test_integrations.py's search of that example)
     code, run = global_batch_loop_search
     assert code == 0

@@ -54,6 +54,7 @@ def test_within_drop_is_inclusive_and_exact():
 
 
 # -- predict mode -----------------------------------------------------------------------------------
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_predict_passes_when_the_recorded_prediction_matches(tmp_path, capsys):
     code = main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict"])
     out = capsys.readouterr().out.strip().splitlines()[-1]
@@ -68,6 +69,7 @@ def test_predict_passes_when_the_recorded_prediction_matches(tmp_path, capsys):
     (2_086_719, None, 0),         # +0.4999...% under the default 0.5%
     (2_086_718, None, 1),         # +0.50001%
 ])
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_predict_tolerance_boundaries(recorded, tolerance, code, tmp_path, capsys):
     path = write_best(tmp_path / "best.yaml", predicted=recorded)
     args = ["check", str(path), "--mode", "predict"] + (["--tolerance", tolerance] if tolerance else [])
@@ -105,6 +107,7 @@ def _write_factory(tmp_path, monkeypatch, *, extra_buffer: bool):
 
 
 @pytest.mark.parametrize("extra_buffer, code", [(False, 0), (True, 1)])
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_a_workload_change_that_adds_a_64_mib_buffer_fails_predict(extra_buffer, code, tmp_path, monkeypatch,
                                                                     capsys):
     """best.yaml was tuned on the factory without the buffer: all of its tensors are small, so the
@@ -151,6 +154,7 @@ def test_run_mode_out_of_memory_fails(tmp_path):
     assert "out of memory at batch 8" in report.summary
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_run_mode_on_the_virtual_gpu(tmp_path, capsys):
     """A spawned virtual-GPU trial of the tiny MLP reserves one 2 MiB segment (hand calculation): equal
     to the recorded 2 MiB passes; a recorded 1 MiB is +100%, beyond the 5% limit."""
@@ -166,6 +170,7 @@ def test_run_mode_refuses_to_compare_device_figures_with_the_virtual_gpu(tmp_pat
 
 
 # -- JUnit ------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_junit_report_has_a_failure_element_on_regression(tmp_path, capsys):
     path = write_best(tmp_path / "best.yaml", predicted=1 * MiB)  # current 2 MiB: +100%
     junit = tmp_path / "reports" / "check.xml"
@@ -179,6 +184,7 @@ def test_junit_report_has_a_failure_element_on_regression(tmp_path, capsys):
     assert cases["fits budget (predicted)"].find("failure") is None
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_junit_report_without_failures_on_pass(tmp_path):
     junit = tmp_path / "check.xml"
     assert main(["check", str(write_best(tmp_path / "best.yaml")), "--mode", "predict", "--junit", str(junit)]) == 0
@@ -425,6 +431,7 @@ def test_predict_fails_an_answer_whose_threshold_relied_on_an_unrecorded_fractio
            "trials under a memory fraction of 0.0125, which best.yaml does not record" in out
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_predict_passes_the_same_answer_when_best_yaml_carries_the_fraction(tmp_path, capsys):
     path = _with(write_best(tmp_path / "best.yaml", alloc_conf=GC), memory_fraction=0.0125,
                  device_memory_fraction="auto")
@@ -483,6 +490,7 @@ def test_run_mode_refuses_a_malformed_headroom_before_running(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_a_search_under_lengths_records_the_worst_length_prediction_and_check_reproduces_it(tmp_path, capsys):
     """One predictor per search: under a shape distribution best.yaml records the prediction at the
     largest length (the frontier's), marked predicted_at_worst_shape; check --mode predict predicts the

@@ -29,7 +29,16 @@ def channel(tmp_path, monkeypatch):
     monkeypatch.delenv(BUDGET_ENV, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)   # torch's default workspace size
+    monkeypatch.delenv("OOMTUNE_GPU", raising=False)               # the default target GPU, an A100
     return path
+
+
+# One cuBLAS workspace of the default target GPU (an A100, sm80): torch's default CUBLAS_WORKSPACE_CONFIG
+# ":4096:2:16:8" (CublasHandlePool.cpp, parseChosenWorkspaceSize) = 4096 KiB x 2 + 16 KiB x 8. The hook's
+# virtual GPU holds the main thread's from the start, as the CUDA run holds it from its first matmul on;
+# a request in (1 MiB, 10 MiB] gets a kLargeBuffer (20 MiB) segment of its own.
+WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def test_report_is_a_noop_without_oomtune_and_never_imports_torch(tmp_path):
@@ -72,18 +81,20 @@ def test_capture_hook_reports_simulated_peaks(channel, monkeypatch):
         report(samples=1, seconds=1.0)
     line, final = _lines(channel)
     assert line["memory"]["source"] == "simulated"
-    assert line["memory"]["stats"]["allocated_bytes.all.peak"] == 262144 + 1024
-    # Both fit one 2 MiB small-pool segment (requests <= 1 MiB; kSmallBuffer).
-    assert line["memory"]["stats"]["reserved_bytes.all.peak"] == 2 << 20
+    assert line["memory"]["stats"]["allocated_bytes.all.peak"] == 262144 + 1024 + WORKSPACE
+    # Both fit one 2 MiB small-pool segment (requests <= 1 MiB; kSmallBuffer), the workspace a 20 MiB one.
+    assert line["memory"]["stats"]["reserved_bytes.all.peak"] == (2 << 20) + (20 << 20)
     assert final["event"] == "memory" and not hook.active
 
 
 def test_capture_hook_raises_simulated_oom_inside_the_step_and_records_it(channel, monkeypatch):
-    monkeypatch.setenv(BUDGET_ENV, str(4 << 20))
+    monkeypatch.setenv(BUDGET_ENV, str(24 << 20))   # the Linear's 2 MiB segment and the workspace's 20 MiB fit
     lin = nn.Linear(256, 256)
     with capture_hook(model=lin):
+        kept = torch.empty(3 << 20, dtype=torch.uint8)   # 3 MiB: split from the workspace segment's 11.875 MiB rest
         with pytest.raises(torch.OutOfMemoryError) as info:
-            torch.empty(3 << 20, dtype=torch.uint8)   # 3 MiB: large pool, needs a 20 MiB segment
+            torch.empty(9 << 20, dtype=torch.uint8)   # 8.875 MiB left there: needs a 20 MiB segment, 22 + 20 > 24
+        del kept
     assert str(info.value).startswith(SIMULATED_PREFIX)
     oom = [e for e in _lines(channel) if e["event"] == "oom"]
     assert len(oom) == 1
@@ -108,13 +119,13 @@ def test_capture_hook_refuses_a_second_active_hook(channel):
 def test_a_forked_child_never_feeds_the_simulator(channel, monkeypatch):
     from oomtune import script_api
 
-    monkeypatch.setenv(BUDGET_ENV, str(4 << 20))
+    monkeypatch.setenv(BUDGET_ENV, str(24 << 20))
     with capture_hook() as hook:
         recording_sim = hook._vgpu.sim
         real_pid = os.getpid()
         monkeypatch.setattr(script_api.os, "getpid", lambda: real_pid + 1)   # as in a DataLoader worker
-        addr = recording_sim.malloc(64 << 20)    # 64 MiB would not fit the 4 MiB device
+        addr = recording_sim.malloc(64 << 20)    # 64 MiB would not fit the 24 MiB device
         recording_sim.free(addr)
         monkeypatch.setattr(script_api.os, "getpid", lambda: real_pid)
-        assert addr < 0 and hook.sim.memory_stats()["allocated_bytes.all.peak"] == 0
+        assert addr < 0 and hook.sim.memory_stats()["allocated_bytes.all.peak"] == WORKSPACE   # the workspace only
     assert [e["event"] for e in _lines(channel)] == ["memory"]

@@ -36,6 +36,7 @@ def test_no_baseline_and_no_frontier_configurations_is_refused(tmp_path, capsys)
     assert code == 2 and "search.frontier_configs=0" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_a_budget_nothing_fits_is_refused_naming_the_smallest_predicted_peak(tmp_path, capsys):
     # limit = 2 MiB x 0.95 = 1992294 B = 1.90 MiB; the smallest peak is the one 2 MiB small-pool segment (hand
     # calculation). A budget below 2 MiB is refused before any prediction (tests/test_bad_input_refused.py).

@@ -13,8 +13,11 @@ Hand calculation (no figure here comes from running the code under test):
   (``--rank1-hold-per-sample``): 16 MiB at micro-batch 2, 32 MiB at 4. A block of 10 MiB or more
   gets a segment of its own, rounded up to 2 MiB (PyTorch c10/cuda/CUDACachingAllocator.cpp,
   ``get_allocation_size``: ``kMinLargeAlloc`` 10 MiB, ``kRoundLarge`` 2 MiB), so rank 1's peak
-  reserved is rank 0's plus exactly 16 MiB at micro-batch 2; and 32 MiB does not fit the 24 MiB
-  budget: the micro-batch 4 trial runs out of memory on rank 1 only.
+  reserved is rank 0's plus exactly 16 MiB at micro-batch 2; and 32 MiB does not fit the 44 MiB
+  budget beside the 20 MiB segment every rank's virtual GPU holds for the A100's two cuBLAS workspaces
+  (8 MiB + 128 KiB each, torch's default ``:4096:2:16:8``; oomtune/capture/blas_workspace.py), while
+  16 MiB does (the models' own tensors are a few hundred KiB, one 2 MiB small-pool segment): the
+  micro-batch 4 trial runs out of memory on rank 1 only.
 - So the answer is micro-batch 2 x 2 accumulation steps, and each step trains
   2 (micro-batch) x 2 (ranks) x 2 (accumulation) = 8 samples, once: only rank 0 reports them.
 """
@@ -63,7 +66,7 @@ def test_a_two_rank_search_gives_one_answer_counts_samples_once_and_keeps_the_wo
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = tmp_path / "run"
     code = main(["search", "target=cmd", f"target.command='{COMMANDS[name]}'", f"trial.gpus={RANKS}", "device=cpu",
-                 "budget=24MiB", f"search.global_batch={GLOBAL_BATCH}", "search.batch_size.low=2",
+                 "budget=44MiB", f"search.global_batch={GLOBAL_BATCH}", "search.batch_size.low=2",
                  "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
                  "search.space.garbage_collection_threshold=[null]", "search.space.expandable_segments=[false]",
                  "search.confirm=false", "trial.measure_steps=1", "trial.timeout=300", f"hydra.run.dir={run}"])
@@ -102,7 +105,7 @@ def test_a_two_rank_search_gives_one_answer_counts_samples_once_and_keeps_the_wo
     # the search's predictions would replay the worst rank's recorded stream, not rank 0's
     assert Path(record["script"]["stream_file"]).name == "stream.bin.rank1"
 
-    # micro-batch 4: rank 1's 32 MiB does not fit its 24 MiB; the trial is infeasible and names rank 1
+    # micro-batch 4: rank 1's 32 MiB does not fit its 44 MiB beside the workspaces; infeasible, names rank 1
     failed = json.loads((run / "trials" / f"trial-{rows[4]['number']:04d}" / "result.json").read_text())
     assert failed["failed_rank"] == 1 and failed["message"].startswith("rank 1 of 2:")
     assert rows[4]["feasible"] is False

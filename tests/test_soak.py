@@ -98,11 +98,12 @@ def test_worst_shape_workload_keeps_the_parameters():
 # ------------------------------------------------------------------------------- the soak
 def _live_per_step(cfg, batch, steps):
     """(allocated, reserved, peak allocated, peak reserved) after each step of a live virtual-GPU
-    run on the CPU, as a CPU trial runs it (register what exists, then the workload's batches)."""
+    run on the CPU, as a CPU trial runs it (register what exists, then the workload's batches; the
+    default GPU's cuBLAS workspaces)."""
     sim = CachingAllocatorSim("", total_memory_bytes=1 << 40)
     wl = build_workload(cfg, batch, "cpu")
     out = []
-    with VirtualGPU(sim, device="cpu") as vgpu:
+    with VirtualGPU(sim, device="cpu", blas_workspaces="default") as vgpu:
         vgpu.register(wl.tensors_before_step())
         for _ in range(steps):
             wl.run_steps(1)
@@ -166,6 +167,7 @@ VARIABLE_LM = {"name": "transformer", "layers": 2, "d_model": 64, "heads": 2, "v
                "seq_len": {"low": 64, "high": 512, "pad_multiple": 64, "seed": 0}}
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_default_fails_the_soak_after_the_measured_steps_and_expandable_survives():
     from oomtune.trial.soak import capture_soak
 
@@ -244,6 +246,7 @@ def _clear_alloc_env(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_trial_records_a_passing_soak(monkeypatch):
     _clear_alloc_env(monkeypatch)
     res = run_child(TrialSpec(workload=SMALL_LM, batch_size=4, device="cpu", budget_bytes=1 << 30,
@@ -253,6 +256,7 @@ def test_trial_records_a_passing_soak(monkeypatch):
     assert res.soak.peak_reserved_bytes >= res.memory.peak_reserved_bytes   # the soak includes the live steps
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_trial_worst_shapes_run_the_largest_shape(monkeypatch):
     _clear_alloc_env(monkeypatch)
     spec = dict(workload=SMALL_LM, batch_size=4, device="cpu", budget_bytes=1 << 30, warmup_steps=1,
@@ -264,6 +268,7 @@ def test_trial_worst_shapes_run_the_largest_shape(monkeypatch):
     assert worst.memory.peak_allocated_bytes == max(x[2] for x in _live_per_step(at_shape(SMALL_LM, 128), 4, 2))
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 @pytest.mark.skipif(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), reason="needs torch's default allocator settings")
 def test_trial_fails_on_the_soak_with_step_and_reason(monkeypatch):
     _clear_alloc_env(monkeypatch)

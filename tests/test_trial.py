@@ -119,6 +119,7 @@ def test_cpu_trial_with_tiny_budget_ooms_inside_the_step(clean_alloc_env):
     assert r.advice
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_oom_mid_training_raised_inside_a_step(clean_alloc_env):
     # Budget of 2 MiB (the virtual GPU's size, fraction 1.0). Before the step: the parameters
     # (256x64 + 256 + 10x256 + 10 floats: 65,536 + 1,024 + 10,240 + 512 B after rounding) and the static

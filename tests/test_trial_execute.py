@@ -94,6 +94,7 @@ def test_a_meta_trial_runs_out_of_memory_at_the_same_request_as_the_cpu_trial():
     assert _figures(meta) == _figures(cpu) and meta.message == cpu.message
 
 
+@pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
 def test_a_meta_soak_equals_the_cpu_soak():
     # multi-scale ResNet: three image sizes in the data's seeded order, 40 soak steps after the live ones
     wl = {**WORKLOADS["resnet"], "image_size": {"sizes": [24, 32, 40], "seed": 0}}

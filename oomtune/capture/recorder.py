@@ -456,6 +456,8 @@ class StorageRecorder(TorchDispatchMode):
         with self._lock:
             holder = torch.empty(0, device="meta").untyped_storage()
             self._workspace_refs.append(holder)  # keeps the entry alive: never released
+            if isinstance(self.sink, _LimitedSink):   # device memory only: no tensor holds it on the host
+                self.sink.device_only_bytes += size_bytes
             self._report_alloc(-len(self._workspace_refs), holder, size_bytes)
 
     def _track(self, t: torch.Tensor) -> int:
@@ -631,13 +633,17 @@ class HostMemoryError(MemoryError):
 
 
 class _LimitedSink(StreamSink):
-    """A :class:`StreamSink` that raises :class:`HostMemoryError` when its live bytes pass a limit."""
+    """A :class:`StreamSink` that raises :class:`HostMemoryError` when the live bytes that tensors hold in
+    host memory pass a limit: its live bytes less ``device_only_bytes`` (the cuBLAS workspaces
+    :meth:`StorageRecorder.add_workspace` reports, which no host tensor holds)."""
 
     def __init__(self, stream: int, limit_bytes: int) -> None:
         super().__init__(stream)
         self.limit_bytes = limit_bytes
+        self.device_only_bytes = 0
 
     def on_alloc(self, key: int, size_bytes: int) -> None:
-        if self.live_bytes + size_bytes > self.limit_bytes:
-            raise HostMemoryError(self.live_bytes + size_bytes, self.limit_bytes)
+        host = self.live_bytes - self.device_only_bytes + size_bytes
+        if host > self.limit_bytes:
+            raise HostMemoryError(host, self.limit_bytes)
         super().on_alloc(key, size_bytes)

@@ -182,12 +182,9 @@ class VirtualGPU:
     def __init__(self, sim: Any, *, device: str | torch.device | None = None, stream: int = 0,
                  blas_workspaces: Any = None, gpu: Any = None, tee: Any = None) -> None:
         if isinstance(blas_workspaces, str) and blas_workspaces == "default":
-            from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
+            from oomtune.capture.blas_workspace import cuda_run_workspaces
 
-            from oomtune.capture.gpu_target import GpuTarget, gpu_of
-
-            target = gpu if isinstance(gpu, GpuTarget) else gpu_of(gpu)   # None: the default GPU, as the kernels
-            blas_workspaces = BlasWorkspaces(cublas_workspace_bytes(target.capability), existing=("forward",))
+            blas_workspaces = cuda_run_workspaces(gpu)   # None: the default GPU, as the kernels
         self.sim = sim
         self._sink = _SimSink(sim, stream, tee)
         self.recorder = StorageRecorder(self._sink, device=device, blas_workspaces=blas_workspaces)

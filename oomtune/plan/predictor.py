@@ -72,7 +72,7 @@ def unbounded_capacity_bytes(stream: Any) -> int:
 
 
 def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps: int = PREDICT_STEPS,
-                            blas_workspaces: bool = False) -> tuple[Any, str | None]:
+                            blas_workspaces: bool = True) -> tuple[Any, str | None]:
     """The request stream of ``steps`` training steps of a workload, captured on meta.
 
     ``model_cfg`` is the ``model`` group, optionally with ``target``: a built-in workload
@@ -81,10 +81,11 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
     device are recorded (on meta, Adam's CPU ``step`` counters stay off the virtual GPU, as they
     stay on the host in a CUDA run). Falls back to CPU when an op has no meta kernel (slower; the
     reason is returned). ``torch.autocast("cuda")`` and ``precision: bf16|fp16`` follow CUDA's
-    autocast policy. ``blas_workspaces``: add the cuBLAS workspaces a CUDA run requests
-    (:mod:`oomtune.capture.blas_workspace`): the main thread's exists before the step (a GPU trial
-    creates it before measuring), the autograd thread's comes at the first backward matmul. Off for
-    simulated (CPU) trials, whose virtual GPU sees only the step's own requests.
+    autocast policy. ``blas_workspaces``: add the cuBLAS workspaces a CUDA run of the target GPU takes
+    from the caching allocator (:func:`oomtune.capture.blas_workspace.cuda_run_workspaces`): the main
+    thread's exists before the step (a GPU trial creates it before measuring), the autograd thread's
+    comes at the first backward matmul. On by default, for a real GPU and the virtual GPU alike: they
+    are allocator memory of every CUDA run (False: the step's own requests only).
 
     A step is one optimizer step: with ``grad_accum`` > 1, two micro-batches and the update
     (:func:`oomtune.workloads.loop.prediction_workload`: more micro-batches repeat the second's
@@ -135,7 +136,7 @@ def capture_training_stream(model_cfg: dict[str, Any], batch_size: int, *, steps
 def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_workspaces: bool,
                 devices: tuple[str, ...], reason: str | None) -> tuple[Any, str | None]:
     """:func:`capture_training_stream` on the first of ``devices`` that has every kernel."""
-    from oomtune.capture.blas_workspace import BlasWorkspaces, cublas_workspace_bytes
+    from oomtune.capture.blas_workspace import cuda_run_workspaces
     from oomtune.capture.cuda_kernels import emulate_cuda
     from oomtune.capture.gpu_target import target_gpu
     from oomtune.capture.recorder import HostMemoryError, capture_stream
@@ -168,8 +169,7 @@ def _capture_on(model_cfg: dict[str, Any], batch_size: int, steps: int, blas_wor
 
                 def capture(calls: int, ends: list[int]) -> Any:
                     batches = wl.batches()
-                    workspaces = (BlasWorkspaces(cublas_workspace_bytes(gpu.capability), existing=("forward",))
-                                  if blas_workspaces else None)
+                    workspaces = cuda_run_workspaces(gpu) if blas_workspaces else None
                     return capture_stream(lambda: wl.train_step(batches), existing=wl.tensors_before_step(),
                                           device=device, blas_workspaces=workspaces, calls=calls, step_ends=ends,
                                           gpu=gpu, notes=notes, host_limit_bytes=host_limit)
@@ -428,8 +428,7 @@ class Predictor:
         workload: the :class:`oomtune.workload_spec.WorkloadSpec` captured (its flat form,
             :meth:`~oomtune.workload_spec.WorkloadSpec.to_dict`, is what :func:`capture_training_stream`
             builds: the attribute ``model_cfg``).
-        geometry: :func:`sim_geometry` of the target device and budget. A real device's geometry
-            (it carries ``non_allocator_bytes``) also adds the cuBLAS workspaces to the captures.
+        geometry: :func:`sim_geometry` of the target device and budget. Every capture includes the target GPU's cuBLAS workspaces (:func:`capture_training_stream`).
         steps: training steps per stream (:data:`PREDICT_STEPS`).
         derive: derive streams from the polynomial models (False: capture every batch size).
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
@@ -682,16 +681,12 @@ class Predictor:
                 return derived
         return self._capture(batch_size)
 
-    def _blas_workspaces(self) -> bool:
-        return "non_allocator_bytes" in self.geometry   # a real GPU's geometry
-
     def _from_cache(self, batch_size: int) -> tuple[Any, str | None] | None:
         """(stream, fallback reason) of ``batch_size`` from ``self.cache``, or None (no cache, a miss).
         Called in this process only, so ``cached_batches`` sees every hit."""
         if self.cache is None or not self.read_cache:
             return None
-        hit = self.cache.get(*self.cache.capture_key(self.workload, batch_size, self.steps,
-                                                     self._blas_workspaces()))
+        hit = self.cache.get(*self.cache.capture_key(self.workload, batch_size, self.steps, True))
         if hit is not None:
             self.cached_batches.append(batch_size)
         return hit
@@ -720,14 +715,12 @@ class Predictor:
 
     def _capture_here(self, batch_size: int) -> tuple[Any, str | None]:
         """(stream, fallback reason) of one capture at ``batch_size`` in this process:
-        :func:`capture_training_stream` with cuBLAS workspaces where the geometry is a real GPU's (it
-        has ``non_allocator_bytes``); stored in ``self.cache`` when there is one (also from a forked
-        worker)."""
-        real_gpu = {"blas_workspaces": True} if self._blas_workspaces() else {}
-        got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps, **real_gpu)
+        :func:`capture_training_stream`, the target GPU's cuBLAS workspaces included; stored in
+        ``self.cache`` when there is one (also from a forked worker)."""
+        got = capture_training_stream(self.model_cfg, batch_size, steps=self.steps)
         self._warm = self._warm or os.getpid() == self._pid
         if self.cache is not None:
-            self.cache.put(*self.cache.capture_key(self.workload, batch_size, self.steps, self._blas_workspaces()),
+            self.cache.put(*self.cache.capture_key(self.workload, batch_size, self.steps, True),
                            *got)
         return got
 

@@ -231,7 +231,8 @@ def _run_virtual(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[
     with (torch.device("meta") if where == "meta" else contextlib.nullcontext()):
         try:
             workload = target_for(live).build_workload(live, spec.batch_size, device)
-            with VirtualGPU(sim, device=where, gpu=gpu) as vgpu:
+            # the target GPU's cuBLAS workspaces are allocator memory of the CUDA run it stands for
+            with VirtualGPU(sim, device=where, gpu=gpu, blas_workspaces="default") as vgpu:
                 vgpu.register(workload.tensors_before_step())
                 hook()
                 try:

@@ -209,6 +209,7 @@ def _capture_on(cfg: dict[str, Any], batch_size: int, steps: int, device: str, d
 def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: str, derive: bool) -> SoakStreams:
     import torch
 
+    from oomtune.capture.blas_workspace import cuda_run_workspaces
     from oomtune.capture.recorder import capture_stream
     from oomtune.capture.gpu_target import target_gpu
 
@@ -227,8 +228,11 @@ def _capture_emulated(cfg: dict[str, Any], batch_size: int, steps: int, device: 
     shapes = dist.sequence(batch_size, steps)
     # Step 1 exactly as the live trial runs it: what exists is registered, then one step of the
     # workload's own batch iterator (the distribution's first shape), creating the optimizer state.
+    # ... with the target GPU's cuBLAS workspaces, as the trial's virtual GPU has them (they stay: the
+    # steady steps need none)
+    gpu = target_gpu(cfg.get("gpu"), cfg.get("gpu_source"))
     first = capture_stream(lambda: wl.run_steps(1, sync=False), existing=wl.tensors_before_step(),
-                           device=device, gpu=target_gpu(cfg.get("gpu"), cfg.get("gpu_source")))
+                           device=device, gpu=gpu, blas_workspaces=cuda_run_workspaces(gpu))
     distinct = list(dict.fromkeys(shapes[1:] or shapes))   # in order of first use
 
     def capture_shape(shape: Any) -> Any:
