@@ -237,7 +237,7 @@ def test_importing_the_html_report_keeps_oomtune_report_the_scripts_function():
 
 @pytest.mark.slow
 def test_peak_segments_of_the_readme_runs_step_sum_to_the_segments_drawn():
-    """The README main command's winner: ResNet-18 (64x64, 100 classes) at batch 493 under
+    """The README main command's winner: ResNet-18 (64x64, 100 classes) at batch 483 under
     expandable_segments:True, 1 GiB budget on the 80 GiB virtual GPU, 4 steps. An
     expandable segment grows by mapping pages (20 MiB in the large pool, 2 MiB in the small one) and a
     block may span pages mapped at different times: the panel drew each mapped range as a segment,
@@ -253,7 +253,7 @@ def test_peak_segments_of_the_readme_runs_step_sum_to_the_segments_drawn():
     model = {"name": "resnet", "depth": 18, "image_size": 64, "num_classes": 100, "channels_last": False,
              "optimizer": "sgd", "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
     geometry = sim_geometry(resolve_device("cpu", virtual_device_memory="80GiB"), 1 << 30)
-    stream = Predictor(WorkloadSpec.from_dict(model), geometry, steps=4).stream(493)
+    stream = Predictor(WorkloadSpec.from_dict(model), geometry, steps=4).stream(483)
     snap = synthesise_snapshot(stream, "expandable_segments:True", total_memory_bytes=geometry["total_memory_bytes"],
                                memory_fraction=geometry["memory_fraction"])
     series = step_series(snap)
