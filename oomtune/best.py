@@ -5,7 +5,8 @@ Schema (version 1)::
     schema_version: 1
     created: ISO-8601 time
     workload: {model: {...}, target: {...}, ranks: N (several ranks per trial, or model.parallel)}
-    device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id}
+    device: {kind, name, total_memory_bytes, budget_bytes, memory_source: device|simulated, uuid, pci_bus_id,
+             target_gpu, memory_fraction, cublas_workspace_config}
     versions: {oomtune, torch, cuda, driver, optuna}
     best: {batch_size, alloc_conf, settings: {...}, metrics: {...}, confirmed, predicted_peak_reserved_bytes,
            predicted_steps, predicted_at_worst_shape, trial_number, metrics_trial_number, memory_fraction, grad_accum, global_batch, activation_checkpointing}
@@ -36,6 +37,12 @@ needs one: torch runs ``garbage_collect_cached_blocks`` only under a fraction < 
 (c10/cuda/CUDACachingAllocator.cpp), so without it the threshold is inert and the batch found with it
 may not fit. :func:`apply_best` applies it; ``device.memory_fraction`` records the search's
 ``search.memory_fraction`` (``auto``: trials ran under the fraction; ``off``: without one).
+
+``device.cublas_workspace_config``: ``CUBLAS_WORKSPACE_CONFIG`` as the search's trials had it (null:
+unset, torch's default). It sizes the cuBLAS workspaces every CUDA step takes from the caching
+allocator (torch's ``parseChosenWorkspaceSize``; :mod:`oomtune.capture.blas_workspace`), so what fits
+depends on it: :func:`apply_best` and ``oomtune env`` set it when recorded, and warn when it is set
+where the answer was tuned without it; ``oomtune check`` predicts and runs under the recorded value.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ SCHEMA_VERSION = 1
 #: The largest best.yaml read (bytes): the search writes a few KiB (its frontiers list included).
 BEST_MAX_BYTES = 2**20
 ENV_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: the variable that sizes the cuBLAS workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp)
+WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 #: The allocator key that sets the per-process memory fraction at allocator start (pytorch#161035;
 #: ``CUDAAllocatorConfig::parsePerProcessMemoryFraction``, applied in the ``DeviceCachingAllocator``
 #: constructor: ``setMemoryFraction(CUDAAllocatorConfig::per_process_memory_fraction())``).
@@ -226,6 +235,24 @@ class BestConfig:
         return dataclasses.asdict(self)
 
     @property
+    def cublas_workspace_config(self) -> str | None:
+        """``CUBLAS_WORKSPACE_CONFIG`` as the search's trials had it (``device.cublas_workspace_config``),
+        or None: unset (torch's default workspaces), or a file from before it was recorded."""
+        value = self.device.get("cublas_workspace_config") if isinstance(self.device, dict) else None
+        return value or None
+
+    def workspace_mismatch(self, env: Any = None) -> str | None:
+        """One line when ``env`` (default ``os.environ``) sets ``CUBLAS_WORKSPACE_CONFIG`` though the
+        answer was tuned with torch's default workspaces (the value sizes them, so what fits changes);
+        None otherwise (unset, or the answer records a value: :func:`apply_best` sets that one)."""
+        env = os.environ if env is None else env
+        here = env.get(WORKSPACE_ENV)
+        if self.cublas_workspace_config is not None or not here:
+            return None
+        return (f"{WORKSPACE_ENV}={here} is set, but this answer was tuned with torch's default cuBLAS "
+                f"workspaces, whose size changes what fits: unset it, or tune with it set")
+
+    @property
     def memory_fraction(self) -> float | None:
         """The per-process memory fraction the answer needs (``best.memory_fraction``), or None."""
         return self.best.memory_fraction
@@ -244,7 +271,9 @@ class BestConfig:
         import shlex
 
         value = shlex.quote(self.env_value(fraction_key=fraction_key))
-        return "export " + " ".join(f"{key}={value}" for key in ENV_KEYS)
+        workspaces = ("" if self.cublas_workspace_config is None
+                      else f" {WORKSPACE_ENV}={shlex.quote(self.cublas_workspace_config)}")
+        return "export " + " ".join(f"{key}={value}" for key in ENV_KEYS) + workspaces
 
     def fraction_advice(self) -> str | None:
         """What to do when the fraction cannot travel in the environment (a torch without
@@ -364,6 +393,10 @@ def load_best(path: str | Path) -> BestConfig:
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                  or not 0 < fraction < 1):
         raise BestFileError(f"{path}: best.memory_fraction must be a number in (0, 1) or null, got {fraction!r}")
+    workspaces = data["device"].get("cublas_workspace_config")
+    if workspaces is not None and not isinstance(workspaces, str):
+        raise BestFileError(f"{path}: device.cublas_workspace_config must be a CUBLAS_WORKSPACE_CONFIG string "
+                            f"(e.g. ':4096:8') or null, got {workspaces!r}")
     known = {f.name for f in dataclasses.fields(BestConfig)}
     data = {k: v for k, v in data.items() if k in known}
     data["best"] = _choice(data["best"], f"{path}: best")
@@ -422,7 +455,9 @@ def _check_agreement(path: Path, where: str, choice: Choice) -> None:
 
 
 def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> BestConfig:
-    """Set PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF from a best.yaml, before CUDA initialises.
+    """Set PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF from a best.yaml, before CUDA initialises
+    (and ``CUBLAS_WORKSPACE_CONFIG`` where best.yaml records one: it sizes the cuBLAS workspaces the
+    answer was tuned with).
 
     Call it at the top of a training script, before any CUDA use. The caching allocator reads its
     settings when CUDA initialises (``backend`` already when torch loads), so a later change would be
@@ -436,7 +471,9 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
     before the first CUDA allocation (a ``UserWarning`` says so).
 
     Warns (``UserWarning``) when PYTORCH_NO_CUDA_MEMORY_CACHING is set (any value): torch then runs
-    without its caching allocator and these settings have no effect (pytorch#145661).
+    without its caching allocator and these settings have no effect (pytorch#145661); and when
+    ``CUBLAS_WORKSPACE_CONFIG`` is set though the answer was tuned without it
+    (:meth:`BestConfig.workspace_mismatch`).
 
     Returns:
         The loaded :class:`BestConfig`: ``.batch_size`` (the micro-batch), ``.grad_accum``
@@ -474,6 +511,12 @@ def apply_best(path: str | Path, *, environ: dict[str, str] | None = None) -> Be
         env[key] = value
     config.memory_fraction_applied = config.memory_fraction is not None and supported
     import warnings
+
+    if config.cublas_workspace_config is not None:   # read at the first cuBLAS handle, after CUDA initialises
+        env[WORKSPACE_ENV] = config.cublas_workspace_config
+    mismatch = config.workspace_mismatch(env)
+    if mismatch is not None:
+        warnings.warn(f"apply_best(): {mismatch}", UserWarning, stacklevel=2)
 
     if config.memory_fraction is not None and not supported:
         warnings.warn(f"apply_best(): {config.fraction_advice()} (the installed torch does not accept "

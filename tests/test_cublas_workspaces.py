@@ -86,3 +86,58 @@ def test_a_cpu_capture_does_not_count_the_workspaces_as_host_memory():
                             host_limit_bytes=1 * MiB)
     sizes = [n for a, _, n, _ in stream if a == "alloc"]
     assert sizes.count(A100_WS) == 2
+
+
+# -- the answer carries the workspaces' size ---------------------------------------------------------------
+def _best_yaml(path, **device):
+    import yaml
+
+    mlp = {"name": "mlp", "in_features": 64, "hidden": 128, "layers": 1, "num_classes": 10, "optimizer": "sgd",
+           "lr": 0.1, "precision": "fp32", "data": {"source": "synthetic"}}
+    path.write_text(yaml.safe_dump({
+        "schema_version": 1, "workload": {"model": mlp, "target": {"name": "builtin"}},
+        "device": {"kind": "cpu", "name": "virtual GPU (CPU)", "total_memory_bytes": 80 << 30,
+                   "budget_bytes": 1 << 30, "memory_source": "simulated", **device},
+        "best": {"batch_size": 8, "alloc_conf": "", "settings": {},
+                 "metrics": {"peak_reserved_bytes": 2 * MiB, "memory_source": "simulated"},
+                 "predicted_peak_reserved_bytes": 2 * MiB}}))
+    return path
+
+
+def test_apply_best_and_env_set_the_recorded_workspace_config(tmp_path):
+    import oomtune
+    from oomtune.best import load_best
+
+    path = _best_yaml(tmp_path / "best.yaml", cublas_workspace_config=":4096:8")
+    env: dict[str, str] = {}
+    oomtune.apply_best(path, environ=env)
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and env["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    assert load_best(path).export_line(fraction_key=False).endswith(" CUBLAS_WORKSPACE_CONFIG=:4096:8")
+
+
+def test_apply_best_warns_when_the_environment_sizes_workspaces_the_answer_was_not_tuned_with(tmp_path):
+    import oomtune
+
+    path = _best_yaml(tmp_path / "best.yaml")   # tuned with torch's default workspaces
+    with pytest.warns(UserWarning, match="CUBLAS_WORKSPACE_CONFIG=:4096:8 is set, but this answer was tuned"):
+        oomtune.apply_best(path, environ={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+
+
+def test_a_workspace_config_that_is_not_a_string_is_one_line_exit_2(tmp_path, capsys):
+    from oomtune.cli import main
+
+    path = _best_yaml(tmp_path / "best.yaml", cublas_workspace_config=4096)
+    assert main(["env", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device.cublas_workspace_config must be a CUBLAS_WORKSPACE_CONFIG string" in err[0]
+
+
+def test_check_predicts_under_the_recorded_workspace_config(tmp_path, capsys):
+    """The tiny MLP's tensors all fit one 2 MiB small-pool segment (kSmallBuffer); under the recorded
+    ``:0:0`` there are no workspaces, so the check predicts the recorded 2 MiB though this process has
+    torch's default (which would add a 20 MiB segment)."""
+    from oomtune.cli import main
+
+    path = _best_yaml(tmp_path / "best.yaml", cublas_workspace_config=":0:0")
+    assert main(["check", str(path), "--mode", "predict"]) == 0
+    assert "predicted peak reserved 2.00 MiB (simulated) vs recorded 2.00 MiB" in capsys.readouterr().out

@@ -504,6 +504,7 @@ def test_a_search_under_lengths_records_the_worst_length_prediction_and_check_re
     assert main(["search", *lm, "model.seq_len={low:16,high:128,pad_multiple:16,seed:0}", "trial.soak_steps=100",
                  "search.objective=batch", f"hydra.run.dir={run}"]) == 0
     best = load_best(run / "best.yaml")
+    assert best.device["cublas_workspace_config"] == ":0:0"   # the trials' workspaces travel with the answer
     assert best.best.predicted_at_worst_shape is True and best.best.predicted_peak_reserved_bytes
     capsys.readouterr()
     assert main(["check", str(run / "best.yaml"), "--mode", "predict"]) == 0

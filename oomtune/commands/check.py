@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from oomtune.regression import DEFAULT_MAX_MEMORY_GROWTH, DEFAULT_MAX_SLOWDOWN, DEFAULT_TOLERANCE
 
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                               "device it runs on: drop --gpu, or use --mode predict")
         cards = resolve_check_cards(args.gpu)
     best = load_best(args.best)
+    _use_recorded_workspaces(best)
     mode = args.mode
     if mode is None:
         if cards is not None:
@@ -109,6 +111,24 @@ def run(args: argparse.Namespace) -> int:
     if args.junit is not None:
         write_junit(report, args.junit)
     return report.exit_code
+
+
+def _use_recorded_workspaces(best: Any) -> None:
+    """Predict and run under the ``CUBLAS_WORKSPACE_CONFIG`` best.yaml records (it sizes the cuBLAS
+    workspaces the answer was tuned with): set in this process, whose captures read it and whose trial
+    processes inherit it. Where best.yaml records none, the environment's value (if any) stays, and a
+    note on stderr says it sizes the workspaces (:meth:`oomtune.best.BestConfig.workspace_mismatch`)."""
+    import os
+    import sys
+
+    from oomtune.best import WORKSPACE_ENV
+
+    if best.cublas_workspace_config is not None:
+        os.environ[WORKSPACE_ENV] = best.cublas_workspace_config
+        return
+    mismatch = best.workspace_mismatch()
+    if mismatch is not None:
+        print(f"oomtune check: note: {mismatch}; checked under it", file=sys.stderr)
 
 
 def _progress(text: str) -> None:

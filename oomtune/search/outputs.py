@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import datetime as _dt
 import json
@@ -239,7 +241,9 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
         device={"kind": device.kind, "name": device.name, "total_memory_bytes": device.total_memory_bytes,
                 "budget_bytes": budget_bytes, "headroom": float(conf.search.headroom),
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
-                "target_gpu": _target_gpu(workload), "memory_fraction": mode},
+                "target_gpu": _target_gpu(workload), "memory_fraction": mode,
+                # sizes the cuBLAS workspaces the trials held (inherited from this process)
+                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG") or None},
         versions=versions(device), best=best, baseline=baseline, gain=gain,
         study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
                "outcomes": summary.outcomes, "launches": summary.launches,
