@@ -101,22 +101,18 @@ class BlasWorkspaces:
         return True
 
 
-def cuda_run_workspaces(gpu: Any = None, config: str | None = None, *,
-                        main_exists: bool = True) -> BlasWorkspaces | None:
+def cuda_run_workspaces(gpu: Any = None, config: str | None = None) -> BlasWorkspaces | None:
     """The cuBLAS workspaces a CUDA training process on ``gpu`` takes from the caching allocator, for
-    a capture or a virtual GPU standing for that process: the main thread's (``main_exists``: counted
-    as existing once what exists before the step is registered, as a trial creates it before
-    measuring and a training script at its first forward matmul, before that step's activations;
-    False: at the first BLAS op of the thread, for code whose first matmul is still to come), and the
-    autograd device thread's at the first backward BLAS op. One workspace is
-    :func:`cublas_workspace_bytes` of ``gpu``'s compute capability (8 MiB + 128 KiB on an A100, 32 MiB
-    on an H100).
+    a capture or a virtual GPU standing for that process: the main thread's, counted as existing once
+    what exists before the step is registered (a trial creates it before measuring; a training script
+    at its first forward matmul, before that step's activations), and the autograd device thread's at
+    the first backward BLAS op. One workspace is :func:`cublas_workspace_bytes` of ``gpu``'s compute
+    capability (8 MiB + 128 KiB on an A100, 32 MiB on an H100).
 
     Args:
         gpu: a :class:`~oomtune.capture.gpu_target.GpuTarget`, a ``model.gpu`` value, or None (the
             default target, :data:`~oomtune.capture.gpu_target.DEFAULT_GPU`).
         config: ``CUBLAS_WORKSPACE_CONFIG``; None reads the environment variable.
-        main_exists: see above.
 
     Returns:
         None where the workspace size is 0 (``CUBLAS_WORKSPACE_CONFIG=:0:0``): torch's
@@ -130,4 +126,4 @@ def cuda_run_workspaces(gpu: Any = None, config: str | None = None, *,
 
     target = gpu if isinstance(gpu, GpuTarget) else gpu_of(gpu)
     size = cublas_workspace_bytes(target.capability, config)
-    return BlasWorkspaces(size, existing=("forward",) if main_exists else ()) if size > 0 else None
+    return BlasWorkspaces(size, existing=("forward",)) if size > 0 else None

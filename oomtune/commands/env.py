@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if note is not None:   # stderr, one line: the fraction printed below is of the virtual GPU's size
         print(f"oomtune: warning: {note}", file=sys.stderr)
     mismatch = best.workspace_mismatch()
-    if mismatch is not None and best.cublas_workspace_config is None:   # stderr: eval gets only the exports
+    if mismatch is not None:   # stderr, so that eval gets only the exports
         print(f"oomtune: warning: {mismatch}", file=sys.stderr)
     print(best.export_line(fraction_key=supported))
     if best.memory_fraction is not None and not supported:

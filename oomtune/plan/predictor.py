@@ -428,7 +428,8 @@ class Predictor:
         workload: the :class:`oomtune.workload_spec.WorkloadSpec` captured (its flat form,
             :meth:`~oomtune.workload_spec.WorkloadSpec.to_dict`, is what :func:`capture_training_stream`
             builds: the attribute ``model_cfg``).
-        geometry: :func:`sim_geometry` of the target device and budget. Every capture includes the target GPU's cuBLAS workspaces (:func:`capture_training_stream`).
+        geometry: :func:`sim_geometry` of the target device and budget. Every capture includes the
+            target GPU's cuBLAS workspaces (:func:`capture_training_stream`).
         steps: training steps per stream (:data:`PREDICT_STEPS`).
         derive: derive streams from the polynomial models (False: capture every batch size).
         workers: processes for :meth:`prepare`'s captures and :func:`oomtune.plan.feasibility.
