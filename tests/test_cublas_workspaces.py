@@ -138,6 +138,9 @@ def test_check_predicts_under_the_recorded_workspace_config(tmp_path, capsys):
     torch's default (which would add a 20 MiB segment)."""
     from oomtune.cli import main
 
+    import os
+
     path = _best_yaml(tmp_path / "best.yaml", cublas_workspace_config=":0:0")
     assert main(["check", str(path), "--mode", "predict"]) == 0
     assert "predicted peak reserved 2.00 MiB (simulated) vs recorded 2.00 MiB" in capsys.readouterr().out
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ   # the caller's environment as it was

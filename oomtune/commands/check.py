@@ -19,6 +19,8 @@ the trial's progress record), and the trial's end.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from oomtune.best import load_best
-    from oomtune.regression import (check_junit_path, check_predict, check_run, default_mode, validate_limits,
-                               write_junit)
+    from oomtune.regression import check_junit_path, validate_limits, write_junit
 
     from oomtune.alloc.caching_env import check_alloc_env
 
@@ -82,7 +83,23 @@ def run(args: argparse.Namespace) -> int:
                               "device it runs on: drop --gpu, or use --mode predict")
         cards = resolve_check_cards(args.gpu)
     best = load_best(args.best)
-    _use_recorded_workspaces(best)
+    with _recorded_workspaces(best):
+        report = _check(args, best, cards)
+    for note in [*(report.figures.get("fallback") or ()), *(report.figures.get("notes") or ())]:
+        print(f"note: {note}")
+    for line in report.figures.get("lines") or ():
+        print(line)
+    print(report.summary)
+    if args.junit is not None:
+        write_junit(report, args.junit)
+    return report.exit_code
+
+
+def _check(args: argparse.Namespace, best: Any, cards: Any) -> Any:
+    """The check's report: on catalogue cards, predicted, or run (the mode ``args`` asks for, else the
+    default for best.yaml and this machine)."""
+    from oomtune.regression import check_predict, check_run, default_mode
+
     mode = args.mode
     if mode is None:
         if cards is not None:
@@ -103,32 +120,37 @@ def run(args: argparse.Namespace) -> int:
         check_caching_enabled()  # a run without the caching allocator measures something else
         report = check_run(best, max_memory_growth=args.max_memory_growth, max_slowdown=args.max_slowdown,
                            device=args.device, steps=args.steps, timeout_s=args.timeout, say=_progress)
-    for note in [*(report.figures.get("fallback") or ()), *(report.figures.get("notes") or ())]:
-        print(f"note: {note}")
-    for line in report.figures.get("lines") or ():
-        print(line)
-    print(report.summary)
-    if args.junit is not None:
-        write_junit(report, args.junit)
-    return report.exit_code
+    return report
 
 
-def _use_recorded_workspaces(best: Any) -> None:
+@contextlib.contextmanager
+def _recorded_workspaces(best: Any) -> Iterator[None]:
     """Predict and run under the ``CUBLAS_WORKSPACE_CONFIG`` best.yaml records (it sizes the cuBLAS
     workspaces the answer was tuned with): set in this process, whose captures read it and whose trial
-    processes inherit it. Where best.yaml records none, the environment's value (if any) stays, and a
-    note on stderr says it sizes the workspaces (:meth:`oomtune.best.BestConfig.workspace_mismatch`)."""
+    processes inherit it, and restored on exit (``main`` may run in a caller's process). Where
+    best.yaml records none, the environment's value (if any) stays, and a note on stderr says it sizes
+    the workspaces (:meth:`oomtune.best.BestConfig.workspace_mismatch`)."""
     import os
     import sys
 
     from oomtune.best import WORKSPACE_ENV
 
-    if best.cublas_workspace_config is not None:
-        os.environ[WORKSPACE_ENV] = best.cublas_workspace_config
+    recorded = best.cublas_workspace_config
+    if recorded is None:
+        mismatch = best.workspace_mismatch()
+        if mismatch is not None:
+            print(f"oomtune check: note: {mismatch}; checked under it", file=sys.stderr)
+        yield
         return
-    mismatch = best.workspace_mismatch()
-    if mismatch is not None:
-        print(f"oomtune check: note: {mismatch}; checked under it", file=sys.stderr)
+    before = os.environ.get(WORKSPACE_ENV)
+    os.environ[WORKSPACE_ENV] = recorded
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(WORKSPACE_ENV, None)
+        else:
+            os.environ[WORKSPACE_ENV] = before
 
 
 def _progress(text: str) -> None:
