@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import datetime as _dt
 import json
+import os
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomtune import __version__
-from oomtune.best import BestConfig, Choice, load_best
+from oomtune.best import WORKSPACE_ENV, BestConfig, Choice, load_best
 from oomtune.study import records as R
 from oomtune.trial.record import TrialResult
 from oomtune.units import format_bytes
@@ -243,7 +242,7 @@ def write_outputs(conf: RootConf, run_dir: Path, study: Any, summary: Any, devic
                 "memory_source": device.memory_source, "uuid": device.uuid, "pci_bus_id": device.pci_bus_id,
                 "target_gpu": _target_gpu(workload), "memory_fraction": mode,
                 # sizes the cuBLAS workspaces the trials held (inherited from this process)
-                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG") or None},
+                "cublas_workspace_config": os.environ.get(WORKSPACE_ENV) or None},
         versions=versions(device), best=best, baseline=baseline, gain=gain,
         study={"storage": url, "study_name": study.study_name, "trials": len(study.trials),
                "outcomes": summary.outcomes, "launches": summary.launches,
