@@ -347,7 +347,14 @@ class CaptureHook:
                                 tee=self._tee, blas_workspaces="default")
         _ACTIVE.append(self)
         self._vgpu.__enter__()
-        self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
+        try:
+            self._vgpu.register(tensors)   # may raise the simulated OOM (already written as a line)
+        except BaseException:
+            # the caller never receives a hook that failed to start, so nothing else could stop it: stop it
+            # here (its ``memory`` line written, the virtual GPU's dispatch mode left, no longer active),
+            # so that a process that catches the error goes on as before the call
+            self.stop()
+            raise
 
     def register(self, *tensors: Any) -> int:
         """Allocate the storages of tensors that exist already and are not yet on the virtual GPU

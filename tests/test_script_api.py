@@ -103,6 +103,25 @@ def test_capture_hook_raises_simulated_oom_inside_the_step_and_records_it(channe
     assert oom[0]["requested_bytes"] == 20 << 20
 
 
+def test_a_hook_whose_own_tensors_do_not_fit_raises_and_leaves_nothing_active(channel, monkeypatch):
+    """The model alone exceeds the budget: ``capture_hook`` raises the simulated OOM (an ``oom`` line
+    written) and is stopped before the error leaves it, since the caller never receives the hook to stop:
+    a process that catches the error allocates CPU memory as before (no virtual GPU left in the dispatch
+    stack) and may start a hook again."""
+    from oomtune import script_api
+
+    monkeypatch.setenv(BUDGET_ENV, str(24 << 20))
+    big = nn.Linear(2048, 4096, bias=False)   # 2048 x 4096 float32 = 32 MiB: above the 24 MiB budget alone
+    with pytest.raises(torch.OutOfMemoryError):
+        capture_hook(model=big)
+    assert script_api._ACTIVE == []
+    events = [e["event"] for e in _lines(channel)]
+    assert events == ["oom", "memory"]
+    torch.empty(64 << 20, dtype=torch.uint8)   # 64 MiB of CPU memory: no simulated OOM once the hook is gone
+    with capture_hook() as hook:               # not "already active"
+        assert hook.active
+
+
 def test_capture_hook_uses_the_allocator_settings_from_the_environment(channel, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv(BUDGET_ENV, str(64 << 20))
