@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 
+from oomtune.alloc.caching_env import ALLOC_CONF_ENV
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
@@ -66,8 +67,9 @@ from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
 __all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
 
-#: The environment variables carrying the allocator string; both get the identical value.
-ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: The environment variables carrying the allocator string (:data:`oomtune.alloc.caching_env.ALLOC_CONF_ENV`);
+#: both get the identical value.
+ALLOC_ENV_VARS = ALLOC_CONF_ENV
 #: Test-only hook (see the module docstring). Never set in production.
 TEST_HOOK_ENV = "OOMTUNE_TEST_HOOK"
 _TRACEBACK_LINES = 20
