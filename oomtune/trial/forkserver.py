@@ -371,7 +371,8 @@ class ForkServerClient:
                 )
         except OSError as exc:
             raise ForkServerError(f"cannot start the fork server: {exc}") from None
-        threading.Thread(target=self._read, name="oomtune-forkserver-reader", daemon=True).start()
+        # the reader gets the process itself: close() may clear self._proc before the thread first runs
+        threading.Thread(target=self._read, args=(self._proc,), name="oomtune-forkserver-reader", daemon=True).start()
         try:
             self.info = self._ready.get(timeout=timeout_s)
         except queue.Empty:
@@ -429,9 +430,9 @@ class ForkServerClient:
         else:
             done.put(message["returncode"])
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             message = json.loads(line)
             if "ready" in message:
                 self._ready.put(message)
