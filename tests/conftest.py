@@ -21,6 +21,17 @@ server), and a worker waiting leaves its core idle. Measured on the 2-core devel
 same tree (CHANGELOG, 2026-12-05): 2 workers kept the cores 82% busy (1428 s), 3 workers 97% (1199 s and
 1258 s); experiments/bench_suite.py measures the command as it is.
 
+One CPU thread per process (``OMP_NUM_THREADS=1``, read by torch's OpenMP pool when torch is first
+imported, here and in every process a test starts): the suite's processes outnumber the cores, and an
+OpenMP pool of one thread per core spends its waiting threads' time spinning. Measured on the 2-core
+development machine beside the suite's other work: a plain run of examples/global_batch.py took 13.3 CPU-s
+with torch's default pool and 7.1 with one thread (CHANGELOG, 2026-12-06). No figure a test asserts
+depends on it: the virtual GPU's memory does not, and no test compares CPU throughputs.
+
+Bytecode: a shell with ``PYTHONDONTWRITEBYTECODE`` set makes every process the suite starts compile
+oomtune's modules again (about 0.2 CPU-s each, over a thousand processes); the variable is dropped for the
+session, so Python caches them in ``__pycache__`` (ignored by git) as it does by default.
+
 ``pg``: a throwaway PostgreSQL server per test module that asks for it (tests/pg_server.py: skipped
 where the OS package is missing, a failure under CI).
 
@@ -34,6 +45,7 @@ tests/test_cublas_workspaces.py check the workspaces themselves.
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -42,6 +54,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ["OOMTUNE_ALLOW_DIRTY"] = "1"
 os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+os.environ["OMP_NUM_THREADS"] = "1"
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 
 @pytest.fixture
