@@ -145,11 +145,16 @@ step_search() {
     # and a small virtual GPU: its trials hold their tensors in host memory, so 0.99 of the default
     # 80 GiB virtual device is refused on a smaller host (trial.execute's host-memory check)
     if [ "$DEVICE" = cpu ]; then size="search.batch_size.high=4 search.window=0 virtual_device_memory=512MiB"; fi
+    # and, last (they replace the values before them), one clean run per finalist and one timed step per
+    # trial: each repeat is a spawned process, and the CPU dry run checks the script and the trial records
+    # it leaves, not the spread of CPU timings. Empty on a GPU: its command is the one above.
+    local cpu_only=""
+    if [ "$DEVICE" = cpu ]; then cpu_only="search.repeats=1 trial.measure_steps=1 trial.confirm_steps=1"; fi
     # shellcheck disable=SC2086
     timeout -k "$KILL" "$LIMIT_SEARCH" "$PY" experiments/gpu_search.py --device "$DEVICE" --out-dir "$R" \
         --timeout $((LIMIT_SEARCH - 30)) --search-timeout 35 \
         search.objective=throughput budget=0.99 search.finalists=2 search.repeats=3 $size \
-        search.n_trials=2 trial.measure_steps=3 trial.confirm_steps=3 trial.timeout=60 \
+        search.n_trials=2 trial.measure_steps=3 trial.confirm_steps=3 trial.timeout=60 $cpu_only \
         2>&1 | tee -a "$R/gpu_search.log"
     echo "== search: rc ${PIPESTATUS[0]} (1 = no best.yaml or settings check FAIL, 124 = timed out)"
 }

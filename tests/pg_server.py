@@ -187,14 +187,19 @@ def sleep_search_overrides(url: str, study: str, run_dir: Path, *extra: str, gra
     """``oomtune search`` overrides of the shared-study tests: tests/data/sleep_trial.py as a command
     target (batch 8..64, 4 trials, the throughput objective, so frontier probes, sampled trials and
     repeated confirmations all run), heartbeats every second and a dead worker's trial failed after
-    ``grace_period_s`` seconds, on ``url`` (a PostgreSQL or grpc:// storage) as study ``study``."""
+    ``grace_period_s`` seconds, on ``url`` (a PostgreSQL or grpc:// storage) as study ``study``.
+    Every trial is spawned (``trial.launcher=spawn``): the script imports nothing but oomtune, so a
+    spawned trial costs a fraction of a CPU-second, while each search process's script server
+    (oomtune.trial.script_fork) would import torch for several; these tests are about the processes
+    sharing a study, and the forked trials of a command are tests/test_script_fork.py's."""
     import sys
 
     script = Path(__file__).resolve().parent / "data" / "sleep_trial.py"
     return ["target=cmd", f"target.command='{sys.executable} {script} {{batch_size}}'", "device=cpu",
             "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=4",
             "search.objective=throughput", "search.heartbeat_interval=1", f"search.grace_period={grace_period_s}",
-            "trial.timeout=120", f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}", *extra]
+            "trial.timeout=120", "trial.launcher=spawn", f"storage={url}", f"study_name={study}",
+            f"hydra.run.dir={run_dir}", *extra]
 
 
 def start_sleep_search(overrides: list[str], log: Path, sleep_s: float) -> subprocess.Popen:

@@ -9,7 +9,6 @@ recorded"). Expected figures are hand calculations from CUDACachingAllocator.cpp
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from oomtune.alloc.stream import AllocationStream
 from oomtune.cli import main
 from oomtune.units import GiB, MiB
 
-REPO = Path(__file__).resolve().parents[1]
+from shared_runs import train_cmd_search  # noqa: F401  (a session's shared search)
 
 # One request of 512 B and one of 4 MiB, both live at the end. CUDACachingAllocator.cpp,
 # get_allocation_size: a request <= kSmallSize (1 MiB) gets a kSmallBuffer (2 MiB) segment; one
@@ -78,14 +77,11 @@ def test_a_missing_or_replaced_stream_and_no_stream_exit_2_with_one_line(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_cmd_search_writes_a_stream_that_check_predict_replays(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(REPO)
-    run = tmp_path / "run"
-    cmd = f"{sys.executable} examples/train_cmd.py --hidden 1024 --batch-size {{batch_size}}"
-    assert main(["search", "target=cmd", f"target.command='{cmd}'", "budget=64MiB", "device=cpu",
-                 "search.batch_size.low=4", "search.batch_size.high=256", "search.space.max_split_size_mb=[null]",
-                 "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
-                 f"hydra.run.dir={run}"]) == 0
+def test_a_cmd_search_writes_a_stream_that_check_predict_replays(train_cmd_search, capsys):
+    # `oomtune search target=cmd` of examples/train_cmd.py (hidden 1024) at 64 MiB: tests/shared_runs.py's
+    # search, shared with tests/test_recorded.py (which checks its recordings and predictions against plan)
+    code, run = train_cmd_search
+    assert code == 0
     best = yaml.safe_load((run / "best.yaml").read_text())["best"]
     assert best["predicted_stream"] == "best_stream.bin"
     assert isinstance(best["predicted_peak_reserved_bytes"], int)

@@ -20,6 +20,10 @@ from oomtune.trace import loads_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30
+#: The dry runs' CPU steps on one thread: the machine's cores are shared with the other tests' processes,
+#: where an OpenMP pool of one thread per core spends its idle threads' time spinning (CPU seconds, not
+#: results: the virtual GPU's figures do not depend on the thread count, and no CPU timing is asserted).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _load(name: str):
@@ -234,7 +238,8 @@ def test_search_env_and_outcome_counts():
 
 
 @pytest.mark.slow
-def test_gpu_search_dry_run_end_to_end(tmp_path):
+def test_gpu_search_dry_run_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # its CPU steps on one thread (see ONE_THREAD)
     rc = gs.main(["--device", "cpu", "--out-dir", str(tmp_path), "--timeout", "150",
                   "search.n_trials=1", "search.batch_size.high=8"])
     doc = json.loads((tmp_path / "gpu_search.json").read_text())
@@ -287,14 +292,15 @@ def test_gpu_check_worst_case_is_the_sum_of_its_limits_and_at_most_400_s():
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_copies_every_trial_record_to_out(tmp_path):
-    """The search (objective throughput, budget=0.99, 2 finalists, 3 interleaved repeats) and the
-    async-backend trial on the CPU: every trial directory's result.json ends up in $OUT's
-    gpu_trials.json, and $OUT holds at most the 8 files the device tool brings back. On a loaded
-    2-core machine the search may reach its limit; the records it left are copied all the same."""
+    """The search (objective throughput, budget=0.99, 2 finalists; on the CPU one clean run of each, the
+    script's CPU dry run) and the async-backend trial on the CPU: every trial directory's result.json
+    ends up in $OUT's gpu_trials.json, and $OUT holds at most the 8 files the device tool brings back.
+    On a loaded 2-core machine the search may reach its limit; the records it left are copied all the
+    same."""
     script = REPO / "experiments" / "gpu_check.sh"
     out, results = tmp_path / "out", tmp_path / "results"
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_RESULTS": str(results),
-           "GPU_CHECK_STEPS": "search async", "OUT": str(out), "PYTHON": sys.executable}
+           "GPU_CHECK_STEPS": "search async", "OUT": str(out), "PYTHON": sys.executable, **ONE_THREAD}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu_check.log").read_text()

@@ -155,6 +155,7 @@ def test_a_search_targeting_a_card_that_refuses_bf16_stops_after_the_first_trial
     from oomtune.cli import main
 
     monkeypatch.chdir(REPO)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the trial's, as trial() sets it
     command = f"{sys.executable} {SCRIPT} --capability-check"
     code = main(["search", "target=cmd", f"target.command='{command}'", "device=cpu", "budget=64MiB",
                  "model.gpu=t4", "trial.timeout=300", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -21,13 +21,21 @@ from oomtune.plan.recorded import load_recording
 from oomtune.targets.cmd import read_channel, result_from_channel
 from oomtune.trial.record import TrialResult, TrialSpec
 
+from shared_runs import INTEGRATION_OVERRIDES, lightning_example_search  # noqa: F401  (a session's shared search)
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"hf": "examples/hf_trainer.py", "lightning": "examples/lightning_module.py",
             "loop": "examples/global_batch.py"}
 
 
+# OMP_NUM_THREADS=1 for every process a test here starts (scripts, searches' trials): one small process on
+# cores the other tests' processes share, where an OpenMP pool of one thread per core spends its idle
+# threads' time spinning; the virtual GPU's figures and the counts asserted do not depend on the threads.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def run_script(args: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full = {**os.environ, "PYTHONPATH": str(REPO), **ONE_THREAD, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
 
 
@@ -159,14 +167,16 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
     if name == "loop":
         # the same command as tests/test_recording_reuse.py's search (conftest.py): one run for both
         code, run = request.getfixturevalue("global_batch_loop_search")
+    elif name == "lightning":
+        # the same command as tests/test_meta_steps.py's meta trial of the example (tests/shared_runs.py)
+        code, run = request.getfixturevalue("lightning_example_search")
     else:
         monkeypatch.chdir(REPO)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the trials' (ONE_THREAD)
         run = tmp_path / name
         cmd = command.format(py=sys.executable)
-        code = main(["search", "target=cmd", f"target.command='{cmd}'", "device=cpu", "budget=44MiB",
-                     "search.global_batch=16", "search.batch_size.low=1", "search.space.max_split_size_mb=[null]",
-                     "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]",
-                     "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=600", f"hydra.run.dir={run}"])
+        code = main(["search", "target=cmd", f"target.command='{cmd}'", *INTEGRATION_OVERRIDES,
+                     f"hydra.run.dir={run}"])
     assert code == 0
     best = oomtune.load_best(run / "best.yaml")
     assert best.batch_size * best.grad_accum == 16 and best.best.global_batch == 16
@@ -204,7 +214,7 @@ def _lightning_ddp_trial(tmp_path: Path, *, rank1_hold: int, budget: int, torchr
                      device="cpu", budget_bytes=budget, warmup_steps=1, measure_steps=2, timeout_s=240, ranks=2)
     runner = TrialRunner()
     try:
-        res = runner.run(spec, workdir=tmp_path / "trial", env={"OMP_NUM_THREADS": "1"})
+        res = runner.run(spec, workdir=tmp_path / "trial", env=ONE_THREAD)
     finally:
         runner.close()
     rank_pids = {int(p.stem[len("rank"):]): int(p.read_text()) for p in pids.glob("rank*.pid")}

@@ -30,10 +30,13 @@ peak allocated is 2 x 1024 bytes higher.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from shared_runs import lightning_example_search  # noqa: F401  (a session's shared search)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = '''
@@ -66,6 +69,11 @@ with tempfile.TemporaryDirectory() as out:
 '''
 
 
+# OMP_NUM_THREADS=1: one small trial process on cores other tests' processes share, where an OpenMP pool
+# of one thread per core spends its idle threads' time spinning; the recorded streams do not depend on it
+TRIAL_ENV = {"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off", "OMP_NUM_THREADS": "1"}
+
+
 def _trial(tmp_path: Path, execute: str, *extra: str):
     from oomtune.targets.cmd import run_cmd_trial
     from oomtune.trial.record import TrialSpec
@@ -78,7 +86,7 @@ def _trial(tmp_path: Path, execute: str, *extra: str):
                                "grad_accum": 2},
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
                      warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
-    return run_cmd_trial(spec, workdir=work, env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"}), work
+    return run_cmd_trial(spec, workdir=work, env=TRIAL_ENV), work
 
 
 def _events(path: Path) -> list[tuple[str, int]]:
@@ -93,6 +101,19 @@ def _events(path: Path) -> list[tuple[str, int]]:
             size[key] = nbytes
         out.append(("A" if action == 0 else "F", size[key]))
     return out
+
+
+def _search_trial(run: Path, *, role: str, batch: int, grad_accum: int):
+    """The result of the first trial of ``role`` at micro-batch ``batch`` in a search's run directory, and
+    its directory; its accumulation checked."""
+    from oomtune.trial.record import TrialResult
+
+    rows = sorted(json.loads((run / "trials.json").read_text()), key=lambda r: r["number"])
+    (number, *_) = [r["number"] for r in rows if r["role"] == role and r["batch_size"] == batch]
+    trial = run / "trials" / f"trial-{number:04d}"
+    result = TrialResult.read(trial / "result.json")
+    assert result.script.grad_accum == grad_accum
+    return result, trial
 
 
 @pytest.mark.slow
@@ -175,15 +196,21 @@ def _loop_trial(tmp_path: Path, execute: str):
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
                      warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
     work = tmp_path / execute
-    return run_cmd_trial(spec, workdir=work, env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"}), work
+    return run_cmd_trial(spec, workdir=work, env=TRIAL_ENV), work
 
 
 @pytest.mark.slow
-def test_a_plain_loops_meta_steps_make_its_cpu_steps_requests_less_adams_host_step_counters(tmp_path):
+def test_a_plain_loops_meta_steps_make_its_cpu_steps_requests_less_adams_host_step_counters(
+        tmp_path, global_batch_loop_search):
     # examples/global_batch.py makes its AdamW before steps(): the optimizer must step the meta parameters
     # (stepping the host ones, which get no gradients, would record no exp_avg / exp_avg_sq at all)
     cpu, cpu_dir = _loop_trial(tmp_path, "cpu")
-    meta, meta_dir = _loop_trial(tmp_path, "meta")
+    # the meta trial of the same command (--micro-batch 4 --grad-accum 2, 1 warm-up + 1 measured step): the
+    # recording conftest.py's global-batch search makes of micro-batch 4 (its trials on meta: trial.execute=auto
+    # on the virtual GPU)
+    code, run = global_batch_loop_search
+    assert code == 0
+    meta, meta_dir = _search_trial(run, role="record", batch=4, grad_accum=2)
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
     assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     got_cpu, got_meta = _events(cpu_dir / "stream.bin"), _events(meta_dir / "stream.bin")
@@ -233,7 +260,7 @@ def _lightning_trial(tmp_path: Path, execute: str, script: Path, *extra: str, gr
                                "grad_accum": grad_accum},
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
                      warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
-    return run_cmd_trial(spec, workdir=work / "trial", env={"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off"})
+    return run_cmd_trial(spec, workdir=work / "trial", env=TRIAL_ENV)
 
 
 def _less(stream: list, extra: list) -> list:
@@ -336,8 +363,13 @@ def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(
 
 
 @pytest.mark.slow
-def test_the_lightning_example_runs_its_trial_on_meta(tmp_path):
-    r = _lightning_trial(tmp_path, "meta", ROOT / "examples" / "lightning_module.py", grad_accum=2)
+def test_the_lightning_example_runs_its_trial_on_meta(lightning_example_search):
+    # the trial of micro-batch 4 x 2 micro-batches (1 warm-up + 1 measured step, trials on meta: the search's
+    # trial.execute=auto on the virtual GPU) that tests/shared_runs.py's search of examples/lightning_module.py
+    # records first
+    code, run = lightning_example_search
+    assert code == 0
+    r, _ = _search_trial(run, role="record", batch=4, grad_accum=2)
     assert r.outcome == "ok", r.message
     assert r.execution.where == "meta" and r.execution.note is None and r.execution.fallback is None
     assert r.throughput.samples_per_s is None

@@ -124,7 +124,11 @@ def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_p
     after the second step: ResNet-18 64x64 at batch 456 under a 1 GiB budget peaked at 988 MiB in its
     4th step in the README's search (above the 972.8 MiB limit), while a 2-step capture put it within.
     The plan captures the trial's warmup_steps + measure_steps (1 + 3 by default), so its cell is the
-    spawned trial's measured peak, to the byte, and both say it is above the limit."""
+    spawned trial's measured peak, to the byte, and both say it is above the limit. The trial runs its
+    steps on the meta device, as the search's trials on the virtual GPU do (``trial.execute=auto``):
+    its memory figures are the simulator's either way, and the same four steps on the CPU would cost a
+    minute of ResNet-18 arithmetic at batch 456 (the CPU run's agreement with the plan is the two
+    tests above)."""
     from oomtune.trial.runner import TrialRunner
 
     _clear_alloc_env(monkeypatch)
@@ -134,10 +138,11 @@ def test_plan_predicts_the_trials_own_steps_where_a_late_step_peaks_higher(tmp_p
                  "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[0.8]")
     row = next(r for r in fmap.rows if r.alloc_conf == conf)
     spec = TrialSpec(workload=fmap.workload, batch_size=456, alloc_conf=conf, device="cpu", budget_bytes=1 << 30,
-                     warmup_steps=1, measure_steps=3, timeout_s=300,
+                     warmup_steps=1, measure_steps=3, timeout_s=300, execute="meta",
                      device_memory_bytes=fmap.geometry["total_memory_bytes"])
     res = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "trial")
     assert res.outcome == "ok", res.message
+    assert res.execution.where == "meta"
     limit = int((1 << 30) * 0.95)   # budget x (1 - search.headroom 0.05)
     assert res.memory.peak_reserved_bytes > limit and not row.cells[0].fits
     assert row.cells[0].peak_reserved_bytes == res.memory.peak_reserved_bytes

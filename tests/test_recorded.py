@@ -18,6 +18,8 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.alloc.stream import AllocationStream, replay_stream
 from oomtune.plan.recorded import NoPrediction, RecordedPredictor, load_recording
 
+from shared_runs import TRAIN_CMD_COMMON, train_cmd_search  # noqa: F401  (a session's shared search)
+
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = budget_geometry(64 << 20, 80 << 30)
 
@@ -238,33 +240,42 @@ def test_on_a_gpu_the_trials_recorded_stream_replays_to_the_devices_peak(tmp_pat
 # -- end to end: examples/train_cmd.py ------------------------------------------------------------------
 def _record_example(tmp_path: Path, batch: int) -> AllocationStream:
     env = {**os.environ, "OOMTUNE_RESULT_FILE": str(tmp_path / f"r{batch}.jsonl"),
-           "OOMTUNE_STREAM_FILE": str(tmp_path / f"s{batch}.bin"), "PYTHONPATH": str(REPO)}
+           "OOMTUNE_STREAM_FILE": str(tmp_path / f"s{batch}.bin"), "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}   # one small process: no OpenMP threads spinning on shared cores
     subprocess.run([sys.executable, "examples/train_cmd.py", "--hidden", "1024", "--batch-size", str(batch)],
                    cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
     return load_recording(tmp_path / f"s{batch}.bin")[0]
 
 
 @pytest.mark.slow
-def test_the_example_scripts_recordings_derive_its_stream_at_any_batch(tmp_path):
-    recs = {b: _record_example(tmp_path, b) for b in (4, 8, 16)}
+def test_the_example_scripts_recordings_derive_its_stream_at_any_batch(tmp_path, train_cmd_search):
+    # the recordings at batch 4, 8 and 16 are the first trials of tests/shared_runs.py's search of the same
+    # command (each trial's stream.bin is what the script writes under OOMTUNE_STREAM_FILE, as in
+    # _record_example); the stream derived for 1000 is compared with a run of the script by hand
+    code, run = train_cmd_search
+    assert code == 0
+    first = {}
+    for row in sorted(json.loads((run / "trials.json").read_text()), key=lambda r: r["number"]):
+        first.setdefault(row["batch_size"], row["number"])
+    recs = {b: load_recording(run / "trials" / f"trial-{first[b]:04d}" / "stream.bin")[0] for b in (4, 8, 16)}
     p = RecordedPredictor(recs, GEOMETRY)
     assert p.usable
     assert p.stream(1000) == _record_example(tmp_path, 1000)
 
 
 @pytest.mark.slow
-def test_cmd_search_predicts_and_probes_the_allocator_and_agrees_with_plan(tmp_path, monkeypatch):
+def test_cmd_search_predicts_and_probes_the_allocator_and_agrees_with_plan(tmp_path, monkeypatch, train_cmd_search):
     # examples/train_cmd.py (hidden 1024) on the virtual GPU at 64 MiB, and the same model, optimizer and
     # step written as a python entry (tests/data/train_cmd_entry.py) planned on meta: the search's answer
     # (recorded streams, derived, replayed under every configuration, then probed) is the configuration
-    # and batch that plan predicts for the entry.
+    # and batch that plan predicts for the entry. The search is tests/shared_runs.py's, shared with
+    # tests/test_check_recorded.py (which replays its best.yaml's predicted stream).
     from oomtune.cli import main
 
     monkeypatch.chdir(REPO)
-    common = ["budget=64MiB", "device=cpu", "search.batch_size.low=4", "search.batch_size.high=4096"]
-    run = tmp_path / "cmd"
-    cmd = f"{sys.executable} examples/train_cmd.py --hidden 1024 --batch-size {{batch_size}}"
-    assert main(["search", "target=cmd", f"target.command='{cmd}'", *common, f"hydra.run.dir={run}"]) == 0
+    common = TRAIN_CMD_COMMON
+    code, run = train_cmd_search
+    assert code == 0
     import oomtune
     import yaml
 

@@ -1,6 +1,9 @@
 """The report after a real `oomtune search` on CPU (virtual GPU): report.html, frontier.yaml and the
 winner's step pickle are written; the study opens in optuna-dashboard with readable user attributes
-and the objective named; headless Chromium renders every chart without a JavaScript error."""
+and the objective named; headless Chromium renders every chart without a JavaScript error.
+
+The search is tests/shared_runs.py's ``tiny_meta_search`` (a tiny ResNet-18 on the virtual GPU, its trials'
+steps on the meta device), run once per session and also asserted on by tests/test_trial_execute.py."""
 
 from __future__ import annotations
 
@@ -15,17 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oomtune.cli import main
-
 sys.path.insert(0, str(Path(__file__).parent))
 from cdp import Browser, chromium_path  # noqa: E402
+from shared_runs import tiny_meta_search  # noqa: E402,F401  (the shared search)
 from report_run import make_run_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
-        "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
-        "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120", "search.n_trials=2"]
 
 #: Each chart: its SVG exists and holds at least one data point (scatter point, line or bar).
 CHARTS_JS = """(() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => ({
@@ -33,11 +31,11 @@ CHARTS_JS = """(() => Array.from(document.querySelectorAll('.js-plotly-plot')).m
   points: d.querySelectorAll('.scatterlayer path.point, .scatterlayer path.js-line, .barlayer path').length})))()"""
 
 
-@pytest.fixture(scope="module")
-def search_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("search") / "run"
-    assert main(["search", *TINY, f"hydra.run.dir={run_dir}"]) == 0
-    return run_dir
+@pytest.fixture
+def search_run(tiny_meta_search):
+    """The shared search's run directory, the search having succeeded."""
+    assert tiny_meta_search.code == 0, tiny_meta_search.err[-3000:]
+    return tiny_meta_search.run
 
 
 def test_search_writes_report_frontier_and_winner_step(search_run):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from oomtune.space import SearchSpace
 from oomtune.trial.record import MemoryReadings, Throughput, TrialProcess, TrialResult
 from oomtune.units import MiB
 from oomtune.workload_spec import WorkloadSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_runs import one_cpu_thread  # noqa: E402
 
 #: The fake workload the fake runners "train" (no target GPU: the runners read none).
 FAKE = WorkloadSpec(target={"name": "builtin"}, model={"name": "fake"}, gpu=None)
@@ -177,10 +181,11 @@ def test_a_stray_sigkill_during_the_baseline_does_not_make_the_point_infeasible(
                               daemon=True)
     killer.start()
     try:
-        path = search(["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
-                       "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
-                       "trial.measure_steps=3", "trial.confirm_steps=2", "trial.timeout=300",
-                       "search.objective=batch", "search.frontier_configs=0", f"hydra.run.dir={run_dir}"])
+        with one_cpu_thread():   # the smoke test's CPU step on one thread (tests/shared_runs.py)
+            path = search(["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
+                           "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
+                           "trial.measure_steps=3", "trial.confirm_steps=2", "trial.timeout=300",
+                           "search.objective=batch", "search.frontier_configs=0", f"hydra.run.dir={run_dir}"])
     finally:
         stop.set()
         killer.join(timeout=5)

@@ -2,16 +2,23 @@
 virtual GPU is stopped by SIGTERM, resumed by the same command, and the resumed search's outputs are
 read by show/env/load_best. One search serves both: a resumed search must give an answer as complete
 as an uninterrupted one, and each search is a minute of a 2-core machine (an uninterrupted search
-end to end is also run by tests/test_search_frontier.py and tests/test_report_e2e.py)."""
+end to end is also run by tests/test_search_frontier.py and tests/test_report_e2e.py).
+
+The search stopped by SIGTERM is a real process (its signal handling and exit status are under test);
+the resume is the same command run in this process (``oomtune.cli.main``: what it reads is the storage
+and the run directory, not the process). Both compute on one CPU thread (``OMP_NUM_THREADS=1``,
+tests/shared_runs.py): the steps are timed only to have a throughput, which no assertion compares."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import optuna
 import pytest
@@ -20,12 +27,16 @@ import oomtune
 from oomtune.cli import main
 from oomtune.study import records as R
 
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_runs import one_cpu_thread  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
         "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
         "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120",
         "search.objective=throughput"]  # the sampler runs for the throughput objective only
+N_TRIALS = 3   # sampler trials: the resumed study must hold this many, finished
 
 
 def _assert_answer_is_its_own_trials(run_dir, capsys) -> None:
@@ -77,15 +88,17 @@ def _running(proc: subprocess.Popen, err_path) -> bool:
     pytest.fail(f"the search exited early with status {proc.returncode}:\n{err_path.read_text()[-4000:]}")
 
 
+@pytest.mark.timeout(1800)   # the resume runs in this process: a hang fails the test instead of the session
 def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # one clean confirmation run per candidate (search.repeats=1): the resume is under test here, and three
     # interleaved repeats of three candidates (spawned processes) take minutes on a loaded 2-core machine
-    args = [sys.executable, "-m", "oomtune", "search", *TINY, "search.n_trials=6", "search.repeats=1",
-            f"hydra.run.dir={run_dir}"]
+    args = ["search", *TINY, f"search.n_trials={N_TRIALS}", "search.repeats=1", f"hydra.run.dir={run_dir}"]
     out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(out_path, "w") as out_f, open(err_path, "w") as err_f:   # files: no pipe to fill while waiting
-        proc = subprocess.Popen(args, stdout=out_f, stderr=err_f, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "oomtune", *args], stdout=out_f, stderr=err_f, text=True,
+                                env=env)
     deadline = time.time() + 600  # frontier predictions come first: slow on a loaded machine
     while time.time() < deadline and not (run_dir / "run.json").exists() and _running(proc, err_path):
         time.sleep(0.2)
@@ -115,13 +128,13 @@ def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from
     orphan_id = storage.create_new_trial(
         optuna.load_study(study_name=info["study_name"], storage=storage)._study_id, template_trial=orphan)
     # The same command resumes: earlier trials are kept as they were, and the study completes.
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    with one_cpu_thread():
+        assert main(args) == 0
     after = {t.number: t for t in optuna.load_study(study_name=info["study_name"], storage=info["storage"]).trials}
     assert all(after[n].params == p for n, p in before.items())
     searched = [t for t in after.values() if t.user_attrs.get(R.ATTR_ROLE) == "search"
                 and t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(searched) == 6
+    assert len(searched) == N_TRIALS
     assert storage.get_trial(orphan_id).state == optuna.trial.TrialState.FAIL   # failed, then retried
     assert any(t.system_attrs.get("failed_trial") == storage.get_trial(orphan_id).number for t in after.values())
     # The resumed search's answer is one of its own trials, as any search's (show and env read it).

@@ -8,10 +8,16 @@ an independent path through the plan API, not the search's own output."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import oomtune
 from oomtune.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_runs import one_cpu_thread  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +37,8 @@ def test_default_search_reaches_the_predicted_frontier(tmp_path):
     best_conf = [r.alloc_conf for r in fmap.rows if r.max_batch_size == frontier]
 
     run_dir = tmp_path / "run"
-    assert main(["search", *DEFAULT, f"hydra.run.dir={run_dir}"]) == 0
+    with one_cpu_thread():   # the smoke test's CPU step on one thread (tests/shared_runs.py)
+        assert main(["search", *DEFAULT, f"hydra.run.dir={run_dir}"]) == 0
     best = oomtune.load_best(run_dir / "best.yaml")
     assert best.best.batch_size >= 0.98 * frontier, (best.best.batch_size, frontier, best_conf)
     assert best.study["launches"] <= 14

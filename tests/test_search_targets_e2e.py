@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,21 @@ import pytest
 import oomtune
 from oomtune.cli import main
 
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_runs import one_cpu_thread  # noqa: E402
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["device=cpu", "search.n_trials=2", "search.batch_size.low=4", "search.batch_size.high=64",
           "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120"]
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """The trials' CPU steps on one thread (tests/shared_runs.py: CPU seconds on a shared machine, not
+    results; no CPU timing is asserted)."""
+    with one_cpu_thread():
+        yield
 
 
 def test_target_python_with_a_relative_entry_path(tmp_path, monkeypatch):

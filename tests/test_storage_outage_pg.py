@@ -34,6 +34,7 @@ def _args(url: str, run_dir: Path, study: str) -> list[str]:
             f"target.command='{sys.executable} {SCRIPT} {{batch_size}}'", "device=cpu",
             "search.batch_size.low=8", "search.batch_size.high=64", "search.n_trials=3",
             "search.objective=throughput", "search.repeats=1", "search.finalists=1", "trial.timeout=120",
+            "trial.launcher=spawn",   # no script server importing torch for a script that imports oomtune only
             f"storage={url}", f"study_name={study}", f"hydra.run.dir={run_dir}"]
 
 

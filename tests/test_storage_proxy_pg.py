@@ -123,29 +123,11 @@ def _best(run_dir: Path) -> tuple[int, str]:
     return best.batch_size, best.alloc_conf
 
 
-def test_a_search_of_two_local_jobs_through_the_proxy(proxy, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _start(_overrides(proxy.url, "grpc", run_dir, "launcher=local", "search.workers=2"), tmp_path / "p",
-                  sleep_s=1.0)
-    assert proc.wait(timeout=900) == 0, (tmp_path / "p.err").read_text()[-3000:]
-    assert _best(run_dir) == (48, "")                                          # by hand: module docstring
-    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == \
-        [(run_dir / "best.yaml").read_text()] * 2                              # one answer (one writer)
-    study = _study(proxy.db_url, "grpc")
-    _check_told_once(study, list((run_dir / "workers").glob("worker-*/trials/trial-*")))
-    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES
-    # every running trial beat through the proxy (the proxy itself has no heartbeat call)
-    from oomtune.study.grpc_proxy import HEARTBEAT_ATTR
-
-    ran = [t for t in study.trials if any((run_dir / "workers").glob(f"worker-*/trials/trial-{t.number:04d}"))]
-    assert ran and all(HEARTBEAT_ATTR in t.system_attrs for t in ran)
-    # the answer's lock study is not listed as a study
-    shown = subprocess.run([sys.executable, "-m", "oomtune", "show", "--storage", proxy.url, "--study", "nope"],
-                           cwd=REPO, env=ENV, capture_output=True, text=True)
-    assert shown.returncode == 2 and "(studies there: grpc)" in shown.stderr
-
-
-def test_a_proxy_restart_mid_search_loses_nothing(proxy, tmp_path):
+def test_a_search_of_two_local_jobs_through_the_proxy_survives_its_restart(proxy, tmp_path):
+    # One search of two local worker jobs through the proxy, which is stopped mid-search and started
+    # again on the same port: what any search through the proxy must leave (one answer, every trial
+    # told once, each probe once, heartbeats through the proxy, the lock study not listed), and what
+    # the restart must not take (nothing finished lost, no live trial taken for a dead one).
     run_dir = tmp_path / "run"
     proc = _start(_overrides(proxy.url, "restart", run_dir, "launcher=local", "search.workers=2"), tmp_path / "p",
                   sleep_s=1.5)
@@ -164,7 +146,9 @@ def test_a_proxy_restart_mid_search_loses_nothing(proxy, tmp_path):
     proxy.start()                                                              # the same port: they reconnect
     assert proc.wait(timeout=900) == 0, (tmp_path / "p.err").read_text()[-3000:]
 
-    assert _best(run_dir) == (48, "")
+    assert _best(run_dir) == (48, "")                                          # by hand: module docstring
+    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == \
+        [(run_dir / "best.yaml").read_text()] * 2                              # one answer (one writer)
     study = _study(proxy.db_url, "restart")
     trials = {t.number: t for t in study.trials}
     assert all(trials[n].user_attrs["result"] == r for n, r in before.items())   # nothing finished was lost
@@ -174,6 +158,15 @@ def test_a_proxy_restart_mid_search_loses_nothing(proxy, tmp_path):
     assert not [t.number for t in study.trials if "failed_trial" in t.system_attrs]
     logs = "".join(p.read_text() for p in (run_dir / "workers").glob("*_log.out"))
     assert "storage connection lost while trying to" in logs and "UNAVAILABLE" in logs and "Traceback" not in logs
+    # every running trial beat through the proxy (the proxy itself has no heartbeat call)
+    from oomtune.study.grpc_proxy import HEARTBEAT_ATTR
+
+    ran = [t for t in study.trials if any((run_dir / "workers").glob(f"worker-*/trials/trial-{t.number:04d}"))]
+    assert ran and all(HEARTBEAT_ATTR in t.system_attrs for t in ran)
+    # the answer's lock study is not listed as a study
+    shown = subprocess.run([sys.executable, "-m", "oomtune", "show", "--storage", proxy.url, "--study", "nope"],
+                           cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert shown.returncode == 2 and "(studies there: restart)" in shown.stderr
 
 
 def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy, tmp_path):

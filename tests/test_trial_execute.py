@@ -12,6 +12,7 @@ tensor sizes, and /proc/meminfo-style text written here.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ from oomtune.trial.execute import check_host_memory, host_available_bytes, resol
 from oomtune.trial.record import ExecutionInfo, TrialSpec
 from oomtune.units import GiB, MiB
 from oomtune.workload_spec import WorkloadSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_runs import TINY_META, one_cpu_thread, tiny_meta_search  # noqa: E402,F401  (a shared search)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("outcome", "memory.peak_reserved_bytes", "memory.peak_allocated_bytes", "memory.peak_active_bytes",
@@ -44,6 +48,14 @@ def clean_alloc_env(monkeypatch):
     monkeypatch.delenv(child.TEST_HOOK_ENV, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def single_thread():
+    """One CPU thread for the steps these tests compute, here and in the processes they start
+    (shared_runs.one_cpu_thread: the memory figures compared do not depend on it)."""
+    with one_cpu_thread():
+        yield
+
+
 def _spec(workload, execute, **kw) -> TrialSpec:
     base = dict(workload=workload, batch_size=8, device="cpu", budget_bytes=512 * MiB,
                 device_memory_bytes=8 * GiB, warmup_steps=1, measure_steps=3, timeout_s=120, execute=execute)
@@ -64,8 +76,11 @@ def _figures(result) -> tuple:
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_a_meta_trial_measures_the_memory_of_the_cpu_trial(name):
-    cpu = child.run_child(_spec(WORKLOADS[name], "cpu"))
-    meta = child.run_child(_spec(WORKLOADS[name], "meta"))
+    # a warm-up step and one measured step: the second step is the steady state (the optimizer's state
+    # exists, the gradients are freed and made again), which every later step of these fixed-shape
+    # workloads repeats; a bf16 ResNet step costs seconds of CPU
+    cpu = child.run_child(_spec(WORKLOADS[name], "cpu", measure_steps=1))
+    meta = child.run_child(_spec(WORKLOADS[name], "meta", measure_steps=1))
     assert cpu.outcome == "ok", cpu.message
     assert _figures(meta) == _figures(cpu)
     assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
@@ -219,9 +234,8 @@ def test_the_search_refuses_a_cpu_budget_above_the_host_before_any_trial(tmp_pat
 
 
 # -- the search with meta trials ---------------------------------------------------------------------------
-TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
-        "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1", "trial.measure_steps=1",
-        "trial.confirm_steps=3", "trial.soak_steps=20", "trial.timeout=120"]
+# The meta search is tests/shared_runs.py's tiny_meta_search (shared with tests/test_report_e2e.py); the CPU
+# search here runs the same overrides (shared_runs.TINY_META) with trial.execute=cpu.
 
 
 def _study(run_dir):
@@ -234,32 +248,35 @@ def _study(run_dir):
 
 
 @pytest.mark.slow
-def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees(tmp_path, capsys):
+def test_a_search_with_meta_trials_gives_the_answer_of_cpu_trials_and_keeps_its_guarantees(tmp_path, tiny_meta_search):
     import oomtune
     from oomtune.cli import main
     from oomtune.study import records as R
 
-    answers = {}
-    for execute in ("meta", "cpu"):
-        run_dir = tmp_path / execute
-        assert main(["search", *TINY, f"trial.execute={execute}", f"hydra.run.dir={run_dir}"]) == 0
+    def answer(run_dir):
         best = oomtune.load_best(run_dir / "best.yaml")
-        answers[execute] = (best.batch_size, best.alloc_conf, best.best.metrics["peak_reserved_bytes"])
-        if execute == "meta":
-            study = _study(run_dir)
-            out = " ".join(capsys.readouterr().err.split())
-            assert "smoke test: one real CPU step at batch 2 (default allocator) ran" in out
-            assert "trials: their steps on the meta device, memory simulated, throughput not measured" in out
-            assert study.user_attrs["smoke_test"]["batch_size"] == 2
-            results = [R.result_of(t) for t in study.trials if R.result_of(t) is not None]
-            assert results and all(r.execution.where == "meta" and r.throughput.samples_per_s is None for r in results)
-            confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"][-1]
-            res = R.result_of(confirm)
-            # the confirmation is still a fresh interpreter (spawned), runs every step and the soak
-            assert res.process.launcher == "spawn" and res.throughput.steps == 1 + 3
-            assert res.soak.passed is True and res.soak.steps_run == 20
-            assert best.best.confirmed and best.best.metrics["throughput"] is None
-    assert answers["meta"] == answers["cpu"]
+        return best, (best.batch_size, best.alloc_conf, best.best.metrics["peak_reserved_bytes"])
+
+    assert tiny_meta_search.code == 0
+    run_dir = tiny_meta_search.run
+    best, meta_answer = answer(run_dir)
+    study = _study(run_dir)
+    out = " ".join(tiny_meta_search.err.split())
+    assert "smoke test: one real CPU step at batch 2 (default allocator) ran" in out
+    assert "trials: their steps on the meta device, memory simulated, throughput not measured" in out
+    assert study.user_attrs["smoke_test"]["batch_size"] == 2
+    results = [R.result_of(t) for t in study.trials if R.result_of(t) is not None]
+    assert results and all(r.execution.where == "meta" and r.throughput.samples_per_s is None for r in results)
+    confirm = [t for t in study.trials if t.user_attrs.get(R.ATTR_ROLE) == "confirm"][-1]
+    res = R.result_of(confirm)
+    # the confirmation is still a fresh interpreter (spawned), runs every step and the soak
+    assert res.process.launcher == "spawn" and res.throughput.steps == 1 + 3
+    assert res.soak.passed is True and res.soak.steps_run == 20
+    assert best.best.confirmed and best.best.metrics["throughput"] is None
+
+    cpu_dir = tmp_path / "cpu"
+    assert main(["search", *TINY_META, "trial.execute=cpu", f"hydra.run.dir={cpu_dir}"]) == 0
+    assert answer(cpu_dir)[1] == meta_answer
 
 
 @pytest.mark.slow

@@ -79,18 +79,31 @@ def test_child_environment_sets_both_alloc_variables_and_pins_the_device(monkeyp
 
 
 # ------------------------------------------------------------------ real children (spawn)
-def test_spawned_cpu_trial_ok_with_settings_in_its_environment(tmp_path):
-    conf = "max_split_size_mb:128"
-    r = run_trial(_spec(alloc_conf=conf), workdir=tmp_path, env={HOOK: "echo_env"})
+# Two settings at once (a size and a boolean), in the environment of a spawned and of a forked child
+BOTH = "expandable_segments:True,max_split_size_mb:128"
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The spawned trial of ``_spec(alloc_conf=BOTH, seed=3)`` with its environment echoed, run once for
+    the tests that read it (the spawned child's record; the fork server's twin of it)."""
+    spec = _spec(alloc_conf=BOTH, seed=3)
+    workdir = tmp_path_factory.mktemp("spawn")
+    return spec, workdir, TrialRunner(launcher="spawn").run(spec, workdir=workdir, env={HOOK: "echo_env"})
+
+
+def test_spawned_cpu_trial_ok_with_settings_in_its_environment(spawned):
+    _, _, r = spawned
     assert r.outcome == "ok", (r.message, r.traceback_tail)
     assert r.process.launcher == "spawn"
     assert r.memory.source == "simulated"
     assert r.throughput.samples_per_s > 0
     assert r.memory.peak_reserved_bytes >= r.memory.peak_allocated_bytes > 0
-    assert r.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == conf
-    assert r.allocator.env("PYTORCH_ALLOC_CONF") == conf
-    assert r.allocator.torch_alloc_conf == conf          # what torch's own parser read
-    assert r.settings_effective == {"max_split_size_mb": 128}
+    assert r.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == BOTH
+    assert r.allocator.env("PYTORCH_ALLOC_CONF") == BOTH
+    assert r.allocator.torch_alloc_conf == BOTH          # what torch's own parser read
+    # the non-default settings in torch's keys and units (AllocatorSettings.as_mapping): MiB as an int
+    assert r.settings_effective == {"expandable_segments": True, "max_split_size_mb": 128}
 
 
 def test_timeout_kills_the_whole_process_group(tmp_path):
@@ -130,19 +143,18 @@ def test_tiny_budget_gives_a_memory_outcome_from_the_child(tmp_path, fork_runner
 
 
 # ------------------------------------------------------------------ fork server
-def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner):
-    spec = _spec(alloc_conf="expandable_segments:True", seed=3)
+def test_fork_and_spawn_agree_on_a_tiny_trial(tmp_path, fork_runner, spawned):
+    spec, spawn_dir, spawned = spawned
     forked = fork_runner.run(spec, workdir=tmp_path / "fork", env={HOOK: "echo_env"})
-    spawned = TrialRunner(launcher="spawn").run(spec, workdir=tmp_path / "spawn", env={HOOK: "echo_env"})
     assert forked.process.launcher == "fork" and spawned.process.launcher == "spawn"
     assert forked.outcome == spawned.outcome == "ok"
     assert forked.memory.peak_reserved_bytes == spawned.memory.peak_reserved_bytes
     assert forked.memory.peak_allocated_bytes == spawned.memory.peak_allocated_bytes
     # the forked child set the variables itself, after the server imported torch without them
-    assert forked.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
-    assert forked.allocator.torch_alloc_conf == "expandable_segments:True"
+    assert forked.allocator.env("PYTORCH_CUDA_ALLOC_CONF") == BOTH
+    assert forked.allocator.torch_alloc_conf == BOTH
     # both launchers leave the progress record: 1 warm-up + 2 measured steps, all done
-    assert read_progress(tmp_path / "fork" / PROGRESS_FILE) == read_progress(tmp_path / "spawn" / PROGRESS_FILE) == (3, 3)
+    assert read_progress(tmp_path / "fork" / PROGRESS_FILE) == read_progress(spawn_dir / PROGRESS_FILE) == (3, 3)
 
 
 def test_fork_server_is_fork_safe(fork_runner):
@@ -242,3 +254,28 @@ def test_cuda_trial_over_budget_is_a_memory_outcome(tmp_path):
     # a real device: fraction cap or plain OOM depends on the card's size and what other processes
     # hold (the fraction is applied only when the budget is below the card), so any memory class
     assert r.outcome.is_memory, (r.outcome, r.message)
+
+
+def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_error(monkeypatch, tmp_path):
+    """``close()`` clears the client's process; a reader thread that had not yet run then read the
+    cleared attribute and died with an AssertionError (seen as pytest's unhandled-thread warning when
+    a search's start-up timed out). The reader is held here until the client has given up and closed
+    the server: it must still end cleanly, at the closed pipe's end of file."""
+    from oomtune.trial import forkserver
+
+    gate, errors = threading.Event(), []
+    original = forkserver.ForkServerClient._read
+
+    def held_reader(self, *args):
+        gate.wait(30)
+        return original(self, *args)
+
+    monkeypatch.setattr(forkserver.ForkServerClient, "_read", held_reader)
+    monkeypatch.setattr(threading, "excepthook", lambda info: errors.append(info.exc_value))
+    client = forkserver.ForkServerClient(log_path=str(tmp_path / "server.log"))
+    with pytest.raises(forkserver.ForkServerError, match="did not start within"):
+        client.start(timeout_s=0.01)   # the reader is held: no hello can arrive, the client closes the server
+    reader = next(t for t in threading.enumerate() if t.name == "oomtune-forkserver-reader")
+    gate.set()
+    reader.join(30)
+    assert not reader.is_alive() and errors == []

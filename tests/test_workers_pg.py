@@ -65,10 +65,16 @@ def _launched(study, role: str) -> list:
             and t.user_attrs.get("outcome") != "predicted_infeasible"]
 
 
-def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(pg, tmp_path):
+def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(pg, tmp_path, monkeypatch,
+                                                                               capsys):
+    from oomtune.cli import main
+
     url = pg.create_database()
+    # the single worker's reference search runs in this process (what `oomtune search` runs); the three
+    # sharing a study are processes of their own, as they must be
     single = tmp_path / "single"
-    _wait([_start(url, "one", single)], [single])
+    monkeypatch.setenv("OOMTUNE_TEST_SLEEP_S", "0.5")
+    assert main(["search", *_overrides(url, "one", single)]) == 0
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     _wait([_start(url, "three", d) for d in dirs], dirs)
 
@@ -76,9 +82,9 @@ def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(p
     assert all(_best(d) == (48, "") for d in dirs)
     texts = {(d / "best.yaml").read_text() for d in dirs}
     assert len(texts) == 1                                   # one answer, written identically by all
-    printed = subprocess.run([sys.executable, "-m", "oomtune", "best", "--storage", url, "--study", "three"],
-                             cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert printed.returncode == 0 and printed.stdout == texts.pop()
+    capsys.readouterr()
+    assert main(["best", "--storage", url, "--study", "three"]) == 0   # `oomtune best`, in this process
+    assert capsys.readouterr().out == texts.pop()
 
     one, three = _study(url, "one"), _study(url, "three")
     probes_one = sorted(t.params["batch_size"] for t in _launched(one, "baseline"))
