@@ -272,10 +272,11 @@ def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_err
 
     monkeypatch.setattr(forkserver.ForkServerClient, "_read", held_reader)
     monkeypatch.setattr(threading, "excepthook", lambda info: errors.append(info.exc_value))
+    before = set(threading.enumerate())   # an earlier test's server may still have its reader running
     client = forkserver.ForkServerClient(log_path=str(tmp_path / "server.log"))
     with pytest.raises(forkserver.ForkServerError, match="did not start within"):
         client.start(timeout_s=0.01)   # the reader is held: no hello can arrive, the client closes the server
-    reader = next(t for t in threading.enumerate() if t.name == "oomtune-forkserver-reader")
+    [reader] = [t for t in threading.enumerate() if t.name == "oomtune-forkserver-reader" and t not in before]
     gate.set()
     reader.join(30)
     assert not reader.is_alive() and errors == []
