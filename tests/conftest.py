@@ -103,40 +103,14 @@ GLOBAL_BATCH_LOOP_OVERRIDES = [
 def global_batch_loop_search(tmp_path_factory):
     """(``oomtune search``'s exit status, its run directory) for the search above, run from the
     repository root (the command's relative path) by whichever worker asks first; the others wait for
-    it (an exclusive lock on a file in the session's shared temporary folder) and read the same run.
-    A run that raised in one worker fails the tests of every worker, with its error."""
-    import fcntl
-    import json
+    it and read the same run (tests/shared_runs.py's ``shared_run``). A run that raised in one worker
+    fails the tests of every worker, with its error."""
     import sys
-    from pathlib import Path
 
-    from oomtune.cli import main
+    from shared_runs import shared_run
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):   # each worker's basetemp is a folder of the session's
-        root = root.parent
-    shared = root / "global-batch-loop-search"
-    shared.mkdir(exist_ok=True)
-    run, status = shared / "run", shared / "status.json"
-    with open(shared / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not status.exists():
-                command = GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable)
-                cwd = os.getcwd()
-                os.chdir(Path(__file__).resolve().parents[1])
-                try:
-                    code = main(["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_LOOP_OVERRIDES,
-                                 f"hydra.run.dir={run}"])
-                except BaseException as exc:
-                    status.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-                    raise
-                finally:
-                    os.chdir(cwd)
-                status.write_text(json.dumps({"code": code}))
-            done = json.loads(status.read_text())
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    if "error" in done:
-        pytest.fail(f"the shared global-batch search raised in another worker: {done['error']}")
-    return done["code"], run
+    command = GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable)
+    done = shared_run(tmp_path_factory, "global-batch-loop-search",
+                      lambda run: ["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_LOOP_OVERRIDES,
+                                   f"hydra.run.dir={run}"])
+    return done.code, done.run
