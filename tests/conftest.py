@@ -85,18 +85,13 @@ def pg():
     server.stop()
 
 
-# ``oomtune search`` of examples/global_batch.py (target=cmd) under a global batch of 16 at 24 MiB, only
-# the default allocator and expandable_segments searched. Two tests assert on this same command:
+# ``oomtune search`` of examples/global_batch.py (target=cmd) under tests/shared_runs.py's
+# GLOBAL_BATCH_OVERRIDES (a global batch of 16 at 44 MiB). Two tests assert on this same command:
 # tests/test_integrations.py::test_a_search_of_the_integration_keeps_the_global_batch[loop-...] (every
 # trial trained the global batch) and tests/test_recording_reuse.py::
 # test_a_global_batch_search_reuses_its_recordings_as_the_baselines_probes (the recordings stand for the
 # baseline's probes). The search runs once per test session, shared by the xdist workers.
 GLOBAL_BATCH_LOOP_COMMAND = "{py} examples/global_batch.py --micro-batch {{batch_size}} --grad-accum {{grad_accum}}"
-GLOBAL_BATCH_LOOP_OVERRIDES = [
-    "device=cpu", "budget=44MiB", "search.global_batch=16", "search.batch_size.low=1",
-    "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
-    "search.space.garbage_collection_threshold=[null]", "trial.measure_steps=1", "trial.confirm_steps=2",
-    "trial.timeout=600"]
 
 
 @pytest.fixture(scope="session")
@@ -107,10 +102,10 @@ def global_batch_loop_search(tmp_path_factory):
     fails the tests of every worker, with its error."""
     import sys
 
-    from shared_runs import shared_run
+    from shared_runs import GLOBAL_BATCH_OVERRIDES, shared_run
 
     command = GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable)
     done = shared_run(tmp_path_factory, "global-batch-loop-search",
-                      lambda run: ["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_LOOP_OVERRIDES,
+                      lambda run: ["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_OVERRIDES,
                                    f"hydra.run.dir={run}"])
     return done.code, done.run

@@ -130,16 +130,20 @@ def train_cmd_search(tmp_path_factory):
     return r.code, r.run
 
 
-# ``oomtune search`` of examples/lightning_module.py (target=cmd) under a global batch of 16 at 44 MiB, only
-# the default allocator and expandable_segments searched (the overrides of conftest.py's global-batch
-# search). Asserted on by tests/test_integrations.py::test_a_search_of_the_integration_keeps_the_global_batch
-# [lightning-...] (every trial trained the global batch, on meta) and tests/test_meta_steps.py::
-# test_the_lightning_example_runs_its_trial_on_meta (its recording of micro-batch 4 x 2 ran on meta).
-INTEGRATION_OVERRIDES = [
+# The overrides of the two global-batch searches of a ``target=cmd`` script (conftest.py's
+# ``global_batch_loop_search`` of examples/global_batch.py and ``lightning_example_search`` below): a global
+# batch of 16 at 44 MiB, only the default allocator and expandable_segments searched, one measured step.
+GLOBAL_BATCH_OVERRIDES = [
     "device=cpu", "budget=44MiB", "search.global_batch=16", "search.batch_size.low=1",
     "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
     "search.space.garbage_collection_threshold=[null]", "trial.measure_steps=1", "trial.confirm_steps=2",
     "trial.timeout=600"]
+
+
+# ``oomtune search`` of examples/lightning_module.py (target=cmd) under GLOBAL_BATCH_OVERRIDES. Asserted on
+# by tests/test_integrations.py::test_a_search_of_the_integration_keeps_the_global_batch
+# [lightning-...] (every trial trained the global batch, on meta) and tests/test_meta_steps.py::
+# test_the_lightning_example_runs_its_trial_on_meta (its recording of micro-batch 4 x 2 ran on meta).
 
 
 @pytest.fixture(scope="session")
@@ -147,6 +151,6 @@ def lightning_example_search(tmp_path_factory):
     """(exit status, run directory) of the search above."""
     cmd = f"{sys.executable} examples/lightning_module.py"
     r = shared_run(tmp_path_factory, "lightning-example-search",
-                      lambda run: ["search", "target=cmd", f"target.command='{cmd}'", *INTEGRATION_OVERRIDES,
+                      lambda run: ["search", "target=cmd", f"target.command='{cmd}'", *GLOBAL_BATCH_OVERRIDES,
                                    f"hydra.run.dir={run}"])
     return r.code, r.run

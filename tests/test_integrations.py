@@ -21,7 +21,7 @@ from oomtune.plan.recorded import load_recording
 from oomtune.targets.cmd import read_channel, result_from_channel
 from oomtune.trial.record import TrialResult, TrialSpec
 
-from shared_runs import INTEGRATION_OVERRIDES, lightning_example_search  # noqa: F401  (a session's shared search)
+from shared_runs import GLOBAL_BATCH_OVERRIDES, lightning_example_search  # noqa: F401  (a session's shared search)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"hf": "examples/hf_trainer.py", "lightning": "examples/lightning_module.py",
@@ -175,7 +175,7 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the trials' (ONE_THREAD)
         run = tmp_path / name
         cmd = command.format(py=sys.executable)
-        code = main(["search", "target=cmd", f"target.command='{cmd}'", *INTEGRATION_OVERRIDES,
+        code = main(["search", "target=cmd", f"target.command='{cmd}'", *GLOBAL_BATCH_OVERRIDES,
                      f"hydra.run.dir={run}"])
     assert code == 0
     best = oomtune.load_best(run / "best.yaml")
