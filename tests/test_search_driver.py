@@ -378,7 +378,9 @@ def test_frontier_line_says_when_nothing_is_predicted_to_fit():
 
     planner = FrontierPlanner([ConfigFrontier({}, "", None, selected=True)], 8, 512, 950 * MiB, peak=None)
     line = _frontier_line(planner, SimpleNamespace(capture_seconds=1.0, replay_seconds=0.5))
-    assert line.endswith("probing: (default) (none predicted to fit: from batch 8)")
+    # a configuration is probed only while it can win: the line says so before naming them
+    assert line.endswith("probing (a configuration only while its frontier can beat the largest batch measured "
+                         "so far): (default) (none predicted to fit: from batch 8)")
     assert "None" not in line
 
 

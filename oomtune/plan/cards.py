@@ -288,7 +288,8 @@ def plan_multi(cards: Any, cfg: Any, *, workload: WorkloadSpec, shaped: bool, se
 
     console.print(fit_table(cards_table(plan), console.width))   # narrow: whole cells move, none is cut
     say("device used = the allocator's peak reserved + the memory outside it (CUDA context: the catalogue's "
-        "outside_allocator_bytes): the whole card, as nvidia-smi would show; memory as torch reports it")
+        "outside_allocator_bytes): the whole card, as nvidia-smi would show; memory as torch reports it; the "
+        "headroom limit bounds the peak reserved, so device used may lie above it")
     if any(r.max_batch_size is not None and r.max_batch_size >= grid[-1] for r in plan.results):
         say(f">=N: every batch up to the top of the range fits (none above {grid[-1]} planned: raise "
             "search.batch_size.high to find the card's limit)")

@@ -749,4 +749,5 @@ def _frontier_line(planner: Any, predictor: Any) -> str:
               else f"capture {predictor.capture_seconds:.1f} s{_cached_words(predictor)}")
     return (f"predicted frontiers of {sum(1 + len(c.twins) for c in planner.configs)} configurations "
             f"(simulated; {source}, replay {predictor.replay_seconds:.1f} s); "
-            f"probing: {', '.join(parts)}")
+            f"probing (a configuration only while its frontier can beat the largest batch measured so far): "
+            f"{', '.join(parts)}")
