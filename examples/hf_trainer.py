@@ -14,6 +14,7 @@ the steps on the virtual GPU when there is no CUDA device and reports the throug
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
@@ -58,12 +59,16 @@ def main() -> None:
                         n_positions=args.seq_len)
     model = GPT2LMHeadModel(config)
     data = RandomTokens(args.samples, args.seq_len, args.vocab)
+    # Several ranks on a machine without CUDA (torchrun on a laptop, a CPU trial with trial.gpus=2): transformers
+    # joins them in DistributedDataParallel over gloo only with use_cpu=True (else each rank trains alone). One
+    # process keeps the default, so that bf16=True is checked against the GPU, as on the card.
+    use_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
             output_dir=out, per_device_train_batch_size=args.batch_size,
             gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=1e-4,
             bf16=args.bf16, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            dataloader_num_workers=0, auto_find_batch_size=args.auto_find_batch_size)
+            dataloader_num_workers=0, auto_find_batch_size=args.auto_find_batch_size, use_cpu=use_cpu)
         trainer = Trainer(model=model, args=training, train_dataset=data,
                           callbacks=[OomtuneCallback()])   # the one line oomtune needs
         result = trainer.train()

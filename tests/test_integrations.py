@@ -101,7 +101,9 @@ def test_samples_are_counted_once_over_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_trainer_under_torchrun_counts_samples_once_over_two_ranks(tmp_path):
     # the Hugging Face example under torchrun, 2 CPU processes (gloo): rank 0 reports micro-batch 3 x 2
-    # micro-batches x 2 ranks x 2 measured steps; every rank writes its memory and its stream
+    # micro-batches x 2 ranks x 2 measured steps; every rank writes its memory and its stream. The callback
+    # refuses a Trainer that is not distributed (the test above), so exit 0 also says the example joined
+    # its ranks in DDP over gloo (its use_cpu=True for several ranks without CUDA)
     done = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
                        EXAMPLES["hf"]], trial_env(tmp_path, batch=3, accum=2, warmup=1, measure=2))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -125,6 +127,28 @@ def test_a_callback_on_a_trainer_without_an_optimizer_exits_2_with_one_line(tmp_
     assert lines == ["oomtune: Hugging Face Trainer: the trainer has no optimizer when training starts, so oomtune "
                      "cannot count optimizer steps or its state; create it before training (or let the trainer "
                      "create it)"]
+
+
+def test_a_trainer_launched_as_two_ranks_but_not_distributed_exits_2_with_one_line(tmp_path):
+    """Field case: examples/hf_trainer.py under torchrun on a machine without CUDA (transformers 5.25) built
+    TrainingArguments without use_cpu=True; accelerate's state was then not distributed
+    (``parallel_mode`` "not_parallel", transformers/training_args.py ``_setup_devices``), the Trainer did
+    not wrap the model in DDP and each rank trained alone, while the trial counted micro-batch x
+    accumulation x 2 ranks as one step's global batch. The arguments here carry that parallel mode
+    (transformers' own enum) under a launcher's RANK/WORLD_SIZE of 2."""
+    code = ("from types import SimpleNamespace\n"
+            "from transformers import TrainerState, TrainerControl\n"
+            "from transformers.training_args import ParallelMode\n"
+            "from oomtune.integrations.huggingface import OomtuneCallback\n"
+            "args = SimpleNamespace(parallel_mode=ParallelMode.NOT_PARALLEL)\n"
+            "OomtuneCallback().on_init_end(args, TrainerState(), TrainerControl())\n")
+    done = run_script(["-c", code], {**trial_env(tmp_path, batch=2, accum=1), "RANK": "0", "WORLD_SIZE": "2"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "oomtune: Hugging Face Trainer: launched as 2 ranks, but the Trainer trains each rank alone "
+        "(TrainingArguments.parallel_mode=not_parallel: no DistributedDataParallel, so the global batch would not "
+        "be micro-batch x accumulation x ranks); on a machine without CUDA pass TrainingArguments(use_cpu=True), "
+        "which joins the ranks over gloo"]
 
 
 def test_a_lightning_module_without_a_batch_size_exits_2_with_one_line(tmp_path):
@@ -195,21 +219,24 @@ def test_a_search_of_the_integration_keeps_the_global_batch(name, command, tmp_p
         assert (accum == 2) if row["role"] == "record" else (row["batch_size"] * accum == 16)
 
 
-# -- Lightning's own DDP launcher, 2 CPU ranks, as a target=cmd trial ----------------------------------------
-# The script runs Trainer(accelerator="cpu", devices=2, strategy="ddp"): Lightning starts rank 1 itself (a
-# subprocess running the script again; it sets LOCAL_RANK and WORLD_SIZE but no RANK) and joins both in a gloo
-# process group. Each rank has its own virtual GPU of the trial's budget.
+# -- Lightning's DDP script under torchrun, 2 CPU ranks, as a target=cmd trial ------------------------------
+# The script runs Trainer(accelerator="cpu", devices=2, strategy="ddp"); under torchrun Lightning finds
+# torchelastic's environment and starts no process of its own, and joins both ranks in a gloo process group.
+# Each rank has its own virtual GPU of the trial's budget. The same script under Lightning's own launcher
+# (Lightning starts rank 1 itself: a subprocess running the script again, with LOCAL_RANK and WORLD_SIZE but
+# no RANK) is tests/test_search_two_ranks_e2e.py's [lightning-ddp] search, whose two trials assert what a
+# trial of it must show: the second process, the samples counted once, each rank's peak, the rank-1-only
+# out-of-memory, no rank process left.
 LIGHTNING_DDP = REPO / "tests" / "data" / "launchers" / "lightning_ddp_train.py"
 
 
-def _lightning_ddp_trial(tmp_path: Path, *, rank1_hold: int, budget: int, torchrun: bool = False):
+def _lightning_ddp_torchrun_trial(tmp_path: Path, *, rank1_hold: int, budget: int):
     from oomtune.trial.runner import TrialRunner
 
     pids = tmp_path / "pids"
     pids.mkdir()
-    # torchrun: Lightning finds torchelastic's environment and starts no process of its own
-    launcher = "-m torch.distributed.run --nproc_per_node 2 --standalone " if torchrun else ""
-    command = f"{sys.executable} {launcher}{LIGHTNING_DDP} --pid-dir {pids} --rank1-hold {rank1_hold}"
+    command = (f"{sys.executable} -m torch.distributed.run --nproc_per_node 2 --standalone {LIGHTNING_DDP} "
+               f"--pid-dir {pids} --rank1-hold {rank1_hold}")
     spec = TrialSpec(workload={"target": {"name": "cmd", "command": command}, "grad_accum": 2}, batch_size=3,
                      device="cpu", budget_bytes=budget, warmup_steps=1, measure_steps=2, timeout_s=240, ranks=2)
     runner = TrialRunner()
@@ -234,45 +261,12 @@ def _gone(pids) -> bool:
 
 
 @pytest.mark.slow
-def test_lightning_ddp_on_two_cpu_ranks_counts_samples_once_and_keeps_each_ranks_peak(tmp_path):
-    from oomtune.trial.runner import group_alive
-    from oomtune.units import MiB
-
-    hold = 8 * MiB   # rank 1 keeps 8 MiB more than rank 0 from its first training step on
-    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=hold, budget=64 * MiB)
-    assert res.outcome == "ok", (res.message, res.traceback_tail)
-    assert sorted(pids) == [0, 1] and pids[0] != pids[1]          # Lightning started a second process
-    reports = [e for e in events if e["event"] == "report"]
-    assert len(reports) == 1 and reports[0]["rank"] == 0         # rank 0 reports for both
-    # global samples: micro-batch 3 x 2 micro-batches x 2 ranks x 2 measured steps = 24, counted once
-    assert (reports[0]["samples"], reports[0]["world_size"], reports[0]["steps"]) == (24, 2, 2)
-    assert res.throughput.samples_per_s == pytest.approx(24 / reports[0]["seconds"])
-    # each rank's memory kept with its rank; the worst rank's (rank 1, by the 8 MiB it holds) is the trial's
-    assert sorted(e["rank"] for e in events if e["event"] == "memory") == [0, 1]
-    rank0, rank1 = res.ranks
-    assert (rank0.rank, rank1.rank) == (0, 1)
-    # same steps, plus the hold; give or take the small blocks (scalars, under 1 MiB in all) whose lifetime
-    # around each rank's peak depends on when gloo's asynchronous allreduce completes (a full suite
-    # once saw rank 1 hold 512 bytes more than rank 0 + 8 MiB at its peak)
-    assert abs(rank1.peak_allocated_bytes - rank0.peak_allocated_bytes - hold) < MiB
-    # the MLP's parameters, their gradients and DDP's bucket (attached before the strategy wraps the model)
-    params = (64 * 128 + 128 + 128 * 10 + 10) * 4
-    assert rank0.peak_allocated_bytes >= 3 * params
-    assert res.worst_rank == 1
-    assert (res.memory.peak_allocated_bytes, res.memory.peak_reserved_bytes) == (rank1.peak_allocated_bytes,
-                                                                                 rank1.peak_reserved_bytes)
-    assert (tmp_path / "trial" / "stream.bin").is_file() and (tmp_path / "trial" / "stream.bin.rank1").is_file()
-    assert _gone(pids.values()) and not group_alive(res.process.pid)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("torchrun", [False, True], ids=["lightning-launcher", "torchrun"])
-def test_lightning_ddp_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_path, torchrun):
+def test_lightning_ddp_under_torchrun_oom_on_rank_1_only_is_infeasible_and_names_rank_1(tmp_path):
     from oomtune.trial.runner import group_alive
     from oomtune.units import MiB
 
     # rank 1 asks for 80 MiB at once on its 64 MiB virtual GPU; rank 0 needs well under 1 MiB
-    res, pids, events = _lightning_ddp_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB, torchrun=torchrun)
+    res, pids, events = _lightning_ddp_torchrun_trial(tmp_path, rank1_hold=80 * MiB, budget=64 * MiB)
     assert res.outcome.is_memory, (res.outcome, res.message)
     assert res.failed_rank == 1 and res.message.startswith("rank 1 of 2:"), res.message
     assert res.memory.oom_requested_bytes == 80 * MiB

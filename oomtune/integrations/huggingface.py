@@ -63,6 +63,34 @@ def _trainer_from_stack() -> Any | None:
     return None
 
 
+#: ``TrainingArguments.parallel_mode`` values (transformers' ``ParallelMode``) in which every process trains
+#: alone: no ``DistributedDataParallel``, so several launched ranks would not share their samples.
+_NOT_DISTRIBUTED = ("not_parallel", "not_distributed")
+
+
+def _require_distributed(args: Any) -> None:
+    """Several ranks (a launcher's ``WORLD_SIZE``, a process group: :func:`oomtune.script_api.rank_and_world`)
+    need a Trainer that joins them. transformers decides it in ``TrainingArguments._setup_devices``: on a
+    machine without CUDA, accelerate's state is distributed only with ``use_cpu=True``; otherwise
+    ``parallel_mode`` is ``not_parallel``, the Trainer does not wrap the model in DDP and each rank trains
+    alone on its own samples, while the trial would count ``micro-batch x accumulation x ranks`` as one
+    step's global batch.
+
+    Raises:
+        SystemExit: status 2 with one line (:func:`oomtune.integrations._session.fail`) when the launch has
+            several ranks and the Trainer is not distributed.
+    """
+    from oomtune.script_api import rank_and_world
+
+    _rank, world = rank_and_world()
+    mode = getattr(getattr(args, "parallel_mode", None), "value", None)
+    if world > 1 and mode in _NOT_DISTRIBUTED:
+        fail(f"Hugging Face Trainer: launched as {world} ranks, but the Trainer trains each rank alone "
+             f"(TrainingArguments.parallel_mode={mode}: no DistributedDataParallel, so the global batch would not "
+             "be micro-batch x accumulation x ranks); on a machine without CUDA pass "
+             "TrainingArguments(use_cpu=True), which joins the ranks over gloo")
+
+
 class OomtuneCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that runs the Trainer as an oomtune trial (module docstring);
     a no-op when oomtune did not launch the process."""
@@ -98,6 +126,7 @@ class OomtuneCallback(TrainerCallback):
         s = self.session
         if not s.active:
             return control
+        _require_distributed(args)
         t = s.settings
         trainer = _trainer_from_stack()
         if trainer is None:
