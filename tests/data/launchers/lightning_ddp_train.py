@@ -9,7 +9,8 @@ virtual GPU); its DataLoader's micro-batch is ``self.batch_size`` (oomtune sets 
 Test knobs (arguments): ``--rank1-hold BYTES`` makes rank 1 allocate a float32 tensor of that many
 bytes at its first training step and keep it (rank 1 holds more than rank 0, e.g. an uneven
 shard); ``--rank1-hold-per-sample BYTES`` adds BYTES x the micro-batch to it (rank 1's excess grows
-with the batch); ``--pid-dir DIR`` makes every rank write its pid to ``DIR/rank<R>.pid`` at ``setup``.
+with the batch); ``--pid-dir DIR`` makes every rank write its pid to ``DIR/rank<R>.pid`` at ``setup``
+(``DIR`` created when missing: a search's command may name one per trial, ``--pid-dir pids/b{batch_size}``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class MLP(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.pid_dir:
+            Path(self.pid_dir).mkdir(parents=True, exist_ok=True)
             Path(self.pid_dir, f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
