@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report_run import make_run_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# One sampler trial, no baseline or confirmation, no prediction (as tests/test_wheel_install.py)
-ONE_TRIAL = ["model=mlp", "device=cpu", "budget=256MiB", "search.objective=throughput", "search.n_trials=1",
-             "search.baseline=false", "search.confirm=false", "search.prune=off", "trial.soak_steps=0"]
+# One sampler trial, no baseline or confirmation, no prediction. What fills the disk is the search's
+# own writes (the storage, tell.json, best.yaml, the report), whatever its workload runs: the trial is
+# a tiny target=cmd script that writes its result record by hand (the line format of
+# oomtune/script_api.py's ``report``; no torch import), spawned (trial.launcher=spawn: no fork server
+# importing torch), so a search costs under a CPU-second, not the 5 s of a built-in model's trial.
+ONE_TRIAL = ["target=cmd", "trial.launcher=spawn", "device=cpu", "budget=256MiB", "search.objective=throughput",
+             "search.n_trials=1", "search.baseline=false", "search.confirm=false", "search.prune=off",
+             "trial.soak_steps=0"]
+REPORT = """import json, os, sys, time
+b = int(sys.argv[1])
+stats = {"reserved_bytes.all.peak": b << 20, "allocated_bytes.all.peak": b << 20, "active_bytes.all.peak": b << 20}
+line = {"event": "report", "time": time.time(), "samples": b * 4, "seconds": 0.5,
+        "memory": {"source": "simulated", "stats": stats}}
+with open(os.environ["OOMTUNE_RESULT_FILE"], "a") as f:
+    f.write(json.dumps(line) + "\\n")
+"""
+
+
+def _one_trial(tmp_path: Path, run: Path) -> list[str]:
+    """The arguments of the one-trial search of the script written in ``tmp_path``, into ``run``."""
+    script = tmp_path / "train.py"
+    script.write_text(REPORT)
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{batch_size}}"
+    return ["search", *ONE_TRIAL, f"target.command='{command}'", f"hydra.run.dir={run}"]
 
 
 class _FullFile(io.BufferedWriter):
@@ -102,7 +124,7 @@ def test_a_search_whose_best_yaml_hits_a_full_disk_stops_in_one_line_and_resumes
     import optuna
 
     run = tmp_path / "run"
-    args = ["search", *ONE_TRIAL, f"hydra.run.dir={run}"]
+    args = _one_trial(tmp_path, run)
     with monkeypatch.context() as m:
         _fill(m, ["best.yaml"])
         assert main(args) == 1
@@ -139,7 +161,7 @@ def test_a_search_on_a_real_full_file_system_says_so_in_one_line(tmp_path):
     try:
         run = disk / "run"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        out = subprocess.run([sys.executable, "-m", "oomtune", "search", *ONE_TRIAL, f"hydra.run.dir={run}"],
+        out = subprocess.run([sys.executable, "-m", "oomtune", *_one_trial(tmp_path, run)],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
         assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
         last = out.stderr.rstrip().splitlines()[-1]
@@ -168,7 +190,7 @@ def test_a_full_disk_while_telling_the_storage_keeps_the_result_and_the_resume_d
     from oomtune.trial.runner import TrialRunner
 
     run = tmp_path / "run"
-    args = ["search", *ONE_TRIAL, f"hydra.run.dir={run}"]
+    args = _one_trial(tmp_path, run)
     real_set = driver.set_trial_attrs
 
     def full(trial, user_attrs, constraints=None):

@@ -112,7 +112,7 @@ SEMANTICS = """\
     threading.Thread(target=late).start()          # non-daemon: joined before atexit handlers run
     print("name", __name__, "file", os.path.basename(__file__))
     print("argv", sys.argv, "file", __file__, "path0", sys.path[0])
-    print("env", os.environ.get("SCRIPT_FORK_VALUE"), "cwd", os.getcwd() == os.environ["EXPECT_CWD"])
+    print("env", os.environ.get("OOMTUNE_SCRIPT_FORK_VALUE"), "cwd", os.getcwd() == os.environ["EXPECT_CWD"])
     mode = sys.argv[1]
     if mode == "raise":
         raise ValueError("boom")
@@ -120,6 +120,28 @@ SEMANTICS = """\
         sys.exit("stopped: text")
     sys.exit(int(mode))
     """
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One working directory, environment and script server for every forked script and module below.
+    A script server is shared on its preloads, working directory and environment less the per-trial
+    ``OOMTUNE_*`` variables (oomtune/trial/script_fork.py ``server_key``), as a study's trials share
+    it; none of these files imports a third-party module (no preloads), so one server (seconds of CPU
+    to start: it imports torch) forks them all. What differs per case, ``OOMTUNE_SCRIPT_FORK_VALUE``,
+    is a per-trial variable: it reaches each script through its own launch, not the server's
+    environment."""
+    root = tmp_path_factory.mktemp("scripts")
+    run_dir = root / "run"
+    _write(root / "code" / "semantics.py", SEMANTICS)
+    _write(run_dir / "trainpkg" / "__init__.py", "")
+    _write(run_dir / "trainpkg" / "semantics.py", SEMANTICS)
+    env = dict(os.environ, EXPECT_CWD=str(run_dir), PYTHONPATH=str(REPO))
+    servers = ScriptServers()
+    try:
+        yield root, run_dir, env, servers
+    finally:
+        servers.close()
 
 
 def _forked(servers: ScriptServers, argv: list[str], cwd: Path, env: dict[str, str], workdir: Path):
@@ -132,19 +154,15 @@ def _forked(servers: ScriptServers, argv: list[str], cwd: Path, env: dict[str, s
 
 
 @pytest.mark.parametrize("mode, relative", [("0", False), ("3", True), ("raise", False), ("text", True)])
-def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, relative, tmp_path):
-    script = _write(tmp_path / "code" / "semantics.py", SEMANTICS)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    env = dict(os.environ, SCRIPT_FORK_VALUE="v-" + mode, EXPECT_CWD=str(run_dir), PYTHONPATH=str(REPO))
+def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, relative, tmp_path, shared):
+    root, run_dir, env, servers = shared
+    script = root / "code" / "semantics.py"
+    env = dict(env, OOMTUNE_SCRIPT_FORK_VALUE="v-" + mode)
     # sys.argv[0] is the path as typed (relative to the working directory), __file__ and sys.path[0] absolute
     argv = [sys.executable, os.path.join("..", "code", "semantics.py") if relative else str(script), mode]
     fresh = subprocess.run(argv, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
-    servers = ScriptServers()
-    try:
-        code, out, err = _forked(servers, argv, run_dir, env, tmp_path / "trial")
-    finally:
-        servers.close()
+    code, out, err = _forked(servers, argv, run_dir, env, tmp_path / "trial")
+    assert f"env v-{mode} cwd True" in fresh.stdout   # this case's value, in the directory it was run from
     assert (code, out) == (fresh.returncode, fresh.stdout)
     assert err == fresh.stderr   # the traceback starts at the script's frame, as python prints it
     assert fresh.stdout.splitlines()[-2:] == ["thread done", "atexit"]
@@ -152,28 +170,24 @@ def test_a_forked_script_exits_prints_and_cleans_up_as_python_runs_it(mode, rela
 
 @pytest.mark.parametrize("argv", [["-m", "trainpkg.semantics", "3"], ["-m", "trainpkg.semantics", "raise"],
                                   ["-m", "trainpkg.missing"]])
-def test_a_forked_module_runs_as_python_dash_m_runs_it(argv, tmp_path):
+def test_a_forked_module_runs_as_python_dash_m_runs_it(argv, tmp_path, shared):
     # the module's tracebacks keep runpy's frames, as CPython's do; a missing module is one line, exit 1
-    _write(tmp_path / "trainpkg" / "__init__.py", "")
-    _write(tmp_path / "trainpkg" / "semantics.py", SEMANTICS)
-    env = dict(os.environ, SCRIPT_FORK_VALUE="m", EXPECT_CWD=str(tmp_path), PYTHONPATH=str(REPO))
+    _, run_dir, env, servers = shared     # run_dir holds trainpkg
+    env = dict(env, OOMTUNE_SCRIPT_FORK_VALUE="m")
     command = [sys.executable, *argv]
-    fresh = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    servers = ScriptServers()
-    try:
-        workdir = tmp_path / "trial"
-        workdir.mkdir()
-        handle, why = servers.launch(command, cwd=str(tmp_path), env=env, workdir=workdir, grace_s=3.0,
-                                     status_file="keeper.json")
-        if argv[1] == "trainpkg.missing":   # nothing to fork: the interpreter itself says so
-            assert handle is None and "python -m MODULE" in why
-            assert fresh.returncode == 1 and "No module named trainpkg.missing" in fresh.stderr
-            return
-        got = (handle.wait(120), (workdir / "stdout.txt").read_text(), (workdir / "stderr.txt").read_text())
-    finally:
-        servers.close()
+    fresh = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
+    workdir = tmp_path / "trial"
+    workdir.mkdir()
+    handle, why = servers.launch(command, cwd=str(run_dir), env=env, workdir=workdir, grace_s=3.0,
+                                 status_file="keeper.json")
+    if argv[1] == "trainpkg.missing":   # nothing to fork: the interpreter itself says so
+        assert handle is None and "python -m MODULE" in why
+        assert fresh.returncode == 1 and "No module named trainpkg.missing" in fresh.stderr
+        return
+    got = (handle.wait(120), (workdir / "stdout.txt").read_text(), (workdir / "stderr.txt").read_text())
     assert got == (fresh.returncode, fresh.stdout, fresh.stderr)
-    assert fresh.stdout.startswith("name __main__ file semantics.py\nargv ['" + str(tmp_path / "trainpkg"))
+    assert "env m cwd True" in fresh.stdout
+    assert fresh.stdout.startswith("name __main__ file semantics.py\nargv ['" + str(run_dir / "trainpkg"))
 
 
 @pytest.mark.parametrize("name, text", [
@@ -188,16 +202,12 @@ def test_a_forked_module_runs_as_python_dash_m_runs_it(argv, tmp_path):
         """),
     ("syntax.py", "print('before')\ndef broken(:\n    pass\n"),   # never runs: the error and its line only
 ])
-def test_a_forked_script_that_spawns_or_does_not_compile_does_what_python_does(name, text, tmp_path):
-    script = _write(tmp_path / name, text)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def test_a_forked_script_that_spawns_or_does_not_compile_does_what_python_does(name, text, tmp_path, shared):
+    _, run_dir, env, servers = shared
+    script = _write(run_dir / name, text)
     argv = [sys.executable, name]
-    fresh = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    servers = ScriptServers()
-    try:
-        got = _forked(servers, argv, tmp_path, env, tmp_path / "trial")
-    finally:
-        servers.close()
+    fresh = subprocess.run(argv, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
+    got = _forked(servers, argv, run_dir, env, tmp_path / "trial")
     assert got == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode == (0 if name == "pool.py" else 1) and script.is_file()
 

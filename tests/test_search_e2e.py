@@ -7,12 +7,17 @@ end to end is also run by tests/test_search_frontier.py and tests/test_report_e2
 The search stopped by SIGTERM is a real process (its signal handling and exit status are under test);
 the resume is the same command run in this process (``oomtune.cli.main``: what it reads is the storage
 and the run directory, not the process). Both compute on one CPU thread (``OMP_NUM_THREADS=1``,
-tests/shared_runs.py): the steps are timed only to have a throughput, which no assertion compares."""
+tests/shared_runs.py): the steps are timed only to have a throughput, which no assertion compares.
+Both use one stream cache of their own (``OOMTUNE_CACHE_DIR`` in the test's directory, where the
+session turns it off: tests/conftest.py), as a user's resume uses ~/.cache: the resume reads the
+captures the stopped search made instead of capturing the workload again (seconds of CPU), and
+nothing another test left is read."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +40,8 @@ pytestmark = pytest.mark.slow
 TINY = ["model=resnet", "model.image_size=32", "model.num_classes=10", "budget=192MiB", "device=cpu",
         "search.batch_size.low=2", "search.batch_size.high=256", "trial.warmup_steps=1",
         "trial.measure_steps=1", "trial.confirm_steps=2", "trial.timeout=120",
-        "search.objective=throughput"]  # the sampler runs for the throughput objective only
+        "search.objective=throughput",  # the sampler runs for the throughput objective only
+        "trial.soak_steps=0"]   # no virtual-GPU soak after each trial's steps (tests/test_soak.py's subject)
 N_TRIALS = 3   # sampler trials: the resumed study must hold this many, finished
 
 
@@ -89,8 +95,10 @@ def _running(proc: subprocess.Popen, err_path) -> bool:
 
 
 @pytest.mark.timeout(1800)   # the resume runs in this process: a hang fails the test instead of the session
-def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from_its_own_trials(tmp_path, capsys):
+def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from_its_own_trials(
+        tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
+    monkeypatch.setenv("OOMTUNE_CACHE_DIR", str(tmp_path / "cache"))   # both searches': see the docstring
     # one clean confirmation run per candidate (search.repeats=1): the resume is under test here, and three
     # interleaved repeats of three candidates (spawned processes) take minutes on a loaded 2-core machine
     args = ["search", *TINY, f"search.n_trials={N_TRIALS}", "search.repeats=1", f"hydra.run.dir={run_dir}"]
@@ -128,8 +136,12 @@ def test_interrupted_search_resumes_from_its_storage_and_writes_a_best_yaml_from
     orphan_id = storage.create_new_trial(
         optuna.load_study(study_name=info["study_name"], storage=storage)._study_id, template_trial=orphan)
     # The same command resumes: earlier trials are kept as they were, and the study completes.
+    capsys.readouterr()
     with one_cpu_thread():
         assert main(args) == 0
+    # its predictions are the stopped search's captures, every one read back (the same workload)
+    resumed = capsys.readouterr()
+    assert re.search(r"\b(\d+) of \1 read from the stream cache", resumed.out + resumed.err), resumed.err[-3000:]
     after = {t.number: t for t in optuna.load_study(study_name=info["study_name"], storage=info["storage"]).trials}
     assert all(after[n].params == p for n, p in before.items())
     searched = [t for t in after.values() if t.user_attrs.get(R.ATTR_ROLE) == "search"

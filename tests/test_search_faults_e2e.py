@@ -26,6 +26,11 @@ TWO_CONFIGS = ["search.space.expandable_segments=[false]", "search.space.max_spl
                "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
 COMMON = ["target=cmd", "device=cpu", "budget=64MiB", "search.batch_size.low=4", "search.batch_size.high=32",
           "trial.measure_steps=1", *TWO_CONFIGS]
+# Where the fault is in what the script reports or prints, its trials are spawned: a script server
+# (oomtune/trial/script_fork.py, the default launcher on Linux) costs seconds of CPU to start, and
+# that a forked script exits, prints and fails as python runs it is tests/test_script_fork.py's.
+# The hangs keep the default launcher: a forked script past trial.timeout is killed there.
+SPAWNED = ["trial.launcher=spawn"]
 
 REPORT = """
     import json, os, sys, time
@@ -55,7 +60,8 @@ def test_a_malformed_record_fails_its_trial_and_the_search_completes(tmp_path, c
     # the field report: "samples": "lots" (here from batch 16 up, so that smaller batches can answer)
     cmd = _script(tmp_path, "train.py", REPORT.replace("SAMPLES", '"lots" if b >= 16 else b * 4'))
     run = tmp_path / "run"
-    args = ["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=30", f"hydra.run.dir={run}"]
+    args = ["search", *COMMON, *SPAWNED, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=30",
+            f"hydra.run.dir={run}"]
     assert main(args) == 0
     trials = _study(run).get_trials()
     bad = [t for t in trials if t.user_attrs.get("outcome") == "bad_record"]
@@ -103,7 +109,8 @@ def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configura
     # every trial takes 1.2 s > search.timeout: the sampler's first trial ends the phase
     cmd = _script(tmp_path, "slow.py", REPORT.replace("SAMPLES", "b * 4"))
     run = tmp_path / "run"
-    assert main(["search", *COMMON, f"target.command='{cmd} {{batch_size}} 1.2'", "search.objective=throughput",
+    assert main(["search", *COMMON, *SPAWNED, f"target.command='{cmd} {{batch_size}} 1.2'",
+                 "search.objective=throughput",
                  "search.n_trials=12", "search.timeout=1", "search.confirm=false",
                  "search.space.max_split_size_mb=[null,64,256]", "trial.timeout=30", f"hydra.run.dir={run}"]) == 0
     out = " ".join(capsys.readouterr().out.split())                    # the summary, unwrapped
@@ -120,7 +127,7 @@ def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configura
 
 # ---------------------------------------------------------------- failures every configuration repeats
 def _run(tmp_path: Path, cmd: str, run: Path, capsys) -> tuple[int, str]:
-    code = main(["search", *COMMON, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=30",
+    code = main(["search", *COMMON, *SPAWNED, f"target.command='{cmd} {{batch_size}}'", "trial.timeout=30",
                  f"hydra.run.dir={run}"])
     captured = capsys.readouterr()
     return code, " ".join((captured.out + captured.err).split())

@@ -260,8 +260,17 @@ def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_err
     """``close()`` clears the client's process; a reader thread that had not yet run then read the
     cleared attribute and died with an AssertionError (seen as pytest's unhandled-thread warning when
     a search's start-up timed out). The reader is held here until the client has given up and closed
-    the server: it must still end cleanly, at the closed pipe's end of file."""
+    the server: it must still end cleanly, at the closed pipe's end of file.
+
+    The race is the client's alone, so the server is a stand-in that costs no CPU (the real one
+    imports torch and more first, seconds of CPU for nothing here): an executable given as the
+    client's ``python`` that, as a real server still importing when ``close()`` shuts its stdin,
+    says nothing until its stdin ends, then writes its hello line and exits."""
     from oomtune.trial import forkserver
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/sh\ncat > /dev/null\necho \'{"ready": true, "pid": \'$$\'}\'\n')
+    stand_in.chmod(0o755)
 
     gate, errors = threading.Event(), []
     original = forkserver.ForkServerClient._read
@@ -273,10 +282,11 @@ def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_err
     monkeypatch.setattr(forkserver.ForkServerClient, "_read", held_reader)
     monkeypatch.setattr(threading, "excepthook", lambda info: errors.append(info.exc_value))
     before = set(threading.enumerate())   # an earlier test's server may still have its reader running
-    client = forkserver.ForkServerClient(log_path=str(tmp_path / "server.log"))
+    client = forkserver.ForkServerClient(str(stand_in), log_path=str(tmp_path / "server.log"))
     with pytest.raises(forkserver.ForkServerError, match="did not start within"):
         client.start(timeout_s=0.01)   # the reader is held: no hello can arrive, the client closes the server
     [reader] = [t for t in threading.enumerate() if t.name == "oomtune-forkserver-reader" and t not in before]
     gate.set()
     reader.join(30)
     assert not reader.is_alive() and errors == []
+    assert client._ready.get_nowait()["ready"]   # the reader did read the pipe: the hello, then its end
