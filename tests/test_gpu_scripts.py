@@ -252,15 +252,31 @@ def test_gpu_search_dry_run_end_to_end(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- gpu_check.sh
 
-def test_gpu_check_script_syntax_and_out_files(tmp_path):
+@pytest.fixture(scope="module")
+def gpu_check_dry_run(tmp_path_factory):
+    """(the finished ``bash experiments/gpu_check.sh``, its results directory, its $OUT) of the script's CPU
+    dry run of the steps "search async", run once for the module: the environment step (which every run
+    makes first: versions, CUDA visibility; about 5 CPU-s of imports) and the two steps' trial records are
+    asserted on the same run."""
+    script = REPO / "experiments" / "gpu_check.sh"
+    root = tmp_path_factory.mktemp("gpu-check")
+    out, results = root / "out", root / "results"
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_RESULTS": str(results),
+           "GPU_CHECK_STEPS": "search async", "OUT": str(out), "PYTHON": sys.executable, **ONE_THREAD}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+    return proc, results, out
+
+
+def test_gpu_check_script_syntax_and_out_files():
     script = REPO / "experiments" / "gpu_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     files = re.search(r'^FILES="([^"]*)"', script.read_text(), re.M).group(1).split()
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
-    out, results = tmp_path / "out", tmp_path / "results"
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_RESULTS": str(results), "GPU_CHECK_STEPS": "",
-           "OUT": str(out), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_logs_the_environment_and_its_worst_case(gpu_check_dry_run):
+    proc, _, out = gpu_check_dry_run
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu_check.log").read_text()
     assert "torch 2." in log and "gpu_check done" in log
@@ -291,17 +307,13 @@ def test_gpu_check_worst_case_is_the_sum_of_its_limits_and_at_most_400_s():
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_copies_every_trial_record_to_out(tmp_path):
+def test_gpu_check_dry_run_copies_every_trial_record_to_out(gpu_check_dry_run):
     """The search (objective throughput, budget=0.99, 2 finalists; on the CPU one clean run of each, the
     script's CPU dry run) and the async-backend trial on the CPU: every trial directory's result.json
     ends up in $OUT's gpu_trials.json, and $OUT holds at most the 8 files the device tool brings back.
     On a loaded 2-core machine the search may reach its limit; the records it left are copied all the
     same."""
-    script = REPO / "experiments" / "gpu_check.sh"
-    out, results = tmp_path / "out", tmp_path / "results"
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_RESULTS": str(results),
-           "GPU_CHECK_STEPS": "search async", "OUT": str(out), "PYTHON": sys.executable, **ONE_THREAD}
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+    proc, results, out = gpu_check_dry_run
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu_check.log").read_text()
     for step in ("search", "async"):

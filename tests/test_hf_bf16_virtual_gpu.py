@@ -94,9 +94,12 @@ def test_answering_as_the_target_is_one_block_and_restores_torch_cuda():
 
 
 # -- an A100 target: the trial runs, its stream is a CUDA bf16 run's -------------------------------------------
-@pytest.mark.parametrize("execute", ["meta", "cpu"])
-def test_a_bf16_trainer_trial_on_an_a100_target_records_bf16_activations_and_fp32_state(tmp_path, execute):
-    done = trial(tmp_path, "a100", execute=execute)
+# The meta trial runs under the check that reads the compute capability (``--capability-check``, transformers
+# 4.x's), the CPU trial under the installed transformers' own: an A100 passes both (sm80), and each trial
+# process (about 7 CPU-s, most of it importing transformers) checks its stream all the same.
+@pytest.mark.parametrize("execute, args", [("meta", ("--capability-check",)), ("cpu", ())], ids=["meta", "cpu"])
+def test_a_bf16_trainer_trial_on_an_a100_target_records_bf16_activations_and_fp32_state(tmp_path, execute, args):
+    done = trial(tmp_path, "a100", *args, execute=execute)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"trained {STEPS} optimizer steps" in done.stdout
     rep = report_of(tmp_path)
@@ -123,20 +126,10 @@ def test_a_t4_target_accepts_bf16_as_the_installed_transformers_does_on_a_real_t
     assert "T4 (sm75)" in note and "emulated" in note
 
 
-def test_a_t4_target_is_refused_in_one_line_where_the_check_reads_the_compute_capability(tmp_path):
-    """transformers 4.x's check (``get_device_properties(...).major < 8`` -> False) refuses bf16 on a T4: the
-    trial ends there with one line naming the card and the fix, exit status 2 (the search stops)."""
-    done = trial(tmp_path, "t4", "--capability-check")
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if line.startswith("oomtune:")]
-    assert len(lines) == 1
-    assert "T4 (sm75)" in lines[0] and "fp16=True" in lines[0] and "model.gpu=a100" in lines[0]
-    assert "Traceback" not in done.stderr
-
-
-def test_the_same_capability_check_passes_on_an_a100_target(tmp_path):
-    done = trial(tmp_path, "a100", "--capability-check")
-    assert done.returncode == 0, done.stderr[-3000:]
+# The same capability check on an A100 target passes: the meta trial of
+# test_a_bf16_trainer_trial_on_an_a100_target_records_bf16_activations_and_fp32_state runs under it. On a T4
+# it refuses: test_a_search_targeting_a_card_that_refuses_bf16_stops_after_the_first_trial, whose one trial
+# is that command's trial process.
 
 
 def test_without_oomtune_the_script_gets_transformers_own_refusal_on_this_cpu():
@@ -152,6 +145,10 @@ def test_without_oomtune_the_script_gets_transformers_own_refusal_on_this_cpu():
 # -- the search: one trial, one line, exit status 2 --------------------------------------------------------------
 @pytest.mark.slow
 def test_a_search_targeting_a_card_that_refuses_bf16_stops_after_the_first_trial(tmp_path, monkeypatch, capsys):
+    """transformers 4.x's check (``get_device_properties(...).major < 8`` -> False) refuses bf16 on a T4: the
+    trial ends there with one line naming the card and the fix, exit status 2, and the search stops after it."""
+    import json
+
     from oomtune.cli import main
 
     monkeypatch.chdir(REPO)
@@ -164,3 +161,11 @@ def test_a_search_targeting_a_card_that_refuses_bf16_stops_after_the_first_trial
     text = out.out + out.err
     assert "TrainingArguments(bf16=True) is refused on the target GPU T4 (sm75)" in text
     assert not (tmp_path / "run" / "trials" / "trial-0001").exists()
+    # the trial process: exit status 2, one line on its stderr, no traceback
+    first = tmp_path / "run" / "trials" / "trial-0000"
+    stderr = (first / "stderr.txt").read_text()
+    assert json.loads((first / "result.json").read_text())["process"]["returncode"] == 2, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("oomtune:")]
+    assert len(lines) == 1
+    assert "T4 (sm75)" in lines[0] and "fp16=True" in lines[0] and "model.gpu=a100" in lines[0]
+    assert "Traceback" not in stderr

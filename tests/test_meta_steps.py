@@ -74,7 +74,23 @@ with tempfile.TemporaryDirectory() as out:
 TRIAL_ENV = {"PYTHONPATH": str(ROOT), "OOMTUNE_CACHE_DIR": "off", "OMP_NUM_THREADS": "1"}
 
 
-def _trial(tmp_path: Path, execute: str, *extra: str):
+@pytest.fixture(scope="module")
+def forks():
+    """The module's script servers (oomtune.trial.script_fork.ScriptServers), as a search's runner has:
+    the Trainer and Lightning trials below are ``python FILE.py`` commands, forked from a server that
+    imported the script's third-party modules (transformers, lightning) once for the module, not once per
+    trial process (about 7 CPU-s each, more than the steps). The forked process runs the file as python
+    would (oomtune.trial.script_main), with the trial's whole environment, so the recorded streams are a
+    spawned process's; where a server cannot start or fork, the trial is spawned (the record's
+    ``process.launcher_fallback`` says why) and asserts the same."""
+    from oomtune.trial.script_fork import ScriptServers
+
+    servers = ScriptServers()
+    yield servers
+    servers.close()
+
+
+def _trial(tmp_path: Path, execute: str, *extra: str, forks=None):
     from oomtune.targets.cmd import run_cmd_trial
     from oomtune.trial.record import TrialSpec
     from oomtune.units import GiB
@@ -86,7 +102,7 @@ def _trial(tmp_path: Path, execute: str, *extra: str):
                                "grad_accum": 2},
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
                      warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
-    return run_cmd_trial(spec, workdir=work, env=TRIAL_ENV), work
+    return run_cmd_trial(spec, workdir=work, env=TRIAL_ENV, forks=forks), work
 
 
 def _events(path: Path) -> list[tuple[str, int]]:
@@ -117,9 +133,9 @@ def _search_trial(run: Path, *, role: str, batch: int, grad_accum: int):
 
 
 @pytest.mark.slow
-def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_path):
-    cpu, cpu_dir = _trial(tmp_path, "cpu")
-    meta, meta_dir = _trial(tmp_path, "meta")
+def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_path, forks):
+    cpu, cpu_dir = _trial(tmp_path, "cpu", forks=forks)
+    meta, meta_dir = _trial(tmp_path, "meta", forks=forks)
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
     assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     host = [("A", 8), ("F", 8), ("A", 64 * 8), ("F", 64 * 8)]   # the loader's seed, RandomSampler's randperm(64)
@@ -143,8 +159,8 @@ def test_meta_steps_record_the_cpu_steps_stream_less_the_host_side_requests(tmp_
 
 
 @pytest.mark.slow
-def test_a_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
-    r, _ = _trial(tmp_path, "meta", "--reads")
+def test_a_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path, forks):
+    r, _ = _trial(tmp_path, "meta", "--reads", forks=forks)
     assert r.outcome == "ok", r.message
     assert r.execution.where == "cpu"
     assert "reads a tensor's value (__float__()" in r.execution.fallback
@@ -248,7 +264,15 @@ WS = 4096 * 1024 * 2 + 16 * 1024 * 8
 DATASET = 64 * 256 * 4  # the rows, on the host in a GPU run: 65,536 bytes
 
 
-def _lightning_trial(tmp_path: Path, execute: str, script: Path, *extra: str, grad_accum: int = 1):
+@pytest.fixture(scope="module")
+def lightning_cwd(tmp_path_factory) -> Path:
+    """The Lightning trials' working directory (where ``--log``'s logger writes lightning_logs/), one for
+    the module: a fork server is shared by the commands of one working directory (script_fork.server_key)."""
+    return tmp_path_factory.mktemp("lightning-cwd")
+
+
+def _lightning_trial(tmp_path: Path, execute: str, script: Path, *extra: str, grad_accum: int = 1,
+                     forks=None, cwd: Path | None = None):
     from oomtune.targets.cmd import run_cmd_trial
     from oomtune.trial.record import TrialSpec
     from oomtune.units import GiB
@@ -256,11 +280,11 @@ def _lightning_trial(tmp_path: Path, execute: str, script: Path, *extra: str, gr
     work = tmp_path / execute
     work.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(script), *extra]
-    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(work)},
+    spec = TrialSpec(workload={"target": {"name": "cmd", "command": command, "cwd": str(cwd or work)},
                                "grad_accum": grad_accum},
                      batch_size=4, device="cpu", budget_bytes=1 * GiB, device_memory_bytes=80 * GiB,
                      warmup_steps=1, measure_steps=1, timeout_s=300, execute=execute)
-    return run_cmd_trial(spec, workdir=work / "trial", env=TRIAL_ENV)
+    return run_cmd_trial(spec, workdir=work / "trial", env=TRIAL_ENV, forks=forks)
 
 
 def _less(stream: list, extra: list) -> list:
@@ -285,9 +309,9 @@ def _subsequence_rest(longer: list, shorter: list) -> list | None:
 
 @pytest.mark.slow
 def test_a_lightning_trial_on_meta_peaks_at_the_bytes_counted_by_hand_and_the_cpu_trial_adds_its_host_tensors(
-        tmp_path):
-    cpu = _lightning_trial(tmp_path, "cpu", TINY)
-    meta = _lightning_trial(tmp_path, "meta", TINY)
+        tmp_path, forks, lightning_cwd):
+    cpu = _lightning_trial(tmp_path, "cpu", TINY, forks=forks, cwd=lightning_cwd)
+    meta = _lightning_trial(tmp_path, "meta", TINY, forks=forks, cwd=lightning_cwd)
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
     assert cpu.execution.where == "cpu" and meta.execution.where == "meta"
     assert meta.execution.fallback is None and meta.execution.note is None
@@ -328,9 +352,10 @@ def test_a_lightning_trial_on_meta_peaks_at_the_bytes_counted_by_hand_and_the_cp
 
 
 @pytest.mark.slow
-def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_on_the_cpu(tmp_path):
-    cpu = _lightning_trial(tmp_path, "cpu", TINY, "--log")
-    meta = _lightning_trial(tmp_path, "meta", TINY, "--log")
+def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_on_the_cpu(
+        tmp_path, forks, lightning_cwd):
+    cpu = _lightning_trial(tmp_path, "cpu", TINY, "--log", forks=forks, cwd=lightning_cwd)
+    meta = _lightning_trial(tmp_path, "meta", TINY, "--log", forks=forks, cwd=lightning_cwd)
     assert cpu.outcome == "ok" and meta.outcome == "ok", (cpu.message, meta.message)
     assert meta.execution.where == "meta" and meta.execution.fallback is None
     # the logger connector turns the logged loss into a number (convert_tensors_to_scalars' to_item,
@@ -351,8 +376,8 @@ def test_lightnings_logged_loss_on_meta_gets_placeholders_and_the_same_peak_as_o
 
 
 @pytest.mark.slow
-def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path):
-    r = _lightning_trial(tmp_path, "meta", TINY, "--reads")
+def test_a_lightning_step_that_reads_a_value_runs_again_on_the_cpu_and_says_why(tmp_path, forks, lightning_cwd):
+    r = _lightning_trial(tmp_path, "meta", TINY, "--reads", forks=forks, cwd=lightning_cwd)
     assert r.outcome == "ok", r.message
     assert r.execution.where == "cpu"
     # the module's float(loss), not Lightning's clean-up: Strategy.teardown calls the module's cpu(),
