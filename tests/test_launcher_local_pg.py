@@ -2,7 +2,7 @@
 through submitit's LocalExecutor (the code path of launcher=slurm), sharing one study on a throwaway
 PostgreSQL server (tests/pg_server.py; skipped when it cannot start, except under CI).
 
-The target of the first tests is tests/data/sleep_trial.py: each trial sleeps, "runs out of memory"
+The target of the first test is tests/data/sleep_trial.py: each trial sleeps, "runs out of memory"
 above batch 48 and reports throughput = batch, so the answer is known by hand: batch 48 under the
 default allocator (no setting changes the throughput; the default wins ties, search.min_gain), and
 the default allocator's probes are 8, 16, 32, 64 (doubling from search.batch_size.low until the
@@ -64,47 +64,17 @@ def _check_every_trial_told_once(study, run_dir: Path) -> dict[int, list[Path]]:
     return dirs
 
 
-def test_two_local_worker_jobs_find_the_answer_and_tell_every_trial_once(pg, tmp_path):
+def test_two_local_worker_jobs_cancelled_by_ctrl_c_resume_to_the_answer_and_tell_every_trial_once(pg, tmp_path):
+    # One command run twice: Ctrl-C in the parent while each worker job runs a trial (the jobs and their
+    # trial processes are cancelled, the running trials told FAIL), then the same command again, which
+    # resumes the study to the answer. What any run of two local worker jobs must leave (one answer
+    # written by each job and the parent, every trial told once, each probe once, the jobs' logs and
+    # workers/jobs.json, the parent's progress lines) is asserted on the resumed whole; the jobs
+    # sharing the work is the first run's precondition (a trial running in each job at once).
     from oomtune.best import load_best
+    from oomtune.search.workers import ATTR_DUPLICATE_OF
+    from oomtune.study import records as R
 
-    url = pg.create_database()
-    run_dir = tmp_path / "run"
-    proc = _start(_overrides(url, "jobs", run_dir), tmp_path / "parent", sleep_s=1.0)
-    assert proc.wait(timeout=900) == 0, (tmp_path / "parent.err").read_text()[-3000:]
-    err = (tmp_path / "parent.err").read_text()
-
-    best = load_best(run_dir / "best.yaml").best
-    assert (best.batch_size, best.alloc_conf) == (48, "")                    # by hand: module docstring
-    # one answer: the run directory's best.yaml is the study's recorded one, as each job wrote it
-    text = (run_dir / "best.yaml").read_text()
-    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == [text] * 2
-    assert len(list(run_dir.rglob("best.yaml"))) == 3 and (run_dir / "report.html").is_file()
-    assert not list((run_dir / "workers").glob("worker-*/report.html"))      # the parent writes the report
-
-    study = _study(url, "jobs")
-    dirs = _check_every_trial_told_once(study, run_dir)
-    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES   # each probe once
-    assert len(_launched(study, "search")) == 4
-    # the jobs shared the work: each ran trials
-    assert {d[0].parent.parent.name for d in dirs.values()} == {"worker-0", "worker-1"}
-
-    # the workers' logs, named where the user sees them and in workers/jobs.json
-    jobs = json.loads((run_dir / "workers" / "jobs.json").read_text())["jobs"]
-    assert [j["index"] for j in jobs] == [0, 1] and all(j["exit_code"] == 0 for j in jobs)
-    for j in jobs:
-        log = Path(j["log"])
-        assert f"worker job {j['index']}: pid {j['job_id']}, log {log}" in err
-        assert f"oomtune worker job {j['index']} on " in log.read_text()
-        assert Path(j["run_dir"]) == (run_dir / "workers" / f"worker-{j['index']}").resolve()
-    # the parent's progress: one line per trial that ran, as the in-process search prints them
-    for t in _launched(study, "baseline"):
-        assert f"[trial {t.number}] baseline" in err
-    assert "worker jobs: 2 running" in err and "worker jobs: 2 finished" in err
-    out = (tmp_path / "parent.out").read_text()
-    assert "best: batch 48, the default allocator" in out and f"wrote {run_dir / 'best.yaml'}" in out
-
-
-def test_ctrl_c_cancels_the_jobs_and_the_same_command_resumes(pg, tmp_path):
     url = pg.create_database()
     run_dir = tmp_path / "run"
     overrides = _overrides(url, "cancel", run_dir)
@@ -131,25 +101,58 @@ def test_ctrl_c_cancels_the_jobs_and_the_same_command_resumes(pg, tmp_path):
     interrupted = [t for t in trials if t.state.name == "FAIL" and "result" not in t.user_attrs]
     assert len(interrupted) >= 2                                             # each job's running trial
     finished_before = {t.number: t.user_attrs["result"] for t in trials if "result" in t.user_attrs}
+    assert not (run_dir / "best.yaml").exists() and not (run_dir / "workers" / "jobs.json").exists()
 
     proc = _start(overrides, tmp_path / "second", sleep_s=0.5)
     assert proc.wait(timeout=900) == 0, (tmp_path / "second.err").read_text()[-3000:]
-    assert "already finished" in (tmp_path / "second.err").read_text()
-    from oomtune.best import load_best
+    err = (tmp_path / "second.err").read_text()
+    assert "already finished" in err
 
     best = load_best(run_dir / "best.yaml").best
-    assert (best.batch_size, best.alloc_conf) == (48, "")
+    assert (best.batch_size, best.alloc_conf) == (48, "")                    # by hand: module docstring
+    # one answer: the run directory's best.yaml is the study's recorded one, as each job wrote it
+    text = (run_dir / "best.yaml").read_text()
+    assert [(d / "best.yaml").read_text() for d in sorted((run_dir / "workers").glob("worker-*"))] == [text] * 2
+    assert len(list(run_dir.rglob("best.yaml"))) == 3 and (run_dir / "report.html").is_file()
+    assert not list((run_dir / "workers").glob("worker-*/report.html"))      # the parent writes the report
+
     study = _study(url, "cancel")
     after = {t.number: t for t in study.get_trials(deepcopy=False)}
     assert all(after[n].user_attrs["result"] == r for n, r in finished_before.items())   # nothing lost
-    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES  # none run twice
-    _check_every_trial_told_once(study, run_dir)
+    dirs = _check_every_trial_told_once(study, run_dir)
+    assert sorted(t.params["batch_size"] for t in _launched(study, "baseline")) == PROBES  # each probe once
+    assert len(_launched(study, "search")) == 4
+    # the jobs shared the work: each ran trials
+    assert {d[0].parent.parent.name for d in dirs.values()} == {"worker-0", "worker-1"}
+
+    # the workers' logs, named where the user sees them and in workers/jobs.json
+    jobs = json.loads((run_dir / "workers" / "jobs.json").read_text())["jobs"]
+    assert [j["index"] for j in jobs] == [0, 1] and all(j["exit_code"] == 0 for j in jobs)
+    for j in jobs:
+        log = Path(j["log"])
+        assert f"worker job {j['index']}: pid {j['job_id']}, log {log}" in err
+        assert f"oomtune worker job {j['index']} on " in log.read_text()
+        assert Path(j["run_dir"]) == (run_dir / "workers" / f"worker-{j['index']}").resolve()
+    # the parent's progress: one line per trial that ran while it followed the jobs (the resumed run's
+    # trials), as the in-process search prints them
+    roles = {t.user_attrs[R.ATTR_ROLE] for t in after.values() if R.ATTR_ROLE in t.user_attrs}
+    ran_now = [t for role in roles for t in _launched(study, role)
+               if t.number not in finished_before and ATTR_DUPLICATE_OF not in t.user_attrs]
+    assert ran_now                                                           # at least the interrupted trials
+    for t in ran_now:
+        assert f"[trial {t.number}] {t.user_attrs[R.ATTR_ROLE]}" in err
+    assert "worker jobs: 2 running" in err and "worker jobs: 2 finished" in err
+    out = (tmp_path / "second.out").read_text()
+    assert "best: batch 48, the default allocator" in out and f"wrote {run_dir / 'best.yaml'}" in out
 
 
-def test_a_built_in_model_through_local_jobs(pg, tmp_path):
+def test_a_built_in_model_through_local_jobs(pg, tmp_path, capsys):
     # the brief's workload: a tiny MLP on the virtual GPU (objective batch: frontier probes, confirmation); the
-    # budget holds the A100's cuBLAS workspaces (one 20 MiB segment) beside the MLP's 48 MiB
+    # budget holds the A100's cuBLAS workspaces (one 20 MiB segment) beside the MLP's 48 MiB. The parent runs in
+    # this process (what `oomtune search` runs): its worker jobs, the processes this test is about, are
+    # processes of their own all the same (the signals to the parent are the first test's).
     from oomtune.best import load_best
+    from oomtune.cli import main
 
     url = pg.create_database()
     run_dir = tmp_path / "run"
@@ -157,8 +160,7 @@ def test_a_built_in_model_through_local_jobs(pg, tmp_path):
                  "device=cpu", "search.batch_size.low=8", "search.batch_size.high=4096", "trial.timeout=120",
                  "search.heartbeat_interval=1", "search.grace_period=5", f"storage={url}", "study_name=mlp",
                  f"hydra.run.dir={run_dir}", "launcher=local", "search.workers=2"]
-    proc = _start(overrides, tmp_path / "parent", sleep_s=0)
-    assert proc.wait(timeout=900) == 0, (tmp_path / "parent.err").read_text()[-3000:]
+    assert main(["search", *overrides]) == 0, capsys.readouterr().err[-3000:]
     best = load_best(run_dir / "best.yaml")
     study = _study(url, "mlp")
     _check_every_trial_told_once(study, run_dir)

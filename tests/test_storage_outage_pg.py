@@ -89,27 +89,45 @@ def test_the_documented_url_opens_with_the_extras_driver_and_falls_back_to_psyco
     assert [s.study_name for s in optuna.get_all_study_summaries(fallback)] == ["documented"]
 
 
-@pytest.mark.parametrize("outage_s", [7, 15])
-def test_a_server_outage_mid_search_loses_no_trial(pg, tmp_path, outage_s):
+# The outages, in seconds, in the order one search meets them: 7 s ends as the third retry of the
+# storage call is due (oomtune.study.reconnect.STORAGE_RETRY_S: 1 + 2 + 4 s), 15 s as the fourth
+# (1 + 2 + 4 + 8 s).
+OUTAGES_S = (7, 15)
+
+
+def test_server_outages_mid_search_lose_no_trial(pg, tmp_path):
+    # One search meets each outage of OUTAGES_S in turn, each while a trial runs (its result is stored
+    # while the server is away); the next outage waits for a trial launched with the server back (one
+    # trial at a time: after the stored result), so each outage's retry lines are in the log between
+    # its start and the next one's.
     url = pg.create_database()
     run_dir = tmp_path / "run"
     proc, log = _start(url, run_dir, "outage", sleep_s=1.5)
-    mid = _wait_mid_trial(run_dir, finished=3)
-    pg.stop_server()
-    stopped = time.monotonic()
-    time.sleep(outage_s)
-    pg.start_server()
+    mids, marks, finished = [], [], 3
+    for outage_s in OUTAGES_S:
+        mid = _wait_mid_trial(run_dir, finished=finished)
+        marks.append(log.stat().st_size)   # where this outage's lines start in the log
+        pg.stop_server()
+        stopped = time.monotonic()
+        time.sleep(outage_s)
+        pg.start_server()
+        assert time.monotonic() - stopped >= outage_s
+        mids.append(mid)
+        # the next outage comes after one more trial, launched once this one's retries had ended
+        finished = len(list((run_dir / "trials").glob("trial-*/tell.json"))) + 1
     rc = proc.wait(timeout=600)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-4000:]
     assert "Traceback" not in text
-    retries = [line for line in text.splitlines() if line.startswith("storage connection lost while")]
-    assert retries and all(" retry " in line or "heartbeat" in line for line in retries)
-    assert time.monotonic() - stopped >= outage_s
+    data = log.read_bytes()
+    for outage_s, begin, end in zip(OUTAGES_S, marks, [*marks[1:], len(data)]):
+        lines = data[begin:end].decode(errors="replace").splitlines()
+        retries = [line for line in lines if line.startswith("storage connection lost while")]
+        assert retries and all(" retry " in line or "heartbeat" in line for line in retries), (outage_s, lines)
     trials = _trials(url, "outage")
     assert all(t.state.name == "COMPLETE" and "result" in t.user_attrs for t in trials), \
         [(t.number, t.state.name) for t in trials]
-    assert mid in {t.number for t in trials}
+    assert set(mids) <= {t.number for t in trials} and len(set(mids)) == len(OUTAGES_S)
     # none lost: every trial that ran here holds, in the study, exactly the outcome it recorded
     records = {int(p.parent.name.split("-")[1]): json.loads(p.read_text())
                for p in (run_dir / "trials").glob("trial-*/tell.json")}

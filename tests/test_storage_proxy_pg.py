@@ -133,13 +133,14 @@ def test_a_search_of_two_local_jobs_through_the_proxy_survives_its_restart(proxy
                   sleep_s=1.5)
     deadline = time.monotonic() + 300
     before: dict[int, dict] = {}
+    seen = None   # the study, opened once and then read again at each look
     while time.monotonic() < deadline and len(before) < 3:
         time.sleep(0.5)
         try:
-            before = {t.number: t.user_attrs["result"] for t in _study(proxy.db_url, "restart").trials
-                      if "result" in t.user_attrs}
+            seen = seen or _study(proxy.db_url, "restart")
         except KeyError:   # the study is not created yet
             continue
+        before = {t.number: t.user_attrs["result"] for t in seen.trials if "result" in t.user_attrs}
     assert len(before) >= 3, (tmp_path / "p.err").read_text()[-2000:]
     assert proxy.stop() == 143                                                 # SIGTERM: a clean stop
     time.sleep(5)                                                              # the workers retry meanwhile
@@ -175,14 +176,15 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy
     # only oomtune's client writes through the proxy, and run again (RetryHeartbeatStaleTrialCallback)
     dirs = [tmp_path / f"w{i}" for i in range(3)]
     procs = [_start(_overrides(proxy.url, "kill", d), tmp_path / f"w{i}", sleep_s=3.0) for i, d in enumerate(dirs)]
-    victim, killed_trial, finished_before = procs[0], None, set()
+    victim, killed_trial, finished_before, study = procs[0], None, set(), None
     deadline = time.monotonic() + 300
     while killed_trial is None and time.monotonic() < deadline:
         time.sleep(0.2)
-        try:
-            study = _study(proxy.db_url, "kill")
-        except KeyError:
-            continue
+        if study is None:   # opened once, then read again at each look (a storage costs an engine and a connection)
+            try:
+                study = _study(proxy.db_url, "kill")
+            except KeyError:
+                continue
         running = set()   # worker 0's trials started less than 1.5 s ago, not ended: mid-trial
         for p in (dirs[0] / "trials").glob("trial-*"):
             try:
