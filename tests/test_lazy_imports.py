@@ -92,6 +92,49 @@ def test_show_imports_no_torch(tmp_path):
     assert r["loaded"] == []
 
 
+@pytest.mark.parametrize("cuda_line, cuda", [("cuda: Optional[str] = '12.4'", "12.4"),
+                                              ("cuda: Optional[str] = None", None)])
+def test_torch_build_reads_the_installed_version_file_and_never_runs_torchs_init(tmp_path, cuda_line, cuda):
+    """torch's build (``__version__`` and ``torch.version.cuda``, as best.yaml records them) from the
+    installed ``torch/version.py``, the file torch's build writes (the shape of torch 2.14.1's, a CUDA
+    and a CPU build): a package whose ``__init__`` raises stands in for torch, so reading it must not
+    import it."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('torch imported')\n")
+    (fake / "version.py").write_text("from typing import Optional\n\n__all__ = ['__version__', 'cuda']\n"
+                                     f"__version__ = '9.9.9+x'\ndebug = False\n{cuda_line}\n"
+                                     "git_version = 'abc'\nhip: Optional[str] = None\n")
+    code = (f"import sys\nsys.path.insert(0, {str(fake.parent)!r})\n"
+            "import json\nfrom oomtune.packages import torch_build\nprint(json.dumps(list(torch_build())))")
+    r = _modules_after(code)
+    assert json.loads(r["out"]) == ["9.9.9+x", cuda] and r["loaded"] == []
+
+
+def test_a_search_of_a_script_writes_its_answer_without_importing_torch(tmp_path):
+    """A ``target=cmd`` search's own process needs no torch: the trials are the script's processes and
+    best.yaml's torch and CUDA versions are read from the installed files (here a script that reports
+    its figures by hand, importing nothing of torch)."""
+    script = tmp_path / "train.py"
+    script.write_text("import json, os, sys, time\nb = int(sys.argv[1])\n"
+                      "stats = {'reserved_bytes.all.peak': b << 20, 'allocated_bytes.all.peak': b << 20}\n"
+                      "line = {'event': 'report', 'time': time.time(), 'samples': b * 4, 'seconds': 0.5,\n"
+                      "        'memory': {'source': 'simulated', 'stats': stats}}\n"
+                      "open(os.environ['OOMTUNE_RESULT_FILE'], 'a').write(json.dumps(line) + '\\n')\n")
+    run = tmp_path / "run"
+    args = ["search", "target=cmd", "trial.launcher=spawn", "device=cpu", "budget=256MiB",
+            "search.objective=throughput", "search.n_trials=1", "search.baseline=false", "search.confirm=false",
+            "search.prune=off", "trial.soak_steps=0", f"target.command='{sys.executable} {script} {{batch_size}}'",
+            f"hydra.run.dir={run}"]
+    r = _modules_after(f"from oomtune.cli import main\nassert main({args!r}) == 0")
+    assert "torch" not in r["loaded"]
+    import oomtune
+    import torch   # this test process's own (other tests import it): the versions best.yaml must carry
+
+    versions = oomtune.load_best(run / "best.yaml").versions
+    assert (versions["torch"], versions["cuda"]) == (str(torch.__version__), torch.version.cuda)
+
+
 def test_settings_validation_imports_no_torch():
     r = _modules_after("from oomtune.alloc import validate_alloc_conf, AllocatorSettings, supported_keys\n"
                        "s = validate_alloc_conf('max_split_size_mb:256,expandable_segments:True')\n"

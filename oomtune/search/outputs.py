@@ -51,11 +51,14 @@ def _write_yaml(data: dict[str, Any], path: Path) -> Path:
 
 
 def versions(device: Any) -> dict[str, Any]:
-    """oomtune, torch, CUDA (torch's build), driver (NVML) and Optuna versions."""
+    """oomtune, torch, CUDA (torch's build), driver (NVML) and Optuna versions; torch's two without
+    importing it (:func:`oomtune.packages.torch_build`: a search of a script's trials never needs it here)."""
     import optuna
-    import torch
 
-    return {"oomtune": __version__, "torch": str(torch.__version__), "cuda": torch.version.cuda,
+    from oomtune.packages import torch_build
+
+    torch_version, cuda = torch_build()
+    return {"oomtune": __version__, "torch": torch_version, "cuda": cuda,
             "driver": getattr(device, "driver_version", None), "optuna": optuna.__version__}
 
 
