@@ -222,6 +222,8 @@ def user_pkg(tmp_path, monkeypatch):
     ("???", "expected"),
     ("oomtune_no_such_module_xyz:make", "no module named 'oomtune_no_such_module_xyz'"),
     ("os:no_such_function_here", "has no function 'no_such_function_here'"),
+    # a near miss names the closest function (difflib's ratio 2M/T: getcwd 12/13 beats getcwdb 12/14)
+    ("os:getcwdd", "has no function 'getcwdd' (did you mean os:getcwd?)"),
     ("os:sep", "not a function"),
     ("missing_dir/missing_file.py:make", "not found"),
 ])

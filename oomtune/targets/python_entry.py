@@ -97,7 +97,12 @@ def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
         module = _load_file(entry, where) if is_file_entry(where) else _import_module(entry, where)
     fn = getattr(module, name, None)
     if fn is None:
-        raise ConfigError(f"target.entry={entry!r}: {where!r} has no function {name!r}")
+        import difflib
+
+        functions = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        close = difflib.get_close_matches(name, functions, n=1)
+        hint = f" (did you mean {where}:{close[0]}?)" if close else ""
+        raise ConfigError(f"target.entry={entry!r}: {where!r} has no function {name!r}{hint}")
     if not callable(fn):
         raise ConfigError(f"target.entry={entry!r}: {where}.{name} is a {type(fn).__name__}, not a function")
     return fn
