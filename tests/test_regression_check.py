@@ -501,8 +501,10 @@ def test_a_search_under_lengths_records_the_worst_length_prediction_and_check_re
           "search.space.max_split_size_mb=[null]", "search.space.roundup_power2_divisions=[null]",
           "search.space.garbage_collection_threshold=[null]"]
     run = tmp_path / "run"
+    # the prediction best.yaml records is the subject: no clean-process confirmation of the winner (a
+    # spawned interpreter less; under a shape distribution every search trial is soaked already)
     assert main(["search", *lm, "model.seq_len={low:16,high:128,pad_multiple:16,seed:0}", "trial.soak_steps=100",
-                 "search.objective=batch", f"hydra.run.dir={run}"]) == 0
+                 "search.objective=batch", "search.confirm=false", f"hydra.run.dir={run}"]) == 0
     best = load_best(run / "best.yaml")
     assert best.device["cublas_workspace_config"] == ":0:0"   # the trials' workspaces travel with the answer
     assert best.best.predicted_at_worst_shape is True and best.best.predicted_peak_reserved_bytes
