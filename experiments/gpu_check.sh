@@ -145,11 +145,13 @@ step_search() {
     # and a small virtual GPU: its trials hold their tensors in host memory, so 0.99 of the default
     # 80 GiB virtual device is refused on a smaller host (trial.execute's host-memory check)
     if [ "$DEVICE" = cpu ]; then size="search.batch_size.high=4 search.window=0 virtual_device_memory=512MiB"; fi
-    # and, last (they replace the values before them), one clean run per finalist and one timed step per
-    # trial: each repeat is a spawned process, and the CPU dry run checks the script and the trial records
-    # it leaves, not the spread of CPU timings. Empty on a GPU: its command is the one above.
+    # and, last (they replace the values before them), one clean run per finalist, one timed step per
+    # trial and no confirmation run of the winner: each repeat and the confirmation are spawned processes
+    # (a torch import each), and the CPU dry run checks the script and the trial records it leaves (the
+    # sampler's forked trials', copied the same way), not the spread of CPU timings. Empty on a GPU: its
+    # command is the one above.
     local cpu_only=""
-    if [ "$DEVICE" = cpu ]; then cpu_only="search.repeats=1 trial.measure_steps=1 trial.confirm_steps=1"; fi
+    if [ "$DEVICE" = cpu ]; then cpu_only="search.repeats=1 trial.measure_steps=1 trial.confirm_steps=1 search.confirm=false"; fi
     # shellcheck disable=SC2086
     timeout -k "$KILL" "$LIMIT_SEARCH" "$PY" experiments/gpu_search.py --device "$DEVICE" --out-dir "$R" \
         --timeout $((LIMIT_SEARCH - 30)) --search-timeout 35 \

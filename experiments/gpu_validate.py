@@ -31,9 +31,11 @@ Run on a GPU machine (about 2-3 minutes on an H200)::
 
     PYTHONPATH=$PWD python experiments/gpu_validate.py
 
-Dry run on CPU (``--device cpu``): a tiny ResNet-18; each child captures its training stream on meta
-and runs it through the simulator, which writes a snapshot in torch's format. The "device" is then
-the simulator itself, so this checks the plumbing (env, children, replay, table), not accuracy.
+Dry run on CPU (``--device cpu``): a tiny ResNet-18; the parent captures its training stream on meta
+once (the same deterministic stream every child would capture: a torchvision import and a capture
+each) and each child runs it through the simulator under its own settings, which writes a snapshot in
+torch's format. The "device" is then the simulator itself, so this checks the plumbing (env,
+children, replay, table), not accuracy.
 Writes experiments/results/gpu_validate.md and .json (or ``--out-dir``).
 """
 
@@ -289,12 +291,18 @@ def _child_cuda(args: argparse.Namespace, rec: dict[str, Any], snap_path: Path) 
 
 
 def _child_cpu(args: argparse.Namespace, rec: dict[str, Any], snap_path: Path) -> None:
-    """Dry run: the training stream captured on meta, run through the simulator as the 'device'."""
-    from oomtune.plan.predictor import capture_training_stream
-
+    """Dry run: the training stream captured on meta (by the parent, ``--stream``; else here), run
+    through the simulator as the 'device'."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     rec["torch_alloc_conf"] = _torch_conf()
-    stream, _ = capture_training_stream(json.loads(args.model), args.batch, steps=args.steps)
+    if args.stream:
+        from oomtune.alloc.stream import AllocationStream
+
+        stream = AllocationStream.load(args.stream)
+    else:
+        from oomtune.plan.predictor import capture_training_stream
+
+        stream, _ = capture_training_stream(json.loads(args.model), args.batch, steps=args.steps)
     total = DRY_RUN_CAPACITY_BYTES
     probe, _ = synthetic_snapshot(stream, conf, total_memory_bytes=total,
                                   memory_fraction=1.0 if args.fraction is None else args.fraction)
@@ -344,6 +352,8 @@ def run_child(case: Case, args: argparse.Namespace, fraction: float | None, out:
         cmd += ["--fraction", repr(fraction)]
     if case.record_late:
         cmd.append("--record-late")
+    if args.device == "cpu" and args.stream:
+        cmd += ["--stream", args.stream]
     rec_path = out / f"{case.name}.json"
     rec_path.unlink(missing_ok=True)
     try:
@@ -508,11 +518,27 @@ def _replay_from_empty(row: dict[str, Any], case: Case, snap: dict, total: int |
         f"{len(empty.simulated_segment_allocs)} simulated segment events; the goal uses this figure")
 
 
+def _dry_run_stream(args: argparse.Namespace, out: Path) -> str | None:
+    """The CPU dry run's training stream of ``--steps`` steps, captured on meta once and saved for the
+    children (``--stream``); None when the capture fails (each child then captures and reports)."""
+    from oomtune.plan.predictor import capture_training_stream
+
+    try:
+        stream, _ = capture_training_stream(json.loads(args.model), args.batch, steps=args.steps)
+        path = out / "dry_run_stream.bin"
+        stream.save(path)
+        return str(path)
+    except Exception:
+        return None
+
+
 def run_all(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every selected case (defaults first: its peak sets the gc case's fraction); rows + header."""
     t_start = time.perf_counter()
     cases = [c for c in CASES if not args.cases or c.name in args.cases]
     stream, capture_note = _predict(args)
+    if args.device == "cpu":
+        args.stream = _dry_run_stream(args, out)
     header: dict[str, Any] = {"model": json.loads(args.model), "batch": args.batch, "steps": args.steps,
                               "device": args.device, "capture_note": capture_note}
     rows, default_peak = [], None
@@ -560,6 +586,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", default="", help=argparse.SUPPRESS)
     p.add_argument("--fraction", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--record-late", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stream", default=None, help=argparse.SUPPRESS)   # the CPU dry run's saved stream
     return p
 
 
