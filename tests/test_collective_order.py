@@ -103,9 +103,31 @@ def test_every_collective_schema_of_this_torch_is_known():
     assert names - COLLECTIVES <= {"send", "recv_", "recv_any_source_", "check_for_nan", "monitored_barrier_"}
 
 
-def _ddp_rank(rank: int, store: str, out: str) -> None:
+def _gloo_rank(rank: int, store: str, out: str) -> None:
+    """One of the two gloo ranks both tests below read: the reduce-scatter first (right after the group
+    is made, the rank's first collective), then the DDP steps, each under a recording of its own (a
+    recorder reports only the storages it saw allocated), each rank's findings written to
+    ``{out}.reduce_scatter.{rank}`` and ``{out}.ddp.{rank}``. One pair of processes for both: each spawned
+    rank imports torch (seconds of CPU, more than the collectives)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+    _reduce_scatter_rank(rank, f"{out}.reduce_scatter")
+    _ddp_rank(rank, f"{out}.ddp")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory):
+    """The folder where the two ranks of :func:`_gloo_rank` wrote their findings (``out.*``)."""
+    import torch.multiprocessing as mp
+
+    folder = tmp_path_factory.mktemp("gloo")
+    mp.start_processes(_gloo_rank, args=(str(folder / "store"), str(folder / "out")), nprocs=2,
+                       start_method="spawn")
+    return folder
+
+
+def _ddp_rank(rank: int, out: str) -> None:
     torch.manual_seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
     sink = StreamSink()
@@ -127,26 +149,19 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
     # Teardown: DDP holds the process group and its last works; with it alive, gloo's worker threads can
     # outlive destroy_process_group and abort the rank at exit ("terminate called without an active
     # exception", SIGABRT: seen once in a loaded suite run; pytorch/pytorch#179291 describes the crash).
-    # Both ranks past their last collective, then nothing left to hold the group.
+    # Both ranks past their last collective, then nothing left to hold the group (destroyed by the caller).
     del ddp
     dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ddp_over_gloo_under_a_recording_syncs_gradients_and_releases_on_the_ranks_thread(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
-                       start_method="spawn")
-    lines = [(tmp_path / f"out.{r}").read_text().split() for r in range(2)]
+def test_ddp_over_gloo_under_a_recording_syncs_gradients_and_releases_on_the_ranks_thread(gloo_ranks):
+    lines = [(gloo_ranks / f"out.ddp.{r}").read_text().split() for r in range(2)]
     assert lines[0][0] == lines[1][0]            # the all-reduce ran: both ranks hold the same gradient
     assert all(flag == "True" for _, flag in lines)
 
 
-def _reduce_scatter_rank(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+def _reduce_scatter_rank(rank: int, out: str) -> None:
     sink = StreamSink()
     with StorageRecorder(sink):
         full = torch.full((6,), float(rank + 1))   # 24 bytes
@@ -155,21 +170,16 @@ def _reduce_scatter_rank(rank: int, store: str, out: str) -> None:
         value = shard.tolist()
     with open(f"{out}.{rank}", "w") as f:
         f.write(repr(([(e[0], e[2]) for e in sink.events], value)))
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_gloos_reduce_scatter_buffer_is_not_recorded(tmp_path):
+def test_gloos_reduce_scatter_buffer_is_not_recorded(gloo_ranks):
     """gloo's reduce-scatter reduces into a buffer of its own and copies the rank's part out when
     waited on; a CUDA reduce-scatter (NCCL) writes the output directly. Only the program's two
     tensors are requests: 24 + 12 bytes."""
     import ast
 
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_reduce_scatter_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
-                       start_method="spawn")
     for rank in range(2):
-        events, value = ast.literal_eval((tmp_path / f"out.{rank}").read_text())
+        events, value = ast.literal_eval((gloo_ranks / f"out.reduce_scatter.{rank}").read_text())
         assert events == [("alloc", 24), ("alloc", 12)]
         assert value == [3.0, 3.0, 3.0]          # 1 + 2, each rank's three elements

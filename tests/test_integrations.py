@@ -34,9 +34,49 @@ EXAMPLES = {"hf": "examples/hf_trainer.py", "lightning": "examples/lightning_mod
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def run_script(args: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def _script_env(env: dict[str, str] | None) -> dict[str, str]:
+    # less pytest's name of the running test: it changes from test to test, and a script server is shared
+    # on the whole environment less the per-trial OOMTUNE_* variables; no script reads it
     full = {**os.environ, "PYTHONPATH": str(REPO), **ONE_THREAD, **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    full.pop("PYTEST_CURRENT_TEST", None)
+    return full
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=_script_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def forks():
+    """The module's script servers (oomtune.trial.script_fork.ScriptServers), as a search's runner has: a
+    ``python FILE.py`` run below is forked from a server that imported the file's third-party modules
+    (transformers' Trainer, lightning.pytorch) once for the module, not once per process (7-8 CPU-s each,
+    more than the steps). The forked process runs the file as python would (oomtune.trial.script_main:
+    its argv, environment, working directory, exit status, stdout and stderr; tests/test_script_fork.py
+    compares them with a spawned run's); where a server cannot start or fork, the script is spawned."""
+    from oomtune.trial.script_fork import ScriptServers
+
+    servers = ScriptServers()
+    yield servers
+    servers.close()
+
+
+def run_file(forks, tmp_path: Path, args: list[str], env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python FILE.py ARGS`` (``args``: the file, then its arguments) from the repository root, forked
+    from ``forks`` (spawned when it cannot be): its exit status, stdout and stderr."""
+    from oomtune.trial.keeper import STATUS_FILE
+
+    argv, full = [sys.executable, *args], _script_env(env)
+    workdir = tmp_path / "forked"
+    workdir.mkdir()
+    handle, _why = forks.launch(argv, cwd=str(REPO), env=full, workdir=workdir, grace_s=3.0, status_file=STATUS_FILE)
+    if handle is None:
+        return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    code = handle.wait(timeout)
+    return subprocess.CompletedProcess(argv, code, (workdir / "stdout.txt").read_text(),
+                                       (workdir / "stderr.txt").read_text())
 
 
 def trial_env(tmp_path: Path, *, batch: int, accum: int, warmup: int = 1, measure: int = 2) -> dict[str, str]:
@@ -48,9 +88,9 @@ def trial_env(tmp_path: Path, *, batch: int, accum: int, warmup: int = 1, measur
 
 # -- the examples run unchanged without oomtune (CI runs them at their tiny default sizes) ------------------
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_the_example_runs_unchanged_without_oomtune(name):
+def test_the_example_runs_unchanged_without_oomtune(name, forks, tmp_path):
     env = {k: "" for k in ("OOMTUNE_RESULT_FILE", "OOMTUNE_BATCH_SIZE")}
-    done = run_script([EXAMPLES[name]], env)
+    done = run_file(forks, tmp_path, [EXAMPLES[name]], env)
     assert done.returncode == 0, done.stderr[-2000:]
     expected = "global batch 32: micro-batch 8 x 4" if name == "loop" else "trained 4 optimizer steps"
     assert expected in done.stdout
@@ -58,8 +98,8 @@ def test_the_example_runs_unchanged_without_oomtune(name):
 
 # -- under oomtune: the trial's settings, the steps, the samples -------------------------------------------
 @pytest.mark.parametrize("name", ["hf", "lightning"])
-def test_the_framework_trains_the_trials_micro_batch_and_accumulation(name, tmp_path):
-    done = run_script([EXAMPLES[name]], trial_env(tmp_path, batch=4, accum=3, warmup=1, measure=2))
+def test_the_framework_trains_the_trials_micro_batch_and_accumulation(name, tmp_path, forks):
+    done = run_file(forks, tmp_path, [EXAMPLES[name]], trial_env(tmp_path, batch=4, accum=3, warmup=1, measure=2))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained 3 optimizer steps" in done.stdout           # warm-up 1 + measured 2, not the script's 4
     events = read_channel(tmp_path / "results.jsonl")
@@ -151,15 +191,19 @@ def test_a_trainer_launched_as_two_ranks_but_not_distributed_exits_2_with_one_li
         "which joins the ranks over gloo"]
 
 
-def test_a_lightning_module_without_a_batch_size_exits_2_with_one_line(tmp_path):
-    code = ("import lightning.pytorch as pl, torch\n"
-            "from oomtune.integrations.lightning import OomtuneCallback\n"
-            "class M(pl.LightningModule):\n"
-            "    def __init__(self):\n"
-            "        super().__init__(); self.l = torch.nn.Linear(2, 2)\n"
-            "cb = OomtuneCallback()\n"
-            "cb.setup(pl.Trainer(logger=False, enable_progress_bar=False), M(), 'fit')\n")
-    done = run_script(["-c", code], trial_env(tmp_path, batch=2, accum=1))
+def test_a_lightning_module_without_a_batch_size_exits_2_with_one_line(tmp_path, forks):
+    # the Lightning example's module-level imports (examples/lightning_module.py): forked from its server
+    script = tmp_path / "no_batch_size.py"
+    script.write_text("import lightning.pytorch as pl\n"
+                      "import torch\n"
+                      "from torch import nn\n"
+                      "from oomtune.integrations.lightning import OomtuneCallback\n"
+                      "class M(pl.LightningModule):\n"
+                      "    def __init__(self):\n"
+                      "        super().__init__(); self.l = nn.Linear(2, 2)\n"
+                      "cb = OomtuneCallback()\n"
+                      "cb.setup(pl.Trainer(logger=False, enable_progress_bar=False), M(), 'fit')\n")
+    done = run_file(forks, tmp_path, [str(script)], trial_env(tmp_path, batch=2, accum=1))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("oomtune: Lightning: the LightningModule (or its hparams "
                                                            "or datamodule) has no batch_size attribute")
@@ -299,13 +343,13 @@ def test_the_lightning_examples_loader_yields_whole_micro_batches_at_any_searche
         assert sizes == [batch] * n
 
 
-def test_the_loop_example_runs_the_confirmation_s_steps(tmp_path):
+def test_the_loop_example_runs_the_confirmation_s_steps(tmp_path, forks):
     """Field case: examples/global_batch.py trained 4 optimizer steps, so every probe passed (1 warm-up
     + 3 measured) and the confirmation (1 warm-up + 10: conf/config.yaml's trial.warmup_steps and
     trial.confirm_steps) ended with "training ended after 4 optimizer step(s)", exit status 2, failing
     the search after all its probes."""
-    done = run_script([EXAMPLES["loop"], "--micro-batch", "1", "--grad-accum", "1"],
-                      trial_env(tmp_path, batch=1, accum=1, warmup=1, measure=10))
+    done = run_file(forks, tmp_path, [EXAMPLES["loop"], "--micro-batch", "1", "--grad-accum", "1"],
+                    trial_env(tmp_path, batch=1, accum=1, warmup=1, measure=10))
     assert done.returncode == 0, done.stderr[-2000:]
     (rep,) = [e for e in read_channel(tmp_path / "results.jsonl") if e["event"] == "report"]
     assert rep["steps"] == 10 and rep["samples"] == 10   # micro-batch 1 x 1 micro-batch x 10 measured steps

@@ -35,4 +35,6 @@ def rank_main(rank: int, world: int, port: str, micro: int, accum: int) -> None:
 
 if __name__ == "__main__":
     micro, accum, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(rank_main, args=(2, port, micro, accum), nprocs=2)
+    # forked, not spawned: a spawned rank imports torch again (seconds of CPU); this process has run no
+    # torch op and started no thread yet, and each rank builds its group, model and virtual GPU itself
+    mp.start_processes(rank_main, args=(2, port, micro, accum), nprocs=2, start_method="fork")
