@@ -98,14 +98,11 @@ GLOBAL_BATCH_LOOP_COMMAND = "{py} examples/global_batch.py --micro-batch {{batch
 def global_batch_loop_search(tmp_path_factory):
     """(``oomtune search``'s exit status, its run directory) for the search above, run from the
     repository root (the command's relative path) by whichever worker asks first; the others wait for
-    it and read the same run (tests/shared_runs.py's ``shared_run``). A run that raised in one worker
+    it and read the same run (tests/shared_runs.py's ``cmd_search``). A run that raised in one worker
     fails the tests of every worker, with its error."""
     import sys
 
-    from shared_runs import GLOBAL_BATCH_OVERRIDES, shared_run
+    from shared_runs import GLOBAL_BATCH_OVERRIDES, cmd_search
 
-    command = GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable)
-    done = shared_run(tmp_path_factory, "global-batch-loop-search",
-                      lambda run: ["search", "target=cmd", f"target.command='{command}'", *GLOBAL_BATCH_OVERRIDES,
-                                   f"hydra.run.dir={run}"])
-    return done.code, done.run
+    return cmd_search(tmp_path_factory, "global-batch-loop-search", GLOBAL_BATCH_LOOP_COMMAND.format(py=sys.executable),
+                      GLOBAL_BATCH_OVERRIDES)

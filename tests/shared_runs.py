@@ -120,14 +120,20 @@ def tiny_meta_search(tmp_path_factory) -> SharedRun:
 TRAIN_CMD_COMMON = ["budget=64MiB", "device=cpu", "search.batch_size.low=4", "search.batch_size.high=4096"]
 
 
+def cmd_search(tmp_path_factory, name: str, command: str, overrides: list[str]) -> tuple[int, Path]:
+    """(exit status, run directory) of ``oomtune search target=cmd`` of ``command`` under ``overrides``,
+    run once per session under ``name`` (:func:`shared_run`)."""
+    r = shared_run(tmp_path_factory, name, lambda run: ["search", "target=cmd", f"target.command='{command}'",
+                                                        *overrides, f"hydra.run.dir={run}"])
+    return r.code, r.run
+
+
 @pytest.fixture(scope="session")
 def train_cmd_search(tmp_path_factory):
     """(exit status, run directory) of the search above."""
-    cmd = f"{sys.executable} examples/train_cmd.py --hidden 1024 --batch-size {{batch_size}}"
-    r = shared_run(tmp_path_factory, "train-cmd-search",
-                      lambda run: ["search", "target=cmd", f"target.command='{cmd}'", *TRAIN_CMD_COMMON,
-                                   f"hydra.run.dir={run}"])
-    return r.code, r.run
+    return cmd_search(tmp_path_factory, "train-cmd-search",
+                      f"{sys.executable} examples/train_cmd.py --hidden 1024 --batch-size {{batch_size}}",
+                      TRAIN_CMD_COMMON)
 
 
 # The overrides of the two global-batch searches of a ``target=cmd`` script (conftest.py's
@@ -149,8 +155,5 @@ GLOBAL_BATCH_OVERRIDES = [
 @pytest.fixture(scope="session")
 def lightning_example_search(tmp_path_factory):
     """(exit status, run directory) of the search above."""
-    cmd = f"{sys.executable} examples/lightning_module.py"
-    r = shared_run(tmp_path_factory, "lightning-example-search",
-                      lambda run: ["search", "target=cmd", f"target.command='{cmd}'", *GLOBAL_BATCH_OVERRIDES,
-                                   f"hydra.run.dir={run}"])
-    return r.code, r.run
+    return cmd_search(tmp_path_factory, "lightning-example-search", f"{sys.executable} examples/lightning_module.py",
+                      GLOBAL_BATCH_OVERRIDES)
