@@ -350,6 +350,26 @@ def _choice(data: Any, where: str) -> Choice:
     return choice
 
 
+def _missing_best(path: Path) -> str:
+    """The one line for a best.yaml (or run directory) that does not exist: what was asked for, and
+    the run directories beside it that hold a best.yaml (the closest name first, then the newest;
+    at most five), or where ``oomtune search`` writes one when there are none."""
+    import difflib
+
+    asked = path.parent if path.name == "best.yaml" else path
+    where = asked.parent
+    runs = sorted((d for d in (where.iterdir() if where.is_dir() else ()) if (d / "best.yaml").is_file()),
+                  key=lambda d: -d.stat().st_mtime)
+    close = difflib.get_close_matches(asked.name, [d.name for d in runs], n=1)
+    names = close + [d.name for d in runs if d.name not in close]
+    if names:
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        hint = f"runs with a best.yaml in {str(where)!r}: {', '.join(names[:5])}{more}"
+    else:
+        hint = "`oomtune search` writes runs/NAME/best.yaml (its last lines name the file)"
+    return f"cannot read {str(path)!r}: no such run directory or best.yaml; {hint}"
+
+
 def load_best(path: str | Path) -> BestConfig:
     """Read and validate a best.yaml written by ``oomtune search``.
 
@@ -369,8 +389,7 @@ def load_best(path: str | Path) -> BestConfig:
     if path.is_dir():
         path = path / "best.yaml"
     if not path.exists():
-        raise BestFileError(f"cannot read {str(path)!r}: no such file; `oomtune search` writes runs/NAME/best.yaml "
-                            "(its last lines name the file)")
+        raise BestFileError(_missing_best(path))
     # size and depth limited: a file nested 100,000 levels deep is one line, not a RecursionError
     data = read_yaml(path, what="a best.yaml", max_bytes=BEST_MAX_BYTES, error=BestFileError)
     if not isinstance(data, dict):

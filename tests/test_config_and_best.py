@@ -189,3 +189,29 @@ def test_a_study_created_before_model_gpu_still_resumes():
     study.set_user_attr("workload", {**old, "gpu": "a100", "gpu_source": "default"})
     with pytest.raises(ConfigError, match="created for another workload"):
         _check_resume(study, {**old, "gpu": "h100", "gpu_source": "model.gpu"}, 1 << 30)
+
+
+def test_a_missing_run_names_the_runs_beside_it(tmp_path):
+    """``oomtune show/check/env runs/NAME`` with a name that is not there: one line naming what was
+    asked for and the run directories next to it that hold a best.yaml, the closest name first
+    (a mistyped hash), so the user can copy the right one."""
+    import os
+
+    from oomtune.best import load_best
+    from oomtune.exceptions import BestFileError
+
+    runs = tmp_path / "runs"
+    for i, name in enumerate(["mlp-0818c420", "mlp-53e3f053", "resnet-0a1b2c3d"]):   # oldest first
+        (runs / name).mkdir(parents=True)
+        (runs / name / "best.yaml").write_text("schema_version: 1\n")
+        os.utime(runs / name / "best.yaml", (1000 + i, 1000 + i))
+        os.utime(runs / name, (1000 + i, 1000 + i))
+    (runs / "empty-run").mkdir()   # no best.yaml: not offered
+    with pytest.raises(BestFileError) as err:
+        load_best(runs / "mlp-0818c42")
+    assert str(err.value) == (f"cannot read {str(runs / 'mlp-0818c42')!r}: no such run directory or best.yaml; "
+                              f"runs with a best.yaml in {str(runs)!r}: mlp-0818c420, resnet-0a1b2c3d, mlp-53e3f053")
+    # the closest name leads although it is the oldest; the rest newest first
+    with pytest.raises(BestFileError) as err:   # a path to the file itself: its directory is what is missing
+        load_best(tmp_path / "elsewhere" / "best.yaml")
+    assert str(err.value).endswith("`oomtune search` writes runs/NAME/best.yaml (its last lines name the file)")
