@@ -586,7 +586,7 @@ def check_run(best: Any, *, max_memory_growth: float = DEFAULT_MAX_MEMORY_GROWTH
     where = _run_device(best, device)
     if ranks > 1 and where.startswith("cuda"):   # one GPU per rank, as the search ran it
         where = _rank_gpus(ranks, where)
-    spec = TrialSpec(workload=run.workload.to_dict(), batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
+    spec = TrialSpec(workload=run.workload, batch_size=best.best.batch_size, alloc_conf=best.best.alloc_conf,
                      device=where, budget_bytes=run.budget_bytes,
                      warmup_steps=1, measure_steps=steps, timeout_s=float(timeout_s),
                      device_memory_bytes=run.geometry["total_memory_bytes"],

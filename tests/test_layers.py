@@ -367,6 +367,22 @@ def test_prepared_run_and_workload_spec_fields_are_typed():
     assert WorkloadSpec.__dataclass_params__.frozen and "__slots__" in WorkloadSpec.__dict__
 
 
+def test_trial_spec_fields_are_typed_across_the_process_boundary():
+    """What the parent asks a trial process to do is typed: no field of TrialSpec names ``Any``, and
+    its workload is the same WorkloadSpec every command reads (spec.json carries the flat form only
+    between :meth:`TrialSpec.to_json` and :meth:`TrialSpec.from_json`)."""
+    import typing
+
+    from oomtune.trial.record import TrialSpec
+    from oomtune.workload_spec import WorkloadSpec
+
+    assert untyped_fields((ROOT / "trial" / "record.py").read_text(), "TrialSpec") == []
+    assert typing.get_type_hints(TrialSpec)["workload"] is WorkloadSpec
+    spec = TrialSpec(workload={"name": "mlp", "target": {"name": "builtin"}, "grad_accum": 2}, batch_size=4)
+    assert isinstance(spec.workload, WorkloadSpec) and spec.workload.training == {"grad_accum": 2}
+    assert isinstance(TrialSpec.from_json(spec.to_json()).workload, WorkloadSpec)
+
+
 def test_search_options_fields_are_typed_sections():
     """The search driver's options hold the config's typed sections and the workload spec, not a flat
     workload mapping or copied ``Any`` fields: no field of SearchOptions names ``Any``, its

@@ -235,7 +235,7 @@ def test_data_loader_settings_are_searchable_and_reach_the_trial(tmp_path):
 
     class Recording(FakeRunner):
         def run(self, spec, *, workdir):
-            seen.append(spec.workload.get("data", {}).get("num_workers"))
+            seen.append((spec.workload.data or {}).get("num_workers"))
             return super().run(spec, workdir=workdir)
 
     study = optuna.create_study(direction="maximize",

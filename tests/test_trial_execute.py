@@ -346,7 +346,7 @@ def test_the_smoke_test_under_a_global_batch_runs_two_micro_batches_not_the_whol
     study = Study()
     line = smoke_test(study, space, opt, peak=lambda b, p: None, run=run)
     assert len(specs) == 1
-    assert specs[0].batch_size == 1 and specs[0].workload["grad_accum"] == 2 and specs[0].execute == "cpu"
+    assert specs[0].batch_size == 1 and specs[0].workload.training["grad_accum"] == 2 and specs[0].execute == "cpu"
     assert "one real CPU step at batch 1 x 2 micro-batches (default allocator)" in line
     assert study.user_attrs[STUDY_ATTR]["batch_size"] == 1
 

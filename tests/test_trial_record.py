@@ -416,6 +416,11 @@ def test_a_draft_keeps_the_last_valid_record_when_a_change_is_refused():
     ({"memory_fraction": 1}, "trial spec: memory_fraction=1: expected bool"),
     ({"workload": ["mlp"]}, "trial spec: workload=['mlp']: expected dict"),
     ({"batch_sise": 8}, "trial spec: unknown field(s) batch_sise"),
+    # the workload is read into its WorkloadSpec, whose own checks name the bad key
+    ({"workload": {"target": {"command": "x"}}},
+     "trial spec: workload: workload target must be a mapping with a 'name' string, got {'command': 'x'}"),
+    ({"workload": {"target": {"name": "builtin"}, "ranks": 0}},
+     "trial spec: workload: workload ranks must be an integer >= 1 or null, got 0"),
 ])
 def test_a_spec_read_from_json_is_checked_field_by_field(change, message):
     import json
@@ -433,10 +438,16 @@ def test_a_spec_round_trips_and_every_field_has_a_json_type():
     import json
 
     from oomtune.trial.record import TrialSpec
+    from oomtune.workload_spec import WorkloadSpec
 
     spec = TrialSpec(workload={"name": "mlp", "data": {"source": "synthetic"}}, batch_size=4, budget_bytes=1 << 30,
                      timeout_s=30, ranks=2, device="cuda:0,1")
     assert TrialSpec.from_json(spec.to_json()) == spec
+    # the workload is typed on both sides of spec.json: a WorkloadSpec in the process, its flat form in the file
+    assert spec.workload == WorkloadSpec(target={"name": "builtin"}, model={"name": "mlp", "data": {"source": "synthetic"}},
+                                         gpu=None)
+    assert json.loads(spec.to_json())["workload"] == {"name": "mlp", "data": {"source": "synthetic"},
+                                                      "target": {"name": "builtin"}}
     # every field can be read: a field added without its JSON type is refused when read
     full = json.loads(spec.to_json())
     assert set(full) == {f.name for f in dataclasses.fields(TrialSpec)}

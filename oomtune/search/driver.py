@@ -186,7 +186,7 @@ class Search:
         scale = max(1.0, (t.warmup_steps + steps) / (t.warmup_steps + t.measure_steps))
         timeout_s = self.opt.trial.timeout * scale + window_s
         return TrialSpec(
-            workload=cand.apply(self.opt.workload).to_dict(), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
+            workload=cand.apply(self.opt.workload), batch_size=cand.batch_size, alloc_conf=cand.alloc_conf,
             device=getattr(self._local, "device", None) or self.opt.device, budget_bytes=self.opt.budget_bytes,
             warmup_steps=self.opt.trial.warmup_steps, measure_steps=steps,
             timeout_s=timeout_s, smaller_batch_succeeded=smaller_ok, measure_seconds=window_s,

@@ -65,7 +65,7 @@ def smoke_test(study: Any, space: Any, opt: SearchOptions, *, peak: Callable[[in
     cand = space.default(batch)
     if cand.grad_accum > SMOKE_MICRO_BATCHES:   # under a global batch: two micro-batches, as the recordings
         cand = dataclasses.replace(cand, grad_accum=SMOKE_MICRO_BATCHES)
-    spec = TrialSpec(workload=cand.apply_data(opt.workload).to_dict(), batch_size=batch, alloc_conf="",
+    spec = TrialSpec(workload=cand.apply_data(opt.workload), batch_size=batch, alloc_conf="",
                      device=opt.device, budget_bytes=None, warmup_steps=0, measure_steps=1,
                      timeout_s=opt.trial.timeout, device_memory_bytes=opt.device_memory_bytes,
                      execute="cpu")

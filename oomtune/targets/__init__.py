@@ -6,8 +6,8 @@
 - ``cmd``: any training command (:mod:`oomtune.targets.cmd`), results reported with
   :func:`oomtune.report`.
 
-``TrialSpec.workload`` holds the ``model`` group's keys plus ``workload["target"]`` (this group);
-an absent target means ``builtin``. Each target is one module whose ``TARGET`` implements the trial
+``TrialSpec.workload`` (a :class:`oomtune.workload_spec.WorkloadSpec`) holds the ``model`` group's
+keys and ``target`` (this group); an absent target means ``builtin``. Each target is one module whose ``TARGET`` implements the trial
 protocol's contract (:class:`oomtune.trial._base.Target`) and is registered there when the module
 is imported (:func:`oomtune.trial._base.register_target`); importing this package registers all
 three (the ``oomtune`` package does, as the composition root). The trial process builds in-process

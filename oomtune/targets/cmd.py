@@ -240,7 +240,7 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
     out.pop(BUDGET_ENV, None)
     from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
-    accum = grad_accum_of(spec.workload)
+    accum = grad_accum_of(spec.workload.training)
     out.update({
         RESULT_FILE_ENV: str(result_file),
         BATCH_SIZE_ENV: str(spec.batch_size),
@@ -254,14 +254,14 @@ def cmd_environment(spec: TrialSpec, result_file: Path, env: dict[str, str] | No
     })
     for key in (GLOBAL_BATCH_ENV, CHECKPOINTING_ENV):
         out.pop(key, None)
-    if "grad_accum" in spec.workload:
+    if "grad_accum" in spec.workload.training:
         out[GLOBAL_BATCH_ENV] = str(spec.batch_size * accum)
-    if "activation_checkpointing" in spec.workload:
-        out[CHECKPOINTING_ENV] = "1" if checkpointing_of(spec.workload) else "0"
+    if "activation_checkpointing" in spec.workload.training:
+        out[CHECKPOINTING_ENV] = "1" if checkpointing_of(spec.workload.training) else "0"
     if spec.budget_bytes is not None:
         out[BUDGET_ENV] = str(int(spec.budget_bytes))
     out.pop(GPU_ENV, None)
-    gpu = (spec.workload or {}).get("gpu")
+    gpu = spec.workload.gpu
     if gpu and str(gpu).lower() != "auto":
         out[GPU_ENV] = str(gpu)   # the target GPU whose kernels capture_hook's virtual GPU runs
     out.pop(EXECUTE_ENV, None)
@@ -315,7 +315,7 @@ def run_cmd_trial(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None 
     ``execution.fallback`` holds the reason and ``execution.where`` where the steps ran.
 
     Args:
-        spec: the trial; ``spec.workload["target"]`` is ``{"name": "cmd", "command": ..., "cwd": ...}``.
+        spec: the trial; ``spec.workload.target`` is ``{"name": "cmd", "command": ..., "cwd": ...}``.
         workdir: created; holds ``results.jsonl`` (the channel), ``stdout.txt``, ``stderr.txt`` and
             ``result.json`` (the record). The command runs in ``target.cwd`` (default: our cwd, so
             relative paths in the command mean what they mean on the user's command line).
@@ -355,10 +355,11 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
     from oomtune.workloads.training import checkpointing_of, grad_accum_of
 
     validate_spec(spec)
-    target = dict(spec.workload.get("target") or {})
-    ckpt = checkpointing_of(spec.workload) if "activation_checkpointing" in spec.workload else None
+    target = dict(spec.workload.target)
+    training = spec.workload.training
+    ckpt = checkpointing_of(training) if "activation_checkpointing" in training else None
     argv, shell = build_command(target, spec.batch_size, values=placeholder_values(
-        spec.batch_size, grad_accum_of(spec.workload), ckpt))
+        spec.batch_size, grad_accum_of(training), ckpt))
     cwd = resolve_cwd(target)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -423,7 +424,7 @@ def _run_once(spec: TrialSpec, *, workdir: Path, env: dict[str, str] | None, gra
                launcher="cmd" if spawn_reason is not None or forks is None or shell else "cmd-fork")
     if forks is not None and spawn_reason is not None:
         rec.update("process", launcher_fallback=spawn_reason)
-    rec.update("script", grad_accum=grad_accum_of(spec.workload))
+    rec.update("script", grad_accum=grad_accum_of(spec.workload.training))
     lines = read_channel(channel)
     unsupported = [ln for ln in lines if isinstance(ln, dict) and ln.get("event") == META_UNSUPPORTED_EVENT]
     fallback = None

@@ -227,7 +227,7 @@ def _run_virtual(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[
         rec.update("budget", memory_fraction=sim.allowed_bytes / sim.total_memory_bytes)
     torch.manual_seed(spec.seed)
     device = torch.device(where)
-    live = live_workload(spec)   # spec.json's flat workload, read once (WorkloadSpec.from_dict)
+    live = live_workload(spec)
     gpu = target_from_workload(live)   # the GPU whose kernels the steps run (model.gpu)
     # on meta, what the workload's code makes without naming a device lands on meta too (no host memory)
     with (torch.device("meta") if where == "meta" else contextlib.nullcontext()):
@@ -281,7 +281,7 @@ def _run_cuda(spec: TrialSpec, rec: ResultDraft, stats: list, hook: Callable[[],
     torch.cuda.reset_peak_memory_stats(dev)
     stats.append(lambda: torch.cuda.memory_stats(dev))
     torch.manual_seed(spec.seed)
-    live = live_workload(spec)   # spec.json's flat workload, read once (WorkloadSpec.from_dict)
+    live = live_workload(spec)
     workload = target_for(live).build_workload(live, spec.batch_size, dev)
     sampler = nvml.MemorySampler(physical) if physical is not None else contextlib.nullcontext()
 

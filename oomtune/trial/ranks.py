@@ -55,10 +55,8 @@ def is_distributed_trial(spec: TrialSpec) -> bool:
     if spec.ranks > 1:
         return True
     from oomtune.trial._base import target_for
-    from oomtune.workload_spec import WorkloadSpec
 
-    workload = WorkloadSpec.from_dict(spec.workload)   # spec.json's flat form, read once here
-    return target_for(workload).distributed(workload)
+    return target_for(spec.workload).distributed(spec.workload)
 
 
 def _visible_entries() -> list[str]:
@@ -155,7 +153,7 @@ def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, ba
                              message=f"rank {rank} could not join the process group ({backend}): {exc}",
                              advice="check that the ranks can reach each other (gloo/nccl)")
     try:
-        mode = parallel_mode(spec.workload)
+        mode = parallel_mode(spec.workload.model or {})
     except Exception:
         mode = "none"
     notes = strategy_notes(mode, backend)

@@ -17,6 +17,7 @@ from typing import Any
 
 from oomtune.gpu.info import DeviceInfo  # noqa: F401 - re-exported: the trial records it
 from oomtune.outcome import Outcome
+from oomtune.workload_spec import WorkloadSpec
 
 __all__ = ["TrialSpec", "TrialResult", "ResultDraft", "MemoryReadings", "Throughput", "SoakReadings", "RankPeak",
            "DeviceInfo", "TrialProcess", "ProcessSeen", "BadFork", "ExecutionInfo", "KernelsRan", "KernelCount",
@@ -39,8 +40,11 @@ class TrialSpec:
     """One trial: a workload at a batch size under one allocator configuration.
 
     Attributes:
-        workload: the workload's config as a plain mapping (e.g. the composed ``model`` group:
-            ``{"name": "resnet", "depth": 18, "image_size": 64, ...}``) plus ``target`` settings.
+        workload: what the trial trains (:class:`oomtune.workload_spec.WorkloadSpec`). A flat
+            mapping (the form spec.json carries: the ``model`` group's keys, e.g. ``{"name":
+            "resnet", "depth": 18, ...}``, plus ``target``, ``gpu``, ``ranks`` and the training
+            settings) is read with :meth:`WorkloadSpec.from_dict` on construction, so the field
+            always holds a spec.
         batch_size: samples per step (>= 1).
         alloc_conf: the allocator settings string exactly as exported to PYTORCH_CUDA_ALLOC_CONF
             (``""`` for torch's defaults).
@@ -87,7 +91,7 @@ class TrialSpec:
             theirs (:mod:`oomtune.trial.rank_records`).
     """
 
-    workload: dict[str, Any]
+    workload: WorkloadSpec
     batch_size: int
     alloc_conf: str = ""
     device: str = "cpu"
@@ -106,8 +110,22 @@ class TrialSpec:
     measure_seconds: float = 0.0
     ranks: int = 1
 
+    def __post_init__(self) -> None:
+        """Reads a flat workload mapping into its :class:`WorkloadSpec`.
+
+        Raises:
+            ConfigError: (a ValueError) a workload that is neither a spec nor a flat mapping
+                :meth:`WorkloadSpec.from_dict` reads, one line naming the bad key.
+        """
+        if not isinstance(self.workload, WorkloadSpec):
+            self.workload = WorkloadSpec.from_dict(self.workload)
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The spec as JSON (spec.json): every field as is, the workload in its flat form
+        (:meth:`WorkloadSpec.to_dict`), which :meth:`from_json` reads back to an equal spec."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["workload"] = self.workload.to_dict()
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "TrialSpec":
@@ -116,7 +134,8 @@ class TrialSpec:
 
         Raises:
             ValueError: not a JSON object, a missing ``workload``/``batch_size``, a key that is no
-                field, or a field of the wrong type (bool is not a number; an int is a float), named.
+                field, a field of the wrong type (bool is not a number; an int is a float), or a
+                workload :meth:`WorkloadSpec.from_dict` refuses, named.
         """
         data = json.loads(text)
         if not isinstance(data, dict):
@@ -133,6 +152,10 @@ class TrialSpec:
             if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
                 expected = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
                 raise ValueError(f"trial spec: {name}={value!r}: expected {expected}")
+        try:
+            data["workload"] = WorkloadSpec.from_dict(data["workload"])
+        except ValueError as exc:   # ConfigError: the workload's bad key, named
+            raise ValueError(f"trial spec: workload: {exc}") from None
         return cls(**data)
 
 

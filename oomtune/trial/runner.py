@@ -46,7 +46,7 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_failure
 from oomtune.exceptions import ConfigError
 from oomtune.outcome import Outcome
-from oomtune.trial._base import Target, get_target, target_name
+from oomtune.trial._base import Target, get_target
 from oomtune.trial.forkserver import ALLOC_ENV_VARS, ForkServerClient, ForkServerError, backend_refusal
 from oomtune.trial.keeper import MARKER_ENV, STATUS_FILE, end_kept, keeper_argv, kill_now, read_tail, sweep
 from oomtune.trial.oomkill import OomKillWatch
@@ -262,7 +262,7 @@ class TrialRunner:
             AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
         """
         settings = validate_spec(spec)
-        target = get_target(target_name(spec.workload))   # spec.json's flat workload names its target
+        target = get_target(spec.workload.target_name)
         if target.own_process:
             return self._run_own_process(target, spec, workdir=Path(workdir), env=env)
         marker = uuid.uuid4().hex

@@ -24,20 +24,18 @@ SHAPE_ORDERS = ("data", "worst")
 
 
 def live_workload(spec: TrialSpec) -> WorkloadSpec:
-    """The workload the live steps train: ``spec.workload`` (the flat form spec.json carries, read
-    with :meth:`WorkloadSpec.from_dict`), or for ``shapes="worst"`` the same workload fixed at its
+    """The workload the live steps train: ``spec.workload``, or for ``shapes="worst"`` the same workload fixed at its
     largest shape (:meth:`oomtune.trial._base.Target.at_shape`; for a built-in workload
     :func:`oomtune.workloads.shapes.at_shape`).
 
     Raises:
-        ConfigError: an unknown ``spec.shapes``, a bad shape distribution, a workload
-            :meth:`WorkloadSpec.from_dict` refuses.
+        ConfigError: an unknown ``spec.shapes``, a bad shape distribution.
     """
     from oomtune.exceptions import ConfigError
 
     if spec.shapes not in SHAPE_ORDERS:
         raise ConfigError(f"trial shapes={spec.shapes!r}: expected one of {', '.join(SHAPE_ORDERS)}")
-    workload = WorkloadSpec.from_dict(spec.workload)
+    workload = spec.workload
     if spec.shapes == "data":
         return workload
     from oomtune.trial._base import target_for
@@ -63,10 +61,11 @@ def run_soak(spec: TrialSpec, rec: ResultDraft, new_sim: Callable[[], Any], *,
     """
     from oomtune.trial.soak import soak, soak_supported
 
-    if spec.soak_steps <= 0 or not soak_supported(spec.workload):
+    flat = spec.workload.to_dict()   # the soak captures (and caches) a built-in workload's flat form
+    if spec.soak_steps <= 0 or not soak_supported(flat):
         return
     t0 = time.perf_counter()
-    res = soak(spec.workload, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
+    res = soak(flat, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
                new_sim=new_sim)
     rec.set(soak=SoakReadings(
         passed=res.passed, steps_run=res.steps_run, failed_step=res.failed_step, shape=res.shape_at_failure,
