@@ -107,13 +107,44 @@ def _gloo_rank(rank: int, store: str, out: str) -> None:
     """One of the two gloo ranks both tests below read: the reduce-scatter first (right after the group
     is made, the rank's first collective), then the DDP steps, each under a recording of its own (a
     recorder reports only the storages it saw allocated), each rank's findings written to
-    ``{out}.reduce_scatter.{rank}`` and ``{out}.ddp.{rank}``. One pair of processes for both: each spawned
-    rank imports torch (seconds of CPU, more than the collectives)."""
+    ``{out}.reduce_scatter.{rank}`` and ``{out}.ddp.{rank}``. One pair of processes for both, from one
+    spawned interpreter (:func:`_two_gloo_ranks`): a rank's ``import torch`` costs seconds of CPU, more
+    than its collectives."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     _reduce_scatter_rank(rank, f"{out}.reduce_scatter")
     _ddp_rank(rank, f"{out}.ddp")
     dist.destroy_process_group()
+
+
+def _two_gloo_ranks(index: int, store: str, out: str) -> None:
+    """Both ranks of :func:`_gloo_rank` from one spawned interpreter: it forks rank 1 before any torch
+    operation (modules imported, nothing run: as oomtune's own fork server forks its trials) and runs
+    rank 0 itself. Two processes, each its own gloo rank with its own threads, paying the imports once instead
+    of twice (seconds of CPU each, more than the collectives); rank 1's failure is rank 0's (its exit
+    status is checked)."""
+    import traceback
+
+    # A recording's first operation imports torch._dynamo (torch/_compile.py: the dispatch mode's
+    # ``_disable_dynamo`` wrapper imports it at its first call; sympy and more, seconds of CPU): imported
+    # here, once, for both ranks. A module import only: no rank has recorded or run anything yet.
+    import torch._dynamo  # noqa: F401
+
+    pid = os.fork()
+    if pid == 0:                                 # rank 1: never back into the spawn machinery
+        code = 1
+        try:
+            _gloo_rank(1, store, out)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported, then the exit status says it
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    try:
+        _gloo_rank(0, store, out)
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"rank 1 exited with status {status}"
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +153,7 @@ def gloo_ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
     folder = tmp_path_factory.mktemp("gloo")
-    mp.start_processes(_gloo_rank, args=(str(folder / "store"), str(folder / "out")), nprocs=2,
+    mp.start_processes(_two_gloo_ranks, args=(str(folder / "store"), str(folder / "out")), nprocs=1,
                        start_method="spawn")
     return folder
 

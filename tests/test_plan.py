@@ -385,21 +385,62 @@ def test_plan_under_lengths_never_exceeds_the_plan_at_the_longest_length_and_sur
     assert result.passed, result.message
 
 
+# find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of 64) at
+# 200 MiB, planned over the default allocator, expandable_segments:True and max_split_size_mb:64 (with
+# and without expandable segments): four configurations.
+SOAK_LM = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
+           "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",
+           "search.batch_size.high=16", "search.space.max_split_size_mb=[null,64]",
+           "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
+
+
+@pytest.fixture(scope="module")
+def soak_plan_in_one_process(tmp_path_factory):
+    """``plan`` of SOAK_LM with its soak rows in this process alone (``default_workers`` 1) and
+    ``CUBLAS_WORKSPACE_CONFIG=:0:0`` (a hand-sized device of a few MiB), as a dict: run once per session by
+    whichever pytest-xdist worker asks first (an exclusive lock on a file in the session's shared
+    temporary folder; the others read its pickle), and asserted on by the soak's step-down test (its
+    default and expandable_segments:True rows) and by the spread-over-processes test (every row)."""
+    import fcntl
+    import pickle
+
+    import oomtune.plan.parallel as W
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # each worker's basetemp is a folder of the session's
+        root = root.parent
+    folder = root / "plan-soak-lm-one-process"
+    folder.mkdir(exist_ok=True)
+    done = folder / "plan.pickle"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+                    mp.setattr(W, "default_workers", lambda: 1)
+                    data = _plan(folder, *SOAK_LM).to_dict()
+                done.write_bytes(pickle.dumps(data))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return pickle.loads(done.read_bytes())
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
-def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp_path):
+def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(soak_plan_in_one_process):
     """find_soak_case's model (2 layers, d_model 64, vocabulary 2048, lengths 64..512 in buckets of
     64) at 200 MiB (found by scanning budgets 60..300 MiB with `oomtune plan` under the fused-SDPA
     kernels a capture runs as on the GPU): the default allocator fits its largest batch at length 512 on a fresh
     allocator but runs out of memory in the soak, so its planned batch is the largest that survives
-    (each checked here with the soak itself), while expandable_segments:True keeps its batch."""
+    (each checked here with the soak itself), while expandable_segments:True keeps its batch. The plan
+    is the spread test's one-process plan: its rows of these two configurations are those of a plan
+    of these two alone (each configuration's row is planned and soaked on its own; the two
+    max_split_size_mb:64 rows beside them are that test's, and this one's assertions read only the two
+    configurations' rows and their entries of the stepped-down list)."""
     from oomtune.trial.soak import soak
 
-    lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
-          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",
-          "search.batch_size.high=16", "search.space.max_split_size_mb=[null]",
-          "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
-    data = _plan(tmp_path, *lm).to_dict()
+    data = soak_plan_in_one_process
     rows = {c["alloc_conf"]: c for c in data["configurations"]}
     default, es = rows[""], rows["expandable_segments:True"]
     model = {k: v for k, v in data["workload"].items() if k != "target"}
@@ -413,25 +454,21 @@ def test_plan_steps_a_configuration_down_to_the_batch_that_survives_the_soak(tmp
     assert default["soak"]["failed"]["batch_size"] == default["worst_shape_max_batch_size"]
     assert survives(default["max_batch_size"], "") and not survives(default["max_batch_size"] + 1, "")
     assert es["soak"]["passed"] is True and survives(es["max_batch_size"], "expandable_segments:True")
-    assert data["shapes"]["stepped_down"] == {"": [default["worst_shape_max_batch_size"], default["max_batch_size"]]}
+    stepped = {k: v for k, v in data["shapes"]["stepped_down"].items() if k in ("", "expandable_segments:True")}
+    assert stepped == {"": [default["worst_shape_max_batch_size"], default["max_batch_size"]]}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the soak's rows are spread over forked processes on POSIX")
 @pytest.mark.usefixtures("no_cublas_workspaces")   # a hand-sized device of a few MiB
-def test_plan_soak_spread_over_processes_gives_the_one_process_rows(tmp_path, monkeypatch):
+def test_plan_soak_spread_over_processes_gives_the_one_process_rows(tmp_path, monkeypatch, soak_plan_in_one_process):
     """The soak's rows run in forked processes (oomtune.plan.parallel.fork_map): each row's record,
     planned batch and the stepped-down list equal those of the same plan soaked in this process alone."""
     import oomtune.plan.parallel as W
 
-    lm = ["model=transformer", "model.layers=2", "model.d_model=64", "model.vocab_size=2048",
-          "model.seq_len={low:64,high:512,pad_multiple:64}", "budget=200MiB", "search.batch_size.low=1",
-          "search.batch_size.high=16", "search.space.max_split_size_mb=[null,64]",
-          "search.space.roundup_power2_divisions=[null]", "search.space.garbage_collection_threshold=[null]"]
     monkeypatch.setattr(W, "default_workers", lambda: 3)
-    spread = _plan(tmp_path / "a", *lm).to_dict()
-    monkeypatch.setattr(W, "default_workers", lambda: 1)
-    alone = _plan(tmp_path / "b", *lm).to_dict()
+    spread = _plan(tmp_path / "a", *SOAK_LM).to_dict()
+    alone = soak_plan_in_one_process
 
     def rows(data):
         return [(c["alloc_conf"], c["max_batch_size"], c["worst_shape_max_batch_size"], c["soak"])
