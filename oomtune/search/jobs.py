@@ -186,6 +186,7 @@ def _visible_gpus() -> list[str]:
 def _plan(overrides: Sequence[str], cfg: Any, prepared: Any) -> _Plan:
     from oomtune import config as C
     from oomtune.search import launchers as L
+    from oomtune.search.ranking import resolve_objective
     from oomtune.study.storage import storage_url
 
     kind = L.launcher_name(cfg)
@@ -196,8 +197,7 @@ def _plan(overrides: Sequence[str], cfg: Any, prepared: Any) -> _Plan:
     else:
         space = _light_checks(cfg)
         run_dir, simulated = C.run_dir_of(cfg), str(cfg.device) == "cpu"
-        objective = str(cfg.search.objective)
-        objective = ("batch" if simulated else "throughput") if objective == "auto" else objective
+        objective = resolve_objective(str(cfg.search.objective), simulated=simulated)[0]
     url = storage_url(cfg.storage, run_dir)
     per_job = L.workers_per_job(cfg, simulated=simulated)
     every = list(overrides) + C.env_overrides()   # a job must not read OOMTUNE_OVERRIDES again
@@ -491,7 +491,9 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     stop_signals = contextlib.ExitStack()
     stop_signals.enter_context(interrupts.stopping_on((signal.SIGTERM,)))
     jobs: list[Any] = []
-    progress = SearchProgress(console, int(cfg.search.n_trials) if plan.objective == "throughput" else 0, study=study)
+    from oomtune.search.objectives import sampler_trials
+
+    progress = SearchProgress(console, sampler_trials(plan.objective, int(cfg.search.n_trials)), study=study)
     try:
         from oomtune.search.run import _rendered
 

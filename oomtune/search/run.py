@@ -19,6 +19,7 @@ from oomtune.exceptions import ConfigError, StorageUnavailableError
 from oomtune.prepared import PreparedRun, compose_checked, prepare, workload_spec_of
 from oomtune.study import records as R
 from oomtune.search.driver import Search, SearchOptions
+from oomtune.search.objectives import OBJECTIVES, objective_for, sampler_trials
 from oomtune.space import SearchSpace
 from oomtune.search.samplers import make_sampler
 from oomtune.study.storage import again_on_conflict, open_study, storage_url
@@ -53,7 +54,8 @@ def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: 
         torch_threads=_torch_threads(s.workers * t.gpus) if device.simulated else None,
         host_available_bytes=host_available_bytes() if device.simulated else None,
         variable_shapes=worst_shape_spec(workload) is not workload,
-        probe_unpredicted=objective == "batch",
+        # without a sampler to explore them, configurations with no prediction are probed one by one
+        probe_unpredicted=not objective_for(objective).uses_sampler,
     )
 
 
@@ -95,7 +97,8 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> No
     """
     if options.search.baseline:
         return
-    sampler = options.objective == "throughput" and options.search.n_trials > 0
+    uses_sampler = objective_for(options.objective).uses_sampler
+    sampler = uses_sampler and options.search.n_trials > 0
     frontier = predicts and options.search.frontier_configs > 0
     if sampler or frontier:
         return
@@ -105,10 +108,11 @@ def check_launches(options: SearchOptions, *, predicts: bool, target: Any) -> No
                    else "no prediction (search.prune=off)")
     elif options.search.frontier_configs <= 0:
         why.append("search.frontier_configs=0")
-    if options.objective == "throughput":
+    if uses_sampler:
         why.append("search.n_trials=0")
-    fix = ("set search.baseline=true" + (" or search.objective=throughput with search.n_trials > 0"
-                                          if options.objective == "batch" else " or search.n_trials > 0"))
+    samplers = ", ".join(n for n in OBJECTIVES if objective_for(n).uses_sampler)
+    fix = ("set search.baseline=true" + (" or search.n_trials > 0" if uses_sampler else
+                                          f" or search.objective={samplers} with search.n_trials > 0"))
     raise ConfigError(f"this search would launch no trial: {', '.join(why)}; {fix}")
 
 
@@ -159,12 +163,13 @@ def check_planned_launches(planner: Any, options: SearchOptions) -> None:
     """
     if options.search.baseline or any(c.selected for c in planner.configs):
         return
-    if options.objective == "throughput" and options.search.n_trials > 0:
+    uses_sampler = objective_for(options.objective).uses_sampler
+    if uses_sampler and options.search.n_trials > 0:
         return
     raise ConfigError(
         "this search would launch no trial: search.baseline=false and no configuration is predicted to fit a "
         f"larger batch than the default allocator (search.objective={options.objective}"
-        + (", search.n_trials=0" if options.objective == "throughput" else "")
+        + (", search.n_trials=0" if uses_sampler else "")
         + "); set search.baseline=true")
 
 
@@ -514,7 +519,7 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
         _say(console, fraction_note(conf.budget, device, run.budget_bytes))   # 0.5 of which device
     from oomtune.display import SearchProgress
 
-    progress = SearchProgress(console, options.search.n_trials if options.objective == "throughput" else 0, study=study)
+    progress = SearchProgress(console, sampler_trials(options.objective, options.search.n_trials), study=study)
     progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
     slots = worker_slots(conf.device, device, conf.search.workers, conf.trial.gpus)
     if len(slots) > 1 or conf.search.workers > 1:

@@ -15,7 +15,7 @@ from oomtune.search.objectives.base import Objective
 from oomtune.search.objectives.batch import BatchObjective
 from oomtune.search.objectives.throughput import ThroughputObjective
 
-__all__ = ["Objective", "BatchObjective", "ThroughputObjective", "OBJECTIVES", "objective_for"]
+__all__ = ["Objective", "BatchObjective", "ThroughputObjective", "OBJECTIVES", "objective_for", "sampler_trials"]
 
 #: ``search.objective`` (resolved) -> its objective class.
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (ThroughputObjective, BatchObjective)}
@@ -36,3 +36,14 @@ def objective_for(name: str) -> Objective:
         return _INSTANCES[name]
     except (KeyError, TypeError):
         raise ConfigError(f"search.objective={name!r}: choose one of {', '.join(OBJECTIVES)}") from None
+
+
+def sampler_trials(name: str, n_trials: int) -> int:
+    """The sampler's trials a search of objective ``name`` runs after its frontier probes:
+    ``search.n_trials`` when the objective uses the sampler (:attr:`Objective.uses_sampler`), else 0
+    (the progress line's total).
+
+    Raises:
+        ConfigError: ``name`` names no objective.
+    """
+    return n_trials if objective_for(name).uses_sampler else 0
