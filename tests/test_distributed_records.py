@@ -444,18 +444,19 @@ def test_storage_resize_is_a_release_and_a_request():
 
 # ------------------------------------------------------------------ where the ranks' steps run
 def test_distributed_trials_run_their_steps_on_the_cpu_not_meta():
+    from oomtune.search.objectives import objective_for
     from oomtune.trial.execute import resolve_execute
     from oomtune.workload_spec import WorkloadSpec
 
     ddp = WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer", "parallel": "ddp"}, ranks=2)
     # gloo moves real tensors between the ranks: auto takes the CPU, and says why
-    mode, why = resolve_execute("auto", simulated=True, objective="batch", workload=ddp)
+    mode, why = resolve_execute("auto", simulated=True, objective=objective_for("batch"), workload=ddp)
     assert mode == "cpu" and "model.parallel=ddp" in why
     fsdp = WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer", "parallel": "fsdp"}, ranks=2)
     with pytest.raises(ConfigError, match="trial.execute=meta cannot run model.parallel=fsdp"):
-        resolve_execute("meta", simulated=True, objective="batch", workload=fsdp)
+        resolve_execute("meta", simulated=True, objective=objective_for("batch"), workload=fsdp)
     # one process without data parallelism keeps the meta default
-    assert resolve_execute("auto", simulated=True, objective="batch",
+    assert resolve_execute("auto", simulated=True, objective=objective_for("batch"),
                            workload=WorkloadSpec(target={"name": "builtin"}, model={"name": "transformer"}))[0] == "meta"
 
 

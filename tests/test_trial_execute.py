@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from oomtune.exceptions import ConfigError
+from oomtune.search.objectives import objective_for
 from oomtune.trial import child
 from oomtune.trial.execute import check_host_memory, host_available_bytes, resolve_execute
 from oomtune.trial.record import ExecutionInfo, TrialSpec
@@ -187,17 +188,18 @@ BUILTIN = {"name": "resnet", "target": {"name": "builtin"}}
 ])
 def test_resolve_execute(setting, simulated, objective, workload, mode):
     spec = WorkloadSpec.from_dict(workload)   # the flat form a trial's spec.json carries, read once
-    assert resolve_execute(setting, simulated=simulated, objective=objective, workload=spec)[0] == mode
+    assert resolve_execute(setting, simulated=simulated, objective=objective_for(objective), workload=spec)[0] == mode
 
 
 def test_meta_where_it_cannot_work_is_one_clear_error():
     with pytest.raises(ConfigError, match="trial.execute=meta measures no throughput"):
-        resolve_execute("meta", simulated=True, objective="throughput", workload=WorkloadSpec.from_dict(BUILTIN))
+        resolve_execute("meta", simulated=True, objective=objective_for("throughput"),
+                        workload=WorkloadSpec.from_dict(BUILTIN))
     with pytest.raises(ConfigError, match="synthetic data only"):
-        resolve_execute("meta", simulated=True, objective="batch",
+        resolve_execute("meta", simulated=True, objective=objective_for("batch"),
                         workload=WorkloadSpec.from_dict({**BUILTIN, "data": {"source": "tokens"}}))
     with pytest.raises(ConfigError, match="trial.execute=meta cannot run target=cmd with trial.gpus=2"):
-        resolve_execute("meta", simulated=True, objective="batch", workload=WorkloadSpec(
+        resolve_execute("meta", simulated=True, objective=objective_for("batch"), workload=WorkloadSpec(
             target={"name": "cmd", "command": "torchrun t.py"}, ranks=2))
 
 

@@ -46,7 +46,8 @@ def _options(conf: RootConf, workload: WorkloadSpec, device: Any, budget_bytes: 
 
     s, t = conf.search, conf.trial
     objective, reason = resolve_objective(s.objective, simulated=device.simulated)
-    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective, workload=workload)
+    execute, _ = resolve_execute(t.execute, simulated=device.simulated, objective=objective_for(objective),
+                                 workload=workload)
     return SearchOptions(
         workload=workload, device=device.spec, budget_bytes=budget_bytes, search=s, trial=t,
         objective=objective, objective_reason=reason, window_s=_window(s.window, device), execute=execute,
@@ -496,8 +497,8 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
 
     from oomtune.trial.execute import resolve_execute
 
-    execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated, objective=options.objective,
-                                  workload=workload)[1]
+    execute_why = resolve_execute(conf.trial.execute, simulated=device.simulated,
+                                  objective=objective_for(options.objective), workload=workload)[1]
     steps_where = {"meta": "their steps on the meta device, memory simulated, throughput not measured",
                    "cpu": "their steps on the CPU, memory simulated, throughput this CPU's"}.get(
         "cpu" if options.execute == "command" and device.simulated else options.execute)

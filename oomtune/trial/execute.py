@@ -37,23 +37,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Protocol
+
 from oomtune.exceptions import ConfigError
 from oomtune.workload_spec import WorkloadSpec
 
-__all__ = ["EXECUTE_SETTINGS", "resolve_execute", "host_available_bytes", "check_host_memory"]
+__all__ = ["EXECUTE_SETTINGS", "TimedObjective", "resolve_execute", "host_available_bytes", "check_host_memory"]
 
 #: ``trial.execute`` values.
 EXECUTE_SETTINGS = ("auto", "meta", "cpu")
 
 
-def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: WorkloadSpec) -> tuple[str, str]:
+class TimedObjective(Protocol):
+    """What :func:`resolve_execute` reads of the search's objective
+    (:class:`oomtune.search.objectives.Objective`, a layer above this one): its ``name``
+    (``search.objective``, for the messages) and whether it ``measures_time`` (its answer depends on
+    the time a step takes, which the meta device does not give)."""
+
+    name: str
+    measures_time: bool
+
+
+def resolve_execute(setting: str, *, simulated: bool, objective: TimedObjective,
+                    workload: WorkloadSpec) -> tuple[str, str]:
     """(mode, why) for ``trial.execute``: mode ``meta``, ``cpu`` (virtual GPU), ``device`` (a CUDA
     trial) or ``command`` (``target=cmd``: the command runs as it is). ``workload``'s target decides
     (:class:`oomtune.trial._base.Target`: its own process, files read, data parallelism), with its
     ranks (``trial.gpus``).
 
     Raises:
-        ConfigError: ``meta`` asked where it cannot work: with the throughput objective (nothing
+        ConfigError: ``meta`` asked where it cannot work: with an objective that times steps (nothing
             to measure), a built-in workload reading real data (the meta device takes synthetic
             data only) or trained by several ranks (``model.parallel=ddp|fsdp``, or a command with
             ``trial.gpus`` above 1: gloo moves real tensors); an unknown setting (the schema
@@ -80,15 +93,16 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
                                   "ranks exchange real tensors (gloo), so use trial.execute=cpu (or auto)")
             return "command", (f"target={target.name} with trial.gpus={ranks}: every rank's steps on the CPU, "
                                "the ranks exchange real tensors (gloo)")
-        if setting == "cpu" or objective == "throughput":
+        if setting == "cpu" or objective.measures_time:
+            timed = f", search.objective={objective.name}" if objective.measures_time else ""
             return "command", (f"target={target.name} runs its own command, its steps on the CPU (trial.execute="
-                               f"{setting}{', search.objective=throughput' if objective == 'throughput' else ''})")
+                               f"{setting}{timed})")
         return "meta", (f"target={target.name} on the virtual GPU: an integration runs the steps on the meta device "
                         "(a command without one, or a step meta cannot run, runs them on the CPU)")
     if setting == "meta":
-        if objective == "throughput":
-            raise ConfigError("trial.execute=meta measures no throughput, and search.objective=throughput ranks by it: "
-                              "use search.objective=batch (or auto), or trial.execute=cpu")
+        if objective.measures_time:
+            raise ConfigError(f"trial.execute=meta measures no throughput, and search.objective={objective.name} ranks by "
+                              "it: use search.objective=batch (or auto), or trial.execute=cpu")
         if target.reads_files(workload):
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")
@@ -98,8 +112,8 @@ def resolve_execute(setting: str, *, simulated: bool, objective: str, workload: 
         return "meta", "trial.execute=meta"
     if setting == "cpu":
         return "cpu", "trial.execute=cpu"
-    if objective == "throughput":
-        return "cpu", "trial.execute=auto with search.objective=throughput: the steps are timed"
+    if objective.measures_time:
+        return "cpu", f"trial.execute=auto with search.objective={objective.name}: the steps are timed"
     if target.reads_files(workload):
         return "cpu", "trial.execute=auto with a real data set: the meta device takes synthetic data only"
     if target.distributed(workload):
