@@ -247,3 +247,18 @@ def test_the_answer_comes_from_a_job_that_finished_else_one_line():
                                                r"job ended without a result \(failed\): killed, log /l0\); finished "
                                                r"trials are kept in postgresql://"):
         answer_of([killed, refused[1]], PG, [Path("/l0"), Path("/l1")])
+
+
+def test_the_jobs_ask_their_launcher_not_its_name(tmp_path):
+    """jobs.py follows and stops worker jobs through their JobLauncher: each launcher group has one,
+    with its own words; launcher=inprocess starts no jobs, so it has none."""
+    from oomtune.exceptions import ConfigError
+    from oomtune.search.launchers import LocalJobs, SlurmJobs, job_launcher
+
+    local = job_launcher(_cfg("launcher=local"))
+    slurm = job_launcher(_cfg("launcher=slurm", "launcher.partition=gpu", f"storage={PG}"))
+    assert isinstance(local, LocalJobs) and isinstance(slurm, SlurmJobs)
+    assert (local.job_word, slurm.job_word) == ("pid", "job")   # a local job's id is its controller's pid (submitit)
+    assert slurm.where(_cfg("launcher=slurm", "launcher.partition=gpu", f"storage={PG}")) == "SLURM partition gpu"
+    with pytest.raises(ConfigError, match="^launcher=inprocess starts no worker jobs: choose one of local, slurm$"):
+        job_launcher(_cfg())

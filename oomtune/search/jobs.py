@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError, OomtuneError, ResumableError, WorkerJobsFailed
+from oomtune.search.launchers import JobLauncher
 from oomtune.workload_spec import JsonObject, WorkloadSpec
 
 __all__ = ["JobReport", "run_worker", "launch", "answer_of", "study_summary", "JOBS_FILE", "WORKERS_DIR", "worker_dir"]
@@ -146,7 +147,7 @@ class _Plan:
     simulated: bool
     objective: str
     folder: Path
-    kind: str
+    launcher: JobLauncher
     n_jobs: int
     per_job: int
     envs: list[dict[str, str]] = field(default_factory=list)
@@ -189,7 +190,7 @@ def _plan(overrides: Sequence[str], cfg: Any, prepared: Any) -> _Plan:
     from oomtune.search.ranking import resolve_objective
     from oomtune.study.storage import storage_url
 
-    kind = L.launcher_name(cfg)
+    launcher = L.job_launcher(cfg)
     n_jobs = int(cfg.search.workers)
     if prepared is not None:
         run_dir, space, simulated = prepared.run.run_dir, prepared.run.space, bool(prepared.run.device.simulated)
@@ -202,21 +203,9 @@ def _plan(overrides: Sequence[str], cfg: Any, prepared: Any) -> _Plan:
     per_job = L.workers_per_job(cfg, simulated=simulated)
     every = list(overrides) + C.env_overrides()   # a job must not read OOMTUNE_OVERRIDES again
     plan = _Plan(cfg=cfg, overrides=every, run_dir=run_dir, url=url, study_name=str(cfg.study_name), space=space,
-                 simulated=simulated, objective=objective, folder=L.jobs_folder(cfg, run_dir), kind=kind,
+                 simulated=simulated, objective=objective, folder=L.jobs_folder(cfg, run_dir), launcher=launcher,
                  n_jobs=n_jobs, per_job=per_job)
-    if kind == "local":
-        gpus = 0 if simulated else int(cfg.launcher.get("gpus_per_job", 1) or 0)
-        sets = L.local_gpu_sets(n_jobs, gpus, _visible_gpus() if gpus else [])
-        threads = L.local_torch_threads(n_jobs, int(cfg.trial.gpus)) if simulated else None
-        for devices in sets:
-            env = {}
-            if devices is not None:
-                env["CUDA_VISIBLE_DEVICES"] = devices
-            if threads is not None:
-                env["OOMTUNE_TORCH_THREADS"] = str(threads)
-            plan.envs.append(env)
-    else:
-        plan.envs = [{} for _ in range(n_jobs)]
+    plan.envs = launcher.job_envs(cfg, n_jobs, simulated=simulated, visible_gpus=_visible_gpus)
     return plan
 
 
@@ -241,17 +230,11 @@ def _submit(plan: _Plan) -> list[Any]:
     try:
         # submitit prints sbatch's stderr itself before raising it (CommandFunction): said once, below
         with contextlib.redirect_stderr(io.StringIO()):
-            if plan.kind == "slurm":
-                executor = submitit.SlurmExecutor(folder=plan.folder)
-                executor.update_parameters(**L.slurm_parameters(plan.cfg, plan.n_jobs))
-                return executor.map_array(run_worker, args, list(range(plan.n_jobs)), plan.envs)
-            executor = submitit.LocalExecutor(folder=plan.folder)
-            executor.update_parameters(**L.local_parameters(plan.cfg))
-            return [executor.submit(run_worker, args[i], i, plan.envs[i]) for i in range(plan.n_jobs)]
+            return plan.launcher.submit(submitit, plan.folder, plan.cfg, run_worker, args, plan.envs)
     except Exception as exc:  # noqa: BLE001 - sbatch's refusal (submitit's FailedJobError holds its stderr)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         why = lines[-1] if lines else type(exc).__name__
-        raise ConfigError(f"launcher={plan.kind}: the worker jobs could not be submitted: {why[:300]}") from None
+        raise ConfigError(f"launcher={plan.launcher.name}: the worker jobs could not be submitted: {why[:300]}") from None
 
 
 def _log_of(job: Any) -> Path:
@@ -343,21 +326,15 @@ def _report_of(job: Any, index: int) -> JobReport:
     return report if isinstance(report, JobReport) else JobReport(index=index, exit_code=1, line="no report")
 
 
-def _cancel(jobs: Sequence[Any], kind: str, say: Callable[[str], None], wait_s: float = 30.0) -> None:
-    """Cancel every job that has not ended and wait up to ``wait_s`` for them to end; each job's
-    search then tells its running trial FAIL and ends its trial processes (:func:`run_worker`).
-    SLURM: ``scancel`` (submitit's ``Job.cancel``), which sends the job SIGTERM. Local: SIGTERM to
-    the job's controller process (its job id), which forwards it to the job (submitit's
-    ``Controller._forward_signal``); submitit's own ``LocalJob.cancel`` sends SIGINT, which a
-    process started in the background ignores."""
+def _cancel(jobs: Sequence[Any], launcher: JobLauncher, say: Callable[[str], None], wait_s: float = 30.0) -> None:
+    """Cancel every job that has not ended (:meth:`oomtune.search.launchers.JobLauncher.cancel`) and
+    wait up to ``wait_s`` for them to end; each job's search then tells its running trial FAIL and
+    ends its trial processes (:func:`run_worker`)."""
     for job in jobs:
         try:
             if job.done():
                 continue
-            if kind == "local":
-                os.kill(int(job.job_id), signal.SIGTERM)
-            else:
-                job.cancel(check=False)
+            launcher.cancel(job)
         except (OSError, ValueError):   # a local job that ended meanwhile
             continue
         except Exception as exc:  # noqa: BLE001 - scancel failed: cancel the others all the same
@@ -392,7 +369,7 @@ def _write_jobs_file(plan: _Plan, jobs: Sequence[Any], reports: Sequence[JobRepo
     rows = [{"index": r.index, "job_id": str(job.job_id), "log": str(_log_of(job)), "run_dir": r.run_dir,
              "host": r.host, "exit_code": r.exit_code, "line": r.line} for job, r in zip(jobs, reports)]
     (plan.run_dir / WORKERS_DIR).mkdir(parents=True, exist_ok=True)
-    write_atomic(plan.run_dir / WORKERS_DIR / JOBS_FILE, json.dumps({"launcher": plan.kind, "jobs": rows}, indent=1))
+    write_atomic(plan.run_dir / WORKERS_DIR / JOBS_FILE, json.dumps({"launcher": plan.launcher.name, "jobs": rows}, indent=1))
 
 
 def answer_of(reports: Sequence[JobReport], url: str, logs: Sequence[Path] = ()) -> JobReport:
@@ -484,9 +461,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
     if resumed:
         say(resumed)
     at_once = "1 trial" if plan.per_job == 1 else f"{plan.per_job} trials"
-    where = ("this machine, submitit's LocalExecutor" if plan.kind == "local" else
-             "SLURM" + (f" partition {cfg.launcher.partition}" if cfg.launcher.get("partition") else ""))
-    say(f"launcher={plan.kind}: {plan.n_jobs} worker job{'s' if plan.n_jobs != 1 else ''} on {where}, {at_once} "
+    where = plan.launcher.where(cfg)
+    say(f"launcher={plan.launcher.name}: {plan.n_jobs} worker job{'s' if plan.n_jobs != 1 else ''} on {where}, {at_once} "
         f"at a time each, sharing the study; their run directories: {plan.run_dir / WORKERS_DIR}/worker-N")
     stop_signals = contextlib.ExitStack()
     stop_signals.enter_context(interrupts.stopping_on((signal.SIGTERM,)))
@@ -502,12 +478,12 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         jobs = _submit(plan)
         shown = jobs if len(jobs) <= 8 else jobs[:2]
         for i, job in enumerate(shown):
-            say(f"worker job {i}: {'pid' if plan.kind == 'local' else 'job'} {job.job_id}, log {_log_of(job)}")
+            say(f"worker job {i}: {plan.launcher.job_word} {job.job_id}, log {_log_of(job)}")
         if len(shown) < len(jobs):
             say(f"... worker jobs 2 to {len(jobs) - 1}: logs beside these ({plan.folder}/<job id>_0_log.out; all "
                 f"listed in {plan.run_dir / WORKERS_DIR / JOBS_FILE} at the end)")
         follower = _Follower(study, progress, plan.run_dir, jobs, say)
-        interval = poll_s if poll_s is not None else (1.0 if plan.kind == "local" else 5.0)
+        interval = poll_s if poll_s is not None else plan.launcher.poll_s
         while True:
             ended = follower.done()
             follower.poll()
@@ -519,7 +495,7 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         progress.close()
         if jobs:
             say(f"interrupted: cancelling {len(jobs)} worker job{'s' if len(jobs) != 1 else ''} ...")
-            _cancel(jobs, plan.kind, say)
+            _cancel(jobs, plan.launcher, say)
         say(f"interrupted: finished trials are saved in {plan.url}; run the same command to resume")
         raise
     finally:

@@ -15,13 +15,14 @@ import importlib.util
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["LAUNCHERS", "launcher_name", "launched", "check_launcher", "check_slurm_storage", "slurm_parameters",
+__all__ = ["LAUNCHERS", "JobLauncher", "LocalJobs", "SlurmJobs", "job_launcher", "launcher_name", "launched", "check_launcher", "check_slurm_storage", "slurm_parameters",
            "local_parameters", "job_overrides", "workers_per_job", "local_gpu_sets", "jobs_folder",
            "quoted_override", "local_torch_threads", "JOB_KEYS"]
 
@@ -252,3 +253,117 @@ def local_torch_threads(n_jobs: int, ranks: int, cores: int | None = None) -> in
     if total <= 1:
         return None
     return max(1, (cores if cores is not None else (os.cpu_count() or 1)) // total)
+
+
+class JobLauncher:
+    """How one kind of worker job (``launcher=local|slurm``) is started, followed and stopped:
+    :mod:`oomtune.search.jobs` asks the launcher and never compares its name (as Optuna's study
+    asks its storage). Stateless; submitit is handed in by the caller (this module does not import it).
+
+    Class attributes:
+        name: the ``launcher`` group's option (``launcher.name``), also in jobs.json and messages.
+        job_word: what a job's id is called in the search's lines (``pid``, ``job``).
+        poll_s: seconds between two looks at the jobs and the study.
+    """
+
+    name: ClassVar[str]
+    job_word: ClassVar[str]
+    poll_s: ClassVar[float]
+
+    def where(self, cfg: Any) -> str:
+        """Where the jobs run, for the search's line about them."""
+        raise NotImplementedError
+
+    def job_envs(self, cfg: Any, n_jobs: int, *, simulated: bool,
+                 visible_gpus: Callable[[], list[str]]) -> list[dict[str, str]]:
+        """Each job's own environment variables (index order); none by default."""
+        return [{} for _ in range(n_jobs)]
+
+    def submit(self, submitit: Any, folder: Path, cfg: Any, fn: Callable[..., Any], args: list[Any],
+               envs: list[dict[str, str]]) -> list[Any]:
+        """Submit ``fn(args[i], i, envs[i])`` for every job through ``submitit``; submitit's jobs, index
+        order. Raises what submitit raises (the caller words it)."""
+        raise NotImplementedError
+
+    def cancel(self, job: Any) -> None:
+        """Ask one running job to stop (its search then tells its running trial FAIL and ends its
+        trial processes). Raises OSError/ValueError for a job that ended meanwhile."""
+        raise NotImplementedError
+
+
+class LocalJobs(JobLauncher):
+    """``launcher=local``: worker jobs on this machine (submitit's ``LocalExecutor``)."""
+
+    name = "local"
+    job_word = "pid"
+    poll_s = 1.0
+
+    def where(self, cfg: Any) -> str:
+        return "this machine, submitit's LocalExecutor"
+
+    def job_envs(self, cfg: Any, n_jobs: int, *, simulated: bool,
+                 visible_gpus: Callable[[], list[str]]) -> list[dict[str, str]]:
+        """Each job's ``CUDA_VISIBLE_DEVICES`` (its share of this machine's GPUs:
+        :func:`local_gpu_sets`; none on the virtual GPU) and, on the virtual GPU, its torch threads
+        (``OOMTUNE_TORCH_THREADS``: :func:`local_torch_threads`, the cores shared by the jobs)."""
+        gpus = 0 if simulated else int(cfg.launcher.get("gpus_per_job", 1) or 0)
+        sets = local_gpu_sets(n_jobs, gpus, visible_gpus() if gpus else [])
+        threads = local_torch_threads(n_jobs, int(cfg.trial.gpus)) if simulated else None
+        envs = []
+        for devices in sets:
+            env = {}
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+            if threads is not None:
+                env["OOMTUNE_TORCH_THREADS"] = str(threads)
+            envs.append(env)
+        return envs
+
+    def submit(self, submitit: Any, folder: Path, cfg: Any, fn: Callable[..., Any], args: list[Any],
+               envs: list[dict[str, str]]) -> list[Any]:
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(**local_parameters(cfg))
+        return [executor.submit(fn, args[i], i, envs[i]) for i in range(len(args))]
+
+    def cancel(self, job: Any) -> None:
+        """SIGTERM to the job's controller process (its job id), which forwards it to the job
+        (submitit's ``Controller._forward_signal``); submitit's own ``LocalJob.cancel`` sends SIGINT,
+        which a process started in the background ignores."""
+        os.kill(int(job.job_id), signal.SIGTERM)
+
+
+class SlurmJobs(JobLauncher):
+    """``launcher=slurm``: one SLURM job array (submitit's ``SlurmExecutor``)."""
+
+    name = "slurm"
+    job_word = "job"
+    poll_s = 5.0
+
+    def where(self, cfg: Any) -> str:
+        partition = cfg.launcher.get("partition")
+        return "SLURM" + (f" partition {partition}" if partition else "")
+
+    def submit(self, submitit: Any, folder: Path, cfg: Any, fn: Callable[..., Any], args: list[Any],
+               envs: list[dict[str, str]]) -> list[Any]:
+        executor = submitit.SlurmExecutor(folder=folder)
+        executor.update_parameters(**slurm_parameters(cfg, len(args)))
+        return executor.map_array(fn, args, list(range(len(args))), envs)
+
+    def cancel(self, job: Any) -> None:
+        """``scancel`` (submitit's ``Job.cancel``), which sends the job SIGTERM."""
+        job.cancel(check=False)
+
+
+_JOB_LAUNCHERS: dict[str, JobLauncher] = {cls.name: cls() for cls in (LocalJobs, SlurmJobs)}
+
+
+def job_launcher(cfg: Any) -> JobLauncher:
+    """The :class:`JobLauncher` of ``cfg``'s ``launcher`` group (:func:`check_launcher` has checked it).
+
+    Raises:
+        ConfigError: ``launcher=inprocess`` (no jobs) or an unknown launcher.
+    """
+    name = launcher_name(cfg)
+    if name not in _JOB_LAUNCHERS:
+        raise ConfigError(f"launcher={name} starts no worker jobs: choose one of {', '.join(_JOB_LAUNCHERS)}")
+    return _JOB_LAUNCHERS[name]
