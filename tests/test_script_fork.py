@@ -212,6 +212,39 @@ def test_a_forked_script_that_spawns_or_does_not_compile_does_what_python_does(n
     assert fresh.returncode == (0 if name == "pool.py" else 1) and script.is_file()
 
 
+def test_a_forked_training_script_finds_what_its_optimizer_imports_already_imported(tmp_path, shared):
+    """torch's optimizers import torch._dynamo on their first call (add_param_group and zero_grad run
+    under torch._disable_dynamo, torch/_compile.py; step under _use_grad_for_differentiable,
+    torch/optim/optimizer.py): a script server imports it once, so a forked trial does not pay it,
+    while a fresh ``python`` process does; the training step itself runs the same in both."""
+    _, run_dir, env, servers = shared
+    _write(run_dir / "optim_step.py", """\
+        import sys
+        before = "torch._dynamo" in sys.modules
+        import torch
+        model = torch.nn.Linear(4, 2)
+        torch.nn.init.zeros_(model.weight)
+        torch.nn.init.zeros_(model.bias)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        print("imported by the optimizer", "torch._dynamo" in sys.modules)
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        print("dynamo before the script", before)
+        print("bias after one step", [round(v, 4) for v in model.bias.tolist()])
+        """)
+    argv = [sys.executable, "optim_step.py"]
+    fresh = subprocess.run(argv, cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
+    code, out, err = _forked(servers, argv, run_dir, env, tmp_path / "trial")
+    assert fresh.returncode == 0 and code == 0, (fresh.stderr, err)
+    assert "imported by the optimizer True" in fresh.stdout   # torch's own behaviour, in a fresh process
+    assert "dynamo before the script False" in fresh.stdout
+    assert "dynamo before the script True" in out              # the server had imported it
+    # the loss sums 3 rows of 2 outputs, so d(loss)/d(bias_j) = 3 and SGD (lr 0.5) moves each bias from 0
+    # to 0 - 0.5 * 3 = -1.5, in both processes
+    assert "bias after one step [-1.5, -1.5]" in fresh.stdout and "bias after one step [-1.5, -1.5]" in out
+
+
 # -- through the cmd target ----------------------------------------------------------------------------
 def _cmd_spec(batch: int) -> TrialSpec:
     command = f"{sys.executable} {REPO / 'examples' / 'train_cmd.py'} --batch-size {{batch_size}} --hidden 64"

@@ -61,12 +61,20 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES", "backend_refusal",
-           "ALLOC_ENV_VARS"]
+__all__ = ["serve", "ForkServerClient", "ForkedTrial", "ForkServerError", "PRELOAD_MODULES", "TRAINING_PRELOADS",
+           "backend_refusal", "ALLOC_ENV_VARS"]
+
+#: What every training loop imports on first use: torch's optimizers run ``add_param_group`` (from
+#: their ``__init__``) and ``zero_grad`` under ``torch._disable_dynamo``, which imports
+#: ``torch._dynamo`` on its first call (torch/_compile.py), and their ``step`` under
+#: ``_use_grad_for_differentiable``, which imports it too (torch/optim/optimizer.py): about 2 CPU-s.
+#: A server imports it once (it starts no thread) instead of every trial forked from it.
+TRAINING_PRELOADS = ("torch._dynamo",)
 
 #: Imported by the server before it announces itself ready (import only: nothing is executed).
 PRELOAD_MODULES = (
     "torch",
+    *TRAINING_PRELOADS,
     "torchvision.models",
     "oomtune.trial.child",
     "oomtune.alloc.sim",
@@ -168,15 +176,17 @@ def serve(modules: tuple[str, ...] | None = None) -> int:
     Args:
         modules: what to import before announcing readiness: None for :data:`PRELOAD_MODULES` (the
             trials of built-in and python targets); else the preloads of a ``target=cmd`` script
-            (:func:`oomtune.trial.script_fork.preloads_of`: ``module`` or ``module:name``), each
-            imported as the script's own import statement would; one that fails is left out (the
+            (:func:`oomtune.trial.script_fork.preloads_of`: ``module`` or ``module:name``), after
+            torch and :data:`TRAINING_PRELOADS`, each imported as the script's own import statement
+            would; one that fails is left out (the
             script then imports it itself, and fails there if it must) and the hello message lists
             those that loaded (``preloaded``).
     """
     proto_in = sys.stdin.buffer
     proto_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from imports or trials must not corrupt the protocol
-    preloaded = _preload(PRELOAD_MODULES if modules is None else ("torch", *modules), strict=modules is None)
+    preloaded = _preload(PRELOAD_MODULES if modules is None else ("torch", *TRAINING_PRELOADS, *modules),
+                         strict=modules is None)
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when trials die
