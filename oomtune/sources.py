@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fingerprint", "environ_names", "imported_names"]
+__all__ = ["fingerprint", "imported_packages", "environ_names", "imported_names"]
 
 
 def fingerprint(path: str | Path, *, environ: bool = False) -> dict[str, Any] | None:
@@ -33,6 +33,28 @@ def fingerprint(path: str | Path, *, environ: bool = False) -> dict[str, Any] | 
     * with ``environ``: ``environ``: ``{name: value now (None: unset)}`` of every environment variable
       those files name literally (:func:`environ_names`).
     """
+    found = _closure(path)
+    if found is None:
+        return None
+    files, third_party, names = found
+    out: dict[str, Any] = {"files": dict(sorted(files.items())), "packages": _versions(sorted(third_party))}
+    if environ:
+        out["environ"] = {name: os.environ.get(name) for name in sorted(names)}
+    return out
+
+
+def imported_packages(path: str | Path) -> set[str] | None:
+    """The top-level modules outside the standard library that the Python file ``path`` and its
+    local modules import, transitively (the ``packages`` of :func:`fingerprint`, without reading
+    package metadata); None when the file cannot be read."""
+    found = _closure(path)
+    return None if found is None else found[1]
+
+
+def _closure(path: str | Path) -> tuple[dict[str, str], set[str], set[str]] | None:
+    """(``{file: SHA-256}`` of ``path`` and its local modules, the other modules they import, the
+    environment variables they name) as :func:`fingerprint` describes them; None when a file cannot
+    be read."""
     path = Path(path).expanduser()
     if not path.is_file():
         return None
@@ -62,10 +84,7 @@ def fingerprint(path: str | Path, *, environ: bool = False) -> dict[str, Any] | 
                 todo += sorted(p.resolve() for p in package.rglob("*.py"))
             elif name not in sys.stdlib_module_names:
                 third_party.add(name)
-    out: dict[str, Any] = {"files": dict(sorted(files.items())), "packages": _versions(sorted(third_party))}
-    if environ:
-        out["environ"] = {name: os.environ.get(name) for name in sorted(names)}
-    return out
+    return files, third_party, names
 
 
 def _parse(source: bytes) -> ast.AST | None:

@@ -67,6 +67,25 @@ def test_another_environments_interpreter_is_not_forked_from_ours(tmp_path):
     assert script_of(["python3", "train.py"], cwd=str(tmp_path), env=env, python=str(venv_bin / "python")) == script
 
 
+def test_a_script_server_imports_torch_only_for_a_script_that_imports_a_package(tmp_path):
+    """A script server imports torch and what a first optimizer imports (torch._dynamo) before the
+    script's own module-level imports, when the script or a local module it imports imports any
+    package outside the standard library and oomtune; a stand-in of the standard library and oomtune
+    alone never imports torch, and its server does not either."""
+    from oomtune.trial.script_fork import server_modules
+
+    stdlib = _write(tmp_path / "sleep.py", "import os, sys, time\nimport oomtune\nfrom helper import X\n")
+    _write(tmp_path / "helper.py", "import json\nX = 1\n")
+    assert server_modules(stdlib, cwd=str(tmp_path)) == ()
+    direct = _write(tmp_path / "train.py", "import torch\nfrom torch import nn\n")
+    assert server_modules(direct, cwd=str(tmp_path)) == ("torch", "torch._dynamo", "torch:nn")
+    # torch imported by a local module only (inside a function even): the server still imports it
+    _write(tmp_path / "model.py", "def make():\n    import torch\n    return torch.nn.Linear(2, 2)\n")
+    indirect = _write(tmp_path / "run.py", "import sys\nimport model\n")
+    assert server_modules(indirect, cwd=str(tmp_path)) == ("torch", "torch._dynamo")
+    assert server_modules(tmp_path / "missing.py", cwd=str(tmp_path)) == ("torch", "torch._dynamo")
+
+
 def test_a_trial_with_another_backend_is_spawned_before_any_server_starts(tmp_path):
     # torch reads backend when it is imported, and every server imported torch with backend native
     script = _write(tmp_path / "train.py", "print('x')\n")
@@ -127,8 +146,8 @@ def shared(tmp_path_factory):
     """One working directory, environment and script server for every forked script and module below.
     A script server is shared on its preloads, working directory and environment less the per-trial
     ``OOMTUNE_*`` variables (oomtune/trial/script_fork.py ``server_key``), as a study's trials share
-    it; none of these files imports a third-party module (no preloads), so one server (seconds of CPU
-    to start: it imports torch) forks them all. What differs per case, ``OOMTUNE_SCRIPT_FORK_VALUE``,
+    it; none of these files imports a third-party module (no preloads, and no torch: ``server_modules``),
+    so one server forks them all. What differs per case, ``OOMTUNE_SCRIPT_FORK_VALUE``,
     is a per-trial variable: it reaches each script through its own launch, not the server's
     environment."""
     root = tmp_path_factory.mktemp("scripts")

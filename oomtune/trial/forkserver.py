@@ -175,19 +175,17 @@ def serve(modules: tuple[str, ...] | None = None) -> int:
 
     Args:
         modules: what to import before announcing readiness: None for :data:`PRELOAD_MODULES` (the
-            trials of built-in and python targets); else the preloads of a ``target=cmd`` script
-            (:func:`oomtune.trial.script_fork.preloads_of`: ``module`` or ``module:name``), after
-            torch and :data:`TRAINING_PRELOADS`, each imported as the script's own import statement
-            would; one that fails is left out (the
+            trials of built-in and python targets); else a ``target=cmd`` script's
+            (:func:`oomtune.trial.script_fork.server_modules`: ``module`` or ``module:name``), each
+            imported as the script's own import statement would; one that fails is left out (the
             script then imports it itself, and fails there if it must) and the hello message lists
-            those that loaded (``preloaded``).
+            those that loaded (``preloaded``). torch itself only where they name it: a script
+            server of a script that never imports torch does not import it.
     """
     proto_in = sys.stdin.buffer
     proto_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from imports or trials must not corrupt the protocol
-    preloaded = _preload(PRELOAD_MODULES if modules is None else ("torch", *TRAINING_PRELOADS, *modules),
-                         strict=modules is None)
-    import torch
+    preloaded = _preload(PRELOAD_MODULES if modules is None else modules, strict=modules is None)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when trials die
     wake_r, wake_w = os.pipe()
@@ -198,7 +196,7 @@ def serve(modules: tuple[str, ...] | None = None) -> int:
     _BASELINE_THREADS.append(_native_threads() or 0)  # after imports: main + OpenBLAS workers
     _send(proto_out, {
         "ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
-        "native_threads": _native_threads(), "cuda_initialized": torch.cuda.is_initialized(),
+        "native_threads": _native_threads(), "cuda_initialized": _cuda_initialized(),
         "libcuda_loaded": libcuda_loaded(), "preloaded": preloaded,
     })
     in_fd = proto_in.fileno()
@@ -263,15 +261,20 @@ def _end_live(live: dict[int, Any], wait_s: float = 15.0) -> None:
         live.pop(pid, None)
 
 
-def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: list[int]) -> None:
-    import torch
+def _cuda_initialized() -> bool:
+    """``torch.cuda.is_initialized()`` where torch is imported in this process; False where it is
+    not (nothing here can have initialised CUDA through torch)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
+
+def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: list[int]) -> None:
     threads = _native_threads()
     if libcuda_loaded():
         _send(out, {"id": request["id"], "error": "server is no longer fork-safe: the CUDA driver library "
                     "(libcuda.so) is loaded in it, so a forked trial could not use CUDA"})
         return
-    if threading.active_count() != 1 or torch.cuda.is_initialized() or (
+    if threading.active_count() != 1 or _cuda_initialized() or (
             threads is not None and _BASELINE_THREADS and threads > _BASELINE_THREADS[0]):
         _send(out, {"id": request["id"], "error": "server is no longer fork-safe (a thread pool started "
                     "or CUDA was initialised)"})
@@ -287,7 +290,7 @@ def _launch(request: dict[str, Any], live: dict[int, Any], out: Any, close_fds: 
     if pid == 0:
         _run_forked(request, close_fds, server_pid)
     live[pid] = request["id"]
-    _send(out, {"id": request["id"], "pid": pid, "cuda_initialized": torch.cuda.is_initialized()})
+    _send(out, {"id": request["id"], "pid": pid, "cuda_initialized": _cuda_initialized()})
 
 
 def _reap(live: dict[int, Any], out: Any) -> None:

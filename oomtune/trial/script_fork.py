@@ -7,7 +7,8 @@ more than the steps a trial measures. When a command is exactly this interpreter
 working directory (``python -m train``, ``python -m pkg.train``), the trial runs it in a
 process forked from a fork server (:mod:`oomtune.trial.forkserver`) that imported, once, the
 third-party modules the script imports at module level (read from its source, not run), and
-torch. The forked process is the trial's keeper's main process as a spawned command would be
+torch with what a training loop's first optimizer imports (:func:`server_modules`; none of it for a
+script that, with its local modules, imports only the standard library and oomtune). The forked process is the trial's keeper's main process as a spawned command would be
 (:mod:`oomtune.trial.keeper`: same tree kill, timeout, bounded logs and status file); it sets the
 trial's environment and directory and runs the file as ``python`` would
 (:func:`oomtune.trial.script_main.run_script`).
@@ -45,9 +46,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from oomtune.trial.forkserver import ALLOC_ENV_VARS, ForkServerClient, ForkServerError, backend_refusal
+from oomtune.trial.forkserver import (ALLOC_ENV_VARS, TRAINING_PRELOADS, ForkServerClient, ForkServerError,
+                                      backend_refusal)
 
-__all__ = ["script_of", "preloads_of", "server_key", "ScriptServers"]
+__all__ = ["script_of", "preloads_of", "server_modules", "server_key", "ScriptServers"]
 
 #: Variables that differ between the trials of one search (never part of a server's identity).
 _PER_TRIAL_PREFIX = "OOMTUNE_"
@@ -154,6 +156,24 @@ def preloads_of(script: Path, *, cwd: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def server_modules(script: Path, *, cwd: str) -> tuple[str, ...]:
+    """What ``script``'s fork server imports before it forks the script's trials: torch and
+    :data:`oomtune.trial.forkserver.TRAINING_PRELOADS` (what its first optimizer imports), then the
+    script's own module-level third-party imports (:func:`preloads_of`), when the script or a local
+    module it imports imports any package outside the standard library and oomtune
+    (:func:`oomtune.sources.imported_packages`: a training script's torch, directly or through
+    Lightning or transformers); nothing for a script of the standard library and oomtune alone,
+    which would never import torch (importing it would cost each server seconds of CPU for nothing).
+    A script that cannot be read: torch and the training preloads (the script may still import
+    them)."""
+    from oomtune.sources import imported_packages
+
+    packages = imported_packages(script)
+    if packages is not None and not (packages - _NEVER):
+        return preloads_of(script, cwd=cwd)
+    return tuple(dict.fromkeys(("torch", *TRAINING_PRELOADS, *preloads_of(script, cwd=cwd))))
+
+
 def server_key(env: dict[str, str], cwd: str, preloads: tuple[str, ...]) -> tuple[Any, ...]:
     """What a script server is shared on: its preloads, working directory and the environment less
     the per-trial variables (``OOMTUNE_*``, the allocator string)."""
@@ -193,7 +213,7 @@ class ScriptServers:
         refusal = backend_refusal(AllocatorSettings.parse(conf).as_mapping().get("backend"))
         if refusal:
             return None, refusal
-        preloads = preloads_of(script, cwd=cwd)
+        preloads = server_modules(script, cwd=cwd)
         key = server_key(env, cwd, preloads)
         try:
             with self._lock:
