@@ -234,7 +234,8 @@ def _submit(plan: _Plan) -> list[Any]:
     except Exception as exc:  # noqa: BLE001 - sbatch's refusal (submitit's FailedJobError holds its stderr)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         why = lines[-1] if lines else type(exc).__name__
-        raise ConfigError(f"launcher={plan.launcher.name}: the worker jobs could not be submitted: {why[:300]}") from None
+        raise ConfigError(f"launcher={plan.launcher.name}: the worker jobs could not be submitted: "
+                          f"{why[:300]}") from None
 
 
 def _log_of(job: Any) -> Path:
@@ -369,7 +370,8 @@ def _write_jobs_file(plan: _Plan, jobs: Sequence[Any], reports: Sequence[JobRepo
     rows = [{"index": r.index, "job_id": str(job.job_id), "log": str(_log_of(job)), "run_dir": r.run_dir,
              "host": r.host, "exit_code": r.exit_code, "line": r.line} for job, r in zip(jobs, reports)]
     (plan.run_dir / WORKERS_DIR).mkdir(parents=True, exist_ok=True)
-    write_atomic(plan.run_dir / WORKERS_DIR / JOBS_FILE, json.dumps({"launcher": plan.launcher.name, "jobs": rows}, indent=1))
+    write_atomic(plan.run_dir / WORKERS_DIR / JOBS_FILE,
+                 json.dumps({"launcher": plan.launcher.name, "jobs": rows}, indent=1))
 
 
 def answer_of(reports: Sequence[JobReport], url: str, logs: Sequence[Path] = ()) -> JobReport:
@@ -462,7 +464,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         say(resumed)
     at_once = "1 trial" if plan.per_job == 1 else f"{plan.per_job} trials"
     where = plan.launcher.where(cfg)
-    say(f"launcher={plan.launcher.name}: {plan.n_jobs} worker job{'s' if plan.n_jobs != 1 else ''} on {where}, {at_once} "
+    say(f"launcher={plan.launcher.name}: {plan.n_jobs} worker job{'s' if plan.n_jobs != 1 else ''} on {where}, "
+        f"{at_once} "
         f"at a time each, sharing the study; their run directories: {plan.run_dir / WORKERS_DIR}/worker-N")
     stop_signals = contextlib.ExitStack()
     stop_signals.enter_context(interrupts.stopping_on((signal.SIGTERM,)))

@@ -11,6 +11,7 @@ are :mod:`oomtune.search.jobs`.
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import os
 import re
@@ -22,9 +23,9 @@ from typing import Any, ClassVar
 
 from oomtune.exceptions import ConfigError
 
-__all__ = ["LAUNCHERS", "JobLauncher", "LocalJobs", "SlurmJobs", "job_launcher", "launcher_name", "launched", "check_launcher", "check_slurm_storage", "slurm_parameters",
-           "local_parameters", "job_overrides", "workers_per_job", "local_gpu_sets", "jobs_folder",
-           "quoted_override", "local_torch_threads", "JOB_KEYS"]
+__all__ = ["LAUNCHERS", "JobLauncher", "LocalJobs", "SlurmJobs", "job_launcher", "launcher_name", "launched",
+           "check_launcher", "check_slurm_storage", "slurm_parameters", "local_parameters", "job_overrides",
+           "workers_per_job", "local_gpu_sets", "jobs_folder", "quoted_override", "local_torch_threads", "JOB_KEYS"]
 
 #: The options of the ``launcher`` group; ``inprocess`` is the default (no jobs).
 LAUNCHERS = ("inprocess", "local", "slurm")
@@ -255,7 +256,7 @@ def local_torch_threads(n_jobs: int, ranks: int, cores: int | None = None) -> in
     return max(1, (cores if cores is not None else (os.cpu_count() or 1)) // total)
 
 
-class JobLauncher:
+class JobLauncher(abc.ABC):
     """How one kind of worker job (``launcher=local|slurm``) is started, followed and stopped:
     :mod:`oomtune.search.jobs` asks the launcher and never compares its name (as Optuna's study
     asks its storage). Stateless; submitit is handed in by the caller (this module does not import it).
@@ -270,25 +271,25 @@ class JobLauncher:
     job_word: ClassVar[str]
     poll_s: ClassVar[float]
 
+    @abc.abstractmethod
     def where(self, cfg: Any) -> str:
         """Where the jobs run, for the search's line about them."""
-        raise NotImplementedError
 
     def job_envs(self, cfg: Any, n_jobs: int, *, simulated: bool,
                  visible_gpus: Callable[[], list[str]]) -> list[dict[str, str]]:
         """Each job's own environment variables (index order); none by default."""
         return [{} for _ in range(n_jobs)]
 
+    @abc.abstractmethod
     def submit(self, submitit: Any, folder: Path, cfg: Any, fn: Callable[..., Any], args: list[Any],
                envs: list[dict[str, str]]) -> list[Any]:
         """Submit ``fn(args[i], i, envs[i])`` for every job through ``submitit``; submitit's jobs, index
         order. Raises what submitit raises (the caller words it)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cancel(self, job: Any) -> None:
         """Ask one running job to stop (its search then tells its running trial FAIL and ends its
         trial processes). Raises OSError/ValueError for a job that ended meanwhile."""
-        raise NotImplementedError
 
 
 class LocalJobs(JobLauncher):

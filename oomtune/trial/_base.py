@@ -14,8 +14,8 @@ A target is one of two kinds:
   :meth:`Target.run` launches it and returns its record (``target=cmd``).
 
 Which implementation serves a trial is named by ``TrialSpec.workload.target_name``
-(:data:`DEFAULT_TARGET` when a flat workload gives no target) and looked up in this module's registry: each target module
-adds its instance with :func:`register_target` when imported, and the composition root (the
+(:data:`DEFAULT_TARGET` when a flat workload gives no target) and looked up in this module's
+registry: each target module adds its instance with :func:`register_target` when imported, and the composition root (the
 ``oomtune`` package, :mod:`oomtune.__init__`) imports :mod:`oomtune.targets`, so the trial layer
 never imports a target (the pattern of Optuna's ``storages/__init__.py``, which imports every
 backend it offers). Code outside :mod:`oomtune.targets` asks the target what it can do (the

@@ -101,8 +101,8 @@ def resolve_execute(setting: str, *, simulated: bool, objective: TimedObjective,
                         "(a command without one, or a step meta cannot run, runs them on the CPU)")
     if setting == "meta":
         if objective.measures_time:
-            raise ConfigError(f"trial.execute=meta measures no throughput, and search.objective={objective.name} ranks by "
-                              "it: use search.objective=batch (or auto), or trial.execute=cpu")
+            raise ConfigError(f"trial.execute=meta measures no throughput, and search.objective={objective.name} "
+                              "ranks by it: use search.objective=batch (or auto), or trial.execute=cpu")
         if target.reads_files(workload):
             raise ConfigError("trial.execute=meta runs synthetic data only, and model.data.source reads files: "
                               "use trial.execute=cpu, or model.data.source=synthetic")

@@ -8,7 +8,8 @@ working directory (``python -m train``, ``python -m pkg.train``), the trial runs
 process forked from a fork server (:mod:`oomtune.trial.forkserver`) that imported, once, the
 third-party modules the script imports at module level (read from its source, not run), and
 torch with what a training loop's first optimizer imports (:func:`server_modules`; none of it for a
-script that, with its local modules, imports only the standard library and oomtune). The forked process is the trial's keeper's main process as a spawned command would be
+script that, with its local modules, imports only the standard library and oomtune). The forked
+process is the trial's keeper's main process as a spawned command would be
 (:mod:`oomtune.trial.keeper`: same tree kill, timeout, bounded logs and status file); it sets the
 trial's environment and directory and runs the file as ``python`` would
 (:func:`oomtune.trial.script_main.run_script`).
