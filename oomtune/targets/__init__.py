@@ -12,9 +12,9 @@ whose ``TARGET`` implements the trial protocol's contract (:class:`oomtune.trial
 is registered there when the module is imported (:func:`oomtune.trial._base.register_target`);
 importing this package registers all three (the ``oomtune`` package does, as the composition
 root). The trial process builds in-process targets' workloads, the runner hands own-process targets
-(``cmd``) their trial. This package imports the trial layer, never the reverse. The registering modules are light (the heavy ones,
-:mod:`~oomtune.targets.python_entry` and :mod:`~oomtune.targets.cmd`, are imported when used):
-importing this package does not import torch.
+(``cmd``) their trial. This package imports the trial layer, never the reverse. The registering
+modules are light (the heavy ones, :mod:`~oomtune.targets.python_entry` and
+:mod:`~oomtune.targets.cmd`, are imported when used): importing this package does not import torch.
 """
 
 from __future__ import annotations
