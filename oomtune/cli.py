@@ -70,6 +70,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         options = _option_strings(parser)
         argv = list(getattr(parser, "argv", []))   # set by main
         config_keys = _config_keys() if _takes_overrides(parser, argv) else {}
+        split = _split_value(argv, m[1].split()[0]) if config_keys else None
+        if split:
+            return split
         for word in m[1].split():
             flag, eq, value = word.partition("=")
             key = config_keys.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
@@ -88,6 +91,30 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
                     # search/plan settings are Hydra overrides, written key=value without dashes
                     return f"; settings are Hydra overrides, written without dashes: {word.lstrip('-')}"
     return ""
+
+
+def _split_value(argv: Sequence[str], first: str) -> str | None:
+    """For ``oomtune search target.command=python train.py --batch-size 8``: the shell split an
+    unquoted value with spaces, and argparse refused its ``--flag`` words. When the word before the
+    first refused one (``first``) is no ``KEY=VALUE`` and a ``KEY=VALUE`` came before it, the hint to
+    quote the whole value; else None."""
+    if first not in argv:
+        return None
+    at = list(argv).index(first)
+    if at < 2 or "=" in argv[at - 1] or argv[at - 1].startswith("-"):
+        return None
+    start = next((j for j in range(at - 1, 0, -1) if "=" in argv[j]), None)
+    if start is None or argv[start].startswith("-"):
+        return None
+    key, _, value = argv[start].partition("=")
+    words = [value]
+    for word in argv[start + 1:]:
+        if "=" in word and not word.startswith("-"):
+            break
+        words.append(word)
+    joined = " ".join(words).replace("'", "\\'")
+    return (f"; a value with spaces the shell split? quote the whole value inside one argument: "
+            f"\"{key}='{joined}'\"")
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

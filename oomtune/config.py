@@ -217,16 +217,30 @@ def _unparsable_override(overrides: Sequence[str]) -> str | None:
     ``target.command=python train.py --batch-size {batch_size}`` (bash removed the quotes), and
     Hydra reads ``{`` as the start of a dictionary: "mismatched input '{' expecting <EOF>". Any
     unquoted value with Hydra syntax in it (``{}``, ``[]``, ``=``, ``,``, ``${``) fails the same way;
-    quoting the value inside the shell argument, ``"key='value'"``, makes it one string.
+    quoting the value inside the shell argument, ``"key='value'"``, makes it one string. A value
+    with spaces left unquoted (``target.command=python train.py``) reaches us as two arguments, the
+    second no ``KEY=VALUE`` at all: the line shows the two joined and quoted.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for override in overrides:
+    for i, override in enumerate(overrides):
         try:
             parser.parse_override(override)
         except Exception as exc:  # Hydra's OverrideParseException and ANTLR errors
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            before = overrides[i - 1] if i > 0 else ""
+            if "=" not in override and "=" in before and not before.startswith(("~", "-")):
+                key, _, value = before.partition("=")
+                words = [value]
+                for word in overrides[i:]:   # every word the shell split off, up to the next KEY=VALUE
+                    if "=" in word:
+                        break
+                    words.append(word)
+                joined = " ".join(words).replace("'", "\\'")
+                return (f"bad override {override!r}: not KEY=VALUE; if it belongs to the value of {before!r} "
+                        f"(a value with spaces the shell split), quote the whole value inside one argument: "
+                        f"\"{key}='{joined}'\"")
             key, sep, value = override.partition("=")
             if not sep or not value or value[0] in "'\"" or ("'" in value and '"' in value):
                 return None   # not a quoting problem: Hydra's own message says what is wrong

@@ -482,16 +482,24 @@ class SearchProgress:
             self._poller = threading.Thread(target=self._poll, name="oomtune-progress", daemon=True)
             self._poller.start()
 
-    def legend(self, *, simulated: bool, confs: list[str] = (), execute: str = "cpu") -> None:
+    def legend(self, *, simulated: bool, confs: list[str] = (), execute: str = "cpu",
+               own_process: bool = False) -> None:
         """Print the legend of the per-trial lines (:data:`SEARCH_LEGEND`), the abbreviations of the
         allocator settings ``confs`` (alloc_conf strings) and, on the virtual GPU, where the trials'
-        steps run (``execute``: ``meta``, no throughput; ``cpu``, this CPU's throughput)."""
+        steps run (``execute``: ``meta``, no throughput; ``cpu``, this CPU's throughput). With
+        ``own_process`` (the target runs its own command: ``Target.own_process``) ``meta`` is asked
+        of the command, whose integration runs its steps there, while a command without one runs
+        them on the CPU (:func:`oomtune.trial.execute.resolve_execute`): both are said."""
         for line in SEARCH_LEGEND:
             self._say(line)
         used = conf_legend(list(confs))
         for line in legend_lines("  settings: ", used) if used else ():
             self._say(line)
-        if simulated and execute == "meta":
+        if simulated and execute == "meta" and own_process:
+            self._say("note: virtual GPU: memory figures are simulated; a command with an oomtune integration "
+                      "runs its steps on the meta device (throughput not measured), one without runs them on the "
+                      "CPU (throughput this CPU's, not a GPU's)")
+        elif simulated and execute == "meta":
             self._say("note: virtual GPU: memory figures are simulated; the steps run on the meta device, so "
                       "throughput is not measured")
         elif simulated:

@@ -199,12 +199,43 @@ def _check(ok: bool, key: str, value: Any, rule: str) -> None:
         raise ConfigError(f"{key}={value!r}: {rule}")
 
 
+def missing_values(cfg: Any) -> list[str]:
+    """The keys of the composed config that still hold OmegaConf's ``???`` (a value the chosen option
+    file leaves to the user, e.g. ``target.command`` of ``target=cmd``), dotted and sorted; Hydra's
+    own ``hydra`` key is left out (its run-time values are filled in by Hydra)."""
+    from omegaconf import OmegaConf
+
+    out: list[str] = []
+    for key in cfg.keys():
+        if key == "hydra":
+            continue
+        if OmegaConf.is_missing(cfg, key):
+            out.append(str(key))
+            continue
+        value = cfg.get(key)
+        if OmegaConf.is_config(value):
+            out += sorted(OmegaConf.missing_keys(value))
+    return out
+
+
 def validate(cfg: Any) -> None:
-    """Ranges of the typed keys, checked before a study is opened or a file written.
+    """Ranges of the typed keys, checked before a study is opened or a file written; first, that
+    no key is left without a value (:func:`missing_values`).
 
     Raises:
-        ConfigError: the first key out of range, in one line.
+        ConfigError: a key without a value, or the first key out of range, in one line.
     """
+    from omegaconf import OmegaConf
+
+    missing = missing_values(cfg)
+    if missing:
+        key = missing[0]
+        group = key.split(".", 1)[0]
+        node = cfg.get(group) if "." in key else None
+        option = node.get("name") if OmegaConf.is_dict(node) else None
+        chosen = f"{group}={option} needs it" if option else "it has no default"
+        raise ConfigError(f"{key} has no value: {chosen}; add {key}=VALUE to the command (quote a value with "
+                          f"spaces inside the argument: \"{key}='...'\")")
     s, t = cfg.search, cfg.trial
     _check(s.n_trials >= 0, "search.n_trials", s.n_trials, "must be >= 0")
     _check(s.timeout is None or s.timeout > 0, "search.timeout", s.timeout, "must be > 0 seconds (or null)")

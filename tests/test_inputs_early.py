@@ -127,6 +127,40 @@ def test_a_flag_naming_a_config_key_is_told_the_override(argv, override, capsys)
     assert err.count("\n") == 1 and f"written without dashes: {override} " in err
 
 
+@pytest.mark.parametrize("argv, quoted", [
+    # bash split an unquoted command: its first word is the value, the next no KEY=VALUE at all
+    (["search", "target=cmd", "target.command=python", "examples/train_cmd.py"],
+     "\"target.command='python examples/train_cmd.py'\""),
+    # ... with its flags too, which argparse refuses before Hydra sees anything; the next override stays out
+    (["search", "target=cmd", "target.command=python", "train.py", "--batch-size", "{batch_size}", "budget=1GiB"],
+     "\"target.command='python train.py --batch-size {batch_size}'\""),
+])
+def test_a_value_the_shell_split_is_told_to_quote_the_whole_value(argv, quoted, capsys, tmp_path):
+    """`oomtune search target.command=python train.py` typed without quotes: one line, exit 2,
+    showing the whole value quoted inside one argument (not Hydra's 'mismatched input')."""
+    code = None
+    try:
+        code = main([*argv, f"hydra.run.dir={tmp_path}"] if "--batch-size" not in argv else argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"quote the whole value inside one argument: {quoted}" in err
+    assert "mismatched input" not in err
+
+
+@pytest.mark.parametrize("target, key", [("cmd", "target.command"), ("python", "target.entry")])
+@pytest.mark.parametrize("command", ["search", "plan"])
+def test_a_target_without_its_required_key_is_one_line(target, key, command, tmp_path, capsys):
+    """conf/target/cmd.yaml leaves ``command`` and conf/target/python.yaml ``entry`` as OmegaConf's
+    ``???``: a search or plan without them is one line naming the key, exit 2 (it was OmegaConf's
+    MissingMandatoryValue traceback)."""
+    assert main([command, f"target={target}", f"hydra.run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"oomtune: error: {key} has no value: target={target} needs it; add {key}=VALUE")
+
+
 def test_a_config_key_flag_of_a_command_without_overrides_gets_no_override(capsys):
     """check reads a best.yaml and takes no Hydra overrides: no `search.workers=` advice there."""
     with pytest.raises(SystemExit) as exit_:

@@ -197,6 +197,14 @@ def test_search_progress_prints_one_line_per_trial_without_a_terminal():
         text = out.getvalue()
         assert "[trial 0] search 1/3" in text and "ok >limit" in text and "throughput is this CPU's" in text
         assert ("eta" in text) is terminal  # the live bar only on a terminal
+    # meta asked of a command (target=cmd): its integration runs the steps there, one without on the CPU
+    for own_process, says in ((False, "the steps run on the meta device, so throughput is not measured"),
+                              (True, "one without runs them on the CPU (throughput this CPU's")):
+        out = io.StringIO()
+        progress = SearchProgress(Console(file=out, width=200), 3)
+        progress.legend(simulated=True, execute="meta", own_process=own_process)
+        progress.close()
+        assert says in out.getvalue()
 
 
 def test_plan_prints_a_compact_map_and_a_recommendation_and_writes_the_report(tmp_path, capsys):

@@ -477,7 +477,8 @@ def launch(overrides: Sequence[str], cfg: Any, prepared: Any, *, console: Any, o
         from oomtune.search.run import _rendered
 
         progress.legend(simulated=plan.simulated, confs=_rendered(plan.space),
-                        execute=prepared.options.execute if prepared is not None else "cpu")
+                        execute=prepared.options.execute if prepared is not None else "cpu",
+                        own_process=prepared is not None and prepared.run.target.own_process)
         jobs = _submit(plan)
         shown = jobs if len(jobs) <= 8 else jobs[:2]
         for i, job in enumerate(shown):

@@ -521,7 +521,8 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
     from oomtune.display import SearchProgress
 
     progress = SearchProgress(console, sampler_trials(options.objective, options.search.n_trials), study=study)
-    progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute)
+    progress.legend(simulated=device.simulated, confs=_rendered(space), execute=options.execute,
+                    own_process=run.target.own_process)
     slots = worker_slots(conf.device, device, conf.search.workers, conf.trial.gpus)
     if len(slots) > 1 or conf.search.workers > 1:
         _say(console, f"workers: {len(slots)} trial{'s' if len(slots) != 1 else ''} at once on "
