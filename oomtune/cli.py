@@ -96,25 +96,18 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
 def _split_value(argv: Sequence[str], first: str) -> str | None:
     """For ``oomtune search target.command=python train.py --batch-size 8``: the shell split an
     unquoted value with spaces, and argparse refused its ``--flag`` words. When the word before the
-    first refused one (``first``) is no ``KEY=VALUE`` and a ``KEY=VALUE`` came before it, the hint to
-    quote the whole value; else None."""
+    first refused one (``first``) is no ``KEY=VALUE`` or flag, the hint to quote the whole value
+    (:func:`oomtune.config.split_value`); else None."""
+    from oomtune.config import split_value
+
     if first not in argv:
         return None
     at = list(argv).index(first)
     if at < 2 or "=" in argv[at - 1] or argv[at - 1].startswith("-"):
         return None
-    start = next((j for j in range(at - 1, 0, -1) if "=" in argv[j]), None)
-    if start is None or argv[start].startswith("-"):
-        return None
-    key, _, value = argv[start].partition("=")
-    words = [value]
-    for word in argv[start + 1:]:
-        if "=" in word and not word.startswith("-"):
-            break
-        words.append(word)
-    joined = " ".join(words).replace("'", "\\'")
-    return (f"; a value with spaces the shell split? quote the whole value inside one argument: "
-            f"\"{key}='{joined}'\"")
+    rejoined = split_value(argv, at)
+    return f"; a value with spaces the shell split? quote the whole value inside one argument: {rejoined}" \
+        if rejoined else None
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

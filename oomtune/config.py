@@ -20,7 +20,8 @@ from typing import Any
 from oomtune.confdir import conf_dir
 from oomtune.exceptions import ConfigError
 
-__all__ = ["conf_dir", "compose", "check_study_name", "run_dir_of", "default_study_name", "budget_key", "budget_note", "to_container"]
+__all__ = ["conf_dir", "compose", "check_study_name", "run_dir_of", "default_study_name", "budget_key", "budget_note",
+           "to_container", "split_value"]
 
 
 def compose(overrides: Sequence[str] = (), *, config_name: str = "config"):
@@ -209,6 +210,28 @@ def _closest_key(dotted: str, base: Any) -> tuple[str | None, str, list[str]]:
     return (suggestion if suggestion != dotted else None), suggestion, []
 
 
+def split_value(words: Sequence[str], at: int) -> str | None:
+    """The argument a user meant when the shell split an unquoted value with spaces
+    (``target.command=python train.py --batch-size 8`` -> ``target.command=python``, ``train.py``,
+    ...): the nearest ``KEY=VALUE`` word before ``at``, with every word after it up to the next
+    ``KEY=VALUE`` (flags included), quoted for the shell: ``"target.command='python train.py
+    --batch-size 8'"``. None when no such ``KEY=VALUE`` precedes ``at``, it is a flag (``--x=1``) or
+    a deletion (``~key``), or another ``KEY=VALUE`` stands between it and ``at``."""
+    start = next((j for j in range(at - 1, -1, -1) if "=" in words[j]), None)
+    if start is None or words[start].startswith(("-", "~")):
+        return None
+    if any("=" in w and not w.startswith("-") for w in words[start + 1:at]):
+        return None
+    key, _, value = words[start].partition("=")
+    parts = [value]
+    for word in words[start + 1:]:   # every word the shell split off, up to the next KEY=VALUE
+        if "=" in word and not word.startswith("-"):
+            break
+        parts.append(word)
+    joined = " ".join(parts).replace("'", "\\'")
+    return f"\"{key}='{joined}'\""
+
+
 def _unparsable_override(overrides: Sequence[str]) -> str | None:
     """The first override Hydra's grammar cannot parse, as one line that shows the quoting that
     works, or None when every override parses.
@@ -229,18 +252,12 @@ def _unparsable_override(overrides: Sequence[str]) -> str | None:
             parser.parse_override(override)
         except Exception as exc:  # Hydra's OverrideParseException and ANTLR errors
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            before = overrides[i - 1] if i > 0 else ""
-            if "=" not in override and "=" in before and not before.startswith(("~", "-")):
-                key, _, value = before.partition("=")
-                words = [value]
-                for word in overrides[i:]:   # every word the shell split off, up to the next KEY=VALUE
-                    if "=" in word:
-                        break
-                    words.append(word)
-                joined = " ".join(words).replace("'", "\\'")
-                return (f"bad override {override!r}: not KEY=VALUE; if it belongs to the value of {before!r} "
-                        f"(a value with spaces the shell split), quote the whole value inside one argument: "
-                        f"\"{key}='{joined}'\"")
+            split = "=" not in override and i > 0 and "=" in overrides[i - 1]
+            rejoined = split_value(overrides, i) if split else None
+            if rejoined:
+                return (f"bad override {override!r}: not KEY=VALUE; if it belongs to the value of "
+                        f"{overrides[i - 1]!r} (a value with spaces the shell split), quote the whole value "
+                        f"inside one argument: {rejoined}")
             key, sep, value = override.partition("=")
             if not sep or not value or value[0] in "'\"" or ("'" in value and '"' in value):
                 return None   # not a quoting problem: Hydra's own message says what is wrong
