@@ -24,9 +24,9 @@ SHAPE_ORDERS = ("data", "worst")
 
 
 def live_workload(spec: TrialSpec) -> WorkloadSpec:
-    """The workload the live steps train: ``spec.workload``, or for ``shapes="worst"`` the same workload fixed at its
-    largest shape (:meth:`oomtune.trial._base.Target.at_shape`; for a built-in workload
-    :func:`oomtune.workloads.shapes.at_shape`).
+    """The workload the live steps train: ``spec.workload``, or for ``shapes="worst"`` the same
+    workload fixed at its largest shape (:meth:`oomtune.trial._base.Target.at_shape`; for a built-in
+    workload :func:`oomtune.workloads.shapes.at_shape`).
 
     Raises:
         ConfigError: an unknown ``spec.shapes``, a bad shape distribution.
@@ -61,8 +61,10 @@ def run_soak(spec: TrialSpec, rec: ResultDraft, new_sim: Callable[[], Any], *,
     """
     from oomtune.trial.soak import soak, soak_supported
 
+    if spec.soak_steps <= 0:
+        return
     flat = spec.workload.to_dict()   # the soak captures (and caches) a built-in workload's flat form
-    if spec.soak_steps <= 0 or not soak_supported(flat):
+    if not soak_supported(flat):
         return
     t0 = time.perf_counter()
     res = soak(flat, spec.batch_size, spec.alloc_conf, steps=spec.soak_steps, capture_device=capture_device,
