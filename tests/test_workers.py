@@ -326,3 +326,24 @@ def test_seeded_sampler_draws_depend_on_the_trial_not_the_process(tmp_path):
     plain = [optuna.samplers.RandomSampler(seed=0) for _ in range(2)]   # the old samplers: the same draw
     first = [optuna.create_study(sampler=s).ask().suggest_int("x", 0, 10**9) for s in plain]
     assert first[0] == first[1]
+
+
+def test_a_duplicate_failed_meanwhile_by_another_worker_is_left_as_it_is(tmp_path):
+    # A worker claimed the second copy of a candidate, then lost the storage for longer than the grace
+    # period before its heartbeat started: another worker failed the claimed trial as stale. Back, the
+    # worker finds it a duplicate of the copy that has a result; marking it must not raise Optuna's
+    # UpdateFinishedTrialError (it ended a worker job of a search through a restarted gRPC proxy).
+    import optuna
+    from optuna.trial import TrialState
+
+    study = _study(tmp_path)
+    key = trial_key("baseline", {"x": 5})
+    ex = Executor(study, ["cpu"], _Recorder(), poll_s=0.05)
+    first = ex.run_batch([({"x": 5}, "baseline", {})])[0]
+    study.enqueue_trial({"x": 5}, user_attrs={R.ATTR_ROLE: "baseline", ATTR_KEY: key})
+    copy = optuna.Trial(study, study._pop_waiting_trial_id())
+    study._storage.set_trial_state_values(copy._trial_id, state=TrialState.FAIL)   # the stale trial reaped
+    assert ex._run_claimed(copy, "cpu") is None
+    trials = study.get_trials(deepcopy=False)
+    assert trials[first.number].state == TrialState.COMPLETE and trials[copy.number].state == TrialState.FAIL
+    assert ATTR_DUPLICATE_OF not in trials[copy.number].user_attrs

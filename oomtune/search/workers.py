@@ -273,8 +273,15 @@ class Executor:
         original = self._duplicate_of(trial)
         if original is not None:
             self.stats["duplicates"] += 1
-            self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
-            self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL))
+            from optuna.exceptions import UpdateFinishedTrialError
+
+            try:
+                self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
+            except UpdateFinishedTrialError:
+                # failed meanwhile by another worker: its heartbeat had not started when the storage
+                # became unreachable for longer than the grace period; nothing is left to mark
+                pass
+            self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True))
             self._notify()
             return None
         # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
