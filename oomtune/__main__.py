@@ -1,5 +1,5 @@
 """``python -m oomtune`` is the same as the ``oomtune`` command."""
 
-from oomtune.cli import main
+from oomtune.cli import console_main
 
-raise SystemExit(main())
+console_main()

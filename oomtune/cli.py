@@ -6,7 +6,8 @@ overrides) print one line, ``oomtune: error: ...``, and exit with code 2. A run 
 surroundings (:class:`oomtune.exceptions.ResumableError`: the storage unreachable past every retry,
 a full disk) prints one line ending in "run the same command to resume" and exits with code 1.
 Ctrl-C exits 130, SIGTERM 143 (128 + the signal number, as a shell reports a
-process killed by it). A reader that went away (``oomtune show --json | head``) ends the command
+process killed by it), and the process ends then even where a thread that is not a daemon would
+keep the interpreter waiting (:func:`console_main`). A reader that went away (``oomtune show --json | head``) ends the command
 with exit code 1 and no traceback.
 """
 
@@ -19,7 +20,11 @@ from collections.abc import Sequence
 
 from oomtune import __version__
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "console_main", "COMMANDS"]
+
+#: Seconds a stopped run's process waits for its threads that are not daemons before it exits
+#: without them (:func:`console_main`).
+STOP_JOIN_S = 5.0
 
 #: Sub-command name -> module under oomtune.commands.
 COMMANDS = {
@@ -229,3 +234,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
         print(f"oomtune: {name}", file=sys.stderr)
         return 128 + int(signum)   # as a shell reports death by that signal: 130 Ctrl-C, 143 SIGTERM
+
+
+def console_main() -> None:
+    """The ``oomtune`` console script and ``python -m oomtune``: :func:`main`, then exit with its code.
+
+    A run stopped by a signal (exit 130 or 143) ends even where a thread that is not a daemon (a
+    library's, such as Optuna's heartbeat thread, whose ``__exit__`` a signal can skip) is still
+    alive: the interpreter would wait for it for ever at exit. Such threads get :data:`STOP_JOIN_S`
+    seconds in all; then the output is flushed, one line names them, and the process exits at once
+    (``os._exit``, without ``atexit`` handlers, as the signal's default action would have ended it).
+
+    Raises:
+        SystemExit: always, with :func:`main`'s exit code.
+    """
+    import signal
+    import threading
+    import time
+
+    code = main()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        deadline = time.monotonic() + STOP_JOIN_S
+        waiting = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+        for t in waiting:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in waiting if t.is_alive()]
+        if alive:
+            import contextlib
+            import os
+
+            print(f"oomtune: exiting without waiting for thread(s) {', '.join(alive)} "
+                  f"(still running {STOP_JOIN_S:g} s after the stop)", file=sys.stderr)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):   # a reader gone, a stream closed
+                    stream.flush()
+            os._exit(code)
+    raise SystemExit(code)

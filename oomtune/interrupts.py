@@ -15,6 +15,20 @@ then raises :class:`oomtune.exceptions.Interrupted`. The search's loops call
 :func:`raise_if_pending` at their safe points (between trials, while waiting for worker threads,
 before a result is told), so a raise that was dropped is raised again there, and a trial killed by
 the stoppers is never told as a result of its own.
+
+A raise between any two bytecodes can also leave a half-made state behind. Field cases (CI runs
+of that test, 2026-12-06, reproduced here in 3 of about 60 runs beside three busy loops): once the
+signal landed inside Optuna's heartbeat context while its thread started
+(``HeartbeatThread.start`` waits for the thread), so ``__exit__`` never ran, the thread (not a
+daemon) beat on, and the interpreter waited for it for ever after printing "terminated"; twice
+the search's raise was lost and its next storage call then waited on SQLite's write lock past the
+60 s the test allows (the busy timeout is 60 s, spent in C, where no handler runs). A raise inside
+SQLAlchemy's code can cut short the rollback that releases that lock (in a pool finalizer run by
+the garbage collector, where the raise is also dropped). Within :func:`deferred` (every storage call: :func:`oomtune.study.reconnect.
+retrying`; the heartbeat's start and stop), the handler still remembers the signal and runs the
+stoppers at once, but raises only when the section ends; in the storage libraries' own code
+outside such a section (a finalizer of SQLAlchemy's pool run by the garbage collector) it does not
+raise at all, and the next safe point raises the signal.
 """
 
 from __future__ import annotations
@@ -27,26 +41,49 @@ from typing import Any
 
 from oomtune.exceptions import Interrupted
 
-__all__ = ["handler", "pending", "raise_if_pending", "stopping_on"]
+__all__ = ["deferred", "handler", "pending", "raise_if_pending", "stopping_on"]
 
 _pending: int | None = None
 _stoppers: list[Callable[[], object]] = []
+_deferring = 0                    # depth of deferred() sections in the main thread
+_deferred: int | None = None      # a signal received inside them, not raised yet
 
 
 def handler(signum: int, frame: Any) -> None:
     """The signal handler: remember ``signum``, run the stoppers, raise
-    :class:`~oomtune.exceptions.Interrupted` (``128 + signum`` is the CLI's exit status).
+    :class:`~oomtune.exceptions.Interrupted` (``128 + signum`` is the CLI's exit status), unless
+    the main thread is inside :func:`deferred`: then the section raises it when it ends.
 
     Raises:
-        Interrupted: always (it may be dropped by CPython, see the module docstring; the signal
-            stays pending for :func:`raise_if_pending`).
+        Interrupted: outside :func:`deferred` and the storage libraries' code (it may be dropped by
+            CPython, see the module docstring; the signal stays pending for :func:`raise_if_pending`).
     """
-    global _pending
+    global _pending, _deferred
     _pending = signum
     for stop in list(_stoppers):
         with contextlib.suppress(Exception):   # a stopper's failure must not hide the signal
             stop()
+    if _deferring or _in_storage_code(frame):
+        _deferred = signum
+        return
     raise Interrupted(signum)
+
+
+#: Modules in whose code the handler never raises (see :func:`_in_storage_code`).
+STORAGE_MODULES = ("sqlalchemy.", "optuna.storages.")
+
+
+def _in_storage_code(frame: Any) -> bool:
+    """True when the signal landed in the storage libraries' own code (a frame of
+    :data:`STORAGE_MODULES` on the stack) outside :func:`deferred`: a garbage collector's finalizer
+    of SQLAlchemy's pool (a connection's rollback and return), where a raise would be dropped and
+    the finalizer cut short, or a storage call not wrapped by :func:`deferred`. The signal is then
+    raised at the next :func:`raise_if_pending` or end of a :func:`deferred` section."""
+    while frame is not None:
+        if (frame.f_globals.get("__name__") or "").startswith(STORAGE_MODULES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def pending() -> int | None:
@@ -60,8 +97,38 @@ def raise_if_pending() -> None:
     Raises:
         Interrupted: a signal was received inside :func:`stopping_on`.
     """
+    global _deferred
     if _pending is not None:
+        _deferred = None   # raised now: a deferred() section ending later must not raise it again
         raise Interrupted(_pending)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """A section that a stop signal must not cut in two (a storage transaction, a thread's start):
+    within it, the handler remembers the signal and runs the stoppers but does not raise; the
+    section raises :class:`~oomtune.exceptions.Interrupted` when it ends (after the block, never
+    inside it). Sections nest (the outermost raises); in a thread other than the main one (where
+    no handler runs) this does nothing.
+
+    A block that raises is not changed: its exception propagates, and the signal stays pending
+    for :func:`raise_if_pending`.
+
+    Raises:
+        Interrupted: a stop signal arrived within the section.
+    """
+    global _deferring, _deferred
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _deferred is not None:
+        signum, _deferred = _deferred, None
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager
@@ -74,7 +141,7 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
     restored and the pending signal is forgotten (it has been raised by then). In a thread other than
     the main one (where CPython refuses ``signal.signal``) nothing is installed.
     """
-    global _pending
+    global _pending, _deferred
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -87,6 +154,7 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
     added = list(stoppers)
     _stoppers.extend(added)
     outer, _pending = _pending, None
+    outer_deferred, _deferred = _deferred, None
     try:
         yield
     finally:
@@ -94,4 +162,4 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
             signal.signal(signum, before)
         for stop in added:
             _stoppers.remove(stop)
-        _pending = outer
+        _pending, _deferred = outer, outer_deferred

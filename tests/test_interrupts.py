@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 import optuna
@@ -168,3 +169,118 @@ def test_a_trial_killed_by_a_dropped_stop_signal_is_not_told_as_its_result(tmp_p
     trials = study.get_trials(deepcopy=False)
     assert len(trials) == 1 and R.ATTR_RESULT not in trials[0].user_attrs
     assert trials[0].state != optuna.trial.TrialState.COMPLETE
+
+
+class _SignalledHeartbeat:
+    """Optuna's heartbeat thread whose ``start`` receives a stop signal once the thread runs (the
+    field case: SIGTERM while ``HeartbeatThread.start`` waited for its thread); keeps the thread."""
+
+    made: list = []
+
+    def __init__(self, trial_id, storage):
+        from optuna.storages._heartbeat import HeartbeatThread
+
+        self.beat = HeartbeatThread(trial_id, storage)
+        _SignalledHeartbeat.made.append(self)
+
+    def start(self):
+        self.beat.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):   # the handler runs here, inside start (the eval loop's next check)
+            pass
+
+    def join(self):
+        self.beat.join()
+
+    def __enter__(self):
+        self.start()
+
+    def __exit__(self, *exc):
+        self.join()
+
+
+def test_a_stop_signal_while_the_heartbeat_starts_stops_its_thread(tmp_path, monkeypatch):
+    # Field case (a CI run, 2026-12-06): a search stopped by SIGTERM said "terminated" and never
+    # exited: the signal's raise came out of the heartbeat's __enter__, so its __exit__ never ran and
+    # Optuna's thread (not a daemon) beat on; the interpreter waits for such threads at exit.
+    from oomtune.study.storage import make_storage
+
+    monkeypatch.setattr("optuna.storages._heartbeat.get_heartbeat_thread", _SignalledHeartbeat)
+    _SignalledHeartbeat.made = []
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval_s=1, grace_period_s=2)
+    study = optuna.create_study(storage=storage, direction="maximize")
+    evaluate = _Evaluate()
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            Executor(study, ["cpu"], evaluate, poll_s=0.05).run_sampler(3, "search")
+    assert len(_SignalledHeartbeat.made) == 1
+    thread = _SignalledHeartbeat.made[0].beat._thread
+    assert thread is not None and not thread.is_alive()   # stopped and joined before the raise left
+    assert evaluate.calls == []   # the trial's body never ran: the signal came first
+
+
+def test_a_stopped_command_exits_even_where_a_thread_that_is_not_a_daemon_runs_on(tmp_path):
+    # The whole kind of the heartbeat case: whatever thread a library leaves behind, a run stopped by
+    # a signal ends (143) instead of the interpreter waiting for the thread at exit for ever.
+    script = ("import threading, time\n"
+              "import oomtune.cli as cli\n"
+              "threading.Thread(target=time.sleep, args=(3600,), name='left-behind').start()\n"
+              "cli.main = lambda argv=None: 143   # a search stopped by SIGTERM returns this\n"
+              "cli.console_main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143
+    assert "left-behind" in done.stderr and "exiting without waiting" in done.stderr
+
+
+def test_a_stop_signal_inside_a_storage_transaction_is_raised_after_its_commit(tmp_path):
+    # A raise between SQLite's BEGIN IMMEDIATE and the commit could leave the write lock taken, and the
+    # search's next storage call then waits out the busy timeout (60 s) in C, where no handler runs.
+    import sqlite3
+
+    from sqlalchemy import event
+
+    from oomtune.study.storage import make_storage
+
+    path = tmp_path / "study.db"
+    storage = make_storage(f"sqlite:///{path}")
+    study_id = storage.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "s")
+    sent = []
+
+    def signal_once(conn):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100_000):   # the handler runs here, inside the transaction
+                pass
+
+    event.listen(storage.engine, "begin", signal_once)
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            storage.set_study_user_attr(study_id, "answer", 42)
+    assert sent == [1]
+    # the call ran to its commit before the raise, and no lock is left: another connection writes at once
+    other = sqlite3.connect(path, timeout=0, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("ROLLBACK")
+    other.close()
+    assert storage.get_study_user_attrs(study_id) == {"answer": 42}
+
+
+def test_a_stop_signal_in_the_storage_librarys_code_is_not_raised_there(unraisable):
+    # e.g. a finalizer of SQLAlchemy's connection pool run by the garbage collector (a rollback and a
+    # return to the pool): a raise there is dropped by CPython and cuts the finalizer short
+    code = compile("def finalize(done):\n"
+                   "    import os, signal\n"
+                   "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                   "    for _ in range(100_000):\n"
+                   "        pass\n"
+                   "    done.append(1)\n", "<sqlalchemy pool, as a test>", "exec")
+    namespace = {"__name__": "sqlalchemy.pool.base"}
+    exec(code, namespace)
+    done = []
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        namespace["finalize"](done)
+        assert done == [1] and unraisable == []   # it ran to its end; nothing was raised inside
+        assert interrupts.pending() == signal.SIGTERM
+        with pytest.raises(Interrupted):
+            interrupts.raise_if_pending()   # the search's next safe point

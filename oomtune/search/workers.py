@@ -37,18 +37,45 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Sequence
 
 from oomtune.study import records as R
 from oomtune.search.claims import (ATTR_DUPLICATE_OF, ATTR_KEY, ask_new, claims_at_once, count_sampler,
                                    has_result, is_live, trial_key)
 from oomtune.exceptions import StorageUnavailableError
-from oomtune.interrupts import raise_if_pending
+from oomtune.interrupts import deferred, raise_if_pending
 from oomtune.study.storage import retrying
 
 __all__ = ["Executor", "TrialErrored", "ATTR_KEY", "ATTR_DUPLICATE_OF", "MAX_ATTEMPTS", "trial_key"]
 
 MAX_ATTEMPTS = 3                         # enqueues of one candidate left without a result
+
+
+@contextlib.contextmanager
+def _heartbeat(trial: Any) -> Iterator[None]:
+    """Optuna's heartbeat thread for ``trial`` (``optuna.storages._heartbeat.get_heartbeat_thread``,
+    as ``Study.optimize`` runs it) around the block, its start and stop safe from a stop signal.
+
+    Optuna's thread is not a daemon, and its ``__enter__`` waits for the thread to start: a
+    SIGTERM raised there (field case: a suite run, 2026-12-06) skipped ``__exit__``, the thread
+    beat on, and the interpreter waited for it for ever after the search had said "terminated".
+    The start and the stop run within :func:`oomtune.interrupts.deferred`; a signal received
+    during the start is raised inside the ``try``, so the thread is stopped.
+    """
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    beat, started = None, False
+    try:
+        with deferred():
+            beat = get_heartbeat_thread(trial._trial_id, trial.study._storage)
+            beat.start()
+            started = True
+        yield
+    finally:
+        if started:
+            with deferred():
+                beat.join()
 
 
 class TrialErrored(Exception):
@@ -266,7 +293,6 @@ class Executor:
     def _run_claimed(self, trial: Any, slot: str) -> tuple[Any, str] | None:
         """Run one claimed trial with a heartbeat and tell Optuna its outcome; returns what to
         report (``on_trial``'s arguments), None for a duplicate finished without running."""
-        from optuna.storages._heartbeat import get_heartbeat_thread
         from optuna.trial import TrialState
 
         self.stats["claimed"] += 1
@@ -293,7 +319,7 @@ class Executor:
                      "(its worker stopped: heartbeat expired)")
         state, value = TrialState.FAIL, None
         try:
-            with get_heartbeat_thread(trial._trial_id, trial.study._storage):
+            with _heartbeat(trial):
                 value = self.evaluate(trial, slot)
             state = TrialState.COMPLETE
         except TrialErrored:

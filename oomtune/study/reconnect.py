@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from oomtune import interrupts
 from oomtune.exceptions import DiskFullError, StorageUnavailableError
 
 __all__ = ["STORAGE_RETRY_S", "RETRY_ENV", "retry_schedule", "is_connection_error", "retrying", "reconnecting_storage_class", "exception_chain"]
@@ -180,8 +181,12 @@ def retrying(fn: Callable[[], Any], what: str, *, say: Callable[[str], None] | N
     another :func:`retrying` of the same thread, ``fn()`` is called once (the outer loop retries).
     After a call of this process ran out of retries, calls try once without waiting until one
     succeeds (the search is stopping: its last storage calls must not wait 2 minutes each).
+    A stop signal (SIGTERM, Ctrl-C) that arrives during ``fn()`` is raised when ``fn()`` returns
+    (:func:`oomtune.interrupts.deferred`): a transaction is never left open with its locks; one
+    that arrives between retries stops the waiting at once.
 
     Raises:
+        Interrupted: a stop signal arrived (:mod:`oomtune.interrupts`).
         StorageUnavailableError: still no connection after ``len(delays_s)`` retries (about 2
             minutes by default); its ``__cause__`` is the last error.
         DiskFullError: the storage's disk is full (SQLite "database or disk is full", ENOSPC).
@@ -198,7 +203,8 @@ def retrying(fn: Callable[[], Any], what: str, *, say: Callable[[str], None] | N
     try:
         for attempt, delay in enumerate((*delays_s, None), start=1):
             try:
-                value = fn()
+                with interrupts.deferred():   # a stop signal waits for the transaction's end
+                    value = fn()
                 _gave_up.clear()
                 return value
             except Exception as exc:
