@@ -14,9 +14,10 @@ storage calls and heartbeat threads, and sends the process SIGTERM after a rando
 * locked: another connection cannot take SQLite's write lock at once (``BEGIN IMMEDIATE`` with no
   busy timeout) after the raise.
 
-Usage: ``python experiments/stress_stop_signal.py [--rounds N] [--seed S]``; writes
-experiments/results/stress_stop_signal.txt. The same rounds (``--seed``) can be run against an older
-checkout by putting it first on ``PYTHONPATH`` (with ``OOMTUNE_ALLOW_DIRTY=1`` outside this commit).
+Usage: ``python experiments/stress_stop_signal.py [--rounds N] [--seed S] [--against REV]``; writes
+experiments/results/stress_stop_signal.txt. ``--against REV`` runs the same rounds (same seed) with
+the oomtune of git revision REV too (a temporary worktree put first on ``PYTHONPATH``) and reports it
+beside this commit's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import random
 import signal
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -100,13 +102,31 @@ def one_round(path: Path, rng: random.Random) -> dict:
             "delay": delay, "trials": trials}
 
 
+def _against(args: argparse.Namespace) -> str:
+    """This script's summary lines, run with the oomtune of ``args.against`` (a temporary worktree)."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), args.against],
+                       check=True, capture_output=True)
+        try:
+            env = {**os.environ, "PYTHONPATH": str(tree), "OOMTUNE_ALLOW_DIRTY": "1"}
+            subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--seed", str(args.seed),
+                            "--out", str(Path(tmp) / "out.txt")], env=env, check=True, stdout=subprocess.DEVNULL)
+            return (Path(tmp) / "out.txt").read_text()
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--against", help="a git revision whose oomtune runs the same rounds (reported beside)")
     args = ap.parse_args()
     head = header()
+    before = _against(args) if args.against else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rng = random.Random(args.seed)
     rows = []
@@ -127,6 +147,9 @@ def main() -> int:
     if latencies:
         lines.append(f"signal -> raise: median {statistics.median(latencies) * 1000:.1f} ms, "
                      f"max {latencies[-1] * 1000:.1f} ms")
+    if before is not None:
+        lines += ["", f"the same rounds with oomtune at {args.against}:",
+                  *before.split("# oomtune from:", 1)[1].split("\n")[1:]]
     text = "\n".join(lines)
     write_results(args.out, text)
     print(text)
