@@ -9,14 +9,19 @@ line, and the slowest test files and tests (pytest's JUnit XML durations: call t
 
 The issue's target: the test command within 12 minutes on the 2-core development machine.
 
+``--durations PATH`` also writes the seconds of each test file (summed over its tests, from the first
+run) as JSON: tests/data/suite_durations.json is such a file, which tests/conftest.py reads to start the
+longest files first.
+
 Run: python experiments/bench_suite.py [--workers auto [2 ...]] [--slowest 15]
-     [--out experiments/results/bench_suite.txt]
+     [--out experiments/results/bench_suite.txt] [--durations tests/data/suite_durations.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -37,8 +42,9 @@ def cpu_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq + steal, idle + iowait
 
 
-def run_suite(workers: str, slowest: int) -> str:
-    """Run the test command with ``-n workers``; the lines describing the run."""
+def run_suite(workers: str, slowest: int, durations: Path | None = None) -> str:
+    """Run the test command with ``-n workers``; the lines describing the run. ``durations``: write
+    the seconds of each test file there (JSON, ``{"tests/test_x.py": seconds}``, longest first)."""
     with tempfile.TemporaryDirectory(prefix="oomtune-bench-suite-") as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-n", workers, "--dist", "worksteal",
@@ -63,6 +69,9 @@ def run_suite(workers: str, slowest: int) -> str:
                 seconds = float(case.get("time") or 0)
                 files[case.get("classname", "?")] += seconds
                 tests.append((seconds, f"{case.get('classname')}::{case.get('name')}"))
+            if durations is not None:
+                by_path = {name.replace(".", "/") + ".py": round(sec, 1) for name, sec in files.most_common()}
+                durations.write_text(json.dumps(by_path, indent=0) + "\n")
             total = sum(files.values())
             lines.append(f"test time summed over workers: {total:.0f} s")
             lines.append(f"slowest files (s, summed):")
@@ -80,10 +89,11 @@ def main() -> int:
     parser.add_argument("--workers", nargs="+", default=["auto"], help="pytest-xdist -n values, one run each")
     parser.add_argument("--slowest", type=int, default=15, help="how many slowest files and tests to list")
     parser.add_argument("--out", default=str(REPO / "experiments" / "results" / "bench_suite.txt"))
+    parser.add_argument("--durations", type=Path, help="write each test file's seconds (JSON) here")
     args = parser.parse_args()
     text = header() + "\n"
-    for workers in args.workers:
-        part = run_suite(workers, args.slowest)
+    for i, workers in enumerate(args.workers):
+        part = run_suite(workers, args.slowest, args.durations if i == 0 else None)
         print(part, flush=True)
         text += part + "\n"
     write_results(args.out, text)

@@ -43,9 +43,11 @@ hand calculation is about other requests on a device of a few MiB; tests/test_no
 tests/test_cublas_workspaces.py check the workspaces themselves.
 """
 
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +67,21 @@ def no_cublas_workspaces(monkeypatch):
     ``getNewWorkspace`` asks the allocator for 0 bytes, which allocates nothing, so the virtual GPU holds
     only the step's own requests (see the module docstring)."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest test files first, each file's tests together and in their order; which tests run
+    is unchanged. Seconds per file from tests/data/suite_durations.json (a run's per-file sums,
+    written by ``experiments/bench_suite.py --durations``); a file not listed counts as 0.
+
+    Why: ``--dist worksteal`` hands each worker a contiguous share of this order and an idle worker
+    takes the second half of a busy one's queue; a long file collected late (alphabetical order)
+    starts late and leaves the other workers idle at the end of the run."""
+    try:
+        seconds = json.loads((Path(__file__).parent / "data" / "suite_durations.json").read_text())
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -float(seconds.get(item.nodeid.split("::")[0], 0.0)))   # stable
 
 
 def pytest_xdist_auto_num_workers(config):
