@@ -7,8 +7,8 @@ surroundings (:class:`oomtune.exceptions.ResumableError`: the storage unreachabl
 a full disk) prints one line ending in "run the same command to resume" and exits with code 1.
 Ctrl-C exits 130, SIGTERM 143 (128 + the signal number, as a shell reports a
 process killed by it), and the process ends then even where a thread that is not a daemon would
-keep the interpreter waiting (:func:`console_main`). A reader that went away (``oomtune show --json | head``) ends the command
-with exit code 1 and no traceback.
+keep the interpreter waiting (:func:`console_main`). A reader that went away (``oomtune show
+--json | head``) ends the command with exit code 1 and no traceback.
 """
 
 from __future__ import annotations
