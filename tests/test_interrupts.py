@@ -284,3 +284,49 @@ def test_a_stop_signal_in_the_storage_librarys_code_is_not_raised_there(unraisab
         assert interrupts.pending() == signal.SIGTERM
         with pytest.raises(Interrupted):
             interrupts.raise_if_pending()   # the search's next safe point
+
+
+def test_a_stop_signal_during_the_claim_fails_the_claimed_trial(tmp_path, monkeypatch):
+    # Found by a new user: after SIGTERM the trial being claimed stayed RUNNING without a heartbeat,
+    # `oomtune show` listed it as running, and the resume said "heartbeat expired" as after a crash.
+    import oomtune.search.workers as workers
+
+    real = workers.ask_new
+
+    def ask_then_signal(study, role):
+        trial = real(study, role)   # the trial exists now: RUNNING in the storage
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):   # the handler runs here, before the claim returns
+            pass
+        return trial
+
+    monkeypatch.setattr(workers, "ask_new", ask_then_signal)
+    study = _study(tmp_path)
+    evaluate = _Evaluate()
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            Executor(study, ["cpu"], evaluate, poll_s=0.05).run_sampler(3, "search")
+    trials = study.get_trials(deepcopy=False)
+    assert evaluate.calls == [] and len(trials) == 1
+    assert trials[0].state == optuna.trial.TrialState.FAIL   # failed as interrupted, not left RUNNING
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_frontier_captures_stop_at_the_next_item_when_the_raise_was_dropped(workers, unraisable):
+    # A SIGTERM during the frontier predictions landed in a weakref callback of a capture (dropped), and
+    # the search ran every remaining capture before it stopped
+    from oomtune.plan import parallel
+
+    done, here = [], os.getpid()
+
+    def capture(x):
+        done.append(x)   # a forked child appends to its own copy
+        if os.getpid() == here and len(done) == 1:
+            _signal_dropped()   # during this process's first item, whichever it took
+        return x
+
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            parallel.fork_map(capture, list(range(6)), workers=workers)
+    assert len(unraisable) == 1
+    assert len(done) == 1   # this process took no item after the signal

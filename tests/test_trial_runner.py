@@ -264,8 +264,8 @@ def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_err
 
     The race is the client's alone, so the server is a stand-in that costs no CPU (the real one
     imports torch and more first, seconds of CPU for nothing here): an executable given as the
-    client's ``python`` that, as a real server still importing when ``close()`` shuts its stdin,
-    says nothing until its stdin ends, then writes its hello line and exits."""
+    client's ``python`` that, as a real server still importing, says nothing until its stdin ends
+    (``close()`` kills a server that has not said hello: it has no trials)."""
     from oomtune.trial import forkserver
 
     stand_in = tmp_path / "python"
@@ -289,4 +289,31 @@ def test_a_fork_server_closed_before_its_reader_thread_runs_leaves_no_thread_err
     gate.set()
     reader.join(30)
     assert not reader.is_alive() and errors == []
-    assert client._ready.get_nowait()["ready"]   # the reader did read the pipe: the hello, then its end
+    assert client._ready.get_nowait() == {}   # the reader did read the pipe to its end (no hello: killed)
+
+
+def test_a_fork_server_still_starting_is_killed_by_close_not_waited_for(tmp_path):
+    # A search stopped by SIGTERM during its frontier predictions waited in close() for the server's
+    # torch import to end (seconds on a loaded machine) before it could exit: a server that has not
+    # said it is ready has no trials, so close() kills it at once.
+    import os
+
+    from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+
+    (tmp_path / "slow_import_mod.py").write_text("import time\ntime.sleep(3)\n")
+    client = ForkServerClient(modules=("slow_import_mod",), env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                              cwd=str(tmp_path))
+
+    def start():
+        try:
+            client.start()
+        except ForkServerError:   # closed while it started: what this test does
+            pass
+
+    threading.Thread(target=start, daemon=True).start()
+    while client._proc is None:
+        time.sleep(0.01)
+    proc = client._proc
+    client.close()
+    # killed while it imported, rather than left to finish the import, read the end of its input, and exit 0
+    assert proc.returncode == -signal.SIGKILL

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from oomtune.interrupts import raise_if_pending
+
 __all__ = ["default_workers", "usable_cores", "fork_map", "fork_each", "ChildFailed", "MAX_WORKERS"]
 
 #: Processes at most, whatever the core count (each child holds a copy-on-write image of the plan).
@@ -71,7 +73,11 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     its piece: every piece a child failed or left is computed again here, and every later call runs
     here (the same results: a piece's value does not depend on the process computing it).
 
+    A stop signal (:mod:`oomtune.interrupts`) whose raise was dropped (in a weakref callback of a
+    capture) is raised again before the next item is taken here.
+
     Raises:
+        Interrupted: a stop signal arrived.
         the first exception (in item order) that ``fn`` raised, here or in a child (pickled back);
         RuntimeError when a child died without a result (e.g. killed for memory).
     """
@@ -81,6 +87,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     if workers <= 1 or _in_child or _active or _forks_unusable or not hasattr(os, "fork"):
         out = []
         for i, x in enumerate(items):
+            if not _in_child:
+                raise_if_pending()
             out.append(fn(x))
             if on_result is not None:
                 on_result(i, out[-1])
@@ -98,6 +106,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     def run_share() -> dict[int, tuple[bool, Any]]:
         done: dict[int, tuple[bool, Any]] = {}
         while (i := take()) < len(items):
+            if not _in_child:
+                raise_if_pending()   # a stop signal whose raise was dropped (a weakref callback of a capture)
             try:
                 done[i] = (True, fn(items[i]))
             except Exception as exc:   # noqa: BLE001 - handed to the caller, in item order

@@ -330,17 +330,22 @@ class Executor:
             self._notify()
             raise
         except BaseException:
-            # Ctrl-C, a full disk, a bug: the trial is FAIL without a result ("interrupted"), in one
-            # attempt (no retries while the user waits; an unreachable storage fails it later by
-            # its stopped heartbeat)
-            with contextlib.suppress(Exception):
-                retrying(lambda: trial.study.tell(trial, None, state=TrialState.FAIL, skip_if_finished=True),
-                         "tell", say=None, delays_s=())
-            self._notify()
+            self._fail_unfinished(trial)
             raise
         frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
         self._notify()
         return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
+
+    def _fail_unfinished(self, trial: Any) -> None:
+        """Ctrl-C, SIGTERM, a full disk, a bug: the claimed ``trial`` is FAIL without a result
+        ("interrupted"; a finished trial is left as it is), in one attempt (no retries while the
+        user waits; an unreachable storage fails it later by its stopped heartbeat)."""
+        from optuna.trial import TrialState
+
+        with contextlib.suppress(Exception):
+            retrying(lambda: trial.study.tell(trial, None, state=TrialState.FAIL, skip_if_finished=True),
+                     "tell", say=None, delays_s=())
+        self._notify()
 
     def _work(self, index: int, next_trial: Callable[[], Any | None], done: Callable[[], bool]) -> None:
         slot, study = self.slots[index], self._slot_study(index)
@@ -358,17 +363,28 @@ class Executor:
                 raise_if_pending()   # a stop signal whose raise was dropped (oomtune.interrupts)
                 with self._changed:
                     generation = self._generation
-                trial = next_trial()
-                if report is not None:
-                    report, finished = None, report
-                    self.on_trial(*finished)
-                if trial is _DONE:
-                    break
-                if trial is None:  # nothing to do now: until this process's next ask or trial ends
-                    with self._changed:
-                        self._changed.wait_for(lambda: self._generation != generation, self.poll_s)
-                    continue
-                report = self._run_claimed(trial, slot)
+                trial = None
+                try:
+                    # a stop signal during the claim is raised once the claimed trial is known, so
+                    # that it is failed below instead of left RUNNING without a heartbeat
+                    with deferred():
+                        trial = next_trial()
+                    if report is not None:
+                        report, finished = None, report
+                        self.on_trial(*finished)
+                    if trial is _DONE:
+                        break
+                    if trial is None:  # nothing to do now: until this process's next ask or trial ends
+                        with self._changed:
+                            self._changed.wait_for(lambda: self._generation != generation, self.poll_s)
+                        continue
+                    report = self._run_claimed(trial, slot)
+                except StorageUnavailableError:
+                    raise   # the trial stays RUNNING, its outcome in its record (see _run_claimed)
+                except BaseException:
+                    if trial is not None and trial is not _DONE:
+                        self._fail_unfinished(trial)   # claimed, then stopped before its outcome was told
+                    raise
         finally:
             local.in_optimize_loop = was
             self._tls.trials = None

@@ -351,6 +351,7 @@ class ForkServerClient:
         self._pending: dict[int, queue.Queue] = {}
         self._next_id = 0
         self._ready: queue.Queue = queue.Queue()
+        self._up = False   # the server said it is ready (its imports are done)
 
     @property
     def alive(self) -> bool:
@@ -448,6 +449,7 @@ class ForkServerClient:
         for line in proc.stdout:
             message = json.loads(line)
             if "ready" in message:
+                self._up = bool(message.get("ready"))
                 self._ready.put(message)
                 continue
             with self._lock:
@@ -463,11 +465,16 @@ class ForkServerClient:
             target.put(None)
 
     def close(self) -> None:
-        """Stop the server (closing its stdin; it kills its live trials' groups) and wait for it."""
+        """Stop the server (closing its stdin; it kills its live trials' groups) and wait for it. A
+        server still starting (importing torch: seconds) has no trials and reads its stdin only
+        once started: it is killed at once (a search stopped by Ctrl-C during its frontier
+        predictions waited for the import to end)."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
+            if not self._up:
+                proc.kill()
             proc.stdin.close()
             proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
