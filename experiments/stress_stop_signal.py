@@ -76,8 +76,8 @@ def one_round(path: Path, rng: random.Random) -> dict:
     timer = threading.Timer(delay, send)
     stopped, latency = False, None
     with interrupts.stopping_on((signal.SIGTERM,)):
-        timer.start()
         try:
+            timer.start()   # inside: a delay near 0 sends the signal before start() returns
             Executor(study, ["cpu"], evaluate, poll_s=0.01).run_sampler(200, "search")
         except Interrupted:
             stopped, latency = True, time.monotonic() - sent[0]
