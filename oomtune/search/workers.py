@@ -329,9 +329,7 @@ class Executor:
             # (oomtune.search.tell_records), told by the next run before its heartbeat counts as stale
             self._notify()
             raise
-        except BaseException:
-            self._fail_unfinished(trial)
-            raise
+        # anything else (Ctrl-C, a full disk, a bug): _work fails the trial (_fail_unfinished)
         frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
         self._notify()
         return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
