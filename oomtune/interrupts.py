@@ -23,8 +23,9 @@ signal landed inside Optuna's heartbeat context while its thread started
 daemon) beat on, and the interpreter waited for it for ever after printing "terminated"; twice
 the search's next storage call waited on SQLite's write lock past the 60 s the test allows (the
 busy timeout, spent in C, where no handler runs). A raise inside a storage call leaves that lock
-taken: experiments/stress_stop_signal.py, SIGTERM at a random moment of the worker loop, left the
-study write-locked in 30 of 150 rounds before this module deferred it (0 of 150 after).
+taken: experiments/stress_stop_signal.py sends SIGTERM at a random moment of the worker loop and
+counts the rounds that left the study write-locked or a heartbeat thread alive, before this
+module deferred the raise and after (experiments/results/stress_stop_signal.txt).
 
 So within :func:`deferred` (every storage call: :func:`oomtune.study.reconnect.retrying`; the
 heartbeat's start and stop) the handler remembers the signal and runs the stoppers at once, but
