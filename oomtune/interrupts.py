@@ -29,9 +29,9 @@ module deferred the raise and after (experiments/results/stress_stop_signal.txt)
 
 So within :func:`deferred` (every storage call: :func:`oomtune.study.reconnect.retrying`; the
 heartbeat's start and stop) the handler remembers the signal and runs the stoppers at once, but
-the section raises it only when it ends; in the storage libraries' own code outside such a section
-(a finalizer of SQLAlchemy's pool run by the garbage collector, where a raise would be dropped
-anyway and the finalizer's rollback cut short) it does not raise, and the next safe point does.
+the section raises it only when it ends. A process the stoppers could not reach because it was
+being started as the signal came is killed as soon as it is registered
+(:class:`oomtune.trial.runner.TrialRunner` checks :func:`pending`).
 """
 
 from __future__ import annotations
@@ -58,35 +58,18 @@ def handler(signum: int, frame: Any) -> None:
     the main thread is inside :func:`deferred`: then the section raises it when it ends.
 
     Raises:
-        Interrupted: outside :func:`deferred` and the storage libraries' code (it may be dropped by
-            CPython, see the module docstring; the signal stays pending for :func:`raise_if_pending`).
+        Interrupted: outside :func:`deferred` (it may be dropped by CPython, see the module
+            docstring; the signal stays pending for :func:`raise_if_pending`).
     """
     global _pending, _deferred
     _pending = signum
     for stop in list(_stoppers):
         with contextlib.suppress(Exception):   # a stopper's failure must not hide the signal
             stop()
-    if _deferring or _in_storage_code(frame):
+    if _deferring:
         _deferred = signum
         return
     raise Interrupted(signum)
-
-
-#: Modules in whose code the handler never raises (see :func:`_in_storage_code`).
-STORAGE_MODULES = ("sqlalchemy.", "optuna.storages.")
-
-
-def _in_storage_code(frame: Any) -> bool:
-    """True when the signal landed in the storage libraries' own code (a frame of
-    :data:`STORAGE_MODULES` on the stack) outside :func:`deferred`: a garbage collector's finalizer
-    of SQLAlchemy's pool (a connection's rollback and return), where a raise would be dropped and
-    the finalizer cut short, or a storage call not wrapped by :func:`deferred`. The signal is then
-    raised at the next :func:`raise_if_pending` or end of a :func:`deferred` section."""
-    while frame is not None:
-        if (frame.f_globals.get("__name__") or "").startswith(STORAGE_MODULES):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def pending() -> int | None:
