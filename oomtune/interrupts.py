@@ -29,9 +29,7 @@ module deferred the raise and after (experiments/results/stress_stop_signal.txt)
 
 So within :func:`deferred` (every storage call: :func:`oomtune.study.reconnect.retrying`; the
 heartbeat's start and stop) the handler remembers the signal and runs the stoppers at once, but
-the section raises it only when it ends. A process the stoppers could not reach because it was
-being started as the signal came is killed as soon as it is registered
-(:class:`oomtune.trial.runner.TrialRunner` checks :func:`pending`).
+the section raises it only when it ends.
 """
 
 from __future__ import annotations

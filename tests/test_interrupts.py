@@ -266,25 +266,6 @@ def test_a_stop_signal_inside_a_storage_transaction_is_raised_after_its_commit(t
     assert storage.get_study_user_attrs(study_id) == {"answer": 42}
 
 
-def test_a_trial_started_after_the_stop_signal_is_killed_when_it_is_registered(tmp_path, unraisable):
-    # The signal's stoppers (kill_all) run in the handler; a trial process being started at that
-    # moment is not yet registered, and the search then waited for it up to its timeout (a command
-    # sleeping 300 s: a suite run's SIGINT test did not stop within 60 s)
-    from oomtune.outcome import Outcome
-    from oomtune.trial.record import TrialSpec
-    from oomtune.trial.runner import TrialRunner
-
-    command = f"{sys.executable} -c 'import time; time.sleep(300)' --bs {{batch_size}}"
-    spec = TrialSpec(workload={"name": "mlp", "target": {"name": "cmd", "command": command, "cwd": None}},
-                     batch_size=4, timeout_s=280)
-    runner = TrialRunner(launcher="spawn")
-    with interrupts.stopping_on((signal.SIGTERM,), stoppers=(runner.kill_all,)):
-        _signal_dropped()   # received, its raise dropped, nothing running yet for kill_all to kill
-        result = runner.run(spec, workdir=tmp_path / "trial")
-    runner.close()
-    # killed when registered (the keeper's SIGHUP), not left to the command's 300 s or the 280 s timeout
-    assert result.outcome is not Outcome.TIMEOUT and result.message == "killed by SIGHUP"
-
 
 
 def test_a_stop_signal_during_the_claim_fails_the_claimed_trial(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -204,6 +205,9 @@ def test_a_search_after_a_plan_of_a_python_entry_reads_its_captures_and_a_change
     monkeypatch.setattr(P, "capture_training_stream", real_capture)
     for name in [m for m in sys.modules if m == "helper_mod" or m.startswith("oomtune_user_wl_")]:
         monkeypatch.delitem(sys.modules, name)   # this process loaded the old code; a new process would not
+    # the old bytecode too: CPython checks a .pyc by its source's mtime in whole seconds and its size, and
+    # "WIDTH = 48" rewritten within the second of "WIDTH = 32" (same size) would load the old code
+    shutil.rmtree(tmp_path / "__pycache__", ignore_errors=True)
     fresh = P.Predictor.for_search(WorkloadSpec.from_dict(changed), device, 64 << 20, cache=cache)
     assert fresh.predict_detail(64, "").peak_allocated_bytes > want[64].peak_allocated_bytes   # 48 features, not 32
 

@@ -287,7 +287,6 @@ class TrialRunner:
                                advice="check the Python interpreter and process limits")
         with self._lock:
             self._live[handle.pid] = handle
-        self._kill_if_stopping(handle.pid)
         try:
             returncode, timed_out = self._wait(handle, spec.timeout_s)  # from the process's start
         finally:
@@ -334,7 +333,6 @@ class TrialRunner:
             started.append(pid)
             with self._lock:
                 self._live[pid] = pid
-            self._kill_if_stopping(pid)
 
         forks = None
         if self.launcher != "spawn" and hasattr(os, "fork") and (self.launcher == "fork"
@@ -359,16 +357,6 @@ class TrialRunner:
         return end_kept(handle.pid, handle.wait, self.grace_s), True
 
     # -- stopping ----------------------------------------------------------------------------
-    def _kill_if_stopping(self, pid: int) -> None:
-        """A stop signal came while this trial's process was being started (:func:`oomtune.
-        interrupts.pending`): :meth:`kill_all` ran before it was registered, so kill it now (else
-        the search waits for a trial nobody will read, up to its timeout)."""
-        from oomtune.interrupts import pending
-
-        if pending() is not None:
-            self._killed.add(pid)
-            kill_now(pid)
-
     def kill_all(self) -> int:
         """Have the keepers of all live trials kill their trees now (safe in a signal handler).
         Returns how many."""
