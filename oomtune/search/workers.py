@@ -329,7 +329,9 @@ class Executor:
             # (oomtune.search.tell_records), told by the next run before its heartbeat counts as stale
             self._notify()
             raise
-        # anything else (Ctrl-C, a full disk, a bug): _work fails the trial (_fail_unfinished)
+        except BaseException:
+            self._fail_unfinished(trial)   # Ctrl-C, a full disk, a bug
+            raise
         frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
         self._notify()
         return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
@@ -377,9 +379,7 @@ class Executor:
                             self._changed.wait_for(lambda: self._generation != generation, self.poll_s)
                         continue
                     report = self._run_claimed(trial, slot)
-                except StorageUnavailableError:
-                    raise   # the trial stays RUNNING, its outcome in its record (see _run_claimed)
-                except BaseException:
+                except KeyboardInterrupt:
                     if trial is not None and trial is not _DONE:
                         self._fail_unfinished(trial)   # claimed, then stopped before its outcome was told
                     raise
