@@ -237,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The ``oomtune`` console script and ``python -m oomtune``: :func:`main`, then exit with its code.
+    """The ``oomtune`` console script and ``python -m oomtune``: :func:`main`, then exit with its code
+    through :func:`oomtune.exiting.exit_now` (the interpreter's exit without its teardown of every
+    module, 1.6-2.8 s of a search's exit: experiments/results/bench_exit.txt).
 
     A run stopped by a signal (exit 130 or 143) ends even where a thread that is not a daemon (a
     library's, such as Optuna's heartbeat thread, whose ``__exit__`` a signal can skip) is still
@@ -246,11 +248,14 @@ def console_main() -> None:
     (``os._exit``, without ``atexit`` handlers, as the signal's default action would have ended it).
 
     Raises:
-        SystemExit: always, with :func:`main`'s exit code.
+        SystemExit: with :func:`main`'s exit code, where ``exit_now`` cannot skip the teardown.
     """
+    import os
     import signal
     import threading
     import time
+
+    from oomtune.exiting import exit_now, flush_std_streams
 
     code = main()
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
@@ -260,13 +265,9 @@ def console_main() -> None:
             t.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in waiting if t.is_alive()]
         if alive:
-            import contextlib
-            import os
-
             print(f"oomtune: exiting without waiting for thread(s) {', '.join(alive)} "
                   f"(still running {STOP_JOIN_S:g} s after the stop)", file=sys.stderr)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(OSError, ValueError):   # a reader gone, a stream closed
-                    stream.flush()
+            flush_std_streams()
             os._exit(code)
-    raise SystemExit(code)
+    exit_now(code)
+

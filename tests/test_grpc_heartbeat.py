@@ -55,13 +55,20 @@ def client(monkeypatch):
     storage.close()
 
 
-def test_unchanged_for_more_than_the_grace_period_is_stale(client):
+def test_unchanged_for_more_than_the_grace_period_is_stale(client, monkeypatch):
+    monkeypatch.delenv("OOMTUNE_STORAGE_RETRY_S", raising=False)   # the default schedule: 1, 2, 4 ... 30 s
     storage, clock, running = client
     running[:] = [_running(7, ["other", 3]), _running(8, None)]          # 8 never beat (claimed, then died)
     assert storage._get_stale_trial_ids(0) == []                        # first seen at 100 s
     clock["now"] = 105.0
     assert storage._get_stale_trial_ids(0) == []                        # 5 s: not more than the grace
     clock["now"] = 105.5
+    assert storage._get_stale_trial_ids(0) == [7]
+    # 8 never beat: its worker may still be claiming it, waiting up to the longest retry delay (30 s)
+    # between two tries of a storage call, so it counts as stale only after 5 + 30 s
+    clock["now"] = 135.0
+    assert storage._get_stale_trial_ids(0) == [7]
+    clock["now"] = 135.5
     assert storage._get_stale_trial_ids(0) == [7, 8]
 
 

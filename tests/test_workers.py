@@ -347,3 +347,28 @@ def test_a_duplicate_failed_meanwhile_by_another_worker_is_left_as_it_is(tmp_pat
     trials = study.get_trials(deepcopy=False)
     assert trials[first.number].state == TrialState.COMPLETE and trials[copy.number].state == TrialState.FAIL
     assert ATTR_DUPLICATE_OF not in trials[copy.number].user_attrs
+
+
+def test_a_claimed_trial_beats_before_its_first_check(tmp_path, monkeypatch):
+    # Field case (a suite run, a search through a gRPC proxy restarted mid-search): a worker claimed a
+    # trial, then its duplicate check waited out the outage with growing retry delays (up to 30 s)
+    # before the heartbeat started, and a worker that reconnected first failed the live trial as
+    # stale. The heartbeat must run from the claim on, before any other storage call of the trial.
+    import sqlite3
+
+    study = _study(tmp_path)
+    beats_seen = []
+
+    def duplicate_of(self, trial):
+        deadline, rows = time.monotonic() + 10, 0
+        with sqlite3.connect(tmp_path / "study.db") as db:
+            while not rows and time.monotonic() < deadline:
+                rows = db.execute("SELECT count(*) FROM trial_heartbeats WHERE trial_id = ?",
+                                  (trial._trial_id,)).fetchone()[0]
+                time.sleep(0.05)
+        beats_seen.append(rows)
+        return None
+
+    monkeypatch.setattr(Executor, "_duplicate_of", duplicate_of)
+    out = Executor(study, ["cpu"], _Recorder(), poll_s=0.05).run_batch([({"x": 5}, "baseline", {})])
+    assert beats_seen == [1] and out[0].state.name == "COMPLETE"

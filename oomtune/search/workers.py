@@ -296,34 +296,30 @@ class Executor:
         from optuna.trial import TrialState
 
         self.stats["claimed"] += 1
-        original = self._duplicate_of(trial)
-        if original is not None:
-            self.stats["duplicates"] += 1
-            from optuna.exceptions import UpdateFinishedTrialError
-
-            try:
-                self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
-            except UpdateFinishedTrialError:
-                # failed meanwhile by another worker: its heartbeat had not started when the storage
-                # became unreachable for longer than the grace period; nothing is left to mark
-                pass
-            self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True))
-            self._notify()
-            return None
-        # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
-        cached = getattr(trial, "_cached_frozen_trial", None)
-        system_attrs = cached.system_attrs if cached is not None else self._call(
-            "read a trial", lambda: trial.study._storage.get_trial(trial._trial_id).system_attrs)
-        if "failed_trial" in system_attrs:
-            self.say(f"[trial {trial.number}] retrying trial {system_attrs['failed_trial']} "
-                     "(its worker stopped: heartbeat expired)")
         state, value = TrialState.FAIL, None
+        # The trial beats from its claim on, before the checks below: their storage calls wait out
+        # an outage with growing delays (up to 30 s, reconnect.STORAGE_RETRY_S), and a trial without
+        # beats while this worker waits would be taken for a dead one by a worker that reconnected
+        # first (field case: a suite run, a proxy restarted mid-search, a live trial retried). The
+        # heartbeat thread tries every interval, whatever the main thread waits for.
         try:
             with _heartbeat(trial):
-                value = self.evaluate(trial, slot)
-            state = TrialState.COMPLETE
-        except TrialErrored:
-            pass
+                original = self._duplicate_of(trial)
+                if original is not None:
+                    self._finish_duplicate(trial, original)
+                    return None
+                # the retry marker is set when the trial is enqueued: optuna.Trial read it when it was made
+                cached = getattr(trial, "_cached_frozen_trial", None)
+                system_attrs = cached.system_attrs if cached is not None else self._call(
+                    "read a trial", lambda: trial.study._storage.get_trial(trial._trial_id).system_attrs)
+                if "failed_trial" in system_attrs:
+                    self.say(f"[trial {trial.number}] retrying trial {system_attrs['failed_trial']} "
+                             "(its worker stopped: heartbeat expired)")
+                try:
+                    value = self.evaluate(trial, slot)
+                    state = TrialState.COMPLETE
+                except TrialErrored:
+                    pass
         except StorageUnavailableError:
             # the storage stayed unreachable: the trial stays RUNNING, its outcome in its record
             # (oomtune.search.tell_records), told by the next run before its heartbeat counts as stale
@@ -335,6 +331,21 @@ class Executor:
         frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
         self._notify()
         return frozen, frozen.user_attrs.get(R.ATTR_ROLE, "search")
+
+    def _finish_duplicate(self, trial: Any, original: int) -> None:
+        """A claimed ``trial`` that repeats trial ``original``: marked (:data:`ATTR_DUPLICATE_OF`)
+        and told FAIL without running."""
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        self.stats["duplicates"] += 1
+        try:
+            self._call("mark a duplicate", lambda: trial.set_user_attr(ATTR_DUPLICATE_OF, original))
+        except UpdateFinishedTrialError:
+            # failed meanwhile by another worker (its heartbeat judged stale): nothing is left to mark
+            pass
+        self._call("tell", lambda: trial.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True))
+        self._notify()
 
     def _fail_unfinished(self, trial: Any) -> None:
         """Ctrl-C, SIGTERM, a full disk, a bug: the claimed ``trial`` is FAIL without a result

@@ -19,7 +19,10 @@ What Optuna's proxy does not do, and what oomtune adds on the client side (:func
   again by Optuna's own ``RetryHeartbeatStaleTrialCallback``, as on PostgreSQL. A trial is
   therefore failed between ``grace_period`` and ``grace_period + heartbeat_interval`` plus one look
   (the workers look at most once a second) after its worker stopped, counted from the first look of
-  a worker that was already running.
+  a worker that was already running; a trial that never beat (its worker stopped while claiming it)
+  after the longest storage retry delay more, since a live worker may wait that long between two
+  tries of its claim. A worker starts its trial's heartbeat right after the claim, before any other
+  storage call of the trial (oomtune.search.workers).
 - **Reconnection.** A call made while the proxy is down fails with gRPC's ``UNAVAILABLE`` (one
   waiting for a handler when the proxy shut down, with ``CANCELLED``: grpc/grpc#41785); every
   storage call is retried with backoff (:func:`oomtune.study.reconnect.retrying`, one line per
@@ -228,10 +231,18 @@ def grpc_storage_class() -> type:
 
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             """RUNNING trials whose heartbeat value this process has seen unchanged for more than
-            ``grace_period`` seconds of its monotonic clock (a trial that never beat included), all
-            of them while this process reached the proxy (an outage restarts the count: the trial's
-            worker could not beat through it either)."""
+            ``grace_period`` seconds of its monotonic clock, all of them while this process reached
+            the proxy (an outage restarts the count: the trial's worker could not beat through it
+            either). A trial that never beat (claimed, its heartbeat not started yet) gets the
+            longest storage retry delay more (:func:`oomtune.study.reconnect.retry_schedule`, 30 s by
+            default): its worker may be waiting that long between two tries of its claim."""
+            from oomtune.study.reconnect import retry_schedule
+
             now = time.monotonic()
+            # a trial that never beat is still being claimed: its worker's storage calls may be waiting
+            # out an outage between two tries (up to the schedule's longest delay) before its heartbeat
+            # thread starts (right after the claim: oomtune.search.workers)
+            claiming_s = max(retry_schedule(), default=0.0)
             running = self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
             stale, alive = [], set()
             with self._lock:
@@ -243,7 +254,7 @@ def grpc_storage_class() -> type:
                     # trial's worker (its beats failed too): its clock restarts after an outage
                     if seen is None or seen[0] != beat or seen[1] <= self._outage_at:
                         self._seen[trial._trial_id] = (beat, now)
-                    elif now - seen[1] > self.grace_period:
+                    elif now - seen[1] > self.grace_period + (claiming_s if beat == "null" else 0.0):
                         stale.append(trial._trial_id)
                 for trial_id in [t for t in self._seen if t not in alive]:
                     del self._seen[trial_id]

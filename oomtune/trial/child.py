@@ -620,5 +620,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from oomtune.exiting import exit_now
+
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.exit(main())
+    exit_now(main())   # the record is written: no teardown of torch (oomtune.exiting)

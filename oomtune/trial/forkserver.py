@@ -498,10 +498,12 @@ def _pid_running(pid: int) -> bool:
 
 
 if __name__ == "__main__":
+    from oomtune.exiting import exit_now   # no teardown of the preloaded torch (oomtune.exiting)
+
     # ``--modules a,b:c``: a target=cmd script's server (ForkServerClient(modules=...)); the server's
     # own directory entry (``-m`` puts the cwd first on sys.path) must not shadow what the script imports
     if sys.argv[1:2] == ["--modules"]:
         if sys.path and sys.path[0] in ("", os.getcwd()):
             del sys.path[0]
-        sys.exit(serve(tuple(m for m in sys.argv[2].split(",") if m)))
-    sys.exit(serve())
+        exit_now(serve(tuple(m for m in sys.argv[2].split(",") if m)))
+    exit_now(serve())
