@@ -312,3 +312,55 @@ def test_the_frontier_captures_stop_at_the_next_item_when_the_raise_was_dropped(
             parallel.fork_map(capture, list(range(6)), workers=workers)
     assert len(unraisable) == 1
     assert len(done) == 1   # this process took no item after the signal
+
+
+def _sleep_spec(tmp_path, timeout_s: float):
+    """A target=cmd trial whose command would sleep 300 s and then leave a file behind."""
+    from oomtune.trial.record import TrialSpec
+
+    done = tmp_path / "slept"
+    command = f"{sys.executable} -c 'import sys, time; time.sleep(300); open(sys.argv[1], \"w\")' {done} --bs {{batch_size}}"
+    spec = TrialSpec(workload={"name": "mlp", "target": {"name": "cmd", "command": command, "cwd": None}},
+                     batch_size=4, timeout_s=timeout_s)
+    return spec, done
+
+
+def test_no_trial_starts_after_a_stop_signal_whose_raise_was_dropped(tmp_path, unraisable):
+    # Field case (a suite run's Ctrl-C test did not stop within 60 s): the signal's raise was dropped
+    # while one trial ran; the handler killed that trial, and the search went on to its next trial, a
+    # command sleeping 300 s. The runner is a safe point: it raises the pending signal, launching nothing.
+    from oomtune.trial.runner import TrialRunner
+
+    spec, _ = _sleep_spec(tmp_path, timeout_s=280)
+    runner = TrialRunner(launcher="spawn")
+    with interrupts.stopping_on((signal.SIGTERM,), stoppers=(runner.kill_all,)):
+        _signal_dropped()
+        with pytest.raises(Interrupted):
+            runner.run(spec, workdir=tmp_path / "trial")
+    runner.close()
+    assert not (tmp_path / "trial").exists()   # nothing was launched
+
+
+def test_a_trial_being_started_when_the_stop_signal_comes_is_killed_when_registered(tmp_path, unraisable,
+                                                                                     monkeypatch):
+    # The signal's stoppers (kill_all) run in the handler; a trial process being started at that
+    # moment is not registered yet: it is killed when it is, not left to run to its timeout.
+    from oomtune.outcome import Outcome
+    from oomtune.targets import cmd
+    from oomtune.trial.runner import TrialRunner
+
+    spec, slept = _sleep_spec(tmp_path, timeout_s=240)
+    checked = cmd._check_startable
+
+    def signal_during_the_start(*args, **kwargs):   # after run()'s check, before the process exists
+        checked(*args, **kwargs)
+        _signal_dropped()
+
+    monkeypatch.setattr(cmd, "_check_startable", signal_during_the_start)
+    runner = TrialRunner(launcher="spawn")
+    with interrupts.stopping_on((signal.SIGTERM,), stoppers=(runner.kill_all,)):
+        result = runner.run(spec, workdir=tmp_path / "trial")
+        assert interrupts.pending() == signal.SIGTERM
+    runner.close()
+    # killed, not left to its 240 s timeout, and recorded as interrupted (it says nothing of the batch)
+    assert result.outcome is Outcome.ERROR and result.message.startswith("interrupted:") and not slept.exists(), result

@@ -45,6 +45,7 @@ from typing import Any, Iterator
 from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_failure
 from oomtune.exceptions import ConfigError
+from oomtune.interrupts import pending, raise_if_pending
 from oomtune.outcome import Outcome
 from oomtune.trial._base import Target, get_target
 from oomtune.trial.forkserver import ALLOC_ENV_VARS, ForkServerClient, ForkServerError, backend_refusal
@@ -169,6 +170,11 @@ class SpawnedTrial:
         return self._proc.wait()
 
 
+#: A trial killed by :meth:`TrialRunner.kill_all` (a stop signal): its record's message and advice.
+INTERRUPTED_MESSAGE = "interrupted: trial killed by the runner (kill_all)"
+INTERRUPTED_ADVICE = "the run was interrupted; this trial says nothing about the configuration"
+
+
 class TrialRunner:
     """Runs trials as processes and keeps track of the live ones.
 
@@ -258,9 +264,16 @@ class TrialRunner:
                 trial's working directory).
             env: extra environment variables for the trial, added to ours.
 
+        No trial starts after a stop signal (:mod:`oomtune.interrupts`): one received before the
+        launch is raised here (its first raise may have been dropped), and a trial whose process was
+        being started when it came (after the handler's :meth:`kill_all`) is killed as soon as it is
+        registered; its record says "interrupted".
+
         Raises:
             AllocatorConfigError, ConfigError: invalid spec (nothing was launched).
+            Interrupted: a stop signal was received before the launch (nothing was launched).
         """
+        raise_if_pending()   # field case: a dropped raise, and the search went on to its next trial
         settings = validate_spec(spec)
         target = get_target(spec.workload.target_name)
         if target.own_process:
@@ -287,6 +300,7 @@ class TrialRunner:
                                advice="check the Python interpreter and process limits")
         with self._lock:
             self._live[handle.pid] = handle
+        self._kill_if_stopping(handle.pid)
         try:
             returncode, timed_out = self._wait(handle, spec.timeout_s)  # from the process's start
         finally:
@@ -311,8 +325,7 @@ class TrialRunner:
                                                                                   message=rec.result.message)))
         if handle.pid in self._killed:
             self._killed.discard(handle.pid)
-            rec.set(outcome=Outcome.ERROR, message="interrupted: trial killed by the runner (kill_all)",
-                    advice="the run was interrupted; this trial says nothing about the configuration")
+            rec.set(outcome=Outcome.ERROR, message=INTERRUPTED_MESSAGE, advice=INTERRUPTED_ADVICE)
         rec.update("process", launcher=launcher, pid=handle.pid, returncode=returncode)
         if fallback and launcher == "spawn" and self.launcher != "spawn":
             rec.update("process", launcher_fallback=fallback)
@@ -333,6 +346,7 @@ class TrialRunner:
             started.append(pid)
             with self._lock:
                 self._live[pid] = pid
+            self._kill_if_stopping(pid)
 
         forks = None
         if self.launcher != "spawn" and hasattr(os, "fork") and (self.launcher == "fork"
@@ -342,11 +356,17 @@ class TrialRunner:
                     self._scripts = ScriptServers(self.python)
                 forks = self._scripts
         try:
-            return target.run(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register, forks=forks)
+            result = target.run(spec, workdir=workdir, env=env, grace_s=self.grace_s, on_start=register, forks=forks)
         finally:
             with self._lock:
                 for pid in started:
                     self._live.pop(pid, None)
+        if any(pid in self._killed for pid in started):
+            self._killed.difference_update(started)
+            rec = ResultDraft(result)
+            rec.set(outcome=Outcome.ERROR, message=INTERRUPTED_MESSAGE, advice=INTERRUPTED_ADVICE)
+            return rec.result
+        return result
 
     def _wait(self, handle: Any, timeout_s: float) -> tuple[int | None, bool]:
         """Wait for the trial; on timeout its keeper SIGTERMs the tree, then SIGKILLs it after
@@ -357,6 +377,14 @@ class TrialRunner:
         return end_kept(handle.pid, handle.wait, self.grace_s), True
 
     # -- stopping ----------------------------------------------------------------------------
+    def _kill_if_stopping(self, pid: int) -> None:
+        """A stop signal came while the trial ``pid`` was being started: the handler's
+        :meth:`kill_all` ran before it was registered, so it is killed now (else the run waits for
+        a trial nobody reads, up to its timeout: a suite run's Ctrl-C test did not stop in 60 s)."""
+        if pending() is not None:
+            self._killed.add(pid)
+            kill_now(pid)
+
     def kill_all(self) -> int:
         """Have the keepers of all live trials kill their trees now (safe in a signal handler).
         Returns how many."""
