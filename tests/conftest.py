@@ -70,18 +70,48 @@ def no_cublas_workspaces(monkeypatch):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The longest test files first, each file's tests together and in their order; which tests run
-    is unchanged. Seconds per file from tests/data/suite_durations.json (a run's per-file sums,
-    written by ``experiments/bench_suite.py --durations``); a file not listed counts as 0.
+    """Order the tests so that each xdist worker starts with long files; which tests run is unchanged.
+    Seconds per file from tests/data/suite_durations.json (a run's per-file sums, written by
+    ``experiments/bench_suite.py --durations``); a file not listed counts as 0.
 
-    Why: ``--dist worksteal`` hands each worker a contiguous share of this order and an idle worker
-    takes the second half of a busy one's queue; a long file collected late (alphabetical order)
-    starts late and leaves the other workers idle at the end of the run."""
+    Why: ``--dist worksteal`` hands the workers contiguous shares of this order, equal in count
+    (xdist/scheduler/worksteal.py, ``check_schedule``: ``len(pending) // nodes_remaining`` each, in
+    order), each worker runs its share in order, and an idle worker takes the second half of the
+    longest queue (by count). Sorting the whole list longest first gave the first worker every long
+    file, and the run ended with it alone on them (the last ~40 s at 11-25% CPU). :func:`share_order`
+    spreads the files over the shares instead."""
     try:
         seconds = json.loads((Path(__file__).parent / "data" / "suite_durations.json").read_text())
     except (OSError, ValueError):
         return
-    items.sort(key=lambda item: -float(seconds.get(item.nodeid.split("::")[0], 0.0)))   # stable
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = share_order(items, lambda item: item.nodeid.split("::")[0], seconds, workers)
+
+
+def share_order(items, file_of, seconds, workers):
+    """``items`` reordered as ``workers`` contiguous shares of the sizes xdist's worksteal hands out
+    (``remaining // shares_left``, in order), each file's items together and in their order: files
+    are taken longest first and each goes to the share with the fewest seconds so far that has room
+    (split over shares only when it does not fit whole), so every share starts with long files and
+    ends with short ones (the ones another worker steals)."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(file_of(item), []).append(item)
+    sizes, left = [], len(items)
+    for i in range(max(1, workers)):
+        sizes.append(left // (max(1, workers) - i))
+        left -= sizes[-1]
+    shares: list[list] = [[] for _ in sizes]
+    load = [0.0] * len(sizes)
+    for name in sorted(files, key=lambda f: -float(seconds.get(f, 0.0))):   # stable: collection order
+        rest, each = files[name], float(seconds.get(name, 0.0)) / len(files[name])
+        while rest:
+            k = min((k for k in range(len(sizes)) if len(shares[k]) < sizes[k]), key=lambda k: (load[k], k))
+            take = rest[:sizes[k] - len(shares[k])]
+            shares[k].extend(take)
+            load[k] += each * len(take)
+            rest = rest[len(take):]
+    return [item for share in shares for item in share]
 
 
 def pytest_xdist_auto_num_workers(config):
