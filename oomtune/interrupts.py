@@ -120,8 +120,8 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
                 stoppers: Iterable[Callable[[], object]] = ()) -> Iterator[None]:
     """Within the block, each of ``signums`` runs :func:`handler`; ``stoppers`` are called by it.
 
-    SIGINT is taken over only where Python's own Ctrl-C handler is installed (a process started in
-    the background inherits it ignored, and stays so). On exit the previous handlers and stoppers are
+    SIGINT is taken over only where Python's own Ctrl-C handler (or this module's, an outer block's)
+    is installed (a process started in the background inherits it ignored, and stays so). On exit the previous handlers and stoppers are
     restored and the pending signal is forgotten (it has been raised by then). In a thread other than
     the main one (where CPython refuses ``signal.signal``) nothing is installed.
     """
@@ -132,8 +132,8 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
     previous: dict[int, Any] = {}
     for signum in signums:
         current = signal.getsignal(signum)
-        if signum == signal.SIGINT and current is not signal.default_int_handler:
-            continue
+        if signum == signal.SIGINT and current is not signal.default_int_handler and current is not handler:
+            continue   # ignored (a background process) or the program's own: left as it is
         previous[signum] = signal.signal(signum, handler)
     added = list(stoppers)
     _stoppers.extend(added)

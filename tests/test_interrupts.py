@@ -294,17 +294,24 @@ def test_a_stop_signal_during_the_claim_fails_the_claimed_trial(tmp_path, monkey
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_the_frontier_captures_stop_at_the_next_item_when_the_raise_was_dropped(workers, unraisable):
+def test_the_frontier_captures_stop_at_the_next_item_when_the_raise_was_dropped(workers, unraisable, tmp_path):
     # A SIGTERM during the frontier predictions landed in a weakref callback of a capture (dropped), and
     # the search ran every remaining capture before it stopped
+    import time
+
     from oomtune.plan import parallel
 
-    done, here = [], os.getpid()
+    done, here, taken = [], os.getpid(), tmp_path / "this-process-took-an-item"
 
     def capture(x):
         done.append(x)   # a forked child appends to its own copy
         if os.getpid() == here and len(done) == 1:
+            taken.touch()
             _signal_dropped()   # during this process's first item, whichever it took
+        elif os.getpid() != here:   # a child waits until this process has an item (else, under load,
+            deadline = time.monotonic() + 60   # it could take all six before this process takes one)
+            while not taken.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         return x
 
     with interrupts.stopping_on((signal.SIGTERM,)):
@@ -364,3 +371,34 @@ def test_a_trial_being_started_when_the_stop_signal_comes_is_killed_when_registe
     runner.close()
     # killed, not left to its 240 s timeout, and recorded as interrupted (it says nothing of the batch)
     assert result.outcome is Outcome.ERROR and result.message.startswith("interrupted:") and not slept.exists(), result
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["raised", "dropped"])
+def test_a_stop_while_the_outputs_are_written_stops_the_search_with_its_resume_line(tmp_path, monkeypatch, capsys,
+                                                                                   unraisable, dropped):
+    # Found by a new user: Ctrl-C or SIGTERM in the second after the last trial, while best.yaml and
+    # the report were written, found Python's own handlers back: SIGTERM ended the process without a
+    # line, and a Ctrl-C whose raise CPython dropped (in a weakref callback) let the search exit 0.
+    import types
+
+    from oomtune.search import run as search_run
+
+    monkeypatch.setattr(search_run, "search_here",
+                        lambda p, overrides, console: types.SimpleNamespace(url="sqlite:///study.db"))
+
+    def write_outputs(searched, *, out):
+        if dropped:
+            _signal_dropped(signal.SIGINT)
+        else:
+            os.kill(os.getpid(), signal.SIGINT)   # its handler runs at the next check of the eval loop
+            for _ in range(100_000):
+                pass
+        return tmp_path / "best.yaml"
+
+    monkeypatch.setattr(search_run, "write_search_outputs", write_outputs)
+    with pytest.raises(KeyboardInterrupt) as info:
+        search_run.search(["model=mlp", "device=cpu", "budget=64MiB", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert isinstance(info.value, Interrupted) and info.value.signum == signal.SIGINT
+    assert "interrupted: finished trials are saved in sqlite:///study.db; run the same command to resume" \
+        in capsys.readouterr().err
+    assert len(unraisable) == int(dropped)

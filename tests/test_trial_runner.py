@@ -317,3 +317,44 @@ def test_a_fork_server_still_starting_is_killed_by_close_not_waited_for(tmp_path
     client.close()
     # killed while it imported, rather than left to finish the import, read the end of its input, and exit 0
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_runner_closed_while_a_thread_starts_its_fork_server_starts_none(monkeypatch):
+    # Found by a new user: a search stopped during its frontier predictions left a fork server (in a
+    # session of its own) importing torch for about 5 s after the search had exited. The search starts
+    # the server in a thread; close() ran before that thread had made the server, found none to stop,
+    # and the thread then started it. A closed runner starts no server.
+    from oomtune.trial import forkserver
+    from oomtune.trial.runner import TrialRunner
+
+    runner = TrialRunner(launcher="fork")
+    checking, go = threading.Event(), threading.Event()
+    wants = TrialRunner._wants_fork
+
+    def slow_check(self, settings):   # the thread is still deciding when the search closes the runner
+        checking.set()
+        go.wait(30)
+        return wants(self, settings)
+
+    started = []
+    monkeypatch.setattr(TrialRunner, "_wants_fork", slow_check)
+    monkeypatch.setattr(forkserver.ForkServerClient, "start", lambda self, timeout_s=120.0: started.append(self))
+    got = []
+    thread = threading.Thread(target=lambda: got.append(runner.start_fork_server()))
+    thread.start()
+    assert checking.wait(30)
+    runner.close()
+    go.set()
+    thread.join(30)
+    assert got == [False] and started == [] and runner._server is None
+
+
+def test_a_fork_server_client_closed_before_its_start_kills_the_process_it_starts():
+    # the same race one level down: close() ran before start() had a process to stop
+    from oomtune.trial.forkserver import ForkServerClient, ForkServerError
+
+    client = ForkServerClient()
+    client.close()
+    with pytest.raises(ForkServerError, match="closed while it started"):
+        client.start()
+    assert client._proc is None

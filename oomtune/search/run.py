@@ -431,7 +431,19 @@ def search(overrides: Sequence[str] = (), *, console: Any = None) -> Path:
         from oomtune.search.jobs import launch
 
         return launch(overrides, cfg, p, console=console, out=out)
-    return write_search_outputs(search_here(p, overrides, console=console), out=out)
+    # a stop signal while the outputs are written (after the last trial) stops the command as during
+    # the trials, with the same line (found by a new user: SIGTERM there ended the process silently,
+    # and a Ctrl-C whose raise CPython dropped let it exit 0)
+    with interrupts.stopping_on((signal.SIGTERM, signal.SIGINT)):
+        searched = search_here(p, overrides, console=console)
+        try:
+            written = write_search_outputs(searched, out=out)
+            interrupts.raise_if_pending()
+        except KeyboardInterrupt:
+            _say(console, f"interrupted: finished trials are saved in {searched.url}; run the same command to "
+                          "resume (it writes best.yaml and the report from them)")
+            raise
+    return written
 
 
 @dataclass
@@ -714,7 +726,8 @@ def _resume_line(study: Any) -> str | None:
         return None
     line = ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
             + " already finished")
-    return line + (f"; {interrupted} interrupted (run again)" if interrupted else "")
+    return line + (f"; {interrupted} interrupted without a result (each tried again only where the search still "
+                   "needs it)" if interrupted else "")
 
 
 def _calibrated(predictor: Any, study: Any) -> Any:

@@ -352,6 +352,7 @@ class ForkServerClient:
         self._next_id = 0
         self._ready: queue.Queue = queue.Queue()
         self._up = False   # the server said it is ready (its imports are done)
+        self._closed = False   # close() was called: a start() under way kills what it started
 
     @property
     def alive(self) -> bool:
@@ -385,6 +386,12 @@ class ForkServerClient:
                 )
         except OSError as exc:
             raise ForkServerError(f"cannot start the fork server: {exc}") from None
+        if self._closed:   # close() ran in another thread before the process existed (set, then read)
+            proc, self._proc = self._proc, None
+            if proc is not None:   # else close() took it and killed it
+                proc.kill()
+                proc.wait()
+            raise ForkServerError("the fork server was closed while it started")
         # the reader gets the process itself: close() may clear self._proc before the thread first runs
         threading.Thread(target=self._read, args=(self._proc,), name="oomtune-forkserver-reader", daemon=True).start()
         try:
@@ -469,6 +476,7 @@ class ForkServerClient:
         server still starting (importing torch: seconds) has no trials and reads its stdin only
         once started: it is killed at once (a search stopped by Ctrl-C during its frontier
         predictions waited for the import to end)."""
+        self._closed = True   # before the process is read: start() checks it after setting it
         proc, self._proc = self._proc, None
         if proc is None:
             return

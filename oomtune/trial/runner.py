@@ -201,6 +201,7 @@ class TrialRunner:
         self._server: ForkServerClient | None = None
         self._server_failed: str | None = None
         self._scripts: ScriptServers | None = None   # target=cmd scripts' servers (script_fork)
+        self._closed = False
 
     # -- launching ---------------------------------------------------------------------------
     def _wants_fork(self, settings: AllocatorSettings) -> str | None:
@@ -215,6 +216,9 @@ class TrialRunner:
         with self._lock:
             if self._server is None or not self._server.alive:
                 self._server = ForkServerClient(self.python)
+                if self._closed:   # close() ran meanwhile (a stop while a thread started the server)
+                    self._server = None
+                    raise ForkServerError("the runner is closed")
                 try:
                     self._server.start()
                 except ForkServerError as exc:
@@ -395,10 +399,14 @@ class TrialRunner:
         return len(live)
 
     def close(self) -> None:
-        """Kill live trials and stop the fork server."""
+        """Kill live trials and stop the fork server, also one that another thread is starting
+        (:meth:`start_fork_server`: a stop during the frontier predictions left the server importing
+        torch, in a session of its own, for seconds after the search had exited)."""
+        self._closed = True   # before the server is read: _fork_server checks it after setting it
         self.kill_all()
-        if self._server is not None:
-            self._server.close()
+        server = self._server
+        if server is not None:
+            server.close()
             self._server = None
         if self._scripts is not None:
             self._scripts.close()
