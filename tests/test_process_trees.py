@@ -235,7 +235,12 @@ def test_descendants_follow_parent_links_through_setsid(tmp_path):
     token = f"oomtune-test-{uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import subprocess, sys, time
-        subprocess.Popen(["sleep", "60"], start_new_session=True)
+        child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        # Popen returns (vfork) before the kernel has set the new program's arguments: until then
+        # /proc/PID/cmdline reads empty (a suite run saw 'sleep', the name, instead of 'sleep 60')
+        deadline = time.monotonic() + 30
+        while not open(f"/proc/{{child.pid}}/cmdline", "rb").read() and time.monotonic() < deadline:
+            time.sleep(0.01)
         print("ready", flush=True)
         time.sleep(60)  # {token}
     """)], stdout=subprocess.PIPE)
