@@ -121,9 +121,10 @@ def stopping_on(signums: Iterable[int] = (signal.SIGTERM,), *,
     """Within the block, each of ``signums`` runs :func:`handler`; ``stoppers`` are called by it.
 
     SIGINT is taken over only where Python's own Ctrl-C handler (or this module's, an outer block's)
-    is installed (a process started in the background inherits it ignored, and stays so). On exit the previous handlers and stoppers are
-    restored and the pending signal is forgotten (it has been raised by then). In a thread other than
-    the main one (where CPython refuses ``signal.signal``) nothing is installed.
+    is installed (a process started in the background inherits it ignored, and stays so). On exit
+    the previous handlers and stoppers are restored and the pending signal is forgotten (it has been
+    raised by then). In a thread other than the main one (where CPython refuses ``signal.signal``)
+    nothing is installed.
     """
     global _pending, _deferred
     if threading.current_thread() is not threading.main_thread():
