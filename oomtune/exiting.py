@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["exit_now", "flush_std_streams"]
+__all__ = ["exit_now", "flush_std_streams", "run_exit_steps"]
 
 
 def flush_std_streams() -> None:
@@ -41,10 +41,20 @@ def exit_now(code: int) -> NoReturn:
         SystemExit: ``code``, where ``threading._shutdown`` is missing (a Python other than CPython):
             the interpreter's own exit then.
     """
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is None or threading.current_thread() is not threading.main_thread():
+    if getattr(threading, "_shutdown", None) is None or threading.current_thread() is not threading.main_thread():
         raise SystemExit(code)
-    shutdown()
+    run_exit_steps()
+    os._exit(code)
+
+
+def run_exit_steps() -> None:
+    """The interpreter's visible exit steps, in its order (module docstring): non-daemon threads
+    joined (``threading._shutdown``; an error there is ignored, as ``Py_FinalizeEx`` goes on), the
+    ``atexit`` handlers run, stdout and stderr flushed. Also what a forked script's process does
+    before it exits (:func:`oomtune.trial.script_main.run_script`)."""
+    try:
+        threading._shutdown()   # type: ignore[attr-defined]  # what Py_FinalizeEx does first
+    except Exception:  # noqa: BLE001
+        pass
     atexit._run_exitfuncs()
     flush_std_streams()
-    os._exit(code)

@@ -325,8 +325,10 @@ class Executor:
             # (oomtune.search.tell_records), told by the next run before its heartbeat counts as stale
             self._notify()
             raise
+        except KeyboardInterrupt:
+            raise   # a stop: _work fails the claimed trial, the one place for every stop after a claim
         except BaseException:
-            self._fail_unfinished(trial)   # Ctrl-C, a full disk, a bug
+            self._fail_unfinished(trial)   # a full disk, a bug
             raise
         frozen = self._call("tell", lambda: trial.study.tell(trial, value, state=state, skip_if_finished=True))
         self._notify()

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any
+
+from oomtune.exiting import run_exit_steps
 
 __all__ = ["run_script"]
 
@@ -31,7 +32,6 @@ def run_script(argv: list[str]) -> int:
     """In a forked trial process: run ``argv`` (``[FILE, *ARGS]`` or ``["-m", MODULE, *ARGS]``) as
     ``python`` followed by those words would (see the module docstring) and return its exit status;
     never raises."""
-    import atexit
     import builtins
     import signal
     import types
@@ -72,16 +72,7 @@ def run_script(argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - the interpreter's behaviour for any uncaught exception
         _print_uncaught(path)
         code = 1
-    try:
-        threading._shutdown()   # type: ignore[attr-defined]  # what Py_Finalize does first
-    except Exception:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream, as at the interpreter's exit
-            pass
+    run_exit_steps()   # threads joined, atexit handlers, streams flushed: the interpreter's order
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
