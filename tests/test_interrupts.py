@@ -321,6 +321,41 @@ def test_the_frontier_captures_stop_at_the_next_item_when_the_raise_was_dropped(
     assert len(done) == 1   # this process took no item after the signal
 
 
+def test_the_frontier_raises_a_dropped_stop_when_the_children_took_every_item_left(unraisable, tmp_path):
+    # A CI run (2 cores, loaded): while this process ran its first item, the forked child took every
+    # item left; the check for a pending stop came after taking an item, so none was taken here, no
+    # check ran, and fork_map returned as if no signal had come. Forced here: this process's item
+    # waits until the child has computed the last item.
+    import time
+
+    from oomtune.plan import parallel
+
+    done, here = [], os.getpid()
+    taken, last = tmp_path / "this-process-took-an-item", tmp_path / "the-child-computed-the-last-item"
+
+    def capture(x):
+        done.append(x)
+        if os.getpid() == here:
+            taken.touch()
+            deadline = time.monotonic() + 60
+            while not last.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _signal_dropped()
+        else:
+            deadline = time.monotonic() + 60
+            while not taken.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if x == 5:
+                last.touch()
+        return x
+
+    with interrupts.stopping_on((signal.SIGTERM,)):
+        with pytest.raises(Interrupted):
+            parallel.fork_map(capture, list(range(6)), workers=2)
+    assert last.exists()   # the race was forced: the child had computed item 5 when the signal came
+    assert len(unraisable) == 1 and len(done) == 1
+
+
 def _sleep_spec(tmp_path, timeout_s: float):
     """A target=cmd trial whose command would sleep 300 s and then leave a file behind."""
     from oomtune.trial.record import TrialSpec

@@ -74,7 +74,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
     here (the same results: a piece's value does not depend on the process computing it).
 
     A stop signal (:mod:`oomtune.interrupts`) whose raise was dropped (in a weakref callback of a
-    capture) is raised again before the next item is taken here.
+    capture) is raised again before the next item is taken here, and before anything is returned
+    (the children may have taken every item left meanwhile).
 
     Raises:
         Interrupted: a stop signal arrived.
@@ -92,6 +93,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
             out.append(fn(x))
             if on_result is not None:
                 on_result(i, out[-1])
+        if not _in_child:
+            raise_if_pending()
         return out
     import multiprocessing
 
@@ -105,9 +108,11 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
 
     def run_share() -> dict[int, tuple[bool, Any]]:
         done: dict[int, tuple[bool, Any]] = {}
-        while (i := take()) < len(items):
-            if not _in_child:
+        while True:
+            if not _in_child:   # before taking: the children may take every item left while fn runs here
                 raise_if_pending()   # a stop signal whose raise was dropped (a weakref callback of a capture)
+            if (i := take()) >= len(items):
+                break
             try:
                 done[i] = (True, fn(items[i]))
             except Exception as exc:   # noqa: BLE001 - handed to the caller, in item order
@@ -139,6 +144,7 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int,
                 raise RuntimeError(f"a plan worker process (pid {pid}) ended without its results")
             results.update(pickle.loads(data))
         children = []
+        raise_if_pending()   # a signal that arrived while the children's results were read
     finally:
         _active = False
         for pid, _ in children:   # an exception here: do not leave children behind
