@@ -62,12 +62,12 @@ def test_the_html_report_calls_it_a_duplicate_too():
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_the_cli_exits_128_plus_the_signal(monkeypatch, capsys, signum, code):
-    import oomtune.search.run as run
+    import oomtune.search.entry as entry
 
     def stopped(*a, **k):
         raise Interrupted(signum)
 
-    monkeypatch.setattr(run, "search", stopped)
+    monkeypatch.setattr(entry, "search", stopped)
     assert main(["search", "model=mlp"]) == code
     err = capsys.readouterr().err.strip()
     assert err == ("oomtune: interrupted" if signum == signal.SIGINT else "oomtune: terminated (SIGTERM)")

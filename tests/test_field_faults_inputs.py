@@ -196,7 +196,7 @@ def test_item9_decimal_budget_conversion_is_said():
 
 def test_item9_search_prints_the_conversion_once(tmp_path, capsys, monkeypatch):
     import oomtune.trial.runner as runner_mod
-    from oomtune.search.run import search
+    from oomtune.search.entry import search
 
     class Stop(Exception):
         pass

@@ -416,9 +416,9 @@ def test_a_stop_while_the_outputs_are_written_stops_the_search_with_its_resume_l
     # line, and a Ctrl-C whose raise CPython dropped (in a weakref callback) let the search exit 0.
     import types
 
-    from oomtune.search import run as search_run
+    from oomtune.search import entry as search_entry
 
-    monkeypatch.setattr(search_run, "search_here",
+    monkeypatch.setattr(search_entry, "search_here",
                         lambda p, overrides, console: types.SimpleNamespace(url="sqlite:///study.db"))
 
     def write_outputs(searched, *, out):
@@ -430,9 +430,9 @@ def test_a_stop_while_the_outputs_are_written_stops_the_search_with_its_resume_l
                 pass
         return tmp_path / "best.yaml"
 
-    monkeypatch.setattr(search_run, "write_search_outputs", write_outputs)
+    monkeypatch.setattr(search_entry, "write_search_outputs", write_outputs)
     with pytest.raises(KeyboardInterrupt) as info:
-        search_run.search(["model=mlp", "device=cpu", "budget=64MiB", f"hydra.run.dir={tmp_path / 'run'}"])
+        search_entry.search(["model=mlp", "device=cpu", "budget=64MiB", f"hydra.run.dir={tmp_path / 'run'}"])
     assert isinstance(info.value, Interrupted) and info.value.signum == signal.SIGINT
     assert "interrupted: finished trials are saved in sqlite:///study.db; run the same command to resume" \
         in capsys.readouterr().err

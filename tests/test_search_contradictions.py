@@ -173,7 +173,7 @@ def _kill_first_trial_process(trial_dir: Path, stop: threading.Event, killed: li
 
 @pytest.mark.slow
 def test_a_stray_sigkill_during_the_baseline_does_not_make_the_point_infeasible(tmp_path):
-    from oomtune.search.run import search
+    from oomtune.search.entry import search
 
     run_dir = tmp_path / "run"
     stop, killed = threading.Event(), []

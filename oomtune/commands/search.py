@@ -1,4 +1,4 @@
-"""``oomtune search [overrides]``: run the tuning study (see :func:`oomtune.search.run.search`)."""
+"""``oomtune search [overrides]``: run the tuning study (see :func:`oomtune.search.entry.search`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from oomtune.search.driver import SetupFault
-    from oomtune.search.run import search
+    from oomtune.search.entry import search
 
     try:
         search(args.overrides)

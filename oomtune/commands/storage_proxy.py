@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from oomtune.exceptions import ConfigError
     from oomtune import interrupts
-    from oomtune.study.grpc_proxy import serve
+    from oomtune.study.grpc_server import serve
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: give a port in 1..65535")

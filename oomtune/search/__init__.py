@@ -1,4 +1,4 @@
-"""``oomtune search``: the study, its trials and its outputs (see :mod:`oomtune.search.run`).
+"""``oomtune search``: the study, its trials and its outputs (see :mod:`oomtune.search.entry`).
 
 Kept empty on purpose: the modules are imported where used (``oomtune.search.run`` imports torch
 only when a search starts). This file makes the directory a regular package, so that

@@ -39,13 +39,11 @@ import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from oomtune.interrupts import raise_if_pending
 from oomtune.outcome import Outcome
-from oomtune.schema import SearchConf, TrialConf
 from oomtune.search import recordings as REC
 from oomtune.search import smoke as SMOKE
 from oomtune.search.claims import ATTR_STOPPED_SEARCH
@@ -53,6 +51,7 @@ from oomtune.search.confirmation import ATTR_DEVICE, ATTR_REPEAT, ConfirmContext
 from oomtune.search.faults import RepeatedFault, SetupFault, disk_full_text
 from oomtune.search.frontier import ConfigFrontier, FrontierPlanner, predicted_frontiers
 from oomtune.search.objectives import Objective, objective_for
+from oomtune.search.options import SearchOptions
 from oomtune.search.summary import SearchSummary, confirmation_failure, hang_note, steps_ran_on, study_counts
 from oomtune.search.tell_records import record_path, write_record
 from oomtune.search.trial_sets import PROBE_ROLES, config_key, contradicted, default_hang
@@ -60,9 +59,9 @@ from oomtune.search.trial_writes import one_transaction, set_trial_attrs
 from oomtune.search.workers import Executor, TrialErrored
 from oomtune.space import Candidate, SearchSpace
 from oomtune.study import records as R
-from oomtune.trial.record import MEMORY_SOURCE_SIMULATED, MemoryReadings, RetriedAfter, TrialResult, TrialSpec
+from oomtune.trial.record import (MEMORY_SOURCE_SIMULATED, TORCH_THREADS_ENV, MemoryReadings, RetriedAfter,
+                                  TrialResult, TrialSpec)
 from oomtune.units import format_bytes
-from oomtune.workload_spec import WorkloadSpec
 
 # SearchSummary, study_counts, hang_note, SetupFault, RepeatedFault, ATTR_REPEAT, ATTR_DEVICE and
 # PROBE_ROLES live in the modules named above; they are importable from here as before.
@@ -70,54 +69,6 @@ __all__ = ["Search", "SearchOptions", "SearchSummary", "SetupFault", "RepeatedFa
            "PROBE_ROLES", "ATTR_REPEAT", "ATTR_DEVICE"]
 
 _TrialErrored = TrialErrored  # raised inside the objective so Optuna records an error/crash trial as FAIL
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """Everything :class:`Search` needs: the config's typed sections as the schema made them and what
-    the search resolved from them (bytes, seconds).
-
-    Attributes:
-        workload: the :class:`oomtune.workload_spec.WorkloadSpec` every trial trains (each candidate's
-            settings applied to its flat form, :meth:`WorkloadSpec.to_dict`, in its TrialSpec).
-        device: the device spec trials run on (``cuda:0``, ``cpu``: the virtual GPU).
-        budget_bytes: the memory budget, bytes.
-        search: ``search.*`` (:class:`oomtune.schema.SearchConf`): ``n_trials``, ``timeout`` (s),
-            ``headroom``, ``baseline``, ``confirm``, ``min_gain``, ``frontier_configs``, ``repeats``,
-            ``finalists``, ``memory_fraction``.
-        trial: ``trial.*`` (:class:`oomtune.schema.TrialConf`): ``warmup_steps``, ``measure_steps``,
-            ``confirm_steps``, ``timeout`` (s), ``soak_steps``, ``gpus`` (ranks of every trial).
-        objective: the resolved ``search.objective`` (a name of :data:`oomtune.search.objectives.OBJECTIVES`).
-        objective_reason: why that objective (one phrase, shown by the search).
-        window_s: throughput confirmation: each run measured at least this long, seconds (the
-            resolved ``search.window``).
-        execute: the resolved ``trial.execute``: ``meta`` | ``cpu`` (virtual GPU), ``device``, ``command``.
-        device_memory_bytes: the virtual GPU's capacity, bytes (CPU trials); None on a device.
-        torch_threads: torch threads per CPU trial (``OOMTUNE_TORCH_THREADS``) when workers share the
-            CPU; None: torch's default.
-        host_available_bytes: ``/proc/meminfo`` MemAvailable, bytes (the smoke test's check); None on
-            a device.
-        variable_shapes: the workload has a shape distribution (:mod:`oomtune.workloads.shapes`).
-        probe_unpredicted: without predictions, try every configuration (the batch objective).
-        baseline_precision: without predictions, the baseline bisects until
-            ``(fail - ok) <= precision * ok``.
-    """
-
-    workload: WorkloadSpec
-    device: str
-    budget_bytes: int
-    search: SearchConf = field(default_factory=SearchConf)
-    trial: TrialConf = field(default_factory=TrialConf)
-    objective: str = "throughput"
-    objective_reason: str = ""
-    window_s: float = 0.0
-    execute: str = "cpu"
-    device_memory_bytes: int | None = None
-    torch_threads: int | None = None
-    host_available_bytes: int | None = None
-    variable_shapes: bool = False
-    probe_unpredicted: bool = False
-    baseline_precision: float = 0.1
 
 
 class Search:
@@ -451,7 +402,7 @@ class Search:
     def _trial_env(self) -> dict[str, Any]:
         """``env=`` for the runner: torch's thread count when several CPU trials share the cores."""
         n = self.opt.torch_threads
-        return {} if n is None else {"env": {"OOMTUNE_TORCH_THREADS": str(n)}}
+        return {} if n is None else {"env": {TORCH_THREADS_ENV: str(n)}}
 
     def _kill_trials(self) -> None:
         for runner in (self.runner, self.confirm_runner):

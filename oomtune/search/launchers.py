@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from oomtune.exceptions import ConfigError
+from oomtune.trial.record import TORCH_THREADS_ENV
 
 __all__ = ["LAUNCHERS", "JobLauncher", "LocalJobs", "SlurmJobs", "job_launcher", "launcher_name", "launched",
            "check_launcher", "check_slurm_storage", "slurm_parameters", "local_parameters", "job_overrides",
@@ -316,7 +317,7 @@ class LocalJobs(JobLauncher):
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
             if threads is not None:
-                env["OOMTUNE_TORCH_THREADS"] = str(threads)
+                env[TORCH_THREADS_ENV] = str(threads)
             envs.append(env)
         return envs
 

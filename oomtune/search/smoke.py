@@ -20,7 +20,7 @@ from oomtune.trial.record import TrialResult, TrialSpec
 from oomtune.units import format_bytes
 
 if TYPE_CHECKING:
-    from oomtune.search.driver import SearchOptions
+    from oomtune.search.options import SearchOptions
 
 __all__ = ["smoke_test", "cpu_trial", "Background", "STUDY_ATTR"]
 

@@ -1,5 +1,6 @@
 """``storage=grpc://HOST:PORT``: the study through Optuna's gRPC storage proxy
-(``optuna.storages.GrpcStorageProxy``, served by ``oomtune storage-proxy``: :func:`serve`) in front
+(``optuna.storages.GrpcStorageProxy``, served by ``oomtune storage-proxy``:
+:func:`oomtune.study.grpc_server.serve`) in front
 of a database server, so that many workers hold one gRPC channel each to the proxy instead of their
 own database connections.
 
@@ -50,15 +51,14 @@ import warnings
 from typing import Any, Callable
 
 from oomtune.exceptions import ConfigError
+from oomtune.study.lock_study import LOCK_PREFIX, is_lock_study, record_once_by_lock_study
 
 __all__ = ["SCHEME", "HEARTBEAT_ATTR", "LOCK_PREFIX", "RECONNECT_BACKOFF_MS", "is_grpc_url", "parse_grpc_url",
-           "grpc_storage_class", "make_grpc_storage", "is_lock_study", "serve"]
+           "grpc_storage_class", "make_grpc_storage", "is_lock_study", "check_installed"]
 
 SCHEME = "grpc://"
 #: A running trial's heartbeat through the proxy (a trial system attribute: [writer token, count]).
 HEARTBEAT_ATTR = "oomtune:heartbeat"
-#: Studies named with this prefix are :meth:`record_once`'s locks, not searches.
-LOCK_PREFIX = "oomtune-lock:"
 #: The longest wait of the client's channel between two tries to reach a proxy that went away.
 RECONNECT_BACKOFF_MS = 1000
 #: Seconds a new client waits for the proxy to answer before the storage counts as unreachable.
@@ -68,11 +68,6 @@ READY_TIMEOUT_S = 10.0
 def is_grpc_url(url: Any) -> bool:
     """Whether ``url`` names a gRPC storage proxy (``grpc://HOST:PORT``)."""
     return str(url).startswith(SCHEME)
-
-
-def is_lock_study(name: str) -> bool:
-    """Whether a study of this name is a lock of :meth:`record_once` (left out of listings)."""
-    return str(name).startswith(LOCK_PREFIX)
 
 
 def parse_grpc_url(url: str) -> tuple[str, int]:
@@ -88,7 +83,12 @@ def parse_grpc_url(url: str) -> tuple[str, int]:
     return m.group(1).strip("[]"), int(m.group(2))
 
 
-def _check_installed(what: str) -> None:
+def check_installed(what: str) -> None:
+    """Refuse, in one line, where gRPC's Python modules (``grpc``, ``google.protobuf``) are missing.
+
+    Raises:
+        ConfigError: naming ``what`` needs them and the install command.
+    """
     import importlib.util
 
     missing = [name for name in ("grpc", "google.protobuf") if _find(importlib.util, name) is None]
@@ -274,12 +274,10 @@ def grpc_storage_class() -> type:
             (unique study names: the others get ``ALREADY_EXISTS``). A loser waits up to ``wait_s``
             for the winner's value; past that (the winner stopped between its lock and its write) it
             stores its own."""
-            from oomtune.study.storage import _record_once_by_lock_study   # the journal's, the same rule
-
             stored = self.get_study_system_attrs(study_id).get(key)
             if stored is not None:
                 return stored
-            return _record_once_by_lock_study(self, study_id, study_name, key, value, wait_s=wait_s, poll_s=0.5)
+            return record_once_by_lock_study(self, study_id, study_name, key, value, wait_s=wait_s, poll_s=0.5)
 
     names = ("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
              "get_study_id_from_name", "get_study_name_from_id", "get_study_directions", "get_study_user_attrs",
@@ -304,7 +302,7 @@ def make_grpc_storage(url: str, *, heartbeat_interval_s: int | None = None, grac
             ``ready_timeout_s`` (one line naming how to start one).
     """
     host, port = parse_grpc_url(url)
-    _check_installed(f"storage={url}")
+    check_installed(f"storage={url}")
     storage = grpc_storage_class()(host=host, port=port, heartbeat_interval=heartbeat_interval_s,
                                    grace_period=grace_period_s, say=say, stale_callback=stale_callback)
     try:
@@ -315,63 +313,3 @@ def make_grpc_storage(url: str, *, heartbeat_interval_s: int | None = None, grac
                           f"{ready_timeout_s:g} s; start one there: oomtune storage-proxy --storage "
                           f"postgresql://USER@DBHOST/DB --host {host} --port {port}") from None
     return storage
-
-
-def serve(storage_url: str, *, host: str, port: int, threads: int, say: Callable[[str], None],
-          stop: threading.Event | None = None) -> None:
-    """Serve the study storage at ``storage_url`` as Optuna's gRPC storage proxy on ``host:port``
-    until ``stop`` is set or the process is interrupted: what ``optuna.storages.run_grpc_proxy_server``
-    does (``make_server``, ``start``, wait; ``SO_REUSEPORT`` off), with the storage oomtune opens for a search
-    (:func:`oomtune.study.storage.make_storage`: calls outlast a restart of the database server) in
-    Optuna's per-process cache (``optuna.storages.get_storage``, as that function's documentation
-    asks), ``threads`` server threads, and one line once it listens.
-
-    Raises:
-        ConfigError: a storage the proxy cannot serve (another proxy, a journal file, one that
-            cannot be opened) or an address it cannot listen on; one line.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    _check_installed("oomtune storage-proxy")
-    if is_grpc_url(storage_url):
-        raise ConfigError(f"--storage {storage_url}: that is a storage proxy itself; give the database behind it "
-                          "(--storage postgresql://USER@HOST/DB)")
-    if str(storage_url).startswith("journal:"):
-        raise ConfigError(f"--storage {storage_url}: Optuna's gRPC proxy does not serve a JournalStorage "
-                          "(run_grpc_proxy_server's documentation); give a database URL (postgresql://...)")
-    import grpc
-    import optuna
-    from optuna.storages._grpc.auto_generated import api_pb2_grpc
-    from optuna.storages._grpc.servicer import OptunaStorageProxyService
-
-    from oomtune.study.storage import make_storage
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)   # not a line per study created
-    storage = optuna.storages.get_storage(make_storage(storage_url, say=say))
-    # optuna.storages._grpc.server.make_server, without SO_REUSEPORT (gRPC's default on Linux): a second
-    # proxy on a port in use must fail, not share the port and answer half the calls
-    server = grpc.server(ThreadPoolExecutor(max_workers=threads), options=[("grpc.so_reuseport", 0)])
-    api_pb2_grpc.add_StorageServiceServicer_to_server(OptunaStorageProxyService(storage), server)
-    try:
-        server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:   # grpc: "Failed to bind to address ..."
-        raise ConfigError(f"oomtune storage-proxy: cannot listen on {host}:{port}: {str(exc).split(';')[0]} "
-                          "(another process on that port? choose --port)") from None
-    from oomtune.runfile import redact
-
-    server.start()
-    say(f"oomtune storage-proxy: serving {redact(storage_url)} on {host}:{port} ({threads} threads); workers use "
-        f"storage=grpc://{host}:{port}; Ctrl-C or SIGTERM stops it")
-    try:
-        from oomtune.interrupts import raise_if_pending
-
-        # in slices, so that a stop signal whose raise CPython dropped (oomtune.interrupts) still stops it
-        if stop is None:
-            while server.wait_for_termination(timeout=0.5):   # True: the timeout was reached
-                raise_if_pending()
-        else:
-            while not stop.wait(0.2):
-                raise_if_pending()
-    finally:
-        server.stop(grace=2).wait()
-        say("oomtune storage-proxy: stopped")

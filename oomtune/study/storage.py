@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from oomtune.exceptions import ConfigError, StudyNotFoundError
+from oomtune.study.lock_study import is_lock_study, record_once_by_lock_study
 from oomtune.study.reconnect import STORAGE_RETRY_S, reconnecting_storage_class, retrying
 
 __all__ = ["storage_url", "driver_url", "make_storage", "open_study", "load_study", "storage_error_message",
@@ -298,7 +299,7 @@ def record_once(study: Any, key: str, value: Any) -> Any:
       winner's value.
     - a gRPC storage proxy: the creator of a lock study wins (:mod:`oomtune.study.grpc_proxy`).
     - a JournalStorage (``journal:PATH``, shared by processes through its file): the creator of a lock
-      study wins, as through the proxy (:func:`_record_once_by_lock_study`).
+      study wins, as through the proxy (:func:`oomtune.study.lock_study.record_once_by_lock_study`).
     - an in-memory storage: read, then write if absent (one process).
     """
     import json
@@ -312,7 +313,7 @@ def record_once(study: Any, key: str, value: Any) -> Any:
     from optuna.storages import JournalStorage
 
     if isinstance(storage, JournalStorage):
-        return _record_once_by_lock_study(storage, study._study_id, study.study_name, key, value)
+        return record_once_by_lock_study(storage, study._study_id, study.study_name, key, value)
     backend = getattr(storage, "_backend", storage)  # studies wrap an RDBStorage in _CachedStorage
     engine = getattr(backend, "engine", None)
     if engine is None:
@@ -332,38 +333,6 @@ def record_once(study: Any, key: str, value: Any) -> Any:
 
     retrying(insert, "record the study's answer", say=getattr(backend, "say", None))
     return storage.get_study_system_attrs(study._study_id)[key]
-
-
-def _record_once_by_lock_study(storage: Any, study_id: int, study_name: str, key: str, value: Any,
-                               wait_s: float = 120.0, poll_s: float = 0.2) -> Any:
-    """:func:`record_once` on a storage without a unique key oomtune can insert into (a JournalStorage):
-    the writer is whoever creates the study ``LOCK_PREFIX + study_name + ":" + key`` first. A journal
-    applies its operations in the order of its file, and of two CREATE_STUDY operations with one name
-    the later one raises ``DuplicatedStudyError`` in its writer (optuna/storages/journal/_storage.py,
-    ``JournalStorageReplayResult._apply_create_study``). A loser polls every ``poll_s`` seconds, up to
-    ``wait_s``, for the winner's value; past that (the winner stopped between its lock and its write)
-    it stores its own. The lock studies are left out of oomtune's listings
-    (:func:`oomtune.study.grpc_proxy.is_lock_study`)."""
-    import time
-
-    from optuna.exceptions import DuplicatedStudyError
-    from optuna.study import StudyDirection
-
-    from oomtune.study.grpc_proxy import LOCK_PREFIX
-
-    try:
-        storage.create_new_study([StudyDirection.MAXIMIZE], f"{LOCK_PREFIX}{study_name}:{key}")
-        won = True
-    except DuplicatedStudyError:
-        won = False
-    deadline = time.monotonic() + (0.0 if won else wait_s)
-    while not won and time.monotonic() < deadline:
-        stored = storage.get_study_system_attrs(study_id).get(key)
-        if stored is not None:
-            return stored
-        time.sleep(poll_s)
-    storage.set_study_system_attr(study_id, key, value)
-    return storage.get_study_system_attrs(study_id)[key]
 
 
 def open_study(url: str, study_name: str, sampler: Any, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
@@ -420,8 +389,6 @@ def load_study(url: str, study_name: str) -> Any:
             raise StudyNotFoundError(f"study {study_name!r}: no storage at {db} (the SQLite file does not exist)")
         _check_study_file(url, db, study_name)
     storage = make_storage(url)
-    from oomtune.study.grpc_proxy import is_lock_study
-
     names = [s.study_name for s in optuna.study.get_all_study_summaries(storage, include_best_trial=False)
              if not is_lock_study(s.study_name)]
     if study_name not in names:

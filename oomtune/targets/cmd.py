@@ -809,5 +809,3 @@ def _set_memory(rec: ResultDraft, memory: dict[str, Any]) -> None:
     except (ValueError, TypeError, AttributeError) as exc:   # not torch's memory_stats(): left unknown
         _reject(rec, exc)
 
-
-from oomtune.targets.cmd_target import TARGET, CmdTarget  # noqa: E402 - registered there (light)

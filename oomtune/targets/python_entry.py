@@ -88,7 +88,7 @@ def load_entry(entry: str | Callable[..., Any]) -> Callable[..., Any]:
     """
     if callable(entry) and not isinstance(entry, str):
         return entry
-    from oomtune.targets.python_target import split_entry
+    from oomtune.targets._entry_form import split_entry
 
     where, name = split_entry(entry)
     from oomtune.capture.reads import recording
@@ -288,9 +288,9 @@ def _check(entry: str, parts: Mapping[str, Any]) -> None:
 
 def _entry_takes(entry: Any, name: str) -> bool:
     """Whether ``entry``'s function has a parameter ``name``: what the check before any trial found
-    (:func:`oomtune.targets.python_target.known_parameters`, the module imported in a process of its
+    (:func:`oomtune.targets._entry_form.known_parameters`, the module imported in a process of its
     own), else from the function itself (imported here: a trial or capture process, the API)."""
-    from oomtune.targets.python_target import known_parameters
+    from oomtune.targets._entry_form import known_parameters
 
     known = known_parameters(entry)
     if known is False:
@@ -382,5 +382,3 @@ def build_user_workload(target_cfg: Mapping[str, Any], batch_size: int,
     wl.spec = spec
     return wl
 
-
-from oomtune.targets.python_target import TARGET, PythonTarget  # noqa: E402 - registered there (no torch)

@@ -60,8 +60,9 @@ from oomtune.alloc.settings import AllocatorSettings
 from oomtune.classify import classify_exception
 from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
-from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, DeviceInfo,
-                                  EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft, StoppedOverLimit,
+from oomtune.trial.procwait import process_start_time
+from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TORCH_THREADS_ENV,
+                                  DeviceInfo, EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft, StoppedOverLimit,
                                   TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
@@ -81,9 +82,6 @@ class SettingsMismatchError(RuntimeError):
 
 #: Set by the search when several CPU trials share the machine (``search.workers``): torch's
 #: intra-op threads for this trial, so that concurrent trials do not fight for the cores.
-TORCH_THREADS_ENV = "OOMTUNE_TORCH_THREADS"
-
-
 def _apply_thread_limit(rec: ResultDraft) -> None:
     """``torch.set_num_threads`` from :data:`TORCH_THREADS_ENV` (a forked child inherits the fork
     server's thread count, so the variable is applied here rather than through OMP_NUM_THREADS)."""
@@ -104,7 +102,7 @@ def run_child(spec: TrialSpec, *, process_start: float | None = None) -> TrialRe
     Returns:
         The :class:`TrialResult`; ``outcome`` is ``ok`` or the classified failure.
     """
-    start = process_start if process_start is not None else _process_start_time()
+    start = process_start if process_start is not None else process_start_time()
     cuda = spec.device.startswith("cuda")
     rec = ResultDraft(TrialResult(
         outcome=Outcome.ERROR,
@@ -552,17 +550,6 @@ def _run_test_hook(rec: ResultDraft) -> None:
         raise ValueError(f"unknown {TEST_HOOK_ENV} {hook!r}")
 
 
-def _process_start_time() -> float:
-    """``time.time()`` at which this process started (Linux /proc, 10 ms); else now."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started_ticks = int(fields[19])  # field 22 (starttime) counted after "pid (comm)"
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - max(0.0, age)
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
 
 #: Where :func:`main` records the steps done (``PROGRESS_FILE`` next to RESULT.json); None in-process
 #: (:func:`run_child` called directly). One trial per process, so one path per process.
@@ -589,6 +576,15 @@ def cpu_device_info() -> DeviceInfo:
     return DeviceInfo(kind="cpu", name=platform.processor() or platform.machine() or None)
 
 
+def _run_rank(spec: TrialSpec, rank: int) -> TrialResult:
+    """One rank's trial (:func:`oomtune.trial.ranks.run_ranks` calls it in each rank process):
+    :func:`run_child`, with the steps done reported by rank 0 only."""
+    global _progress_path
+    if rank != 0:
+        _progress_path = None
+    return run_child(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m oomtune.trial.child SPEC.json RESULT.json``: run, write the record, exit 0.
 
@@ -613,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_distributed:   # the ranks run the protocol, each for itself; their records are merged
         from oomtune.trial.ranks import run_ranks
 
-        run_ranks(spec, args[1]).write(args[1])
+        run_ranks(spec, args[1], _run_rank).write(args[1])
     else:
         run_child(spec).write(args[1])
     return 0

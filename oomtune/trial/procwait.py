@@ -1,4 +1,4 @@
-"""Waiting for a trial process to exit without polling (polling's delays add up with many trials at once).
+"""Waiting for a trial process to exit without polling, and when a process started (polling's delays add up with many trials at once).
 
 ``subprocess.Popen.wait(timeout)`` polls: CPython sleeps between ``waitpid(WNOHANG)`` calls, up to
 50 ms at a time, so each trial's end was noticed up to 50 ms late, and with N trials at once N
@@ -12,6 +12,7 @@ import os
 import select
 import subprocess
 import time
+from pathlib import Path
 
 __all__ = ["exited_within"]
 
@@ -45,3 +46,17 @@ def exited_within(proc: subprocess.Popen, timeout_s: float) -> bool:
                 return False
     finally:
         os.close(fd)
+
+
+def process_start_time() -> float:
+    """``time.time()`` (seconds) at which this process started: Linux's ``/proc/self/stat`` field 22
+    (``starttime``, in clock ticks since boot; 10 ms) against ``/proc/uptime``; for a forked process,
+    the fork. Where /proc cannot be read, the time of this call. Never raises."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 (starttime) counted after "pid (comm)"
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.time()

@@ -34,12 +34,14 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from oomtune.outcome import Outcome
+from oomtune.trial.procwait import process_start_time
 from oomtune.trial.rank_records import merge_ranks, rank_result_path, rank_stderr_path, read_rank_results
-from oomtune.trial.record import TrialResult, TrialSpec
+from oomtune.trial.record import TORCH_THREADS_ENV, TrialResult, TrialSpec
 
 __all__ = ["is_distributed_trial", "run_ranks", "GRACE_S"]
 
@@ -63,7 +65,8 @@ def _visible_entries() -> list[str]:
     return [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
 
 
-def run_ranks(spec: TrialSpec, result_path: str | Path) -> TrialResult:
+def run_ranks(spec: TrialSpec, result_path: str | Path,
+              run_rank: Callable[[TrialSpec, int], TrialResult]) -> TrialResult:
     """Start ``spec.ranks`` rank processes, wait for them, return the merged record (see the module
     docstring). Never raises for a rank's failure.
 
@@ -71,13 +74,15 @@ def run_ranks(spec: TrialSpec, result_path: str | Path) -> TrialResult:
         spec: the trial (``spec.device``: ``cpu``, or ``cuda:i,j,...`` naming ``spec.ranks`` GPUs,
             already made visible by the runner).
         result_path: the trial's ``result.json``; rank records and stderr files go next to it.
+        run_rank: the trial protocol for one rank, called in each rank process with the rank's
+            spec (one rank on ``cpu`` or ``cuda``) and its rank
+            (:func:`oomtune.trial.child.run_child`'s rank form; passed in, so that this module
+            does not import the trial process that imports it).
     """
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    from oomtune.trial.child import _process_start_time
-
-    started = _process_start_time()
+    started = process_start_time()
     result_path = Path(result_path).resolve()
     workdir = result_path.parent
     n = spec.ranks
@@ -86,7 +91,7 @@ def run_ranks(spec: TrialSpec, result_path: str | Path) -> TrialResult:
     store = workdir / f"rendezvous.{os.getpid()}"
     store.unlink(missing_ok=True)
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
-    ctx = mp.start_processes(_rank_main, args=(spec.to_json(), str(result_path), f"file://{store}", backend),
+    ctx = mp.start_processes(_rank_main, args=(spec.to_json(), str(result_path), f"file://{store}", backend, run_rank),
                              nprocs=n, join=False, start_method="fork")
     root = None
     try:
@@ -116,11 +121,11 @@ def _redirect(fd: int, path: Path) -> None:
     os.close(f)
 
 
-def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, backend: str) -> None:
+def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, backend: str,
+               run_rank: Callable[[TrialSpec, int], TrialResult]) -> None:
     """One rank (steps 1-5 of the module docstring)."""
     import torch.distributed as dist
 
-    from oomtune.trial import child
     from oomtune.workloads.parallel import parallel_mode, strategy_notes
 
     spec = TrialSpec.from_json(spec_json)
@@ -138,16 +143,14 @@ def _rank_main(rank: int, spec_json: str, result_path: str, init_method: str, ba
         if len(visible) >= n:        # its own GPU only, before CUDA starts (C10)
             os.environ["CUDA_VISIBLE_DEVICES"] = visible[rank]
         device = "cuda"
-    threads = os.environ.get(child.TORCH_THREADS_ENV, "")
+    threads = os.environ.get(TORCH_THREADS_ENV, "")
     if device == "cpu" and not threads.isdigit():   # n ranks share the cores
-        os.environ[child.TORCH_THREADS_ENV] = str(max(1, (os.cpu_count() or 1) // n))
-    if rank != 0:
-        child._progress_path = None   # rank 0 reports the steps done
+        os.environ[TORCH_THREADS_ENV] = str(max(1, (os.cpu_count() or 1) // n))
     rank_spec = dataclasses.replace(spec, device=device, ranks=1)
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=n,
                                 timeout=timedelta(seconds=max(1.0, spec.timeout_s)))
-        result = child.run_child(rank_spec)
+        result = run_rank(rank_spec, rank)
     except Exception as exc:   # the process group could not start: the rank's record says why
         result = TrialResult(outcome=Outcome.ERROR, batch_size=spec.batch_size, alloc_conf=spec.alloc_conf,
                              message=f"rank {rank} could not join the process group ({backend}): {exc}",

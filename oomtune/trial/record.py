@@ -1227,6 +1227,12 @@ def _read_old_shape(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The environment variable naming ``torch.set_num_threads`` for a CPU trial (a count >= 1): set by the
+#: search where trials or local jobs share the cores, applied by the trial process
+#: (:mod:`oomtune.trial.child`; a forked child inherits the fork server's thread count, so
+#: ``OMP_NUM_THREADS`` would not reach it).
+TORCH_THREADS_ENV = "OOMTUNE_TORCH_THREADS"
+
 #: The trial's progress record, next to its RESULT.json: ``{"steps_done": n, "steps_total": N,
 #: "step_s": mean seconds of the steps done (null before one), "phase": "steps" | "soak"}`` (warm-up and
 #: measured steps), rewritten after each step so that a parent can show how far it got and estimate
