@@ -6,6 +6,9 @@
 - Test data lives in tests/data: no test builds a path into ``../shared`` (the project's shared
   folder is absent from a clone, and a test that skips or reads elsewhere without it hides).
 - Every real GPU recording that tests/data/README.md lists is in tests/data.
+- No text of the project (code, tests, docs, configs, experiments and their results) points a reader
+  at an issue by its number ("issue N item M"): nobody outside the team can follow it, so a comment
+  says the reason itself. CHANGELOG.md, a history of what landed, is the exception.
 
 Each check is a function run on the real test sources and, to show it can fail, on a small source
 that breaks the rule.
@@ -93,3 +96,43 @@ def test_every_recording_listed_in_the_data_readme_is_here():
     # tests/data/README.md's table: the cnn trace and the seven added for real-trace fidelity
     assert len(listed) == 8
     assert sorted(p.name for p in DATA.glob("*.pickle")) == sorted(listed)
+
+
+#: What a reference to a numbered issue or task looks like: "issue" or "task" and a number after it.
+ISSUE_REFERENCE = re.compile(r"\b(?:issue|task)s? ?#?\d+\b", re.I)
+REPO = TESTS.parent
+#: The project's own texts: every file under these folders of the kinds below, and the top-level files.
+TEXT_DIRS = ("oomtune", "tests", "docs", "conf", "experiments")
+TEXT_SUFFIXES = {".py", ".pyx", ".hpp", ".pxi", ".md", ".yaml", ".txt", ".sh", ".toml", ".cfg", ".json", ".html"}
+
+
+def issue_references(text: str) -> list[str]:
+    """``line: match`` for every reference to a numbered issue or task in ``text``."""
+    return [f"{i}: {m.group(0)}" for i, line in enumerate(text.splitlines(), 1) for m in ISSUE_REFERENCE.finditer(line)]
+
+
+def _project_texts() -> list[Path]:
+    files = [p for d in TEXT_DIRS for p in (REPO / d).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+             and "__pycache__" not in p.parts and ".egg-info" not in str(p)]
+    files += [p for p in REPO.iterdir() if p.is_file() and p.suffix in TEXT_SUFFIXES and p.name != "CHANGELOG.md"]
+    return sorted(files)
+
+
+def test_no_text_of_the_project_refers_to_an_issue_by_its_number():
+    found = {}
+    for path in _project_texts():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        hits = issue_references(text)
+        if hits:
+            found[str(path.relative_to(REPO))] = hits[:3]
+    assert found == {}, "say the reason itself instead of an issue's number"
+
+
+def test_the_issue_reference_check_can_fail():
+    issue, tasks = "issue", "tasks"   # apart from their numbers, so that this file passes the check it tests
+    text = (f"a fix ({issue} 23 item 2)\nsee {issue.title()} #7 and {tasks} 12\n"
+            f"no {issue} here; {issue}s of memory; 3 {tasks} 4u\n")
+    assert issue_references(text) == [f"1: {issue} 23", f"2: {issue.title()} #7", f"2: {tasks} 12"]
