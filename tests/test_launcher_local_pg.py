@@ -64,7 +64,17 @@ def _check_every_trial_told_once(study, run_dir: Path) -> dict[int, list[Path]]:
     return dirs
 
 
-def test_two_local_worker_jobs_cancelled_by_ctrl_c_resume_to_the_answer_and_tell_every_trial_once(pg, tmp_path):
+def _jobs_running_a_trial(run_dir: Path, held: bool = False) -> set[str]:
+    """The worker jobs (worker-N) with a trial process running: its stdout.txt and no tell.json yet;
+    with ``held``, only a trial held by tests/data/sleep_trial.py (its "holding" line printed)."""
+    running = [p for p in (run_dir / "workers").glob("worker-*/trials/trial-*/stdout.txt")
+               if not (p.parent / "tell.json").exists()
+               and (not held or "sleep_trial: holding" in p.read_text(errors="replace"))]
+    return {p.parent.parent.parent.name for p in running}
+
+
+def test_two_local_worker_jobs_cancelled_by_ctrl_c_resume_to_the_answer_and_tell_every_trial_once(
+        pg, tmp_path, monkeypatch):
     # One command run twice: Ctrl-C in the parent while each worker job runs a trial (the jobs and their
     # trial processes are cancelled, the running trials told FAIL), then the same command again, which
     # resumes the study to the answer. What any run of two local worker jobs must leave (one answer
@@ -78,16 +88,25 @@ def test_two_local_worker_jobs_cancelled_by_ctrl_c_resume_to_the_answer_and_tell
     url = pg.create_database()
     run_dir = tmp_path / "run"
     overrides = _overrides(url, "cancel", run_dir)
+    # The first run's trials stop before their end while the hold file exists (tests/data/sleep_trial.py),
+    # so the trials seen running are still running when the cancel reaches them: Ctrl-C -> the parent ->
+    # SIGTERM to each job -> its trials killed takes a second or more on a loaded machine, longer than
+    # what is left of a trial seen late in its 3 s.
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("OOMTUNE_TEST_HOLD_FILE", str(hold))
     proc = _start(overrides, tmp_path / "first", sleep_s=3.0)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:   # both jobs have a trial process running
-        running = [p for p in (run_dir / "workers").glob("worker-*/trials/trial-*/stdout.txt")
-                   if not (p.parent / "tell.json").exists()]
-        if len({p.parent.parent.parent.name for p in running}) == 2:
-            break
+    while len(_jobs_running_a_trial(run_dir)) < 2:   # both jobs have a trial process running
+        if time.monotonic() > deadline:
+            pytest.fail("the jobs never ran a trial each: " + (tmp_path / "first.err").read_text()[-2000:])
         time.sleep(0.2)
-    else:
-        pytest.fail("the jobs never ran a trial each: " + (tmp_path / "first.err").read_text()[-2000:])
+    hold.touch()
+    # ... and each job has one held: its end waits for the cancel. A trial that was past its hold check
+    # finishes; its job's next trial holds.
+    while len(_jobs_running_a_trial(run_dir, held=True)) < 2:
+        if time.monotonic() > deadline:
+            pytest.fail("the jobs never held a trial each: " + (tmp_path / "first.err").read_text()[-2000:])
+        time.sleep(0.2)
     os.kill(proc.pid, signal.SIGINT)                                         # Ctrl-C in the parent only
     assert proc.wait(timeout=120) == 130
     err = (tmp_path / "first.err").read_text()
@@ -103,6 +122,8 @@ def test_two_local_worker_jobs_cancelled_by_ctrl_c_resume_to_the_answer_and_tell
     finished_before = {t.number: t.user_attrs["result"] for t in trials if "result" in t.user_attrs}
     assert not (run_dir / "best.yaml").exists() and not (run_dir / "workers" / "jobs.json").exists()
 
+    hold.unlink()
+    monkeypatch.delenv("OOMTUNE_TEST_HOLD_FILE")                             # the resumed run holds nothing
     proc = _start(overrides, tmp_path / "second", sleep_s=0.5)
     assert proc.wait(timeout=900) == 0, (tmp_path / "second.err").read_text()[-3000:]
     err = (tmp_path / "second.err").read_text()

@@ -222,10 +222,13 @@ def test_peak_tracker_falls_back_to_device_wide():
     assert peaks.result() == nvml.SamplerResult(9 * GiB, "device", None, 2)
 
 
-def _wait_for(fake, key, n, timeout=5.0):
+def _wait_for(fake, key, n, timeout=60.0):
+    """Wait until the sampler thread made ``n`` calls of ``key``: a deadline generous for a loaded machine,
+    where the thread may wait seconds for a core, and an assertion at it (what follows needs them)."""
     deadline = time.monotonic() + timeout
     while fake.calls[key] < n and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert fake.calls[key] >= n, f"the sampler made {fake.calls[key]} {key} calls in {timeout:g} s, not {n}"
 
 
 def test_sampler_thread_peak_per_process(monkeypatch):

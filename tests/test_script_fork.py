@@ -125,13 +125,16 @@ def test_preloads_are_the_scripts_module_level_third_party_imports(tmp_path):
 SEMANTICS = """\
     import atexit, os, sys, threading, time
     atexit.register(lambda: print("atexit", flush=True))
+    printed = threading.Event()
     def late():
-        time.sleep(0.3)
+        printed.wait()                             # after the main thread's lines, however late they come
+        time.sleep(0.3)                            # mostly still running when the main thread ends
         print("thread done", flush=True)
     threading.Thread(target=late).start()          # non-daemon: joined before atexit handlers run
     print("name", __name__, "file", os.path.basename(__file__))
     print("argv", sys.argv, "file", __file__, "path0", sys.path[0])
     print("env", os.environ.get("OOMTUNE_SCRIPT_FORK_VALUE"), "cwd", os.getcwd() == os.environ["EXPECT_CWD"])
+    printed.set()
     mode = sys.argv[1]
     if mode == "raise":
         raise ValueError("boom")

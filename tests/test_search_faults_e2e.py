@@ -106,7 +106,10 @@ def test_a_command_that_hangs_in_its_smoke_test_ends_the_search_in_one_line(tmp_
 
 
 def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configurations(tmp_path, capsys):
-    # every trial takes 1.2 s > search.timeout: the sampler's first trial ends the phase
+    # every trial takes 1.2 s > search.timeout: the sampler's first trial, if any, ends the phase. Whether
+    # that one starts is not guaranteed: search.timeout counts from the phase's start, before its first
+    # read of the study, which can itself take the whole second on a loaded machine (no sampler trial
+    # then, and the summary says 0 of 12)
     cmd = _script(tmp_path, "slow.py", REPORT.replace("SAMPLES", "b * 4"))
     run = tmp_path / "run"
     assert main(["search", *COMMON, *SPAWNED, f"target.command='{cmd} {{batch_size}} 1.2'",
@@ -115,12 +118,13 @@ def test_search_timeout_says_it_ended_the_search_and_names_the_untried_configura
                  "search.space.max_split_size_mb=[null,64,256]", "trial.timeout=30", f"hydra.run.dir={run}"]) == 0
     out = " ".join(capsys.readouterr().out.split())                    # the summary, unwrapped
     trials = _study(run).get_trials()
-    assert sum(1 for t in trials if t.user_attrs.get("role") == "search") == 1
+    ran = sum(1 for t in trials if t.user_attrs.get("role") == "search")
+    assert ran <= 1                                                    # none started after the deadline
     tried = {t.user_attrs.get("alloc_conf") or "" for t in trials}
     untried = [short for conf, short in (("", "default"), ("max_split_size_mb:64", "ms:64"),
                                          ("max_split_size_mb:256", "ms:256")) if conf not in tried]
     assert untried                                                     # 3 configurations, at most 2 tried
-    assert (f"no verdict on the allocator settings: search.timeout=1 s ended the search after 1 of 12 sampler "
+    assert (f"no verdict on the allocator settings: search.timeout=1 s ended the search after {ran} of 12 sampler "
             f"trials: {len(untried)} of 3 allocator configurations were never tried ({', '.join(untried)})") in out
     assert "no allocator gain" not in out and "the default allocator won" not in out
 

@@ -141,13 +141,37 @@ def test_server_outages_mid_search_lose_no_trial(pg, tmp_path):
     assert (best.batch_size, best.alloc_conf) == (48, "")
 
 
+def _wait_held_trial(run_dir: Path, timeout_s: float = 300) -> int:
+    """Wait until a trial process is held by tests/data/sleep_trial.py (its "holding" line in its
+    stdout.txt, no tell.json yet); returns that trial's number."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for d in sorted((run_dir / "trials").glob("trial-*")):
+            out = d / "stdout.txt"
+            if (out.exists() and not (d / "tell.json").exists()
+                    and "sleep_trial: holding" in out.read_text(errors="replace")):
+                return int(d.name.split("-")[1])
+        time.sleep(0.05)
+    raise AssertionError(f"no trial held in {run_dir}")
+
+
 def test_an_outage_longer_than_the_retries_stops_in_one_line_and_the_rerun_tells_the_recorded_result(pg, tmp_path):
     url = pg.create_database()
     run_dir = tmp_path / "run"
-    # a short schedule (2 s) so that the outage outlasts it while the trial (3 s) is still running
-    proc, log = _start(url, run_dir, "long", sleep_s=3.0, OOMTUNE_STORAGE_RETRY_S="1,1")
-    mid = _wait_mid_trial(run_dir, finished=2)
+    # a short schedule (2 s) so that the outage outlasts it while the trial is still running: after two
+    # trials have finished, the next one is held before its end (tests/data/sleep_trial.py's hold file)
+    # until the server is down, so its result always meets the outage, however loaded the machine
+    hold = tmp_path / "hold"
+    proc, log = _start(url, run_dir, "long", sleep_s=3.0, OOMTUNE_STORAGE_RETRY_S="1,1",
+                       OOMTUNE_TEST_HOLD_FILE=str(hold))
+    deadline = time.monotonic() + 300
+    while len(list((run_dir / "trials").glob("trial-*/tell.json"))) < 2:
+        assert time.monotonic() < deadline, f"two trials never finished in {run_dir}"
+        time.sleep(0.05)
+    hold.touch()
+    mid = _wait_held_trial(run_dir)
     pg.stop_server()
+    hold.unlink()                                   # the held trial ends and reports, the server down
     try:
         rc = proc.wait(timeout=120)
     finally:

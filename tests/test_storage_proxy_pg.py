@@ -84,8 +84,8 @@ def proxy(pg, tmp_path):
         p.stop()
 
 
-def _overrides(url: str, study: str, run_dir: Path, *extra: str) -> list[str]:
-    return sleep_search_overrides(url, study, run_dir, *extra, grace_period_s=5)
+def _overrides(url: str, study: str, run_dir: Path, *extra: str, grace_period_s: int = 5) -> list[str]:
+    return sleep_search_overrides(url, study, run_dir, *extra, grace_period_s=grace_period_s)
 
 
 def _study(db_url: str, name: str):
@@ -123,14 +123,22 @@ def _best(run_dir: Path) -> tuple[int, str]:
     return best.batch_size, best.alloc_conf
 
 
+RESTART_GRACE_S, RESTART_OUTAGE_S = 15, 16
+
+
 def test_a_search_of_two_local_jobs_through_the_proxy_survives_its_restart(proxy, tmp_path):
     # One search of two local worker jobs through the proxy, which is stopped mid-search and started
     # again on the same port: what any search through the proxy must leave (one answer, every trial
     # told once, each probe once, heartbeats through the proxy, the lock study not listed), and what
     # the restart must not take (nothing finished lost, no live trial taken for a dead one).
     run_dir = tmp_path / "run"
-    proc = _start(_overrides(proxy.url, "restart", run_dir, "launcher=local", "search.workers=2"), tmp_path / "p",
-                  sleep_s=1.5)
+    # The outage (RESTART_OUTAGE_S) outlasts the grace period: a live trial's heartbeat stays unchanged
+    # through it, so only the stale count restarting after an outage (oomtune.study.grpc_proxy) keeps
+    # it from being failed. After the restart each worker's next heartbeat must get through within the
+    # grace period, before another worker's stale check: 15 s, which a loaded machine's heartbeat
+    # thread does not miss (5 s was missed).
+    proc = _start(_overrides(proxy.url, "restart", run_dir, "launcher=local", "search.workers=2",
+                             grace_period_s=RESTART_GRACE_S), tmp_path / "p", sleep_s=1.5)
     deadline = time.monotonic() + 300
     before: dict[int, dict] = {}
     seen = None   # the study, opened once and then read again at each look
@@ -143,7 +151,7 @@ def test_a_search_of_two_local_jobs_through_the_proxy_survives_its_restart(proxy
         before = {t.number: t.user_attrs["result"] for t in seen.trials if "result" in t.user_attrs}
     assert len(before) >= 3, (tmp_path / "p.err").read_text()[-2000:]
     assert proxy.stop() == 143                                                 # SIGTERM: a clean stop
-    time.sleep(5)                                                              # the workers retry meanwhile
+    time.sleep(RESTART_OUTAGE_S)                                               # the workers retry meanwhile
     proxy.start()                                                              # the same port: they reconnect
     assert proc.wait(timeout=900) == 0, (tmp_path / "p.err").read_text()[-3000:]
 
@@ -175,7 +183,11 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy
     # trial process) mid-trial: its trial has to be failed by the others' view of its heartbeat, which
     # only oomtune's client writes through the proxy, and run again (RetryHeartbeatStaleTrialCallback)
     dirs = [tmp_path / f"w{i}" for i in range(3)]
-    procs = [_start(_overrides(proxy.url, "kill", d), tmp_path / f"w{i}", sleep_s=3.0) for i, d in enumerate(dirs)]
+    # worker 0's trials sleep 600 s (beyond trial.timeout, which the kill comes long before): a trial of
+    # its seen running is still mid-trial when the kill lands, however long a loaded machine takes
+    # between the look and the kill; the other workers' trials, the retry among them, sleep 3 s
+    procs = [_start(_overrides(proxy.url, "kill", d), tmp_path / f"w{i}", sleep_s=600.0 if i == 0 else 3.0)
+             for i, d in enumerate(dirs)]
     victim, killed_trial, finished_before, study = procs[0], None, set(), None
     deadline = time.monotonic() + 300
     while killed_trial is None and time.monotonic() < deadline:
@@ -185,14 +197,9 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_through_the_proxy(proxy
                 study = _study(proxy.db_url, "kill")
             except KeyError:
                 continue
-        running = set()   # worker 0's trials started less than 1.5 s ago, not ended: mid-trial
-        for p in (dirs[0] / "trials").glob("trial-*"):
-            try:
-                young = time.time() - (p / "stdout.txt").stat().st_mtime < 1.5
-            except FileNotFoundError:
-                continue
-            if young and not (p / "result.json").exists():
-                running.add(int(p.name.split("-")[1]))
+        # worker 0's trials started (stdout.txt is created at the launch), not ended: mid-trial (600 s)
+        running = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")
+                   if (p / "stdout.txt").exists() and not (p / "result.json").exists()}
         trials = study.get_trials(deepcopy=False)
         mid = [t for t in trials if t.number in running and t.state.name == "RUNNING"]
         if mid:

@@ -19,8 +19,12 @@ from oomtune.search.workers import ATTR_DUPLICATE_OF, ATTR_KEY, Executor, TrialE
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 
-def _study(tmp_path, name="s"):
-    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval_s=1, grace_period_s=2)
+def _study(tmp_path, name="s", grace_period_s=300):
+    # Heartbeats every second (the Executor's path with a heartbeat storage), but by default a grace period
+    # no loaded machine reaches: with a short one, a heartbeat thread that waited a second or two for a
+    # core lets another worker fail a live trial as stale. A test about stale trials passes a short one.
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval_s=1,
+                           grace_period_s=grace_period_s)
     return optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
 
 
@@ -122,7 +126,7 @@ def test_failed_candidates_keep_their_result_and_are_not_retried(tmp_path):
 def test_a_trial_left_running_by_a_dead_worker_is_retried_by_another(tmp_path):
     # A worker claimed trial 0 and died (no heartbeat after the first): after the grace period any
     # worker fails it, Optuna's retry callback enqueues a copy, and the copy runs.
-    study = _study(tmp_path)
+    study = _study(tmp_path, grace_period_s=2)
     key = trial_key("baseline", {"x": 8})
     study.enqueue_trial({"x": 8}, user_attrs={R.ATTR_ROLE: "baseline", ATTR_KEY: key})
     dead = study._pop_waiting_trial_id()
@@ -360,7 +364,7 @@ def test_a_claimed_trial_beats_before_its_first_check(tmp_path, monkeypatch):
     beats_seen = []
 
     def duplicate_of(self, trial):
-        deadline, rows = time.monotonic() + 10, 0
+        deadline, rows = time.monotonic() + 60, 0   # the heartbeat thread may wait seconds for a core
         with sqlite3.connect(tmp_path / "study.db") as db:
             while not rows and time.monotonic() < deadline:
                 rows = db.execute("SELECT count(*) FROM trial_heartbeats WHERE trial_id = ?",

@@ -101,7 +101,10 @@ def test_three_workers_find_the_single_workers_answer_and_never_repeat_a_probe(p
 def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
     url = pg.create_database()
     dirs = [tmp_path / f"w{i}" for i in range(3)]
-    procs = [_start(url, "kill", d, sleep_s=3.0) for d in dirs]
+    # worker 0's trials sleep 600 s (beyond trial.timeout, which the kill comes long before): a trial of
+    # its seen running is still mid-trial when the kill lands, however long a loaded machine takes
+    # between the look and the kill; the other workers' trials, the retry among them, sleep 3 s
+    procs = [_start(url, "kill", d, sleep_s=600.0 if i == 0 else 3.0) for i, d in enumerate(dirs)]
     victim, killed_trial, finished_before, study = procs[0], None, set(), None
     deadline = time.monotonic() + 300
     while killed_trial is None and time.monotonic() < deadline:
@@ -111,17 +114,10 @@ def test_a_worker_killed_mid_trial_loses_nothing(pg, tmp_path):
                 study = _study(url, "kill")
             except KeyError:  # not created yet
                 continue
-        # worker 0's trial processes started less than 1.5 s ago (stdout.txt is created at the
-        # launch; the trial prints nothing) and not ended (no result.json): each sleeps 3 s, so
-        # the kill comes mid-trial, before any result can be stored
-        running = set()
-        for p in (dirs[0] / "trials").glob("trial-*"):
-            try:
-                young = time.time() - (p / "stdout.txt").stat().st_mtime < 1.5
-            except FileNotFoundError:
-                continue
-            if young and not (p / "result.json").exists():
-                running.add(int(p.name.split("-")[1]))
+        # worker 0's trial processes started (stdout.txt is created at the launch) and not ended (no
+        # result.json): each sleeps 600 s, so the kill comes mid-trial, before any result can be stored
+        running = {int(p.name.split("-")[1]) for p in (dirs[0] / "trials").glob("trial-*")
+                   if (p / "stdout.txt").exists() and not (p / "result.json").exists()}
         trials = study.get_trials(deepcopy=False)
         mid = [t for t in trials if t.number in running and t.state.name == "RUNNING"]
         if mid:

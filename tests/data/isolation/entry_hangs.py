@@ -13,7 +13,10 @@ def make_workload(batch_size, device):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     path = os.environ.get("OOMTUNE_TEST_PIDFILE")
     if path:
-        with open(path, "w") as f:
+        # written whole or not at all (a temporary file renamed over it): the test reads it after this
+        # process was killed, which on a loaded machine can come between an open and its write
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
             f.write(f"{os.getpid()} {child.pid}\n")
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
     while True:
         time.sleep(1)

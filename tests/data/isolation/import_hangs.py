@@ -7,8 +7,11 @@ import time
 
 _path = os.environ.get("OOMTUNE_TEST_PIDFILE")
 if _path:
-    with open(_path, "w") as _f:
+    # written whole or not at all (a temporary file renamed over it): the test reads it after this
+    # process was killed, which on a loaded machine can come between an open and its write
+    with open(f"{_path}.{os.getpid()}.tmp", "w") as _f:
         _f.write(f"{os.getpid()}\n")
+    os.replace(f"{_path}.{os.getpid()}.tmp", _path)
 time.sleep(10**6)
 
 
