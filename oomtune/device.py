@@ -148,6 +148,11 @@ def parse_budget(budget: str | int | float) -> tuple[str, float | int]:
         raise ConfigError(f"budget {text!r} must be > 0: {_BUDGET_FORMS}")
     if number is not None and number <= 1:
         return "fraction", number
+    if number is not None and not number.is_integer():   # 1.5 bytes is no size: GiB, as 1.5 is likely meant
+        raise ConfigError(
+            f"budget {text!r} is ambiguous (a number without a unit): write budget={text}GiB (or MiB), "
+            f"or a fraction of the device in (0, 1] such as budget=0.9"
+        )
     if number is not None:
         raise ConfigError(
             f"budget {text!r} is ambiguous (a number without a unit): write budget={text}MiB (or GiB, "

@@ -215,3 +215,35 @@ def test_a_missing_run_names_the_runs_beside_it(tmp_path):
     with pytest.raises(BestFileError) as err:   # a path to the file itself: its directory is what is missing
         load_best(tmp_path / "elsewhere" / "best.yaml")
     assert str(err.value).endswith("`oomtune search` writes runs/NAME/best.yaml (its last lines name the file)")
+
+
+def test_the_resume_line_counts_every_roles_finished_trials_and_the_interrupted():
+    # Found by a new user: a target=cmd search stopped during its recordings said "0 baseline trials,
+    # 0 frontier trials, 0 search trials, 0 confirm trials already finished" after 3 record trials had
+    # finished (the record role was not counted), and nothing at all when no trial was interrupted.
+    import optuna
+
+    from oomtune.search.run import _resume_line
+    from oomtune.study import records as R
+
+    def study_with(*trials):
+        study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+        for role, state in trials:
+            t = study.ask()
+            t.set_user_attr(R.ATTR_ROLE, role)
+            if state == "done":
+                t.set_user_attr(R.ATTR_RESULT, {"outcome": "ok"})
+                study.tell(t, 1.0)
+            else:   # killed by a stop signal: failed, no result
+                study.tell(t, state=optuna.trial.TrialState.FAIL)
+        return study
+
+    assert _resume_line(study_with()) is None
+    assert _resume_line(study_with(("record", "done"), ("record", "done"), ("record", "done"))) == \
+        "resuming: 3 record trials already finished"
+    assert _resume_line(study_with(("record", "done"), ("baseline", "done"), ("baseline", "stopped"))) == (
+        "resuming: 1 record trial, 1 baseline trial already finished; 1 interrupted without a result "
+        "(each tried again only where the search still needs it)")
+    assert _resume_line(study_with(("search", "stopped"))) == (
+        "resuming: no trial already finished; 1 interrupted without a result (each tried again only where the "
+        "search still needs it)")

@@ -527,7 +527,8 @@ def search_here(p: _Prepared, overrides: Sequence[str], *, console: Any) -> Sear
             check_planned_launches(drive.planner, options)
         elif recording is not None:
             _say(console, "recording the allocation streams of the default allocator's trials at the smallest "
-                          f"batch sizes ({', '.join(map(str, drive.anchor_batches()[:3]))}) ...")
+                          f"batch sizes ({', '.join(map(str, drive.anchor_batches()[:3]))}; more only while their "
+                          "recordings do not determine the others) ...")
             drive.planner = drive.plan_frontiers()
             if drive.recording_note:
                 _say(console, drive.recording_note)
@@ -667,9 +668,15 @@ def _count(study: Any, role: str) -> int:
                and ATTR_STOPPED_SEARCH not in t.user_attrs)
 
 
+#: Every role a trial of a search has, in the order the search runs them (the recordings of a
+#: target=cmd search first): what the resume line counts.
+RESUME_ROLES = ("record", "baseline", "frontier", "search", "confirm")
+
+
 def _resume_line(study: Any) -> str | None:
-    counts = {role: _count(study, role) for role in ("baseline", "frontier", "search", "confirm")}
-    counts = {role: n for role, n in counts.items() if n} or counts
+    """The line a resumed search starts with: the finished trials of each role, and those
+    interrupted without a result; None for a study without either."""
+    counts = {role: n for role in RESUME_ROLES if (n := _count(study, role))}
     from optuna.trial import TrialState
 
     from oomtune.search.tell_records import ATTR_TOLD_FROM_RECORD
@@ -681,8 +688,8 @@ def _resume_line(study: Any) -> str | None:
                       and ATTR_DUPLICATE_OF not in t.user_attrs and t.number not in restored)
     if not any(counts.values()) and not interrupted:
         return None
-    line = ("resuming: " + ", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
-            + " already finished")
+    line = ("resuming: " + (", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
+                            or "no trial") + " already finished")
     return line + (f"; {interrupted} interrupted without a result (each tried again only where the search still "
                    "needs it)" if interrupted else "")
 

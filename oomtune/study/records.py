@@ -11,7 +11,7 @@ from oomtune.trial.record import TrialResult
 __all__ = ["ATTR_DUPLICATE_OF", "MemoryLimit", "used_bytes", "violation", "result_of", "outcome_of", "ATTR_RESULT", "ATTR_ROLE"]
 
 ATTR_RESULT = "result"        # TrialResult.to_dict()
-ATTR_ROLE = "role"            # "baseline" | "search" | "confirm"
+ATTR_ROLE = "role"            # "record" | "baseline" | "frontier" | "search" | "confirm"
 ATTR_OUTCOME = "outcome"      # Outcome value, for quick filtering
 ATTR_CONF = "alloc_conf"      # the exact PYTORCH_CUDA_ALLOC_CONF string
 ATTR_PREDICTED = "predicted_peak_reserved_bytes"
