@@ -62,8 +62,8 @@ from oomtune.outcome import Outcome
 from oomtune.trial.budget import memory_fraction_for_budget, non_allocator_bytes
 from oomtune.trial.procwait import process_start_time
 from oomtune.trial.record import (MEMORY_SOURCE_DEVICE, MEMORY_SOURCE_SIMULATED, PROGRESS_FILE, TORCH_THREADS_ENV,
-                                  DeviceInfo, EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft, StoppedOverLimit,
-                                  TrialResult, TrialSpec, write_progress)
+                                  DeviceInfo, EnvVar, KernelsRan, MemoryReadings, OomDetails, ResultDraft,
+                                  StoppedOverLimit, TrialResult, TrialSpec, write_progress)
 from oomtune.trial.soak_check import live_workload, run_soak, soak_verdict
 
 __all__ = ["run_child", "main", "ALLOC_ENV_VARS", "TEST_HOOK_ENV", "SettingsMismatchError"]
@@ -80,8 +80,6 @@ class SettingsMismatchError(RuntimeError):
     """The allocator environment or the settings torch reports differ from the spec (setup fault)."""
 
 
-#: Set by the search when several CPU trials share the machine (``search.workers``): torch's
-#: intra-op threads for this trial, so that concurrent trials do not fight for the cores.
 def _apply_thread_limit(rec: ResultDraft) -> None:
     """``torch.set_num_threads`` from :data:`TORCH_THREADS_ENV` (a forked child inherits the fork
     server's thread count, so the variable is applied here rather than through OMP_NUM_THREADS)."""
@@ -548,7 +546,6 @@ def _run_test_hook(rec: ResultDraft) -> None:
         rec.update("allocator", environment=tuple(EnvVar(k, os.environ.get(k)) for k in keys))
     else:
         raise ValueError(f"unknown {TEST_HOOK_ENV} {hook!r}")
-
 
 
 #: Where :func:`main` records the steps done (``PROGRESS_FILE`` next to RESULT.json); None in-process
