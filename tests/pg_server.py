@@ -215,6 +215,18 @@ def start_sleep_search(overrides: list[str], log: Path, sleep_s: float) -> subpr
                             start_new_session=True)
 
 
+#: The line tests/data/sleep_trial.py prints when it holds (its HOLDING; the script cannot be imported).
+SLEEP_TRIAL_HOLDING = "sleep_trial: holding"
+
+
+def held_trial(trial_dir: Path) -> bool:
+    """Whether the trial in ``trial_dir`` is held by tests/data/sleep_trial.py: its holding line in its
+    stdout.txt and no tell.json yet (still running, waiting for the hold file to go)."""
+    out = trial_dir / "stdout.txt"
+    return (out.exists() and not (trial_dir / "tell.json").exists()
+            and SLEEP_TRIAL_HOLDING in out.read_text(errors="replace"))
+
+
 def launched_trials(study: object, role: str) -> list:
     """The study's trials of ``role`` that ran a trial process and hold its result (not reused from
     an identical trial, not taken from a recording, not refused by prediction)."""

@@ -21,17 +21,9 @@ from oomtune.cli import main
 from oomtune.display import trial_rows, trial_table
 from oomtune.exceptions import Interrupted
 from oomtune.search.claims import ATTR_DUPLICATE_OF
+from oomtune.trial.runner import _pid_running
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (state Z, or X while it is reaped) has ended, whoever is left to reap
-    it (an orphan waits for its new parent, which in a container need not be a reaping init)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _study_with_a_duplicate() -> optuna.Study:
@@ -116,9 +108,11 @@ def test_a_search_stopped_by_a_signal_exits_128_plus_it_and_ends_its_trial(tmp_p
         assert search.returncode == code, err.decode(errors="replace")
         assert "run the same command to resume" in err.decode(errors="replace")
         deadline = time.monotonic() + 60
-        while _alive(trial) and time.monotonic() < deadline:
+        # a zombie (Z, or X while reaped) has ended, whoever is left to reap it (an orphan waits for its new
+        # parent, which in a container need not be a reaping init): the runner's own liveness check
+        while _pid_running(trial) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(trial)
+        assert not _pid_running(trial)
     finally:
         if search.poll() is None:
             search.kill()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pg_server import held_trial
 from pg_server import launched_trials as _launched
 from pg_server import shared_study, sleep_search_overrides
 from pg_server import start_sleep_search as _start
@@ -68,8 +69,7 @@ def _jobs_running_a_trial(run_dir: Path, held: bool = False) -> set[str]:
     """The worker jobs (worker-N) with a trial process running: its stdout.txt and no tell.json yet;
     with ``held``, only a trial held by tests/data/sleep_trial.py (its "holding" line printed)."""
     running = [p for p in (run_dir / "workers").glob("worker-*/trials/trial-*/stdout.txt")
-               if not (p.parent / "tell.json").exists()
-               and (not held or "sleep_trial: holding" in p.read_text(errors="replace"))]
+               if not (p.parent / "tell.json").exists() and (not held or held_trial(p.parent))]
     return {p.parent.parent.parent.name for p in running}
 
 

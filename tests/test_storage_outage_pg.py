@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pg_server import shared_study
+from pg_server import held_trial, shared_study
 
 
 pytestmark = pytest.mark.slow
@@ -147,9 +147,7 @@ def _wait_held_trial(run_dir: Path, timeout_s: float = 300) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for d in sorted((run_dir / "trials").glob("trial-*")):
-            out = d / "stdout.txt"
-            if (out.exists() and not (d / "tell.json").exists()
-                    and "sleep_trial: holding" in out.read_text(errors="replace")):
+            if held_trial(d):
                 return int(d.name.split("-")[1])
         time.sleep(0.05)
     raise AssertionError(f"no trial held in {run_dir}")

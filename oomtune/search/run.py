@@ -686,7 +686,7 @@ def _resume_line(study: Any) -> str | None:
     interrupted = sum(1 for t in trials
                       if t.state is TrialState.FAIL and R.ATTR_RESULT not in t.user_attrs
                       and ATTR_DUPLICATE_OF not in t.user_attrs and t.number not in restored)
-    if not any(counts.values()) and not interrupted:
+    if not counts and not interrupted:
         return None
     line = ("resuming: " + (", ".join(f"{n} {role} trial{'s' if n != 1 else ''}" for role, n in counts.items())
                             or "no trial") + " already finished")

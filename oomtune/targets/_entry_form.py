@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["split_entry", "known_parameters"]
+__all__ = ["split_entry", "known_parameters", "remember_parameters"]
 
 _FORMAT = "expected 'package.module:function' or 'path/to/file.py:function'"
 
@@ -39,3 +39,9 @@ def known_parameters(entry: Any) -> frozenset[str] | None | bool:
     """The parameter names of ``entry``'s function found by the check before any trial (None: the
     function has no signature), or False when this process has not checked it."""
     return _PARAMETERS.get(entry, False) if isinstance(entry, str) else False
+
+
+def remember_parameters(entry: str, names: frozenset[str] | None) -> None:
+    """Keep the parameter names of ``entry``'s function (None: no signature) as the check before any
+    trial found them, for :func:`known_parameters` in this process."""
+    _PARAMETERS[entry] = names

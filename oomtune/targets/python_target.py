@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oomtune.targets._entry_form import _PARAMETERS, known_parameters, split_entry
+from oomtune.targets._entry_form import known_parameters, remember_parameters, split_entry
 from oomtune.trial._base import Target, register_target
 from oomtune.workload_spec import WorkloadSpec
 
@@ -77,7 +77,7 @@ class PythonTarget(Target):
         (:func:`known_parameters`: does the function take ``activation_checkpointing``)."""
         entry = target_cfg.get("entry")
         if isinstance(entry, str):
-            _PARAMETERS[entry] = facts
+            remember_parameters(entry, facts)
 
     def resolve_paths(self, target_cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
         """A file entry (``path/to/file.py:function``) made absolute; module entries unchanged."""
